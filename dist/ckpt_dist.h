@@ -1,0 +1,87 @@
+/*
+ * ckpt_dist.h - the collective save protocol of ckptfs.
+ *
+ * dist owns one thread per daemon that runs every save, in submission
+ * order, through DCP's protocol:
+ *
+ *   all ranks     local_step   -> local plan message
+ *   gather to the coordinator (rank 0)
+ *   coordinator   global_step  -> one plan message per rank (or a reason)
+ *   scatter
+ *   all ranks     write_step   -> write result message
+ *   gather to the coordinator
+ *   coordinator   finish_step  -> publish the metadata (or a reason)
+ *   broadcast of the outcome
+ *   all ranks     done(rc, reason)
+ *
+ * A step that fails on any rank fails the save on every rank, with the
+ * reasons of every failing rank. When a save fails after its writes may
+ * have begun, every rank runs discard_step(all_done=false) to remove what
+ * it wrote, and then the coordinator runs discard_step(all_done=true) to
+ * remove what is shared.
+ *
+ * Steps run on the dist thread, never on a FUSE thread; the thread that
+ * runs them is the only one that calls MPI. At world size 1 no MPI call is
+ * made at all.
+ */
+#ifndef CKPT_DIST_H
+#define CKPT_DIST_H
+
+#include <stdbool.h>
+
+#include "ckpt_planner.h"
+
+typedef struct ckpt_dist ckpt_dist_t;
+typedef struct ckpt_dist_job ckpt_dist_job_t;
+
+/* One save, queued by the caller; owned by the caller until done(). */
+struct ckpt_dist_job {
+  char name[256];        /* checkpoint name, the same on every rank */
+  void *user;            /* the caller's save state */
+  ckpt_dist_job_t *next; /* queue link, owned by dist */
+};
+
+/*
+ * The caller's side of the protocol. Steps return 0, or a negative errno
+ * with *err set to a malloc'd reason (which dist frees).
+ */
+typedef struct {
+  int (*local_step)(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *plan,
+                    char **err);
+  /* Coordinator: plans[n] in rank order -> rank_plans[n]. */
+  int (*global_step)(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
+                     int n, ckpt_buf_t *rank_plans, char **err);
+  int (*write_step)(void *ctx, ckpt_dist_job_t *job,
+                    const ckpt_buf_t *rank_plan, ckpt_buf_t *result,
+                    char **err);
+  /* Coordinator: results[n] in rank order. */
+  int (*finish_step)(void *ctx, ckpt_dist_job_t *job,
+                     const ckpt_buf_t *results, int n, char **err);
+  void (*discard_step)(void *ctx, ckpt_dist_job_t *job, bool all_done);
+  /* Every rank, last: rc 0 and reason NULL when the save is committed. */
+  void (*done)(void *ctx, ckpt_dist_job_t *job, int rc, const char *reason);
+} ckpt_save_ops_t;
+
+/*
+ * Set up the world: under an MPI launcher (mpirun), the MPI world; else a
+ * world of one rank with no MPI at all. Call before any thread is started.
+ * Returns 0 or a negative errno with *err set.
+ */
+int ckpt_dist_init(ckpt_dist_t **out, char **err);
+int ckpt_dist_rank(const ckpt_dist_t *d);
+int ckpt_dist_size(const ckpt_dist_t *d);
+/* True when started by an MPI launcher. */
+bool ckpt_dist_launched(const ckpt_dist_t *d);
+
+/* Start the dist thread. commit_timeout: seconds a save waits for every
+ * rank. */
+int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
+                    double commit_timeout);
+/* Queue a save; it runs after every save queued before it. */
+void ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job);
+/* Run every queued save to its end, then stop the thread. */
+void ckpt_dist_stop(ckpt_dist_t *d);
+/* Leave the world and free d. */
+void ckpt_dist_destroy(ckpt_dist_t *d);
+
+#endif /* CKPT_DIST_H */

@@ -1,0 +1,299 @@
+/*
+ * fs_int.h - private to fs/: the objects behind one rank mount.
+ *
+ * A mount is a tree of nodes (one per inode): the root, one directory per
+ * checkpoint, and below each checkpoint either its staged files (this
+ * rank's writes, held in memory) or its committed view (built from the
+ * SQLite metadata). Inode numbers are never reused, so a stale one from the
+ * kernel finds nothing (ESTALE) instead of a different file.
+ *
+ * Checkpoint states and the functions behind each transition:
+ *
+ *   (none)      -> STAGING     mkdir NAME               [fs_mkdir]
+ *   STAGING     -> COMMITTING  write NAME/.commit       [ckpt__save_begin]
+ *   FAILED      -> COMMITTING  write NAME/.commit       [ckpt__save_begin]
+ *   COMMITTING  -> COMMITTED   the save succeeded       [save_done]
+ *   COMMITTING  -> FAILED      the save failed anywhere [save_done]
+ *   (backing)   -> COMMITTED   found at mount           [ckpt__fs_load]
+ *   any but COMMITTING -> (none)  rmdir NAME            [fs_rmdir]
+ *
+ * Locks, in acquisition order:
+ *   1. ck->freeze (rwlock): data changes of staged files hold it shared,
+ *      the freeze at commit holds it exclusive;
+ *   2. fs->lock (mutex): the tree, the inode table, node and checkpoint
+ *      reference counts, checkpoint states;
+ *   3. sf->lock (mutex): the data and xattrs of one staged file.
+ */
+#ifndef CKPT_FS_INT_H
+#define CKPT_FS_INT_H
+
+#define FUSE_USE_VERSION FUSE_MAKE_VERSION(3, 14)
+#include <fuse_lowlevel.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ckpt_dist.h"
+#include "ckpt_planner.h"
+
+/* ------------------------------------------------------------------------
+ * Options (options.c).
+ * ---------------------------------------------------------------------- */
+typedef struct {
+  uint64_t staging_mem;       /* bytes of RAM for staged data */
+  double commit_timeout;      /* seconds */
+  uint32_t io_threads;        /* data files written per rank */
+  bool sync_files;            /* fsync data and metadata at commit */
+  ckpt_replica_check_t replica_check;
+  bool foreground;            /* -f */
+  bool show_help;             /* -h / --help */
+  bool show_version;          /* -V / --version */
+  char *backing_dir;          /* owned */
+  char *mountpoint;           /* owned, %r not yet replaced */
+} ckpt_opts_t;
+
+/* Parse the command line. Our options are removed from args; what stays is
+ * for fuse_session_new. Returns 0, or -EINVAL with *err (malloc'd). */
+int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err);
+void ckpt__opts_free(ckpt_opts_t *o);
+void ckpt__opts_help(void);
+/* "64M", "1G", "4096": bytes; -EINVAL when malformed or overflowing. */
+int ckpt__parse_size(const char *s, uint64_t *out);
+
+/* ------------------------------------------------------------------------
+ * Staged file data (staging.c): bounded by staging_mem.
+ * ---------------------------------------------------------------------- */
+#define CKPT_SEG_SHIFT 20 /* 1 MiB segments */
+#define CKPT_SEG_SIZE ((uint64_t)1 << CKPT_SEG_SHIFT)
+
+typedef struct ckpt_staging ckpt_staging_t; /* the mount's memory budget */
+
+struct ckpt_staging {
+  uint64_t limit;          /* staging_mem */
+  _Atomic uint64_t used;   /* bytes allocated for staged data */
+};
+
+enum {
+  CKPT_X_DTYPE,
+  CKPT_X_SHAPE,
+  CKPT_X_OFFSETS,
+  CKPT_X_SIZES,
+  CKPT_X_COUNT
+};
+
+typedef struct ckpt_sfile {
+  pthread_mutex_t lock;  /* protects everything below */
+  ckpt_staging_t *budget;
+  uint64_t size;         /* file size in bytes */
+  uint8_t **segs;        /* segment i holds bytes [i << SHIFT, ...), or
+                            NULL for a hole (reads as zeros) */
+  uint32_t nsegs;        /* entries in segs */
+  uint32_t seg0_cap;     /* bytes allocated for segs[0] (small files grow
+                            it up to CKPT_SEG_SIZE); others are full */
+  char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
+} ckpt_sfile_t;
+
+ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget);
+void ckpt__sfile_free(ckpt_sfile_t *sf);
+/* Copy buf into the file at off; -ENOSPC beyond staging_mem, -EFBIG beyond
+ * the largest offset. Returns bytes written or a negative errno. */
+ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
+                          uint64_t off);
+/* Copy up to n bytes at off into buf; returns bytes read. */
+size_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off);
+int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size);
+uint64_t ckpt__sfile_size(ckpt_sfile_t *sf);
+/* Call fn on each piece of the contents in order (holes as zeros from a
+ * shared zero page); stops at a non-zero return. Caller freezes sf. */
+int ckpt__sfile_walk(ckpt_sfile_t *sf,
+                     int (*fn)(void *arg, const void *p, size_t n), void *arg);
+/* Validate and set one user.ckpt.* xattr (EINVAL on bad values, checked
+ * against the other xattrs already set); -ENOTSUP for other names. */
+int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
+                         size_t len, int flags);
+/* Copy the value into buf (size 0: only the length). -ENODATA if unset. */
+int ckpt__sfile_getxattr(ckpt_sfile_t *sf, const char *name, char *buf,
+                         size_t size);
+int ckpt__sfile_removexattr(ckpt_sfile_t *sf, const char *name);
+/* The names of the set xattrs, NUL-separated (listxattr format). */
+int ckpt__sfile_listxattr(ckpt_sfile_t *sf, char *buf, size_t size);
+/* Index of a user.ckpt.* name, or -1. */
+int ckpt__xattr_index(const char *name);
+extern const char *const ckpt__xattr_names[CKPT_X_COUNT];
+
+/* ------------------------------------------------------------------------
+ * Nodes and checkpoints (nodes.c).
+ * ---------------------------------------------------------------------- */
+typedef enum {
+  CKPT_NODE_ROOT,
+  CKPT_NODE_CKPT,     /* MOUNTPOINT/NAME */
+  CKPT_NODE_SDIR,     /* staged directory */
+  CKPT_NODE_SFILE,    /* staged file */
+  CKPT_NODE_CDIR,     /* committed directory */
+  CKPT_NODE_CTENSOR,  /* committed tensor (the whole global tensor) */
+  CKPT_NODE_CBLOB,    /* committed bytes item */
+  CKPT_NODE_COMMIT,   /* NAME/.commit */
+  CKPT_NODE_STATUS,   /* NAME/.status */
+  CKPT_NODE_METADATA, /* NAME/.metadata */
+} ckpt_node_kind_t;
+
+typedef enum {
+  CKPT_STAGING,
+  CKPT_COMMITTING,
+  CKPT_COMMITTED,
+  CKPT_FAILED,
+} ckpt_state_t;
+
+typedef struct ckpt_node ckpt_node_t;
+typedef struct ckpt_ckpt ckpt_ckpt_t;
+typedef struct ckpt_fs ckpt_fs_t;
+
+struct ckpt_node {
+  uint64_t ino;
+  ckpt_node_kind_t kind;
+  char *name;             /* owned; "" for the root */
+  ckpt_node_t *parent;    /* NULL for the root and detached nodes */
+  ckpt_ckpt_t *ck;        /* owning checkpoint (NULL for the root); each
+                             live node holds a reference on it */
+  ckpt_node_t *children;  /* directories: first child */
+  ckpt_node_t *next;      /* sibling list */
+  ckpt_node_t *prev;
+  ckpt_node_t *hnext_ino; /* inode hash chain */
+  ckpt_node_t *hnext_name; /* (parent, name) hash chain */
+  uint32_t refs;          /* requests and open handles; protected by
+                             fs->lock */
+  bool attached;          /* in the tree and the hash tables */
+  bool hidden;            /* committed view: unlinked in this mount */
+  mode_t mode;            /* type and permission bits */
+  uid_t uid;
+  gid_t gid;
+  struct timespec mtime;
+  struct timespec ctime;
+  union {
+    ckpt_sfile_t *sf;     /* SFILE */
+    uint32_t tensor;      /* CTENSOR: index into ck->meta->tensors */
+    uint32_t blob;        /* CBLOB: index into ck->meta->blobs */
+  } u;
+};
+
+struct ckpt_ckpt {
+  char name[256];
+  ckpt_state_t state;     /* protected by fs->lock */
+  pthread_rwlock_t freeze; /* see the lock order above */
+  uint32_t refs;          /* 1 while listed + 1 per live node; fs->lock */
+  ckpt_node_t *dir;       /* the NAME directory node */
+  char *reason;           /* FAILED: why; fs->lock */
+  _Atomic uint64_t bytes_total; /* COMMITTING: bytes this rank writes */
+  _Atomic uint64_t bytes_done;
+  struct ckpt_save *save; /* in-flight save, or NULL */
+  /* COMMITTED: */
+  ckpt_metadata_t *meta;  /* owned */
+  int dirfd;              /* BACKING_DIR/NAME, O_PATH|O_DIRECTORY, or -1 */
+  pthread_mutex_t fd_lock; /* protects fds */
+  int *fds;               /* data file fds by rank * nfiles_per_rank + K,
+                             opened on first read, -1 until then */
+  uint32_t fds_stride;    /* files per rank in fds */
+  uint32_t nfds;
+};
+
+struct ckpt_fs {
+  ckpt_opts_t opts;
+  int backing_fd;          /* BACKING_DIR, O_DIRECTORY */
+  char *backing_path;      /* absolute */
+  ckpt_dist_t *dist;
+  int rank;
+  int world_size;
+  struct fuse_session *se;
+  ckpt_staging_t staging;
+  pthread_mutex_t lock;    /* see the lock order above */
+  ckpt_node_t *root;
+  uint64_t next_ino;
+  ckpt_node_t **ino_hash;  /* buckets */
+  ckpt_node_t **name_hash;
+  size_t hash_size;        /* buckets in each table (power of two) */
+  size_t nnodes;
+  struct ckpt_pool *pool;  /* io_threads workers */
+  ckpt_save_ops_t save_ops;
+};
+
+/* Create the root; fs->opts and backing_fd must be set. */
+int ckpt__fs_init(ckpt_fs_t *fs);
+void ckpt__fs_destroy(ckpt_fs_t *fs);
+
+/* All of these require fs->lock. */
+ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
+                            const char *name, ckpt_node_kind_t kind,
+                            mode_t mode, ckpt_ckpt_t *ck);
+ckpt_node_t *ckpt__node_by_ino(ckpt_fs_t *fs, uint64_t ino);
+ckpt_node_t *ckpt__node_child(ckpt_fs_t *fs, ckpt_node_t *dir,
+                              const char *name);
+void ckpt__node_ref(ckpt_node_t *n);
+void ckpt__node_unref(ckpt_fs_t *fs, ckpt_node_t *n);
+/* Remove n (and its subtree) from the tree; freed when unreferenced. */
+void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n);
+void ckpt__node_move(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *newparent,
+                     const char *newname);
+/* Relative path of n inside its checkpoint ("model/layer0/weight"). */
+char *ckpt__node_path(const ckpt_node_t *n);
+ckpt_ckpt_t *ckpt__ckpt_new(ckpt_fs_t *fs, const char *name);
+void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck);
+/* The checkpoint directory NAME in the root, or NULL. */
+ckpt_node_t *ckpt__ckpt_lookup(ckpt_fs_t *fs, const char *name);
+/* Replace ck's children by the committed view of meta (takes ownership). */
+int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                             ckpt_metadata_t *meta, int dirfd, char **err);
+
+/* ------------------------------------------------------------------------
+ * Backing storage (storage.c).
+ * ---------------------------------------------------------------------- */
+typedef struct ckpt_pool ckpt_pool_t;
+int ckpt__pool_new(uint32_t nthreads, ckpt_pool_t **out);
+void ckpt__pool_free(ckpt_pool_t *p);
+/* Run fn(arg, i) for i in [0, n) on the pool's threads; wait for all.
+ * Returns the first non-zero result. */
+int ckpt__pool_run(ckpt_pool_t *p, uint32_t n, int (*fn)(void *arg,
+                                                         uint32_t i),
+                   void *arg);
+
+/* Remove unfinished saves (directories without .metadata that no daemon
+ * holds) and leftover temporary files. */
+void ckpt__storage_cleanup(ckpt_fs_t *fs);
+/* Load every committed checkpoint of BACKING_DIR. */
+int ckpt__fs_load(ckpt_fs_t *fs);
+/* Load BACKING_DIR/name/.metadata into the tree (state COMMITTED). */
+int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err);
+/* Delete BACKING_DIR/name: .metadata first and durably, then the data. */
+int ckpt__storage_remove(ckpt_fs_t *fs, const char *name);
+/* Remove every entry of directory dirfd and then the directory name in
+ * parent_fd. */
+int ckpt__remove_tree(int parent_fd, const char *name);
+/* Read [off, off+n) of committed tensor/blob node into buf. */
+ssize_t ckpt__committed_read(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                             const ckpt_node_t *n, char *buf, size_t size,
+                             uint64_t off);
+/* st_size of a committed node. */
+uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n);
+
+/* ------------------------------------------------------------------------
+ * Saves (save.c).
+ * ---------------------------------------------------------------------- */
+/* Freeze ck and queue its save. req is replied when the save ends (sync)
+ * or at once (async, req replied by the caller). Returns 0 or -errno. */
+int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
+                     fuse_req_t req, size_t reply_size);
+extern const ckpt_save_ops_t ckpt__save_ops;
+
+/* ------------------------------------------------------------------------
+ * FUSE operations (ops.c).
+ * ---------------------------------------------------------------------- */
+extern const struct fuse_lowlevel_ops ckpt__fuse_ops;
+
+/* Small helpers. */
+char *ckpt__strdup_printf(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+void ckpt__log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif /* CKPT_FS_INT_H */

@@ -1,0 +1,160 @@
+/*
+ * main.c - the ckptfs daemon: one rank mount.
+ *
+ *   ckptfs [-f] [-o OPT[,OPT...]] BACKING_DIR MOUNTPOINT
+ *
+ * Start-up: options (exit 2 when malformed, nothing mounted) -> the world
+ * (dist) -> BACKING_DIR (cleanup of unfinished saves, committed
+ * checkpoints loaded) -> mount -> daemonize (world of one, no -f) -> the
+ * worker threads -> the multithreaded FUSE loop. On fusermount3 -u or
+ * SIGTERM the loop ends; queued saves run to their end, then the mount goes
+ * and the process exits 0.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+
+#define EXIT_USAGE 2
+
+/* MOUNTPOINT with every %r replaced by the rank. */
+static char *expand_mountpoint(const char *tmpl, int rank) {
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  for (const char *p = tmpl; *p; p++) {
+    if (p[0] == '%' && p[1] == 'r') {
+      ckpt_buf_printf(&b, "%d", rank);
+      p++;
+    } else {
+      ckpt_buf_append(&b, p, 1);
+    }
+  }
+  return ckpt_buf_steal(&b);
+}
+
+static int open_backing(ckpt_fs_t *fs) {
+  const char *dir = fs->opts.backing_dir;
+  if (mkdir(dir, 0700) && errno != EEXIST) {
+    fprintf(stderr, "ckptfs: cannot create BACKING_DIR %s: %s\n", dir,
+            strerror(errno));
+    return -1;
+  }
+  fs->backing_path = realpath(dir, NULL);
+  fs->backing_fd = fs->backing_path
+                       ? open(fs->backing_path,
+                              O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+                       : -1;
+  if (fs->backing_fd < 0) {
+    fprintf(stderr, "ckptfs: cannot open BACKING_DIR %s: %s\n", dir,
+            strerror(errno));
+    return -1;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
+  ckpt_fs_t fs = {.backing_fd = -1};
+  char *err = NULL;
+  char *mountpoint = NULL;
+  struct fuse_session *se = NULL;
+  struct fuse_loop_config *loop = NULL;
+  int status = EXIT_FAILURE;
+  bool mounted = false, handlers = false;
+
+  if (ckpt__opts_parse(&args, &fs.opts, &err)) {
+    fprintf(stderr, "ckptfs: %s\n", err);
+    fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
+    free(err);
+    fuse_opt_free_args(&args);
+    ckpt__opts_free(&fs.opts);
+    return EXIT_USAGE;
+  }
+  if (fs.opts.show_help || fs.opts.show_version) {
+    if (fs.opts.show_help)
+      ckpt__opts_help();
+    else
+      printf("ckptfs %s (FUSE %s)\n", "0.1.0", fuse_pkgversion());
+    fuse_opt_free_args(&args);
+    ckpt__opts_free(&fs.opts);
+    return EXIT_SUCCESS;
+  }
+
+  if (ckpt_dist_init(&fs.dist, &err)) {
+    fprintf(stderr, "ckptfs: %s\n", err);
+    free(err);
+    goto out;
+  }
+  fs.rank = ckpt_dist_rank(fs.dist);
+  fs.world_size = ckpt_dist_size(fs.dist);
+  mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
+  if (!mountpoint || open_backing(&fs) || ckpt__fs_init(&fs))
+    goto out;
+  ckpt__storage_cleanup(&fs);
+  ckpt__fs_load(&fs);
+
+  se = fuse_session_new(&args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops), &fs);
+  if (!se) {
+    /* libfuse said which option it did not know */
+    status = EXIT_USAGE;
+    goto out;
+  }
+  fs.se = se;
+  if (fuse_set_signal_handlers(se))
+    goto out;
+  handlers = true;
+  if (fuse_session_mount(se, mountpoint)) {
+    fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
+    goto out;
+  }
+  mounted = true;
+  if (!fs.opts.foreground && !ckpt_dist_launched(fs.dist) &&
+      fuse_daemonize(0))
+    goto out;
+
+  /* Threads only after daemonizing: fork keeps none. */
+  if (ckpt__pool_new(fs.opts.io_threads, &fs.pool) ||
+      ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout)) {
+    fprintf(stderr, "ckptfs: cannot start threads\n");
+    goto out;
+  }
+  loop = fuse_loop_cfg_create();
+  if (!loop)
+    goto out;
+  fuse_loop_cfg_set_max_threads(loop, 64);
+  fuse_loop_cfg_set_clone_fd(loop, 0);
+  int rc = fuse_session_loop_mt(se, loop);
+  /* rc > 0 is the signal that stopped us (SIGTERM): a clean stop. */
+  status = rc < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+
+out:
+  /* Saves queued or running finish first; a sync commit still gets its
+   * reply while the mount is there. */
+  if (fs.dist)
+    ckpt_dist_stop(fs.dist);
+  if (mounted)
+    fuse_session_unmount(se);
+  if (handlers)
+    fuse_remove_signal_handlers(se);
+  if (se)
+    fuse_session_destroy(se);
+  if (loop)
+    fuse_loop_cfg_destroy(loop);
+  ckpt__pool_free(fs.pool);
+  if (fs.root)
+    ckpt__fs_destroy(&fs);
+  ckpt_dist_destroy(fs.dist);
+  if (fs.backing_fd >= 0)
+    close(fs.backing_fd);
+  free(fs.backing_path);
+  free(mountpoint);
+  fuse_opt_free_args(&args);
+  ckpt__opts_free(&fs.opts);
+  return status;
+}

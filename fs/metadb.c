@@ -1,0 +1,921 @@
+/*
+ * metadb.c - the SQLite metadata of a committed checkpoint (see metadb.h).
+ *
+ * The only file of ckptfs that calls SQLite. Publish turns the global
+ * plan's ckpt_metadata_t into BACKING_DIR/NAME/.metadata; load reads one
+ * back, validating everything a reader of the checkpoint relies on, since
+ * the file may have been damaged or written by someone else.
+ *
+ * Format version 1: the tables of SPEC.md ("Metadata schema"), plus
+ *   checkpoint key  writer = "ckptfs"
+ *   index           chunks_fqn ON chunks(fqn), for `sqlite3` users who
+ *                   query one tensor's chunks
+ * created_at is ISO-8601 UTC ("2026-12-02T10:03:00Z"), world_size decimal.
+ *
+ * Workload: one publish per commit, up to about a million chunk rows, all
+ * in one transaction through prepared statements; one load per committed
+ * checkpoint at mount and after each commit. Chunk rows are unordered in
+ * the file; load sorts them in C, since offsets must be compared as numbers
+ * and SQLite only sees their JSON text. A connection lives within one call
+ * on one thread, so it is opened without SQLite's mutexes (NOMUTEX).
+ */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <sqlite3.h>
+
+#include "metadb.h"
+
+/* Longest JSON dims list: 19 digits and a comma per value, brackets, NUL. */
+#define DIMS_TEXT_MAX (CKPT_MAX_NDIM * 20 + 3)
+#define ISO_TIME_FMT "%Y-%m-%dT%H:%M:%SZ"
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
+/* The checkpoint table's format_version value: "1". */
+#define FORMAT_VERSION_TEXT STRINGIFY(CKPT_METADB_FORMAT_VERSION)
+
+static const char schema_sql[] =
+    "CREATE TABLE checkpoint(key TEXT PRIMARY KEY, value TEXT);"
+    "CREATE TABLE tensors(fqn TEXT PRIMARY KEY, path TEXT, dtype TEXT,"
+    " shape TEXT);"
+    "CREATE TABLE chunks(fqn TEXT, offsets TEXT, sizes TEXT, rank INTEGER,"
+    " file TEXT, file_offset INTEGER, length INTEGER, checksum TEXT);"
+    "CREATE TABLE blobs(fqn TEXT PRIMARY KEY, path TEXT, rank INTEGER,"
+    " file TEXT, file_offset INTEGER, length INTEGER, checksum TEXT);";
+/* Built after the rows are in: cheaper than maintaining it per insert. */
+static const char index_sql[] = "CREATE INDEX chunks_fqn ON chunks(fqn);";
+
+/* Set *err (malloc'd) unless an earlier, more precise reason is there;
+ * returns rc. */
+static int set_err(char **err, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int set_err(char **err, int rc, const char *fmt, ...) {
+  assert(rc < 0);
+  if (*err == NULL) {
+    va_list ap;
+    va_start(ap, fmt);
+    if (vasprintf(err, fmt, ap) < 0)
+      *err = NULL;
+    va_end(ap);
+  }
+  return rc;
+}
+
+/* The negative errno behind SQLite result code src on db: the system's
+ * when the VFS saw one, -EIO for errors of SQLite's own. SQLite records
+ * the errno of most failed system calls, but not of those while
+ * committing (3.40: a failed write in COMMIT leaves sqlite3_system_errno()
+ * at 0), so callers may pass sys: errno right after the call, cleared
+ * before it (0 if unknown). */
+static int db_errno(sqlite3 *db, int src, int sys) {
+  switch (src & 0xff) {
+  case SQLITE_FULL:
+    return -ENOSPC;
+  case SQLITE_NOMEM:
+    return -ENOMEM;
+  case SQLITE_IOERR:
+  case SQLITE_CANTOPEN: {
+    int e = db != NULL ? sqlite3_system_errno(db) : 0;
+    if (e <= 0)
+      e = sys;
+    return e > 0 ? -e : -EIO;
+  }
+  default:
+    return -EIO;
+  }
+}
+
+/* Report SQLite failure src on db (sys as for db_errno) while `doing`
+ * path. */
+static int db_fail(sqlite3 *db, int src, int sys, char **err, const char *doing,
+                   const char *path) {
+  int rc = db_errno(db, src, sys);
+  if (rc == -EIO)
+    return set_err(err, rc, "%s %s: %s", doing, path, sqlite3_errmsg(db));
+  return set_err(err, rc, "%s %s: %s (%s)", doing, path, sqlite3_errmsg(db),
+                 strerror(-rc));
+}
+
+/* ------------------------------------------------------------------------
+ * Publishing.
+ * ---------------------------------------------------------------------- */
+
+/* State of one publish: the database being written and text scratch space
+ * that the statements' SQLITE_STATIC bindings point into until the next
+ * bind of the same parameter. */
+typedef struct {
+  sqlite3 *db;
+  const char *path; /* the .metadata.tmp being written, for messages */
+  char **err;
+  char dims_a[DIMS_TEXT_MAX]; /* shape, or a chunk's offsets */
+  char dims_b[DIMS_TEXT_MAX]; /* a chunk's sizes */
+  char file[32];              /* "__R_K.distcp" */
+  char checksum[17];          /* 16 hex digits */
+} writer_t;
+
+/* Every SQLite call of the writer clears errno before it and passes errno
+ * after it as sys (see db_errno). */
+static int wfail(writer_t *w, int src, int sys) {
+  return db_fail(w->db, src, sys, w->err, "writing", w->path);
+}
+
+static int exec(writer_t *w, const char *sql) {
+  errno = 0;
+  int src = sqlite3_exec(w->db, sql, NULL, NULL, NULL);
+  return src == SQLITE_OK ? 0 : wfail(w, src, errno);
+}
+
+static int prepare(writer_t *w, const char *sql, sqlite3_stmt **st) {
+  errno = 0;
+  int src = sqlite3_prepare_v2(w->db, sql, -1, st, NULL);
+  return src == SQLITE_OK ? 0 : wfail(w, src, errno);
+}
+
+/* Run an INSERT whose parameters are bound (bind_rc: their OR'ed results)
+ * and make the statement ready for the next row. */
+static int insert_row(writer_t *w, sqlite3_stmt *st, int bind_rc) {
+  errno = 0;
+  int src = bind_rc != SQLITE_OK ? bind_rc : sqlite3_step(st);
+  int sys = errno;
+  sqlite3_reset(st);
+  return src == SQLITE_DONE ? 0 : wfail(w, src, sys);
+}
+
+static int bind_text(sqlite3_stmt *st, int i, const char *s) {
+  return sqlite3_bind_text(st, i, s, -1, SQLITE_STATIC);
+}
+
+static const char *format_dims(char *buf, const int64_t *d, int ndim) {
+  int n = ckpt_dims_format(d, ndim, CKPT_DIMS_JSON, buf, DIMS_TEXT_MAX);
+  assert(n >= 0 && n < DIMS_TEXT_MAX);
+  (void)n;
+  return buf;
+}
+
+/* Bind the storage columns shared by chunks and blobs, from parameter i
+ * on: rank, file, file_offset, length, checksum. *bind_rc gets the OR of
+ * the binds' results. */
+static int bind_storage(writer_t *w, sqlite3_stmt *st, int i, const char *fqn,
+                        int32_t rank, uint32_t file, uint64_t file_offset,
+                        uint64_t length, uint64_t checksum, int *bind_rc) {
+  if (file_offset > INT64_MAX || length > INT64_MAX)
+    return set_err(w->err, -EOVERFLOW,
+                   "writing %s: %s: file_offset %" PRIu64 " or length %" PRIu64
+                   " beyond SQLite's integers",
+                   w->path, fqn, file_offset, length);
+  ckpt_data_file_name(rank, file, w->file, sizeof(w->file));
+  snprintf(w->checksum, sizeof(w->checksum), "%016" PRIx64, checksum);
+  *bind_rc |= sqlite3_bind_int64(st, i, rank) | bind_text(st, i + 1, w->file) |
+              sqlite3_bind_int64(st, i + 2, (int64_t)file_offset) |
+              sqlite3_bind_int64(st, i + 3, (int64_t)length) |
+              bind_text(st, i + 4, w->checksum);
+  return 0;
+}
+
+static int insert_checkpoint(writer_t *w, const ckpt_metadata_t *m) {
+  char world[16], created[32];
+  struct tm tm;
+  time_t t = (time_t)m->created_at;
+  if (gmtime_r(&t, &tm) == NULL ||
+      strftime(created, sizeof(created), ISO_TIME_FMT, &tm) == 0)
+    return set_err(w->err, -EOVERFLOW,
+                   "writing %s: created_at %" PRId64
+                   " is not a representable time",
+                   w->path, m->created_at);
+  snprintf(world, sizeof(world), "%" PRId32, m->world_size);
+  const char *const kv[][2] = {
+      {"format_version", FORMAT_VERSION_TEXT},
+      {"name", m->name},
+      {"save_id", m->save_id},
+      {"world_size", world},
+      {"created_at", created},
+      {"writer", "ckptfs"},
+  };
+
+  sqlite3_stmt *st = NULL;
+  int rc = prepare(w, "INSERT INTO checkpoint(key, value) VALUES (?, ?)", &st);
+  for (size_t i = 0; rc == 0 && i < sizeof(kv) / sizeof(kv[0]); i++)
+    rc = insert_row(w, st,
+                    bind_text(st, 1, kv[i][0]) | bind_text(st, 2, kv[i][1]));
+  sqlite3_finalize(st);
+  return rc;
+}
+
+static int insert_tensors(writer_t *w, const ckpt_metadata_t *m) {
+  sqlite3_stmt *st = NULL;
+  int rc = prepare(w,
+                   "INSERT INTO tensors(fqn, path, dtype, shape)"
+                   " VALUES (?, ?, ?, ?)",
+                   &st);
+  for (uint32_t i = 0; rc == 0 && i < m->n_tensors; i++) {
+    const ckpt_tensor_meta_t *t = &m->tensors[i];
+    assert(t->fqn != NULL && t->path != NULL);
+    assert(ckpt_dtype_name(t->dtype) != NULL);
+    rc = insert_row(
+        w, st,
+        bind_text(st, 1, t->fqn) | bind_text(st, 2, t->path) |
+            bind_text(st, 3, ckpt_dtype_name(t->dtype)) |
+            bind_text(st, 4, format_dims(w->dims_a, t->shape, t->ndim)));
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+static int insert_chunks(writer_t *w, const ckpt_metadata_t *m) {
+  sqlite3_stmt *st = NULL;
+  int rc = prepare(w,
+                   "INSERT INTO chunks(fqn, offsets, sizes, rank, file,"
+                   " file_offset, length, checksum)"
+                   " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   &st);
+  for (uint32_t i = 0; rc == 0 && i < m->n_chunks; i++) {
+    const ckpt_chunk_meta_t *c = &m->chunks[i];
+    assert(c->tensor < m->n_tensors);
+    const ckpt_tensor_meta_t *t = &m->tensors[c->tensor];
+    int brc =
+        bind_text(st, 1, t->fqn) |
+        bind_text(st, 2, format_dims(w->dims_a, c->dims, t->ndim)) |
+        bind_text(st, 3, format_dims(w->dims_b, c->dims + t->ndim, t->ndim));
+    rc = bind_storage(w, st, 4, t->fqn, c->rank, c->file, c->file_offset,
+                      c->length, c->checksum, &brc);
+    if (rc == 0)
+      rc = insert_row(w, st, brc);
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+static int insert_blobs(writer_t *w, const ckpt_metadata_t *m) {
+  sqlite3_stmt *st = NULL;
+  int rc = prepare(w,
+                   "INSERT INTO blobs(fqn, path, rank, file, file_offset,"
+                   " length, checksum) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   &st);
+  for (uint32_t i = 0; rc == 0 && i < m->n_blobs; i++) {
+    const ckpt_blob_meta_t *b = &m->blobs[i];
+    assert(b->fqn != NULL && b->path != NULL);
+    int brc = bind_text(st, 1, b->fqn) | bind_text(st, 2, b->path);
+    rc = bind_storage(w, st, 3, b->fqn, b->rank, b->file, b->file_offset,
+                      b->length, b->checksum, &brc);
+    if (rc == 0)
+      rc = insert_row(w, st, brc);
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+/* Fill the empty database w->db with m, in one transaction. The rollback
+ * journal (never WAL) keeps the file readable by `sqlite3 -readonly` on a
+ * read-only mount; synchronous=OFF because the caller fsyncs the closed
+ * file itself. */
+static int write_database(writer_t *w, const ckpt_metadata_t *m) {
+  int rc = exec(w, "PRAGMA journal_mode=DELETE; PRAGMA synchronous=OFF;"
+                   " BEGIN;");
+  if (rc == 0)
+    rc = exec(w, schema_sql);
+  if (rc == 0)
+    rc = insert_checkpoint(w, m);
+  if (rc == 0)
+    rc = insert_tensors(w, m);
+  if (rc == 0)
+    rc = insert_chunks(w, m);
+  if (rc == 0)
+    rc = insert_blobs(w, m);
+  if (rc == 0)
+    rc = exec(w, index_sql);
+  if (rc == 0)
+    rc = exec(w, "COMMIT;");
+  return rc;
+}
+
+/* fsync (when sync) and close fd, an open file or directory at path. */
+static int finish_fd(int fd, bool sync, const char *path, char **err) {
+  int rc = 0;
+  if (sync && fsync(fd) < 0)
+    rc = set_err(err, -errno, "fsync %s: %s", path, strerror(errno));
+  if (close(fd) < 0 && rc == 0)
+    rc = set_err(err, -errno, "closing %s: %s", path, strerror(errno));
+  return rc;
+}
+
+static int unlink_stale(const char *path, char **err) {
+  if (unlink(path) < 0 && errno != ENOENT)
+    return set_err(err, -errno, "removing stale %s: %s", path, strerror(errno));
+  return 0;
+}
+
+/*
+ * The durable publish protocol (metadb.h):
+ *  1. remove a stale .metadata.tmp (and its rollback journal, which SQLite
+ *     would otherwise take for a hot journal of the new file); create
+ *     .metadata.tmp ourselves, so that a failure carries the system's own
+ *     reason (SQLite retries a failed create read-only and reports that
+ *     attempt's errno), and keep that descriptor; SQLite fills the empty
+ *     file in one transaction and closes its connection;
+ *  2. (sync) fsync .metadata.tmp through the kept descriptor, closed only
+ *     now that SQLite holds no locks on the file: the contents are durable
+ *     before the name;
+ *  3. rename .metadata.tmp to .metadata: the atomic switch; a crash before
+ *     it leaves no .metadata, after it the complete one;
+ *  4. (sync) fsync the checkpoint directory, making the rename durable.
+ * On any failure nothing stays published: .metadata.tmp is removed, and so
+ * is .metadata when step 4 fails (the rename may not be durable, and the
+ * caller reports the commit as failed).
+ */
+int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
+                        bool sync, char **err) {
+  assert(ckpt_dir != NULL && m != NULL && err != NULL);
+  assert(m->name != NULL && m->save_id != NULL && m->world_size > 0);
+  *err = NULL;
+  writer_t w = {.err = err};
+  char tmp[PATH_MAX], journal[PATH_MAX], dst[PATH_MAX];
+  bool renamed = false;
+  int rc = 0, src, fd = -1;
+
+  if ((size_t)snprintf(tmp, sizeof(tmp), "%s/%s", ckpt_dir,
+                       CKPT_METADATA_TMP) >= sizeof(tmp) ||
+      (size_t)snprintf(journal, sizeof(journal), "%s-journal", tmp) >=
+          sizeof(journal) ||
+      (size_t)snprintf(dst, sizeof(dst), "%s/%s", ckpt_dir,
+                       CKPT_METADATA_FILE) >= sizeof(dst))
+    return set_err(err, -ENAMETOOLONG, "publishing in %s: %s", ckpt_dir,
+                   strerror(ENAMETOOLONG));
+  w.path = tmp;
+
+  /* 1. */
+  if ((rc = unlink_stale(tmp, err)) < 0 ||
+      (rc = unlink_stale(journal, err)) < 0)
+    goto cleanup;
+  fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    rc = set_err(err, -errno, "creating %s: %s", tmp, strerror(errno));
+    goto cleanup;
+  }
+  errno = 0;
+  src = sqlite3_open_v2(tmp, &w.db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX,
+                        NULL);
+  if (src != SQLITE_OK) {
+    rc = wfail(&w, src, errno);
+    goto cleanup;
+  }
+  if ((rc = write_database(&w, m)) < 0)
+    goto cleanup;
+  src = sqlite3_close(w.db);
+  w.db = NULL;
+  if (src != SQLITE_OK) {
+    rc = set_err(err, -EIO, "closing %s: %s", tmp, sqlite3_errstr(src));
+    goto cleanup;
+  }
+  /* 2. */
+  rc = finish_fd(fd, sync, tmp, err);
+  fd = -1;
+  if (rc < 0)
+    goto cleanup;
+  /* 3. */
+  if (rename(tmp, dst) < 0) {
+    rc = set_err(err, -errno, "renaming %s to %s: %s", tmp, dst,
+                 strerror(errno));
+    goto cleanup;
+  }
+  renamed = true;
+  /* 4. */
+  if (sync) {
+    int dfd = open(ckpt_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0)
+      rc = set_err(err, -errno, "opening %s: %s", ckpt_dir, strerror(errno));
+    else
+      rc = finish_fd(dfd, true, ckpt_dir, err);
+  }
+
+cleanup:
+  sqlite3_close(w.db); /* before closing fd: SQLite's locks die with it */
+  if (fd >= 0)
+    close(fd);
+  if (rc < 0) {
+    unlink(renamed ? dst : tmp);
+    unlink(journal);
+  }
+  return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * Loading.
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+  sqlite3 *db;
+  const char *path; /* the .metadata, for messages */
+  char **err;
+  ckpt_metadata_t *m;
+} loader_t;
+
+/* Where a row being checked is, for messages. */
+typedef struct {
+  const char *table;
+  uint64_t n;      /* 1-based row number in the order read */
+  const char *fqn; /* once known, else NULL */
+} row_t;
+
+static int lfail(loader_t *ld, int src) {
+  return db_fail(ld->db, src, 0, ld->err, "reading", ld->path);
+}
+
+static int nomem(loader_t *ld) {
+  return set_err(ld->err, -ENOMEM, "reading %s: %s", ld->path,
+                 strerror(ENOMEM));
+}
+
+static int row_fail(loader_t *ld, const row_t *r, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int row_fail(loader_t *ld, const row_t *r, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  if (r->fqn != NULL)
+    return set_err(ld->err, -EINVAL, "%s: %s row %" PRIu64 " (%s): %s",
+                   ld->path, r->table, r->n, r->fqn, msg);
+  return set_err(ld->err, -EINVAL, "%s: %s row %" PRIu64 ": %s", ld->path,
+                 r->table, r->n, msg);
+}
+
+static int lprepare(loader_t *ld, const char *sql, sqlite3_stmt **st) {
+  int src = sqlite3_prepare_v2(ld->db, sql, -1, st, NULL);
+  return src == SQLITE_OK ? 0 : lfail(ld, src);
+}
+
+/* Step st: 1 with a row, 0 when done, or a negative errno. */
+static int next_row(loader_t *ld, sqlite3_stmt *st) {
+  int src = sqlite3_step(st);
+  if (src == SQLITE_ROW)
+    return 1;
+  return src == SQLITE_DONE ? 0 : lfail(ld, src);
+}
+
+/* Text of column i (its length in *len when len is not NULL); NULL, with
+ * the error reported, for an SQL NULL. */
+static const char *col_text(loader_t *ld, sqlite3_stmt *st, int i,
+                            const row_t *r, size_t *len) {
+  if (sqlite3_column_type(st, i) == SQLITE_NULL) {
+    row_fail(ld, r, "%s is NULL", sqlite3_column_name(st, i));
+    return NULL;
+  }
+  const char *s = (const char *)sqlite3_column_text(st, i);
+  if (s == NULL) {
+    nomem(ld);
+    return NULL;
+  }
+  if (len != NULL)
+    *len = (size_t)sqlite3_column_bytes(st, i);
+  return s;
+}
+
+static int col_int(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
+                   int64_t min, int64_t max, int64_t *out) {
+  if (sqlite3_column_type(st, i) != SQLITE_INTEGER)
+    return row_fail(ld, r, "%s is not an integer", sqlite3_column_name(st, i));
+  int64_t v = sqlite3_column_int64(st, i);
+  if (v < min || v > max)
+    return row_fail(ld, r,
+                    "%s %" PRId64 " is not in [%" PRId64 ", %" PRId64 "]",
+                    sqlite3_column_name(st, i), v, min, max);
+  *out = v;
+  return 0;
+}
+
+static int col_strdup(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
+                      char **out) {
+  const char *s = col_text(ld, st, i, r, NULL);
+  if (s == NULL)
+    return -EINVAL;
+  if ((*out = strdup(s)) == NULL)
+    return nomem(ld);
+  return 0;
+}
+
+static int col_dims(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
+                    ckpt_dims_t *d) {
+  size_t len;
+  const char *s = col_text(ld, st, i, r, &len);
+  if (s == NULL)
+    return -EINVAL;
+  if (ckpt_dims_parse(s, len, d) < 0)
+    return row_fail(ld, r, "%s '%.64s' is not a list of dimensions",
+                    sqlite3_column_name(st, i), s);
+  return 0;
+}
+
+/* A copy of d's values (NULL for 0-d): the arrays of ckpt_metadata_t. */
+static int64_t *dims_dup(const int64_t *d, int n) {
+  int64_t *p = NULL;
+  if (n > 0 && (p = malloc((size_t)n * sizeof(*p))) != NULL)
+    memcpy(p, d, (size_t)n * sizeof(*p));
+  return p;
+}
+
+static int parse_checksum(const char *s, uint64_t *out) {
+  uint64_t v = 0;
+  size_t i = 0;
+  for (; s[i] != '\0'; i++) {
+    char c = s[i];
+    int x = c >= '0' && c <= '9'   ? c - '0'
+            : c >= 'a' && c <= 'f' ? c - 'a' + 10
+            : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                   : -1;
+    if (x < 0 || i == 16)
+      return -EINVAL;
+    v = v << 4 | (uint64_t)x;
+  }
+  if (i != 16)
+    return -EINVAL;
+  *out = v;
+  return 0;
+}
+
+/* Read the storage columns shared by chunks and blobs, from column i on:
+ * rank, file, file_offset, length, checksum. */
+static int col_storage(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
+                       int32_t *rank, uint32_t *file, uint64_t *file_offset,
+                       uint64_t *length, uint64_t *checksum) {
+  int64_t rk, off, len;
+  int rc;
+  if ((rc = col_int(ld, st, i, r, 0, ld->m->world_size - 1, &rk)) < 0 ||
+      (rc = col_int(ld, st, i + 2, r, 0, INT64_MAX, &off)) < 0 ||
+      (rc = col_int(ld, st, i + 3, r, 0, INT64_MAX, &len)) < 0)
+    return rc;
+  const char *name = col_text(ld, st, i + 1, r, NULL);
+  const char *sum = col_text(ld, st, i + 4, r, NULL);
+  if (name == NULL || sum == NULL)
+    return -EINVAL;
+  int32_t frank;
+  if (ckpt_data_file_parse(name, &frank, file) < 0)
+    return row_fail(ld, r, "file '%.64s' is not of the form __R_K.distcp",
+                    name);
+  if (frank != rk)
+    return row_fail(ld, r, "file %s is not of rank %" PRId64, name, rk);
+  if (parse_checksum(sum, checksum) < 0)
+    return row_fail(ld, r, "checksum '%.64s' is not 16 hex digits", sum);
+  *rank = (int32_t)rk;
+  *file_offset = (uint64_t)off;
+  *length = (uint64_t)len;
+  return 0;
+}
+
+/* Allocate as many zeroed entries of size bytes as table has rows. */
+static int alloc_rows(loader_t *ld, const char *table, size_t size, void **arr,
+                      uint32_t *count) {
+  char sql[64];
+  snprintf(sql, sizeof(sql), "SELECT count(*) FROM %s", table);
+  *arr = NULL;
+  *count = 0;
+  sqlite3_stmt *st = NULL;
+  int rc = lprepare(ld, sql, &st);
+  if (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    int64_t n = sqlite3_column_int64(st, 0);
+    if (n > UINT32_MAX) {
+      rc = set_err(ld->err, -EOVERFLOW, "%s: %" PRId64 " rows in %s", ld->path,
+                   n, table);
+    } else if (n > 0 && (*arr = calloc((size_t)n, size)) == NULL) {
+      rc = nomem(ld);
+    } else {
+      *count = (uint32_t)n;
+      rc = 0;
+    }
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+/* Index of the tensor named fqn in the sorted tensors, or -1. */
+static int64_t find_tensor(const ckpt_metadata_t *m, const char *fqn) {
+  uint32_t lo = 0, hi = m->n_tensors;
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    int c = strcmp(m->tensors[mid].fqn, fqn);
+    if (c == 0)
+      return mid;
+    if (c < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return -1;
+}
+
+static int load_checkpoint(loader_t *ld) {
+  enum { K_FORMAT, K_NAME, K_SAVE_ID, K_WORLD, K_CREATED, N_KEYS };
+  static const char *const keys[N_KEYS] = {
+      [K_FORMAT] = "format_version", [K_NAME] = "name",
+      [K_SAVE_ID] = "save_id",       [K_WORLD] = "world_size",
+      [K_CREATED] = "created_at",
+  };
+  ckpt_metadata_t *m = ld->m;
+  bool seen[N_KEYS] = {false};
+  row_t r = {.table = "checkpoint"};
+  sqlite3_stmt *st = NULL;
+  int rc = lprepare(ld, "SELECT key, value FROM checkpoint", &st);
+  while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    r.n++;
+    rc = 0;
+    const char *key = col_text(ld, st, 0, &r, NULL);
+    const char *val = key != NULL ? col_text(ld, st, 1, &r, NULL) : NULL;
+    if (val == NULL) {
+      rc = -EINVAL;
+      break;
+    }
+    int k = 0;
+    while (k < N_KEYS && strcmp(key, keys[k]) != 0)
+      k++;
+    if (k == N_KEYS) /* keys of later writers are welcome */
+      continue;
+    r.fqn = keys[k];
+    if (seen[k]) {
+      rc = row_fail(ld, &r, "key appears twice");
+      break;
+    }
+    seen[k] = true;
+    char *end = NULL;
+    struct tm tm = {0};
+    long long v;
+    switch (k) {
+    case K_FORMAT:
+      if (strcmp(val, FORMAT_VERSION_TEXT) != 0)
+        rc = row_fail(ld, &r, "format version '%.32s' is not %s", val,
+                      FORMAT_VERSION_TEXT);
+      break;
+    case K_NAME:
+      rc = col_strdup(ld, st, 1, &r, &m->name);
+      break;
+    case K_SAVE_ID:
+      rc = col_strdup(ld, st, 1, &r, &m->save_id);
+      break;
+    case K_WORLD:
+      errno = 0;
+      v = strtoll(val, &end, 10);
+      if (errno != 0 || end == val || *end != '\0' || v < 1 || v > INT32_MAX)
+        rc = row_fail(ld, &r, "'%.32s' is not a world size", val);
+      m->world_size = (int32_t)v;
+      break;
+    case K_CREATED:
+      end = strptime(val, ISO_TIME_FMT, &tm);
+      if (end == NULL || *end != '\0')
+        rc = row_fail(ld, &r, "'%.32s' is not an ISO-8601 UTC time", val);
+      m->created_at = (int64_t)timegm(&tm);
+      break;
+    }
+    r.fqn = NULL;
+  }
+  sqlite3_finalize(st);
+  for (int k = 0; rc == 0 && k < N_KEYS; k++) {
+    if (!seen[k])
+      rc = set_err(ld->err, -EINVAL, "%s: checkpoint key %s is missing",
+                   ld->path, keys[k]);
+  }
+  return rc;
+}
+
+static int load_tensors(loader_t *ld) {
+  ckpt_metadata_t *m = ld->m;
+  void *rows;
+  int rc = alloc_rows(ld, "tensors", sizeof(*m->tensors), &rows, &m->n_tensors);
+  m->tensors = rows; /* with n_tensors set: ckpt_metadata_free releases them */
+  row_t r = {.table = "tensors"};
+  sqlite3_stmt *st = NULL;
+  if (rc == 0)
+    rc = lprepare(ld,
+                  "SELECT fqn, path, dtype, shape FROM tensors"
+                  " ORDER BY fqn COLLATE BINARY",
+                  &st);
+  while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    if (r.n == m->n_tensors) {
+      rc = row_fail(ld, &r, "more rows than counted");
+      break;
+    }
+    ckpt_tensor_meta_t *t = &m->tensors[r.n++];
+    size_t len;
+    const char *dt;
+    ckpt_dims_t shape;
+    uint64_t numel, bytes;
+    if ((rc = col_strdup(ld, st, 0, &r, &t->fqn)) < 0)
+      break;
+    r.fqn = t->fqn;
+    if ((rc = col_strdup(ld, st, 1, &r, &t->path)) < 0 ||
+        (rc = col_dims(ld, st, 3, &r, &shape)) < 0)
+      break;
+    if ((dt = col_text(ld, st, 2, &r, &len)) == NULL) {
+      rc = -EINVAL;
+    } else if (ckpt_dtype_parse(dt, len, &t->dtype) < 0) {
+      rc = row_fail(ld, &r, "dtype '%.32s' is unknown", dt);
+    } else if (ckpt_dims_numel(shape.d, shape.ndim, &numel) < 0 ||
+               __builtin_mul_overflow(numel, ckpt_dtype_size(t->dtype),
+                                      &bytes)) {
+      rc = row_fail(ld, &r, "shape is too large");
+    } else if (r.n > 1 && strcmp(t[-1].fqn, t->fqn) == 0) {
+      rc = row_fail(ld, &r, "fqn appears twice");
+    } else if (shape.ndim > 0 &&
+               (t->shape = dims_dup(shape.d, shape.ndim)) == NULL) {
+      rc = nomem(ld);
+    }
+    t->ndim = shape.ndim;
+    r.fqn = NULL;
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+/* Check one chunk row's offsets and sizes against its tensor and set
+ * c->dims. */
+static int chunk_dims(loader_t *ld, const row_t *r, const ckpt_tensor_meta_t *t,
+                      const ckpt_dims_t *offs, const ckpt_dims_t *sizes,
+                      ckpt_chunk_meta_t *c) {
+  if (offs->ndim != t->ndim || sizes->ndim != t->ndim)
+    return row_fail(ld, r,
+                    "offsets and sizes of %d and %d dimensions, the"
+                    " shape has %d",
+                    offs->ndim, sizes->ndim, t->ndim);
+  for (int j = 0; j < t->ndim; j++) {
+    if (offs->d[j] > t->shape[j] || sizes->d[j] > t->shape[j] - offs->d[j])
+      return row_fail(ld, r,
+                      "dimension %d: [%" PRId64 ", +%" PRId64
+                      ") is outside the shape (%" PRId64 ")",
+                      j, offs->d[j], sizes->d[j], t->shape[j]);
+  }
+  uint64_t numel;
+  ckpt_dims_numel(sizes->d, sizes->ndim, &numel); /* within the shape */
+  uint64_t want = numel * ckpt_dtype_size(t->dtype);
+  if (c->length != want)
+    return row_fail(ld, r, "length %" PRIu64 ", %" PRIu64 " expected",
+                    c->length, want);
+  if (t->ndim == 0)
+    return 0;
+  if ((c->dims = malloc(2 * (size_t)t->ndim * sizeof(int64_t))) == NULL)
+    return nomem(ld);
+  memcpy(c->dims, offs->d, (size_t)t->ndim * sizeof(int64_t));
+  memcpy(c->dims + t->ndim, sizes->d, (size_t)t->ndim * sizeof(int64_t));
+  return 0;
+}
+
+static int load_chunks(loader_t *ld) {
+  ckpt_metadata_t *m = ld->m;
+  void *rows;
+  int rc = alloc_rows(ld, "chunks", sizeof(*m->chunks), &rows, &m->n_chunks);
+  m->chunks = rows; /* with n_chunks set: ckpt_metadata_free releases them */
+  row_t r = {.table = "chunks"};
+  sqlite3_stmt *st = NULL;
+  if (rc == 0)
+    rc = lprepare(ld,
+                  "SELECT fqn, offsets, sizes, rank, file, file_offset,"
+                  " length, checksum FROM chunks",
+                  &st);
+  while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    if (r.n == m->n_chunks) {
+      rc = row_fail(ld, &r, "more rows than counted");
+      break;
+    }
+    ckpt_chunk_meta_t *c = &m->chunks[r.n++];
+    ckpt_dims_t offs, sizes;
+    int64_t ti;
+    if ((r.fqn = col_text(ld, st, 0, &r, NULL)) == NULL) {
+      rc = -EINVAL;
+      break;
+    }
+    if ((ti = find_tensor(m, r.fqn)) < 0) {
+      rc = row_fail(ld, &r, "not a tensor of the tensors table");
+      break;
+    }
+    c->tensor = (uint32_t)ti;
+    if ((rc = col_dims(ld, st, 1, &r, &offs)) < 0 ||
+        (rc = col_dims(ld, st, 2, &r, &sizes)) < 0 ||
+        (rc = col_storage(ld, st, 3, &r, &c->rank, &c->file, &c->file_offset,
+                          &c->length, &c->checksum)) < 0 ||
+        (rc = chunk_dims(ld, &r, &m->tensors[ti], &offs, &sizes, c)) < 0)
+      break;
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+static int load_blobs(loader_t *ld) {
+  ckpt_metadata_t *m = ld->m;
+  void *rows;
+  int rc = alloc_rows(ld, "blobs", sizeof(*m->blobs), &rows, &m->n_blobs);
+  m->blobs = rows; /* with n_blobs set: ckpt_metadata_free releases them */
+  row_t r = {.table = "blobs"};
+  sqlite3_stmt *st = NULL;
+  if (rc == 0)
+    rc = lprepare(ld,
+                  "SELECT fqn, path, rank, file, file_offset, length, checksum"
+                  " FROM blobs ORDER BY fqn COLLATE BINARY",
+                  &st);
+  while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    if (r.n == m->n_blobs) {
+      rc = row_fail(ld, &r, "more rows than counted");
+      break;
+    }
+    ckpt_blob_meta_t *b = &m->blobs[r.n++];
+    if ((rc = col_strdup(ld, st, 0, &r, &b->fqn)) < 0)
+      break;
+    r.fqn = b->fqn;
+    if ((rc = col_strdup(ld, st, 1, &r, &b->path)) < 0 ||
+        (rc = col_storage(ld, st, 2, &r, &b->rank, &b->file, &b->file_offset,
+                          &b->length, &b->checksum)) < 0)
+      break;
+    if (r.n > 1 && strcmp(b[-1].fqn, b->fqn) == 0)
+      rc = row_fail(ld, &r, "fqn appears twice");
+    else if (find_tensor(m, b->fqn) >= 0)
+      rc = row_fail(ld, &r, "fqn is also a tensor");
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
+/* Row-major order of chunks: by tensor, then offsets, then sizes (which
+ * only differ between empty chunks at the same place). */
+static int cmp_chunks(const void *pa, const void *pb, void *arg) {
+  const ckpt_tensor_meta_t *tensors = arg;
+  const ckpt_chunk_meta_t *a = pa, *b = pb;
+  if (a->tensor != b->tensor)
+    return a->tensor < b->tensor ? -1 : 1;
+  int n = 2 * tensors[a->tensor].ndim;
+  for (int j = 0; j < n; j++) {
+    if (a->dims[j] != b->dims[j])
+      return a->dims[j] < b->dims[j] ? -1 : 1;
+  }
+  return 0;
+}
+
+/* Sort the chunks into tensor groups and point each tensor at its own. */
+static void group_chunks(ckpt_metadata_t *m) {
+  if (m->n_chunks > 1)
+    qsort_r(m->chunks, m->n_chunks, sizeof(*m->chunks), cmp_chunks, m->tensors);
+  uint32_t c = 0;
+  for (uint32_t t = 0; t < m->n_tensors; t++) {
+    m->tensors[t].first_chunk = c;
+    while (c < m->n_chunks && m->chunks[c].tensor == t)
+      c++;
+    m->tensors[t].n_chunks = c - m->tensors[t].first_chunk;
+  }
+}
+
+/* The "file:" URI of path opened read-only and immutable: no locks, no
+ * journal lookups, so that it also works on a read-only location. */
+static char *immutable_uri(const char *path) {
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  /* "file://" + an absolute path leaves the URI authority empty. */
+  int rc = ckpt_buf_printf(&b, "file:%s", path[0] == '/' ? "//" : "");
+  for (const char *p = path; rc == 0 && *p != '\0'; p++) {
+    if (*p == '%' || *p == '?' || *p == '#')
+      rc = ckpt_buf_printf(&b, "%%%02X", (unsigned)(unsigned char)*p);
+    else
+      rc = ckpt_buf_append(&b, p, 1);
+  }
+  if (rc == 0)
+    rc = ckpt_buf_printf(&b, "?mode=ro&immutable=1");
+  char *uri = rc == 0 ? ckpt_buf_steal(&b) : NULL;
+  ckpt_buf_free(&b);
+  return uri;
+}
+
+int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
+                     char **err) {
+  assert(metadata_path != NULL && out != NULL && err != NULL);
+  *err = NULL;
+  memset(out, 0, sizeof(*out));
+  loader_t ld = {.path = metadata_path, .err = err, .m = out};
+  int rc = 0, src;
+
+  char *uri = immutable_uri(metadata_path);
+  if (uri == NULL) {
+    rc = nomem(&ld);
+    goto cleanup;
+  }
+  src = sqlite3_open_v2(
+      uri, &ld.db, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX,
+      NULL);
+  if (src != SQLITE_OK) {
+    rc = lfail(&ld, src);
+    goto cleanup;
+  }
+  if ((rc = load_checkpoint(&ld)) < 0 || (rc = load_tensors(&ld)) < 0 ||
+      (rc = load_chunks(&ld)) < 0 || (rc = load_blobs(&ld)) < 0)
+    goto cleanup;
+  group_chunks(out);
+
+cleanup:
+  sqlite3_close(ld.db);
+  free(uri);
+  if (rc < 0)
+    ckpt_metadata_free(out);
+  return rc;
+}

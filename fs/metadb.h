@@ -1,0 +1,56 @@
+/*
+ * metadb.h - the SQLite metadata of a committed checkpoint.
+ *
+ * The only unit of ckptfs that calls SQLite. It runs on the dist thread
+ * (publish) and at mount / after a commit (load), never inside a FUSE
+ * callback. Schema (SPEC.md, "Metadata schema"), format_version 1:
+ *
+ *   checkpoint(key TEXT PRIMARY KEY, value TEXT)
+ *       keys: format_version, name, save_id, world_size, created_at
+ *   tensors(fqn TEXT PRIMARY KEY, path TEXT, dtype TEXT, shape TEXT)
+ *   chunks(fqn TEXT, offsets TEXT, sizes TEXT, rank INTEGER, file TEXT,
+ *          file_offset INTEGER, length INTEGER, checksum TEXT)
+ *   blobs(fqn TEXT PRIMARY KEY, path TEXT, rank INTEGER, file TEXT,
+ *         file_offset INTEGER, length INTEGER, checksum TEXT)
+ *
+ * shape/offsets/sizes are compact JSON arrays, checksum is 16 lowercase hex
+ * digits of XXH3-64, file is "__R_K.distcp" relative to the checkpoint
+ * directory. The database uses the rollback journal (never WAL), so that
+ * `sqlite3 -readonly` can query it through the read-only mount.
+ */
+#ifndef CKPT_METADB_H
+#define CKPT_METADB_H
+
+#include <stdbool.h>
+
+#include "ckpt_planner.h"
+
+#define CKPT_METADB_FORMAT_VERSION 1
+#define CKPT_METADATA_FILE ".metadata"
+#define CKPT_METADATA_TMP ".metadata.tmp"
+
+/*
+ * Publish m as ckpt_dir/.metadata, atomically:
+ *  1. write ckpt_dir/.metadata.tmp (removed first if present) in one
+ *     transaction;
+ *  2. fsync it (when sync);
+ *  3. rename it to ckpt_dir/.metadata;
+ *  4. fsync ckpt_dir (when sync).
+ * A crash at any point leaves either no .metadata or the complete one.
+ * On failure .metadata.tmp is removed and *err (malloc'd) says why,
+ * including the system's error text. Returns 0 or a negative errno.
+ */
+int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
+                        bool sync, char **err);
+
+/*
+ * Load a .metadata file into *out (sorted as ckpt_metadata_t says), checking
+ * its consistency: format_version, known dtypes, lists that parse and agree
+ * with the tensor's ndim, chunk rows whose fqn is a tensor, file names of
+ * the form __R_K.distcp with R == rank. Returns 0, or a negative errno with
+ * *err (malloc'd) naming the problem.
+ */
+int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
+                     char **err);
+
+#endif /* CKPT_METADB_H */

@@ -1,0 +1,431 @@
+/*
+ * nodes.c - the inode table and the tree of one rank mount.
+ *
+ * Two hash tables index the nodes: by inode number, and by (parent, name)
+ * for lookups. Directories also keep their children in a list for readdir.
+ * Everything here runs under fs->lock. A node removed from the tree
+ * ("detached") lives on while requests or open handles reference it, and
+ * is freed by the last ckpt__node_unref.
+ */
+#include <assert.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+
+_Static_assert(sizeof(fuse_ino_t) >= sizeof(uint64_t),
+               "inode numbers are 64-bit counters");
+
+static size_t hash_ino(uint64_t ino, size_t size) {
+  return (size_t)((ino * 0x9E3779B97F4A7C15ull) >> 17) & (size - 1);
+}
+
+static size_t hash_name(const ckpt_node_t *parent, const char *name,
+                        size_t size) {
+  uint64_t h = 1469598103934665603ull ^ (uint64_t)(uintptr_t)parent;
+  for (const unsigned char *p = (const unsigned char *)name; *p; p++)
+    h = (h ^ *p) * 1099511628211ull;
+  return (size_t)(h ^ (h >> 29)) & (size - 1);
+}
+
+static void hash_insert(ckpt_fs_t *fs, ckpt_node_t *n) {
+  size_t i = hash_ino(n->ino, fs->hash_size);
+  n->hnext_ino = fs->ino_hash[i];
+  fs->ino_hash[i] = n;
+  if (n->parent) {
+    size_t j = hash_name(n->parent, n->name, fs->hash_size);
+    n->hnext_name = fs->name_hash[j];
+    fs->name_hash[j] = n;
+  }
+}
+
+static void hash_remove(ckpt_fs_t *fs, ckpt_node_t *n) {
+  ckpt_node_t **pp = &fs->ino_hash[hash_ino(n->ino, fs->hash_size)];
+  while (*pp != n)
+    pp = &(*pp)->hnext_ino;
+  *pp = n->hnext_ino;
+  if (n->parent) {
+    pp = &fs->name_hash[hash_name(n->parent, n->name, fs->hash_size)];
+    while (*pp != n)
+      pp = &(*pp)->hnext_name;
+    *pp = n->hnext_name;
+  }
+}
+
+/* Double both tables when they get crowded. */
+static void hash_grow(ckpt_fs_t *fs) {
+  size_t size = fs->hash_size * 2;
+  ckpt_node_t **ino = calloc(size, sizeof(*ino));
+  ckpt_node_t **name = calloc(size, sizeof(*name));
+  if (!ino || !name) { /* keep the old tables: slower, still correct */
+    free(ino);
+    free(name);
+    return;
+  }
+  for (size_t b = 0; b < fs->hash_size; b++) {
+    for (ckpt_node_t *n = fs->ino_hash[b], *nx; n; n = nx) {
+      nx = n->hnext_ino;
+      size_t i = hash_ino(n->ino, size);
+      n->hnext_ino = ino[i];
+      ino[i] = n;
+    }
+    for (ckpt_node_t *n = fs->name_hash[b], *nx; n; n = nx) {
+      nx = n->hnext_name;
+      size_t j = hash_name(n->parent, n->name, size);
+      n->hnext_name = name[j];
+      name[j] = n;
+    }
+  }
+  free(fs->ino_hash);
+  free(fs->name_hash);
+  fs->ino_hash = ino;
+  fs->name_hash = name;
+  fs->hash_size = size;
+}
+
+static void link_child(ckpt_node_t *parent, ckpt_node_t *n) {
+  n->parent = parent;
+  n->prev = NULL;
+  n->next = parent->children;
+  if (parent->children)
+    parent->children->prev = n;
+  parent->children = n;
+}
+
+static void unlink_child(ckpt_node_t *n) {
+  if (n->prev)
+    n->prev->next = n->next;
+  else
+    n->parent->children = n->next;
+  if (n->next)
+    n->next->prev = n->prev;
+  n->next = n->prev = NULL;
+}
+
+ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
+                            const char *name, ckpt_node_kind_t kind,
+                            mode_t mode, ckpt_ckpt_t *ck) {
+  ckpt_node_t *n = calloc(1, sizeof(*n));
+  if (!n)
+    return NULL;
+  n->name = strdup(name);
+  if (!n->name) {
+    free(n);
+    return NULL;
+  }
+  if (fs->nnodes + 1 > fs->hash_size)
+    hash_grow(fs);
+  n->ino = kind == CKPT_NODE_ROOT ? FUSE_ROOT_ID : fs->next_ino++;
+  n->kind = kind;
+  n->mode = mode;
+  n->uid = getuid();
+  n->gid = getgid();
+  clock_gettime(CLOCK_REALTIME, &n->mtime);
+  n->ctime = n->mtime;
+  n->ck = ck;
+  if (ck)
+    ck->refs++;
+  if (parent)
+    link_child(parent, n);
+  hash_insert(fs, n);
+  n->attached = true;
+  fs->nnodes++;
+  return n;
+}
+
+ckpt_node_t *ckpt__node_by_ino(ckpt_fs_t *fs, uint64_t ino) {
+  for (ckpt_node_t *n = fs->ino_hash[hash_ino(ino, fs->hash_size)]; n;
+       n = n->hnext_ino)
+    if (n->ino == ino)
+      return n;
+  return NULL;
+}
+
+ckpt_node_t *ckpt__node_child(ckpt_fs_t *fs, ckpt_node_t *dir,
+                              const char *name) {
+  for (ckpt_node_t *n = fs->name_hash[hash_name(dir, name, fs->hash_size)];
+       n; n = n->hnext_name)
+    if (n->parent == dir && strcmp(n->name, name) == 0)
+      return n;
+  return NULL;
+}
+
+void ckpt__node_ref(ckpt_node_t *n) { n->refs++; }
+
+static void node_free(ckpt_fs_t *fs, ckpt_node_t *n) {
+  assert(!n->attached && n->refs == 0 && !n->children);
+  if (n->kind == CKPT_NODE_SFILE)
+    ckpt__sfile_free(n->u.sf);
+  if (n->ck)
+    ckpt__ckpt_unref(fs, n->ck);
+  free(n->name);
+  free(n);
+}
+
+void ckpt__node_unref(ckpt_fs_t *fs, ckpt_node_t *n) {
+  assert(n->refs > 0);
+  if (--n->refs == 0 && !n->attached)
+    node_free(fs, n);
+}
+
+void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
+  assert(n->attached && n->kind != CKPT_NODE_ROOT);
+  while (n->children)
+    ckpt__node_detach(fs, n->children);
+  hash_remove(fs, n);
+  if (n->parent)
+    unlink_child(n);
+  n->parent = NULL;
+  n->attached = false;
+  fs->nnodes--;
+  if (n->refs == 0)
+    node_free(fs, n);
+}
+
+void ckpt__node_move(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *newparent,
+                     const char *newname) {
+  assert(n->attached);
+  char *name = strdup(newname);
+  if (!name)
+    return; /* the caller checked; keep the old name on ENOMEM */
+  hash_remove(fs, n);
+  unlink_child(n);
+  free(n->name);
+  n->name = name;
+  link_child(newparent, n);
+  hash_insert(fs, n);
+  clock_gettime(CLOCK_REALTIME, &n->ctime);
+}
+
+char *ckpt__node_path(const ckpt_node_t *n) {
+  size_t len = 0;
+  for (const ckpt_node_t *p = n; p && p->kind != CKPT_NODE_CKPT; p = p->parent)
+    len += strlen(p->name) + 1;
+  char *path = malloc(len ? len : 1);
+  if (!path)
+    return NULL;
+  path[len ? len - 1 : 0] = '\0';
+  size_t end = len ? len - 1 : 0;
+  for (const ckpt_node_t *p = n; p && p->kind != CKPT_NODE_CKPT;
+       p = p->parent) {
+    size_t l = strlen(p->name);
+    end -= l;
+    memcpy(path + end, p->name, l);
+    if (end)
+      path[--end] = '/';
+  }
+  return path;
+}
+
+/* ------------------------------------------------------------------------
+ * Checkpoints.
+ * ---------------------------------------------------------------------- */
+
+ckpt_ckpt_t *ckpt__ckpt_new(ckpt_fs_t *fs, const char *name) {
+  ckpt_ckpt_t *ck = calloc(1, sizeof(*ck));
+  if (!ck)
+    return NULL;
+  snprintf(ck->name, sizeof(ck->name), "%s", name);
+  pthread_rwlock_init(&ck->freeze, NULL);
+  pthread_mutex_init(&ck->fd_lock, NULL);
+  ck->dirfd = -1;
+  ck->refs = 1; /* listed in the root */
+  ck->state = CKPT_STAGING;
+  ck->dir = ckpt__node_new(fs, fs->root, name, CKPT_NODE_CKPT, S_IFDIR | 0755,
+                           ck);
+  if (!ck->dir ||
+      !ckpt__node_new(fs, ck->dir, ".commit", CKPT_NODE_COMMIT,
+                      S_IFREG | 0200, ck) ||
+      !ckpt__node_new(fs, ck->dir, ".status", CKPT_NODE_STATUS,
+                      S_IFREG | 0444, ck)) {
+    if (ck->dir)
+      ckpt__node_detach(fs, ck->dir);
+    ckpt__ckpt_unref(fs, ck);
+    return NULL;
+  }
+  return ck;
+}
+
+void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  (void)fs;
+  assert(ck->refs > 0);
+  if (--ck->refs)
+    return;
+  assert(!ck->save);
+  if (ck->meta) {
+    ckpt_metadata_free(ck->meta);
+    free(ck->meta);
+  }
+  for (uint32_t i = 0; i < ck->nfds; i++)
+    if (ck->fds[i] >= 0)
+      close(ck->fds[i]);
+  free(ck->fds);
+  if (ck->dirfd >= 0)
+    close(ck->dirfd);
+  free(ck->reason);
+  pthread_rwlock_destroy(&ck->freeze);
+  pthread_mutex_destroy(&ck->fd_lock);
+  free(ck);
+}
+
+ckpt_node_t *ckpt__ckpt_lookup(ckpt_fs_t *fs, const char *name) {
+  ckpt_node_t *n = ckpt__node_child(fs, fs->root, name);
+  return n && n->kind == CKPT_NODE_CKPT ? n : NULL;
+}
+
+/* A component of a stored path that may appear in the tree. */
+static bool component_ok(const char *s, size_t len) {
+  return len > 0 && len <= 255 && s[0] != '.' && !memchr(s, '\0', len);
+}
+
+/* Create (or find) the directories of path and the file node at its end. */
+static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                                       const char *path,
+                                       ckpt_node_kind_t kind) {
+  ckpt_node_t *dir = ck->dir;
+  const char *p = path;
+  for (;;) {
+    const char *slash = strchr(p, '/');
+    size_t len = slash ? (size_t)(slash - p) : strlen(p);
+    if (!component_ok(p, len))
+      return NULL;
+    char name[256];
+    memcpy(name, p, len);
+    name[len] = '\0';
+    ckpt_node_t *child = ckpt__node_child(fs, dir, name);
+    if (!slash) {
+      if (child)
+        return NULL; /* two items at one path */
+      return ckpt__node_new(fs, dir, name, kind, S_IFREG | 0444, ck);
+    }
+    if (child && child->kind != CKPT_NODE_CDIR)
+      return NULL; /* a file where a directory is needed */
+    if (!child)
+      child = ckpt__node_new(fs, dir, name, CKPT_NODE_CDIR, S_IFDIR | 0555,
+                             ck);
+    if (!child)
+      return NULL;
+    dir = child;
+    p = slash + 1;
+  }
+}
+
+int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                             ckpt_metadata_t *meta, int dirfd, char **err) {
+  /* Data file descriptors, indexed by rank and file number. */
+  uint32_t stride = 1;
+  for (uint32_t i = 0; i < meta->n_chunks; i++)
+    if (meta->chunks[i].file + 1 > stride)
+      stride = meta->chunks[i].file + 1;
+  for (uint32_t i = 0; i < meta->n_blobs; i++)
+    if (meta->blobs[i].file + 1 > stride)
+      stride = meta->blobs[i].file + 1;
+  uint32_t nfds = stride * (uint32_t)(meta->world_size > 0 ? meta->world_size
+                                                           : 1);
+  int *fds = malloc(nfds * sizeof(*fds));
+  if (!fds) {
+    *err = strdup("out of memory");
+    return -ENOMEM;
+  }
+  for (uint32_t i = 0; i < nfds; i++)
+    fds[i] = -1;
+
+  /* Drop the staged view, keep .commit and .status. */
+  for (ckpt_node_t *c = ck->dir->children, *nx; c; c = nx) {
+    nx = c->next;
+    if (c->kind != CKPT_NODE_COMMIT && c->kind != CKPT_NODE_STATUS)
+      ckpt__node_detach(fs, c);
+  }
+  ck->meta = meta;
+  ck->dirfd = dirfd;
+  ck->fds = fds;
+  ck->fds_stride = stride;
+  ck->nfds = nfds;
+  struct timespec when = {.tv_sec = meta->created_at};
+  for (uint32_t i = 0; i < meta->n_tensors + meta->n_blobs; i++) {
+    bool tensor = i < meta->n_tensors;
+    const char *path = tensor ? meta->tensors[i].path
+                              : meta->blobs[i - meta->n_tensors].path;
+    ckpt_node_t *n = add_committed_path(
+        fs, ck, path, tensor ? CKPT_NODE_CTENSOR : CKPT_NODE_CBLOB);
+    if (!n) {
+      ckpt__log("%s: cannot show %s (bad or conflicting path)", ck->name,
+                path);
+      continue;
+    }
+    if (tensor)
+      n->u.tensor = i;
+    else
+      n->u.blob = i - meta->n_tensors;
+    n->mtime = n->ctime = when;
+  }
+  ckpt_node_t *md = ckpt__node_new(fs, ck->dir, ".metadata",
+                                   CKPT_NODE_METADATA, S_IFREG | 0444, ck);
+  if (md)
+    md->mtime = md->ctime = when;
+  ck->dir->mode = S_IFDIR | 0555;
+  ck->dir->mtime = ck->dir->ctime = when;
+  ck->state = CKPT_COMMITTED;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * The mount.
+ * ---------------------------------------------------------------------- */
+
+int ckpt__fs_init(ckpt_fs_t *fs) {
+  pthread_mutex_init(&fs->lock, NULL);
+  fs->hash_size = 1024;
+  fs->ino_hash = calloc(fs->hash_size, sizeof(*fs->ino_hash));
+  fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
+  fs->next_ino = FUSE_ROOT_ID + 1;
+  fs->staging.limit = fs->opts.staging_mem;
+  if (!fs->ino_hash || !fs->name_hash)
+    return -ENOMEM;
+  fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
+                            NULL);
+  return fs->root ? 0 : -ENOMEM;
+}
+
+void ckpt__fs_destroy(ckpt_fs_t *fs) {
+  if (fs->root) {
+    while (fs->root->children) {
+      ckpt_node_t *d = fs->root->children;
+      ckpt_ckpt_t *ck = d->ck;
+      ckpt__node_detach(fs, d);
+      ckpt__ckpt_unref(fs, ck);
+    }
+    fs->root->attached = false;
+    hash_remove(fs, fs->root);
+    free(fs->root->name);
+    free(fs->root);
+    fs->root = NULL;
+  }
+  free(fs->ino_hash);
+  free(fs->name_hash);
+  pthread_mutex_destroy(&fs->lock);
+}
+
+char *ckpt__strdup_printf(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char *s = NULL;
+  if (vasprintf(&s, fmt, ap) < 0)
+    s = NULL;
+  va_end(ap);
+  return s;
+}
+
+void ckpt__log(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "ckptfs: ");
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+}

@@ -1,0 +1,954 @@
+/*
+ * ops.c - the FUSE low-level operations of a rank mount.
+ *
+ * Every callback resolves its inode under fs->lock, takes a reference,
+ * and does the slow part (copying data, reading backing files) without
+ * the lock. Replies use positive errno. Staged nodes are never cached by
+ * the kernel (timeouts 0), since a commit replaces them by the committed
+ * view; committed nodes are immutable and cached.
+ */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+#include "metadb.h"
+
+#define COMMITTED_TIMEOUT 1.0 /* seconds the kernel may cache committed
+                                 entries and attributes */
+
+/* What an open file or directory handle holds (fi->fh). */
+typedef struct {
+  ckpt_node_t *node; /* referenced */
+  int fd;            /* METADATA: the backing .metadata, else -1 */
+  char *text;        /* STATUS text, or the readdir buffer */
+  size_t len;
+} handle_t;
+
+static ckpt_fs_t *fs_of(fuse_req_t req) { return fuse_req_userdata(req); }
+
+static handle_t *handle_of(struct fuse_file_info *fi) {
+  return (handle_t *)(uintptr_t)fi->fh;
+}
+
+/* Resolve and reference ino; NULL if it is gone. */
+static ckpt_node_t *get_node(ckpt_fs_t *fs, fuse_ino_t ino) {
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino(fs, ino);
+  if (n)
+    ckpt__node_ref(n);
+  pthread_mutex_unlock(&fs->lock);
+  return n;
+}
+
+static void put_node(ckpt_fs_t *fs, ckpt_node_t *n) {
+  pthread_mutex_lock(&fs->lock);
+  ckpt__node_unref(fs, n);
+  pthread_mutex_unlock(&fs->lock);
+}
+
+static bool is_committed_kind(ckpt_node_kind_t k) {
+  return k == CKPT_NODE_CDIR || k == CKPT_NODE_CTENSOR ||
+         k == CKPT_NODE_CBLOB || k == CKPT_NODE_METADATA;
+}
+
+/* May the staged contents of ck change? 0, -EBUSY or -EROFS. fs->lock. */
+static int staged_writable(const ckpt_ckpt_t *ck) {
+  switch (ck->state) {
+  case CKPT_STAGING:
+  case CKPT_FAILED:
+    return 0;
+  case CKPT_COMMITTING:
+    return -EBUSY;
+  case CKPT_COMMITTED:
+    return -EROFS;
+  }
+  return -EIO;
+}
+
+/* A new name inside a checkpoint: 0, -EPERM (reserved) or -ENAMETOOLONG. */
+static int check_name(const char *name) {
+  if (name[0] == '.')
+    return -EPERM;
+  if (strlen(name) > 255)
+    return -ENAMETOOLONG;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * .status
+ * ---------------------------------------------------------------------- */
+
+/* The .status text of ck. fs->lock held. */
+static char *status_text(const ckpt_ckpt_t *ck) {
+  switch (ck->state) {
+  case CKPT_STAGING:
+    return strdup("staging\n");
+  case CKPT_COMMITTING:
+    return ckpt__strdup_printf(
+        "committing\nbytes %llu of %llu\n",
+        (unsigned long long)atomic_load(&ck->bytes_done),
+        (unsigned long long)atomic_load(&ck->bytes_total));
+  case CKPT_COMMITTED:
+    return ckpt__strdup_printf(
+        "committed\ntensors %u\nblobs %u\nworld_size %d\n",
+        ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
+        ck->meta ? ck->meta->world_size : 0);
+  case CKPT_FAILED:
+    return ckpt__strdup_printf("failed\n%s\n",
+                               ck->reason ? ck->reason : "unknown error");
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------
+ * Attributes and entries.
+ * ---------------------------------------------------------------------- */
+
+/* fs->lock held. */
+static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
+  (void)fs;
+  memset(st, 0, sizeof(*st));
+  st->st_ino = n->ino;
+  st->st_mode = n->mode;
+  st->st_nlink = S_ISDIR(n->mode) ? 2 : 1;
+  st->st_uid = n->uid;
+  st->st_gid = n->gid;
+  st->st_blksize = (blksize_t)CKPT_SEG_SIZE;
+  st->st_mtim = n->mtime;
+  st->st_atim = n->mtime;
+  st->st_ctim = n->ctime;
+  switch (n->kind) {
+  case CKPT_NODE_SFILE:
+    st->st_size = (off_t)ckpt__sfile_size(n->u.sf);
+    break;
+  case CKPT_NODE_CTENSOR:
+  case CKPT_NODE_CBLOB:
+    st->st_size = (off_t)ckpt__committed_size(n->ck, n);
+    break;
+  case CKPT_NODE_STATUS: {
+    char *t = status_text(n->ck);
+    st->st_size = t ? (off_t)strlen(t) : 0;
+    free(t);
+    break;
+  }
+  case CKPT_NODE_METADATA: {
+    struct stat bst;
+    if (n->ck->dirfd >= 0 &&
+        fstatat(n->ck->dirfd, CKPT_METADATA_FILE, &bst, 0) == 0)
+      st->st_size = bst.st_size;
+    break;
+  }
+  default:
+    break;
+  }
+  st->st_blocks = (st->st_size + 511) / 512;
+}
+
+static double node_timeout(const ckpt_node_t *n) {
+  return is_committed_kind(n->kind) ? COMMITTED_TIMEOUT : 0.0;
+}
+
+/* fs->lock held. */
+static void fill_entry(ckpt_fs_t *fs, ckpt_node_t *n, struct fuse_entry_param *e) {
+  memset(e, 0, sizeof(*e));
+  e->ino = n->ino;
+  e->generation = 1;
+  fill_attr(fs, n, &e->attr);
+  e->attr_timeout = e->entry_timeout = node_timeout(n);
+}
+
+/* A committed checkpoint whose .metadata vanished from BACKING_DIR (removed
+ * through another mount) leaves this mount's view too. fs->lock held. */
+static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir) {
+  if (dir->ck->state != CKPT_COMMITTED)
+    return true;
+  char path[300];
+  snprintf(path, sizeof(path), "%s/%s", dir->name, CKPT_METADATA_FILE);
+  if (faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+    return true;
+  ckpt_ckpt_t *ck = dir->ck;
+  ckpt__node_detach(fs, dir);
+  ckpt__ckpt_unref(fs, ck);
+  return false;
+}
+
+static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  ckpt_fs_t *fs = fs_of(req);
+  struct fuse_entry_param e;
+  int rc = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
+  if (n && p->kind == CKPT_NODE_ROOT && !still_stored(fs, n))
+    n = NULL;
+  if (!p)
+    rc = ESTALE;
+  else if (!n || n->hidden)
+    rc = ENOENT;
+  else
+    fill_entry(fs, n, &e);
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    fuse_reply_err(req, rc);
+  else
+    fuse_reply_entry(req, &e);
+}
+
+static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
+                       struct fuse_file_info *fi) {
+  (void)fi;
+  ckpt_fs_t *fs = fs_of(req);
+  struct stat st;
+  double timeout = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino(fs, ino);
+  if (n) {
+    fill_attr(fs, n, &st);
+    timeout = node_timeout(n);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (!n)
+    fuse_reply_err(req, ESTALE);
+  else
+    fuse_reply_attr(req, &st, timeout);
+}
+
+static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
+                       int to_set, struct fuse_file_info *fi) {
+  (void)fi;
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = get_node(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  int rc = 0;
+  if (n->kind == CKPT_NODE_COMMIT) {
+    /* `echo sync > .commit` truncates first: nothing to do. */
+  } else if (n->kind == CKPT_NODE_ROOT) {
+    rc = -EPERM;
+  } else if (is_committed_kind(n->kind) || n->kind == CKPT_NODE_STATUS) {
+    rc = -EROFS;
+  } else {
+    pthread_rwlock_rdlock(&n->ck->freeze);
+    pthread_mutex_lock(&fs->lock);
+    rc = staged_writable(n->ck);
+    if (rc == 0 && n->kind == CKPT_NODE_CKPT && n->ck->state != CKPT_STAGING &&
+        n->ck->state != CKPT_FAILED)
+      rc = -EROFS;
+    pthread_mutex_unlock(&fs->lock);
+    if (rc == 0 && (to_set & FUSE_SET_ATTR_SIZE)) {
+      if (n->kind != CKPT_NODE_SFILE)
+        rc = -EISDIR;
+      else
+        rc = ckpt__sfile_truncate(n->u.sf, (uint64_t)attr->st_size);
+    }
+    if (rc == 0) {
+      pthread_mutex_lock(&fs->lock);
+      if (to_set & FUSE_SET_ATTR_MODE)
+        n->mode = (n->mode & S_IFMT) | (attr->st_mode & 07777);
+      if (to_set & FUSE_SET_ATTR_UID)
+        n->uid = attr->st_uid;
+      if (to_set & FUSE_SET_ATTR_GID)
+        n->gid = attr->st_gid;
+      if (to_set & FUSE_SET_ATTR_MTIME)
+        n->mtime = attr->st_mtim;
+      if (to_set & (FUSE_SET_ATTR_MTIME_NOW | FUSE_SET_ATTR_SIZE))
+        clock_gettime(CLOCK_REALTIME, &n->mtime);
+      clock_gettime(CLOCK_REALTIME, &n->ctime);
+      pthread_mutex_unlock(&fs->lock);
+    }
+    pthread_rwlock_unlock(&n->ck->freeze);
+  }
+  if (rc) {
+    fuse_reply_err(req, -rc);
+  } else {
+    struct stat st;
+    pthread_mutex_lock(&fs->lock);
+    fill_attr(fs, n, &st);
+    pthread_mutex_unlock(&fs->lock);
+    fuse_reply_attr(req, &st, node_timeout(n));
+  }
+  put_node(fs, n);
+}
+
+/* ------------------------------------------------------------------------
+ * Namespace changes.
+ * ---------------------------------------------------------------------- */
+
+/* Checks for a new entry `name` in directory p (fs->lock held). */
+static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
+  if (p->kind == CKPT_NODE_ROOT)
+    return -EPERM;
+  if (p->kind != CKPT_NODE_CKPT && p->kind != CKPT_NODE_SDIR)
+    return is_committed_kind(p->kind) ? -EROFS : -ENOTDIR;
+  int rc = staged_writable(p->ck);
+  if (rc)
+    return rc;
+  if ((rc = check_name(name)) != 0)
+    return rc;
+  return ckpt__node_child(fs, p, name) ? -EEXIST : 0;
+}
+
+static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
+                            ckpt_node_t **out) {
+  if (name[0] == '.')
+    return -EPERM;
+  if (strlen(name) > 255)
+    return -ENAMETOOLONG;
+  if (!ckpt_name_valid(name))
+    return -EINVAL;
+  ckpt_node_t *old = ckpt__ckpt_lookup(fs, name);
+  if (old && still_stored(fs, old))
+    return -EEXIST;
+  char path[300];
+  snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
+  if (faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+    return -EEXIST; /* committed by another world sharing BACKING_DIR */
+  ckpt_ckpt_t *ck = ckpt__ckpt_new(fs, name);
+  if (!ck)
+    return -ENOMEM;
+  *out = ck->dir;
+  return 0;
+}
+
+static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
+                     mode_t mode) {
+  ckpt_fs_t *fs = fs_of(req);
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  struct fuse_entry_param e;
+  ckpt_node_t *n = NULL;
+  int rc;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  if (!p)
+    rc = -ESTALE;
+  else if (p->kind == CKPT_NODE_ROOT)
+    rc = mkdir_checkpoint(fs, name, &n);
+  else if ((rc = can_add(fs, p, name)) == 0)
+    rc = (n = ckpt__node_new(fs, p, name, CKPT_NODE_SDIR,
+                             S_IFDIR | (mode & 07777), p->ck))
+             ? 0
+             : -ENOMEM;
+  if (rc == 0) {
+    n->uid = ctx->uid;
+    n->gid = ctx->gid;
+    fill_entry(fs, n, &e);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    fuse_reply_entry(req, &e);
+}
+
+static handle_t *new_handle(ckpt_node_t *n) {
+  handle_t *h = calloc(1, sizeof(*h));
+  if (h) {
+    h->node = n;
+    h->fd = -1;
+  }
+  return h;
+}
+
+static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
+                      mode_t mode, struct fuse_file_info *fi) {
+  ckpt_fs_t *fs = fs_of(req);
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  struct fuse_entry_param e;
+  ckpt_node_t *n = NULL;
+  handle_t *h = NULL;
+  int rc;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  if (!p) {
+    rc = -ESTALE;
+  } else if (p->kind == CKPT_NODE_CKPT && strcmp(name, ".commit") == 0) {
+    n = ckpt__node_child(fs, p, name); /* `echo sync > .commit` */
+    rc = n ? 0 : -ENOENT;
+  } else if ((rc = can_add(fs, p, name)) == 0) {
+    ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging);
+    n = sf ? ckpt__node_new(fs, p, name, CKPT_NODE_SFILE,
+                            S_IFREG | (mode & 07777), p->ck)
+           : NULL;
+    if (n) {
+      n->u.sf = sf;
+      n->uid = ctx->uid;
+      n->gid = ctx->gid;
+    } else {
+      ckpt__sfile_free(sf);
+      rc = -ENOMEM;
+    }
+  }
+  if (rc == 0 && !(h = new_handle(n)))
+    rc = -ENOMEM;
+  if (rc == 0) {
+    ckpt__node_ref(n);
+    fill_entry(fs, n, &e);
+    fi->fh = (uintptr_t)h;
+    fi->direct_io = n->kind == CKPT_NODE_COMMIT;
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    fuse_reply_create(req, &e, fi);
+}
+
+static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  ckpt_fs_t *fs = fs_of(req);
+  int rc = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
+  if (!p)
+    rc = -ESTALE;
+  else if (!n || n->hidden)
+    rc = -ENOENT;
+  else if (S_ISDIR(n->mode))
+    rc = -EISDIR;
+  else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS)
+    rc = -EPERM;
+  else if (is_committed_kind(n->kind))
+    n->hidden = true; /* only this mount's view; the store stays whole */
+  else if ((rc = staged_writable(n->ck)) == 0)
+    ckpt__node_detach(fs, n);
+  pthread_mutex_unlock(&fs->lock);
+  fuse_reply_err(req, -rc);
+}
+
+/* Does dir show any entry (readdir would list it)? fs->lock held. */
+static bool has_visible(const ckpt_node_t *dir) {
+  for (const ckpt_node_t *c = dir->children; c; c = c->next)
+    if (!c->hidden && c->kind != CKPT_NODE_COMMIT &&
+        c->kind != CKPT_NODE_STATUS)
+      return true;
+  return false;
+}
+
+static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
+  ckpt_ckpt_t *ck = dir->ck;
+  if (ck->state == CKPT_COMMITTING)
+    return -EBUSY;
+  if (has_visible(dir))
+    return -ENOTEMPTY;
+  if (ck->state == CKPT_COMMITTED) {
+    int rc = ckpt__storage_remove(fs, ck->name);
+    if (rc)
+      return rc;
+  }
+  ckpt__node_detach(fs, dir);
+  ckpt__ckpt_unref(fs, ck);
+  return 0;
+}
+
+static void fs_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  ckpt_fs_t *fs = fs_of(req);
+  int rc = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
+  if (!p)
+    rc = -ESTALE;
+  else if (!n || n->hidden)
+    rc = -ENOENT;
+  else if (!S_ISDIR(n->mode))
+    rc = -ENOTDIR;
+  else if (n->kind == CKPT_NODE_CKPT)
+    rc = rmdir_checkpoint(fs, n);
+  else if (has_visible(n))
+    rc = -ENOTEMPTY;
+  else if (n->kind == CKPT_NODE_CDIR)
+    n->hidden = true;
+  else if ((rc = staged_writable(n->ck)) == 0)
+    ckpt__node_detach(fs, n);
+  pthread_mutex_unlock(&fs->lock);
+  fuse_reply_err(req, -rc);
+}
+
+static bool is_ancestor(const ckpt_node_t *a, const ckpt_node_t *n) {
+  for (; n; n = n->parent)
+    if (n == a)
+      return true;
+  return false;
+}
+
+static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
+                      fuse_ino_t newparent, const char *newname,
+                      unsigned int flags) {
+  ckpt_fs_t *fs = fs_of(req);
+  int rc = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  ckpt_node_t *np = ckpt__node_by_ino(fs, newparent);
+  ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
+  ckpt_node_t *target = np ? ckpt__node_child(fs, np, newname) : NULL;
+  if (!p || !np)
+    rc = -ESTALE;
+  else if (!n || n->hidden)
+    rc = -ENOENT;
+  else if (p->kind == CKPT_NODE_ROOT || np->kind == CKPT_NODE_ROOT)
+    rc = -EPERM; /* checkpoints keep their names */
+  else if (is_committed_kind(n->kind) || is_committed_kind(np->kind))
+    rc = -EROFS;
+  else if (n->ck != np->ck)
+    rc = -EXDEV;
+  else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS)
+    rc = -EPERM;
+  else if (flags & ~(unsigned)RENAME_NOREPLACE)
+    rc = -EINVAL;
+  else if ((rc = staged_writable(n->ck)) != 0 || (rc = check_name(newname)))
+    ;
+  else if (is_ancestor(n, np))
+    rc = -EINVAL;
+  else if (target == n)
+    rc = 0;
+  else if (target && (flags & RENAME_NOREPLACE))
+    rc = -EEXIST;
+  else if (target && S_ISDIR(target->mode) != S_ISDIR(n->mode))
+    rc = S_ISDIR(target->mode) ? -EISDIR : -ENOTDIR;
+  else if (target && S_ISDIR(target->mode) && target->children)
+    rc = -ENOTEMPTY;
+  if (rc == 0 && target != n) {
+    if (target)
+      ckpt__node_detach(fs, target);
+    ckpt__node_move(fs, n, np, newname);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  fuse_reply_err(req, -rc);
+}
+
+/* ------------------------------------------------------------------------
+ * Files.
+ * ---------------------------------------------------------------------- */
+
+static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = get_node(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  int acc = fi->flags & O_ACCMODE;
+  bool writing = acc != O_RDONLY || (fi->flags & O_TRUNC);
+  int rc = 0;
+  handle_t *h = new_handle(n);
+  if (!h) {
+    rc = -ENOMEM;
+  } else if (S_ISDIR(n->mode)) {
+    rc = -EISDIR;
+  } else if (n->kind == CKPT_NODE_COMMIT) {
+    rc = acc == O_RDONLY ? -EACCES : 0;
+    fi->direct_io = 1;
+  } else if (n->kind == CKPT_NODE_STATUS) {
+    pthread_mutex_lock(&fs->lock);
+    h->text = writing ? NULL : status_text(n->ck);
+    pthread_mutex_unlock(&fs->lock);
+    rc = writing ? -EACCES : h->text ? 0 : -ENOMEM;
+    h->len = h->text ? strlen(h->text) : 0;
+    fi->direct_io = 1;
+  } else if (is_committed_kind(n->kind)) {
+    if (writing)
+      rc = -EROFS;
+    else if (n->kind == CKPT_NODE_METADATA &&
+             (h->fd = openat(n->ck->dirfd, CKPT_METADATA_FILE,
+                             O_RDONLY | O_CLOEXEC)) < 0)
+      rc = -errno;
+    fi->keep_cache = 1;
+  } else if (writing) { /* a staged file */
+    pthread_rwlock_rdlock(&n->ck->freeze);
+    pthread_mutex_lock(&fs->lock);
+    rc = staged_writable(n->ck);
+    pthread_mutex_unlock(&fs->lock);
+    if (rc == 0 && (fi->flags & O_TRUNC))
+      rc = ckpt__sfile_truncate(n->u.sf, 0);
+    pthread_rwlock_unlock(&n->ck->freeze);
+  }
+  if (rc) {
+    free(h ? h->text : NULL);
+    free(h);
+    put_node(fs, n);
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  fi->fh = (uintptr_t)h; /* the node reference moves into the handle */
+  fuse_reply_open(req, fi);
+}
+
+static void fs_release(fuse_req_t req, fuse_ino_t ino,
+                       struct fuse_file_info *fi) {
+  (void)ino;
+  ckpt_fs_t *fs = fs_of(req);
+  handle_t *h = handle_of(fi);
+  if (h->fd >= 0)
+    close(h->fd);
+  free(h->text);
+  put_node(fs, h->node);
+  free(h);
+  fuse_reply_err(req, 0);
+}
+
+static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                    struct fuse_file_info *fi) {
+  (void)ino;
+  ckpt_fs_t *fs = fs_of(req);
+  handle_t *h = handle_of(fi);
+  ckpt_node_t *n = h->node;
+  if (n->kind == CKPT_NODE_STATUS) {
+    size_t o = (uint64_t)off < h->len ? (size_t)off : h->len;
+    fuse_reply_buf(req, h->text + o, size < h->len - o ? size : h->len - o);
+    return;
+  }
+  char *buf = malloc(size ? size : 1);
+  if (!buf) {
+    fuse_reply_err(req, ENOMEM);
+    return;
+  }
+  ssize_t r;
+  switch (n->kind) {
+  case CKPT_NODE_SFILE:
+    r = (ssize_t)ckpt__sfile_read(n->u.sf, buf, size, (uint64_t)off);
+    break;
+  case CKPT_NODE_CTENSOR:
+  case CKPT_NODE_CBLOB:
+    r = ckpt__committed_read(fs, n->ck, n, buf, size, (uint64_t)off);
+    break;
+  case CKPT_NODE_METADATA:
+    r = pread(h->fd, buf, size, off);
+    if (r < 0)
+      r = -errno;
+    break;
+  default:
+    r = -EBADF;
+  }
+  if (r < 0)
+    fuse_reply_err(req, (int)-r);
+  else
+    fuse_reply_buf(req, buf, (size_t)r);
+  free(buf);
+}
+
+/* "sync" or "async", with an optional trailing newline. */
+static int parse_commit(const char *buf, size_t size, bool *sync) {
+  if (size && buf[size - 1] == '\n')
+    size--;
+  if (size == 4 && memcmp(buf, "sync", 4) == 0)
+    *sync = true;
+  else if (size == 5 && memcmp(buf, "async", 5) == 0)
+    *sync = false;
+  else
+    return -EINVAL;
+  return 0;
+}
+
+static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
+                     size_t size, off_t off, struct fuse_file_info *fi) {
+  (void)ino;
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = handle_of(fi)->node;
+  ssize_t rc;
+  if (n->kind == CKPT_NODE_COMMIT) {
+    bool sync;
+    rc = parse_commit(buf, size, &sync);
+    if (rc == 0)
+      rc = ckpt__save_begin(fs, n->ck, sync, sync ? req : NULL, size);
+    if (rc == 0 && sync)
+      return; /* replied by the dist thread when the save ends */
+    if (rc == 0)
+      fuse_reply_write(req, size);
+    else
+      fuse_reply_err(req, (int)-rc);
+    return;
+  }
+  if (n->kind != CKPT_NODE_SFILE) {
+    fuse_reply_err(req, is_committed_kind(n->kind) ? EROFS : EBADF);
+    return;
+  }
+  pthread_rwlock_rdlock(&n->ck->freeze);
+  pthread_mutex_lock(&fs->lock);
+  rc = staged_writable(n->ck);
+  pthread_mutex_unlock(&fs->lock);
+  if (rc == 0)
+    rc = ckpt__sfile_write(n->u.sf, buf, size, (uint64_t)off);
+  pthread_rwlock_unlock(&n->ck->freeze);
+  if (rc < 0)
+    fuse_reply_err(req, (int)-rc);
+  else
+    fuse_reply_write(req, (size_t)rc);
+}
+
+/* ------------------------------------------------------------------------
+ * Directories: a snapshot of the entries is taken at opendir.
+ * ---------------------------------------------------------------------- */
+
+static int add_dirent(fuse_req_t req, ckpt_buf_t *b, const char *name,
+                      const struct stat *st) {
+  size_t need = fuse_add_direntry(req, NULL, 0, name, NULL, 0);
+  int rc = ckpt_buf_reserve(b, need);
+  if (rc)
+    return rc;
+  fuse_add_direntry(req, (char *)b->data + b->len, need, name, st,
+                    (off_t)(b->len + need));
+  b->len += need;
+  return 0;
+}
+
+static void fs_opendir(fuse_req_t req, fuse_ino_t ino,
+                       struct fuse_file_info *fi) {
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  int rc = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino(fs, ino);
+  if (!n) {
+    rc = -ESTALE;
+  } else if (!S_ISDIR(n->mode)) {
+    rc = -ENOTDIR;
+  } else {
+    struct stat st = {.st_ino = n->ino, .st_mode = S_IFDIR};
+    rc = add_dirent(req, &b, ".", &st);
+    st.st_ino = n->parent ? n->parent->ino : n->ino;
+    if (rc == 0)
+      rc = add_dirent(req, &b, "..", &st);
+    for (ckpt_node_t *c = n->children, *nx; c && rc == 0; c = nx) {
+      nx = c->next;
+      if (c->hidden || c->kind == CKPT_NODE_COMMIT ||
+          c->kind == CKPT_NODE_STATUS)
+        continue;
+      if (n->kind == CKPT_NODE_ROOT && !still_stored(fs, c))
+        continue;
+      st.st_ino = c->ino;
+      st.st_mode = c->mode;
+      rc = add_dirent(req, &b, c->name, &st);
+    }
+  }
+  handle_t *h = rc == 0 ? new_handle(n) : NULL;
+  if (rc == 0 && !h)
+    rc = -ENOMEM;
+  if (rc == 0)
+    ckpt__node_ref(n);
+  pthread_mutex_unlock(&fs->lock);
+  if (rc) {
+    ckpt_buf_free(&b);
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  h->len = b.len;
+  h->text = ckpt_buf_steal(&b);
+  fi->fh = (uintptr_t)h;
+  fuse_reply_open(req, fi);
+}
+
+static void fs_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                       struct fuse_file_info *fi) {
+  (void)ino;
+  handle_t *h = handle_of(fi);
+  /* Entries end on offsets we gave; send whole entries up to size. */
+  size_t start = (uint64_t)off < h->len ? (size_t)off : h->len;
+  size_t end = start;
+  while (end < h->len) {
+    const struct fuse_dirent {
+      uint64_t ino, off;
+      uint32_t namelen, type;
+    } *d = (const void *)(h->text + end);
+    size_t next = (size_t)d->off;
+    if (next - start > size)
+      break;
+    end = next;
+  }
+  fuse_reply_buf(req, h->text + start, end - start);
+}
+
+/* ------------------------------------------------------------------------
+ * Extended attributes.
+ * ---------------------------------------------------------------------- */
+
+static void reply_xattr_value(fuse_req_t req, const char *v, size_t len,
+                              size_t size) {
+  if (size == 0)
+    fuse_reply_xattr(req, len);
+  else if (size < len)
+    fuse_reply_err(req, ERANGE);
+  else
+    fuse_reply_buf(req, v, len);
+}
+
+static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
+                        const char *value, size_t size, int flags) {
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = get_node(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  int rc;
+  if (is_committed_kind(n->kind)) {
+    rc = -EROFS;
+  } else if (n->kind != CKPT_NODE_SFILE) {
+    rc = -ENOTSUP;
+  } else {
+    pthread_rwlock_rdlock(&n->ck->freeze);
+    pthread_mutex_lock(&fs->lock);
+    rc = staged_writable(n->ck);
+    pthread_mutex_unlock(&fs->lock);
+    if (rc == 0)
+      rc = ckpt__sfile_setxattr(n->u.sf, name, value, size, flags);
+    pthread_rwlock_unlock(&n->ck->freeze);
+  }
+  put_node(fs, n);
+  fuse_reply_err(req, -rc);
+}
+
+static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
+                        size_t size) {
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = get_node(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  if (n->kind == CKPT_NODE_SFILE) {
+    char *buf = size ? malloc(size) : NULL;
+    int rc = size && !buf ? -ENOMEM
+                          : ckpt__sfile_getxattr(n->u.sf, name, buf, size);
+    if (rc < 0)
+      fuse_reply_err(req, -rc);
+    else if (size == 0)
+      fuse_reply_xattr(req, (size_t)rc);
+    else
+      fuse_reply_buf(req, buf, (size_t)rc);
+    free(buf);
+  } else if (n->kind == CKPT_NODE_CTENSOR) {
+    const ckpt_tensor_meta_t *t = &n->ck->meta->tensors[n->u.tensor];
+    int idx = ckpt__xattr_index(name);
+    if (idx == CKPT_X_DTYPE) {
+      const char *v = ckpt_dtype_name(t->dtype);
+      reply_xattr_value(req, v, strlen(v), size);
+    } else if (idx == CKPT_X_SHAPE) {
+      int len = ckpt_dims_format(t->shape, t->ndim, CKPT_DIMS_CSV, NULL, 0);
+      char *v = malloc((size_t)len + 1);
+      if (!v) {
+        fuse_reply_err(req, ENOMEM);
+      } else {
+        ckpt_dims_format(t->shape, t->ndim, CKPT_DIMS_CSV, v, (size_t)len + 1);
+        reply_xattr_value(req, v, (size_t)len, size);
+        free(v);
+      }
+    } else {
+      fuse_reply_err(req, ENODATA);
+    }
+  } else {
+    fuse_reply_err(req, ENODATA);
+  }
+  put_node(fs, n);
+}
+
+static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = get_node(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  if (n->kind == CKPT_NODE_SFILE) {
+    char *buf = size ? malloc(size) : NULL;
+    int rc = size && !buf ? -ENOMEM
+                          : ckpt__sfile_listxattr(n->u.sf, buf, size);
+    if (rc < 0)
+      fuse_reply_err(req, -rc);
+    else if (size == 0)
+      fuse_reply_xattr(req, (size_t)rc);
+    else
+      fuse_reply_buf(req, buf, (size_t)rc);
+    free(buf);
+  } else if (n->kind == CKPT_NODE_CTENSOR) {
+    static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
+    reply_xattr_value(req, names, sizeof(names), size);
+  } else {
+    reply_xattr_value(req, "", 0, size);
+  }
+  put_node(fs, n);
+}
+
+static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = get_node(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  int rc;
+  if (is_committed_kind(n->kind)) {
+    rc = -EROFS;
+  } else if (n->kind != CKPT_NODE_SFILE) {
+    rc = -ENODATA;
+  } else {
+    pthread_rwlock_rdlock(&n->ck->freeze);
+    pthread_mutex_lock(&fs->lock);
+    rc = staged_writable(n->ck);
+    pthread_mutex_unlock(&fs->lock);
+    if (rc == 0)
+      rc = ckpt__sfile_removexattr(n->u.sf, name);
+    pthread_rwlock_unlock(&n->ck->freeze);
+  }
+  put_node(fs, n);
+  fuse_reply_err(req, -rc);
+}
+
+/* ------------------------------------------------------------------------
+ * The mount.
+ * ---------------------------------------------------------------------- */
+
+static void fs_statfs(fuse_req_t req, fuse_ino_t ino) {
+  (void)ino;
+  ckpt_fs_t *fs = fs_of(req);
+  struct statvfs sv;
+  if (fstatvfs(fs->backing_fd, &sv))
+    fuse_reply_err(req, errno);
+  else
+    fuse_reply_statfs(req, &sv);
+}
+
+static void fs_init(void *userdata, struct fuse_conn_info *conn) {
+  (void)userdata;
+  /* Large requests: 1 MiB writes and readahead. */
+  conn->max_write = (unsigned)CKPT_SEG_SIZE;
+  if (conn->max_readahead > CKPT_SEG_SIZE)
+    conn->max_readahead = (unsigned)CKPT_SEG_SIZE;
+  if (conn->capable & FUSE_CAP_ASYNC_READ)
+    conn->want |= FUSE_CAP_ASYNC_READ;
+  if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)
+    conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
+}
+
+const struct fuse_lowlevel_ops ckpt__fuse_ops = {
+    .init = fs_init,
+    .lookup = fs_lookup,
+    .getattr = fs_getattr,
+    .setattr = fs_setattr,
+    .mkdir = fs_mkdir,
+    .create = fs_create,
+    .unlink = fs_unlink,
+    .rmdir = fs_rmdir,
+    .rename = fs_rename,
+    .open = fs_open,
+    .release = fs_release,
+    .read = fs_read,
+    .write = fs_write,
+    .opendir = fs_opendir,
+    .readdir = fs_readdir,
+    .releasedir = fs_release,
+    .setxattr = fs_setxattr,
+    .getxattr = fs_getxattr,
+    .listxattr = fs_listxattr,
+    .removexattr = fs_removexattr,
+    .statfs = fs_statfs,
+};

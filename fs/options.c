@@ -1,0 +1,233 @@
+/*
+ * options.c - the command line of ckptfs:
+ *
+ *   ckptfs [-f] [-o OPT[,OPT...]] BACKING_DIR MOUNTPOINT
+ *
+ * ckptfs's own -o options are parsed and validated here; the standard FUSE
+ * options stay in args for fuse_session_new. A malformed value is an error
+ * with a message (the caller exits 2, nothing mounted).
+ */
+#include <errno.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+
+enum {
+  KEY_STAGING_MEM,
+  KEY_COMMIT_TIMEOUT,
+  KEY_IO_THREADS,
+  KEY_SYNC_FILES,
+  KEY_REPLICA_CHECK,
+  KEY_FOREGROUND,
+  KEY_HELP,
+  KEY_VERSION,
+};
+
+static const struct fuse_opt opt_spec[] = {
+    FUSE_OPT_KEY("staging_mem=", KEY_STAGING_MEM),
+    FUSE_OPT_KEY("commit_timeout=", KEY_COMMIT_TIMEOUT),
+    FUSE_OPT_KEY("io_threads=", KEY_IO_THREADS),
+    FUSE_OPT_KEY("sync_files=", KEY_SYNC_FILES),
+    FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
+    FUSE_OPT_KEY("-f", KEY_FOREGROUND),
+    FUSE_OPT_KEY("-h", KEY_HELP),
+    FUSE_OPT_KEY("--help", KEY_HELP),
+    FUSE_OPT_KEY("-V", KEY_VERSION),
+    FUSE_OPT_KEY("--version", KEY_VERSION),
+    FUSE_OPT_END,
+};
+
+void ckpt__opts_help(void) {
+  printf(
+      "usage: ckptfs [-f] [-o OPT[,OPT...]] BACKING_DIR MOUNTPOINT\n"
+      "\n"
+      "Mount a ckptfs rank: files written under MOUNTPOINT/NAME/ form a\n"
+      "checkpoint; `echo sync > MOUNTPOINT/NAME/.commit` saves it to\n"
+      "BACKING_DIR. Under mpirun each process is one rank; %%r in\n"
+      "MOUNTPOINT is replaced by the rank.\n"
+      "\n"
+      "options:\n"
+      "  -f                      stay in the foreground\n"
+      "  -h, --help              print this help and exit\n"
+      "  -V, --version           print the version and exit\n"
+      "  -o staging_mem=SIZE     RAM for staged writes, K/M/G/T suffixes "
+      "(default: 25%% of RAM)\n"
+      "  -o commit_timeout=SEC   how long a commit waits for every rank "
+      "(default: 600)\n"
+      "  -o io_threads=N         threads writing data files per rank, 1-256 "
+      "(default: 4)\n"
+      "  -o sync_files=0|1       fsync data and metadata before a commit "
+      "succeeds (default: 1)\n"
+      "  -o replica_check=error|warn|off\n"
+      "                          replicas of one chunk that differ between "
+      "ranks (default: error)\n"
+      "  -o allow_other, -o default_permissions, ...\n"
+      "                          standard FUSE mount options\n");
+}
+
+int ckpt__parse_size(const char *s, uint64_t *out) {
+  if (!*s || *s < '0' || *s > '9')
+    return -EINVAL;
+  uint64_t v = 0;
+  const char *p = s;
+  for (; *p >= '0' && *p <= '9'; p++) {
+    uint64_t d = (uint64_t)(*p - '0');
+    if (v > (UINT64_MAX - d) / 10)
+      return -EINVAL;
+    v = v * 10 + d;
+  }
+  unsigned shift = 0;
+  switch (*p) {
+  case '\0':
+    break;
+  case 'k': case 'K': shift = 10; break;
+  case 'm': case 'M': shift = 20; break;
+  case 'g': case 'G': shift = 30; break;
+  case 't': case 'T': shift = 40; break;
+  default:
+    return -EINVAL;
+  }
+  if (shift) {
+    p++;
+    if (*p == 'i' || *p == 'I')
+      p++;
+    if (*p == 'b' || *p == 'B')
+      p++;
+  }
+  if (*p || (shift && v > (UINT64_MAX >> shift)))
+    return -EINVAL;
+  *out = v << shift;
+  return 0;
+}
+
+static int parse_uint(const char *s, uint64_t max, uint64_t *out) {
+  if (!*s || *s < '0' || *s > '9')
+    return -EINVAL;
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno || *end || v > max)
+    return -EINVAL;
+  *out = v;
+  return 0;
+}
+
+typedef struct {
+  ckpt_opts_t *o;
+  char *err; /* first problem */
+  int nonopts;
+} parse_state_t;
+
+/* Remember the first problem: "invalid NAME 'VALUE': expected WHAT". */
+static int bad(parse_state_t *ps, const char *name, const char *val,
+               const char *what) {
+  if (!ps->err)
+    ps->err = ckpt__strdup_printf("invalid %s '%s': expected %s", name, val,
+                                  what);
+  return 0; /* keep parsing; the error is reported after */
+}
+
+static int opt_proc(void *data, const char *arg, int key,
+                    struct fuse_args *outargs) {
+  (void)outargs;
+  parse_state_t *ps = data;
+  ckpt_opts_t *o = ps->o;
+  const char *val = strchr(arg, '=');
+  val = val ? val + 1 : "";
+  uint64_t v;
+  switch (key) {
+  case KEY_STAGING_MEM:
+    if (ckpt__parse_size(val, &v) || v == 0)
+      return bad(ps, "staging_mem", val, "a size like 512M or 4G");
+    o->staging_mem = v;
+    return 0;
+  case KEY_COMMIT_TIMEOUT: {
+    char *end;
+    errno = 0;
+    double t = strtod(val, &end);
+    if (!*val || *end || errno || !(t > 0) || t > 1e9)
+      return bad(ps, "commit_timeout", val, "seconds > 0");
+    o->commit_timeout = t;
+    return 0;
+  }
+  case KEY_IO_THREADS:
+    if (parse_uint(val, 256, &v) || v == 0)
+      return bad(ps, "io_threads", val, "1 to 256");
+    o->io_threads = (uint32_t)v;
+    return 0;
+  case KEY_SYNC_FILES:
+    if (strcmp(val, "0") && strcmp(val, "1"))
+      return bad(ps, "sync_files", val, "0 or 1");
+    o->sync_files = val[0] == '1';
+    return 0;
+  case KEY_REPLICA_CHECK:
+    if (!strcmp(val, "error"))
+      o->replica_check = CKPT_REPLICA_ERROR;
+    else if (!strcmp(val, "warn"))
+      o->replica_check = CKPT_REPLICA_WARN;
+    else if (!strcmp(val, "off"))
+      o->replica_check = CKPT_REPLICA_OFF;
+    else
+      return bad(ps, "replica_check", val, "error, warn or off");
+    return 0;
+  case KEY_FOREGROUND:
+    o->foreground = true;
+    return 0;
+  case KEY_HELP:
+    o->show_help = true;
+    return 0;
+  case KEY_VERSION:
+    o->show_version = true;
+    return 0;
+  case FUSE_OPT_KEY_NONOPT:
+    ps->nonopts++;
+    if (!o->backing_dir)
+      o->backing_dir = strdup(arg);
+    else if (!o->mountpoint)
+      o->mountpoint = strdup(arg);
+    else
+      return bad(ps, "argument", arg, "only BACKING_DIR and MOUNTPOINT");
+    return 0;
+  default:
+    return 1; /* a FUSE option: keep it */
+  }
+}
+
+static uint64_t default_staging_mem(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || psize <= 0)
+    return (uint64_t)1 << 30;
+  return (uint64_t)pages * (uint64_t)psize / 4;
+}
+
+int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
+  memset(o, 0, sizeof(*o));
+  o->staging_mem = default_staging_mem();
+  o->commit_timeout = 600;
+  o->io_threads = 4;
+  o->sync_files = true;
+  o->replica_check = CKPT_REPLICA_ERROR;
+  parse_state_t ps = {.o = o};
+  if (fuse_opt_parse(args, &ps, opt_spec, opt_proc) == -1 && !ps.err)
+    ps.err = strdup("cannot parse the options");
+  if (!ps.err && !o->show_help && !o->show_version &&
+      (!o->backing_dir || !o->mountpoint))
+    ps.err = strdup("missing BACKING_DIR or MOUNTPOINT "
+                    "(usage: ckptfs [-f] [-o OPT,...] BACKING_DIR "
+                    "MOUNTPOINT)");
+  if (ps.err) {
+    *err = ps.err;
+    return -EINVAL;
+  }
+  return 0;
+}
+
+void ckpt__opts_free(ckpt_opts_t *o) {
+  free(o->backing_dir);
+  free(o->mountpoint);
+  o->backing_dir = o->mountpoint = NULL;
+}

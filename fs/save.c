@@ -1,0 +1,577 @@
+/*
+ * save.c - one checkpoint save of this rank: the steps that dist runs.
+ *
+ *   ckpt__save_begin  (FUSE thread) freeze the staged files, queue the job
+ *   local_step        hash every staged file, describe it: the local plan
+ *   global_step       coordinator: ckpt_plan_global, one plan per rank
+ *   write_step        write this rank's items into __R_K.distcp, K <
+ *                     io_threads, one worker per file, fsync (sync_files)
+ *   finish_step       coordinator: publish .metadata (metadb.c)
+ *   discard_step      failed save: remove what was written
+ *   save_done         every rank: show the committed view, or the reason
+ *
+ * Every step but ckpt__save_begin runs on the dist thread.
+ */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "fs_int.h"
+#include "metadb.h"
+
+/* Bytes gathered into one pwritev. */
+#define WRITE_BATCH (8u << 20)
+
+typedef struct ckpt_save {
+  ckpt_dist_job_t job;   /* first: dist hands it back */
+  ckpt_fs_t *fs;
+  ckpt_ckpt_t *ck;       /* referenced */
+  bool sync;             /* a sync commit waits in req */
+  fuse_req_t req;
+  size_t reply_size;
+  uint32_t nfiles;
+  ckpt_node_t **files;   /* the frozen staged files, referenced */
+  char **paths;          /* their paths in the checkpoint */
+  uint64_t *checksums;   /* XXH3-64 of each file */
+  ckpt_global_plan_t gp; /* coordinator: the global plan */
+  bool have_gp;
+  ckpt_rank_plan_t rp;   /* this rank's plan */
+  bool have_rp;
+  int dirfd;             /* BACKING_DIR/NAME, flock'ed shared, or -1 */
+} ckpt_save_t;
+
+static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
+  pthread_mutex_lock(&fs->lock);
+  for (uint32_t i = 0; i < s->nfiles; i++)
+    ckpt__node_unref(fs, s->files[i]);
+  s->ck->save = NULL;
+  ckpt__ckpt_unref(fs, s->ck);
+  pthread_mutex_unlock(&fs->lock);
+  for (uint32_t i = 0; i < s->nfiles; i++)
+    free(s->paths[i]);
+  free(s->paths);
+  free(s->files);
+  free(s->checksums);
+  if (s->have_gp)
+    ckpt_global_plan_free(&s->gp);
+  if (s->have_rp)
+    ckpt_rank_plan_free(&s->rp);
+  if (s->dirfd >= 0)
+    close(s->dirfd);
+  free(s);
+}
+
+/* Collect the staged files below dir (depth first). fs->lock held. */
+static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
+  for (ckpt_node_t *c = dir->children; c; c = c->next) {
+    if (c->kind == CKPT_NODE_SDIR) {
+      int rc = collect_files(s, c, cap);
+      if (rc)
+        return rc;
+      continue;
+    }
+    if (c->kind != CKPT_NODE_SFILE)
+      continue;
+    if (s->nfiles == *cap) {
+      uint32_t ncap = *cap ? *cap * 2 : 64;
+      ckpt_node_t **f = realloc(s->files, ncap * sizeof(*f));
+      if (!f)
+        return -ENOMEM;
+      s->files = f;
+      char **p = realloc(s->paths, ncap * sizeof(*p));
+      if (!p)
+        return -ENOMEM;
+      s->paths = p;
+      *cap = ncap;
+    }
+    s->paths[s->nfiles] = ckpt__node_path(c);
+    if (!s->paths[s->nfiles])
+      return -ENOMEM;
+    ckpt__node_ref(c);
+    s->files[s->nfiles++] = c;
+  }
+  return 0;
+}
+
+int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
+                     fuse_req_t req, size_t reply_size) {
+  ckpt_save_t *s = calloc(1, sizeof(*s));
+  if (!s)
+    return -ENOMEM;
+  s->fs = fs;
+  s->ck = ck;
+  s->sync = sync;
+  s->req = req;
+  s->reply_size = reply_size;
+  s->dirfd = -1;
+  s->job.user = s;
+  snprintf(s->job.name, sizeof(s->job.name), "%s", ck->name);
+
+  /* Freeze: no data change of this checkpoint is in progress once we hold
+   * the freeze lock, and none starts after the state change. */
+  pthread_rwlock_wrlock(&ck->freeze);
+  pthread_mutex_lock(&fs->lock);
+  int rc = 0;
+  uint32_t cap = 0;
+  if (ck->state == CKPT_COMMITTING)
+    rc = -EBUSY;
+  else if (ck->state == CKPT_COMMITTED)
+    rc = -EROFS;
+  else
+    rc = collect_files(s, ck->dir, &cap);
+  if (rc == 0) {
+    ck->state = CKPT_COMMITTING;
+    free(ck->reason);
+    ck->reason = NULL;
+    atomic_store(&ck->bytes_total, 0);
+    atomic_store(&ck->bytes_done, 0);
+    ck->save = s;
+    ck->refs++;
+  } else {
+    for (uint32_t i = 0; i < s->nfiles; i++)
+      ckpt__node_unref(fs, s->files[i]);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  pthread_rwlock_unlock(&ck->freeze);
+  if (rc) {
+    for (uint32_t i = 0; i < s->nfiles; i++)
+      free(s->paths[i]);
+    free(s->paths);
+    free(s->files);
+    free(s);
+    return rc;
+  }
+  ckpt_dist_submit(fs->dist, &s->job);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * local_step: checksums and the local plan.
+ * ---------------------------------------------------------------------- */
+
+static int hash_piece(void *arg, const void *p, size_t n) {
+  return XXH3_64bits_update(arg, p, n) == XXH_OK ? 0 : -EIO;
+}
+
+static int hash_file(void *arg, uint32_t i) {
+  ckpt_save_t *s = arg;
+  XXH3_state_t *st = XXH3_createState();
+  if (!st)
+    return -ENOMEM;
+  XXH3_64bits_reset(st);
+  int rc = ckpt__sfile_walk(s->files[i]->u.sf, hash_piece, st);
+  s->checksums[i] = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return rc;
+}
+
+/* Describe staged file i in lp (or record why it cannot be saved). */
+static int describe_file(ckpt_save_t *s, uint32_t i, ckpt_local_plan_t *lp) {
+  ckpt_sfile_t *sf = s->files[i]->u.sf;
+  const char *path = s->paths[i];
+  char *const *x = sf->xattr;
+  uint64_t len = sf->size;
+  int rank = s->fs->rank;
+  if (!x[CKPT_X_DTYPE]) {
+    for (int k = CKPT_X_SHAPE; k < CKPT_X_COUNT; k++)
+      if (x[k])
+        return ckpt_local_plan_add_error(
+            lp, "%s: rank %d: %s is set but user.ckpt.dtype is missing", path,
+            rank, ckpt__xattr_names[k]);
+    return ckpt_local_plan_add_bytes(lp, path, len, s->checksums[i], i);
+  }
+  if (!x[CKPT_X_SHAPE])
+    return ckpt_local_plan_add_error(
+        lp, "%s: rank %d: user.ckpt.dtype is set but user.ckpt.shape is "
+            "missing", path, rank);
+  ckpt_dtype_t dt;
+  ckpt_dims_t shape, offs, sizes;
+  bool has_offs = x[CKPT_X_OFFSETS] != NULL, has_sizes = x[CKPT_X_SIZES];
+  /* Values were validated by setxattr; parse them again for the plan. */
+  if (ckpt_dtype_parse(x[CKPT_X_DTYPE], strlen(x[CKPT_X_DTYPE]), &dt) ||
+      ckpt_dims_parse(x[CKPT_X_SHAPE], strlen(x[CKPT_X_SHAPE]), &shape) ||
+      (has_offs && ckpt_dims_parse(x[CKPT_X_OFFSETS],
+                                   strlen(x[CKPT_X_OFFSETS]), &offs)) ||
+      (has_sizes &&
+       ckpt_dims_parse(x[CKPT_X_SIZES], strlen(x[CKPT_X_SIZES]), &sizes)))
+    return ckpt_local_plan_add_error(lp, "%s: rank %d: invalid xattrs", path,
+                                     rank);
+  bool nonzero = false;
+  for (int k = 0; has_offs && k < offs.ndim; k++)
+    nonzero |= offs.d[k] != 0;
+  if (nonzero && !has_sizes)
+    return ckpt_local_plan_add_error(
+        lp, "%s: rank %d: user.ckpt.offsets is %s but user.ckpt.sizes is "
+            "missing", path, rank, x[CKPT_X_OFFSETS]);
+  if ((has_offs && offs.ndim != shape.ndim) ||
+      (has_sizes && sizes.ndim != shape.ndim))
+    return ckpt_local_plan_add_error(
+        lp, "%s: rank %d: offsets/sizes have %d/%d dimensions, shape %s has "
+            "%d", path, rank, has_offs ? offs.ndim : shape.ndim,
+        has_sizes ? sizes.ndim : shape.ndim, x[CKPT_X_SHAPE], shape.ndim);
+  return ckpt_local_plan_add_tensor(lp, path, dt, shape.ndim, shape.d,
+                                    has_offs ? offs.d : NULL,
+                                    has_sizes ? sizes.d : NULL, len,
+                                    s->checksums[i], i);
+}
+
+static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
+                      char **err) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  ckpt_local_plan_t lp;
+  ckpt_local_plan_init(&lp, fs->rank);
+  s->checksums = calloc(s->nfiles ? s->nfiles : 1, sizeof(*s->checksums));
+  int rc = s->checksums ? 0 : -ENOMEM;
+  if (rc == 0)
+    rc = ckpt__pool_run(fs->pool, s->nfiles, hash_file, s);
+  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++)
+    rc = describe_file(s, i, &lp);
+  if (rc == 0)
+    rc = ckpt_msg_encode_local_plan(&lp, out);
+  if (rc)
+    *err = ckpt__strdup_printf("rank %d: building the local plan: %s",
+                               fs->rank, strerror(-rc));
+  ckpt_local_plan_free(&lp);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * global_step (coordinator).
+ * ---------------------------------------------------------------------- */
+
+static bool already_committed(ckpt_fs_t *fs, const char *name) {
+  char path[300];
+  snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
+  return faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+static char *new_save_id(void) {
+  uint8_t r[16];
+  if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    memcpy(r, &ts, sizeof(r) < sizeof(ts) ? sizeof(r) : sizeof(ts));
+  }
+  char *id = malloc(33);
+  if (id)
+    for (int i = 0; i < 16; i++)
+      snprintf(id + 2 * i, 3, "%02x", r[i]);
+  return id;
+}
+
+static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
+                       int n, ckpt_buf_t *rank_plans, char **err) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  if (already_committed(fs, job->name)) {
+    *err = ckpt__strdup_printf("%s: a checkpoint of this name is already "
+                               "committed in %s", job->name, fs->backing_path);
+    return -EEXIST;
+  }
+  ckpt_local_plan_t *locals = calloc((size_t)n, sizeof(*locals));
+  if (!locals)
+    return -ENOMEM;
+  int rc = 0;
+  for (int r = 0; r < n && rc == 0; r++) {
+    rc = ckpt_msg_decode_local_plan(plans[r].data, plans[r].len, &locals[r]);
+    if (rc)
+      *err = ckpt__strdup_printf("rank %d: malformed local plan", r);
+    else if (locals[r].rank != r)
+      rc = -EINVAL, *err = ckpt__strdup_printf(
+                        "rank %d: local plan claims rank %d", r,
+                        locals[r].rank);
+  }
+  ckpt_plan_opts_t opts = {.io_threads = fs->opts.io_threads,
+                           .replica_check = fs->opts.replica_check};
+  if (rc == 0)
+    rc = ckpt_plan_global(locals, n, &opts, &s->gp);
+  if (rc == 0) {
+    s->have_gp = true;
+    if (s->gp.warnings)
+      ckpt__log("%s: %s", job->name, s->gp.warnings);
+    if (s->gp.errors) {
+      *err = strdup(s->gp.errors);
+      rc = -EINVAL;
+    }
+  }
+  if (rc == 0) {
+    s->gp.meta.name = strdup(job->name);
+    s->gp.meta.save_id = new_save_id();
+    s->gp.meta.created_at = (int64_t)time(NULL);
+    if (!s->gp.meta.name || !s->gp.meta.save_id)
+      rc = -ENOMEM;
+  }
+  for (int r = 0; r < n && rc == 0; r++)
+    rc = ckpt_msg_encode_rank_plan(&s->gp.ranks[r], &rank_plans[r]);
+  for (int r = 0; r < n; r++)
+    ckpt_local_plan_free(&locals[r]);
+  free(locals);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * write_step: one worker per data file.
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+  ckpt_save_t *s;
+  int fd;
+  const char *file;     /* name, for errors */
+  struct iovec iov[IOV_MAX];
+  int niov;
+  uint64_t batch_off;   /* file offset of iov[0] */
+  uint64_t batch_len;
+  int err;              /* errno of a failed write */
+} writer_t;
+
+static int flush_batch(writer_t *w) {
+  uint64_t off = w->batch_off;
+  struct iovec *iov = w->iov;
+  int niov = w->niov;
+  while (niov > 0) {
+    ssize_t r = pwritev(w->fd, iov, niov, (off_t)off);
+    if (r < 0) {
+      if (errno == EINTR)
+        continue;
+      w->err = errno;
+      return -errno;
+    }
+    if (r == 0) {
+      w->err = EIO;
+      return -EIO;
+    }
+    off += (uint64_t)r;
+    atomic_fetch_add(&w->s->ck->bytes_done, (uint64_t)r);
+    while (niov > 0 && (size_t)r >= iov->iov_len) {
+      r -= (ssize_t)iov->iov_len;
+      iov++, niov--;
+    }
+    if (niov > 0) {
+      iov->iov_base = (char *)iov->iov_base + r;
+      iov->iov_len -= (size_t)r;
+    }
+  }
+  w->batch_off += w->batch_len;
+  w->batch_len = 0;
+  w->niov = 0;
+  return 0;
+}
+
+static int add_piece(void *arg, const void *p, size_t n) {
+  writer_t *w = arg;
+  if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
+    int rc = flush_batch(w);
+    if (rc)
+      return rc;
+  }
+  w->iov[w->niov].iov_base = (void *)p;
+  w->iov[w->niov].iov_len = n;
+  w->niov++;
+  w->batch_len += n;
+  return 0;
+}
+
+static int write_file(void *arg, uint32_t k) {
+  ckpt_save_t *s = arg;
+  ckpt_fs_t *fs = s->fs;
+  char name[64];
+  ckpt_data_file_name(fs->rank, k, name, sizeof(name));
+  writer_t *w = calloc(1, sizeof(*w));
+  if (!w)
+    return -ENOMEM;
+  w->s = s;
+  w->file = name;
+  w->fd = openat(s->dirfd, name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
+                 0600);
+  int rc = w->fd < 0 ? -(w->err = errno) : 0;
+  for (uint32_t a = 0; rc == 0 && a < s->rp.n_assign; a++) {
+    const ckpt_assignment_t *as = &s->rp.assign[a];
+    if (as->file != k || as->length == 0)
+      continue;
+    if (as->file_offset != w->batch_off + w->batch_len &&
+        (rc = flush_batch(w)) == 0)
+      w->batch_off = as->file_offset;
+    if (rc == 0)
+      rc = ckpt__sfile_walk(s->files[as->local_id]->u.sf, add_piece, w);
+  }
+  if (rc == 0)
+    rc = flush_batch(w);
+  if (rc == 0 && ftruncate(w->fd, (off_t)s->rp.file_bytes[k]))
+    rc = -(w->err = errno);
+  if (rc == 0 && fs->opts.sync_files && fsync(w->fd))
+    rc = -(w->err = errno);
+  if (w->fd >= 0 && close(w->fd) && rc == 0)
+    rc = -(w->err = errno);
+  if (rc)
+    ckpt__log("%s: writing %s: %s", s->job.name, name,
+              strerror(w->err ? w->err : -rc));
+  int e = rc ? (w->err ? -w->err : rc) : 0;
+  free(w);
+  return e;
+}
+
+static int write_step(void *ctx, ckpt_dist_job_t *job,
+                      const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  int rc = ckpt_msg_decode_rank_plan(plan->data, plan->len, &s->rp);
+  if (rc) {
+    *err = ckpt__strdup_printf("rank %d: malformed plan from the coordinator",
+                               fs->rank);
+    return rc;
+  }
+  s->have_rp = true;
+  for (uint32_t a = 0; a < s->rp.n_assign; a++)
+    if (s->rp.assign[a].local_id >= s->nfiles ||
+        s->rp.assign[a].file >= s->rp.n_files) {
+      *err = ckpt__strdup_printf("rank %d: plan names an unknown item",
+                                 fs->rank);
+      return -EINVAL;
+    }
+  uint64_t total = 0;
+  for (uint32_t k = 0; k < s->rp.n_files; k++)
+    total += s->rp.file_bytes[k];
+  atomic_store(&s->ck->bytes_total, total);
+
+  if (mkdirat(fs->backing_fd, job->name, 0700) && errno != EEXIST) {
+    rc = -errno;
+    *err = ckpt__strdup_printf("rank %d: creating %s/%s: %s", fs->rank,
+                               fs->backing_path, job->name, strerror(errno));
+    return rc;
+  }
+  s->dirfd = openat(fs->backing_fd, job->name,
+                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (s->dirfd < 0 || flock(s->dirfd, LOCK_SH)) {
+    rc = -errno;
+    *err = ckpt__strdup_printf("rank %d: opening %s/%s: %s", fs->rank,
+                               fs->backing_path, job->name, strerror(errno));
+    return rc;
+  }
+  rc = ckpt__pool_run(fs->pool, s->rp.n_files, write_file, s);
+  if (rc) {
+    *err = ckpt__strdup_printf("rank %d: writing data files in %s/%s: %s",
+                               fs->rank, fs->backing_path, job->name,
+                               strerror(-rc));
+    return rc;
+  }
+  ckpt_write_result_t wr = {.rank = fs->rank, .bytes_written = total};
+  return ckpt_msg_encode_write_result(&wr, out);
+}
+
+/* ------------------------------------------------------------------------
+ * finish_step (coordinator), discard_step, done.
+ * ---------------------------------------------------------------------- */
+
+static int finish_step(void *ctx, ckpt_dist_job_t *job,
+                       const ckpt_buf_t *results, int n, char **err) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  for (int r = 0; r < n; r++) {
+    ckpt_write_result_t wr;
+    int rc = ckpt_msg_decode_write_result(results[r].data, results[r].len,
+                                          &wr);
+    uint64_t want = 0;
+    for (uint32_t k = 0; rc == 0 && k < s->gp.ranks[r].n_files; k++)
+      want += s->gp.ranks[r].file_bytes[k];
+    if (rc == 0 && (wr.rank != r || wr.bytes_written != want)) {
+      *err = ckpt__strdup_printf("rank %d: wrote %llu bytes, %llu planned", r,
+                                 (unsigned long long)wr.bytes_written,
+                                 (unsigned long long)want);
+      rc = -EIO;
+    } else if (rc) {
+      *err = ckpt__strdup_printf("rank %d: malformed write result", r);
+    }
+    ckpt_write_result_free(&wr);
+    if (rc)
+      return rc;
+  }
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof(dir), "%s/%s", fs->backing_path, job->name);
+  int rc = ckpt_metadb_publish(dir, &s->gp.meta, fs->opts.sync_files, err);
+  /* The NAME entry itself must be durable too. */
+  if (rc == 0 && fs->opts.sync_files && fsync(fs->backing_fd)) {
+    rc = -errno;
+    *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
+                               strerror(errno));
+  }
+  return rc;
+}
+
+static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  if (!all_done) {
+    for (uint32_t k = 0; s->have_rp && s->dirfd >= 0 && k < s->rp.n_files;
+         k++) {
+      char name[64];
+      ckpt_data_file_name(fs->rank, k, name, sizeof(name));
+      unlinkat(s->dirfd, name, 0);
+    }
+    return;
+  }
+  /* Coordinator, every rank done: the global step refused an existing
+   * checkpoint, so whatever is in BACKING_DIR/NAME is this save's. */
+  if (s->have_gp && !s->gp.errors) {
+    ckpt__remove_tree(fs->backing_fd, job->name);
+    if (fs->opts.sync_files)
+      fsync(fs->backing_fd);
+  }
+}
+
+static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
+                      const char *reason) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  ckpt_ckpt_t *ck = s->ck;
+  char *err = NULL;
+  if (rc == 0) {
+    /* Every rank shows the global checkpoint, from the shared metadata. */
+    if (s->dirfd >= 0)
+      flock(s->dirfd, LOCK_UN);
+    if (ckpt__fs_load_one(fs, job->name, &err)) {
+      ckpt__log("%s: committed, but cannot show it: %s", job->name,
+                err ? err : "unknown error");
+      pthread_mutex_lock(&fs->lock);
+      ck->state = CKPT_FAILED;
+      ck->reason = ckpt__strdup_printf("committed, but cannot be shown: %s",
+                                       err ? err : "unknown error");
+      pthread_mutex_unlock(&fs->lock);
+      rc = -EIO;
+    }
+    free(err);
+  } else {
+    pthread_mutex_lock(&fs->lock);
+    ck->state = CKPT_FAILED;
+    ck->reason = strdup(reason ? reason : "unknown error");
+    pthread_mutex_unlock(&fs->lock);
+    ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
+  }
+  if (s->sync) {
+    if (rc == 0)
+      fuse_reply_write(s->req, s->reply_size);
+    else
+      fuse_reply_err(s->req, EIO);
+  }
+  save_free(fs, s);
+}
+
+const ckpt_save_ops_t ckpt__save_ops = {
+    .local_step = local_step,
+    .global_step = global_step,
+    .write_step = write_step,
+    .finish_step = finish_step,
+    .discard_step = discard_step,
+    .done = save_done,
+};

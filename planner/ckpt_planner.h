@@ -1,0 +1,344 @@
+/*
+ * ckpt_planner.h - the pure planning logic of ckptfs.
+ *
+ * Everything here is plain computation on memory: no I/O, no FUSE, no MPI,
+ * no SQLite. It is what DCP's planner does (local plan, global plan with
+ * dedup and validation, assignment of items to data files) plus the parsers
+ * of the user-visible values (dtypes, shape/offsets/sizes lists, names) and
+ * the binary messages that carry plans between ranks.
+ *
+ * Conventions: functions return 0 on success and a negative errno on
+ * failure (-EINVAL for bad input, -ENOMEM, -EOVERFLOW). Strings in structs
+ * are owned by the struct and released by its _free function.
+ */
+#ifndef CKPT_PLANNER_H
+#define CKPT_PLANNER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Most dimensions a tensor may have (PyTorch's own limit is 64). */
+#define CKPT_MAX_NDIM 64
+
+/* Largest dimension value accepted in a list (fits int64 with room). */
+#define CKPT_DIM_MAX INT64_MAX
+
+/* ------------------------------------------------------------------------
+ * Growable byte buffer (messages, text).
+ * ---------------------------------------------------------------------- */
+typedef struct {
+  uint8_t *data; /* owned; NUL-terminated when used as text */
+  size_t len;    /* bytes used */
+  size_t cap;    /* bytes allocated */
+} ckpt_buf_t;
+
+void ckpt_buf_init(ckpt_buf_t *b);
+void ckpt_buf_free(ckpt_buf_t *b);
+int ckpt_buf_reserve(ckpt_buf_t *b, size_t extra);
+int ckpt_buf_append(ckpt_buf_t *b, const void *p, size_t n);
+/* printf-style append; keeps data NUL-terminated. */
+int ckpt_buf_printf(ckpt_buf_t *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Take ownership of the contents as a NUL-terminated string (never NULL on
+ * success); the buffer is left empty. */
+char *ckpt_buf_steal(ckpt_buf_t *b);
+
+/* ------------------------------------------------------------------------
+ * Dtypes.
+ * ---------------------------------------------------------------------- */
+typedef enum {
+  CKPT_DTYPE_INVALID = -1,
+  CKPT_DTYPE_BOOL = 0,
+  CKPT_DTYPE_UINT8,
+  CKPT_DTYPE_INT8,
+  CKPT_DTYPE_INT16,
+  CKPT_DTYPE_INT32,
+  CKPT_DTYPE_INT64,
+  CKPT_DTYPE_FLOAT16,
+  CKPT_DTYPE_BFLOAT16,
+  CKPT_DTYPE_FLOAT32,
+  CKPT_DTYPE_FLOAT64,
+  CKPT_DTYPE_COMPLEX64,
+  CKPT_DTYPE_COMPLEX128,
+  CKPT_DTYPE_FLOAT8_E4M3FN,
+  CKPT_DTYPE_FLOAT8_E5M2,
+  CKPT_DTYPE_COUNT
+} ckpt_dtype_t;
+
+/* Parse a dtype name of len bytes (not NUL-terminated necessarily):
+ * canonical names, torch.X, numpy names and type strings (<f4, |b1, ...),
+ * safetensors names (F32, BF16, F8_E4M3, ...). Surrounding whitespace and
+ * one trailing newline are ignored. Returns 0 or -EINVAL. */
+int ckpt_dtype_parse(const char *s, size_t len, ckpt_dtype_t *out);
+/* Canonical name ("float32"); NULL for an invalid dtype. */
+const char *ckpt_dtype_name(ckpt_dtype_t dt);
+/* Item size in bytes; 0 for an invalid dtype. */
+size_t ckpt_dtype_size(ckpt_dtype_t dt);
+
+/* ------------------------------------------------------------------------
+ * Dimension lists: shape, offsets, sizes.
+ * ---------------------------------------------------------------------- */
+typedef struct {
+  int ndim;                 /* 0 for a 0-d scalar */
+  int64_t d[CKPT_MAX_NDIM]; /* each >= 0 */
+} ckpt_dims_t;
+
+/* Parse "4096,1024", "[4096, 1024]", "" or "[]" (0-d), with optional
+ * whitespace and one trailing newline. Negative numbers, non-digits,
+ * overflow, empty elements, more than CKPT_MAX_NDIM: -EINVAL. */
+int ckpt_dims_parse(const char *s, size_t len, ckpt_dims_t *out);
+
+typedef enum {
+  CKPT_DIMS_CSV,  /* 4096,1024 (empty string for 0-d) */
+  CKPT_DIMS_JSON, /* [4096,1024] ([] for 0-d) */
+} ckpt_dims_style_t;
+
+/* Format into buf (always NUL-terminated if cap > 0). Returns the length
+ * the full text needs (excluding NUL), like snprintf. */
+int ckpt_dims_format(const int64_t *d, int ndim, ckpt_dims_style_t style,
+                     char *buf, size_t cap);
+/* Product of d[0..ndim-1] (1 for ndim 0); -EOVERFLOW beyond UINT64_MAX
+ * (a zero dimension makes it 0, however large the others); -EINVAL for a
+ * negative dimension. */
+int ckpt_dims_numel(const int64_t *d, int ndim, uint64_t *out);
+
+/* ------------------------------------------------------------------------
+ * Names and FQNs.
+ * ---------------------------------------------------------------------- */
+/* A checkpoint name: [A-Za-z0-9_.-]+, not starting with '.', at most 255
+ * bytes. */
+bool ckpt_name_valid(const char *name);
+/* FQN of a path relative to the checkpoint ("model/l0/w" -> "model.l0.w").
+ * Returns a malloc'd string or NULL on ENOMEM. */
+char *ckpt_fqn_from_path(const char *path);
+/* Name of data file K of rank R: "__R_K.distcp". snprintf semantics. */
+int ckpt_data_file_name(int32_t rank, uint32_t k, char *buf, size_t cap);
+/* Parse "__R_K.distcp"; -EINVAL if the name is not of that form. */
+int ckpt_data_file_parse(const char *name, int32_t *rank, uint32_t *k);
+
+/* ------------------------------------------------------------------------
+ * The save plan (after DCP's SavePlan / WriteItem).
+ * ---------------------------------------------------------------------- */
+typedef enum {
+  CKPT_ITEM_TENSOR = 0, /* a chunk of a tensor */
+  CKPT_ITEM_BYTES = 1,  /* an opaque blob */
+} ckpt_item_kind_t;
+
+/* One item a rank has staged. */
+typedef struct {
+  char *fqn;             /* owned, e.g. "model.layer0.weight" */
+  char *path;            /* owned, relative path: "model/layer0/weight" */
+  ckpt_item_kind_t kind;
+  ckpt_dtype_t dtype;    /* tensors only */
+  int ndim;              /* tensors only */
+  int64_t *dims;         /* owned, 3*ndim: shape, then offsets, then sizes */
+  uint64_t length;       /* bytes staged */
+  uint64_t checksum;     /* XXH3-64 of the staged bytes */
+  uint32_t local_id;     /* the rank's own handle for the item */
+} ckpt_write_item_t;
+
+static inline const int64_t *ckpt_item_shape(const ckpt_write_item_t *it) {
+  return it->dims;
+}
+static inline const int64_t *ckpt_item_offsets(const ckpt_write_item_t *it) {
+  return it->dims + it->ndim;
+}
+static inline const int64_t *ckpt_item_sizes(const ckpt_write_item_t *it) {
+  return it->dims + 2 * it->ndim;
+}
+
+/* The local plan of one rank: every staged item, plus the problems the
+ * rank found while building it (e.g. a missing required xattr). */
+typedef struct {
+  int32_t rank;
+  uint32_t n_items;
+  uint32_t cap_items;
+  ckpt_write_item_t *items; /* owned */
+  char *errors;             /* owned, NULL or newline-separated reasons */
+} ckpt_local_plan_t;
+
+void ckpt_local_plan_init(ckpt_local_plan_t *lp, int32_t rank);
+void ckpt_local_plan_free(ckpt_local_plan_t *lp);
+/* Append a tensor chunk; shape/offsets/sizes are copied. offsets NULL means
+ * all zeros, sizes NULL means the shape. Does not validate (the global plan
+ * does, so that every problem of every rank is reported together). */
+int ckpt_local_plan_add_tensor(ckpt_local_plan_t *lp, const char *path,
+                               ckpt_dtype_t dtype, int ndim,
+                               const int64_t *shape, const int64_t *offsets,
+                               const int64_t *sizes, uint64_t length,
+                               uint64_t checksum, uint32_t local_id);
+int ckpt_local_plan_add_bytes(ckpt_local_plan_t *lp, const char *path,
+                              uint64_t length, uint64_t checksum,
+                              uint32_t local_id);
+/* Record a problem found locally (appended to lp->errors). */
+int ckpt_local_plan_add_error(ckpt_local_plan_t *lp, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* What one rank must write: item local_id goes to data file K at offset. */
+typedef struct {
+  uint32_t local_id;
+  uint32_t file;        /* K in __R_K.distcp */
+  uint64_t file_offset; /* where the item's bytes start in that file */
+  uint64_t length;
+} ckpt_assignment_t;
+
+typedef struct {
+  int32_t rank;
+  uint32_t n_files;      /* files K = 0 .. n_files-1 */
+  uint64_t *file_bytes;  /* owned, n_files: final size of each file */
+  uint32_t n_assign;
+  ckpt_assignment_t *assign; /* owned, grouped by file, by file_offset */
+} ckpt_rank_plan_t;
+
+void ckpt_rank_plan_free(ckpt_rank_plan_t *rp);
+
+/* ------------------------------------------------------------------------
+ * Checkpoint metadata: the in-memory form of the SQLite .metadata.
+ * ---------------------------------------------------------------------- */
+typedef struct {
+  char *fqn;          /* owned */
+  char *path;         /* owned */
+  ckpt_dtype_t dtype;
+  int ndim;
+  int64_t *shape;     /* owned, ndim */
+  uint32_t first_chunk; /* chunks[first_chunk .. first_chunk+n_chunks-1] */
+  uint32_t n_chunks;
+} ckpt_tensor_meta_t;
+
+typedef struct {
+  uint32_t tensor;      /* index into tensors */
+  int64_t *dims;        /* owned, 2*ndim of the tensor: offsets then sizes */
+  int32_t rank;         /* rank that stored it */
+  uint32_t file;        /* K: stored in __rank_K.distcp */
+  uint64_t file_offset;
+  uint64_t length;
+  uint64_t checksum;    /* XXH3-64 of the stored bytes */
+} ckpt_chunk_meta_t;
+
+typedef struct {
+  char *fqn;  /* owned */
+  char *path; /* owned */
+  int32_t rank;
+  uint32_t file;
+  uint64_t file_offset;
+  uint64_t length;
+  uint64_t checksum;
+} ckpt_blob_meta_t;
+
+typedef struct {
+  char *name;          /* owned: checkpoint name */
+  char *save_id;       /* owned: unique id of this save (hex) */
+  int32_t world_size;
+  int64_t created_at;  /* seconds since the epoch, UTC */
+  uint32_t n_tensors;
+  ckpt_tensor_meta_t *tensors; /* owned, sorted by fqn */
+  uint32_t n_chunks;
+  ckpt_chunk_meta_t *chunks;   /* owned, grouped by tensor, each group
+                                  sorted by offsets (row-major order) */
+  uint32_t n_blobs;
+  ckpt_blob_meta_t *blobs;     /* owned, sorted by fqn */
+} ckpt_metadata_t;
+
+void ckpt_metadata_free(ckpt_metadata_t *m);
+
+/* ------------------------------------------------------------------------
+ * The global plan (coordinator).
+ * ---------------------------------------------------------------------- */
+typedef enum {
+  CKPT_REPLICA_ERROR = 0, /* differing replicas fail the commit */
+  CKPT_REPLICA_WARN,      /* they are reported as warnings, one is kept */
+  CKPT_REPLICA_OFF,       /* not compared */
+} ckpt_replica_check_t;
+
+typedef struct {
+  uint32_t io_threads;           /* data files per rank, >= 1 */
+  ckpt_replica_check_t replica_check;
+} ckpt_plan_opts_t;
+
+typedef struct {
+  int32_t world_size;
+  ckpt_rank_plan_t *ranks; /* owned, world_size entries, rank order */
+  ckpt_metadata_t meta;    /* name/save_id/created_at left for the caller */
+  char *errors;   /* owned: NULL if the plan is valid, else the reasons,
+                     one per line, naming fqn, path, ranks and numbers */
+  char *warnings; /* owned: NULL or one per line (replica_check=warn) */
+} ckpt_global_plan_t;
+
+/*
+ * Build the global plan from every rank's local plan (locals[r].rank == r):
+ *  1. errors reported by the ranks themselves are collected;
+ *  2. items are grouped by FQN; a FQN is either bytes or tensor everywhere,
+ *     has one path, one dtype and one shape;
+ *  3. each chunk: length == prod(sizes) x itemsize, inside the shape;
+ *  4. identical chunks (same FQN, offsets and sizes) on several ranks are
+ *     replicas: their checksums are compared (replica_check) and one copy
+ *     is kept, written by the holder with the least bytes so far (greedy,
+ *     largest first, after every rank's unique items are counted);
+ *  5. the kept chunks of each tensor must not overlap and must cover it
+ *     exactly (O(n log n) in the number of chunks);
+ *  6. each rank's kept items are spread over io_threads data files,
+ *     balanced by bytes (largest first into the least full file), and
+ *     given their file offsets;
+ *  7. meta lists every tensor with its chunks and every blob.
+ * Returns 0 when a plan was computed (check out->errors), -ENOMEM or
+ * -EINVAL for unusable arguments. errors and warnings hold lines separated
+ * by '\n' (no trailing one), in FQN order after the ranks' own errors, at
+ * most 50 and then "... and N more problems". When errors is set, ranks
+ * holds world_size empty plans and meta is empty but for world_size.
+ */
+int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
+                     const ckpt_plan_opts_t *opts, ckpt_global_plan_t *out);
+void ckpt_global_plan_free(ckpt_global_plan_t *gp);
+
+/* ------------------------------------------------------------------------
+ * Reading a byte range of a stored tensor: chunk geometry.
+ * ---------------------------------------------------------------------- */
+/* One copy: `len` bytes from chunk-local byte offset `src` to byte `dst` of
+ * the global tensor. */
+typedef struct {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t len;
+} ckpt_piece_t;
+
+/* Byte extent [*first, *end) of the global tensor that the chunk touches
+ * (end == first when the chunk is empty). */
+void ckpt_layout_extent(int ndim, const int64_t *shape, const int64_t *offsets,
+                        const int64_t *sizes, size_t itemsize, uint64_t *first,
+                        uint64_t *end);
+
+/* Enumerate, in increasing dst order, the pieces of the chunk that fall in
+ * the global byte range [off, off+len). Adjacent pieces that are contiguous
+ * in both src and dst are merged. cb returning non-zero stops the walk and
+ * that value is returned. Runs in O(ndim * log(runs) + pieces). */
+int ckpt_layout_pieces(int ndim, const int64_t *shape, const int64_t *offsets,
+                       const int64_t *sizes, size_t itemsize, uint64_t off,
+                       uint64_t len,
+                       int (*cb)(void *arg, const ckpt_piece_t *p), void *arg);
+
+/* ------------------------------------------------------------------------
+ * Binary messages between ranks. Compact, little-endian, versioned, one
+ * per rank per protocol step. Decoders validate every length and count
+ * against the buffer and return -EINVAL on any malformed input. Encoders
+ * append to out. A decoded item's fqn is derived from its path.
+ * ---------------------------------------------------------------------- */
+int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out);
+int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp);
+int ckpt_msg_encode_rank_plan(const ckpt_rank_plan_t *rp, ckpt_buf_t *out);
+int ckpt_msg_decode_rank_plan(const void *p, size_t n, ckpt_rank_plan_t *rp);
+
+/* What a rank reports after writing its data files. */
+typedef struct {
+  int32_t rank;
+  uint64_t bytes_written;
+  char *error; /* owned, NULL on success */
+} ckpt_write_result_t;
+
+void ckpt_write_result_free(ckpt_write_result_t *wr);
+int ckpt_msg_encode_write_result(const ckpt_write_result_t *wr,
+                                 ckpt_buf_t *out);
+int ckpt_msg_decode_write_result(const void *p, size_t n,
+                                 ckpt_write_result_t *wr);
+
+#endif /* CKPT_PLANNER_H */

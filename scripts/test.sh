@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Build ckptfs and run the whole test suite: unit and integration tests in
+# a normal build, then the same tests under AddressSanitizer and
+# UndefinedBehaviorSanitizer. Needs root (FUSE mounts, mpirun as root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+jobs=$(nproc)
+
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build build -j"$jobs"
+(cd build && ctest --output-on-failure -j1)
+
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON
+cmake --build build-asan -j"$jobs"
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j1)
+echo "all tests passed"

@@ -1,0 +1,404 @@
+"""Helpers for the ckptfs integration tests: real FUSE mounts of a world of
+one rank, driven with plain file calls. Python standard library only.
+
+    python3 tests/integration/test_x.py --bin build/bin/ckptfs [unittest args]
+
+Every daemon's stderr goes to a log file in the test's temporary directory;
+a test fails when the log shows a sanitizer report (the ASan+UBSan build).
+Mounts are always unmounted in cleanup, lazily as a last resort.
+"""
+
+import argparse
+import errno
+import math
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+BIN = None  # absolute path of the ckptfs binary, set by main()
+
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "LeakSanitizer",
+                   "ERROR: ThreadSanitizer", "WARNING: ThreadSanitizer")
+
+# dtype -> (struct code, itemsize); bfloat16 is the upper half of a float32,
+# complex64 two float32 (real, imag), complex128 two float64.
+DTYPES = {
+    "bool": ("?", 1), "uint8": ("B", 1), "int8": ("b", 1), "int16": ("h", 2),
+    "int32": ("i", 4), "int64": ("q", 8), "float16": ("e", 2),
+    "bfloat16": ("f", 2), "float32": ("f", 4), "float64": ("d", 8),
+    "complex64": ("f", 8), "complex128": ("d", 16),
+}
+
+
+# ---- mounts ----------------------------------------------------------------
+
+def mountinfo_has(path):
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ").replace("\\011", "\t")
+            if mp == path:
+                return True
+    return False
+
+
+def daemon_env(extra=None):
+    env = dict(os.environ)
+    # Sanitizer reports must reach the log; keep the caller's options first.
+    env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+class Mount:
+    """One ckptfs daemon (world of one rank) on mnt over backing."""
+
+    def __init__(self, backing, mnt, log, opts=None, foreground=True, env=None):
+        self.backing, self.mnt, self.log = backing, mnt, log
+        self.opts = opts
+        self.foreground = foreground
+        self.env = env
+        self.proc = None
+        self.returncode = None
+        self.daemon_pid = None  # the background daemon (no -f)
+
+    def argv(self):
+        args = [BIN]
+        if self.foreground:
+            args.append("-f")
+        if self.opts:
+            args += ["-o", self.opts]
+        return args + [self.backing, self.mnt]
+
+    def start(self, timeout=60):
+        os.makedirs(self.mnt, exist_ok=True)
+        with open(self.log, "ab") as logf:
+            logf.write(("=== " + " ".join(self.argv()) + "\n").encode())
+            logf.flush()
+            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL,
+                                         stdout=logf, stderr=subprocess.STDOUT,
+                                         start_new_session=True,
+                                         env=daemon_env(self.env))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if mountinfo_has(self.mnt):
+                if not self.foreground:
+                    self.daemon_pid = find_daemon(self.mnt)
+                return self
+            rc = self.proc.poll()
+            if rc is not None and (self.foreground or rc != 0):
+                self.returncode = rc
+                raise RuntimeError(f"ckptfs exited with {rc} before mounting:\n"
+                                   f"{read_log(self.log)}")
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"{self.mnt} not mounted in {timeout}s:\n{read_log(self.log)}")
+
+    def mounted(self):
+        return mountinfo_has(self.mnt)
+
+    def unmount(self):
+        """fusermount3 -u, retried while busy; lazy unmount as the last resort."""
+        for _ in range(50):
+            if not self.mounted():
+                return True
+            r = subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
+            if r.returncode == 0:
+                return True
+            time.sleep(0.1)
+        subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
+        return False
+
+    def wait(self, timeout=120):
+        """Wait for the daemon's exit; its exit code, or None if killed."""
+        if self.proc is None:
+            return self.returncode
+        if not self.foreground:
+            # The launcher exited when the daemon was ready; wait for the
+            # daemon itself (not our child: poll /proc).
+            self.proc.wait(timeout)
+            pid, self.daemon_pid = self.daemon_pid, None
+            deadline = time.monotonic() + timeout
+            while pid and os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if pid and os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+            rc, self.proc = self.proc.returncode, None
+            self.returncode = rc
+            return rc
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            rc = None
+        self.proc = None
+        self.returncode = rc
+        return rc
+
+    def stop(self, timeout=120):
+        """Unmount and wait for the daemon; return its exit code."""
+        if self.proc is None and self.daemon_pid is None:
+            if self.mounted():
+                self.unmount()
+            return self.returncode
+        self.unmount()
+        return self.wait(timeout)
+
+
+def find_daemon(mnt):
+    """Pid of the ckptfs process whose command line names mnt."""
+    want = os.fsencode(mnt)
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]) == b"ckptfs" and want in argv:
+            return int(p)
+    return None
+
+
+def read_log(path, limit=20000):
+    try:
+        with open(path, "rb") as f:
+            return f.read()[-limit:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def sanitizer_report(text):
+    """The first sanitizer line in text, or None."""
+    for line in text.splitlines():
+        if any(m in line for m in SANITIZER_MARKS):
+            return line
+    return None
+
+
+class CkptfsTestCase(unittest.TestCase):
+    """A temporary directory per test with BACKING and MNT in it; mounts made
+    with self.mount() are stopped in cleanup and their logs checked."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="ckptfs-it-", dir="/tmp")
+        self.backing = os.path.join(self.dir, "backing")
+        self.mnt = os.path.join(self.dir, "mnt")
+        self.log = os.path.join(self.dir, "daemon.log")
+        os.makedirs(self.mnt)
+        self.mounts = []
+        self.extra_logs = []  # more files to check for sanitizer reports
+        self.addCleanup(self._cleanup)
+
+    def _cleanup(self):
+        for m in self.mounts:
+            try:
+                m.stop()
+            except Exception:  # keep cleaning up
+                pass
+        with open("/proc/self/mountinfo") as f:
+            left = [line.split()[4] for line in f if line.split()[4].startswith(self.dir)]
+        for p in left:
+            subprocess.run(["fusermount3", "-uz", p], capture_output=True)
+        text = read_log(self.log, limit=1 << 24)
+        for extra in self.extra_logs:
+            text += read_log(extra, limit=1 << 24)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        bad = sanitizer_report(text)
+        if bad:
+            self.fail(f"sanitizer report in the daemon's output: {bad}\n{text[-8000:]}")
+
+    def mount(self, opts=None, mnt=None, foreground=True, env=None, start=True):
+        m = Mount(self.backing, mnt or self.mnt, self.log, opts=opts,
+                  foreground=foreground, env=env)
+        self.mounts.append(m)
+        return m.start() if start else m
+
+    def daemon_log(self):
+        return read_log(self.log, limit=1 << 24)
+
+    # paths
+    def ck(self, name, *parts, mnt=None):
+        return os.path.join(mnt or self.mnt, name, *parts)
+
+    def bk(self, *parts):
+        return os.path.join(self.backing, *parts)
+
+    def assertErrno(self, err, fn, *args, **kwargs):
+        with self.assertRaises(OSError, msg=f"{fn.__name__}{args!r}") as cm:
+            fn(*args, **kwargs)
+        self.assertEqual(cm.exception.errno, err,
+                         f"{fn.__name__}{args!r}: {cm.exception!r}, "
+                         f"expected {errno.errorcode[err]}")
+        return cm.exception
+
+    def assertNothingPublished(self, name):
+        """A failed commit left no metadata and no data files of NAME."""
+        d = self.bk(name)
+        self.assertFalse(os.path.exists(os.path.join(d, ".metadata")), d)
+        if os.path.isdir(d):
+            left = [f for f in os.listdir(d) if f.endswith(".distcp") or f.startswith(".metadata")]
+            self.assertEqual(left, [], f"left behind in {d}")
+
+
+# ---- the trainer's side ----------------------------------------------------
+
+def csv(xs):
+    return ",".join(str(int(x)) for x in xs)
+
+
+def set_tensor_xattrs(path, dtype, shape, offsets=None, sizes=None):
+    if dtype is not None:
+        os.setxattr(path, "user.ckpt.dtype", dtype.encode())
+    if shape is not None:
+        os.setxattr(path, "user.ckpt.shape",
+                    shape if isinstance(shape, bytes) else csv(shape).encode())
+    if offsets is not None:
+        os.setxattr(path, "user.ckpt.offsets",
+                    offsets if isinstance(offsets, bytes) else csv(offsets).encode())
+    if sizes is not None:
+        os.setxattr(path, "user.ckpt.sizes",
+                    sizes if isinstance(sizes, bytes) else csv(sizes).encode())
+
+
+def write_file(path, data, chunk=None):
+    """Write data with os.write (in pieces of chunk bytes); makes parents."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        step = chunk or len(data) or 1
+        pos = 0
+        while pos < len(data):
+            n = os.write(fd, view[pos:pos + step])
+            pos += n
+    finally:
+        os.close(fd)
+
+
+def write_tensor(path, dtype, shape, data, offsets=None, sizes=None, xattrs_first=False):
+    """A tensor chunk: the data and its user.ckpt.* xattrs."""
+    if xattrs_first:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        set_tensor_xattrs(path, dtype, shape, offsets, sizes)
+        write_file(path, data)
+    else:
+        write_file(path, data)
+        set_tensor_xattrs(path, dtype, shape, offsets, sizes)
+    return data
+
+
+def commit(ckdir, mode="sync"):
+    """One commit write as `echo MODE > NAME/.commit` does it; raises OSError."""
+    fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        data = mode if isinstance(mode, bytes) else (mode + "\n").encode()
+        n = os.write(fd, data)
+        if n != len(data):
+            raise AssertionError(f"short commit write {n} of {len(data)}")
+    finally:
+        os.close(fd)
+
+
+def status(ckdir):
+    with open(os.path.join(ckdir, ".status")) as f:
+        return f.read()
+
+
+def state(ckdir):
+    return status(ckdir).split("\n", 1)[0].strip()
+
+
+def wait_state(ckdir, want=("committed", "failed"), timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = status(ckdir)
+        if s.split("\n", 1)[0].strip() in want:
+            return s
+        time.sleep(0.02)
+    raise TimeoutError(f"{ckdir}: still {status(ckdir)!r}")
+
+
+def read_all(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def pread(path, length, offset):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = bytearray()
+        while len(out) < length:
+            b = os.pread(fd, length - len(out), offset + len(out))
+            if not b:
+                break
+            out += b
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+# ---- tensor data -------------------------------------------------------------
+
+def values(n, seed=0):
+    """Deterministic values, exactly representable in every float dtype."""
+    return [((i * 7 + seed * 13) % 256) * 0.5 - 64 for i in range(n)]
+
+
+def encode(vals, dtype):
+    """Little-endian bytes of vals as dtype."""
+    code, size = DTYPES[dtype]
+    if dtype == "bool":
+        return struct.pack(f"<{len(vals)}?", *[v != 0 for v in vals])
+    if dtype.startswith("complex"):
+        flat = []
+        for v in vals:
+            flat += [v, -v / 2]
+        return struct.pack(f"<{len(flat)}{code}", *flat)
+    if dtype.startswith(("float", "bfloat")):
+        raw = struct.pack(f"<{len(vals)}{code}", *vals)
+        if dtype == "bfloat16":
+            raw = b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4))
+        return raw
+    bits = 8 * size
+    lo = 0 if dtype.startswith("uint") else -(1 << (bits - 1))
+    ints = [(int(v) - lo) % (1 << bits) + lo for v in vals]
+    return struct.pack(f"<{len(ints)}{code}", *ints)
+
+
+def tensor_bytes(dtype, shape, seed=0):
+    return encode(values(math.prod(shape), seed), dtype)
+
+
+def block_bytes(data, shape, itemsize, offsets, sizes):
+    """The bytes of block (offsets, sizes) of a row-major tensor's bytes."""
+    import itertools
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    out = bytearray()
+    for idx in itertools.product(*[range(o, o + s) for o, s in zip(offsets, sizes)]):
+        flat = sum(i * st for i, st in zip(idx, strides))
+        out += data[flat * itemsize:(flat + 1) * itemsize]
+    return bytes(out)
+
+
+# ---- entry point --------------------------------------------------------------
+
+def main():
+    global BIN
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", "build/bin/ckptfs"))
+    args, rest = ap.parse_known_args()
+    BIN = os.path.abspath(args.bin)
+    if not os.access(BIN, os.X_OK):
+        sys.exit(f"no ckptfs binary at {BIN}")
+    unittest.main(module="__main__", argv=[sys.argv[0]] + rest, verbosity=2)
