@@ -1,262 +1,645 @@
 /*
- * dist.c - the dist thread and the save protocol runner.
+ * dist.c - the dist thread and the collective save protocol.
  *
  * Saves are queued by the FUSE layer (ckpt_dist_submit) and run one after
- * the other, in submission order, on the dist thread. Each protocol step
- * exchanges framed messages through the transport (dist_int.h); a step that
- * fails anywhere turns into a FAIL frame that travels the same way, so every
- * rank reaches the end of the protocol and learns the same outcome.
+ * the other, in submission order, on the dist thread: the only thread that
+ * calls MPI (through mpi.c). Rank 0 is the coordinator and runs rounds
+ * (coordinator_round); the other ranks are clients (client_save). At world
+ * size 1 a round has no clients and no message is ever sent.
+ *
+ * A round on the coordinator:
+ *  1. collect one PLAN per rank (its own from local_step) until every rank
+ *     is in or commit_timeout has passed since the round began;
+ *  2. fail every rank in the round if a rank is missing, if ranks commit
+ *     different names, or if a rank's local step failed;
+ *  3. global_step; send each client its PLAN_REPLY (plan or reason);
+ *  4. write_step here, collect one RESULT per rank (deadline
+ *     commit_timeout after the local writes);
+ *  5. finish_step (metadata) unless a rank failed; send the OUTCOME;
+ *  6. failed after writes: discard_step here, collect DISCARDED, then
+ *     discard_step(all_done);
+ *  7. done().
+ * Every wait has a deadline, so no daemon hangs on a rank that is gone,
+ * and a failed round leaves the world ready for the next one.
  */
 #include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "dist_int.h"
 
 /* ------------------------------------------------------------------------
- * Frames.
+ * Small helpers: time, frames, message fields.
  * ---------------------------------------------------------------------- */
 
-/* Wrap a step's outcome: payload (rc 0) or reason (rc < 0). */
-static int frame(int rc, const char *reason, int rank, const ckpt_buf_t *payload,
-                 ckpt_buf_t *out) {
-  out->len = 0;
-  if (rc == 0) {
-    uint8_t tag = CKPT__FRAME_OK;
-    int r = ckpt_buf_append(out, &tag, 1);
-    return r ? r : ckpt_buf_append(out, payload->data, payload->len);
-  }
-  uint8_t tag = CKPT__FRAME_FAIL;
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Sleep a little while polling; the pause grows to 2 ms. */
+static void pause_poll(unsigned *spins) {
+  long ns = *spins < 20 ? 50000L : 2000000L;
+  (*spins)++;
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
+}
+
+/* How long a client waits for the coordinator before giving up. */
+static double client_wait(const ckpt_dist_t *d) {
+  return 3 * d->commit_timeout + 60;
+}
+
+static int put_u32(ckpt_buf_t *b, uint32_t v) {
+  uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16),
+                  (uint8_t)(v >> 24)};
+  return ckpt_buf_append(b, x, 4);
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+         (uint32_t)p[3] << 24;
+}
+
+/* Append a frame: the payload (rc 0) or the reason (rc < 0). */
+static int put_frame(ckpt_buf_t *out, int rc, const char *reason,
+                     const ckpt_buf_t *payload) {
+  uint8_t tag = rc == 0 ? CKPT__FRAME_OK : CKPT__FRAME_FAIL;
   int r = ckpt_buf_append(out, &tag, 1);
   if (r)
     return r;
-  if (reason)
-    return ckpt_buf_append(out, reason, strlen(reason));
-  return ckpt_buf_printf(out, "rank %d: %s", rank, strerror(-rc));
+  if (rc == 0)
+    return payload ? ckpt_buf_append(out, payload->data, payload->len) : 0;
+  const char *text = reason ? reason : strerror(-rc);
+  return ckpt_buf_append(out, text, strlen(text));
 }
 
-static bool frame_ok(const ckpt_buf_t *f) {
-  return f->len >= 1 && f->data[0] == CKPT__FRAME_OK;
+/* A view of a frame inside a message (not owned). */
+typedef struct {
+  const uint8_t *p;
+  size_t n;
+} view_t;
+
+static bool frame_ok(view_t f) { return f.n >= 1 && f.p[0] == CKPT__FRAME_OK; }
+
+static ckpt_buf_t frame_payload(view_t f) {
+  ckpt_buf_t b = {.data = (uint8_t *)f.p + 1, .len = f.n - 1, .cap = 0};
+  return b;
 }
 
-/* Append the reason of a FAIL frame (or of a malformed one) to reasons. */
-static void collect_reason(const ckpt_buf_t *f, int rank, ckpt_buf_t *reasons) {
+/* Append the reason of a failed frame to reasons, one per line. */
+static void add_reason(ckpt_buf_t *reasons, view_t f, int rank) {
   if (reasons->len)
     ckpt_buf_printf(reasons, "\n");
-  if (f->len >= 1 && f->data[0] == CKPT__FRAME_FAIL)
-    ckpt_buf_printf(reasons, "%.*s", (int)(f->len - 1),
-                    (const char *)f->data + 1);
+  if (f.n >= 1 && f.p[0] == CKPT__FRAME_FAIL)
+    ckpt_buf_printf(reasons, "%.*s", (int)(f.n - 1), (const char *)f.p + 1);
   else
     ckpt_buf_printf(reasons, "rank %d: malformed protocol message", rank);
 }
 
-/* The payload of an OK frame, as a view (not owned). */
-static ckpt_buf_t payload_of(const ckpt_buf_t *f) {
-  ckpt_buf_t v = {.data = f->data + 1, .len = f->len - 1, .cap = 0};
-  return v;
-}
-
-static ckpt_buf_t *buf_array(int n) {
-  return n > 0 ? calloc((size_t)n, sizeof(ckpt_buf_t)) : NULL;
-}
-
-static void buf_array_free(ckpt_buf_t *a, int n) {
-  if (!a)
-    return;
-  for (int i = 0; i < n; i++)
-    ckpt_buf_free(&a[i]);
-  free(a);
-}
-
-/* ------------------------------------------------------------------------
- * The protocol.
- * ---------------------------------------------------------------------- */
-
-/* Prefix a step's own reason with the rank unless it already names one. */
-static char *ranked_reason(int rank, char *err) {
-  if (!err)
-    return NULL;
-  ckpt_buf_t b;
-  ckpt_buf_init(&b);
-  if (strncmp(err, "rank", 4) != 0)
-    ckpt_buf_printf(&b, "rank %d: ", rank);
-  ckpt_buf_printf(&b, "%s", err);
+/* Run a step and frame its outcome; a step's reason names its rank. */
+static int framed_step(ckpt_dist_t *d, int rc, char *err,
+                       const ckpt_buf_t *payload, ckpt_buf_t *out) {
+  char *reason = NULL;
+  if (rc && err && strncmp(err, "rank ", 5) != 0) {
+    if (asprintf(&reason, "rank %d: %s", d->rank, err) < 0)
+      reason = NULL;
+  }
+  int r = put_frame(out, rc, reason ? reason : err, payload);
+  if (rc && !err && !reason)
+    ckpt_buf_printf(out, " (rank %d)", d->rank);
+  free(reason);
   free(err);
-  return ckpt_buf_steal(&b);
+  return r;
+}
+
+/* "rank 3", "rank 2 and rank 3", "rank 1, rank 2 and rank 3". */
+static void put_ranks(ckpt_buf_t *b, const bool *set, int n) {
+  int total = 0, seen = 0;
+  for (int r = 0; r < n; r++)
+    total += set[r];
+  for (int r = 0; r < n; r++) {
+    if (!set[r])
+      continue;
+    seen++;
+    if (seen > 1)
+      ckpt_buf_printf(b, seen == total ? " and " : ", ");
+    if (seen > 16 && seen < total) {
+      ckpt_buf_printf(b, "%d more", total - seen);
+      for (int k = r + 1; k < n; k++)
+        if (set[k])
+          r = k;
+      seen = total - 1;
+      continue;
+    }
+    ckpt_buf_printf(b, "rank %d", r);
+  }
 }
 
 /*
- * Run one save:
- *  1. every rank: local_step; gather the frames at the coordinator;
- *  2. coordinator: global_step unless a rank failed; scatter the plans (or
- *     the reason, to every rank);
- *  3. every rank: write_step; gather the result frames;
- *  4. coordinator: finish_step unless a rank failed; broadcast the outcome;
- *  5. on failure after step 3 began: discard_step everywhere, a gather so
- *     that every rank is done, and discard_step(all_done) at the
- *     coordinator;
- *  6. every rank: done().
+ * Wait for a message of tag (from src, or any rank if src < 0) whose first
+ * u32 is key; messages with another key are stale and dropped. Returns 1
+ * with *from and out set, 0 at the deadline, < 0 on error.
  */
-static void run_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
-  const ckpt_save_ops_t *ops = d->ops;
-  const ckpt__transport_t *t = d->transport;
-  bool coord = d->rank == 0;
-  int n = d->size;
-  ckpt_buf_t mine, framed, step_out;
-  ckpt_buf_t *all = coord ? buf_array(n) : NULL;
-  ckpt_buf_t *outs = coord ? buf_array(n) : NULL;
-  ckpt_buf_t reasons;
-  char *err = NULL;
-  bool wrote = false;
-  int rc;
-
-  ckpt_buf_init(&mine);
-  ckpt_buf_init(&framed);
-  ckpt_buf_init(&step_out);
-  ckpt_buf_init(&reasons);
-  if (coord && (!all || !outs)) {
-    rc = -ENOMEM;
-    goto out;
-  }
-
-  /* 1. local plans */
-  rc = ops->local_step(d->ctx, job, &step_out, &err);
-  err = ranked_reason(d->rank, err);
-  if ((rc = frame(rc, err, d->rank, &step_out, &framed)) != 0)
-    goto out;
-  free(err), err = NULL;
-  if ((rc = t->gather(d, &framed, all, &err)) != 0)
-    goto out;
-
-  /* 2. global plan */
-  if (coord) {
-    for (int r = 0; r < n; r++)
-      if (!frame_ok(&all[r]))
-        collect_reason(&all[r], r, &reasons);
-    if (reasons.len == 0) {
-      ckpt_buf_t *views = buf_array(n);
-      ckpt_buf_t *plans = buf_array(n);
-      if (!views || !plans) {
-        rc = -ENOMEM;
-      } else {
-        for (int r = 0; r < n; r++)
-          views[r] = payload_of(&all[r]);
-        rc = ops->global_step(d->ctx, job, views, n, plans, &err);
-      }
-      free(views); /* views do not own their data */
-      for (int r = 0; r < n && rc == 0; r++)
-        rc = frame(0, NULL, r, &plans[r], &outs[r]);
-      buf_array_free(plans, n);
-      if (rc != 0)
-        ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
-      free(err), err = NULL;
+static int wait_msg(ckpt_dist_t *d, int src, int tag, uint32_t key,
+                    double deadline, int *from, ckpt_buf_t *out) {
+  unsigned spins = 0;
+  for (;;) {
+    int r = ckpt__mpi_poll(d, src, tag, from, out);
+    if (r < 0)
+      return r;
+    if (r == 1) {
+      if (out->len >= 4 && get_u32(out->data) == key)
+        return 1;
+      continue; /* stale */
     }
-    if (reasons.len)
-      for (int r = 0; r < n; r++)
-        frame(-EIO, (const char *)reasons.data, r, NULL, &outs[r]);
+    if (now() >= deadline)
+      return 0;
+    pause_poll(&spins);
   }
-  if ((rc = t->scatter(d, outs, &mine, &err)) != 0)
-    goto out;
-  if (!frame_ok(&mine)) {
-    reasons.len = 0;
-    collect_reason(&mine, 0, &reasons);
-    rc = -EIO;
-    goto out;
-  }
+}
 
-  /* 3. writes */
-  wrote = true;
-  ckpt_buf_t plan = payload_of(&mine);
-  step_out.len = 0;
-  rc = ops->write_step(d->ctx, job, &plan, &step_out, &err);
-  err = ranked_reason(d->rank, err);
-  if ((rc = frame(rc, err, d->rank, &step_out, &framed)) != 0)
-    goto out;
-  free(err), err = NULL;
-  if ((rc = t->gather(d, &framed, all, &err)) != 0)
-    goto out;
-
-  /* 4. metadata and outcome */
-  framed.len = 0;
-  if (coord) {
-    for (int r = 0; r < n; r++)
-      if (!frame_ok(&all[r]))
-        collect_reason(&all[r], r, &reasons);
-    if (reasons.len == 0) {
-      ckpt_buf_t *views = buf_array(n);
-      if (!views) {
-        rc = -ENOMEM;
-      } else {
-        for (int r = 0; r < n; r++)
-          views[r] = payload_of(&all[r]);
-        rc = ops->finish_step(d->ctx, job, views, n, &err);
-        free(views);
-      }
-      if (rc != 0)
-        ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
-      free(err), err = NULL;
-    }
-    ckpt_buf_t empty = {0};
-    frame(reasons.len ? -EIO : 0, (const char *)reasons.data, 0, &empty,
-          &framed);
-  }
-  if ((rc = t->bcast(d, &framed, &err)) != 0)
-    goto out;
-  if (!frame_ok(&framed)) {
-    reasons.len = 0;
-    collect_reason(&framed, 0, &reasons);
-    rc = -EIO;
-  }
-
-out:
-  if (rc != 0 && reasons.len == 0)
-    ckpt_buf_printf(&reasons, "rank %d: %s", d->rank,
-                    err ? err : strerror(-rc));
-  free(err);
-  if (rc != 0 && wrote) {
-    /* 5. nothing of a failed save may stay behind */
-    ops->discard_step(d->ctx, job, false);
-    ckpt_buf_t empty = {0}, *sink = coord ? buf_array(n) : NULL;
-    char *gerr = NULL;
-    if (t->gather(d, &empty, sink, &gerr) == 0 && coord)
-      ops->discard_step(d->ctx, job, true);
-    free(gerr);
-    buf_array_free(sink, n);
-  }
-  /* 6. */
-  ops->done(d->ctx, job, rc ? -EIO : 0,
-            rc ? (const char *)reasons.data : NULL);
-  ckpt_buf_free(&mine);
-  ckpt_buf_free(&framed);
-  ckpt_buf_free(&step_out);
-  ckpt_buf_free(&reasons);
-  buf_array_free(all, n);
-  buf_array_free(outs, n);
+static void job_done(ckpt_dist_t *d, ckpt_dist_job_t *job, int rc,
+                     const char *reason) {
+  d->ops->done(d->ctx, job, rc ? -EIO : 0,
+               rc ? (reason && *reason ? reason : "commit failed") : NULL);
 }
 
 /* ------------------------------------------------------------------------
- * The dist thread and its queue.
+ * Client ranks.
+ * ---------------------------------------------------------------------- */
+
+static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
+  const ckpt_save_ops_t *ops = d->ops;
+  ckpt_buf_t out, msg, reply, reasons;
+  char *err = NULL;
+  int from, rc;
+  bool wrote = false;
+  uint32_t round = 0;
+  ckpt_buf_init(&out);
+  ckpt_buf_init(&msg);
+  ckpt_buf_init(&reply);
+  ckpt_buf_init(&reasons);
+
+  /* PLAN: seq, name, local plan frame */
+  uint32_t seq = ++d->seq;
+  size_t nlen = strlen(job->name);
+  rc = ops->local_step(d->ctx, job, &out, &err);
+  put_u32(&msg, seq);
+  uint8_t nl[2] = {(uint8_t)nlen, (uint8_t)(nlen >> 8)};
+  ckpt_buf_append(&msg, nl, 2);
+  ckpt_buf_append(&msg, job->name, nlen);
+  if ((rc = framed_step(d, rc, err, &out, &msg)) != 0 ||
+      (rc = ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &msg)) != 0)
+    goto fail;
+
+  /* PLAN_REPLY: seq, round, rank plan frame */
+  rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, now() + client_wait(d),
+                &from, &reply);
+  if (rc <= 0 || reply.len < 8) {
+    ckpt_buf_printf(&reasons, "rank %d: no answer from the coordinator "
+                    "(rank 0) within %.0f s", d->rank, client_wait(d));
+    rc = -ETIMEDOUT;
+    goto fail;
+  }
+  round = get_u32(reply.data + 4);
+  view_t f = {reply.data + 8, reply.len - 8};
+  if (!frame_ok(f)) {
+    add_reason(&reasons, f, 0);
+    rc = -EIO;
+    goto fail;
+  }
+
+  /* writes, RESULT */
+  wrote = true;
+  ckpt_buf_t plan = frame_payload(f);
+  out.len = 0;
+  err = NULL;
+  rc = ops->write_step(d->ctx, job, &plan, &out, &err);
+  msg.len = 0;
+  put_u32(&msg, round);
+  if ((rc = framed_step(d, rc, err, &out, &msg)) != 0 ||
+      (rc = ckpt__mpi_send(d, 0, CKPT__TAG_RESULT, &msg)) != 0)
+    goto fail;
+
+  /* OUTCOME: round, frame */
+  rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, round, now() + client_wait(d),
+                &from, &reply);
+  if (rc <= 0 || reply.len < 4) {
+    ckpt_buf_printf(&reasons, "rank %d: no outcome from the coordinator "
+                    "(rank 0) within %.0f s", d->rank, client_wait(d));
+    rc = -ETIMEDOUT;
+    goto fail;
+  }
+  f = (view_t){reply.data + 4, reply.len - 4};
+  if (!frame_ok(f)) {
+    add_reason(&reasons, f, 0);
+    rc = -EIO;
+    goto fail;
+  }
+  job_done(d, job, 0, NULL);
+  goto out;
+
+fail:
+  if (reasons.len == 0)
+    ckpt_buf_printf(&reasons, "rank %d: %s", d->rank, strerror(-rc));
+  if (wrote) {
+    ops->discard_step(d->ctx, job, false);
+    msg.len = 0;
+    put_u32(&msg, round);
+    ckpt__mpi_send(d, 0, CKPT__TAG_DISCARDED, &msg);
+  }
+  job_done(d, job, -EIO, (const char *)reasons.data);
+out:
+  ckpt_buf_free(&out);
+  ckpt_buf_free(&msg);
+  ckpt_buf_free(&reply);
+  ckpt_buf_free(&reasons);
+}
+
+/* ------------------------------------------------------------------------
+ * The coordinator.
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+  bool in;         /* its PLAN (or result) arrived */
+  uint32_t seq;    /* the client's save number */
+  char name[256];  /* the checkpoint it commits */
+  ckpt_buf_t msg;  /* the message; the frame starts at frame_off */
+  size_t frame_off;
+} arrival_t;
+
+static view_t arrival_frame(const arrival_t *a) {
+  return (view_t){a->msg.data + a->frame_off, a->msg.len - a->frame_off};
+}
+
+/* Parse a PLAN message into a. */
+static bool take_plan(arrival_t *a, ckpt_buf_t *msg) {
+  if (msg->len < 6)
+    return false;
+  size_t nlen = (size_t)msg->data[4] | (size_t)msg->data[5] << 8;
+  if (nlen >= sizeof(a->name) || msg->len < 6 + nlen + 1)
+    return false;
+  ckpt_buf_free(&a->msg);
+  a->in = true;
+  a->seq = get_u32(msg->data);
+  memcpy(a->name, msg->data + 6, nlen);
+  a->name[nlen] = '\0';
+  a->msg = *msg;
+  a->frame_off = 6 + nlen;
+  ckpt_buf_init(msg);
+  return true;
+}
+
+/* The coordinator's own local plan, as an arrival. */
+static void own_plan(ckpt_dist_t *d, ckpt_dist_job_t *job, arrival_t *a) {
+  ckpt_buf_t out;
+  ckpt_buf_init(&out);
+  char *err = NULL;
+  int rc = d->ops->local_step(d->ctx, job, &out, &err);
+  a->in = true;
+  snprintf(a->name, sizeof(a->name), "%s", job->name);
+  a->frame_off = 0;
+  a->msg.len = 0;
+  framed_step(d, rc, err, &out, &a->msg);
+  ckpt_buf_free(&out);
+}
+
+static ckpt_dist_job_t *pop_job(ckpt_dist_t *d) {
+  pthread_mutex_lock(&d->lock);
+  ckpt_dist_job_t *job = d->head;
+  if (job) {
+    d->head = job->next;
+    if (!d->head)
+      d->tail = NULL;
+  }
+  pthread_mutex_unlock(&d->lock);
+  return job;
+}
+
+/* Step 2: who is missing, and do the names agree? Fills reasons. */
+static void check_arrivals(ckpt_dist_t *d, const arrival_t *a,
+                           ckpt_buf_t *reasons) {
+  int n = d->size;
+  bool *set = calloc((size_t)n, sizeof(*set));
+  if (!set) {
+    ckpt_buf_printf(reasons, "rank 0: out of memory");
+    return;
+  }
+  const char *name = NULL;
+  bool differ = false;
+  for (int r = 0; r < n; r++) {
+    if (!a[r].in)
+      continue;
+    if (!name)
+      name = a[r].name;
+    else if (strcmp(name, a[r].name) != 0)
+      differ = true;
+  }
+  if (differ) {
+    ckpt_buf_printf(reasons, "ranks commit different checkpoints at once:");
+    for (int r = 0; r < n; r++) {
+      if (!a[r].in)
+        continue;
+      bool first = true;
+      for (int k = 0; k < r; k++)
+        first &= !(a[k].in && strcmp(a[k].name, a[r].name) == 0);
+      if (!first)
+        continue;
+      for (int k = 0; k < n; k++)
+        set[k] = a[k].in && strcmp(a[k].name, a[r].name) == 0;
+      ckpt_buf_printf(reasons, " ");
+      put_ranks(reasons, set, n);
+      ckpt_buf_printf(reasons, " '%s';", a[r].name);
+    }
+    reasons->len--; /* the last ';' */
+    reasons->data[reasons->len] = '\0';
+  }
+  bool missing = false;
+  for (int r = 0; r < n; r++)
+    missing |= (set[r] = !a[r].in);
+  if (missing) {
+    if (reasons->len)
+      ckpt_buf_printf(reasons, "\n");
+    put_ranks(reasons, set, n);
+    ckpt_buf_printf(reasons, " did not commit %s within %g s (commit_timeout)",
+                    name ? name : "?", d->commit_timeout);
+  }
+  free(set);
+}
+
+/* Send every client in the round (a[r].in) a message built by put. */
+static void send_all(ckpt_dist_t *d, const arrival_t *a, int tag,
+                     uint32_t round, int rc, const char *reason,
+                     const ckpt_buf_t *payloads) {
+  for (int r = 1; r < d->size; r++) {
+    if (!a[r].in)
+      continue;
+    ckpt_buf_t m;
+    ckpt_buf_init(&m);
+    if (tag == CKPT__TAG_PLAN_REPLY)
+      put_u32(&m, a[r].seq);
+    put_u32(&m, round);
+    put_frame(&m, rc, reason, payloads ? &payloads[r] : NULL);
+    ckpt__mpi_send(d, r, tag, &m);
+  }
+}
+
+/*
+ * Collect one message of tag and this round from every client with in[r]
+ * (arrivals a[r] get the message); false when some did not come in time.
+ */
+static bool collect(ckpt_dist_t *d, int tag, uint32_t round, double deadline,
+                    const arrival_t *expect, arrival_t *got) {
+  int n = d->size, waiting = 0;
+  for (int r = 1; r < n; r++)
+    waiting += expect[r].in && !got[r].in;
+  ckpt_buf_t m;
+  ckpt_buf_init(&m);
+  while (waiting > 0) {
+    int from;
+    int rc = wait_msg(d, -1, tag, round, deadline, &from, &m);
+    if (rc <= 0)
+      break;
+    if (from <= 0 || from >= n || !expect[from].in || got[from].in)
+      continue;
+    ckpt_buf_free(&got[from].msg);
+    got[from].msg = m;
+    got[from].frame_off = 4;
+    got[from].in = true;
+    ckpt_buf_init(&m);
+    waiting--;
+  }
+  ckpt_buf_free(&m);
+  return waiting == 0;
+}
+
+static void free_arrivals(arrival_t *a, int n) {
+  if (!a)
+    return;
+  for (int r = 0; r < n; r++)
+    ckpt_buf_free(&a[r].msg);
+  free(a);
+}
+
+/* One round; job is the coordinator's own save (NULL: a client's PLAN came
+ * first, in first/first_from). */
+static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                              ckpt_buf_t *first, int first_from) {
+  const ckpt_save_ops_t *ops = d->ops;
+  int n = d->size;
+  uint32_t round = ++d->round;
+  arrival_t *plans = calloc((size_t)n, sizeof(*plans));
+  arrival_t *results = calloc((size_t)n, sizeof(*results));
+  ckpt_buf_t *rank_plans = calloc((size_t)n, sizeof(*rank_plans));
+  ckpt_buf_t reasons, m;
+  ckpt_buf_init(&reasons);
+  ckpt_buf_init(&m);
+  bool wrote = false;
+  char *err = NULL;
+  int rc = 0;
+  if (!plans || !results || !rank_plans) {
+    ckpt_buf_printf(&reasons, "rank 0: out of memory");
+    goto fail_early;
+  }
+
+  /* 1. every rank's PLAN, until all are in or the deadline */
+  if (first && first_from > 0 && first_from < n)
+    take_plan(&plans[first_from], first);
+  if (job)
+    own_plan(d, job, &plans[0]);
+  double deadline = now() + d->commit_timeout;
+  unsigned spins = 0;
+  for (;;) {
+    int in = 0;
+    for (int r = 0; r < n; r++)
+      in += plans[r].in;
+    if (in == n || now() >= deadline)
+      break;
+    int from;
+    int got = n > 1 ? ckpt__mpi_poll(d, -1, CKPT__TAG_PLAN, &from, &m) : 0;
+    if (got == 1 && from > 0 && from < n) {
+      take_plan(&plans[from], &m); /* a newer PLAN supersedes an older */
+      continue;
+    }
+    if (!job && (job = pop_job(d)) != NULL) {
+      own_plan(d, job, &plans[0]);
+      continue;
+    }
+    pause_poll(&spins);
+  }
+
+  /* 2. everyone, one name, every local step fine */
+  check_arrivals(d, plans, &reasons);
+  for (int r = 0; r < n && reasons.len == 0; r++)
+    if (!frame_ok(arrival_frame(&plans[r])))
+      for (int k = r; k < n; k++)
+        if (!frame_ok(arrival_frame(&plans[k])))
+          add_reason(&reasons, arrival_frame(&plans[k]), k);
+  if (reasons.len)
+    goto fail_early;
+
+  /* 3. the global plan, scattered */
+  ckpt_buf_t *views = calloc((size_t)n, sizeof(*views));
+  if (!views) {
+    ckpt_buf_printf(&reasons, "rank 0: out of memory");
+    goto fail_early;
+  }
+  for (int r = 0; r < n; r++)
+    views[r] = frame_payload(arrival_frame(&plans[r]));
+  rc = ops->global_step(d->ctx, job, views, n, rank_plans, &err);
+  free(views);
+  if (rc) {
+    ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
+    free(err), err = NULL;
+    goto fail_early;
+  }
+  send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, 0, NULL, rank_plans);
+
+  /* 4. writes everywhere, one RESULT per rank */
+  wrote = true;
+  ckpt_buf_t own_result;
+  ckpt_buf_init(&own_result);
+  rc = ops->write_step(d->ctx, job, &rank_plans[0], &own_result, &err);
+  results[0].in = true;
+  framed_step(d, rc, err, &own_result, &results[0].msg);
+  err = NULL;
+  ckpt_buf_free(&own_result);
+  if (!collect(d, CKPT__TAG_RESULT, round, now() + d->commit_timeout, plans,
+               results)) {
+    bool *late = calloc((size_t)n, sizeof(*late));
+    for (int r = 0; late && r < n; r++)
+      late[r] = !results[r].in;
+    if (late)
+      put_ranks(&reasons, late, n);
+    ckpt_buf_printf(&reasons, " did not finish writing %s within %g s "
+                    "(commit_timeout)", job->name, d->commit_timeout);
+    free(late);
+  }
+  for (int r = 0; r < n; r++)
+    if (results[r].in && !frame_ok(arrival_frame(&results[r])))
+      add_reason(&reasons, arrival_frame(&results[r]), r);
+
+  /* 5. the metadata, and the outcome for everyone */
+  if (reasons.len == 0) {
+    views = calloc((size_t)n, sizeof(*views));
+    if (!views) {
+      ckpt_buf_printf(&reasons, "rank 0: out of memory");
+    } else {
+      for (int r = 0; r < n; r++)
+        views[r] = frame_payload(arrival_frame(&results[r]));
+      rc = ops->finish_step(d->ctx, job, views, n, &err);
+      free(views);
+      if (rc)
+        ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
+      free(err), err = NULL;
+    }
+  }
+  send_all(d, plans, CKPT__TAG_OUTCOME, round, reasons.len ? -EIO : 0,
+           (const char *)reasons.data, NULL);
+  if (reasons.len == 0) {
+    job_done(d, job, 0, NULL);
+    goto out;
+  }
+
+  /* 6. a failed save leaves nothing behind */
+  ops->discard_step(d->ctx, job, false);
+  for (int r = 0; r < n; r++)
+    ckpt_buf_free(&results[r].msg), results[r].in = false;
+  collect(d, CKPT__TAG_DISCARDED, round, now() + d->commit_timeout, plans,
+          results);
+  ops->discard_step(d->ctx, job, true);
+  job_done(d, job, -EIO, (const char *)reasons.data);
+  goto out;
+
+fail_early:
+  /* Nothing was written: tell the clients, fail our own save. */
+  if (plans)
+    send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, -EIO,
+             (const char *)reasons.data, NULL);
+  if (job)
+    job_done(d, job, -EIO, (const char *)reasons.data);
+  (void)wrote;
+out:
+  free_arrivals(plans, n);
+  free_arrivals(results, n);
+  if (rank_plans)
+    for (int r = 0; r < n; r++)
+      ckpt_buf_free(&rank_plans[r]);
+  free(rank_plans);
+  ckpt_buf_free(&reasons);
+  ckpt_buf_free(&m);
+}
+
+/* ------------------------------------------------------------------------
+ * The dist thread.
  * ---------------------------------------------------------------------- */
 
 static void *dist_main(void *arg) {
   ckpt_dist_t *d = arg;
-  pthread_mutex_lock(&d->lock);
-  for (;;) {
-    while (!d->head && !d->stopping)
-      pthread_cond_wait(&d->cond, &d->lock);
-    ckpt_dist_job_t *job = d->head;
-    if (!job)
-      break; /* stopping, and the queue is drained */
-    d->head = job->next;
-    if (!d->head)
-      d->tail = NULL;
-    pthread_mutex_unlock(&d->lock);
-    run_save(d, job);
+  if (d->launched) {
+    char *err = NULL;
+    int rc = ckpt__mpi_init(d, &err);
     pthread_mutex_lock(&d->lock);
+    d->init_rc = rc;
+    d->init_err = err;
+    d->ready = true;
+    pthread_cond_broadcast(&d->cond);
+    pthread_mutex_unlock(&d->lock);
+    if (rc)
+      return NULL;
   }
+  /* Wait for the protocol's steps (ckpt_dist_start) or a stop. */
+  pthread_mutex_lock(&d->lock);
+  while (!d->started && !d->stopping)
+    pthread_cond_wait(&d->cond, &d->lock);
   pthread_mutex_unlock(&d->lock);
+
+  ckpt_buf_t first;
+  ckpt_buf_init(&first);
+  for (;;) {
+    ckpt_dist_job_t *job = d->started ? pop_job(d) : NULL;
+    if (job) {
+      if (d->rank == 0)
+        coordinator_round(d, job, NULL, 0);
+      else
+        client_save(d, job);
+      continue;
+    }
+    int from;
+    if (d->started && d->rank == 0 && d->size > 1 &&
+        ckpt__mpi_poll(d, -1, CKPT__TAG_PLAN, &from, &first) == 1) {
+      coordinator_round(d, NULL, &first, from);
+      continue;
+    }
+    pthread_mutex_lock(&d->lock);
+    if (d->stopping && !d->head) {
+      pthread_mutex_unlock(&d->lock);
+      break;
+    }
+    if (!d->head) {
+      if (d->size > 1) { /* keep MPI progressing and rank 0 listening */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 2000000;
+        if (ts.tv_nsec >= 1000000000L)
+          ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&d->cond, &d->lock, &ts);
+      } else {
+        pthread_cond_wait(&d->cond, &d->lock);
+      }
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (d->size > 1)
+      ckpt__mpi_progress(d);
+  }
+  ckpt_buf_free(&first);
+  if (d->launched)
+    ckpt__mpi_finalize(d);
   return NULL;
 }
 
@@ -270,9 +653,29 @@ int ckpt_dist_init(ckpt_dist_t **out, char **err) {
   pthread_cond_init(&d->cond, NULL);
   d->rank = 0;
   d->size = 1;
-  d->launched = false;
-  d->transport = &ckpt__local_transport;
+  d->commit_timeout = 600;
+  d->launched = ckpt__mpi_launched();
   *out = d;
+  if (!d->launched)
+    return 0; /* a world of one: no MPI, the thread starts later */
+  /* MPI is initialized on the dist thread itself, which then owns it. */
+  int rc = pthread_create(&d->thread, NULL, dist_main, d);
+  if (rc) {
+    *err = strdup("cannot start the dist thread");
+    return -rc;
+  }
+  d->thread_running = true;
+  pthread_mutex_lock(&d->lock);
+  while (!d->ready)
+    pthread_cond_wait(&d->cond, &d->lock);
+  pthread_mutex_unlock(&d->lock);
+  if (d->init_rc) {
+    *err = d->init_err ? d->init_err : strdup("MPI start-up failed");
+    d->init_err = NULL;
+    pthread_join(d->thread, NULL);
+    d->thread_running = false;
+    return d->init_rc;
+  }
   return 0;
 }
 
@@ -282,45 +685,52 @@ bool ckpt_dist_launched(const ckpt_dist_t *d) { return d->launched; }
 
 int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
                     double commit_timeout) {
+  pthread_mutex_lock(&d->lock);
   assert(!d->started);
   d->ops = ops;
   d->ctx = ctx;
   d->commit_timeout = commit_timeout;
+  d->started = true;
+  pthread_cond_broadcast(&d->cond);
+  pthread_mutex_unlock(&d->lock);
+  if (d->thread_running)
+    return 0;
   int rc = pthread_create(&d->thread, NULL, dist_main, d);
   if (rc)
     return -rc;
-  d->started = true;
+  d->thread_running = true;
   return 0;
 }
 
 void ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job) {
-  assert(d->started);
   job->next = NULL;
   pthread_mutex_lock(&d->lock);
+  assert(d->started);
   if (d->tail)
     d->tail->next = job;
   else
     d->head = job;
   d->tail = job;
-  pthread_cond_signal(&d->cond);
+  pthread_cond_broadcast(&d->cond);
   pthread_mutex_unlock(&d->lock);
 }
 
 void ckpt_dist_stop(ckpt_dist_t *d) {
-  if (!d->started)
+  if (!d || !d->thread_running)
     return;
   pthread_mutex_lock(&d->lock);
   d->stopping = true;
-  pthread_cond_signal(&d->cond);
+  pthread_cond_broadcast(&d->cond);
   pthread_mutex_unlock(&d->lock);
   pthread_join(d->thread, NULL);
-  d->started = false;
+  d->thread_running = false;
 }
 
 void ckpt_dist_destroy(ckpt_dist_t *d) {
   if (!d)
     return;
   ckpt_dist_stop(d);
+  free(d->init_err);
   pthread_mutex_destroy(&d->lock);
   pthread_cond_destroy(&d->cond);
   free(d);

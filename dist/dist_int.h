@@ -1,10 +1,23 @@
 /*
- * dist_int.h - private to dist/: the transport under the save protocol.
+ * dist_int.h - private to dist/.
  *
- * The protocol runner (dist.c) moves framed messages through a transport:
- * the world of one (local.c) or, under a launcher, MPI. A frame is one
- * status byte (CKPT__FRAME_OK or CKPT__FRAME_FAIL) followed by the payload
- * (OK) or the reason text (FAIL).
+ * The protocol (dist.c) runs on the dist thread: the coordinator (rank 0)
+ * drives rounds, the other ranks are clients. Messages are point-to-point
+ * and never block without a deadline (mpi.c), so a missing or late rank
+ * turns into a failed round, not a hang:
+ *
+ *   tag          direction      body
+ *   PLAN         client -> 0    u32 seq, u16 name length, name, frame
+ *   PLAN_REPLY   0 -> client    u32 seq, u32 round, frame (rank plan)
+ *   RESULT       client -> 0    u32 round, frame (write result)
+ *   OUTCOME      0 -> client    u32 round, frame (empty, or the reason)
+ *   DISCARDED    client -> 0    u32 round (its files of a failed save are
+ *                               gone)
+ *
+ * A frame is one status byte, CKPT__FRAME_OK followed by the payload or
+ * CKPT__FRAME_FAIL followed by the reason text. seq counts a client's
+ * saves; round counts the coordinator's. Messages of an older seq or round
+ * are stale and dropped.
  */
 #ifndef CKPT_DIST_INT_H
 #define CKPT_DIST_INT_H
@@ -15,34 +28,52 @@
 
 enum { CKPT__FRAME_OK = 1, CKPT__FRAME_FAIL = 2 };
 
-typedef struct {
-  /* Every rank gives mine; the coordinator receives all[size]. */
-  int (*gather)(ckpt_dist_t *d, const ckpt_buf_t *mine, ckpt_buf_t *all,
-                char **err);
-  /* The coordinator gives all[size]; every rank receives mine. */
-  int (*scatter)(ckpt_dist_t *d, const ckpt_buf_t *all, ckpt_buf_t *mine,
-                 char **err);
-  /* The coordinator's msg reaches every rank. */
-  int (*bcast)(ckpt_dist_t *d, ckpt_buf_t *msg, char **err);
-} ckpt__transport_t;
+enum {
+  CKPT__TAG_PLAN = 101,
+  CKPT__TAG_PLAN_REPLY,
+  CKPT__TAG_RESULT,
+  CKPT__TAG_OUTCOME,
+  CKPT__TAG_DISCARDED,
+};
+
+typedef struct ckpt__pending ckpt__pending_t; /* an unfinished send */
 
 struct ckpt_dist {
   int rank;
   int size;
-  bool launched;
-  const ckpt__transport_t *transport;
+  bool launched;          /* MPI is in use (size may still be 1) */
   const ckpt_save_ops_t *ops;
   void *ctx;
-  double commit_timeout; /* seconds */
+  double commit_timeout;  /* seconds */
   pthread_t thread;
-  bool started;
-  pthread_mutex_t lock;  /* protects head, tail, stopping */
+  bool thread_running;
+  pthread_mutex_t lock;   /* protects everything below */
   pthread_cond_t cond;
-  ckpt_dist_job_t *head; /* queued saves, FIFO */
-  ckpt_dist_job_t *tail;
+  bool ready;             /* MPI is up: rank and size are known */
+  int init_rc;            /* MPI start-up result */
+  char *init_err;
+  bool started;           /* ops are set: the protocol may run */
   bool stopping;
+  ckpt_dist_job_t *head;  /* queued saves, FIFO */
+  ckpt_dist_job_t *tail;
+  /* dist thread only: */
+  uint32_t seq;           /* client: saves sent */
+  uint32_t round;         /* coordinator: rounds run */
+  ckpt__pending_t *pending; /* sends not yet completed */
+  void *comm;             /* mpi.c's communicator */
 };
 
-extern const ckpt__transport_t ckpt__local_transport;
+/* mpi.c: the only MPI user. Called on the dist thread only. */
+bool ckpt__mpi_launched(void);
+int ckpt__mpi_init(ckpt_dist_t *d, char **err);
+void ckpt__mpi_finalize(ckpt_dist_t *d);
+/* Send msg to dest without blocking; takes ownership of msg's data. */
+int ckpt__mpi_send(ckpt_dist_t *d, int dest, int tag, ckpt_buf_t *msg);
+/* Receive one message of tag (from any rank if src < 0) if one is there:
+ * 1 with *from and out set, 0 if none, < 0 on error. */
+int ckpt__mpi_poll(ckpt_dist_t *d, int src, int tag, int *from,
+                   ckpt_buf_t *out);
+/* Complete what sends can complete; true when none is pending. */
+bool ckpt__mpi_progress(ckpt_dist_t *d);
 
 #endif /* CKPT_DIST_INT_H */

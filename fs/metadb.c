@@ -596,6 +596,36 @@ static int alloc_rows(loader_t *ld, const char *table, size_t size, void **arr,
   return rc;
 }
 
+/* Whether path is one a mount could have staged for fqn: relative, its
+ * components non-empty, not starting with '.' and at most 255 bytes, and
+ * its FQN ('/' replaced by '.') is fqn. The committed namespace is built
+ * from these paths. */
+static bool path_of_fqn(const char *path, const char *fqn) {
+  size_t comp = 0; /* length of the current component */
+  for (size_t i = 0;; i++) {
+    char c = path[i];
+    if (c == '/' || c == '\0') {
+      if (comp == 0 || comp > 255 || fqn[i] != (c == '/' ? '.' : '\0'))
+        return false;
+      if (c == '\0')
+        return true;
+      comp = 0;
+    } else {
+      if ((comp == 0 && c == '.') || fqn[i] != c)
+        return false;
+      comp++;
+    }
+  }
+}
+
+static int col_path(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
+                    char **out) {
+  int rc = col_strdup(ld, st, i, r, out);
+  if (rc == 0 && !path_of_fqn(*out, r->fqn))
+    rc = row_fail(ld, r, "path '%.64s' is not a path of this fqn", *out);
+  return rc;
+}
+
 /* Index of the tensor named fqn in the sorted tensors, or -1. */
 static int64_t find_tensor(const ckpt_metadata_t *m, const char *fqn) {
   uint32_t lo = 0, hi = m->n_tensors;
@@ -709,7 +739,7 @@ static int load_tensors(loader_t *ld) {
     if ((rc = col_strdup(ld, st, 0, &r, &t->fqn)) < 0)
       break;
     r.fqn = t->fqn;
-    if ((rc = col_strdup(ld, st, 1, &r, &t->path)) < 0 ||
+    if ((rc = col_path(ld, st, 1, &r, &t->path)) < 0 ||
         (rc = col_dims(ld, st, 3, &r, &shape)) < 0)
       break;
     if ((dt = col_text(ld, st, 2, &r, &len)) == NULL) {
@@ -826,7 +856,7 @@ static int load_blobs(loader_t *ld) {
     if ((rc = col_strdup(ld, st, 0, &r, &b->fqn)) < 0)
       break;
     r.fqn = b->fqn;
-    if ((rc = col_strdup(ld, st, 1, &r, &b->path)) < 0 ||
+    if ((rc = col_path(ld, st, 1, &r, &b->path)) < 0 ||
         (rc = col_storage(ld, st, 2, &r, &b->rank, &b->file, &b->file_offset,
                           &b->length, &b->checksum)) < 0)
       break;

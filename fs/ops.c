@@ -47,6 +47,16 @@ static ckpt_node_t *get_node(ckpt_fs_t *fs, fuse_ino_t ino) {
   return n;
 }
 
+/* The node of a request that may come with an open handle (fstat,
+ * ftruncate): the handle's node, which lives on after unlink or commit
+ * detached it from the tree, else the node of ino. fs->lock held. */
+static ckpt_node_t *node_of(ckpt_fs_t *fs, fuse_ino_t ino,
+                            struct fuse_file_info *fi) {
+  if (fi && fi->fh)
+    return handle_of(fi)->node;
+  return ckpt__node_by_ino(fs, ino);
+}
+
 static void put_node(ckpt_fs_t *fs, ckpt_node_t *n) {
   pthread_mutex_lock(&fs->lock);
   ckpt__node_unref(fs, n);
@@ -203,12 +213,11 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
 
 static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
                        struct fuse_file_info *fi) {
-  (void)fi;
   ckpt_fs_t *fs = fs_of(req);
   struct stat st;
   double timeout = 0;
   pthread_mutex_lock(&fs->lock);
-  ckpt_node_t *n = ckpt__node_by_ino(fs, ino);
+  ckpt_node_t *n = node_of(fs, ino, fi);
   if (n) {
     fill_attr(fs, n, &st);
     timeout = node_timeout(n);
@@ -222,9 +231,12 @@ static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
 
 static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
                        int to_set, struct fuse_file_info *fi) {
-  (void)fi;
   ckpt_fs_t *fs = fs_of(req);
-  ckpt_node_t *n = get_node(fs, ino);
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = node_of(fs, ino, fi);
+  if (n)
+    ckpt__node_ref(n);
+  pthread_mutex_unlock(&fs->lock);
   if (!n) {
     fuse_reply_err(req, ESTALE);
     return;

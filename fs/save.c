@@ -176,25 +176,25 @@ static int hash_file(void *arg, uint32_t i) {
   return rc;
 }
 
-/* Describe staged file i in lp (or record why it cannot be saved). */
+/* Describe staged file i in lp (or record why it cannot be saved; the
+ * planner prefixes each recorded problem with "rank R: "). */
 static int describe_file(ckpt_save_t *s, uint32_t i, ckpt_local_plan_t *lp) {
   ckpt_sfile_t *sf = s->files[i]->u.sf;
   const char *path = s->paths[i];
   char *const *x = sf->xattr;
   uint64_t len = sf->size;
-  int rank = s->fs->rank;
   if (!x[CKPT_X_DTYPE]) {
     for (int k = CKPT_X_SHAPE; k < CKPT_X_COUNT; k++)
       if (x[k])
         return ckpt_local_plan_add_error(
-            lp, "%s: rank %d: %s is set but user.ckpt.dtype is missing", path,
-            rank, ckpt__xattr_names[k]);
+            lp, "%s: %s is set but user.ckpt.dtype is missing", path,
+            ckpt__xattr_names[k]);
     return ckpt_local_plan_add_bytes(lp, path, len, s->checksums[i], i);
   }
   if (!x[CKPT_X_SHAPE])
     return ckpt_local_plan_add_error(
-        lp, "%s: rank %d: user.ckpt.dtype is set but user.ckpt.shape is "
-            "missing", path, rank);
+        lp, "%s: user.ckpt.dtype is set but user.ckpt.shape is missing",
+        path);
   ckpt_dtype_t dt;
   ckpt_dims_t shape, offs, sizes;
   bool has_offs = x[CKPT_X_OFFSETS] != NULL, has_sizes = x[CKPT_X_SIZES];
@@ -205,20 +205,19 @@ static int describe_file(ckpt_save_t *s, uint32_t i, ckpt_local_plan_t *lp) {
                                    strlen(x[CKPT_X_OFFSETS]), &offs)) ||
       (has_sizes &&
        ckpt_dims_parse(x[CKPT_X_SIZES], strlen(x[CKPT_X_SIZES]), &sizes)))
-    return ckpt_local_plan_add_error(lp, "%s: rank %d: invalid xattrs", path,
-                                     rank);
+    return ckpt_local_plan_add_error(lp, "%s: invalid xattrs", path);
   bool nonzero = false;
   for (int k = 0; has_offs && k < offs.ndim; k++)
     nonzero |= offs.d[k] != 0;
   if (nonzero && !has_sizes)
     return ckpt_local_plan_add_error(
-        lp, "%s: rank %d: user.ckpt.offsets is %s but user.ckpt.sizes is "
-            "missing", path, rank, x[CKPT_X_OFFSETS]);
+        lp, "%s: user.ckpt.offsets is %s but user.ckpt.sizes is missing",
+        path, x[CKPT_X_OFFSETS]);
   if ((has_offs && offs.ndim != shape.ndim) ||
       (has_sizes && sizes.ndim != shape.ndim))
     return ckpt_local_plan_add_error(
-        lp, "%s: rank %d: offsets/sizes have %d/%d dimensions, shape %s has "
-            "%d", path, rank, has_offs ? offs.ndim : shape.ndim,
+        lp, "%s: offsets/sizes have %d/%d dimensions, shape %s has %d", path,
+        has_offs ? offs.ndim : shape.ndim,
         has_sizes ? sizes.ndim : shape.ndim, x[CKPT_X_SHAPE], shape.ndim);
   return ckpt_local_plan_add_tensor(lp, path, dt, shape.ndim, shape.d,
                                     has_offs ? offs.d : NULL,

@@ -193,7 +193,9 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
       drop_segments(sf, keep);
     uint32_t i = (uint32_t)(size >> CKPT_SEG_SHIFT);
     uint64_t in = size & (CKPT_SEG_SIZE - 1);
-    if (in && i < sf->nsegs && sf->segs[i])
+    /* Segment 0 of a small file may end before `in` (the file grew by
+     * truncate or by writes to later segments only). */
+    if (in && i < sf->nsegs && sf->segs[i] && in < seg_cap(sf, i))
       memset(sf->segs[i] + in, 0, seg_cap(sf, i) - in);
   }
   sf->size = size;

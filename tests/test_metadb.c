@@ -649,6 +649,22 @@ static void test_load_inconsistent(void **state) {
       {"UPDATE tensors SET shape='[4611686018427387904,4]' WHERE fqn='rows'",
        "shape is too large"},
       {"UPDATE tensors SET path=NULL WHERE fqn='rows'", "path is NULL"},
+      {"UPDATE tensors SET path='row' WHERE fqn='rows'",
+       "(rows): path 'row' is not a path of this fqn"},
+      {"UPDATE tensors SET path='model/layer1/weight'"
+       " WHERE fqn='model.layer0.weight'",
+       "tensors row 3 (model.layer0.weight): path 'model/layer1/weight' is"
+       " not a path"},
+      {"UPDATE tensors SET path='model//cube', fqn='model..cube'"
+       " WHERE fqn='model.cube'",
+       "path 'model//cube' is not a path"},
+      {"UPDATE tensors SET path='model/.cube', fqn='model..cube'"
+       " WHERE fqn='model.cube'",
+       "path 'model/.cube' is not a path"},
+      {"UPDATE tensors SET path='/step', fqn='.step' WHERE fqn='step'",
+       "path '/step' is not a path"},
+      {"UPDATE blobs SET path='rng/' WHERE fqn='rng'",
+       "blobs row 2 (rng): path 'rng/' is not a path"},
       {"UPDATE chunks SET offsets='[0]' WHERE fqn='model.layer0.weight'",
        "offsets and sizes of 1 and 2 dimensions, the shape has 2"},
       {"UPDATE chunks SET sizes='[1,2,3]' WHERE fqn='step'",
@@ -674,7 +690,8 @@ static void test_load_inconsistent(void **state) {
       {"UPDATE chunks SET checksum='0123456789abcdef0' WHERE fqn='step'",
        "is not 16 hex digits"},
       {"UPDATE blobs SET rank=7 WHERE fqn='rng'", "(rng): rank 7 is not in"},
-      {"UPDATE blobs SET fqn='step' WHERE fqn='rng'", "fqn is also a tensor"},
+      {"UPDATE blobs SET fqn='step', path='step' WHERE fqn='rng'",
+       "fqn is also a tensor"},
       {"UPDATE checkpoint SET value='2' WHERE key='format_version'",
        "format version '2' is not 1"},
       {"DELETE FROM checkpoint WHERE key='save_id'",

@@ -1,0 +1,500 @@
+#!/usr/bin/env python3
+"""The life of checkpoints and of the daemon: async commit, removal (rm -r
+of staged and committed checkpoints, unlink that only hides), remount and
+the cleanup at mount start, options, SIGTERM, daemonizing, sync_files=0,
+0-d and empty tensors, io_threads, many small files."""
+
+import errno
+import glob
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, commit, main, mountinfo_has, pread,  # noqa: E402
+                         read_all, read_log, state, status, tensor_bytes, wait_state,
+                         write_file, write_tensor)
+
+MiB = 1 << 20
+
+
+class AsyncCommit(CkptfsTestCase):
+    def test_async_commit(self):
+        self.mount()
+        os.mkdir(self.ck("a"))
+        payload = os.urandom(MiB) * 64  # 64 MiB: the save takes a while
+        write_tensor(self.ck("a", "big"), "float32", [4096, 4096], payload)
+        write_file(self.ck("a", "cfg"), b"async")
+        commit(self.ck("a"), "async")
+        first = state(self.ck("a"))
+        self.assertIn(first, ("committing", "committed"))
+        # the trainer goes on at once with the next checkpoint
+        os.mkdir(self.ck("b"))
+        nxt = write_tensor(self.ck("b", "next"), "int32", [128, 128], tensor_bytes("int32", [128, 128]))
+        seen = {first}
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            st = status(self.ck("a"))
+            line = st.split("\n")[0]
+            seen.add(line)
+            if line == "committing":
+                self.assertRegex(st, r"\b\d+\b.*\b\d+\b")  # progress numbers
+            if line != "committing":
+                break
+            time.sleep(0.005)
+        self.assertEqual(state(self.ck("a")), "committed", status(self.ck("a")))
+        self.assertLessEqual(seen, {"committing", "committed"})
+        self.assertIn("committing", seen, "64 MiB committed before the async write returned")
+        self.assertEqual(read_all(self.ck("a", "big")), payload)
+        self.assertEqual(read_all(self.ck("a", "cfg")), b"async")
+        self.assertEqual(read_all(self.ck("b", "next")), nxt)
+        self.assertEqual(state(self.ck("b")), "staging")
+        commit(self.ck("b"))
+        self.assertEqual(read_all(self.ck("b", "next")), nxt)
+        # sync: committed when the write returns
+        os.mkdir(self.ck("c"))
+        write_tensor(self.ck("c", "big"), "float32", [4096, 4096], payload)
+        commit(self.ck("c"), "sync")
+        self.assertEqual(state(self.ck("c")), "committed")
+        self.assertEqual(read_all(self.ck("c", "big")), payload)
+
+    def test_staged_files_frozen_while_committing(self):
+        self.mount()
+        os.mkdir(self.ck("f"))
+        payload = os.urandom(MiB) * 64
+        write_file(self.ck("f", "big"), payload)
+        commit(self.ck("f"), "async")
+        if state(self.ck("f")) == "committing":
+            # while the save runs nothing of the checkpoint may change
+            try:
+                os.open(self.ck("f", "new"), os.O_WRONLY | os.O_CREAT, 0o644)
+                self.fail("create during commit succeeded")
+            except OSError as e:
+                self.assertIn(e.errno, (errno.EBUSY, errno.EROFS))
+        wait_state(self.ck("f"))
+        self.assertEqual(state(self.ck("f")), "committed")
+        self.assertEqual(read_all(self.ck("f", "big")), payload)
+        self.assertEqual(sorted(os.listdir(self.ck("f"))), [".metadata", "big"])
+
+    def test_async_failure(self):
+        self.mount()
+        os.mkdir(self.ck("bad"))
+        write_tensor(self.ck("bad", "w"), "float64", [10], b"\0" * 79)
+        commit(self.ck("bad"), "async\n")  # the write itself succeeds
+        st = wait_state(self.ck("bad"))
+        self.assertEqual(st.split("\n")[0], "failed")
+        self.assertIn("79", st)
+        self.assertNothingPublished("bad")
+        write_file(self.ck("bad", "w"), b"\0" * 80)
+        commit(self.ck("bad"), "async")
+        self.assertEqual(wait_state(self.ck("bad")).split("\n")[0], "committed")
+
+
+class Removal(CkptfsTestCase):
+    def test_rm_staged(self):
+        self.mount()
+        os.makedirs(self.ck("s", "d/e"))
+        write_file(self.ck("s", "d/e/f"), b"x" * 1000)
+        shutil.rmtree(self.ck("s"))
+        self.assertEqual(os.listdir(self.mnt), [])
+        self.assertFalse(os.path.exists(self.bk("s")))
+        os.mkdir(self.ck("s"))  # a new, empty one
+        self.assertEqual(os.listdir(self.ck("s")), [])
+
+    def test_rm_committed(self):
+        self.mount()
+        for n in ("keep", "x"):
+            os.mkdir(self.ck(n))
+            write_tensor(self.ck(n, "m/w"), "int64", [3], tensor_bytes("int64", [3]))
+            write_file(self.ck(n, "blob"), b"b")
+            commit(self.ck(n))
+        shutil.rmtree(self.ck("x"))
+        self.assertEqual(os.listdir(self.mnt), ["keep"])
+        self.assertFalse(os.path.exists(self.bk("x")))
+        self.assertEqual(read_all(self.ck("keep", "m/w")), tensor_bytes("int64", [3]))
+        # the name can be used again
+        os.mkdir(self.ck("x"))
+        write_file(self.ck("x", "blob"), b"new")
+        commit(self.ck("x"))
+        self.assertEqual(read_all(self.ck("x", "blob")), b"new")
+        self.assertFalse(os.path.exists(self.ck("x", "m")))
+        # and a remount agrees
+        self.assertEqual(self.mounts[0].stop(), 0)
+        self.mount()
+        self.assertEqual(sorted(os.listdir(self.mnt)), ["keep", "x"])
+        self.assertEqual(read_all(self.ck("x", "blob")), b"new")
+
+    def test_rmdir_nonempty_committed(self):
+        self.mount()
+        os.mkdir(self.ck("c"))
+        write_file(self.ck("c", "f"), b"f")
+        commit(self.ck("c"))
+        self.assertErrno(errno.ENOTEMPTY, os.rmdir, self.ck("c"))
+        self.assertTrue(os.path.exists(self.bk("c", ".metadata")))
+
+    def test_unlink_in_committed_only_hides(self):
+        self.mount()
+        os.mkdir(self.ck("h"))
+        w = write_tensor(self.ck("h", "m/w"), "float32", [8], tensor_bytes("float32", [8]))
+        write_file(self.ck("h", "m/b"), b"blob")
+        write_file(self.ck("h", "top"), b"top")
+        commit(self.ck("h"))
+        stored = {f: read_all(self.bk("h", f)) for f in os.listdir(self.bk("h"))}
+        os.unlink(self.ck("h", "m/w"))
+        os.unlink(self.ck("h", "m/b"))
+        os.rmdir(self.ck("h", "m"))
+        os.unlink(self.ck("h", ".metadata"))
+        self.assertEqual(sorted(os.listdir(self.ck("h"))), ["top"])
+        self.assertFalse(os.path.exists(self.ck("h", "m/w")))
+        self.assertErrno(errno.ENOENT, os.stat, self.ck("h", "m"))
+        self.assertEqual(read_all(self.ck("h", "top")), b"top")
+        self.assertEqual(state(self.ck("h")), "committed")
+        # the backing directory is untouched
+        self.assertEqual({f: read_all(self.bk("h", f)) for f in os.listdir(self.bk("h"))}, stored)
+        # a fresh mount shows everything again
+        self.assertEqual(self.mounts[0].stop(), 0)
+        self.mount()
+        self.assertEqual(sorted(os.listdir(self.ck("h"))), [".metadata", "m", "top"])
+        self.assertEqual(read_all(self.ck("h", "m/w")), w)
+        self.assertEqual(read_all(self.ck("h", "m/b")), b"blob")
+
+    def test_removed_through_backing_leaves_view(self):
+        self.mount()
+        os.mkdir(self.ck("gone"))
+        write_file(self.ck("gone", "f"), b"f")
+        commit(self.ck("gone"))
+        # as another mount sharing BACKING would: .metadata first
+        os.unlink(self.bk("gone", ".metadata"))
+        shutil.rmtree(self.bk("gone"))
+        self.assertNotIn("gone", os.listdir(self.mnt))
+        os.mkdir(self.ck("gone"))
+        self.assertEqual(state(self.ck("gone")), "staging")
+
+
+class MountStart(CkptfsTestCase):
+    def test_remount_shows_committed(self):
+        self.mount()
+        want = {}
+        for i, n in enumerate(["one", "two", "three"]):
+            os.mkdir(self.ck(n))
+            want[n] = write_tensor(self.ck(n, "w"), "int16", [5, i + 1],
+                                   tensor_bytes("int16", [5, i + 1], seed=i))
+            commit(self.ck(n))
+        os.mkdir(self.ck("staged-only"))
+        write_file(self.ck("staged-only", "x"), b"lost at unmount")
+        self.assertEqual(self.mounts[0].stop(), 0)
+        self.mount()
+        self.assertEqual(sorted(os.listdir(self.mnt)), ["one", "three", "two"])
+        for n, data in want.items():
+            self.assertEqual(state(self.ck(n)), "committed")
+            self.assertEqual(read_all(self.ck(n, "w")), data)
+        self.assertFalse(os.path.exists(self.bk("staged-only")))
+
+    def test_cleanup_of_unfinished_saves(self):
+        self.mount()
+        os.mkdir(self.ck("done"))
+        write_file(self.ck("done", "f"), b"done")
+        commit(self.ck("done"))
+        self.assertEqual(self.mounts[0].stop(), 0)
+        # an unfinished save (no .metadata), spilled staging data and a
+        # stale temporary metadata file of a committed checkpoint
+        os.makedirs(self.bk("half"))
+        write_file(self.bk("half", "__0_0.distcp"), b"\0" * 100)
+        write_file(self.bk("half", ".metadata.tmp"), b"junk")
+        os.makedirs(self.bk(".staging", "sub"))
+        write_file(self.bk(".staging", "sub", "spill"), b"x")
+        write_file(self.bk("done", ".metadata.tmp"), b"junk")
+        self.mount()
+        # removed before the mount is ready
+        self.assertFalse(os.path.exists(self.bk("half")))
+        self.assertFalse(os.path.exists(self.bk(".staging")))
+        self.assertFalse(os.path.exists(self.bk("done", ".metadata.tmp")))
+        self.assertEqual(os.listdir(self.mnt), ["done"])
+        self.assertEqual(read_all(self.ck("done", "f")), b"done")
+        os.mkdir(self.ck("half"))  # the name is free
+        write_file(self.ck("half", "f"), b"new")
+        commit(self.ck("half"))
+        self.assertEqual(read_all(self.ck("half", "f")), b"new")
+
+    def test_unrelated_files_in_backing_kept(self):
+        os.makedirs(self.backing)
+        write_file(self.bk("README"), b"not a checkpoint")
+        self.mount()
+        self.assertEqual(os.listdir(self.mnt), [])
+        self.assertEqual(read_all(self.bk("README")), b"not a checkpoint")
+
+    def test_backing_created(self):
+        self.backing = os.path.join(self.dir, "new", "backing")
+        os.makedirs(os.path.dirname(self.backing))
+        self.mount()
+        self.assertTrue(os.path.isdir(self.backing))
+
+
+class Options(CkptfsTestCase):
+    def run_bin(self, *args, timeout=60):
+        return subprocess.run([ckptfs_util.BIN, *args], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def test_malformed_options(self):
+        for bad in ["staging_mem=lots", "staging_mem=", "staging_mem=0", "staging_mem=12Q",
+                    "io_threads=0", "io_threads=x", "io_threads=-1", "io_threads=100000",
+                    "sync_files=2", "sync_files=yes", "replica_check=maybe",
+                    "commit_timeout=-1", "commit_timeout=abc", "commit_timeout=0",
+                    "no_such_option", "no_such_option=1"]:
+            r = self.run_bin("-f", "-o", bad, self.backing, self.mnt)
+            self.assertEqual(r.returncode, 2, f"-o {bad}: rc {r.returncode}\n{r.stderr}")
+            self.assertTrue(r.stderr.strip(), f"-o {bad}: no message")
+            key = bad.split("=")[0]
+            self.assertIn(key, r.stderr, f"-o {bad}: the message does not name it")
+            self.assertFalse(mountinfo_has(self.mnt), bad)
+            self.assertIsNone(ckptfs_util.sanitizer_report(r.stderr), r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.mnt, "x")))
+
+    def test_usage_errors(self):
+        for args in [["-f"], ["-f", self.backing], ["-f", self.backing, self.mnt, "extra"]]:
+            r = self.run_bin(*args)
+            self.assertEqual(r.returncode, 2, f"{args}: {r.stderr}")
+            self.assertTrue(r.stderr.strip())
+            self.assertIsNone(ckptfs_util.sanitizer_report(r.stderr), r.stderr)
+        r = self.run_bin("--help")
+        self.assertEqual(r.returncode, 0)
+        self.assertIn("staging_mem", r.stdout)
+        r = self.run_bin("--version")
+        self.assertEqual(r.returncode, 0)
+        self.assertIn("ckptfs", r.stdout)
+
+    def test_good_options(self):
+        self.mount("staging_mem=64M,commit_timeout=30,io_threads=2,sync_files=1,replica_check=warn")
+        os.mkdir(self.ck("o"))
+        write_file(self.ck("o", "f"), b"ok")
+        commit(self.ck("o"))
+        self.assertEqual(read_all(self.ck("o", "f")), b"ok")
+
+    def test_sigterm(self):
+        m = self.mount()
+        os.mkdir(self.ck("s"))
+        write_tensor(self.ck("s", "w"), "float32", [4], tensor_bytes("float32", [4]))
+        commit(self.ck("s"))
+        os.mkdir(self.ck("staged"))
+        m.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(m.wait(60), 0, self.daemon_log())
+        self.assertFalse(mountinfo_has(self.mnt), "still mounted after SIGTERM")
+        self.assertTrue(os.path.exists(self.bk("s", ".metadata")))
+        self.mount()
+        self.assertEqual(os.listdir(self.mnt), ["s"])
+
+    def test_sigterm_during_async_commit(self):
+        m = self.mount()
+        os.mkdir(self.ck("s"))
+        payload = os.urandom(MiB) * 32
+        write_file(self.ck("s", "big"), payload)
+        commit(self.ck("s"), "async")
+        m.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(m.wait(120), 0, self.daemon_log())
+        self.assertFalse(mountinfo_has(self.mnt))
+        # the save in flight finished (or left nothing half-visible)
+        self.mount()
+        if os.path.exists(self.bk("s", ".metadata")):
+            self.assertEqual(read_all(self.ck("s", "big")), payload)
+        else:
+            self.assertNotIn("s", os.listdir(self.mnt))
+            self.assertFalse(os.path.exists(self.bk("s")))
+
+    def test_unmount_exit_code(self):
+        m = self.mount()
+        self.assertEqual(m.stop(), 0, self.daemon_log())
+        self.assertFalse(mountinfo_has(self.mnt))
+
+    def test_daemonize(self):
+        asan_log = os.path.join(self.dir, "asan")
+        env = {"ASAN_OPTIONS": (os.environ.get("ASAN_OPTIONS", "") + f":log_path={asan_log}").lstrip(":"),
+               "UBSAN_OPTIONS": (os.environ.get("UBSAN_OPTIONS", "print_stacktrace=1")
+                                 + f":log_path={asan_log}")}
+        m = ckptfs_util.Mount(self.backing, self.mnt, self.log, foreground=False, env=env)
+        self.mounts.append(m)
+        launcher = m.argv()
+        t0 = time.monotonic()
+        r = subprocess.run(launcher, capture_output=True, text=True, timeout=60,
+                           env=ckptfs_util.daemon_env(env), stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # ready when the launching command returns
+        self.assertTrue(mountinfo_has(self.mnt), "not mounted when the command returned")
+        pid = ckptfs_util.find_daemon(self.mnt)
+        self.assertIsNotNone(pid, "no daemon process")
+        self.assertNotEqual(os.getsid(pid), os.getsid(0), "the daemon did not leave our session")
+        os.mkdir(self.ck("bg"))
+        write_file(self.ck("bg", "f"), b"background")
+        commit(self.ck("bg"))
+        self.assertEqual(read_all(self.ck("bg", "f")), b"background")
+        r = subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(os.path.exists(f"/proc/{pid}"), "daemon still running after unmount")
+        self.assertLess(time.monotonic() - t0, 60)
+        self.extra_logs += glob.glob(asan_log + "*")
+        self.assertTrue(os.path.exists(self.bk("bg", ".metadata")))
+
+    def test_daemonize_relative_paths(self):
+        # relative BACKING_DIR and MOUNTPOINT, daemon stopped by SIGTERM
+        cwd = os.getcwd()
+        os.chdir(self.dir)
+        try:
+            r = subprocess.run([ckptfs_util.BIN, "backing", "mnt"], capture_output=True,
+                               text=True, timeout=60, stdin=subprocess.DEVNULL)
+        finally:
+            os.chdir(cwd)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(mountinfo_has(self.mnt))
+        pid = ckptfs_util.find_daemon("mnt")
+        self.assertIsNotNone(pid)
+        os.mkdir(self.ck("rel"))
+        write_file(self.ck("rel", "f"), b"rel")
+        commit(self.ck("rel"))
+        self.assertTrue(os.path.exists(self.bk("rel", ".metadata")))
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(os.path.exists(f"/proc/{pid}"))
+        self.assertFalse(mountinfo_has(self.mnt), "SIGTERM left the mount behind")
+
+
+class Shapes(CkptfsTestCase):
+    def test_zero_d_and_empty_tensors(self):
+        self.mount("sync_files=0")
+        os.mkdir(self.ck("z"))
+        scalar = tensor_bytes("float64", [1], seed=5)
+        write_tensor(self.ck("z", "scalar_csv"), "float64", b"", scalar)
+        write_tensor(self.ck("z", "scalar_json"), "int32", b"[]", tensor_bytes("int32", [1]))
+        write_tensor(self.ck("z", "empty"), "float32", [0, 4], b"")
+        write_tensor(self.ck("z", "empty2"), "bfloat16", b"[3, 0, 2]", b"")
+        write_file(self.ck("z", "emptyblob"), b"")
+        commit(self.ck("z"))
+        self.assertEqual(read_all(self.ck("z", "scalar_csv")), scalar)
+        self.assertEqual(os.stat(self.ck("z", "scalar_csv")).st_size, 8)
+        self.assertEqual(os.getxattr(self.ck("z", "scalar_csv"), "user.ckpt.shape"), b"")
+        self.assertEqual(read_all(self.ck("z", "scalar_json")), tensor_bytes("int32", [1]))
+        self.assertEqual(read_all(self.ck("z", "empty")), b"")
+        self.assertEqual(os.stat(self.ck("z", "empty")).st_size, 0)
+        self.assertEqual(os.getxattr(self.ck("z", "empty"), "user.ckpt.shape"), b"0,4")
+        self.assertEqual(os.getxattr(self.ck("z", "empty2"), "user.ckpt.shape"), b"3,0,2")
+        self.assertEqual(os.getxattr(self.ck("z", "empty2"), "user.ckpt.dtype"), b"bfloat16")
+        self.assertEqual(read_all(self.ck("z", "emptyblob")), b"")
+        self.assertEqual(pread(self.ck("z", "scalar_csv"), 100, 3), scalar[3:])
+        con = sqlite3.connect(f"file:{self.ck('z', '.metadata')}?mode=ro", uri=True)
+        try:
+            shapes = dict(con.execute("select fqn, shape from tensors"))
+            self.assertEqual(shapes, {"scalar_csv": "[]", "scalar_json": "[]", "empty": "[0,4]",
+                                      "empty2": "[3,0,2]"})
+        finally:
+            con.close()
+        # the wrong length for a scalar fails
+        os.mkdir(self.ck("z2"))
+        write_tensor(self.ck("z2", "s"), "float64", b"", b"\0" * 16)
+        self.assertErrno(errno.EIO, commit, self.ck("z2"))
+        self.assertIn("16", status(self.ck("z2")))
+        self.assertEqual(self.mounts[0].stop(), 0)
+
+    def test_empty_checkpoint(self):
+        self.mount()
+        os.mkdir(self.ck("nothing"))
+        commit(self.ck("nothing"))
+        self.assertEqual(state(self.ck("nothing")), "committed")
+        self.assertEqual(os.listdir(self.ck("nothing")), [".metadata"])
+        self.assertTrue(os.path.exists(self.bk("nothing", ".metadata")))
+
+    def test_explicit_offsets_and_sizes(self):
+        # a chunk with explicit all-zero offsets and the full sizes
+        self.mount()
+        os.mkdir(self.ck("sh"))
+        data = tensor_bytes("uint8", [3, 5])
+        write_tensor(self.ck("sh", "w"), "uint8", [3, 5], data, offsets=[0, 0], sizes=[3, 5])
+        commit(self.ck("sh"))
+        self.assertEqual(read_all(self.ck("sh", "w")), data)
+
+
+class IoThreads(CkptfsTestCase):
+    def test_io_threads_3(self):
+        self.mount("io_threads=3")
+        os.mkdir(self.ck("io"))
+        want = {}
+        for i in range(60):
+            shape = [(i * 7) % 50 + 1, 33]
+            dtype = ["float32", "int8", "float64", "bfloat16"][i % 4]
+            want[f"l{i // 10}/t{i:02d}"] = write_tensor(
+                self.ck("io", f"l{i // 10}/t{i:02d}"), dtype, shape,
+                tensor_bytes(dtype, shape, seed=i))
+        for i in range(7):
+            want[f"blobs/b{i}"] = os.urandom(1000 * i + 1)
+            write_file(self.ck("io", f"blobs/b{i}"), want[f"blobs/b{i}"])
+        commit(self.ck("io"))
+        files = sorted(f for f in os.listdir(self.bk("io")) if f.endswith(".distcp"))
+        self.assertGreaterEqual(len(files), 1)
+        self.assertLessEqual(len(files), 3, files)
+        for f in files:
+            self.assertRegex(f, r"^__0_[0-2]\.distcp$")
+        self.assertGreater(len(files), 1, "60 tensors in one data file with io_threads=3")
+        total = sum(os.stat(self.bk("io", f)).st_size for f in files)
+        self.assertGreaterEqual(total, sum(len(v) for v in want.values()))
+        for path, data in want.items():
+            self.assertEqual(read_all(self.ck("io", path)), data, path)
+        con = sqlite3.connect(f"file:{self.ck('io', '.metadata')}?mode=ro", uri=True)
+        try:
+            used = {r[0] for r in con.execute("select file from chunks union select file from blobs")}
+        finally:
+            con.close()
+        self.assertEqual(used, set(files))
+
+    def test_io_threads_1(self):
+        self.mount("io_threads=1")
+        os.mkdir(self.ck("one"))
+        for i in range(10):
+            write_file(self.ck("one", f"b{i}"), bytes([i]) * 5000)
+        commit(self.ck("one"))
+        self.assertEqual(sorted(f for f in os.listdir(self.bk("one")) if f.endswith(".distcp")),
+                         ["__0_0.distcp"])
+        for i in range(10):
+            self.assertEqual(read_all(self.ck("one", f"b{i}")), bytes([i]) * 5000)
+
+    def test_many_small_files(self):
+        self.mount("sync_files=0")
+        os.mkdir(self.ck("many"))
+        n = 2000
+        for i in range(n):
+            d = self.ck("many", f"d{i % 20}")
+            if i < 20:
+                os.mkdir(d)
+            if i % 2:
+                write_tensor(os.path.join(d, f"t{i}"), "int32", [3], tensor_bytes("int32", [3], seed=i))
+            else:
+                write_file(os.path.join(d, f"b{i}"), f"blob {i}".encode())
+        commit(self.ck("many"))
+        self.assertEqual(state(self.ck("many")), "committed")
+        con = sqlite3.connect(f"file:{self.ck('many', '.metadata')}?mode=ro", uri=True)
+        try:
+            self.assertEqual(con.execute("select count(*) from tensors").fetchone()[0], n // 2)
+            self.assertEqual(con.execute("select count(*) from blobs").fetchone()[0], n // 2)
+        finally:
+            con.close()
+        for i in range(n):
+            d = self.ck("many", f"d{i % 20}")
+            if i % 2:
+                self.assertEqual(read_all(os.path.join(d, f"t{i}")), tensor_bytes("int32", [3], seed=i))
+            else:
+                self.assertEqual(read_all(os.path.join(d, f"b{i}")), f"blob {i}".encode())
+        self.assertEqual(sum(len(os.listdir(self.ck("many", f"d{k}"))) for k in range(20)), n)
+        self.assertEqual(self.mounts[0].stop(), 0)
+        self.mount()
+        self.assertEqual(read_all(self.ck("many", "d7/t1987")), tensor_bytes("int32", [3], seed=1987))
+
+
+if __name__ == "__main__":
+    main()

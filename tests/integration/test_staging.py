@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""File operations on a staged checkpoint (pwrite at scattered offsets,
+holes, truncate, rename, unlink, several open files, writer threads, the
+staging_mem limit) and that the committed content is what was staged."""
+
+import errno
+import os
+import shutil
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
+                         set_tensor_xattrs, state, tensor_bytes, write_file, write_tensor)
+
+MiB = 1 << 20
+
+
+class Model:
+    """What a file should contain after a series of writes and truncates."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def pwrite(self, data, off):
+        if off > len(self.data):
+            self.data += b"\0" * (off - len(self.data))
+        self.data[off:off + len(data)] = data
+
+    def truncate(self, n):
+        if n < len(self.data):
+            del self.data[n:]
+        else:
+            self.data += b"\0" * (n - len(self.data))
+
+
+class StagingOps(CkptfsTestCase):
+    def setUp(self):
+        super().setUp()
+        self.mount()
+        os.mkdir(self.ck("s"))
+
+    def check_both(self, path, want):
+        """The staged file reads as want; after commit too."""
+        self.assertEqual(os.stat(self.ck("s", path)).st_size, len(want))
+        self.assertEqual(read_all(self.ck("s", path)), bytes(want))
+
+    def test_scattered_pwrite_and_holes(self):
+        p = self.ck("s", "scattered")
+        m = Model()
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # descending and overlapping offsets, across segment boundaries
+            for off, n in [(5 * MiB + 3, 10), (3, 5), (MiB - 2, 4), (2 * MiB, MiB + 1),
+                           (100, 7000), (2 * MiB + 500, 20), (0, 1), (4096 - 1, 2)]:
+                data = bytes((off + i) % 251 + 1 for i in range(n))
+                self.assertEqual(os.pwrite(fd, data, off), n)
+                m.pwrite(data, off)
+            self.assertEqual(os.fstat(fd).st_size, len(m.data))
+            for off, n in [(0, 200), (MiB - 10, 20), (3 * MiB, 100), (4 * MiB, MiB + 13)]:
+                self.assertEqual(os.pread(fd, n, off), bytes(m.data[off:off + n]), (off, n))
+        finally:
+            os.close(fd)
+        self.check_both("scattered", m.data)
+        commit(self.ck("s"))
+        self.check_both("scattered", m.data)
+        self.assertEqual(pread(p, 10, 4 * MiB), b"\0" * 10)  # a hole
+
+    def test_sparse_file_only_holes(self):
+        p = self.ck("s", "sparse")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(fd, b"Z", 3 * MiB - 1)
+        os.close(fd)
+        want = b"\0" * (3 * MiB - 1) + b"Z"
+        write_file(self.ck("s", "grown"), b"")
+        os.truncate(self.ck("s", "grown"), 12345)
+        commit(self.ck("s"))
+        self.assertEqual(read_all(p), want)
+        self.assertEqual(read_all(self.ck("s", "grown")), b"\0" * 12345)
+
+    def test_truncate_down_and_up(self):
+        p = self.ck("s", "t")
+        m = Model()
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            data = bytes(range(1, 256)) * 20000  # ~5 MiB, no zeros
+            os.write(fd, data)
+            m.pwrite(data, 0)
+            for n in [4 * MiB + 17, 3 * MiB, 3 * MiB + 100, 5000, 4 * MiB, 100, 0, 10,
+                      MiB + 1, 2 * MiB]:
+                os.ftruncate(fd, n)
+                m.truncate(n)
+                self.assertEqual(os.fstat(fd).st_size, n)
+                # what was cut off must read as zeros when grown again
+                self.assertEqual(os.pread(fd, n + 10, 0), bytes(m.data), n)
+            os.pwrite(fd, b"end", len(m.data))
+            m.pwrite(b"end", len(m.data))
+        finally:
+            os.close(fd)
+        # O_TRUNC through open
+        q = self.ck("s", "q")
+        write_file(q, b"x" * 10000)
+        write_file(q, b"y" * 10)
+        self.assertEqual(read_all(q), b"y" * 10)
+        os.truncate(q, 3)
+        commit(self.ck("s"))
+        self.check_both("t", m.data)
+        self.assertEqual(read_all(q), b"yyy")
+
+    def test_truncate_small_file_past_first_segment(self):
+        # a small file (first segment partly allocated) grown by truncate
+        # and then cut back to a size inside the first MiB
+        p = self.ck("s", "small")
+        m = Model()
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            for op, a, b in [("w", b"abc", 0), ("t", 2 * MiB, 0), ("t", 10000, 0),
+                             ("w", b"Q", 9000), ("t", 3 * MiB, 0), ("t", 5000, 0)]:
+                if op == "w":
+                    os.pwrite(fd, a, b)
+                    m.pwrite(a, b)
+                else:
+                    os.ftruncate(fd, a)
+                    m.truncate(a)
+                self.assertEqual(os.pread(fd, len(m.data) + 5, 0), bytes(m.data))
+        finally:
+            os.close(fd)
+        # a file whose data starts past the first MiB, then a little at 0
+        q = self.ck("s", "late")
+        mq = Model()
+        fd = os.open(q, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            for off, data in [(MiB + 5, b"late"), (0, b"early")]:
+                os.pwrite(fd, data, off)
+                mq.pwrite(data, off)
+            os.ftruncate(fd, 8000)
+            mq.truncate(8000)
+            os.pwrite(fd, b"x", 7000)
+            mq.pwrite(b"x", 7000)
+            self.assertEqual(os.pread(fd, 9000, 0), bytes(mq.data))
+        finally:
+            os.close(fd)
+        commit(self.ck("s"))
+        self.check_both("small", m.data)
+        self.check_both("late", mq.data)
+
+    def test_rename_and_unlink(self):
+        write_tensor(self.ck("s", "a/w"), "float32", [4], tensor_bytes("float32", [4]))
+        write_file(self.ck("s", "a/gone"), b"gone")
+        write_file(self.ck("s", "b1"), b"first")
+        write_file(self.ck("s", "b2"), b"second")
+        os.makedirs(self.ck("s", "d/e"))
+        write_file(self.ck("s", "d/e/f"), b"deep")
+        os.rename(self.ck("s", "a/w"), self.ck("s", "a/w2"))       # file, same dir
+        os.rename(self.ck("s", "b1"), self.ck("s", "a/b1"))          # file, other dir
+        os.rename(self.ck("s", "b2"), self.ck("s", "a/b1"))          # replaces
+        os.rename(self.ck("s", "d"), self.ck("s", "moved"))          # directory
+        os.rename(self.ck("s", "moved/e"), self.ck("s", "a/e"))      # directory, other parent
+        os.unlink(self.ck("s", "a/gone"))
+        os.mkdir(self.ck("s", "empty"))
+        os.rmdir(self.ck("s", "empty"))
+        self.assertErrno(errno.ENOTEMPTY, os.rmdir, self.ck("s", "a"))
+        self.assertErrno(errno.EINVAL, os.rename, self.ck("s", "a"), self.ck("s", "a/e/inside"))
+        self.assertErrno(errno.ENOENT, os.unlink, self.ck("s", "a/gone"))
+        self.assertErrno(errno.EISDIR, os.unlink, self.ck("s", "a"))
+        # moving out of the checkpoint is refused
+        os.mkdir(self.ck("other"))
+        self.assertErrno(errno.EXDEV, os.rename, self.ck("s", "a/w2"), self.ck("other", "w2"))
+        self.assertEqual(sorted(os.listdir(self.ck("s", "a"))), ["b1", "e", "w2"])
+        self.assertEqual(sorted(os.listdir(self.ck("s"))), ["a", "moved"])
+        self.assertEqual(os.getxattr(self.ck("s", "a/w2"), "user.ckpt.dtype"), b"float32")
+        commit(self.ck("s"))
+        self.assertEqual(sorted(os.listdir(self.ck("s"))), [".metadata", "a"])  # empty dirs vanish
+        self.assertEqual(read_all(self.ck("s", "a/w2")), tensor_bytes("float32", [4]))
+        self.assertEqual(read_all(self.ck("s", "a/b1")), b"second")
+        self.assertEqual(read_all(self.ck("s", "a/e/f")), b"deep")
+        self.assertFalse(os.path.exists(self.ck("s", "a/gone")))
+        self.assertFalse(os.path.exists(self.ck("s", "a/w")))
+
+    def test_unlink_while_open(self):
+        p = self.ck("s", "open")
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"abc")
+            os.unlink(p)
+            self.assertFalse(os.path.exists(p))
+            os.write(fd, b"def")  # still a working descriptor
+            self.assertEqual(os.pread(fd, 10, 0), b"abcdef")
+            self.assertEqual(os.fstat(fd).st_size, 6)
+        finally:
+            os.close(fd)
+        write_file(self.ck("s", "kept"), b"k")
+        commit(self.ck("s"))
+        self.assertEqual(sorted(os.listdir(self.ck("s"))), [".metadata", "kept"])
+
+    def test_many_open_files_interleaved(self):
+        n = 40
+        fds = [os.open(self.ck("s", f"f{i:02d}"), os.O_WRONLY | os.O_CREAT, 0o644) for i in range(n)]
+        models = [Model() for _ in range(n)]
+        try:
+            for rnd in range(20):
+                for i, fd in enumerate(fds):
+                    data = bytes([(i * 31 + rnd) % 256]) * (100 + 37 * i)
+                    os.write(fd, data)
+                    models[i].pwrite(data, len(models[i].data))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        commit(self.ck("s"))
+        for i in range(n):
+            self.assertEqual(read_all(self.ck("s", f"f{i:02d}")), bytes(models[i].data), i)
+
+    def test_writer_threads(self):
+        nthreads, per_file = 8, 3 * MiB + 4321
+        errors = []
+        shared = self.ck("s", "shared")
+        fd_shared = os.open(shared, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.ftruncate(fd_shared, nthreads * per_file)
+
+        def work(t):
+            try:
+                data = bytes([(t * 13 + i) % 256 for i in range(256)]) * (per_file // 256 + 1)
+                data = data[:per_file]
+                # one file of its own, in 64 KiB pieces
+                write_file(self.ck("s", f"t{t}/own"), data, chunk=65536)
+                set_tensor_xattrs(self.ck("s", f"t{t}/own"), "uint8", [per_file])
+                # and its slice of one shared file, with pwrite
+                for off in range(0, per_file, 100000):
+                    piece = data[off:off + 100000]
+                    os.pwrite(fd_shared, piece, t * per_file + off)
+            except Exception as e:  # reported below
+                errors.append((t, e))
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(nthreads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        os.close(fd_shared)
+        self.assertEqual(errors, [])
+        want = {}
+        for t in range(nthreads):
+            data = bytes([(t * 13 + i) % 256 for i in range(256)]) * (per_file // 256 + 1)
+            want[t] = data[:per_file]
+        staged_shared = read_all(shared)
+        self.assertEqual(staged_shared, b"".join(want[t] for t in range(nthreads)))
+        commit(self.ck("s"))
+        for t in range(nthreads):
+            self.assertEqual(read_all(self.ck("s", f"t{t}/own")), want[t], t)
+        self.assertEqual(read_all(shared), staged_shared)
+
+    def test_writer_processes(self):
+        # several processes (fork) write files of one checkpoint at once
+        pids = []
+        for k in range(4):
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    write_tensor(self.ck("s", f"p{k}/w"), "int32", [1000, 100],
+                                 tensor_bytes("int32", [1000, 100], seed=k))
+                except BaseException:
+                    code = 1
+                os._exit(code)
+            pids.append(pid)
+        for pid in pids:
+            _, st = os.waitpid(pid, 0)
+            self.assertEqual(os.waitstatus_to_exitcode(st), 0)
+        commit(self.ck("s"))
+        for k in range(4):
+            self.assertEqual(read_all(self.ck("s", f"p{k}/w")),
+                             tensor_bytes("int32", [1000, 100], seed=k))
+
+    def test_writes_refused_while_committing_and_after(self):
+        p = self.ck("s", "w")
+        write_file(p, b"before")
+        fd = os.open(p, os.O_WRONLY)
+        try:
+            commit(self.ck("s"))
+            self.assertErrno(errno.EROFS, os.write, fd, b"after")
+            self.assertErrno(errno.EROFS, os.ftruncate, fd, 0)
+        finally:
+            os.close(fd)
+        self.assertEqual(read_all(p), b"before")
+
+    def test_mode_and_times(self):
+        p = self.ck("s", "m")
+        write_file(p, b"x")
+        os.chmod(p, 0o600)
+        self.assertEqual(os.stat(p).st_mode & 0o777, 0o600)
+        os.utime(p, (1000000000, 1000000000))
+        self.assertEqual(int(os.stat(p).st_mtime), 1000000000)
+        self.assertTrue(os.path.isfile(p))
+        self.assertTrue(os.path.isdir(self.ck("s")))
+
+
+class StagingMemory(CkptfsTestCase):
+    def test_enospc_beyond_staging_mem(self):
+        self.mount("staging_mem=1M")
+        os.mkdir(self.ck("s"))
+        p = self.ck("s", "big")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+        written = 0
+        try:
+            with self.assertRaises(OSError) as cm:
+                data = b"\1" * (2 * MiB)
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+            self.assertEqual(cm.exception.errno, errno.ENOSPC)
+        finally:
+            os.close(fd)
+        self.assertLess(written, 2 * MiB)
+        self.assertLessEqual(written, MiB)
+        # the daemon is alive and what fit is there
+        self.assertEqual(state(self.ck("s")), "staging")
+        self.assertEqual(os.stat(p).st_size, written)
+        self.assertEqual(read_all(p), b"\1" * written)
+        # removing the file gives the memory back
+        os.unlink(p)
+        write_file(self.ck("s", "fits"), b"\2" * (MiB - 4096))
+        commit(self.ck("s"))
+        self.assertEqual(read_all(self.ck("s", "fits")), b"\2" * (MiB - 4096))
+        # committed data no longer counts
+        os.mkdir(self.ck("t"))
+        write_file(self.ck("t", "again"), b"\3" * (MiB - 4096))
+        commit(self.ck("t"))
+        self.assertEqual(self.mounts[0].stop(), 0)
+
+    def test_discarded_checkpoint_frees_memory(self):
+        self.mount("staging_mem=2M")
+        os.mkdir(self.ck("a"))
+        write_file(self.ck("a", "x"), b"\1" * (2 * MiB))
+        self.assertErrno(errno.ENOSPC, write_file, self.ck("a", "y"), b"\1" * 10)
+        shutil.rmtree(self.ck("a"))
+        os.mkdir(self.ck("b"))
+        write_file(self.ck("b", "x"), b"\2" * (2 * MiB))
+        commit(self.ck("b"))
+        self.assertEqual(read_all(self.ck("b", "x")), b"\2" * (2 * MiB))
+
+
+if __name__ == "__main__":
+    main()
