@@ -138,14 +138,15 @@ typedef struct {
   uint32_t local_id;     /* the rank's own handle for the item */
 } ckpt_write_item_t;
 
+/* dims is NULL when ndim is 0 (bytes items, scalars): no arithmetic then. */
 static inline const int64_t *ckpt_item_shape(const ckpt_write_item_t *it) {
   return it->dims;
 }
 static inline const int64_t *ckpt_item_offsets(const ckpt_write_item_t *it) {
-  return it->dims + it->ndim;
+  return it->ndim > 0 ? it->dims + it->ndim : it->dims;
 }
 static inline const int64_t *ckpt_item_sizes(const ckpt_write_item_t *it) {
-  return it->dims + 2 * it->ndim;
+  return it->ndim > 0 ? it->dims + 2 * it->ndim : it->dims;
 }
 
 /* The local plan of one rank: every staged item, plus the problems the
@@ -162,7 +163,8 @@ void ckpt_local_plan_init(ckpt_local_plan_t *lp, int32_t rank);
 void ckpt_local_plan_free(ckpt_local_plan_t *lp);
 /* Append a tensor chunk; shape/offsets/sizes are copied. offsets NULL means
  * all zeros, sizes NULL means the shape. Does not validate (the global plan
- * does, so that every problem of every rank is reported together). */
+ * does, so that every problem of every rank is reported together), but for
+ * ndim outside 0..CKPT_MAX_NDIM: -EINVAL. */
 int ckpt_local_plan_add_tensor(ckpt_local_plan_t *lp, const char *path,
                                ckpt_dtype_t dtype, int ndim,
                                const int64_t *shape, const int64_t *offsets,

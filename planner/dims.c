@@ -94,11 +94,11 @@ int ckpt_dims_format(const int64_t *d, int ndim, ckpt_dims_style_t style,
   size_t n = 0; /* length of the full text */
 
 /* Append one character, or as much as fits while counting the rest. */
-#define PUT(c)                                                               \
-  do {                                                                       \
-    if (n + 1 < cap)                                                         \
-      buf[n] = (c);                                                          \
-    n++;                                                                     \
+#define PUT(c)                                                                 \
+  do {                                                                         \
+    if (n + 1 < cap)                                                           \
+      buf[n] = (c);                                                            \
+    n++;                                                                       \
   } while (0)
 
   if (style == CKPT_DIMS_JSON)

@@ -41,9 +41,9 @@ static const struct {
 
 /* Valid only after "torch." (bare "float" means float64 to numpy). */
 static const alias_t torch_aliases[] = {
-    {"half", CKPT_DTYPE_FLOAT16},    {"float", CKPT_DTYPE_FLOAT32},
-    {"double", CKPT_DTYPE_FLOAT64},  {"short", CKPT_DTYPE_INT16},
-    {"int", CKPT_DTYPE_INT32},       {"long", CKPT_DTYPE_INT64},
+    {"half", CKPT_DTYPE_FLOAT16},     {"float", CKPT_DTYPE_FLOAT32},
+    {"double", CKPT_DTYPE_FLOAT64},   {"short", CKPT_DTYPE_INT16},
+    {"int", CKPT_DTYPE_INT32},        {"long", CKPT_DTYPE_INT64},
     {"cfloat", CKPT_DTYPE_COMPLEX64}, {"cdouble", CKPT_DTYPE_COMPLEX128},
 };
 
@@ -70,12 +70,12 @@ static const alias_t other_aliases[] = {
 
 /* numpy array-interface type strings, after an optional '<', '=' or '|'. */
 static const alias_t type_strings[] = {
-    {"b1", CKPT_DTYPE_BOOL},       {"?", CKPT_DTYPE_BOOL},
-    {"u1", CKPT_DTYPE_UINT8},      {"i1", CKPT_DTYPE_INT8},
-    {"i2", CKPT_DTYPE_INT16},      {"i4", CKPT_DTYPE_INT32},
-    {"i8", CKPT_DTYPE_INT64},      {"f2", CKPT_DTYPE_FLOAT16},
-    {"f4", CKPT_DTYPE_FLOAT32},    {"f8", CKPT_DTYPE_FLOAT64},
-    {"c8", CKPT_DTYPE_COMPLEX64},  {"c16", CKPT_DTYPE_COMPLEX128},
+    {"b1", CKPT_DTYPE_BOOL},      {"?", CKPT_DTYPE_BOOL},
+    {"u1", CKPT_DTYPE_UINT8},     {"i1", CKPT_DTYPE_INT8},
+    {"i2", CKPT_DTYPE_INT16},     {"i4", CKPT_DTYPE_INT32},
+    {"i8", CKPT_DTYPE_INT64},     {"f2", CKPT_DTYPE_FLOAT16},
+    {"f4", CKPT_DTYPE_FLOAT32},   {"f8", CKPT_DTYPE_FLOAT64},
+    {"c8", CKPT_DTYPE_COMPLEX64}, {"c16", CKPT_DTYPE_COMPLEX128},
 };
 
 #define N_OF(a) (sizeof(a) / sizeof((a)[0]))
@@ -136,8 +136,7 @@ int ckpt_dtype_parse(const char *s, size_t len, ckpt_dtype_t *out) {
          lookup(other_aliases, N_OF(other_aliases), s, len, &dt);
     if (!ok && len > 0) {
       size_t skip = (s[0] == '<' || s[0] == '=' || s[0] == '|') ? 1 : 0;
-      ok = lookup(type_strings, N_OF(type_strings), s + skip, len - skip,
-                  &dt);
+      ok = lookup(type_strings, N_OF(type_strings), s + skip, len - skip, &dt);
     }
   }
   if (!ok)

@@ -164,8 +164,7 @@ static char *get_opt_str(reader_t *r) {
 
 static void get_header(reader_t *r, const char magic[4]) {
   const uint8_t *m = get_bytes(r, 4);
-  if (m != NULL && (memcmp(m, magic, 4) != 0 ||
-                    get_u32(r) != CKPT_MSG_VERSION))
+  if (m != NULL && (memcmp(m, magic, 4) != 0 || get_u32(r) != CKPT_MSG_VERSION))
     fail(r);
 }
 
@@ -228,9 +227,8 @@ static void get_item(reader_t *r, ckpt_local_plan_t *lp) {
   size_t len;
   const char *path = get_str(r, &len);
   if (r->rc == 0)
-    r->rc = ckpt__local_plan_push(lp, path, len, (ckpt_item_kind_t)kind,
-                                  dtype, ndim, dims, length, checksum,
-                                  local_id);
+    r->rc = ckpt__local_plan_push(lp, path, len, (ckpt_item_kind_t)kind, dtype,
+                                  ndim, dims, length, checksum, local_id);
 }
 
 int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
@@ -307,8 +305,10 @@ int ckpt_msg_decode_rank_plan(const void *p, size_t n, ckpt_rank_plan_t *rp) {
   }
   uint64_t end = 0; /* of the previous assignment in its file */
   for (uint32_t i = 0; i < n_assign && r.rc == 0; i++) {
-    ckpt_assignment_t a = {.local_id = get_u32(&r), .file = get_u32(&r),
-                           .file_offset = get_u64(&r), .length = get_u64(&r)};
+    ckpt_assignment_t a = {.local_id = get_u32(&r),
+                           .file = get_u32(&r),
+                           .file_offset = get_u64(&r),
+                           .length = get_u64(&r)};
     const ckpt_assignment_t *prev = i > 0 ? &rp->assign[i - 1] : NULL;
     if (prev == NULL || a.file != prev->file)
       end = 0;

@@ -101,13 +101,16 @@ int ckpt__local_plan_push(ckpt_local_plan_t *lp, const char *path,
                           uint32_t local_id) {
   assert(lp != NULL && path != NULL);
   assert(ndim >= 0 && ndim <= CKPT_MAX_NDIM && (dims != NULL || ndim == 0));
-  ckpt_write_item_t it = {.kind = kind, .dtype = dtype, .ndim = ndim,
-                          .length = length, .checksum = checksum,
+  ckpt_write_item_t it = {.kind = kind,
+                          .dtype = dtype,
+                          .ndim = ndim,
+                          .length = length,
+                          .checksum = checksum,
                           .local_id = local_id};
   if (lp->n_items == UINT32_MAX)
     return -ENOMEM;
   if (lp->n_items == lp->cap_items) {
-    uint32_t cap = lp->cap_items < 8 ? 8
+    uint32_t cap = lp->cap_items < 8                ? 8
                    : lp->cap_items > UINT32_MAX / 2 ? UINT32_MAX
                                                     : lp->cap_items * 2;
     ckpt_write_item_t *items = realloc(lp->items, (size_t)cap * sizeof(*items));
@@ -136,8 +139,10 @@ int ckpt_local_plan_add_tensor(ckpt_local_plan_t *lp, const char *path,
                                const int64_t *shape, const int64_t *offsets,
                                const int64_t *sizes, uint64_t length,
                                uint64_t checksum, uint32_t local_id) {
-  assert(ndim >= 0 && ndim <= CKPT_MAX_NDIM && (shape != NULL || ndim == 0));
+  assert(shape != NULL || ndim <= 0);
   int64_t dims[3 * CKPT_MAX_NDIM];
+  if (ndim < 0 || ndim > CKPT_MAX_NDIM)
+    return -EINVAL;
   for (int i = 0; i < ndim; i++) {
     dims[i] = shape[i];
     dims[ndim + i] = offsets != NULL ? offsets[i] : 0;
@@ -207,15 +212,15 @@ typedef struct {
   const ckpt_plan_opts_t *opts;
   int32_t world;
   uint32_t n_refs;
-  ref_t *refs;            /* sorted as in step 1 */
+  ref_t *refs; /* sorted as in step 1 */
   uint32_t n_groups;
-  uint32_t *group_first;  /* n_groups + 1: refs of group g */
-  uint32_t *group_set;    /* n_groups + 1: sets of group g */
+  uint32_t *group_first; /* n_groups + 1: refs of group g */
+  uint32_t *group_set;   /* n_groups + 1: sets of group g */
   uint32_t n_sets;
-  uint32_t *set_first;    /* n_sets + 1: refs of set s */
-  uint32_t *keeper;       /* per set: the ref whose copy is kept */
-  uint32_t *set_file;     /* per set: data file K of the keeper */
-  uint64_t *set_off;      /* per set: offset in that file */
+  uint32_t *set_first; /* n_sets + 1: refs of set s */
+  uint32_t *keeper;    /* per set: the ref whose copy is kept */
+  uint32_t *set_file;  /* per set: data file K of the keeper */
+  uint64_t *set_off;   /* per set: offset in that file */
   report_t errors;
   report_t warnings;
   ckpt_buf_t msg; /* the problem line being built */
@@ -347,8 +352,8 @@ static int cmp_dims(const int64_t *a, int na, const int64_t *b, int nb) {
 }
 
 static int cmp_shape(const ref_t *a, const ref_t *b) {
-  return cmp_dims(ckpt_item_shape(a->it), a->it->ndim,
-                  ckpt_item_shape(b->it), b->it->ndim);
+  return cmp_dims(ckpt_item_shape(a->it), a->it->ndim, ckpt_item_shape(b->it),
+                  b->it->ndim);
 }
 
 static int cmp_content(const ref_t *a, const ref_t *b) {
@@ -695,13 +700,11 @@ static bool check_tensor(plan_t *p, const ref_t *refs, size_t n,
 }
 
 /* The copies of one item (a set) must have the same content. */
-static void check_replicas(plan_t *p, const ref_t *refs, size_t n,
-                           bool whole) {
-  if (p->opts->replica_check == CKPT_REPLICA_OFF ||
-      agree(refs, n, &by_content))
+static void check_replicas(plan_t *p, const ref_t *refs, size_t n, bool whole) {
+  if (p->opts->replica_check == CKPT_REPLICA_OFF || agree(refs, n, &by_content))
     return;
-  report_t *r = p->opts->replica_check == CKPT_REPLICA_ERROR ? &p->errors
-                                                              : &p->warnings;
+  report_t *r =
+      p->opts->replica_check == CKPT_REPLICA_ERROR ? &p->errors : &p->warnings;
   const ckpt_write_item_t *it = refs[0].it;
   if (!begin(p, r, it))
     return;
@@ -802,9 +805,8 @@ static void report_overlap(plan_t *p, uint32_t sa, uint32_t sb) {
 }
 
 /* gap_off/gap_size: a region no chunk covers, or NULL when not known. */
-static void report_gap(plan_t *p, uint32_t g, uint64_t covered,
-                       uint64_t numel, const int64_t *gap_off,
-                       const int64_t *gap_size) {
+static void report_gap(plan_t *p, uint32_t g, uint64_t covered, uint64_t numel,
+                       const int64_t *gap_off, const int64_t *gap_size) {
   const ref_t *refs = &p->refs[p->group_first[g]];
   const ckpt_write_item_t *it = refs[0].it;
   if (!begin(p, &p->errors, it))
@@ -1240,9 +1242,10 @@ static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
   for (uint32_t i = 0; i < n; i++) {
     uint32_t s = sets[i], k = p->set_file[s];
     const ref_t *r = &p->refs[p->keeper[s]];
-    rp->assign[first[k]++] = (ckpt_assignment_t){
-        .local_id = r->it->local_id, .file = k,
-        .file_offset = p->set_off[s], .length = r->it->length};
+    rp->assign[first[k]++] = (ckpt_assignment_t){.local_id = r->it->local_id,
+                                                 .file = k,
+                                                 .file_offset = p->set_off[s],
+                                                 .length = r->it->length};
   }
   rp->n_assign = n;
   rc = 0;
@@ -1310,28 +1313,36 @@ static int build_meta(plan_t *p, ckpt_metadata_t *m) {
     if (it->kind == CKPT_ITEM_BYTES) {
       const ref_t *k = &p->refs[p->keeper[s0]];
       ckpt_blob_meta_t *b = &m->blobs[m->n_blobs++];
-      *b = (ckpt_blob_meta_t){
-          .fqn = strdup(it->fqn), .path = strdup(it->path), .rank = k->rank,
-          .file = p->set_file[s0], .file_offset = p->set_off[s0],
-          .length = k->it->length, .checksum = k->it->checksum};
+      *b = (ckpt_blob_meta_t){.fqn = strdup(it->fqn),
+                              .path = strdup(it->path),
+                              .rank = k->rank,
+                              .file = p->set_file[s0],
+                              .file_offset = p->set_off[s0],
+                              .length = k->it->length,
+                              .checksum = k->it->checksum};
       if (b->fqn == NULL || b->path == NULL)
         return -ENOMEM;
       continue;
     }
     ckpt_tensor_meta_t *t = &m->tensors[m->n_tensors++];
-    *t = (ckpt_tensor_meta_t){
-        .fqn = strdup(it->fqn), .path = strdup(it->path), .dtype = it->dtype,
-        .ndim = it->ndim, .first_chunk = m->n_chunks, .n_chunks = s1 - s0};
+    *t = (ckpt_tensor_meta_t){.fqn = strdup(it->fqn),
+                              .path = strdup(it->path),
+                              .dtype = it->dtype,
+                              .ndim = it->ndim,
+                              .first_chunk = m->n_chunks,
+                              .n_chunks = s1 - s0};
     if (t->fqn == NULL || t->path == NULL ||
         (nd > 0 && (t->shape = dup_dims(ckpt_item_shape(it), nd)) == NULL))
       return -ENOMEM;
     for (uint32_t s = s0; s < s1; s++) {
       const ref_t *k = &p->refs[p->keeper[s]];
       ckpt_chunk_meta_t *c = &m->chunks[m->n_chunks++];
-      *c = (ckpt_chunk_meta_t){
-          .tensor = m->n_tensors - 1, .rank = k->rank, .file = p->set_file[s],
-          .file_offset = p->set_off[s], .length = k->it->length,
-          .checksum = k->it->checksum};
+      *c = (ckpt_chunk_meta_t){.tensor = m->n_tensors - 1,
+                               .rank = k->rank,
+                               .file = p->set_file[s],
+                               .file_offset = p->set_off[s],
+                               .length = k->it->length,
+                               .checksum = k->it->checksum};
       if (nd > 0 &&
           (c->dims = dup_dims(ckpt_item_offsets(k->it), 2 * nd)) == NULL)
         return -ENOMEM;

@@ -77,10 +77,10 @@ static const struct {
   const char *name;
   size_t size;
 } canonical[CKPT_DTYPE_COUNT] = {
-    {"bool", 1},       {"uint8", 1},      {"int8", 1},
-    {"int16", 2},      {"int32", 4},      {"int64", 8},
-    {"float16", 2},    {"bfloat16", 2},   {"float32", 4},
-    {"float64", 8},    {"complex64", 8},  {"complex128", 16},
+    {"bool", 1},          {"uint8", 1},       {"int8", 1},
+    {"int16", 2},         {"int32", 4},       {"int64", 8},
+    {"float16", 2},       {"bfloat16", 2},    {"float32", 4},
+    {"float64", 8},       {"complex64", 8},   {"complex128", 16},
     {"float8_e4m3fn", 1}, {"float8_e5m2", 1},
 };
 
@@ -172,12 +172,35 @@ static void test_dtype_aliases(void **state) {
 static void test_dtype_bad(void **state) {
   (void)state;
   static const char *bad[] = {
-      "",        " ",          "float",        "int",       "long",
-      ">f4",     ">i1",        ">b1",          "<",         "<<f4",
-      "f3",      "c4",         "FLOAT32",      "Float32",   "fp32",
-      "torch.",  "torch.fp8",  "torch.bfloat", "torch.torch.float32",
-      "torch.F32", "torch.<f4", "float32x",   "float32\n\n", "\nfloat32",
-      "f 4",     "uint16",     "complex32",    "F8_E4M3FN", "c128",
+      "",
+      " ",
+      "float",
+      "int",
+      "long",
+      ">f4",
+      ">i1",
+      ">b1",
+      "<",
+      "<<f4",
+      "f3",
+      "c4",
+      "FLOAT32",
+      "Float32",
+      "fp32",
+      "torch.",
+      "torch.fp8",
+      "torch.bfloat",
+      "torch.torch.float32",
+      "torch.F32",
+      "torch.<f4",
+      "float32x",
+      "float32\n\n",
+      "\nfloat32",
+      "f 4",
+      "uint16",
+      "complex32",
+      "F8_E4M3FN",
+      "c128",
   };
   ckpt_dtype_t dt = CKPT_DTYPE_FLOAT64;
   for (size_t i = 0; i < N_OF(bad); i++) {
@@ -241,11 +264,32 @@ static void test_dims_parse_good(void **state) {
 static void test_dims_parse_bad(void **state) {
   (void)state;
   static const char *bad[] = {
-      "-4",      "4,-1",     "4,x",     "4,,5",     "[4",       "4]",
-      "4,",      "[4,]",     ",4",      "4 5",      "+4",       "[",
-      "]",       "[[4]]",    "[4]]",    "4\n\n",    "4.0",      "0x10",
-      "1e3",     "4;5",      "[4],",    "(4,5)",    "4 ,",      "\n4",
-      "9223372036854775808", "18446744073709551616",
+      "-4",
+      "4,-1",
+      "4,x",
+      "4,,5",
+      "[4",
+      "4]",
+      "4,",
+      "[4,]",
+      ",4",
+      "4 5",
+      "+4",
+      "[",
+      "]",
+      "[[4]]",
+      "[4]]",
+      "4\n\n",
+      "4.0",
+      "0x10",
+      "1e3",
+      "4;5",
+      "[4],",
+      "(4,5)",
+      "4 ,",
+      "\n4",
+      "9223372036854775808",
+      "18446744073709551616",
       "99999999999999999999999999999999",
   };
   ckpt_dims_t d = {.ndim = 3};
@@ -278,16 +322,14 @@ static void test_dims_format(void **state) {
   (void)state;
   int64_t d[] = {4096, 1024, 0, INT64_MAX};
   char buf[128];
-  assert_int_equal(ckpt_dims_format(d, 2, CKPT_DIMS_CSV, buf, sizeof(buf)),
-                   9);
+  assert_int_equal(ckpt_dims_format(d, 2, CKPT_DIMS_CSV, buf, sizeof(buf)), 9);
   assert_string_equal(buf, "4096,1024");
   assert_int_equal(ckpt_dims_format(d, 2, CKPT_DIMS_JSON, buf, sizeof(buf)),
                    11);
   assert_string_equal(buf, "[4096,1024]");
   assert_int_equal(ckpt_dims_format(d, 0, CKPT_DIMS_CSV, buf, sizeof(buf)), 0);
   assert_string_equal(buf, "");
-  assert_int_equal(ckpt_dims_format(d, 0, CKPT_DIMS_JSON, buf, sizeof(buf)),
-                   2);
+  assert_int_equal(ckpt_dims_format(d, 0, CKPT_DIMS_JSON, buf, sizeof(buf)), 2);
   assert_string_equal(buf, "[]");
   assert_int_equal(ckpt_dims_format(d, 4, CKPT_DIMS_JSON, buf, sizeof(buf)),
                    33);
@@ -340,13 +382,12 @@ static void test_names(void **state) {
   long_name[256] = '\0';
   assert_false(ckpt_name_valid(long_name));
 
-  static const char *good[] = {"a", "step-100", "ckpt_1.0", "A.b-c_9", "a.",
-                               "0"};
+  static const char *good[] = {"a",       "step-100", "ckpt_1.0",
+                               "A.b-c_9", "a.",       "0"};
   for (size_t i = 0; i < N_OF(good); i++)
     assert_true(ckpt_name_valid(good[i]));
-  static const char *bad[] = {"",    ".hidden", ".",   "..",    "a/b",
-                              "a b", "a\nb",    "é",   "a*",    "-\t",
-                              "~x",  "a:b"};
+  static const char *bad[] = {"",     ".hidden", ".",  "..",  "a/b", "a b",
+                              "a\nb", "é",       "a*", "-\t", "~x",  "a:b"};
   for (size_t i = 0; i < N_OF(bad); i++)
     assert_false(ckpt_name_valid(bad[i]));
 }
@@ -428,13 +469,18 @@ static void test_local_plan(void **state) {
   ckpt_local_plan_t lp;
   ckpt_local_plan_init(&lp, 5);
   int64_t shape[] = {8, 4}, off[] = {4, 0}, size[] = {4, 4};
-  assert_int_equal(ckpt_local_plan_add_tensor(&lp, "m/w", CKPT_DTYPE_FLOAT32,
-                                              2, shape, NULL, NULL, 128, 1, 7),
+  assert_int_equal(ckpt_local_plan_add_tensor(&lp, "m/w", CKPT_DTYPE_FLOAT32, 2,
+                                              shape, NULL, NULL, 128, 1, 7),
                    0);
   assert_int_equal(ckpt_local_plan_add_tensor(&lp, "m/v", CKPT_DTYPE_INT8, 2,
                                               shape, off, size, 16, 2, 8),
                    0);
   assert_int_equal(ckpt_local_plan_add_bytes(&lp, "rng", 10, 3, 9), 0);
+  int64_t many[CKPT_MAX_NDIM + 1] = {0};
+  assert_int_equal(ckpt_local_plan_add_tensor(&lp, "x", CKPT_DTYPE_INT8,
+                                              CKPT_MAX_NDIM + 1, many, NULL,
+                                              NULL, 0, 0, 0),
+                   -EINVAL);
   assert_int_equal(lp.rank, 5);
   assert_int_equal(lp.n_items, 3);
   const ckpt_write_item_t *w = &lp.items[0];
@@ -449,12 +495,10 @@ static void test_local_plan(void **state) {
   assert_int_equal(lp.items[2].local_id, 9);
 
   assert_null(lp.errors);
-  assert_int_equal(ckpt_local_plan_add_error(&lp, "m/x: missing %s",
-                                             "user.ckpt.shape"),
-                   0);
+  assert_int_equal(
+      ckpt_local_plan_add_error(&lp, "m/x: missing %s", "user.ckpt.shape"), 0);
   assert_int_equal(ckpt_local_plan_add_error(&lp, "m/y: bad %d\n", 2), 0);
-  assert_string_equal(lp.errors,
-                      "m/x: missing user.ckpt.shape\nm/y: bad 2");
+  assert_string_equal(lp.errors, "m/x: missing user.ckpt.shape\nm/y: bad 2");
   ckpt_local_plan_free(&lp);
   assert_int_equal(lp.n_items, 0);
   assert_null(lp.errors);
@@ -493,10 +537,9 @@ static void world_free(world_t *w) {
 
 /* A chunk of the right length; checksum derived from the chunk unless
  * given (non-zero). */
-static void chunk_len(world_t *w, int32_t r, const char *path,
-                      ckpt_dtype_t dt, int ndim, const int64_t *shape,
-                      const int64_t *off, const int64_t *size,
-                      uint64_t length, uint64_t checksum) {
+static void chunk_len(world_t *w, int32_t r, const char *path, ckpt_dtype_t dt,
+                      int ndim, const int64_t *shape, const int64_t *off,
+                      const int64_t *size, uint64_t length, uint64_t checksum) {
   ckpt_local_plan_t *lp = &w->lp[r];
   assert_int_equal(ckpt_local_plan_add_tensor(lp, path, dt, ndim, shape, off,
                                               size, length, checksum,
@@ -525,32 +568,42 @@ static void chunk(world_t *w, int32_t r, const char *path, ckpt_dtype_t dt,
 static void blob(world_t *w, int32_t r, const char *path, uint64_t length,
                  uint64_t checksum) {
   ckpt_local_plan_t *lp = &w->lp[r];
-  assert_int_equal(ckpt_local_plan_add_bytes(lp, path, length, checksum,
-                                             1000 + lp->n_items),
-                   0);
+  assert_int_equal(
+      ckpt_local_plan_add_bytes(lp, path, length, checksum, 1000 + lp->n_items),
+      0);
 }
 
+/* Items get local_id 1000 + their index (see chunk_len and blob). */
 static const ckpt_write_item_t *find_item(const world_t *w, int32_t r,
                                           uint32_t local_id) {
-  for (uint32_t i = 0; i < w->lp[r].n_items; i++) {
-    if (w->lp[r].items[i].local_id == local_id)
-      return &w->lp[r].items[i];
-  }
-  return NULL;
+  if (local_id < 1000 || local_id - 1000 >= w->lp[r].n_items)
+    return NULL;
+  return &w->lp[r].items[local_id - 1000];
 }
 
 /* The assignment of rank r at file/off of the item fqn (zero-length items
- * can share an offset); NULL if none. */
+ * can share an offset); NULL if none. Assignments are sorted by (file,
+ * offset), which check_valid_plan verifies first. */
 static const ckpt_assignment_t *find_assign(const world_t *w, int32_t r,
                                             uint32_t file, uint64_t off,
                                             const char *fqn,
                                             const int64_t *dims) {
   const ckpt_rank_plan_t *rp = &w->gp.ranks[r];
-  for (uint32_t i = 0; i < rp->n_assign; i++) {
-    const ckpt_assignment_t *a = &rp->assign[i];
+  uint32_t lo = 0, hi = rp->n_assign;
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    const ckpt_assignment_t *a = &rp->assign[mid];
+    if (a->file < file || (a->file == file && a->file_offset < off))
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  for (; lo < rp->n_assign && rp->assign[lo].file == file &&
+         rp->assign[lo].file_offset == off;
+       lo++) {
+    const ckpt_assignment_t *a = &rp->assign[lo];
     const ckpt_write_item_t *it = find_item(w, r, a->local_id);
-    if (a->file == file && a->file_offset == off &&
-        strcmp(it->fqn, fqn) == 0 &&
+    if (strcmp(it->fqn, fqn) == 0 &&
         (dims == NULL || memcmp(ckpt_item_offsets(it), dims,
                                 2 * (size_t)it->ndim * sizeof(*dims)) == 0))
       return a;
@@ -627,9 +680,8 @@ static void check_valid_plan(const world_t *w) {
           k++;
         assert_true(k < 2 * tm->ndim && a[k] < b[k]);
       }
-      const ckpt_assignment_t *a = find_assign(w, cm->rank, cm->file,
-                                               cm->file_offset, tm->fqn,
-                                               cm->dims);
+      const ckpt_assignment_t *a = find_assign(
+          w, cm->rank, cm->file, cm->file_offset, tm->fqn, cm->dims);
       assert_non_null(a);
       assert_int_equal(a->length, cm->length);
       const ckpt_write_item_t *it = find_item(w, cm->rank, a->local_id);
@@ -672,15 +724,14 @@ static void plan_fails(world_t *w, const char *const *lines, size_t n) {
     assert_int_equal(w->gp.ranks[r].n_files, 0);
     assert_int_equal(w->gp.ranks[r].n_assign, 0);
   }
-  assert_int_equal(w->gp.meta.n_tensors + w->gp.meta.n_chunks +
-                       w->gp.meta.n_blobs,
-                   0);
+  assert_int_equal(
+      w->gp.meta.n_tensors + w->gp.meta.n_chunks + w->gp.meta.n_blobs, 0);
 }
 
-#define PLAN_FAILS(w, ...)                                                   \
-  do {                                                                       \
-    static const char *const lines_[] = {__VA_ARGS__};                       \
-    plan_fails(w, lines_, N_OF(lines_));                                     \
+#define PLAN_FAILS(w, ...)                                                     \
+  do {                                                                         \
+    static const char *const lines_[] = {__VA_ARGS__};                         \
+    plan_fails(w, lines_, N_OF(lines_));                                       \
   } while (0)
 
 /* Bytes each rank writes. */
@@ -880,8 +931,8 @@ static void add_bricks(world_t *w, const char *path, int rows, int per_row,
         chunk(w, (i + j) % w->n, path, F32, 3, DIMS(rows, 2, width),
               DIMS(i, 0, s), DIMS(1, 2, end - s));
       } else {
-        chunk(w, (i + j) % w->n, path, F32, 2, DIMS(rows, width),
-              DIMS(i, s), DIMS(1, end - s));
+        chunk(w, (i + j) % w->n, path, F32, 2, DIMS(rows, width), DIMS(i, s),
+              DIMS(1, end - s));
       }
       start = end;
     }
@@ -953,8 +1004,7 @@ static void test_plan_large_grid(void **state) {
 static void test_plan_bad_length(void **state) {
   (void)state;
   world_t *w = world_new(2);
-  chunk(w, 0, "layer/short_tensor", F32, 2, DIMS(8, 4), DIMS(0, 0),
-        DIMS(4, 4));
+  chunk(w, 0, "layer/short_tensor", F32, 2, DIMS(8, 4), DIMS(0, 0), DIMS(4, 4));
   chunk_len(w, 1, "layer/short_tensor", F32, 2, DIMS(8, 4), DIMS(4, 0),
             DIMS(4, 4), 60, 1);
   PLAN_FAILS(w, "layer.short_tensor (layer/short_tensor): rank 1 wrote 60 "
@@ -1104,8 +1154,7 @@ static void test_plan_bytes_replicas(void **state) {
     blob(w, r, "optim/config", 100, 42);
   plan_ok(w);
   assert_int_equal(w->gp.meta.n_blobs, 1);
-  assert_int_equal(rank_bytes(w, 0) + rank_bytes(w, 1) + rank_bytes(w, 2),
-                   100);
+  assert_int_equal(rank_bytes(w, 0) + rank_bytes(w, 1) + rank_bytes(w, 2), 100);
   world_free(w);
 
   w = world_new(3);
@@ -1121,11 +1170,10 @@ static void test_plan_bytes_replicas(void **state) {
 static void test_plan_local_errors_and_cap(void **state) {
   (void)state;
   world_t *w = world_new(2);
-  assert_int_equal(ckpt_local_plan_add_error(&w->lp[1], "%s",
-                                             "model/x: missing user.ckpt.shape"),
+  assert_int_equal(ckpt_local_plan_add_error(
+                       &w->lp[1], "%s", "model/x: missing user.ckpt.shape"),
                    0);
-  assert_int_equal(ckpt_local_plan_add_error(&w->lp[1], "model/y: second"),
-                   0);
+  assert_int_equal(ckpt_local_plan_add_error(&w->lp[1], "model/y: second"), 0);
   PLAN_FAILS(w, "rank 1: model/x: missing user.ckpt.shape\n"
                 "rank 1: model/y: second");
   world_free(w);
@@ -1138,8 +1186,7 @@ static void test_plan_local_errors_and_cap(void **state) {
     chunk_len(w, 0, path, F32, 1, DIMS(4), NULL, NULL, 15, 0);
   }
   PLAN_FAILS(w, "t00 (t00): rank 0 wrote 15 bytes, 16 expected",
-             "t49 (t49): rank 0 wrote 15 bytes",
-             "\n... and 10 more problems");
+             "t49 (t49): rank 0 wrote 15 bytes", "\n... and 10 more problems");
   assert_int_equal(count_lines(w->gp.errors), 51);
   assert_true(strstr(w->gp.errors, "t50") == NULL);
   assert_true(strstr(w->gp.errors, "t01") > strstr(w->gp.errors, "t00"));
@@ -1265,8 +1312,8 @@ static void test_plan_files(void **state) {
     const char *fqn;
     uint32_t file;
     uint64_t off;
-  } want[] = {{"e", 0, 0},     {"a", 1, 0},     {"d", 1, 4096},
-              {"z", 1, 75776}, {"b", 2, 0},     {"c", 2, 30720}};
+  } want[] = {{"e", 0, 0},     {"a", 1, 0}, {"d", 1, 4096},
+              {"z", 1, 75776}, {"b", 2, 0}, {"c", 2, 30720}};
   for (size_t i = 0; i < N_OF(want); i++) {
     const ckpt_assignment_t *a = &rp->assign[i];
     assert_string_equal(find_item(w, 0, a->local_id)->fqn, want[i].fqn);
@@ -1354,22 +1401,17 @@ static void make_local_plan(ckpt_local_plan_t *lp) {
   int64_t big[3 * CKPT_MAX_NDIM];
   for (int k = 0; k < 3 * CKPT_MAX_NDIM; k++)
     big[k] = k % 3 == 0 ? INT64_MAX : k;
-  assert_int_equal(ckpt_local_plan_add_tensor(lp, "model/w",
-                                              CKPT_DTYPE_BFLOAT16, 2,
-                                              DIMS(8, 4), DIMS(4, 0),
-                                              DIMS(4, 4), 32,
-                                              0xfedcba9876543210ull, 1),
+  assert_int_equal(ckpt_local_plan_add_tensor(
+                       lp, "model/w", CKPT_DTYPE_BFLOAT16, 2, DIMS(8, 4),
+                       DIMS(4, 0), DIMS(4, 4), 32, 0xfedcba9876543210ull, 1),
                    0);
   assert_int_equal(ckpt_local_plan_add_tensor(lp, "s", CKPT_DTYPE_INT64, 0,
                                               NULL, NULL, NULL, 8, 0, 2),
                    0);
-  assert_int_equal(ckpt_local_plan_add_tensor(lp, "many/dims",
-                                              CKPT_DTYPE_FLOAT8_E5M2,
-                                              CKPT_MAX_NDIM, big,
-                                              big + CKPT_MAX_NDIM,
-                                              big + 2 * CKPT_MAX_NDIM,
-                                              UINT64_MAX, UINT64_MAX,
-                                              UINT32_MAX),
+  assert_int_equal(ckpt_local_plan_add_tensor(
+                       lp, "many/dims", CKPT_DTYPE_FLOAT8_E5M2, CKPT_MAX_NDIM,
+                       big, big + CKPT_MAX_NDIM, big + 2 * CKPT_MAX_NDIM,
+                       UINT64_MAX, UINT64_MAX, UINT32_MAX),
                    0);
   assert_int_equal(ckpt_local_plan_add_bytes(lp, "optim/é/cfg", 123, 7, 4), 0);
   assert_int_equal(ckpt_local_plan_add_bytes(lp, "", 0, 0, 0), 0);
@@ -1478,20 +1520,20 @@ static void test_msg_local_plan_invalid(void **state) {
     size_t off, size;
     uint64_t v;
   } bad[] = {
-      {0, 1, 'X'},            /* magic */
-      {4, 4, 2},              /* version */
-      {8, 4, UINT32_MAX},     /* negative rank */
-      {12, 1, 2},             /* has_errors not 0/1 */
-      {13, 4, 2},             /* more items than bytes */
-      {13, 4, UINT32_MAX},    /* absurd count */
-      {17, 1, 2},             /* kind */
-      {18, 1, 0},             /* tensor without dtype */
-      {18, 1, 15},            /* unknown dtype */
-      {19, 1, 65},            /* too many dims */
-      {19, 1, 2},             /* dims beyond the message */
-      {20, 8, (uint64_t)-1},  /* negative shape */
-      {64, 4, 2},             /* path beyond the message */
-      {68, 1, 0},             /* NUL in the path */
+      {0, 1, 'X'},           /* magic */
+      {4, 4, 2},             /* version */
+      {8, 4, UINT32_MAX},    /* negative rank */
+      {12, 1, 2},            /* has_errors not 0/1 */
+      {13, 4, 2},            /* more items than bytes */
+      {13, 4, UINT32_MAX},   /* absurd count */
+      {17, 1, 2},            /* kind */
+      {18, 1, 0},            /* tensor without dtype */
+      {18, 1, 15},           /* unknown dtype */
+      {19, 1, 65},           /* too many dims */
+      {19, 1, 2},            /* dims beyond the message */
+      {20, 8, (uint64_t)-1}, /* negative shape */
+      {64, 4, 2},            /* path beyond the message */
+      {68, 1, 0},            /* NUL in the path */
   };
   for (size_t i = 0; i < N_OF(bad); i++) {
     ckpt_buf_t copy;
@@ -1556,10 +1598,10 @@ static void test_msg_rank_plan(void **state) {
     size_t off, size;
     uint64_t v;
   } bad[] = {
-      {8, 4, UINT32_MAX},          /* negative rank */
-      {12, 4, 1000},               /* files beyond the message */
-      {32, 4, 1000},               /* assignments beyond the message */
-      {36 + 4, 4, 2},              /* file beyond n_files */
+      {8, 4, UINT32_MAX},           /* negative rank */
+      {12, 4, 1000},                /* files beyond the message */
+      {32, 4, 1000},                /* assignments beyond the message */
+      {36 + 4, 4, 2},               /* file beyond n_files */
       {36 + 8, 8, 1},               /* ends beyond the file */
       {36 + 16, 8, 200000},         /* longer than the file */
       {36 + 24 + 8, 8, UINT64_MAX}, /* offset overflow */
@@ -1587,7 +1629,8 @@ static void test_msg_write_result(void **state) {
   (void)state;
   ckpt_write_result_t results[] = {
       {.rank = 0, .bytes_written = 0, .error = NULL},
-      {.rank = 7, .bytes_written = UINT64_MAX,
+      {.rank = 7,
+       .bytes_written = UINT64_MAX,
        .error = "__7_0.distcp: No space left on device"},
       {.rank = INT32_MAX, .bytes_written = 1, .error = ""},
   };
@@ -1599,8 +1642,7 @@ static void test_msg_write_result(void **state) {
     msg.len = 0;
     again.len = 0;
     assert_int_equal(ckpt_msg_encode_write_result(&results[i], &msg), 0);
-    assert_int_equal(ckpt_msg_decode_write_result(msg.data, msg.len, &back),
-                     0);
+    assert_int_equal(ckpt_msg_decode_write_result(msg.data, msg.len, &back), 0);
     assert_int_equal(back.rank, results[i].rank);
     assert_true(back.bytes_written == results[i].bytes_written);
     if (results[i].error == NULL)
@@ -1615,8 +1657,7 @@ static void test_msg_write_result(void **state) {
   /* messages of one kind are not taken for another */
   ckpt_local_plan_t lp;
   ckpt_rank_plan_t rp;
-  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &lp),
-                   -EINVAL);
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &lp), -EINVAL);
   assert_int_equal(ckpt_msg_decode_rank_plan(msg.data, msg.len, &rp), -EINVAL);
   /* encoders append */
   size_t before = msg.len;
