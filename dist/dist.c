@@ -638,8 +638,13 @@ static void *dist_main(void *arg) {
       ckpt__mpi_progress(d);
   }
   ckpt_buf_free(&first);
-  if (d->launched)
+  /* A rank that never started serving (its mount failed) cannot finish
+   * the world cleanly: MPI_Finalize would wait for ranks that keep
+   * serving. Abort the world instead, so that the launcher reports it. */
+  if (d->launched && d->started)
     ckpt__mpi_finalize(d);
+  else if (d->launched)
+    ckpt__mpi_abort(d, 1);
   return NULL;
 }
 

@@ -67,6 +67,8 @@ struct ckpt_dist {
 bool ckpt__mpi_launched(void);
 int ckpt__mpi_init(ckpt_dist_t *d, char **err);
 void ckpt__mpi_finalize(ckpt_dist_t *d);
+/* Stop every rank of the world (a rank that cannot take part). */
+void ckpt__mpi_abort(ckpt_dist_t *d, int code);
 /* Send msg to dest without blocking; takes ownership of msg's data. */
 int ckpt__mpi_send(ckpt_dist_t *d, int dest, int tag, ckpt_buf_t *msg);
 /* Receive one message of tag (from any rank if src < 0) if one is there:

@@ -82,6 +82,11 @@ void ckpt__mpi_finalize(ckpt_dist_t *d) {
   MPI_Finalize();
 }
 
+void ckpt__mpi_abort(ckpt_dist_t *d, int code) {
+  (void)d;
+  MPI_Abort(MPI_COMM_WORLD, code);
+}
+
 int ckpt__mpi_send(ckpt_dist_t *d, int dest, int tag, ckpt_buf_t *msg) {
   if (msg->len > INT_MAX) {
     ckpt_buf_free(msg);

@@ -216,6 +216,8 @@ struct ckpt_fs {
   size_t hash_size;        /* buckets in each table (power of two) */
   size_t nnodes;
   struct ckpt_pool *pool;  /* io_threads workers */
+  struct ckpt_handle *handles; /* open file and directory handles (ops.c);
+                                  fs->lock */
   ckpt_save_ops_t save_ops;
 };
 
@@ -227,7 +229,11 @@ void ckpt__fs_destroy(ckpt_fs_t *fs);
 ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
                             const char *name, ckpt_node_kind_t kind,
                             mode_t mode, ckpt_ckpt_t *ck);
+/* The attached node of ino, or NULL. */
 ckpt_node_t *ckpt__node_by_ino(ckpt_fs_t *fs, uint64_t ino);
+/* Also a detached node that is still referenced (an open file that was
+ * unlinked or replaced at commit): for getattr only. */
+ckpt_node_t *ckpt__node_by_ino_any(ckpt_fs_t *fs, uint64_t ino);
 ckpt_node_t *ckpt__node_child(ckpt_fs_t *fs, ckpt_node_t *dir,
                               const char *name);
 void ckpt__node_ref(ckpt_node_t *n);
@@ -290,6 +296,9 @@ extern const ckpt_save_ops_t ckpt__save_ops;
  * FUSE operations (ops.c).
  * ---------------------------------------------------------------------- */
 extern const struct fuse_lowlevel_ops ckpt__fuse_ops;
+/* Free the handles the kernel did not release before the session ended
+ * (call after the FUSE loop, before ckpt__fs_destroy). */
+void ckpt__release_handles(ckpt_fs_t *fs);
 
 /* Small helpers. */
 char *ckpt__strdup_printf(const char *fmt, ...)

@@ -94,6 +94,15 @@ int main(int argc, char **argv) {
   fs.rank = ckpt_dist_rank(fs.dist);
   fs.world_size = ckpt_dist_size(fs.dist);
   mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
+  if (mountpoint) {
+    /* Absolute, like other FUSE filesystems: a daemon works in / and
+     * unmounts by this path at exit. */
+    char *abs = realpath(mountpoint, NULL);
+    if (abs) {
+      free(mountpoint);
+      mountpoint = abs;
+    }
+  }
   if (!mountpoint || open_backing(&fs) || ckpt__fs_init(&fs))
     goto out;
   ckpt__storage_cleanup(&fs);
@@ -147,8 +156,10 @@ out:
   if (loop)
     fuse_loop_cfg_destroy(loop);
   ckpt__pool_free(fs.pool);
-  if (fs.root)
+  if (fs.root) {
+    ckpt__release_handles(&fs);
     ckpt__fs_destroy(&fs);
+  }
   ckpt_dist_destroy(fs.dist);
   if (fs.backing_fd >= 0)
     close(fs.backing_fd);

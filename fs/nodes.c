@@ -44,13 +44,17 @@ static void hash_insert(ckpt_fs_t *fs, ckpt_node_t *n) {
   }
 }
 
-static void hash_remove(ckpt_fs_t *fs, ckpt_node_t *n) {
+static void hash_remove_ino(ckpt_fs_t *fs, ckpt_node_t *n) {
   ckpt_node_t **pp = &fs->ino_hash[hash_ino(n->ino, fs->hash_size)];
   while (*pp != n)
     pp = &(*pp)->hnext_ino;
   *pp = n->hnext_ino;
+}
+
+static void hash_remove_name(ckpt_fs_t *fs, ckpt_node_t *n) {
   if (n->parent) {
-    pp = &fs->name_hash[hash_name(n->parent, n->name, fs->hash_size)];
+    ckpt_node_t **pp =
+        &fs->name_hash[hash_name(n->parent, n->name, fs->hash_size)];
     while (*pp != n)
       pp = &(*pp)->hnext_name;
     *pp = n->hnext_name;
@@ -138,12 +142,17 @@ ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
   return n;
 }
 
-ckpt_node_t *ckpt__node_by_ino(ckpt_fs_t *fs, uint64_t ino) {
+ckpt_node_t *ckpt__node_by_ino_any(ckpt_fs_t *fs, uint64_t ino) {
   for (ckpt_node_t *n = fs->ino_hash[hash_ino(ino, fs->hash_size)]; n;
        n = n->hnext_ino)
     if (n->ino == ino)
       return n;
   return NULL;
+}
+
+ckpt_node_t *ckpt__node_by_ino(ckpt_fs_t *fs, uint64_t ino) {
+  ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
+  return n && n->attached ? n : NULL;
 }
 
 ckpt_node_t *ckpt__node_child(ckpt_fs_t *fs, ckpt_node_t *dir,
@@ -159,6 +168,7 @@ void ckpt__node_ref(ckpt_node_t *n) { n->refs++; }
 
 static void node_free(ckpt_fs_t *fs, ckpt_node_t *n) {
   assert(!n->attached && n->refs == 0 && !n->children);
+  hash_remove_ino(fs, n);
   if (n->kind == CKPT_NODE_SFILE)
     ckpt__sfile_free(n->u.sf);
   if (n->ck)
@@ -177,7 +187,9 @@ void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
   assert(n->attached && n->kind != CKPT_NODE_ROOT);
   while (n->children)
     ckpt__node_detach(fs, n->children);
-  hash_remove(fs, n);
+  /* Out of the tree, but still found by inode number (for fstat of an
+   * open file) until freed. */
+  hash_remove_name(fs, n);
   if (n->parent)
     unlink_child(n);
   n->parent = NULL;
@@ -193,7 +205,7 @@ void ckpt__node_move(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *newparent,
   char *name = strdup(newname);
   if (!name)
     return; /* the caller checked; keep the old name on ENOMEM */
-  hash_remove(fs, n);
+  hash_remove_name(fs, n);
   unlink_child(n);
   free(n->name);
   n->name = name;
@@ -401,7 +413,7 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
       ckpt__ckpt_unref(fs, ck);
     }
     fs->root->attached = false;
-    hash_remove(fs, fs->root);
+    hash_remove_ino(fs, fs->root);
     free(fs->root->name);
     free(fs->root);
     fs->root = NULL;

@@ -23,12 +23,15 @@
 #define COMMITTED_TIMEOUT 1.0 /* seconds the kernel may cache committed
                                  entries and attributes */
 
-/* What an open file or directory handle holds (fi->fh). */
-typedef struct {
+/* What an open file or directory handle holds (fi->fh). Every handle is
+ * on fs->handles until its release, so that the ones the kernel never
+ * released (the mount ended first) are freed at exit. */
+typedef struct ckpt_handle {
   ckpt_node_t *node; /* referenced */
   int fd;            /* METADATA: the backing .metadata, else -1 */
   char *text;        /* STATUS text, or the readdir buffer */
   size_t len;
+  struct ckpt_handle *prev, *next; /* fs->handles; fs->lock */
 } handle_t;
 
 static ckpt_fs_t *fs_of(fuse_req_t req) { return fuse_req_userdata(req); }
@@ -217,7 +220,8 @@ static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
   struct stat st;
   double timeout = 0;
   pthread_mutex_lock(&fs->lock);
-  ckpt_node_t *n = node_of(fs, ino, fi);
+  ckpt_node_t *n = fi && fi->fh ? handle_of(fi)->node
+                                : ckpt__node_by_ino_any(fs, ino);
   if (n) {
     fill_attr(fs, n, &st);
     timeout = node_timeout(n);
@@ -361,6 +365,43 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
     fuse_reply_entry(req, &e);
 }
 
+/* Put h on fs->handles. fs->lock held. */
+static void track_handle(ckpt_fs_t *fs, handle_t *h) {
+  h->prev = NULL;
+  h->next = fs->handles;
+  if (h->next)
+    h->next->prev = h;
+  fs->handles = h;
+}
+
+/* Take h off fs->handles and drop its node. fs->lock held. */
+static void untrack_handle(ckpt_fs_t *fs, handle_t *h) {
+  if (h->prev)
+    h->prev->next = h->next;
+  else
+    fs->handles = h->next;
+  if (h->next)
+    h->next->prev = h->prev;
+  ckpt__node_unref(fs, h->node);
+}
+
+static void free_handle(handle_t *h) {
+  if (h->fd >= 0)
+    close(h->fd);
+  free(h->text);
+  free(h);
+}
+
+void ckpt__release_handles(ckpt_fs_t *fs) {
+  pthread_mutex_lock(&fs->lock);
+  while (fs->handles) {
+    handle_t *h = fs->handles;
+    untrack_handle(fs, h);
+    free_handle(h);
+  }
+  pthread_mutex_unlock(&fs->lock);
+}
+
 static handle_t *new_handle(ckpt_node_t *n) {
   handle_t *h = calloc(1, sizeof(*h));
   if (h) {
@@ -403,6 +444,7 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     rc = -ENOMEM;
   if (rc == 0) {
     ckpt__node_ref(n);
+    track_handle(fs, h);
     fill_entry(fs, n, &e);
     fi->fh = (uintptr_t)h;
     fi->direct_io = n->kind == CKPT_NODE_COMMIT;
@@ -590,8 +632,26 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     fuse_reply_err(req, -rc);
     return;
   }
-  fi->fh = (uintptr_t)h; /* the node reference moves into the handle */
+  pthread_mutex_lock(&fs->lock);
+  track_handle(fs, h); /* the node reference moves into the handle */
+  pthread_mutex_unlock(&fs->lock);
+  fi->fh = (uintptr_t)h;
   fuse_reply_open(req, fi);
+}
+
+/* Reply with a copy of handle memory: once the reply is written, the
+ * caller may close the file and a release on another thread free the
+ * handle while fuse_reply_buf still returns (sanitizers check the buffer
+ * after writev). */
+static void reply_copy(fuse_req_t req, const char *p, size_t n) {
+  char *copy = malloc(n ? n : 1);
+  if (!copy) {
+    fuse_reply_err(req, ENOMEM);
+    return;
+  }
+  memcpy(copy, p, n);
+  fuse_reply_buf(req, copy, n);
+  free(copy);
 }
 
 static void fs_release(fuse_req_t req, fuse_ino_t ino,
@@ -599,11 +659,10 @@ static void fs_release(fuse_req_t req, fuse_ino_t ino,
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
   handle_t *h = handle_of(fi);
-  if (h->fd >= 0)
-    close(h->fd);
-  free(h->text);
-  put_node(fs, h->node);
-  free(h);
+  pthread_mutex_lock(&fs->lock);
+  untrack_handle(fs, h);
+  pthread_mutex_unlock(&fs->lock);
+  free_handle(h);
   fuse_reply_err(req, 0);
 }
 
@@ -615,7 +674,7 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
   ckpt_node_t *n = h->node;
   if (n->kind == CKPT_NODE_STATUS) {
     size_t o = (uint64_t)off < h->len ? (size_t)off : h->len;
-    fuse_reply_buf(req, h->text + o, size < h->len - o ? size : h->len - o);
+    reply_copy(req, h->text + o, size < h->len - o ? size : h->len - o);
     return;
   }
   char *buf = malloc(size ? size : 1);
@@ -745,8 +804,10 @@ static void fs_opendir(fuse_req_t req, fuse_ino_t ino,
   handle_t *h = rc == 0 ? new_handle(n) : NULL;
   if (rc == 0 && !h)
     rc = -ENOMEM;
-  if (rc == 0)
+  if (rc == 0) {
     ckpt__node_ref(n);
+    track_handle(fs, h);
+  }
   pthread_mutex_unlock(&fs->lock);
   if (rc) {
     ckpt_buf_free(&b);
@@ -776,7 +837,7 @@ static void fs_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
       break;
     end = next;
   }
-  fuse_reply_buf(req, h->text + start, end - start);
+  reply_copy(req, h->text + start, end - start);
 }
 
 /* ------------------------------------------------------------------------

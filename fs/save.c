@@ -421,6 +421,39 @@ static int write_file(void *arg, uint32_t k) {
   return e;
 }
 
+/* Create (or join) BACKING_DIR/name and hold it with a shared flock, so
+ * that a starting mount does not take it for an unfinished save. Such a
+ * mount (holding an exclusive flock while it removes) may have removed the
+ * directory between our mkdir and our flock: then the directory we hold is
+ * no longer BACKING_DIR/name, and we start over. */
+static int hold_ckpt_dir(ckpt_fs_t *fs, const char *name, int *out) {
+  for (int attempt = 0; attempt < 10; attempt++) {
+    if (mkdirat(fs->backing_fd, name, 0700) && errno != EEXIST)
+      return -errno;
+    int fd = openat(fs->backing_fd, name,
+                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT)
+        continue; /* removed before we opened it */
+      return -errno;
+    }
+    if (flock(fd, LOCK_SH)) {
+      int e = errno;
+      close(fd);
+      return -e;
+    }
+    struct stat held, named;
+    if (fstat(fd, &held) == 0 &&
+        fstatat(fs->backing_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+        held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      *out = fd;
+      return 0;
+    }
+    close(fd);
+  }
+  return -EAGAIN;
+}
+
 static int write_step(void *ctx, ckpt_dist_job_t *job,
                       const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -444,18 +477,9 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     total += s->rp.file_bytes[k];
   atomic_store(&s->ck->bytes_total, total);
 
-  if (mkdirat(fs->backing_fd, job->name, 0700) && errno != EEXIST) {
-    rc = -errno;
+  if ((rc = hold_ckpt_dir(fs, job->name, &s->dirfd)) != 0) {
     *err = ckpt__strdup_printf("rank %d: creating %s/%s: %s", fs->rank,
-                               fs->backing_path, job->name, strerror(errno));
-    return rc;
-  }
-  s->dirfd = openat(fs->backing_fd, job->name,
-                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (s->dirfd < 0 || flock(s->dirfd, LOCK_SH)) {
-    rc = -errno;
-    *err = ckpt__strdup_printf("rank %d: opening %s/%s: %s", fs->rank,
-                               fs->backing_path, job->name, strerror(errno));
+                               fs->backing_path, job->name, strerror(-rc));
     return rc;
   }
   rc = ckpt__pool_run(fs->pool, s->rp.n_files, write_file, s);

@@ -315,10 +315,14 @@ static int data_fd(ckpt_ckpt_t *ck, int32_t rank, uint32_t file) {
     char name[64];
     ckpt_data_file_name(rank, file, name, sizeof(name));
     fd = openat(ck->dirfd, name, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-      fd = -errno;
-    else
+    if (fd < 0) {
+      /* A committed checkpoint whose data file is gone is damaged: a read
+       * fails with EIO (ENOENT from read(2) would puzzle the caller). */
+      ckpt__log("%s: cannot open %s: %s", ck->name, name, strerror(errno));
+      fd = -EIO;
+    } else {
       ck->fds[i] = fd;
+    }
   }
   pthread_mutex_unlock(&ck->fd_lock);
   return fd;

@@ -6,16 +6,14 @@ reads (whole and pread ranges), xattrs, EROFS, the .metadata database
 import errno
 import json
 import os
-import re
 import shutil
 import sqlite3
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (DTYPES, CkptfsTestCase, commit, encode, main, pread,  # noqa: E402
-                         read_all, state, status, tensor_bytes, values, write_file,
-                         write_tensor)
+from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all, state,  # noqa: E402
+                         status, tensor_bytes, write_file, write_tensor)
 
 # (path, dtype, shape): nested directories, several dtypes.
 TENSORS = [
@@ -89,6 +87,8 @@ class SaveBrowseReload(CkptfsTestCase):
         self.assertNotIn(".commit", listing)
         self.assertNotIn(".status", listing)
         self.assertFalse(os.path.exists(self.bk("step-1")))  # nothing stored yet
+        self.assertFalse(os.path.exists(self.ck("step-1", ".metadata")))
+        self.assertGreater(os.statvfs(self.mnt).f_bsize, 0)
 
         commit(self.ck("step-1"))
         self.assertEqual(state(self.ck("step-1")), "committed")

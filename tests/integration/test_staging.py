@@ -57,6 +57,7 @@ class StagingOps(CkptfsTestCase):
                 self.assertEqual(os.pwrite(fd, data, off), n)
                 m.pwrite(data, off)
             self.assertEqual(os.fstat(fd).st_size, len(m.data))
+            os.fsync(fd)  # accepted (staged data lives in memory)
             for off, n in [(0, 200), (MiB - 10, 20), (3 * MiB, 100), (4 * MiB, MiB + 13)]:
                 self.assertEqual(os.pread(fd, n, off), bytes(m.data[off:off + n]), (off, n))
         finally:
@@ -176,6 +177,36 @@ class StagingOps(CkptfsTestCase):
         self.assertEqual(read_all(self.ck("s", "a/e/f")), b"deep")
         self.assertFalse(os.path.exists(self.ck("s", "a/gone")))
         self.assertFalse(os.path.exists(self.ck("s", "a/w")))
+
+    def test_rename_errors(self):
+        os.makedirs(self.ck("s", "full/x"))
+        os.mkdir(self.ck("s", "emptydir"))
+        write_file(self.ck("s", "f"), b"f")
+        write_file(self.ck("s", "g"), b"g")
+        self.assertErrno(errno.ENOTEMPTY, os.rename, self.ck("s", "emptydir"), self.ck("s", "full"))
+        self.assertErrno(errno.ENOTDIR, os.rename, self.ck("s", "emptydir"), self.ck("s", "f"))
+        self.assertErrno(errno.EISDIR, os.rename, self.ck("s", "f"), self.ck("s", "emptydir"))
+        self.assertErrno(errno.ENOENT, os.rename, self.ck("s", "nope"), self.ck("s", "x"))
+        # checkpoints keep their names; nothing moves to the top level
+        self.assertErrno(errno.EPERM, os.rename, self.ck("s"), self.ck("t"))
+        self.assertErrno(errno.EPERM, os.rename, self.ck("s", "f"), self.ck("f"))
+        # RENAME_NOREPLACE through renameat2
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if hasattr(libc, "renameat2"):
+            AT_FDCWD, RENAME_NOREPLACE = -100, 1
+            rc = libc.renameat2(AT_FDCWD, self.ck("s", "f").encode(), AT_FDCWD,
+                                self.ck("s", "g").encode(), RENAME_NOREPLACE)
+            self.assertEqual((rc, ctypes.get_errno()), (-1, errno.EEXIST))
+            rc = libc.renameat2(AT_FDCWD, self.ck("s", "f").encode(), AT_FDCWD,
+                                self.ck("s", "h").encode(), RENAME_NOREPLACE)
+            self.assertEqual(rc, 0)
+        else:
+            os.rename(self.ck("s", "f"), self.ck("s", "h"))
+        os.rename(self.ck("s", "emptydir"), self.ck("s", "full/x"))  # onto an empty dir
+        self.assertEqual(sorted(os.listdir(self.ck("s"))), ["full", "g", "h"])
+        self.assertEqual(read_all(self.ck("s", "g")), b"g")
+        self.assertEqual(read_all(self.ck("s", "h")), b"f")
 
     def test_unlink_while_open(self):
         p = self.ck("s", "open")

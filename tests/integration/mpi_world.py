@@ -1,0 +1,487 @@
+"""Helpers for the multi-rank integration tests: a real ckptfs world of N
+rank mounts started by mpirun, the trainers' side (tensors split into
+chunks, bytes items), and the expected bytes of every tensor computed in
+Python with struct. Python standard library only.
+
+    w = World(BIN, 4, backing, root, log, transport="vader").start()
+    ...                  # w.mnt(r) is rank r's mount
+    rc = w.stop()        # fusermount3 -u on every rank, wait for mpirun
+
+A world's stdout and stderr (every rank's, through mpirun) go to one log
+file; the tests fail when it shows a sanitizer report. Mounts are always
+unmounted by stop(), lazily as a last resort, and stragglers of the
+launched session are killed by pid.
+"""
+
+import errno
+import itertools
+import math
+import os
+import random
+import signal
+import sqlite3
+import struct
+import subprocess
+import threading
+import time
+
+from ckptfs_util import mountinfo_has, read_log, sanitizer_report  # noqa: F401
+
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
+TRANSPORTS = {"vader": "self,vader", "tcp": "self,tcp", "any": "self,vader,tcp"}
+
+
+# ---- the world ---------------------------------------------------------------
+
+class World:
+    """N rank mounts of one ckptfs world (one mpirun) over one backing dir.
+
+    In the ASan build, Open MPI's own allocations that it never frees are
+    reported by LeakSanitizer at exit. With leak_check (the default; env
+    CKPT_MR_LEAK_CHECK=0 turns it off) leaks stay checked, with the
+    suppressions of lsan-openmpi.supp, which only match allocations made
+    inside Open MPI, and full stack unwinding (Open MPI has no frame
+    pointers). Without it, ASAN_OPTIONS gets detect_leaks=0 for this mpirun
+    world only. Every other ASan and UBSan report fails the test either way.
+    """
+
+    def __init__(self, binary, n, backing, root, log, transport="vader",
+                 opts="", leak_check=None):
+        self.binary, self.n = binary, n
+        self.backing, self.root, self.log = backing, root, log
+        self.transport = transport
+        self.opts = opts
+        if leak_check is None:
+            leak_check = os.environ.get("CKPT_MR_LEAK_CHECK", "1") != "0"
+        self.leak_check = leak_check
+        self.proc = None
+        self.returncode = None
+
+    def mnt(self, rank):
+        return os.path.join(self.root, f"rank{rank}")
+
+    def mnts(self):
+        return [self.mnt(r) for r in range(self.n)]
+
+    def argv(self):
+        cmd = MPIRUN + ["-np", str(self.n), "--mca", "btl", TRANSPORTS[self.transport]]
+        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"):
+            cmd += ["-x", var]
+        cmd += [self.binary, "-f"]
+        if self.opts:
+            cmd += ["-o", self.opts]
+        return cmd + [self.backing, os.path.join(self.root, "rank%r")]
+
+    def env(self):
+        env = dict(os.environ)
+
+        def with_opt(var, opt, replace=False):
+            key = opt.split("=", 1)[0]
+            parts = [p for p in env.get(var, "").split(":") if p]
+            if replace:
+                parts = [p for p in parts if p.split("=", 1)[0] != key]
+            if not any(p.split("=", 1)[0] == key for p in parts):
+                parts.append(opt)
+            env[var] = ":".join(parts)
+
+        if self.leak_check:
+            with_opt("ASAN_OPTIONS", "fast_unwind_on_malloc=0")
+            with_opt("LSAN_OPTIONS", "suppressions=" + LSAN_SUPP)
+        else:
+            with_opt("ASAN_OPTIONS", "detect_leaks=0", replace=True)
+        with_opt("UBSAN_OPTIONS", "print_stacktrace=1")
+        env.setdefault("LSAN_OPTIONS", "")
+        return env
+
+    def start(self, timeout=90):
+        os.makedirs(self.backing, exist_ok=True)
+        for m in self.mnts():
+            os.makedirs(m, exist_ok=True)
+        with open(self.log, "ab") as logf:
+            logf.write(("=== " + " ".join(self.argv()) + "\n").encode())
+            logf.flush()
+            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL,
+                                         stdout=logf, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=self.env())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(mountinfo_has(m) for m in self.mnts()):
+                return self
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"mpirun exited with {rc} before every rank "
+                                   f"was mounted:\n{read_log(self.log)}")
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"{self.n} rank mounts not ready in {timeout}s:\n"
+                           f"{read_log(self.log)}")
+
+    def session_pids(self):
+        """Every live process of the session mpirun leads (ranks included)."""
+        pids = []
+        if self.proc is None:
+            return pids
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    if os.getsid(int(p)) == self.proc.pid:
+                        pids.append(int(p))
+                except OSError:
+                    pass
+        return pids
+
+    def unmount(self, rank):
+        """fusermount3 -u, retried while busy; False if it never worked."""
+        m = self.mnt(rank)
+        for _ in range(100):
+            if not mountinfo_has(m):
+                return True
+            r = subprocess.run(["fusermount3", "-u", m], capture_output=True)
+            if r.returncode == 0:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self, timeout=120):
+        """Unmount every rank, wait for mpirun; its exit code (None: killed)."""
+        for r in range(self.n):
+            self.unmount(r)
+        if self.proc is not None:
+            try:
+                self.returncode = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.returncode = None
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    for pid in self.session_pids():
+                        try:
+                            os.kill(pid, sig)
+                        except OSError:
+                            pass
+                    try:
+                        self.proc.wait(10)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                self.returncode = None
+            for pid in self.session_pids():  # stragglers
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            self.proc = None
+        for m in self.mnts():
+            if mountinfo_has(m):
+                subprocess.run(["fusermount3", "-uz", m], capture_output=True)
+        return self.returncode
+
+
+# ---- the trainer's side ---------------------------------------------------
+
+def commit(ckdir, mode="sync"):
+    """One commit write as `echo MODE > NAME/.commit` does it; raises OSError."""
+    fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        data = mode if isinstance(mode, bytes) else (mode + "\n").encode()
+        n = os.write(fd, data)
+        if n != len(data):
+            raise AssertionError(f"short commit write: {n} of {len(data)}")
+    finally:
+        os.close(fd)
+
+
+def commit_all(world, names, mode="sync", ranks=None, timeout=180):
+    """Commit on several ranks at once, one thread per rank.
+
+    names: one checkpoint name for every rank, or {rank: name}. Returns
+    {rank: (None or the OSError, seconds the write took)}; a write that did
+    not return within timeout gives a TimeoutError.
+    """
+    ranks = list(range(world.n) if ranks is None else ranks)
+    if isinstance(names, str):
+        names = {r: names for r in ranks}
+    results = {}
+    barrier = threading.Barrier(len(ranks))
+
+    def one(r):
+        try:
+            barrier.wait(10)
+        except threading.BrokenBarrierError:
+            pass
+        t0 = time.monotonic()
+        try:
+            commit(os.path.join(world.mnt(r), names[r]), mode)
+            results[r] = (None, time.monotonic() - t0)
+        except OSError as e:
+            results[r] = (e, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for r in ranks:
+        results.setdefault(r, (TimeoutError(f"rank {r}: commit did not return "
+                                             f"in {timeout}s"), timeout))
+    return results
+
+
+def status(ckdir):
+    with open(os.path.join(ckdir, ".status")) as f:
+        return f.read()
+
+
+def state(ckdir):
+    return status(ckdir).split("\n", 1)[0].strip()
+
+
+def wait_state(ckdir, want=("committed", "failed"), timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = status(ckdir)
+        if s.split("\n", 1)[0].strip() in want:
+            return s
+        time.sleep(0.02)
+    raise TimeoutError(f"{ckdir}: still {status(ckdir)!r}")
+
+
+def write_file(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        pos = 0
+        while pos < len(data):
+            pos += os.write(fd, view[pos:pos + (1 << 20)])
+    finally:
+        os.close(fd)
+
+
+def csv(xs):
+    return ",".join(str(int(x)) for x in xs)
+
+
+def set_xattrs(path, dtype, shape, offsets=None, sizes=None):
+    """user.ckpt.*; shape may be bytes (given as is, e.g. b"" or b"[]")."""
+    os.setxattr(path, "user.ckpt.dtype", dtype.encode())
+    os.setxattr(path, "user.ckpt.shape",
+                shape if isinstance(shape, bytes) else csv(shape).encode())
+    if offsets is not None:
+        os.setxattr(path, "user.ckpt.offsets", csv(offsets).encode())
+    if sizes is not None:
+        os.setxattr(path, "user.ckpt.sizes", csv(sizes).encode())
+
+
+def pread(path, length, offset):
+    """Up to length bytes at offset, one pread after the other."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = bytearray()
+        while len(out) < length:
+            b = os.pread(fd, length - len(out), offset + len(out))
+            if not b:
+                break
+            out += b
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def read_all(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def query(db, sql, args=()):
+    """Rows of sql on the SQLite file db, opened read-only."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return [tuple(row) for row in con.execute(sql, args)]
+    finally:
+        con.close()
+
+
+# ---- tensor data ----------------------------------------------------------------
+
+# dtype -> (struct code, itemsize, value generator). Values are exactly
+# representable; bfloat16 is the upper half of a float32.
+def _ints(lo, hi):
+    return lambda rng: rng.randint(lo, hi)
+
+
+DTYPES = {
+    "bool": ("?", 1, lambda rng: rng.random() < 0.5),
+    "uint8": ("B", 1, _ints(0, 255)),
+    "int8": ("b", 1, _ints(-128, 127)),
+    "int16": ("h", 2, _ints(-32768, 32767)),
+    "int32": ("i", 4, _ints(-2**31, 2**31 - 1)),
+    "int64": ("q", 8, _ints(-2**63, 2**63 - 1)),
+    "float16": ("e", 2, lambda rng: rng.randint(-2048, 2048) / 4),
+    "bfloat16": ("f", 2, lambda rng: rng.randint(-255, 255) * 2.0 ** rng.randint(-8, 8)),
+    "float32": ("f", 4, lambda rng: rng.randint(-2**23, 2**23) / 64),
+    "float64": ("d", 8, lambda rng: rng.random() * 1e6 - 5e5),
+    "complex64": ("f", 8, lambda rng: rng.randint(-2**20, 2**20) / 8),
+}
+
+
+def itemsize(dtype):
+    return DTYPES[dtype][1]
+
+
+def tensor_bytes(dtype, shape, seed):
+    """The whole tensor, row-major little-endian, from pseudo-random values
+    (never periodic, so a chunk at the wrong place shows)."""
+    code, size, gen = DTYPES[dtype]
+    rng = random.Random(f"{dtype}/{csv(shape)}/{seed}")
+    n = math.prod(shape)
+    if dtype.startswith("complex"):
+        vals = [gen(rng) for _ in range(2 * n)]
+        return struct.pack(f"<{2 * n}{code}", *vals)
+    vals = [gen(rng) for _ in range(n)]
+    raw = struct.pack(f"<{n}{code}", *vals)
+    if dtype == "bfloat16":
+        raw = b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4))
+    return raw
+
+
+def strides(shape, isz):
+    """Byte strides of a row-major tensor."""
+    return [math.prod(shape[i + 1:]) * isz for i in range(len(shape))]
+
+
+def block(data, shape, isz, offsets, sizes):
+    """The bytes of block (offsets, sizes) of row-major tensor bytes data."""
+    if not shape:
+        return data
+    if math.prod(sizes) == 0:
+        return b""
+    st = strides(shape, isz)
+    run = sizes[-1] * isz
+    out = bytearray()
+    for idx in itertools.product(*[range(o, o + s) for o, s in zip(offsets[:-1], sizes[:-1])]):
+        start = sum(i * s for i, s in zip(idx, st)) + offsets[-1] * isz
+        out += data[start:start + run]
+    return bytes(out)
+
+
+def split(n, parts):
+    """[(offset, size)] of n split into parts as evenly as possible."""
+    base, extra = divmod(n, parts)
+    out, o = [], 0
+    for p in range(parts):
+        s = base + (1 if p < extra else 0)
+        out.append((o, s))
+        o += s
+    return out
+
+
+def cuts(sizes):
+    """[(offset, size)] of consecutive sizes."""
+    out, o = [], 0
+    for s in sizes:
+        out.append((o, s))
+        o += s
+    return out
+
+
+class Tensor:
+    """A global tensor and the chunk each rank holds.
+
+    chunks: {rank: (offsets, sizes)} for shards, or {rank: None} for a whole
+    replica (no offsets or sizes set). shape_attr, if given, is written as
+    user.ckpt.shape verbatim (b"" or b"[]" for a 0-d tensor).
+    """
+
+    kind = "tensor"
+
+    def __init__(self, path, dtype, shape, chunks, seed=0, shape_attr=None):
+        self.path, self.dtype, self.shape = path, dtype, list(shape)
+        self.chunks = chunks
+        self.shape_attr = shape_attr
+        self.data = tensor_bytes(dtype, self.shape, seed)
+        self.isz = itemsize(dtype)
+
+    @property
+    def fqn(self):
+        return self.path.replace("/", ".")
+
+    def chunk_bytes(self, rank):
+        c = self.chunks[rank]
+        if c is None:
+            return self.data
+        return block(self.data, self.shape, self.isz, *c)
+
+    def write(self, ckdir, rank):
+        if rank not in self.chunks:
+            return
+        p = os.path.join(ckdir, self.path)
+        write_file(p, self.chunk_bytes(rank))
+        c = self.chunks[rank]
+        shape = self.shape_attr if self.shape_attr is not None else self.shape
+        if c is None:
+            set_xattrs(p, self.dtype, shape)
+        else:
+            set_xattrs(p, self.dtype, shape, c[0], c[1])
+
+    def saved_chunks(self):
+        """The distinct (offsets, sizes) the checkpoint holds."""
+        seen = []
+        for r in sorted(self.chunks):
+            c = self.chunks[r]
+            c = ([0] * len(self.shape), list(self.shape)) if c is None else (list(c[0]), list(c[1]))
+            if c not in seen:
+                seen.append(c)
+        return seen
+
+    def boundaries(self):
+        """Flat byte offsets where some chunk's data starts or ends in a row
+        (the places a read crosses from one chunk into another)."""
+        if not self.shape or math.prod(self.shape) == 0:
+            return [0]
+        st = strides(self.shape, self.isz)
+        out = set()
+        for offs, sizes in self.saved_chunks():
+            if math.prod(sizes) == 0:
+                continue
+            # first and last row of the chunk in the innermost dimension
+            for corner in itertools.product(*[(o, o + s - 1) for o, s in zip(offs[:-1], sizes[:-1])]):
+                base = sum(i * s for i, s in zip(corner, st))
+                out.add(base + offs[-1] * self.isz)
+                out.add(base + (offs[-1] + sizes[-1]) * self.isz)
+        return sorted(out)
+
+
+class Blob:
+    """A bytes item: {rank: bytes} of the ranks that hold it."""
+
+    kind = "bytes"
+
+    def __init__(self, path, copies):
+        self.path = path
+        self.copies = copies
+        self.data = next(iter(copies.values()))
+
+    @property
+    def fqn(self):
+        return self.path.replace("/", ".")
+
+    def write(self, ckdir, rank):
+        if rank in self.copies:
+            write_file(os.path.join(ckdir, self.path), self.copies[rank])
+
+
+def stage(world, name, items, ranks=None):
+    """mkdir NAME on every rank and write its part of every item."""
+    for r in (range(world.n) if ranks is None else ranks):
+        ck = os.path.join(world.mnt(r), name)
+        os.mkdir(ck)
+        for it in items:
+            it.write(ck, r)
+
+
+def errname(e):
+    if isinstance(e, OSError) and e.errno is not None:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    return repr(e)

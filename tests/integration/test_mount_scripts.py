@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""mount-scripts/ckpt-mount and ckpt-umount: many rank mounts started with
+mpirun, a sharded checkpoint committed from every rank at once and read
+back from every rank, unmounting, and the failures (a bad -o option, a rank
+that cannot mount, a busy mount, a MOUNTROOT in use).
+
+    python3 tests/integration/test_mount_scripts.py --bin build/bin/ckptfs
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import (block_bytes, commit, main, mountinfo_has, pread,  # noqa: E402
+                         read_all, read_log, sanitizer_report, state, status,
+                         tensor_bytes, write_file, write_tensor)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CKPT_MOUNT = os.path.join(REPO, "mount-scripts", "ckpt-mount")
+CKPT_UMOUNT = os.path.join(REPO, "mount-scripts", "ckpt-umount")
+LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
+
+
+def scripts_env():
+    """The environment of the scripts, so of mpirun and the ranks. In the
+    ASan build Open MPI's own never-freed allocations are reported at exit:
+    suppress those (lsan-openmpi.supp only matches frames inside Open MPI,
+    with full unwinding, as Open MPI has no frame pointers), or with
+    CKPT_MR_LEAK_CHECK=0 (or no suppression file) do no leak check."""
+    env = ckptfs_util.daemon_env()
+
+    def with_opt(var, opt, replace=False):
+        key = opt.split("=", 1)[0]
+        parts = [p for p in env.get(var, "").split(":") if p]
+        if replace:
+            parts = [p for p in parts if p.split("=", 1)[0] != key]
+        if not any(p.split("=", 1)[0] == key for p in parts):
+            parts.append(opt)
+        env[var] = ":".join(parts)
+
+    if os.environ.get("CKPT_MR_LEAK_CHECK", "1") != "0" and os.path.exists(LSAN_SUPP):
+        with_opt("ASAN_OPTIONS", "fast_unwind_on_malloc=0")
+        with_opt("LSAN_OPTIONS", "suppressions=" + LSAN_SUPP)
+    else:
+        with_opt("ASAN_OPTIONS", "detect_leaks=0", replace=True)
+    return env
+
+
+def mounts_under(root):
+    root = os.path.realpath(root) + "/"
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(root)]
+
+
+def alive(pid):
+    """Running (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def processes_naming(text):
+    """Pids of the processes whose command line contains text."""
+    want = os.fsencode(text)
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != os.getpid():
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if want in f.read() and alive(int(p)):
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+class MountScripts(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="ckptfs-ms-", dir="/tmp")
+        self.backing = os.path.join(self.dir, "backing")
+        self.root = os.path.join(self.dir, "mnt")
+        self.addCleanup(self._cleanup)
+
+    def _cleanup(self):
+        # whatever a failed test left: the launcher, then the mounts
+        pidfile = os.path.join(self.root, ".ckpt-mount.pid")
+        for p in mounts_under(self.dir):
+            subprocess.run(["fusermount3", "-u", p], capture_output=True)
+        try:
+            pid = int(open(pidfile).read().split()[0])
+            deadline = time.monotonic() + 30
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+        for p in processes_naming(self.dir):
+            os.kill(p, signal.SIGKILL)
+        for p in mounts_under(self.dir):
+            subprocess.run(["fusermount3", "-uz", p], capture_output=True)
+        text = read_log(os.path.join(self.root, ".ckpt-mount.log"), limit=1 << 24)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        bad = sanitizer_report(text)
+        if bad:
+            self.fail(f"sanitizer report in the daemons' output: {bad}\n{text[-8000:]}")
+
+    # ---- running the scripts ------------------------------------------------
+
+    def run_script(self, argv, timeout=240):
+        t0 = time.monotonic()
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL, env=scripts_env())
+        r.seconds = time.monotonic() - t0
+        return r
+
+    def ckpt_mount(self, *args, root=None, bin=None):
+        return self.run_script([CKPT_MOUNT, "--bin", bin or ckptfs_util.BIN, *args,
+                                self.backing, root or self.root])
+
+    def ckpt_umount(self, *args, root=None):
+        return self.run_script([CKPT_UMOUNT, *args, root or self.root])
+
+    def launcher_pid(self):
+        with open(os.path.join(self.root, ".ckpt-mount.pid")) as f:
+            return int(f.read().split()[0])
+
+    def mount_ok(self, n, *args):
+        r = self.ckpt_mount("-n", str(n), *args)
+        self.assertEqual(r.returncode, 0, f"ckpt-mount failed:\n{r.stderr}")
+        want = [os.path.join(os.path.realpath(self.root), f"rank{i}") for i in range(n)]
+        self.assertEqual(r.stdout, "".join(p + "\n" for p in want))
+        for p in want:
+            self.assertTrue(mountinfo_has(p), f"{p} not mounted")
+        self.assertTrue(alive(self.launcher_pid()))
+        return want, r
+
+    def umount_ok(self, *args):
+        pid = self.launcher_pid()
+        r = self.ckpt_umount(*args)
+        self.assertEqual(r.returncode, 0, f"ckpt-umount failed:\n{r.stderr}")
+        self.assertEqual(mounts_under(self.root), [])
+        self.assertFalse(alive(pid), "mpirun still running after ckpt-umount")
+        self.assertIn("exited with code 0", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mount.pid")))
+        return r
+
+    def assert_nothing_left(self):
+        self.assertEqual(mounts_under(self.dir), [])
+        self.assertEqual(processes_naming(os.path.realpath(self.root) + "/rank%r"), [],
+                         "a launcher or daemon is still running")
+        self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mount.pid")))
+
+    # ---- a checkpoint across the ranks ---------------------------------------
+
+    def save_and_load(self, mnts, name="step-1"):
+        """Every rank writes a row shard of model/w and the same config;
+        all ranks commit at once; every rank reads the whole back."""
+        n = len(mnts)
+        rows, cols = 4, 8
+        shape = [rows * n, cols]
+        whole = tensor_bytes("float32", shape, seed=n)
+        cfg = b'{"step": 1}'
+        for rank, m in enumerate(mnts):
+            os.mkdir(os.path.join(m, name))
+            shard = block_bytes(whole, shape, 4, [rank * rows, 0], [rows, cols])
+            write_tensor(os.path.join(m, name, "model", "w"), "float32", shape, shard,
+                         offsets=[rank * rows, 0], sizes=[rows, cols])
+            write_file(os.path.join(m, name, "cfg.json"), cfg)
+            # a tensor only this rank has (rank R's own, whole)
+            own = tensor_bytes("int32", [3], seed=rank)
+            write_tensor(os.path.join(m, name, "own", f"r{rank}"), "int32", [3], own)
+
+        errors = [None] * n
+
+        def do_commit(rank):
+            try:
+                commit(os.path.join(mnts[rank], name), "sync")
+            except OSError as e:
+                errors[rank] = e
+
+        threads = [threading.Thread(target=do_commit, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for rank, m in enumerate(mnts):
+            self.assertIsNone(errors[rank], f"rank {rank}: {status(os.path.join(m, name))}")
+            self.assertEqual(state(os.path.join(m, name)), "committed")
+        self.assertTrue(os.path.exists(os.path.join(self.backing, name, ".metadata")))
+        for m in mnts:
+            ck = os.path.join(m, name)
+            self.assertEqual(read_all(os.path.join(ck, "model", "w")), whole)
+            self.assertEqual(os.getxattr(os.path.join(ck, "model", "w"),
+                                         "user.ckpt.shape"), f"{shape[0]},{shape[1]}".encode())
+            # a row in the middle of a shard boundary, by pread
+            self.assertEqual(pread(os.path.join(ck, "model", "w"), 2 * cols * 4, (rows - 1) * cols * 4),
+                             whole[(rows - 1) * cols * 4:(rows + 1) * cols * 4])
+            self.assertEqual(read_all(os.path.join(ck, "cfg.json")), cfg)
+            for rank in range(n):
+                self.assertEqual(read_all(os.path.join(ck, "own", f"r{rank}")),
+                                 tensor_bytes("int32", [3], seed=rank))
+
+    # ---- tests -------------------------------------------------------------------
+
+    def test_two_ranks(self):
+        mnts, _ = self.mount_ok(2)
+        self.save_and_load(mnts)
+        self.umount_ok()
+        self.assert_nothing_left()
+
+    def test_three_ranks_with_options(self):
+        mnts, _ = self.mount_ok(3, "-o", "commit_timeout=60", "-o", "io_threads=2")
+        self.save_and_load(mnts, "a")
+        self.save_and_load(mnts, "b")
+        self.umount_ok()
+        self.assert_nothing_left()
+        # the checkpoints are there for the next mount, with another world size
+        mnts, _ = self.mount_ok(2)
+        self.assertEqual(sorted(os.listdir(mnts[1])), ["a", "b"])
+        self.umount_ok()
+
+    def test_four_ranks_timing(self):
+        mnts, r = self.mount_ok(4)
+        print(f"\n  ckpt-mount of 4 ranks: {r.seconds:.2f}s", file=sys.stderr)
+        u = self.umount_ok()
+        print(f"  ckpt-umount of 4 ranks: {u.seconds:.2f}s", file=sys.stderr)
+
+    def test_hostfile_multi_node_mode(self):
+        # ranks on "other hosts": here localhost, through the mpirun jobs
+        hf = os.path.join(self.dir, "hosts")
+        with open(hf, "w") as f:
+            f.write("# test hosts\nlocalhost slots=2\n")
+        r = self.ckpt_mount("--hostfile", hf)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        want = [os.path.join(os.path.realpath(self.root), f"rank{i}") for i in range(2)]
+        self.assertEqual(r.stdout.splitlines(), want)
+        with open(os.path.join(self.root, ".ckpt-mount.state")) as f:
+            self.assertIn("mode=multi-node", f.read())
+        self.save_and_load(want)
+        u = self.umount_ok()
+        self.assertIn("unmounting the ranks on every host", u.stderr)
+        self.assert_nothing_left()
+
+    def test_bad_option_fails_cleanly(self):
+        for opt, message in (("bogus_option=1", "bogus_option"),
+                             ("io_threads=0", "io_threads")):
+            with self.subTest(opt=opt):
+                r = self.ckpt_mount("-n", "3", "-o", opt)
+                self.assertNotEqual(r.returncode, 0)
+                self.assertEqual(r.stdout, "")
+                self.assertIn(message, r.stderr)
+                self.assertRegex(r.stderr, r"(?m)^(fuse|ckptfs): .*" + message,
+                                 "the daemon's own message")
+                self.assertIn("not mounted: rank 0, 1, 2", r.stderr)
+                self.assert_nothing_left()
+
+    def test_rank_that_cannot_mount(self):
+        # rank 1 gets a mountpoint that does not exist: it fails after
+        # MPI_Init while ranks 0 and 2 mount; all must be cleaned up
+        wrapper = os.path.join(self.dir, "ckptfs-rank1-fails")
+        with open(wrapper, "w") as f:
+            f.write("#!/bin/bash\n"
+                    'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then\n'
+                    f'  set -- "${{@:1:$#-1}}" {self.dir}/nonexistent/rank%r\n'
+                    "fi\n"
+                    f"exec {ckptfs_util.BIN} \"$@\"\n")
+        os.chmod(wrapper, 0o755)
+        r = self.ckpt_mount("-n", "3", "--timeout", "60", bin=wrapper)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("not mounted: rank 1 (of 3", r.stderr)
+        self.assertIn("cannot mount", r.stderr)
+        self.assertIn("unmounted:", r.stderr)
+        self.assertLess(r.seconds, 60, "waited for the whole timeout")
+        self.assertEqual(mounts_under(self.dir), [])
+        self.assertEqual(processes_naming(wrapper), [])
+
+    def test_in_use(self):
+        mnts, _ = self.mount_ok(2)
+        r = self.ckpt_mount("-n", "2")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("in use", r.stderr)
+        for p in mnts:
+            self.assertTrue(mountinfo_has(p))
+        self.umount_ok()
+
+    def test_umount_busy_mount(self):
+        mnts, _ = self.mount_ok(2)
+        holder = subprocess.Popen(["sleep", "30"], cwd=mnts[1])
+        try:
+            r = self.ckpt_umount("--busy-timeout", "1", "--timeout", "60")
+        finally:
+            holder.kill()
+            holder.wait()
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("detached lazily", r.stderr)
+        self.assertIn("exited with code 0", r.stderr)
+        self.assert_nothing_left()
+
+    def test_umount_nothing(self):
+        os.makedirs(self.root)
+        r = self.ckpt_umount()
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("nothing mounted", r.stderr)
+
+    def test_help_and_usage(self):
+        for script, options in (
+                (CKPT_MOUNT, ["--nranks", "--hostfile", "--multi-node", "--local", "-o",
+                              "--bin", "--mpirun", "--mpirun-arg", "--no-oversubscribe",
+                              "--timeout", "--log", "--dry-run", "--verbose", "--help"]),
+                (CKPT_UMOUNT, ["--timeout", "--busy-timeout", "--local", "--quiet", "--help"])):
+            for flag in ("-h", "--help"):
+                r = self.run_script([script, flag])
+                self.assertEqual(r.returncode, 0)
+                self.assertTrue(r.stdout.startswith("usage: "), r.stdout)
+                for o in options:
+                    self.assertIn(o, r.stdout)
+            r = self.run_script([script, "--no-such-option", "x", "y"])
+            self.assertEqual(r.returncode, 2)
+            self.assertIn("--no-such-option", r.stderr)
+            r = self.run_script([script])
+            self.assertEqual(r.returncode, 2)
+        r = self.run_script([CKPT_MOUNT, "-n", "zero", "a", "b"])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("-n", r.stderr)
+        r = self.run_script([CKPT_MOUNT, "--bin", "/nonexistent/ckptfs", "a", "b"])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("/nonexistent/ckptfs", r.stderr)
+        r = self.run_script([CKPT_MOUNT, "--dry-run", "--bin", ckptfs_util.BIN, "-n", "5",
+                             "-o", "io_threads=2", "/b", "/m"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stdout, r"mpirun .*--oversubscribe .*-np 5 .*ckptfs -f -o io_threads=2 /b /m/rank%r")
+
+
+if __name__ == "__main__":
+    main()
