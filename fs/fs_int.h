@@ -71,10 +71,29 @@ int ckpt__parse_size(const char *s, uint64_t *out);
 
 typedef struct ckpt_staging ckpt_staging_t; /* the mount's memory budget */
 
+/*
+ * The staged data of a mount: RAM up to staging_mem (1 MiB segments, kept
+ * in a pool once allocated, so that a training loop does not pay fresh page
+ * faults at every checkpoint), and beyond it slots of an unnamed spill file
+ * in BACKING_DIR/.staging/ (O_TMPFILE: nothing is left behind, even after a
+ * crash). A write never fails for lack of RAM.
+ */
 struct ckpt_staging {
   uint64_t limit;          /* staging_mem */
-  _Atomic uint64_t used;   /* bytes allocated for staged data */
+  _Atomic uint64_t used;   /* bytes of RAM held: in use and pooled */
+  int backing_fd;          /* BACKING_DIR, for the spill file */
+  pthread_mutex_t lock;    /* protects everything below */
+  uint8_t **pool;          /* free full segments */
+  uint32_t npool, cap_pool;
+  int spill_fd;            /* -1 until the first spill */
+  int64_t *free_slots;     /* offsets of free slots in the spill file */
+  uint32_t nfree, cap_free;
+  int64_t spill_end;       /* the spill file's size */
+  uint64_t spill_used;     /* bytes of slots in use */
 };
+
+void ckpt__staging_init(ckpt_staging_t *st, uint64_t limit, int backing_fd);
+void ckpt__staging_destroy(ckpt_staging_t *st);
 
 enum {
   CKPT_X_DTYPE,
@@ -84,15 +103,24 @@ enum {
   CKPT_X_COUNT
 };
 
+/* One 1 MiB segment of a staged file: in RAM, spilled, or a hole. */
+typedef struct {
+  uint8_t *mem;   /* RAM copy, or NULL */
+  int64_t spill;  /* offset of its slot in the spill file, or -1 */
+} ckpt_seg_t;
+
 typedef struct ckpt_sfile {
   pthread_mutex_t lock;  /* protects everything below */
   ckpt_staging_t *budget;
   uint64_t size;         /* file size in bytes */
-  uint8_t **segs;        /* segment i holds bytes [i << SHIFT, ...), or
-                            NULL for a hole (reads as zeros) */
+  ckpt_seg_t *segs;      /* segment i holds bytes [i << SHIFT, ...) */
   uint32_t nsegs;        /* entries in segs */
-  uint32_t seg0_cap;     /* bytes allocated for segs[0] (small files grow
-                            it up to CKPT_SEG_SIZE); others are full */
+  uint32_t seg0_cap;     /* bytes allocated for segs[0].mem (small files
+                            grow it up to CKPT_SEG_SIZE); others are full */
+  struct XXH3_state_s *hash; /* XXH3 of bytes [0, hashed) while the file
+                                is written front to back, or NULL */
+  uint64_t hashed;
+  bool hash_broken;      /* written out of order: hash at commit */
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
 } ckpt_sfile_t;
 
@@ -102,14 +130,21 @@ void ckpt__sfile_free(ckpt_sfile_t *sf);
  * the largest offset. Returns bytes written or a negative errno. */
 ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
                           uint64_t off);
-/* Copy up to n bytes at off into buf; returns bytes read. */
-size_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off);
+/* Copy up to n bytes at off into buf; returns bytes read or -errno. */
+ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off);
 int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size);
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf);
 /* Call fn on each piece of the contents in order (holes as zeros from a
- * shared zero page); stops at a non-zero return. Caller freezes sf. */
+ * shared zero page); stops at a non-zero return. transient: p is valid
+ * only during the call (spilled data read into a bounce buffer), else
+ * until sf changes. Caller freezes sf. */
 int ckpt__sfile_walk(ckpt_sfile_t *sf,
-                     int (*fn)(void *arg, const void *p, size_t n), void *arg);
+                     int (*fn)(void *arg, const void *p, size_t n,
+                               bool transient),
+                     void *arg);
+/* The XXH3-64 of the contents if it was computed while the file was
+ * written front to back: 0, or -EAGAIN (walk and hash it). */
+int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out);
 /* Validate and set one user.ckpt.* xattr (EINVAL on bad values, checked
  * against the other xattrs already set); -ENOTSUP for other names. */
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,

@@ -396,7 +396,7 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
   fs->ino_hash = calloc(fs->hash_size, sizeof(*fs->ino_hash));
   fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
   fs->next_ino = FUSE_ROOT_ID + 1;
-  fs->staging.limit = fs->opts.staging_mem;
+  ckpt__staging_init(&fs->staging, fs->opts.staging_mem, fs->backing_fd);
   if (!fs->ino_hash || !fs->name_hash)
     return -ENOMEM;
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
@@ -420,6 +420,7 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
   }
   free(fs->ino_hash);
   free(fs->name_hash);
+  ckpt__staging_destroy(&fs->staging);
   pthread_mutex_destroy(&fs->lock);
 }
 

@@ -685,7 +685,7 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
   ssize_t r;
   switch (n->kind) {
   case CKPT_NODE_SFILE:
-    r = (ssize_t)ckpt__sfile_read(n->u.sf, buf, size, (uint64_t)off);
+    r = ckpt__sfile_read(n->u.sf, buf, size, (uint64_t)off);
     break;
   case CKPT_NODE_CTENSOR:
   case CKPT_NODE_CBLOB:

@@ -160,12 +160,17 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
  * local_step: checksums and the local plan.
  * ---------------------------------------------------------------------- */
 
-static int hash_piece(void *arg, const void *p, size_t n) {
+static int hash_piece(void *arg, const void *p, size_t n, bool transient) {
+  (void)transient;
   return XXH3_64bits_update(arg, p, n) == XXH_OK ? 0 : -EIO;
 }
 
+/* The checksum of staged file i: kept while it was written in order, else
+ * computed now. */
 static int hash_file(void *arg, uint32_t i) {
   ckpt_save_t *s = arg;
+  if (ckpt__sfile_checksum(s->files[i]->u.sf, &s->checksums[i]) == 0)
+    return 0;
   XXH3_state_t *st = XXH3_createState();
   if (!st)
     return -ENOMEM;
@@ -368,7 +373,7 @@ static int flush_batch(writer_t *w) {
   return 0;
 }
 
-static int add_piece(void *arg, const void *p, size_t n) {
+static int add_piece(void *arg, const void *p, size_t n, bool transient) {
   writer_t *w = arg;
   if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
     int rc = flush_batch(w);
@@ -379,7 +384,8 @@ static int add_piece(void *arg, const void *p, size_t n) {
   w->iov[w->niov].iov_len = n;
   w->niov++;
   w->batch_len += n;
-  return 0;
+  /* A spilled piece sits in a buffer reused for the next one. */
+  return transient ? flush_batch(w) : 0;
 }
 
 static int write_file(void *arg, uint32_t k) {

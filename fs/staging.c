@@ -1,24 +1,35 @@
 /*
- * staging.c - the data and xattrs of staged files, in memory.
+ * staging.c - the data and xattrs of staged files.
  *
  * A staged file is an array of 1 MiB segments, allocated on first write
  * (unwritten ranges are holes that read as zeros). Small files would waste
  * most of a segment, so segment 0 starts at the size written and doubles up
- * to a full segment. All allocations are charged to the mount's budget
- * (staging_mem); a write that would exceed it fails with ENOSPC.
+ * to a full segment. Segments live in RAM while the mount's budget
+ * (staging_mem) allows, and in slots of the spill file beyond it: RAM is a
+ * hard bound, a write never fails for lack of it. Full segments return to a
+ * pool when freed and are reused by the next checkpoint.
+ *
+ * While a file is written front to back (the common case: a tensor written
+ * in order), its XXH3-64 is computed on the way, so that a commit does not
+ * read the data once more to hash it.
  *
  * Workload: trainers write large tensors sequentially in 1 MiB requests,
  * and many small tensors once; reads of staged data are rare.
  */
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/xattr.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 #include "fs_int.h"
 
 #define SEG0_MIN 4096u
+#define SPILL_DIR ".staging"
 
 const char *const ckpt__xattr_names[CKPT_X_COUNT] = {
     [CKPT_X_DTYPE] = "user.ckpt.dtype",
@@ -28,6 +39,28 @@ const char *const ckpt__xattr_names[CKPT_X_COUNT] = {
 };
 
 static const uint8_t zero_page[4096];
+
+/* ------------------------------------------------------------------------
+ * The mount's staging memory: budget, segment pool, spill file.
+ * ---------------------------------------------------------------------- */
+
+void ckpt__staging_init(ckpt_staging_t *st, uint64_t limit, int backing_fd) {
+  memset(st, 0, sizeof(*st));
+  st->limit = limit;
+  st->backing_fd = backing_fd;
+  st->spill_fd = -1;
+  pthread_mutex_init(&st->lock, NULL);
+}
+
+void ckpt__staging_destroy(ckpt_staging_t *st) {
+  for (uint32_t i = 0; i < st->npool; i++)
+    free(st->pool[i]);
+  free(st->pool);
+  free(st->free_slots);
+  if (st->spill_fd >= 0)
+    close(st->spill_fd);
+  pthread_mutex_destroy(&st->lock);
+}
 
 static bool budget_take(ckpt_staging_t *b, uint64_t n) {
   uint64_t cur = atomic_load(&b->used);
@@ -42,6 +75,106 @@ static void budget_give(ckpt_staging_t *b, uint64_t n) {
   atomic_fetch_sub(&b->used, n);
 }
 
+/* A full segment of RAM (contents undefined), or NULL beyond the budget. */
+static uint8_t *segment_get(ckpt_staging_t *b) {
+  pthread_mutex_lock(&b->lock);
+  uint8_t *p = b->npool ? b->pool[--b->npool] : NULL;
+  pthread_mutex_unlock(&b->lock);
+  if (p || !budget_take(b, CKPT_SEG_SIZE))
+    return p;
+  p = malloc(CKPT_SEG_SIZE);
+  if (!p)
+    budget_give(b, CKPT_SEG_SIZE);
+  return p;
+}
+
+static void segment_put(ckpt_staging_t *b, uint8_t *p) {
+  pthread_mutex_lock(&b->lock);
+  if (b->npool == b->cap_pool) {
+    uint32_t cap = b->cap_pool ? 2 * b->cap_pool : 64;
+    uint8_t **np = realloc(b->pool, cap * sizeof(*np));
+    if (!np) { /* cannot pool it: give it back */
+      pthread_mutex_unlock(&b->lock);
+      free(p);
+      budget_give(b, CKPT_SEG_SIZE);
+      return;
+    }
+    b->pool = np;
+    b->cap_pool = cap;
+  }
+  b->pool[b->npool++] = p;
+  pthread_mutex_unlock(&b->lock);
+}
+
+/* The unnamed spill file in BACKING_DIR/.staging. b->lock held. */
+static int spill_open(ckpt_staging_t *b) {
+  if (b->spill_fd >= 0)
+    return 0;
+  if (mkdirat(b->backing_fd, SPILL_DIR, 0700) && errno != EEXIST)
+    return -errno;
+  int dfd = openat(b->backing_fd, SPILL_DIR, O_RDONLY | O_DIRECTORY);
+  if (dfd < 0)
+    return -errno;
+  int fd = openat(dfd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  close(dfd);
+  if (fd < 0)
+    return -errno;
+  b->spill_fd = fd;
+  return 0;
+}
+
+/* A zeroed slot of the spill file: its offset, or a negative errno. */
+static int64_t slot_get(ckpt_staging_t *b) {
+  pthread_mutex_lock(&b->lock);
+  int64_t off;
+  int rc = spill_open(b);
+  if (rc) {
+    off = rc;
+  } else if (b->nfree) {
+    off = b->free_slots[--b->nfree];
+  } else {
+    off = b->spill_end;
+    b->spill_end += (int64_t)CKPT_SEG_SIZE;
+  }
+  if (off >= 0)
+    b->spill_used += CKPT_SEG_SIZE;
+  pthread_mutex_unlock(&b->lock);
+  return off;
+}
+
+static void slot_put(ckpt_staging_t *b, int64_t off) {
+  pthread_mutex_lock(&b->lock);
+  b->spill_used -= CKPT_SEG_SIZE;
+  if (b->spill_used == 0) {
+    /* Nothing spilled any more: give the disk space back at once. */
+    if (ftruncate(b->spill_fd, 0) == 0) {
+      b->spill_end = 0;
+      b->nfree = 0;
+      pthread_mutex_unlock(&b->lock);
+      return;
+    }
+  }
+  /* A free slot reads as zeros when it is reused. */
+  if (fallocate(b->spill_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off,
+                (off_t)CKPT_SEG_SIZE) == 0) {
+    if (b->nfree == b->cap_free) {
+      uint32_t cap = b->cap_free ? 2 * b->cap_free : 64;
+      int64_t *nf = realloc(b->free_slots, cap * sizeof(*nf));
+      if (nf) {
+        b->free_slots = nf;
+        b->cap_free = cap;
+      }
+    }
+    if (b->nfree < b->cap_free)
+      b->free_slots[b->nfree++] = off;
+  } /* else the slot is lost until the spill file empties */
+  pthread_mutex_unlock(&b->lock);
+}
+
+/* ------------------------------------------------------------------------
+ * Segments of a file.
+ * ---------------------------------------------------------------------- */
+
 ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget) {
   ckpt_sfile_t *sf = calloc(1, sizeof(*sf));
   if (!sf)
@@ -51,21 +184,41 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget) {
   return sf;
 }
 
-static uint64_t seg_cap(const ckpt_sfile_t *sf, uint32_t i) {
+static uint64_t mem_cap(const ckpt_sfile_t *sf, uint32_t i) {
   return i == 0 ? sf->seg0_cap : CKPT_SEG_SIZE;
 }
 
-/* Free segments from index `from` on. */
-static void drop_segments(ckpt_sfile_t *sf, uint32_t from) {
-  for (uint32_t i = from; i < sf->nsegs; i++) {
-    if (sf->segs[i]) {
-      budget_give(sf->budget, seg_cap(sf, i));
-      free(sf->segs[i]);
-      sf->segs[i] = NULL;
+/* Bytes of segment i that hold data (RAM or spill); beyond: zeros. */
+static uint64_t seg_have(const ckpt_sfile_t *sf, uint32_t i) {
+  if (i >= sf->nsegs)
+    return 0;
+  if (sf->segs[i].spill >= 0)
+    return CKPT_SEG_SIZE;
+  return sf->segs[i].mem ? mem_cap(sf, i) : 0;
+}
+
+static void drop_segment(ckpt_sfile_t *sf, uint32_t i) {
+  ckpt_seg_t *g = &sf->segs[i];
+  if (g->mem) {
+    if (mem_cap(sf, i) == CKPT_SEG_SIZE) {
+      segment_put(sf->budget, g->mem);
+    } else {
+      budget_give(sf->budget, mem_cap(sf, i));
+      free(g->mem);
     }
+    g->mem = NULL;
   }
-  if (from == 0)
+  if (g->spill >= 0) {
+    slot_put(sf->budget, g->spill);
+    g->spill = -1;
+  }
+  if (i == 0)
     sf->seg0_cap = 0;
+}
+
+static void drop_segments(ckpt_sfile_t *sf, uint32_t from) {
+  for (uint32_t i = from; i < sf->nsegs; i++)
+    drop_segment(sf, i);
 }
 
 void ckpt__sfile_free(ckpt_sfile_t *sf) {
@@ -73,6 +226,7 @@ void ckpt__sfile_free(ckpt_sfile_t *sf) {
     return;
   drop_segments(sf, 0);
   free(sf->segs);
+  XXH3_freeState(sf->hash);
   for (int i = 0; i < CKPT_X_COUNT; i++)
     free(sf->xattr[i]);
   pthread_mutex_destroy(&sf->lock);
@@ -85,40 +239,96 @@ static int grow_index(ckpt_sfile_t *sf, uint32_t nsegs) {
   uint32_t cap = sf->nsegs ? sf->nsegs : 1;
   while (cap < nsegs)
     cap *= 2;
-  uint8_t **s = realloc(sf->segs, cap * sizeof(*s));
+  ckpt_seg_t *s = realloc(sf->segs, cap * sizeof(*s));
   if (!s)
     return -ENOMEM;
-  memset(s + sf->nsegs, 0, (cap - sf->nsegs) * sizeof(*s));
+  for (uint32_t i = sf->nsegs; i < cap; i++)
+    s[i] = (ckpt_seg_t){.mem = NULL, .spill = -1};
   sf->segs = s;
   sf->nsegs = cap;
   return 0;
 }
 
-/* Make segment i hold at least `need` bytes (need <= CKPT_SEG_SIZE). */
+/* Move segment i to a spill slot (its RAM, if any, is copied and freed). */
+static int spill_segment(ckpt_sfile_t *sf, uint32_t i) {
+  int64_t off = slot_get(sf->budget);
+  if (off < 0)
+    return (int)off;
+  ckpt_seg_t *g = &sf->segs[i];
+  if (g->mem) {
+    uint64_t n = mem_cap(sf, i);
+    if (pwrite(sf->budget->spill_fd, g->mem, n, off) != (ssize_t)n) {
+      int e = errno ? errno : EIO;
+      slot_put(sf->budget, off);
+      return -e;
+    }
+    drop_segment(sf, i);
+  }
+  g->spill = off;
+  return 0;
+}
+
+/* Make segment i hold at least `need` bytes (need <= CKPT_SEG_SIZE): grow
+ * its RAM, or spill it when the budget is spent. */
 static int ensure_segment(ckpt_sfile_t *sf, uint32_t i, uint64_t need) {
-  uint64_t cap = sf->segs[i] ? seg_cap(sf, i) : 0;
+  ckpt_seg_t *g = &sf->segs[i];
+  if (g->spill >= 0)
+    return 0;
+  uint64_t cap = g->mem ? mem_cap(sf, i) : 0;
   if (cap >= need)
     return 0;
-  uint64_t want = CKPT_SEG_SIZE;
-  if (i == 0) {
-    want = cap ? cap : SEG0_MIN;
-    while (want < need)
-      want *= 2;
-    if (want > CKPT_SEG_SIZE)
-      want = CKPT_SEG_SIZE;
+  if (i > 0 || need > CKPT_SEG_SIZE / 2) {
+    /* A full segment: from the pool or the budget, else spilled. */
+    uint8_t *p = segment_get(sf->budget);
+    if (!p)
+      return spill_segment(sf, i);
+    if (cap)
+      memcpy(p, g->mem, cap);
+    memset(p + cap, 0, CKPT_SEG_SIZE - cap);
+    if (g->mem) {
+      budget_give(sf->budget, cap);
+      free(g->mem);
+    }
+    g->mem = p;
+    if (i == 0)
+      sf->seg0_cap = (uint32_t)CKPT_SEG_SIZE;
+    return 0;
   }
+  /* Segment 0 of a small file doubles from SEG0_MIN. */
+  uint64_t want = cap ? cap : SEG0_MIN;
+  while (want < need)
+    want *= 2;
   if (!budget_take(sf->budget, want - cap))
-    return -ENOSPC;
-  uint8_t *p = realloc(sf->segs[i], want);
+    return spill_segment(sf, i);
+  uint8_t *p = realloc(g->mem, want);
   if (!p) {
     budget_give(sf->budget, want - cap);
     return -ENOMEM;
   }
   memset(p + cap, 0, want - cap);
-  sf->segs[i] = p;
-  if (i == 0)
-    sf->seg0_cap = (uint32_t)want;
+  g->mem = p;
+  sf->seg0_cap = (uint32_t)want;
   return 0;
+}
+
+/* Keep the running hash while writes come in order. sf->lock held. */
+static void hash_write(ckpt_sfile_t *sf, const void *buf, size_t n,
+                       uint64_t off) {
+  if (sf->hash_broken)
+    return;
+  if (off != sf->hashed) {
+    sf->hash_broken = true;
+    return;
+  }
+  if (!sf->hash) {
+    sf->hash = XXH3_createState();
+    if (!sf->hash || XXH3_64bits_reset(sf->hash) != XXH_OK) {
+      sf->hash_broken = true;
+      return;
+    }
+  }
+  XXH3_64bits_update(sf->hash, buf, n);
+  sf->hashed += n;
 }
 
 ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
@@ -131,7 +341,7 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   uint32_t last = (uint32_t)((off + n - 1) >> CKPT_SEG_SHIFT);
   int rc = grow_index(sf, last + 1);
   /* A file that grows past segment 0 needs it whole. */
-  if (rc == 0 && last > 0 && sf->segs[0] && sf->seg0_cap < CKPT_SEG_SIZE)
+  if (rc == 0 && last > 0 && seg_have(sf, 0) && seg_have(sf, 0) < CKPT_SEG_SIZE)
     rc = ensure_segment(sf, 0, CKPT_SEG_SIZE);
   size_t done = 0;
   while (rc == 0 && done < n) {
@@ -144,47 +354,70 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
     rc = ensure_segment(sf, i, last > 0 ? CKPT_SEG_SIZE : in + chunk);
     if (rc)
       break;
-    memcpy(sf->segs[i] + in, (const uint8_t *)buf + done, chunk);
+    const uint8_t *src = (const uint8_t *)buf + done;
+    if (sf->segs[i].mem) {
+      memcpy(sf->segs[i].mem + in, src, chunk);
+    } else if (pwrite(sf->budget->spill_fd, src, chunk,
+                      sf->segs[i].spill + (off_t)in) != (ssize_t)chunk) {
+      rc = -(errno ? errno : EIO);
+      break;
+    }
     done += chunk;
   }
+  if (done)
+    hash_write(sf, buf, done, off);
   if (off + done > sf->size)
     sf->size = off + done;
   pthread_mutex_unlock(&sf->lock);
   return done ? (ssize_t)done : rc;
 }
 
-size_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off) {
+/* Copy [in, in+n) of segment i (n within the segment) to dst. */
+static int seg_copy_out(ckpt_sfile_t *sf, uint32_t i, uint64_t in, size_t n,
+                        uint8_t *dst) {
+  uint64_t have = seg_have(sf, i);
+  size_t from = in < have ? (size_t)(have - in < n ? have - in : n) : 0;
+  if (from && sf->segs[i].mem) {
+    memcpy(dst, sf->segs[i].mem + in, from);
+  } else if (from) {
+    /* The spill file may end inside the slot: the rest reads as zeros. */
+    ssize_t r = pread(sf->budget->spill_fd, dst, from,
+                      sf->segs[i].spill + (off_t)in);
+    if (r < 0)
+      return -errno;
+    from = (size_t)r;
+  }
+  memset(dst + from, 0, n - from);
+  return 0;
+}
+
+ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off) {
   pthread_mutex_lock(&sf->lock);
   size_t total = 0;
+  int rc = 0;
   if (off < sf->size) {
     if (n > sf->size - off)
       n = (size_t)(sf->size - off);
-    while (total < n) {
+    while (total < n && rc == 0) {
       uint64_t pos = off + total;
       uint32_t i = (uint32_t)(pos >> CKPT_SEG_SHIFT);
       uint64_t in = pos & (CKPT_SEG_SIZE - 1);
       size_t chunk = n - total;
       if (chunk > CKPT_SEG_SIZE - in)
         chunk = (size_t)(CKPT_SEG_SIZE - in);
-      uint8_t *dst = (uint8_t *)buf + total;
-      uint64_t have = (i < sf->nsegs && sf->segs[i]) ? seg_cap(sf, i) : 0;
-      size_t from_seg = in < have ? (size_t)(have - in < chunk ? have - in
-                                                                : chunk)
-                                  : 0;
-      if (from_seg)
-        memcpy(dst, sf->segs[i] + in, from_seg);
-      memset(dst + from_seg, 0, chunk - from_seg);
+      rc = seg_copy_out(sf, i, in, chunk, (uint8_t *)buf + total);
       total += chunk;
     }
   }
   pthread_mutex_unlock(&sf->lock);
-  return total;
+  return rc ? rc : (ssize_t)total;
 }
 
 int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
   if (size > INT64_MAX || (size >> CKPT_SEG_SHIFT) >= UINT32_MAX)
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
+  int rc = 0;
   if (size < sf->size) {
     /* Free whole segments past the end, zero the tail of the last one so
      * that growing the file again reads zeros. */
@@ -195,12 +428,27 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     uint64_t in = size & (CKPT_SEG_SIZE - 1);
     /* Segment 0 of a small file may end before `in` (the file grew by
      * truncate or by writes to later segments only). */
-    if (in && i < sf->nsegs && sf->segs[i] && in < seg_cap(sf, i))
-      memset(sf->segs[i] + in, 0, seg_cap(sf, i) - in);
+    uint64_t have = in ? seg_have(sf, i) : 0;
+    if (in < have && sf->segs[i].mem)
+      memset(sf->segs[i].mem + in, 0, have - in);
+    else if (in < have &&
+             fallocate(sf->budget->spill_fd,
+                       FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                       sf->segs[i].spill + (off_t)in, (off_t)(have - in)))
+      rc = -errno;
+  }
+  if (size == 0) {
+    /* Written again from the start: the running hash starts over. */
+    sf->hash_broken = false;
+    sf->hashed = 0;
+    if (sf->hash)
+      XXH3_64bits_reset(sf->hash);
+  } else if (size < sf->hashed) {
+    sf->hash_broken = true;
   }
   sf->size = size;
   pthread_mutex_unlock(&sf->lock);
-  return 0;
+  return rc;
 }
 
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
@@ -210,31 +458,47 @@ uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
   return s;
 }
 
+int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out) {
+  if (sf->hash_broken || sf->hashed != sf->size)
+    return -EAGAIN;
+  *out = sf->hash ? XXH3_64bits_digest(sf->hash) : XXH3_64bits(NULL, 0);
+  return 0;
+}
+
 int ckpt__sfile_walk(ckpt_sfile_t *sf,
-                     int (*fn)(void *arg, const void *p, size_t n),
+                     int (*fn)(void *arg, const void *p, size_t n,
+                               bool transient),
                      void *arg) {
+  uint8_t *bounce = NULL;
   uint64_t pos = 0;
-  while (pos < sf->size) {
+  int rc = 0;
+  while (pos < sf->size && rc == 0) {
     uint32_t i = (uint32_t)(pos >> CKPT_SEG_SHIFT);
     uint64_t in = pos & (CKPT_SEG_SIZE - 1);
     uint64_t chunk = sf->size - pos;
     if (chunk > CKPT_SEG_SIZE - in)
       chunk = CKPT_SEG_SIZE - in;
-    uint64_t have = (i < sf->nsegs && sf->segs[i]) ? seg_cap(sf, i) : 0;
-    int rc;
-    if (in < have) {
-      uint64_t n = have - in < chunk ? have - in : chunk;
-      if ((rc = fn(arg, sf->segs[i] + in, (size_t)n)) != 0)
-        return rc;
-      pos += n;
-    } else {
+    uint64_t have = seg_have(sf, i);
+    if (in >= have) { /* a hole */
       uint64_t n = chunk < sizeof(zero_page) ? chunk : sizeof(zero_page);
-      if ((rc = fn(arg, zero_page, (size_t)n)) != 0)
-        return rc;
+      rc = fn(arg, zero_page, (size_t)n, false);
       pos += n;
+      continue;
     }
+    uint64_t n = have - in < chunk ? have - in : chunk;
+    if (sf->segs[i].mem) {
+      rc = fn(arg, sf->segs[i].mem + in, (size_t)n, false);
+    } else {
+      if (!bounce && !(bounce = malloc(CKPT_SEG_SIZE)))
+        return -ENOMEM;
+      rc = seg_copy_out(sf, i, in, (size_t)n, bounce);
+      if (rc == 0)
+        rc = fn(arg, bounce, (size_t)n, true);
+    }
+    pos += n;
   }
-  return 0;
+  free(bounce);
+  return rc;
 }
 
 /* ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """File operations on a staged checkpoint (pwrite at scattered offsets,
-holes, truncate, rename, unlink, several open files, writer threads, the
-staging_mem limit) and that the committed content is what was staged."""
+holes, truncate, rename, unlink, several open files, writer threads,
+spilling beyond staging_mem) and that the committed content is what was staged."""
 
 import errno
 import os
@@ -325,44 +325,82 @@ class StagingOps(CkptfsTestCase):
         self.assertTrue(os.path.isdir(self.ck("s")))
 
 
-class StagingMemory(CkptfsTestCase):
-    def test_enospc_beyond_staging_mem(self):
-        self.mount("staging_mem=1M")
-        os.mkdir(self.ck("s"))
-        p = self.ck("s", "big")
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
-        written = 0
+def spill_file_size(pid):
+    """Size of the daemon's spill file in BACKING/.staging (an unnamed
+    O_TMPFILE, seen through /proc), or None if it has none."""
+    fds = os.path.join("/proc", str(pid), "fd")
+    for fd in os.listdir(fds):
         try:
-            with self.assertRaises(OSError) as cm:
-                data = b"\1" * (2 * MiB)
-                while written < len(data):
-                    written += os.write(fd, data[written:])
-            self.assertEqual(cm.exception.errno, errno.ENOSPC)
-        finally:
-            os.close(fd)
-        self.assertLess(written, 2 * MiB)
-        self.assertLessEqual(written, MiB)
-        # the daemon is alive and what fit is there
-        self.assertEqual(state(self.ck("s")), "staging")
-        self.assertEqual(os.stat(p).st_size, written)
-        self.assertEqual(read_all(p), b"\1" * written)
-        # removing the file gives the memory back
-        os.unlink(p)
-        write_file(self.ck("s", "fits"), b"\2" * (MiB - 4096))
+            target = os.readlink(os.path.join(fds, fd))
+        except OSError:
+            continue
+        if "/.staging/" in target:
+            return os.stat(os.path.join(fds, fd)).st_size
+    return None
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+class StagingMemory(CkptfsTestCase):
+    def test_spills_beyond_staging_mem(self):
+        m = self.mount("staging_mem=1M")
+        pid = m.proc.pid
+        rss_before = rss_kib(pid)
+        os.mkdir(self.ck("s"))
+        big = os.urandom(24 * MiB)
+        write_file(self.ck("s", "big"), big)              # in order: 1 MiB RAM, rest spilled
+        model = Model()                                    # out of order, with holes
+        p = self.ck("s", "scattered")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+        for off, n in [(5 * MiB + 3, 70000), (100, 2 * MiB), (9 * MiB, 1), (3 * MiB - 7, 10)]:
+            data = os.urandom(n)
+            os.pwrite(fd, data, off)
+            model.pwrite(data, off)
+        os.truncate(p, 4 * MiB + 11)                       # truncate inside a spilled segment
+        model.truncate(4 * MiB + 11)
+        os.pwrite(fd, b"x", 6 * MiB)                       # grows again: zeros in between
+        model.pwrite(b"x", 6 * MiB)
+        os.close(fd)
+        self.assertGreater(spill_file_size(pid), 20 * MiB)
+        # RAM stayed bounded while 30 MiB were staged with 1 MiB of staging_mem
+        self.assertLess(rss_kib(pid) - rss_before, 12 * 1024)
+        self.assertEqual(read_all(self.ck("s", "big")), big)   # staged view
+        self.assertEqual(read_all(p), bytes(model.data))
         commit(self.ck("s"))
-        self.assertEqual(read_all(self.ck("s", "fits")), b"\2" * (MiB - 4096))
-        # committed data no longer counts
-        os.mkdir(self.ck("t"))
-        write_file(self.ck("t", "again"), b"\3" * (MiB - 4096))
-        commit(self.ck("t"))
-        self.assertEqual(self.mounts[0].stop(), 0)
+        self.assertEqual(read_all(self.ck("s", "big")), big)   # committed view
+        self.assertEqual(read_all(p), bytes(model.data))
+        # the spill file gives its space back once nothing is spilled
+        self.assertEqual(spill_file_size(pid), 0)
+        self.assertEqual(m.stop(), 0)
+        self.assertEqual(os.listdir(self.bk(".staging")) if os.path.isdir(self.bk(".staging")) else [], [])
+
+    def test_async_saves_beyond_staging_mem(self):
+        # several async saves in flight, each larger than staging_mem
+        self.mount("staging_mem=2M")
+        datas = {}
+        for name in ["a", "b", "c"]:
+            os.mkdir(self.ck(name))
+            datas[name] = os.urandom(5 * MiB)
+            write_tensor(self.ck(name, "w"), "uint8", [5 * MiB], datas[name])
+            commit(self.ck(name), "async")
+        for name, data in datas.items():
+            from ckptfs_util import wait_state
+            self.assertTrue(wait_state(self.ck(name)).startswith("committed\n"))
+            self.assertEqual(read_all(self.ck(name, "w")), data)
 
     def test_discarded_checkpoint_frees_memory(self):
-        self.mount("staging_mem=2M")
+        m = self.mount("staging_mem=2M")
         os.mkdir(self.ck("a"))
-        write_file(self.ck("a", "x"), b"\1" * (2 * MiB))
-        self.assertErrno(errno.ENOSPC, write_file, self.ck("a", "y"), b"\1" * 10)
+        write_file(self.ck("a", "x"), b"\1" * (6 * MiB))
+        self.assertGreater(spill_file_size(m.proc.pid), 0)
         shutil.rmtree(self.ck("a"))
+        self.assertEqual(spill_file_size(m.proc.pid), 0)
         os.mkdir(self.ck("b"))
         write_file(self.ck("b", "x"), b"\2" * (2 * MiB))
         commit(self.ck("b"))
