@@ -315,6 +315,12 @@ int ckpt__remove_tree(int parent_fd, const char *name);
 ssize_t ckpt__committed_read(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                              const ckpt_node_t *n, char *buf, size_t size,
                              uint64_t off);
+/* When [off, off+size) of committed node n (clipped to its size) is one
+ * contiguous run of one data file: 1, with *fd, *pos and *len set, so that
+ * the reply can be spliced from the file. 0 when the range must be
+ * assembled (ckpt__committed_read), < 0 on error. */
+int ckpt__committed_span(ckpt_ckpt_t *ck, const ckpt_node_t *n, size_t size,
+                         uint64_t off, int *fd, uint64_t *pos, size_t *len);
 /* st_size of a committed node. */
 uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n);
 

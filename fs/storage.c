@@ -401,6 +401,77 @@ static int read_chunk(ckpt_ckpt_t *ck, const ckpt_tensor_meta_t *t,
   return rc;
 }
 
+typedef struct {
+  uint32_t n;        /* pieces seen */
+  ckpt_piece_t first;
+} span_ctx_t;
+
+static int count_piece(void *arg, const ckpt_piece_t *p) {
+  span_ctx_t *c = arg;
+  if (c->n++ == 0)
+    c->first = *p;
+  return c->n > 1; /* a second piece: not one span, stop */
+}
+
+/* The bytes [pos, pos+len) of a data file must be there. */
+static int check_stored(int fd, uint64_t pos, uint64_t len) {
+  struct stat st;
+  if (fstat(fd, &st))
+    return -errno;
+  return (uint64_t)st.st_size >= pos + len ? 0 : -EIO;
+}
+
+int ckpt__committed_span(ckpt_ckpt_t *ck, const ckpt_node_t *n, size_t size,
+                         uint64_t off, int *fd, uint64_t *pos, size_t *len) {
+  uint64_t total = ckpt__committed_size(ck, n);
+  if (off >= total || size == 0)
+    return 0;
+  if (size > total - off)
+    size = (size_t)(total - off);
+  const ckpt_metadata_t *m = ck->meta;
+  int32_t rank;
+  uint32_t file;
+  uint64_t at;
+  if (n->kind == CKPT_NODE_CBLOB) {
+    const ckpt_blob_meta_t *b = &m->blobs[n->u.blob];
+    rank = b->rank, file = b->file, at = b->file_offset + off;
+  } else {
+    const ckpt_tensor_meta_t *t = &m->tensors[n->u.tensor];
+    size_t isz = ckpt_dtype_size(t->dtype);
+    const ckpt_chunk_meta_t *hit = NULL;
+    for (uint32_t i = 0; i < t->n_chunks; i++) {
+      const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+      uint64_t first, end;
+      ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim, isz,
+                         &first, &end);
+      if (end <= off || first >= off + size)
+        continue;
+      if (hit)
+        return 0; /* several chunks */
+      hit = c;
+    }
+    if (!hit)
+      return 0;
+    span_ctx_t sc = {0};
+    ckpt_layout_pieces(t->ndim, t->shape, hit->dims, hit->dims + t->ndim, isz,
+                       off, size, count_piece, &sc);
+    if (sc.n != 1 || sc.first.dst != off || sc.first.len != size ||
+        sc.first.src + size > hit->length)
+      return 0;
+    rank = hit->rank, file = hit->file, at = hit->file_offset + sc.first.src;
+  }
+  int f = data_fd(ck, rank, file);
+  if (f < 0)
+    return f;
+  int rc = check_stored(f, at, size);
+  if (rc)
+    return rc;
+  *fd = f;
+  *pos = at;
+  *len = size;
+  return 1;
+}
+
 uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n) {
   const ckpt_metadata_t *m = ck->meta;
   if (n->kind == CKPT_NODE_CBLOB)
