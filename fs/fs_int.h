@@ -103,6 +103,53 @@ enum {
   CKPT_X_COUNT
 };
 
+/*
+ * Write-behind streams of one checkpoint on this rank (streams.c): files
+ * BACKING_DIR/.staging/NAME.R.K, K < io_threads. A staged file written
+ * front to back from offset 0 claims a free stream; its bytes then go
+ * straight into the stream file (the page cache writes them back while the
+ * trainer goes on) and take no RAM. At commit each stream file becomes the
+ * data file __R_K.distcp (a hard link) and its files stay where they are
+ * (pinned in the plan): the bytes are written once.
+ */
+typedef struct ckpt_streams {
+  pthread_mutex_t lock;   /* protects everything below */
+  int backing_fd;
+  int rank;
+  uint64_t serial;        /* makes the file names unique in the mount */
+  char name[256];         /* the checkpoint */
+  uint32_t n;             /* streams: io_threads */
+  struct ckpt_stream {
+    int fd;               /* -1 until first claimed */
+    uint64_t end;         /* bytes used by released files */
+    struct ckpt_sfile *owner; /* the file appending to it, or NULL */
+  } *s;
+  bool frozen;            /* committing: no new claims */
+  bool committed;         /* the stream files are data files now */
+} ckpt_streams_t;
+
+ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
+                                  uint32_t n);
+/* Close the streams and remove their .staging names (a committed
+ * checkpoint keeps the data through its links). */
+void ckpt__streams_free(ckpt_streams_t *st);
+void ckpt__streams_freeze(ckpt_streams_t *st, bool frozen);
+/* Committed: drop the .staging names, no new claims. */
+void ckpt__streams_unlink(ckpt_streams_t *st);
+/* Bytes of stream K in use (released files and the owner's), 0 if unused. */
+uint64_t ckpt__streams_used(ckpt_streams_t *st, uint32_t k);
+/* Link every used stream file as BACKING_DIR/NAME/__R_K.distcp (dirfd);
+ * on failure the links made are removed. */
+int ckpt__streams_link(ckpt_streams_t *st, int dirfd, char **err);
+/* Claim a free stream for sf (sf->lock held): 0, or -EAGAIN if none. */
+int ckpt__stream_claim(ckpt_streams_t *st, struct ckpt_sfile *sf);
+/* sf stops appending to its stream (sf->lock held). */
+void ckpt__stream_release(struct ckpt_sfile *sf);
+/* sf's bytes leave the stream: released and their space punched out
+ * (sf->lock held; sf->stream is -1 after). */
+void ckpt__stream_drop(struct ckpt_sfile *sf);
+int ckpt__stream_fd(const struct ckpt_sfile *sf);
+
 /* One 1 MiB segment of a staged file: in RAM, spilled, or a hole. */
 typedef struct {
   uint8_t *mem;   /* RAM copy, or NULL */
@@ -117,6 +164,11 @@ typedef struct ckpt_sfile {
   uint32_t nsegs;        /* entries in segs */
   uint32_t seg0_cap;     /* bytes allocated for segs[0].mem (small files
                             grow it up to CKPT_SEG_SIZE); others are full */
+  struct ckpt_streams *streams; /* its checkpoint's write-behind streams */
+  int32_t stream;        /* K of the stream file holding all its bytes (no
+                            segments then), or -1 */
+  uint64_t stream_base;  /* where its byte 0 is in that stream file */
+  bool stream_owner;     /* it may still append to the stream */
   struct XXH3_state_s *hash; /* XXH3 of bytes [0, hashed) while the file
                                 is written front to back, or NULL */
   uint64_t hashed;
@@ -124,7 +176,10 @@ typedef struct ckpt_sfile {
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
 } ckpt_sfile_t;
 
-ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget);
+ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
+                              ckpt_streams_t *streams);
+/* The file was closed after writing: it stops appending to its stream. */
+void ckpt__sfile_end_stream(ckpt_sfile_t *sf);
 void ckpt__sfile_free(ckpt_sfile_t *sf);
 /* Copy buf into the file at off; -ENOSPC beyond staging_mem, -EFBIG beyond
  * the largest offset. Returns bytes written or a negative errno. */
@@ -224,6 +279,7 @@ struct ckpt_ckpt {
   _Atomic uint64_t bytes_total; /* COMMITTING: bytes this rank writes */
   _Atomic uint64_t bytes_done;
   struct ckpt_save *save; /* in-flight save, or NULL */
+  ckpt_streams_t *streams; /* staged: write-behind streams, or NULL */
   /* COMMITTED: */
   ckpt_metadata_t *meta;  /* owned */
   int dirfd;              /* BACKING_DIR/NAME, O_PATH|O_DIRECTORY, or -1 */

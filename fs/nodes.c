@@ -280,6 +280,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (ck->dirfd >= 0)
     close(ck->dirfd);
   free(ck->reason);
+  ckpt__streams_free(ck->streams);
   pthread_rwlock_destroy(&ck->freeze);
   pthread_mutex_destroy(&ck->fd_lock);
   free(ck);

@@ -31,6 +31,7 @@ typedef struct ckpt_handle {
   int fd;            /* METADATA: the backing .metadata, else -1 */
   char *text;        /* STATUS text, or the readdir buffer */
   size_t len;
+  bool writer;       /* a staged file opened for writing */
   struct ckpt_handle *prev, *next; /* fs->handles; fs->lock */
 } handle_t;
 
@@ -331,6 +332,8 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
   ckpt_ckpt_t *ck = ckpt__ckpt_new(fs, name);
   if (!ck)
     return -ENOMEM;
+  ck->streams = ckpt__streams_new(fs->backing_fd, fs->rank, name,
+                                  fs->opts.io_threads);
   *out = ck->dir;
   return 0;
 }
@@ -427,7 +430,7 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     n = ckpt__node_child(fs, p, name); /* `echo sync > .commit` */
     rc = n ? 0 : -ENOENT;
   } else if ((rc = can_add(fs, p, name)) == 0) {
-    ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging);
+    ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging, p->ck->streams);
     n = sf ? ckpt__node_new(fs, p, name, CKPT_NODE_SFILE,
                             S_IFREG | (mode & 07777), p->ck)
            : NULL;
@@ -445,6 +448,7 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
   if (rc == 0) {
     ckpt__node_ref(n);
     track_handle(fs, h);
+    h->writer = n->kind == CKPT_NODE_SFILE;
     fill_entry(fs, n, &e);
     fi->fh = (uintptr_t)h;
     fi->direct_io = n->kind == CKPT_NODE_COMMIT;
@@ -624,6 +628,7 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     if (rc == 0 && (fi->flags & O_TRUNC))
       rc = ckpt__sfile_truncate(n->u.sf, 0);
     pthread_rwlock_unlock(&n->ck->freeze);
+    h->writer = true;
   }
   if (rc) {
     free(h ? h->text : NULL);
@@ -652,6 +657,18 @@ static void reply_copy(fuse_req_t req, const char *p, size_t n) {
   memcpy(copy, p, n);
   fuse_reply_buf(req, copy, n);
   free(copy);
+}
+
+/* close(2) of a staged file written through this handle: the file ends
+ * its write-behind stream, so that the next file can use it. (RELEASE may
+ * come later than the trainer's next create; FLUSH comes within close.) */
+static void fs_flush(fuse_req_t req, fuse_ino_t ino,
+                     struct fuse_file_info *fi) {
+  (void)ino;
+  handle_t *h = handle_of(fi);
+  if (h->writer)
+    ckpt__sfile_end_stream(h->node->u.sf);
+  fuse_reply_err(req, 0);
 }
 
 static void fs_release(fuse_req_t req, fuse_ino_t ino,
@@ -1037,6 +1054,7 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .rmdir = fs_rmdir,
     .rename = fs_rename,
     .open = fs_open,
+    .flush = fs_flush,
     .release = fs_release,
     .read = fs_read,
     .write = fs_write,

@@ -132,6 +132,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
     rc = collect_files(s, ck->dir, &cap);
   if (rc == 0) {
     ck->state = CKPT_COMMITTING;
+    if (ck->streams)
+      ckpt__streams_freeze(ck->streams, true);
     free(ck->reason);
     ck->reason = NULL;
     atomic_store(&ck->bytes_total, 0);
@@ -240,8 +242,21 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
   int rc = s->checksums ? 0 : -ENOMEM;
   if (rc == 0)
     rc = ckpt__pool_run(fs->pool, s->nfiles, hash_file, s);
-  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++)
+  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
+    uint32_t before = lp.n_items;
     rc = describe_file(s, i, &lp);
+    /* Written behind already: its bytes stay where they are. */
+    ckpt_sfile_t *sf = s->files[i]->u.sf;
+    if (rc == 0 && lp.n_items > before && sf->stream >= 0)
+      rc = ckpt_local_plan_pin(&lp, before, (uint32_t)sf->stream,
+                               sf->stream_base);
+  }
+  for (uint32_t k = 0; rc == 0 && s->ck->streams && k < s->ck->streams->n;
+       k++) {
+    uint64_t used = ckpt__streams_used(s->ck->streams, k);
+    if (used)
+      rc = ckpt_local_plan_reserve(&lp, k, used);
+  }
   if (rc == 0)
     rc = ckpt_msg_encode_local_plan(&lp, out);
   if (rc)
@@ -398,13 +413,18 @@ static int write_file(void *arg, uint32_t k) {
     return -ENOMEM;
   w->s = s;
   w->file = name;
-  w->fd = openat(s->dirfd, name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
+  /* A stream file linked as this data file holds the pinned items. */
+  bool streamed = s->ck->streams && ckpt__streams_used(s->ck->streams, k);
+  w->fd = openat(s->dirfd, name,
+                 O_WRONLY | O_CREAT | (streamed ? 0 : O_TRUNC) | O_CLOEXEC,
                  0600);
   int rc = w->fd < 0 ? -(w->err = errno) : 0;
   for (uint32_t a = 0; rc == 0 && a < s->rp.n_assign; a++) {
     const ckpt_assignment_t *as = &s->rp.assign[a];
-    if (as->file != k || as->length == 0)
-      continue;
+    const ckpt_sfile_t *sf = s->files[as->local_id]->u.sf;
+    if (as->file != k || as->length == 0 ||
+        (sf->stream == (int32_t)k && sf->stream_base == as->file_offset))
+      continue; /* nothing, or already there */
     if (as->file_offset != w->batch_off + w->batch_len &&
         (rc = flush_batch(w)) == 0)
       w->batch_off = as->file_offset;
@@ -488,6 +508,9 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
                                fs->backing_path, job->name, strerror(-rc));
     return rc;
   }
+  if (s->ck->streams &&
+      (rc = ckpt__streams_link(s->ck->streams, s->dirfd, err)) != 0)
+    return rc;
   rc = ckpt__pool_run(fs->pool, s->rp.n_files, write_file, s);
   if (rc) {
     *err = ckpt__strdup_printf("rank %d: writing data files in %s/%s: %s",
@@ -569,6 +592,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     /* Every rank shows the global checkpoint, from the shared metadata. */
     if (s->dirfd >= 0)
       flock(s->dirfd, LOCK_UN);
+    if (ck->streams) /* the data files hold the streamed bytes now */
+      ckpt__streams_unlink(ck->streams);
     if (ckpt__fs_load_one(fs, job->name, &err)) {
       ckpt__log("%s: committed, but cannot show it: %s", job->name,
                 err ? err : "unknown error");
@@ -585,6 +610,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ck->state = CKPT_FAILED;
     ck->reason = strdup(reason ? reason : "unknown error");
     pthread_mutex_unlock(&fs->lock);
+    if (ck->streams) /* staged again: files may stream anew */
+      ckpt__streams_freeze(ck->streams, false);
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
   }
   if (s->sync) {

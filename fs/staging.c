@@ -29,6 +29,8 @@
 #include "fs_int.h"
 
 #define SEG0_MIN 4096u
+/* A first write of at least this many bytes at offset 0 starts a stream. */
+#define CKPT_STREAM_MIN (64u << 10)
 #define SPILL_DIR ".staging"
 
 const char *const ckpt__xattr_names[CKPT_X_COUNT] = {
@@ -175,13 +177,22 @@ static void slot_put(ckpt_staging_t *b, int64_t off) {
  * Segments of a file.
  * ---------------------------------------------------------------------- */
 
-ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget) {
+ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
+                              ckpt_streams_t *streams) {
   ckpt_sfile_t *sf = calloc(1, sizeof(*sf));
   if (!sf)
     return NULL;
   pthread_mutex_init(&sf->lock, NULL);
   sf->budget = budget;
+  sf->streams = streams;
+  sf->stream = -1;
   return sf;
+}
+
+void ckpt__sfile_end_stream(ckpt_sfile_t *sf) {
+  pthread_mutex_lock(&sf->lock);
+  ckpt__stream_release(sf);
+  pthread_mutex_unlock(&sf->lock);
 }
 
 static uint64_t mem_cap(const ckpt_sfile_t *sf, uint32_t i) {
@@ -224,6 +235,7 @@ static void drop_segments(ckpt_sfile_t *sf, uint32_t from) {
 void ckpt__sfile_free(ckpt_sfile_t *sf) {
   if (!sf)
     return;
+  ckpt__stream_drop(sf);
   drop_segments(sf, 0);
   free(sf->segs);
   XXH3_freeState(sf->hash);
@@ -331,13 +343,10 @@ static void hash_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   sf->hashed += n;
 }
 
-ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
-                          uint64_t off) {
-  if (n == 0)
-    return 0;
-  if (off > INT64_MAX - n || ((off + n - 1) >> CKPT_SEG_SHIFT) >= UINT32_MAX)
-    return -EFBIG;
-  pthread_mutex_lock(&sf->lock);
+/* Write into the segments (RAM or spill). sf->lock held. Returns bytes
+ * written or a negative errno. */
+static ssize_t write_segments(ckpt_sfile_t *sf, const void *buf, size_t n,
+                              uint64_t off) {
   uint32_t last = (uint32_t)((off + n - 1) >> CKPT_SEG_SHIFT);
   int rc = grow_index(sf, last + 1);
   /* A file that grows past segment 0 needs it whole. */
@@ -364,12 +373,97 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
     }
     done += chunk;
   }
-  if (done)
-    hash_write(sf, buf, done, off);
   if (off + done > sf->size)
     sf->size = off + done;
-  pthread_mutex_unlock(&sf->lock);
   return done ? (ssize_t)done : rc;
+}
+
+/* Read [off, off+n) of the stream (n > 0); past its end: zeros. */
+static int stream_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off) {
+  ssize_t r = pread(ckpt__stream_fd(sf), buf, n,
+                    (off_t)(sf->stream_base + off));
+  if (r < 0)
+    return -errno;
+  memset((uint8_t *)buf + r, 0, n - (size_t)r);
+  return 0;
+}
+
+/* The file leaves its stream: its bytes move into segments. sf->lock. */
+static int unstream(ckpt_sfile_t *sf) {
+  if (sf->stream < 0)
+    return 0;
+  uint8_t *bounce = malloc(CKPT_SEG_SIZE);
+  if (!bounce)
+    return -ENOMEM;
+  uint64_t size = sf->size;
+  int rc = 0;
+  for (uint64_t pos = 0; pos < size && rc == 0; pos += CKPT_SEG_SIZE) {
+    size_t n = size - pos < CKPT_SEG_SIZE ? (size_t)(size - pos)
+                                          : (size_t)CKPT_SEG_SIZE;
+    rc = stream_read(sf, bounce, n, pos);
+    if (rc == 0) {
+      ssize_t w = write_segments(sf, bounce, n, pos);
+      rc = w < 0 ? (int)w : 0;
+    }
+  }
+  free(bounce);
+  if (rc) {
+    drop_segments(sf, 0);
+    return rc;
+  }
+  ckpt__stream_drop(sf);
+  sf->size = size;
+  return 0;
+}
+
+/* Append to the stream; 0 when the write does not fit there. sf->lock. */
+static ssize_t stream_write(ckpt_sfile_t *sf, const void *buf, size_t n,
+                            uint64_t off) {
+  if (sf->stream < 0 && sf->size == 0 && off == 0 && sf->streams &&
+      n >= CKPT_STREAM_MIN)
+    ckpt__stream_claim(sf->streams, sf);
+  if (sf->stream < 0)
+    return 0;
+  if (!sf->stream_owner || off != sf->size) {
+    int rc = unstream(sf);
+    return rc ? rc : 0;
+  }
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = pwrite(ckpt__stream_fd(sf), (const uint8_t *)buf + done,
+                       n - done, (off_t)(sf->stream_base + off + done));
+    if (w <= 0) {
+      if (w < 0 && errno == EINTR)
+        continue;
+      break;
+    }
+    done += (size_t)w;
+  }
+  if (done == n) {
+    sf->size = off + done;
+    return (ssize_t)done;
+  }
+  /* The backing filesystem is full or failing: staging goes on in RAM
+   * (and the commit will report the backing filesystem's error). */
+  ckpt__log("write-behind failed (%s): staging in memory", strerror(errno));
+  int rc = unstream(sf);
+  return rc ? rc : 0;
+}
+
+ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
+                          uint64_t off) {
+  if (n == 0)
+    return 0;
+  if (off > INT64_MAX - n || ((off + n - 1) >> CKPT_SEG_SHIFT) >= UINT32_MAX)
+    return -EFBIG;
+  pthread_mutex_lock(&sf->lock);
+  ssize_t r = stream_write(sf, buf, n, off);
+  if (r == 0)
+    r = write_segments(sf, buf, n, off);
+  if (r > 0)
+    hash_write(sf, buf, (size_t)r, off);
+  pthread_mutex_unlock(&sf->lock);
+  return r;
 }
 
 /* Copy [in, in+n) of segment i (n within the segment) to dst. */
@@ -398,6 +492,10 @@ ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off) {
   if (off < sf->size) {
     if (n > sf->size - off)
       n = (size_t)(sf->size - off);
+    if (sf->stream >= 0 && n > 0) {
+      rc = stream_read(sf, buf, n, off);
+      total = n;
+    }
     while (total < n && rc == 0) {
       uint64_t pos = off + total;
       uint32_t i = (uint32_t)(pos >> CKPT_SEG_SHIFT);
@@ -418,6 +516,16 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
+  if (sf->stream >= 0 && size == 0) {
+    /* Written again from the start: in the same place while it owns the
+     * stream, else it may claim a stream anew. */
+    if (!sf->stream_owner)
+      ckpt__stream_drop(sf);
+    sf->size = 0;
+  } else if (sf->stream >= 0 && (rc = unstream(sf)) != 0) {
+    pthread_mutex_unlock(&sf->lock);
+    return rc;
+  }
   if (size < sf->size) {
     /* Free whole segments past the end, zero the tail of the last one so
      * that growing the file again reads zeros. */
@@ -472,6 +580,16 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
   uint8_t *bounce = NULL;
   uint64_t pos = 0;
   int rc = 0;
+  while (sf->stream >= 0 && pos < sf->size && rc == 0) {
+    if (!bounce && !(bounce = malloc(CKPT_SEG_SIZE)))
+      return -ENOMEM;
+    size_t n = sf->size - pos < CKPT_SEG_SIZE ? (size_t)(sf->size - pos)
+                                              : (size_t)CKPT_SEG_SIZE;
+    rc = stream_read(sf, bounce, n, pos);
+    if (rc == 0)
+      rc = fn(arg, bounce, n, true);
+    pos += n;
+  }
   while (pos < sf->size && rc == 0) {
     uint32_t i = (uint32_t)(pos >> CKPT_SEG_SHIFT);
     uint64_t in = pos & (CKPT_SEG_SIZE - 1);

@@ -136,7 +136,15 @@ typedef struct {
   uint64_t length;       /* bytes staged */
   uint64_t checksum;     /* XXH3-64 of the staged bytes */
   uint32_t local_id;     /* the rank's own handle for the item */
+  /* Write-behind: the item's bytes are already stored in this rank's data
+   * file pin_file (K in __R_K.distcp) at pin_offset. CKPT_NO_PIN when not
+   * pinned (the default of every add function and of the decoder). */
+  uint32_t pin_file;
+  uint64_t pin_offset;   /* meaningful only when pin_file != CKPT_NO_PIN */
 } ckpt_write_item_t;
+
+/* pin_file of an item whose bytes are not stored yet. */
+#define CKPT_NO_PIN UINT32_MAX
 
 /* dims is NULL when ndim is 0 (bytes items, scalars): no arithmetic then. */
 static inline const int64_t *ckpt_item_shape(const ckpt_write_item_t *it) {
@@ -157,6 +165,12 @@ typedef struct {
   uint32_t cap_items;
   ckpt_write_item_t *items; /* owned */
   char *errors;             /* owned, NULL or newline-separated reasons */
+  /* Write-behind: reserved[K] = bytes at the start of this rank's data file
+   * K that the rank has already written (its pinned items live there, the
+   * rest of that range is dead space that must not be overwritten). Files
+   * K >= n_reserved have nothing reserved. */
+  uint32_t n_reserved;
+  uint64_t *reserved;       /* owned, n_reserved entries */
 } ckpt_local_plan_t;
 
 void ckpt_local_plan_init(ckpt_local_plan_t *lp, int32_t rank);
@@ -173,6 +187,15 @@ int ckpt_local_plan_add_tensor(ckpt_local_plan_t *lp, const char *path,
 int ckpt_local_plan_add_bytes(ckpt_local_plan_t *lp, const char *path,
                               uint64_t length, uint64_t checksum,
                               uint32_t local_id);
+/* Pin item lp->items[index]: its bytes are already stored in this rank's
+ * data file `file` at `offset` (file CKPT_NO_PIN unpins it). -EINVAL if
+ * index is out of range. Not validated here (the global plan does). */
+int ckpt_local_plan_pin(ckpt_local_plan_t *lp, uint32_t index, uint32_t file,
+                        uint64_t offset);
+/* Set reserved[file] = bytes (growing reserved as needed, new entries 0).
+ * -EINVAL for file == CKPT_NO_PIN, -ENOMEM. */
+int ckpt_local_plan_reserve(ckpt_local_plan_t *lp, uint32_t file,
+                            uint64_t bytes);
 /* Record a problem found locally (appended to lp->errors). */
 int ckpt_local_plan_add_error(ckpt_local_plan_t *lp, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -270,24 +293,42 @@ typedef struct {
 /*
  * Build the global plan from every rank's local plan (locals[r].rank == r):
  *  1. errors reported by the ranks themselves are collected;
- *  2. items are grouped by FQN; a FQN is either bytes or tensor everywhere,
+ *  2. write-behind, per rank: every reservation lies in a file
+ *     K < io_threads (a zero one anywhere is no reservation); every pin
+ *     lies in a file K < io_threads, inside reserved[K]
+ *     (pin_offset + length <= reserved[K]); a rank's pins do not overlap
+ *     (a zero-length pin strictly inside another one overlaps it);
+ *  3. items are grouped by FQN; a FQN is either bytes or tensor everywhere,
  *     has one path, one dtype and one shape;
- *  3. each chunk: length == prod(sizes) x itemsize, inside the shape;
- *  4. identical chunks (same FQN, offsets and sizes) on several ranks are
+ *  4. each chunk: length == prod(sizes) x itemsize, inside the shape;
+ *  5. identical chunks (same FQN, offsets and sizes) on several ranks are
  *     replicas: their checksums are compared (replica_check) and one copy
- *     is kept, written by the holder with the least bytes so far (greedy,
- *     largest first, after every rank's unique items are counted);
- *  5. the kept chunks of each tensor must not overlap and must cover it
+ *     is kept. If some holders have it pinned (its bytes already written),
+ *     the copy kept is one of theirs, of the pinned holder with the least
+ *     bytes so far; otherwise of the holder with the least bytes so far
+ *     (greedy, largest first, after every rank's unique items are counted;
+ *     ties: lowest rank);
+ *  6. the kept chunks of each tensor must not overlap and must cover it
  *     exactly (O(n log n) in the number of chunks);
- *  6. each rank's kept items are spread over io_threads data files,
- *     balanced by bytes (largest first into the least full file), and
- *     given their file offsets;
- *  7. meta lists every tensor with its chunks and every blob.
+ *  7. each rank's kept items are assigned to its data files. Kept pinned
+ *     items stay at (pin_file, pin_offset). The others are balanced by
+ *     bytes over the io_threads files (largest first into the least full
+ *     file; a file's load starts at its reservation) and appended in FQN
+ *     order after reserved[K], items of 64 KiB or more at multiples of
+ *     4096. n_files is 1 + the last file holding an item or a reservation
+ *     (files in between may be empty); file_bytes[K] is the larger of
+ *     reserved[K] and the end of its last item. A pinned item that dedup
+ *     dropped is not assigned: its bytes stay in the file as dead space.
+ *     Without reservations and pins, the files used are 0..n_files-1 and
+ *     each ends with its last item;
+ *  8. meta lists every tensor with its chunks and every blob, at the file
+ *     and offset of their assignment.
  * Returns 0 when a plan was computed (check out->errors), -ENOMEM or
  * -EINVAL for unusable arguments. errors and warnings hold lines separated
- * by '\n' (no trailing one), in FQN order after the ranks' own errors, at
- * most 50 and then "... and N more problems". When errors is set, ranks
- * holds world_size empty plans and meta is empty but for world_size.
+ * by '\n' (no trailing one): the ranks' own errors, then the write-behind
+ * problems in rank order, then the rest in FQN order, at most 50 and then
+ * "... and N more problems". When errors is set, ranks holds world_size
+ * empty plans and meta is empty but for world_size.
  */
 int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
                      const ckpt_plan_opts_t *opts, ckpt_global_plan_t *out);

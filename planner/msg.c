@@ -6,14 +6,19 @@
  * coordinator). All integers are little-endian; a string is a u32 length
  * and that many bytes, none of them NUL. Each message starts with a 4-byte
  * magic and a u32 version (CKPT_MSG_VERSION), and must end exactly where its
- * last field does.
+ * last field does. Version 2 added the write-behind fields of the local
+ * plan (reservations, pins); version 1 messages are rejected.
  *
  *   local plan   "CKLP" version  i32 rank  u8 has_errors [str errors]
+ *                u32 n_reserved  u64 reserved[n_reserved]
  *                u32 n_items, then per item:
  *                  u8 kind  u8 dtype+1 (0: none)  u8 ndim
  *                  i64 dims[3*ndim] (shape, offsets, sizes; each >= 0)
- *                  u64 length  u64 checksum  u32 local_id  str path
- *                (the FQN is derived from the path on decoding)
+ *                  u64 length  u64 checksum  u32 local_id
+ *                  u32 pin_file  [u64 pin_offset unless CKPT_NO_PIN]
+ *                  str path
+ *                (the FQN is derived from the path on decoding; pins and
+ *                reservations are validated by the global plan, not here)
  *   rank plan    "CKRP" version  i32 rank  u32 n_files  u64 file_bytes[n_files]
  *                u32 n_assign, then per assignment:
  *                  u32 local_id  u32 file  u64 file_offset  u64 length
@@ -32,14 +37,14 @@
 
 #include "planner_int.h"
 
-#define CKPT_MSG_VERSION 1u
+#define CKPT_MSG_VERSION 2u
 
 static const char magic_local_plan[4] = {'C', 'K', 'L', 'P'};
 static const char magic_rank_plan[4] = {'C', 'K', 'R', 'P'};
 static const char magic_write_result[4] = {'C', 'K', 'W', 'R'};
 
 /* Bytes of the smallest encoded item / assignment (count checks). */
-#define MIN_ITEM_BYTES (3 + 8 + 8 + 4 + 4)
+#define MIN_ITEM_BYTES (3 + 8 + 8 + 4 + 4 + 4)
 #define ASSIGN_BYTES (4 + 4 + 8 + 8)
 
 /* ------------------------------------------------------------------------
@@ -187,6 +192,9 @@ int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
   put_header(&w, magic_local_plan);
   put_i32(&w, lp->rank);
   put_opt_str(&w, lp->errors);
+  put_u32(&w, lp->n_reserved);
+  for (uint32_t k = 0; k < lp->n_reserved; k++)
+    put_u64(&w, lp->reserved[k]);
   put_u32(&w, lp->n_items);
   for (uint32_t i = 0; i < lp->n_items; i++) {
     const ckpt_write_item_t *it = &lp->items[i];
@@ -199,6 +207,9 @@ int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
     put_u64(&w, it->length);
     put_u64(&w, it->checksum);
     put_u32(&w, it->local_id);
+    put_u32(&w, it->pin_file);
+    if (it->pin_file != CKPT_NO_PIN)
+      put_u64(&w, it->pin_offset);
     put_str(&w, it->path);
   }
   return finish(&w, start);
@@ -223,12 +234,15 @@ static void get_item(reader_t *r, ckpt_local_plan_t *lp) {
       fail(r);
   }
   uint64_t length = get_u64(r), checksum = get_u64(r);
-  uint32_t local_id = get_u32(r);
+  uint32_t local_id = get_u32(r), pin_file = get_u32(r);
+  uint64_t pin_offset = pin_file != CKPT_NO_PIN ? get_u64(r) : 0;
   size_t len;
   const char *path = get_str(r, &len);
   if (r->rc == 0)
     r->rc = ckpt__local_plan_push(lp, path, len, (ckpt_item_kind_t)kind, dtype,
                                   ndim, dims, length, checksum, local_id);
+  if (r->rc == 0 && pin_file != CKPT_NO_PIN)
+    r->rc = ckpt_local_plan_pin(lp, lp->n_items - 1, pin_file, pin_offset);
 }
 
 int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
@@ -241,6 +255,16 @@ int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
   if (lp->rank < 0)
     fail(&r);
   lp->errors = get_opt_str(&r);
+  uint32_t n_reserved = get_u32(&r);
+  if (n_reserved > r.left / 8)
+    fail(&r);
+  if (r.rc == 0 && n_reserved > 0) {
+    lp->reserved = malloc(n_reserved * sizeof(*lp->reserved));
+    if (lp->reserved == NULL)
+      r.rc = -ENOMEM;
+  }
+  for (uint32_t k = 0; k < n_reserved && r.rc == 0; k++)
+    lp->reserved[lp->n_reserved++] = get_u64(&r);
   uint32_t n_items = get_u32(&r);
   if (n_items > r.left / MIN_ITEM_BYTES)
     fail(&r);

@@ -12,17 +12,23 @@
  *     sizes, rank). A group is the refs of one FQN; a set is the refs of
  *     identical chunks (same FQN, offsets and sizes): the replicas. A bytes
  *     item is a set of its own group, replicated when several ranks have it.
- *  2. each group is validated (path, kind, dtype, shape, bounds, lengths,
- *     replica contents), then its kept chunks are checked for overlap and
- *     exact coverage on a grid of the distinct cut points of every
- *     dimension (a sweep along dimension 0 when that grid would be large).
- *     Problems are reported one per line in FQN order, at most
- *     MAX_PROBLEM_LINES lines plus a count of the rest.
+ *  2. each rank's reservations and pins are validated (check_pins: inside
+ *     io_threads files and the reservations, no overlap, through a sort of
+ *     the rank's pins); then each group (path, kind, dtype, shape, bounds,
+ *     lengths, replica contents), then its kept chunks are checked for
+ *     overlap and exact coverage on a grid of the distinct cut points of
+ *     every dimension (a sweep along dimension 0 when that grid would be
+ *     large). Problems are reported one per line (pins in rank order, the
+ *     groups in FQN order), at most MAX_PROBLEM_LINES lines plus a count of
+ *     the rest.
  *  3. only a valid plan goes on: sets held by one rank stay there, then
  *     replicated sets, largest first, go to the holder with the fewest
- *     bytes so far (ties: lowest rank);
- *  4. each rank's items are spread over its data files (largest first into
- *     the least full file, through a heap) and laid out in FQN order;
+ *     bytes so far (ties: lowest rank) among those that have the set
+ *     pinned if any do;
+ *  4. each rank's kept pinned items stay where they are; the other items
+ *     are spread over its data files (largest first into the least full
+ *     file, through a heap, loads starting at the reservations) and laid
+ *     out in FQN order after the reservations;
  *  5. the metadata is built from the sets and their assignments.
  */
 #include <assert.h>
@@ -91,7 +97,36 @@ void ckpt_local_plan_free(ckpt_local_plan_t *lp) {
     ckpt__write_item_free(&lp->items[i]);
   free(lp->items);
   free(lp->errors);
+  free(lp->reserved);
   ckpt_local_plan_init(lp, lp->rank);
+}
+
+int ckpt_local_plan_pin(ckpt_local_plan_t *lp, uint32_t index, uint32_t file,
+                        uint64_t offset) {
+  assert(lp != NULL);
+  if (index >= lp->n_items)
+    return -EINVAL;
+  lp->items[index].pin_file = file;
+  lp->items[index].pin_offset = file == CKPT_NO_PIN ? 0 : offset;
+  return 0;
+}
+
+int ckpt_local_plan_reserve(ckpt_local_plan_t *lp, uint32_t file,
+                            uint64_t bytes) {
+  assert(lp != NULL);
+  if (file == CKPT_NO_PIN)
+    return -EINVAL;
+  if (file >= lp->n_reserved) {
+    uint64_t *r = realloc(lp->reserved, ((size_t)file + 1) * sizeof(*r));
+    if (r == NULL)
+      return -ENOMEM;
+    memset(r + lp->n_reserved, 0,
+           ((size_t)file + 1 - lp->n_reserved) * sizeof(*r));
+    lp->reserved = r;
+    lp->n_reserved = file + 1;
+  }
+  lp->reserved[file] = bytes;
+  return 0;
 }
 
 int ckpt__local_plan_push(ckpt_local_plan_t *lp, const char *path,
@@ -106,7 +141,9 @@ int ckpt__local_plan_push(ckpt_local_plan_t *lp, const char *path,
                           .ndim = ndim,
                           .length = length,
                           .checksum = checksum,
-                          .local_id = local_id};
+                          .local_id = local_id,
+                          .pin_file = CKPT_NO_PIN,
+                          .pin_offset = 0};
   if (lp->n_items == UINT32_MAX)
     return -ENOMEM;
   if (lp->n_items == lp->cap_items) {
@@ -210,7 +247,9 @@ typedef struct {
 
 typedef struct {
   const ckpt_plan_opts_t *opts;
+  const ckpt_local_plan_t *locals;
   int32_t world;
+  bool any_pin; /* some item of some rank is pinned */
   uint32_t n_refs;
   ref_t *refs; /* sorted as in step 1 */
   uint32_t n_groups;
@@ -582,6 +621,111 @@ static void check_local_errors(plan_t *p, const ckpt_local_plan_t *lp) {
     }
     s += len + (nl != NULL);
   }
+}
+
+/* Bytes reserved at the start of data file k of a rank. */
+static uint64_t reserved_of(const ckpt_local_plan_t *lp, uint32_t k) {
+  return k < lp->n_reserved ? lp->reserved[k] : 0;
+}
+
+static bool pinned(const ckpt_write_item_t *it) {
+  return it->pin_file != CKPT_NO_PIN;
+}
+
+/* A pinned item of one rank, for sorting by where it lies. */
+typedef struct {
+  uint32_t file;
+  uint64_t off, len;
+  const ckpt_write_item_t *it;
+} pin_t;
+
+static int cmp_pin(const void *pa, const void *pb) {
+  const pin_t *a = pa, *b = pb;
+  if (a->file != b->file)
+    return a->file > b->file ? 1 : -1;
+  if (a->off != b->off)
+    return a->off > b->off ? 1 : -1;
+  if (a->len != b->len)
+    return a->len > b->len ? 1 : -1;
+  return (a->it > b->it) - (a->it < b->it);
+}
+
+/* "rank R: fqn (path) pinned at file K offset O length L" */
+static void put_pin(plan_t *p, int32_t rank, const pin_t *pin) {
+  put(p, "rank %d: %s (%s) pinned at file %u offset %llu length %llu",
+      (int)rank, pin->it->fqn, pin->it->path, (unsigned)pin->file,
+      (unsigned long long)pin->off, (unsigned long long)pin->len);
+}
+
+/* Write-behind: the reservations and pins of one rank. Every reservation
+ * lies in a file K < io_threads; every pin in a file K < io_threads, inside
+ * the bytes reserved in that file; no two pins overlap. */
+static void check_pins(plan_t *p, const ckpt_local_plan_t *lp) {
+  uint32_t io = p->opts->io_threads, n_pins = 0;
+  for (uint32_t k = io; k < lp->n_reserved; k++) {
+    if (lp->reserved[k] > 0 && want(&p->errors)) {
+      put(p, "rank %d: %llu bytes reserved in file %u, beyond io_threads %u",
+          (int)lp->rank, (unsigned long long)lp->reserved[k], (unsigned)k,
+          (unsigned)io);
+      emit(p, &p->errors);
+    }
+  }
+  for (uint32_t i = 0; i < lp->n_items; i++)
+    n_pins += pinned(&lp->items[i]);
+  if (n_pins == 0)
+    return;
+  p->any_pin = true;
+  pin_t *pins = malloc(n_pins * sizeof(*pins));
+  if (pins == NULL) {
+    p->rc = -ENOMEM;
+    return;
+  }
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < lp->n_items; i++) {
+    const ckpt_write_item_t *it = &lp->items[i];
+    if (!pinned(it))
+      continue;
+    pin_t pin = {.file = it->pin_file,
+                 .off = it->pin_offset,
+                 .len = it->length,
+                 .it = it};
+    uint64_t res = reserved_of(lp, pin.file);
+    if (pin.file < io && pin.off <= res && pin.len <= res - pin.off) {
+      pins[n++] = pin;
+      continue;
+    }
+    if (!want(&p->errors))
+      continue;
+    put_pin(p, lp->rank, &pin);
+    if (pin.file >= io)
+      put(p, " beyond io_threads %u", (unsigned)io);
+    else
+      put(p, " outside its %llu reserved bytes", (unsigned long long)res);
+    emit(p, &p->errors);
+  }
+  qsort(pins, n, sizeof(*pins), cmp_pin);
+  /* Sorted by offset: a pin overlaps an earlier one iff it starts before
+   * the furthest end so far in its file. */
+  const pin_t *far = NULL;
+  for (uint32_t i = 0; i < n; i++) {
+    const pin_t *cur = &pins[i];
+    if (far != NULL && far->file == cur->file &&
+        cur->off < far->off + far->len) {
+      if (want(&p->errors)) {
+        put_pin(p, lp->rank, cur);
+        put(p, " overlaps %s (%s) at offset %llu length %llu", far->it->fqn,
+            far->it->path, (unsigned long long)far->off,
+            (unsigned long long)far->len);
+        emit(p, &p->errors);
+      }
+      if (cur->off + cur->len <= far->off + far->len)
+        continue;
+    }
+    if (far == NULL || far->file != cur->file ||
+        cur->off + cur->len > far->off + far->len)
+      far = cur;
+  }
+  free(pins);
 }
 
 /* The ref with the lowest rank among n (first in local plan order). */
@@ -1142,9 +1286,18 @@ static int dedup(plan_t *p) {
   qsort(rep, n_rep, sizeof(*rep), cmp_sized);
   for (size_t i = 0; i < n_rep; i++) {
     uint32_t s = rep[i].set, best = p->set_first[s];
+    uint32_t end = p->set_first[s + 1];
+    /* Holders that have the set pinned (its bytes already written) are
+     * the only candidates if there are any. */
+    bool only_pinned = false;
+    for (uint32_t j = best; p->any_pin && j < end && !only_pinned; j++)
+      only_pinned = pinned(p->refs[j].it);
+    while (only_pinned && !pinned(p->refs[best].it))
+      best++;
     /* The holders are in rank order: the first smallest total wins. */
-    for (uint32_t j = best + 1; j < p->set_first[s + 1]; j++) {
-      if (total[p->refs[j].rank] < total[p->refs[best].rank])
+    for (uint32_t j = best + 1; j < end; j++) {
+      if (total[p->refs[j].rank] < total[p->refs[best].rank] &&
+          (!only_pinned || pinned(p->refs[j].it)))
         best = j;
     }
     p->keeper[s] = best;
@@ -1169,9 +1322,9 @@ static bool file_less(const file_heap_t *h, uint32_t a, uint32_t b) {
   return h->bytes[a] < h->bytes[b] || (h->bytes[a] == h->bytes[b] && a < b);
 }
 
-/* Restore the heap after the top file grew. */
-static void file_heap_down(file_heap_t *h) {
-  uint32_t i = 0;
+/* Move the file at heap position i down to its place (after the top file
+ * grew, or to build the heap). */
+static void file_heap_down(file_heap_t *h, uint32_t i) {
   for (;;) {
     uint32_t l = 2 * i + 1, r = l + 1, m = i;
     if (l < h->n && file_less(h, h->k[l], h->k[m]))
@@ -1189,46 +1342,93 @@ static void file_heap_down(file_heap_t *h) {
 
 /*
  * Step 4 for one rank: its kept sets sets[0..n-1] (in set order) go to
- * data files, largest first into the least full file (ties: lowest K).
- * Since an untouched file is never chosen before a lower-numbered one, the
- * files used are 0..u-1: dropping the unused ones needs no renumbering.
- * Inside each file the items follow set order; those of ALIGN_MIN_LEN
- * bytes or more start at a multiple of ALIGN.
+ * data files.
+ *
+ * Without write-behind (no reservation, no pin) the items go largest first
+ * into the least full file (ties: lowest K). Since an untouched file is
+ * never chosen before a lower-numbered one, the files used are 0..u-1:
+ * dropping the unused ones needs no renumbering. Inside each file the
+ * items follow set order; those of ALIGN_MIN_LEN bytes or more start at a
+ * multiple of ALIGN.
+ *
+ * With write-behind, file K starts with its reserved bytes: kept pinned
+ * items stay where they are (inside them), the other items are balanced
+ * over all io_threads files with loads starting at the reservations, and
+ * appended after them as above. Files up to the last one holding an item
+ * or a reservation are kept, empty ones included. In each file the pinned
+ * items (by offset) come before the appended ones.
  */
 static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
-                       ckpt_rank_plan_t *rp) {
-  uint32_t t = p->opts->io_threads < n ? p->opts->io_threads : n;
-  sized_t *order = malloc(n * sizeof(*order));
-  uint32_t *heap = malloc(t * sizeof(*heap));
-  uint32_t *first = calloc((size_t)t + 1, sizeof(*first));
+                       const ckpt_local_plan_t *lp, ckpt_rank_plan_t *rp) {
+  uint32_t io = p->opts->io_threads, n_pin = 0, n_res = 0;
+  for (uint32_t k = 0; k < lp->n_reserved && k < io; k++)
+    n_res = lp->reserved[k] > 0 ? k + 1 : n_res;
+  for (uint32_t i = 0; p->any_pin && i < n; i++)
+    n_pin += pinned(p->refs[p->keeper[sets[i]]].it);
+  uint32_t n_un = n - n_pin;
+  /* files balanced over, files there can be */
+  uint32_t t = n_res > 0 ? io : io < n_un ? io : n_un;
+  uint32_t cap = n_res > 0 || n_pin > 0 ? io : t;
+  sized_t *order = malloc((n_un + 1) * sizeof(*order));
+  pin_t *pins = malloc((n_pin + 1) * sizeof(*pins));
+  uint32_t *heap = malloc((t + 1) * sizeof(*heap));
+  uint32_t *first = calloc((size_t)cap + 1, sizeof(*first));
   file_heap_t h = {.k = heap, .n = t};
   int rc = -ENOMEM;
 
-  rp->file_bytes = calloc(t, sizeof(*rp->file_bytes));
-  rp->assign = malloc(n * sizeof(*rp->assign));
-  if (order == NULL || heap == NULL || first == NULL ||
+  rp->file_bytes = calloc(cap + 1, sizeof(*rp->file_bytes));
+  rp->assign = malloc((n + 1) * sizeof(*rp->assign));
+  if (order == NULL || pins == NULL || heap == NULL || first == NULL ||
       rp->file_bytes == NULL || rp->assign == NULL)
     goto out;
-  for (uint32_t i = 0; i < n; i++)
-    order[i] = (sized_t){.len = p->refs[p->keeper[sets[i]]].it->length,
-                         .set = sets[i]};
-  qsort(order, n, sizeof(*order), cmp_sized);
-  h.bytes = rp->file_bytes; /* balance by item bytes, then reused below */
-  for (uint32_t k = 0; k < t; k++)
-    heap[k] = k;
+  uint32_t u = 0, q = 0;
   for (uint32_t i = 0; i < n; i++) {
+    const ckpt_write_item_t *it = p->refs[p->keeper[sets[i]]].it;
+    if (p->any_pin && pinned(it)) {
+      pins[q++] = (pin_t){.file = it->pin_file,
+                          .off = it->pin_offset,
+                          .len = it->length,
+                          .it = it};
+      p->set_file[sets[i]] = it->pin_file;
+      p->set_off[sets[i]] = it->pin_offset;
+    } else {
+      order[u++] = (sized_t){.len = it->length, .set = sets[i]};
+    }
+  }
+  qsort(order, n_un, sizeof(*order), cmp_sized);
+  qsort(pins, n_pin, sizeof(*pins), cmp_pin);
+  /* balance by bytes from the reservations; rp->file_bytes reused below */
+  h.bytes = rp->file_bytes;
+  for (uint32_t k = 0; k < t; k++) {
+    heap[k] = k;
+    h.bytes[k] = reserved_of(lp, k);
+  }
+  for (uint32_t i = t / 2; n_res > 0 && i-- > 0;)
+    file_heap_down(&h, i);
+  rp->n_files = n_res;
+  for (uint32_t i = 0; i < n_un; i++) {
     uint32_t k = heap[0];
     p->set_file[order[i].set] = k;
     rp->n_files = k + 1 > rp->n_files ? k + 1 : rp->n_files;
     h.bytes[k] = sat_add(h.bytes[k], order[i].len);
-    file_heap_down(&h);
+    file_heap_down(&h, 0);
   }
 
-  memset(rp->file_bytes, 0, t * sizeof(*rp->file_bytes));
+  for (uint32_t k = 0; k < cap; k++)
+    rp->file_bytes[k] = reserved_of(lp, k);
+  for (uint32_t i = 0; i < n_pin; i++) {
+    /* inside the reservation (checked), so no change to file_bytes */
+    rp->n_files = pins[i].file + 1 > rp->n_files ? pins[i].file + 1
+                                                 : rp->n_files;
+    first[pins[i].file + 1]++;
+  }
   rc = -EINVAL; /* a file beyond 2^64 bytes */
   for (uint32_t i = 0; i < n; i++) {
     uint32_t s = sets[i], k = p->set_file[s];
-    uint64_t len = p->refs[p->keeper[s]].it->length, off = rp->file_bytes[k];
+    const ckpt_write_item_t *it = p->refs[p->keeper[s]].it;
+    if (p->any_pin && pinned(it))
+      continue;
+    uint64_t len = it->length, off = rp->file_bytes[k];
     if (len >= ALIGN_MIN_LEN && off % ALIGN != 0 &&
         __builtin_add_overflow(off, ALIGN - off % ALIGN, &off))
       goto out;
@@ -1237,11 +1437,19 @@ static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
     p->set_off[s] = off;
     first[k + 1]++;
   }
-  for (uint32_t k = 0; k < t; k++)
+  for (uint32_t k = 0; k < cap; k++)
     first[k + 1] += first[k];
+  for (uint32_t i = 0; i < n_pin; i++)
+    rp->assign[first[pins[i].file]++] =
+        (ckpt_assignment_t){.local_id = pins[i].it->local_id,
+                            .file = pins[i].file,
+                            .file_offset = pins[i].off,
+                            .length = pins[i].len};
   for (uint32_t i = 0; i < n; i++) {
     uint32_t s = sets[i], k = p->set_file[s];
     const ref_t *r = &p->refs[p->keeper[s]];
+    if (p->any_pin && pinned(r->it))
+      continue;
     rp->assign[first[k]++] = (ckpt_assignment_t){.local_id = r->it->local_id,
                                                  .file = k,
                                                  .file_offset = p->set_off[s],
@@ -1252,8 +1460,19 @@ static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
 out:
   free(first);
   free(heap);
+  free(pins);
   free(order);
   return rc;
+}
+
+/* Whether a rank has bytes reserved in some file (then it has files even
+ * when it keeps nothing). */
+static bool has_reserved(const plan_t *p, const ckpt_local_plan_t *lp) {
+  for (uint32_t k = 0; k < lp->n_reserved && k < p->opts->io_threads; k++) {
+    if (lp->reserved[k] > 0)
+      return true;
+  }
+  return false;
 }
 
 /* Step 4 for every rank. */
@@ -1272,8 +1491,9 @@ static int assign_files(plan_t *p, ckpt_rank_plan_t *ranks) {
   rc = 0;
   for (int32_t r = 0; r < p->world && rc == 0; r++) {
     uint32_t start = r > 0 ? first[r - 1] : 0;
-    if (first[r] > start)
-      rc = assign_rank(p, sets + start, first[r] - start, &ranks[r]);
+    if (first[r] > start || has_reserved(p, &p->locals[r]))
+      rc = assign_rank(p, sets + start, first[r] - start, &p->locals[r],
+                       &ranks[r]);
   }
 out:
   free(sets);
@@ -1364,7 +1584,8 @@ static bool usable(const ckpt_local_plan_t *locals, int32_t n,
     return false;
   for (int32_t r = 0; r < n; r++) {
     const ckpt_local_plan_t *lp = &locals[r];
-    if (lp->rank != r || (lp->n_items > 0 && lp->items == NULL))
+    if (lp->rank != r || (lp->n_items > 0 && lp->items == NULL) ||
+        (lp->n_reserved > 0 && lp->reserved == NULL))
       return false;
     for (uint32_t i = 0; i < lp->n_items; i++) {
       const ckpt_write_item_t *it = &lp->items[i];
@@ -1414,7 +1635,7 @@ static int finish_report(report_t *r, char **out) {
 int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
                      const ckpt_plan_opts_t *opts, ckpt_global_plan_t *out) {
   assert(out != NULL);
-  plan_t p = {.opts = opts, .world = n};
+  plan_t p = {.opts = opts, .locals = locals, .world = n};
   int rc = -EINVAL;
 
   memset(out, 0, sizeof(*out));
@@ -1434,6 +1655,8 @@ int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
     goto out;
   for (int32_t r = 0; r < n; r++)
     check_local_errors(&p, &locals[r]);
+  for (int32_t r = 0; r < n; r++)
+    check_pins(&p, &locals[r]);
   for (uint32_t g = 0; g < p.n_groups; g++)
     check_group(&p, g);
   if ((rc = p.rc) < 0 || (rc = finish_report(&p.errors, &out->errors)) < 0 ||

@@ -611,12 +611,83 @@ static const ckpt_assignment_t *find_assign(const world_t *w, int32_t r,
   return NULL;
 }
 
+/* Whether rank r writes behind: it reserved bytes or pinned items. */
+static bool write_behind(const world_t *w, int32_t r) {
+  const ckpt_local_plan_t *lp = &w->lp[r];
+  for (uint32_t k = 0; k < lp->n_reserved; k++)
+    if (lp->reserved[k] > 0)
+      return true;
+  for (uint32_t i = 0; i < lp->n_items; i++)
+    if (lp->items[i].pin_file != CKPT_NO_PIN)
+      return true;
+  return false;
+}
+
+static uint64_t reserved_at(const ckpt_local_plan_t *lp, uint32_t k) {
+  return k < lp->n_reserved ? lp->reserved[k] : 0;
+}
+
+/* The rank plan of a rank writing behind: assignments by file, by offset,
+ * without overlap, inside the file; kept pinned items where they are; the
+ * others appended after the reservation of their file (packed, or aligned
+ * when large); each file as long as its reservation or its last item; the
+ * last file the last one holding an item or a reservation. */
+static void check_write_behind(const world_t *w, int32_t r) {
+  const ckpt_local_plan_t *lp = &w->lp[r];
+  const ckpt_rank_plan_t *rp = &w->gp.ranks[r];
+  uint32_t last = 0; /* 1 + last file holding something */
+  assert_true(rp->n_files <= w->opts.io_threads);
+  for (uint32_t k = 0; k < lp->n_reserved; k++)
+    last = lp->reserved[k] > 0 ? k + 1 : last;
+  uint64_t end = 0;
+  for (uint32_t i = 0; i < rp->n_assign; i++) {
+    const ckpt_assignment_t *a = &rp->assign[i];
+    const ckpt_assignment_t *prev = i > 0 ? &rp->assign[i - 1] : NULL;
+    assert_true(a->file < rp->n_files);
+    if (prev == NULL || prev->file != a->file) {
+      assert_true(prev == NULL || prev->file < a->file);
+      end = 0;
+    }
+    assert_true(a->file_offset >= end);
+    const ckpt_write_item_t *it = find_item(w, r, a->local_id);
+    assert_non_null(it);
+    assert_int_equal(it->length, a->length);
+    uint64_t res = reserved_at(lp, a->file);
+    if (it->pin_file != CKPT_NO_PIN) {
+      assert_int_equal(a->file, it->pin_file);
+      assert_int_equal(a->file_offset, it->pin_offset);
+      assert_true(a->file_offset + a->length <= res);
+    } else {
+      uint64_t from = end > res ? end : res;
+      if (a->length >= 65536) {
+        assert_int_equal(a->file_offset % 4096, 0);
+        assert_true(a->file_offset >= from && a->file_offset < from + 4096);
+      } else {
+        assert_true(a->file_offset == from);
+      }
+    }
+    end = a->file_offset + a->length;
+    last = a->file + 1 > last ? a->file + 1 : last;
+  }
+  assert_int_equal(rp->n_files, last);
+  for (uint32_t k = 0; k < rp->n_files; k++) {
+    uint64_t want = reserved_at(lp, k);
+    for (uint32_t i = 0; i < rp->n_assign; i++) {
+      const ckpt_assignment_t *a = &rp->assign[i];
+      if (a->file == k && a->file_offset + a->length > want)
+        want = a->file_offset + a->length;
+    }
+    assert_int_equal(rp->file_bytes[k], want);
+  }
+}
+
 /*
  * Everything a valid plan promises: each rank plan's assignments grouped by
  * file, by offset, without overlap, inside the file, the last one ending
  * the file; large items aligned; every file used; each assignment naming an
- * item of that rank; meta sorted and every chunk/blob matching exactly one
- * assignment; the assignments covering meta exactly.
+ * item of that rank (check_write_behind for the ranks writing behind); meta
+ * sorted and every chunk/blob matching exactly one assignment; the
+ * assignments covering meta exactly.
  */
 static void check_valid_plan(const world_t *w) {
   const ckpt_global_plan_t *gp = &w->gp;
@@ -630,6 +701,11 @@ static void check_valid_plan(const world_t *w) {
   for (int32_t r = 0; r < w->n; r++) {
     const ckpt_rank_plan_t *rp = &gp->ranks[r];
     assert_int_equal(rp->rank, r);
+    if (write_behind(w, r)) {
+      check_write_behind(w, r);
+      n_assign += rp->n_assign;
+      continue;
+    }
     assert_true(rp->n_files <= w->opts.io_threads);
     assert_true(rp->n_files <= rp->n_assign);
     uint64_t end = 0;
@@ -1369,6 +1445,428 @@ static void test_plan_files(void **state) {
 }
 
 /* ------------------------------------------------------------------------
+ * Global plans: write-behind (reservations and pinned items).
+ * ---------------------------------------------------------------------- */
+
+/* Pin the last item added to rank r. */
+static void pin_last(world_t *w, int32_t r, uint32_t file, uint64_t off) {
+  ckpt_local_plan_t *lp = &w->lp[r];
+  assert_int_equal(ckpt_local_plan_pin(lp, lp->n_items - 1, file, off), 0);
+}
+
+static void reserve(world_t *w, int32_t r, uint32_t file, uint64_t bytes) {
+  assert_int_equal(ckpt_local_plan_reserve(&w->lp[r], file, bytes), 0);
+}
+
+/* The assignment of rank r for the item named fqn (first one). */
+static const ckpt_assignment_t *assign_of(const world_t *w, int32_t r,
+                                          const char *fqn) {
+  const ckpt_rank_plan_t *rp = &w->gp.ranks[r];
+  for (uint32_t i = 0; i < rp->n_assign; i++) {
+    if (strcmp(find_item(w, r, rp->assign[i].local_id)->fqn, fqn) == 0)
+      return &rp->assign[i];
+  }
+  return NULL;
+}
+
+static void expect_at(const world_t *w, int32_t r, const char *fqn,
+                      uint32_t file, uint64_t off) {
+  const ckpt_assignment_t *a = assign_of(w, r, fqn);
+  if (a == NULL) {
+    print_error("%s not assigned to rank %d\n", fqn, (int)r);
+    fail();
+  }
+  if (a->file != file || a->file_offset != off) {
+    print_error("%s: file %u offset %llu, want file %u offset %llu\n", fqn,
+                (unsigned)a->file, (unsigned long long)a->file_offset,
+                (unsigned)file, (unsigned long long)off);
+    fail();
+  }
+}
+
+static void test_local_plan_pins(void **state) {
+  (void)state;
+  ckpt_local_plan_t lp;
+  ckpt_local_plan_init(&lp, 2);
+  assert_int_equal(ckpt_local_plan_add_bytes(&lp, "a", 10, 1, 1), 0);
+  assert_int_equal(ckpt_local_plan_add_tensor(&lp, "b", CKPT_DTYPE_INT8, 1,
+                                              DIMS(4), NULL, NULL, 4, 2, 2),
+                   0);
+  assert_int_equal(lp.items[0].pin_file, CKPT_NO_PIN);
+  assert_int_equal(lp.items[1].pin_file, CKPT_NO_PIN);
+  assert_int_equal(ckpt_local_plan_pin(&lp, 1, 3, 4096), 0);
+  assert_int_equal(lp.items[1].pin_file, 3);
+  assert_int_equal(lp.items[1].pin_offset, 4096);
+  assert_int_equal(ckpt_local_plan_pin(&lp, 2, 0, 0), -EINVAL);
+  assert_int_equal(ckpt_local_plan_pin(&lp, UINT32_MAX, 0, 0), -EINVAL);
+  assert_int_equal(ckpt_local_plan_pin(&lp, 1, CKPT_NO_PIN, 7), 0);
+  assert_int_equal(lp.items[1].pin_file, CKPT_NO_PIN);
+
+  assert_int_equal(lp.n_reserved, 0);
+  assert_null(lp.reserved);
+  assert_int_equal(ckpt_local_plan_reserve(&lp, 2, 500), 0);
+  assert_int_equal(lp.n_reserved, 3);
+  assert_int_equal(lp.reserved[0], 0);
+  assert_int_equal(lp.reserved[1], 0);
+  assert_int_equal(lp.reserved[2], 500);
+  assert_int_equal(ckpt_local_plan_reserve(&lp, 0, 7), 0);
+  assert_int_equal(ckpt_local_plan_reserve(&lp, 2, 600), 0);
+  assert_int_equal(lp.n_reserved, 3);
+  assert_int_equal(lp.reserved[0], 7);
+  assert_int_equal(lp.reserved[2], 600);
+  assert_int_equal(ckpt_local_plan_reserve(&lp, CKPT_NO_PIN, 1), -EINVAL);
+  ckpt_local_plan_free(&lp);
+  assert_int_equal(lp.n_reserved, 0);
+  assert_null(lp.reserved);
+  assert_int_equal(lp.n_items, 0);
+  assert_int_equal(lp.rank, 2);
+}
+
+static void test_plan_pins_respected(void **state) {
+  (void)state;
+  /* pinned items stay, exact offsets; the others are appended after the
+   * reservation of the least full file */
+  world_t *w = world_new(1);
+  w->opts.io_threads = 2;
+  reserve(w, 0, 0, 1000);
+  blob(w, 0, "a", 100, 1);
+  pin_last(w, 0, 0, 0);
+  blob(w, 0, "b", 300, 2);
+  pin_last(w, 0, 0, 200);
+  chunk(w, 0, "t", F32, 1, DIMS(8), NULL, NULL); /* 32 bytes */
+  pin_last(w, 0, 0, 600);
+  blob(w, 0, "c", 50, 3);
+  blob(w, 0, "d", 100000, 4);
+  plan_ok(w);
+  /* loads [1000, 0]: d -> file 1 at 0, then c -> file 0 (1000 < 100000) */
+  const ckpt_rank_plan_t *rp = &w->gp.ranks[0];
+  assert_int_equal(rp->n_files, 2);
+  assert_int_equal(rp->n_assign, 5);
+  expect_at(w, 0, "a", 0, 0);
+  expect_at(w, 0, "b", 0, 200);
+  expect_at(w, 0, "t", 0, 600);
+  expect_at(w, 0, "c", 0, 1000);
+  expect_at(w, 0, "d", 1, 0);
+  assert_int_equal(rp->file_bytes[0], 1050);
+  assert_int_equal(rp->file_bytes[1], 100000);
+  /* grouped by file, by offset */
+  static const char *const order[] = {"a", "b", "t", "c", "d"};
+  for (size_t i = 0; i < N_OF(order); i++)
+    assert_string_equal(find_item(w, 0, rp->assign[i].local_id)->fqn,
+                        order[i]);
+  /* meta follows the assignment */
+  assert_int_equal(w->gp.meta.n_chunks, 1);
+  assert_int_equal(w->gp.meta.chunks[0].file, 0);
+  assert_int_equal(w->gp.meta.chunks[0].file_offset, 600);
+  assert_int_equal(w->gp.meta.n_blobs, 4);
+  assert_string_equal(w->gp.meta.blobs[1].fqn, "b");
+  assert_int_equal(w->gp.meta.blobs[1].file_offset, 200);
+  world_free(w);
+
+  /* files up to the last one holding something, empty ones included */
+  w = world_new(2);
+  reserve(w, 0, 2, 100);
+  blob(w, 0, "x", 100, 1);
+  pin_last(w, 0, 2, 0);
+  reserve(w, 1, 0, 64); /* nothing kept, the file still exists */
+  reserve(w, 1, 3, 0);
+  plan_ok(w);
+  const ckpt_rank_plan_t *r0 = &w->gp.ranks[0], *r1 = &w->gp.ranks[1];
+  assert_int_equal(r0->n_files, 3);
+  assert_int_equal(r0->file_bytes[0], 0);
+  assert_int_equal(r0->file_bytes[1], 0);
+  assert_int_equal(r0->file_bytes[2], 100);
+  assert_int_equal(r0->n_assign, 1);
+  expect_at(w, 0, "x", 2, 0);
+  assert_int_equal(r1->n_files, 1);
+  assert_int_equal(r1->file_bytes[0], 64);
+  assert_int_equal(r1->n_assign, 0);
+
+  /* the plan's rank plans are valid messages */
+  for (int32_t r = 0; r < 2; r++) {
+    ckpt_buf_t msg;
+    ckpt_rank_plan_t back;
+    ckpt_buf_init(&msg);
+    assert_int_equal(ckpt_msg_encode_rank_plan(&w->gp.ranks[r], &msg), 0);
+    assert_int_equal(ckpt_msg_decode_rank_plan(msg.data, msg.len, &back), 0);
+    ckpt_rank_plan_free(&back);
+    ckpt_buf_free(&msg);
+  }
+  world_free(w);
+
+  /* pins that touch are fine; so is a zero-length pin at the end */
+  w = world_new(1);
+  reserve(w, 0, 1, 200);
+  blob(w, 0, "p", 100, 1);
+  pin_last(w, 0, 1, 100);
+  blob(w, 0, "q", 100, 2);
+  pin_last(w, 0, 1, 0);
+  blob(w, 0, "z", 0, 3);
+  pin_last(w, 0, 1, 200);
+  blob(w, 0, "u", 10, 4);
+  plan_ok(w);
+  expect_at(w, 0, "q", 1, 0);
+  expect_at(w, 0, "p", 1, 100);
+  expect_at(w, 0, "z", 1, 200);
+  expect_at(w, 0, "u", 0, 0);
+  assert_int_equal(w->gp.ranks[0].n_files, 2);
+  assert_int_equal(w->gp.ranks[0].file_bytes[0], 10);
+  assert_int_equal(w->gp.ranks[0].file_bytes[1], 200);
+  world_free(w);
+}
+
+static void test_plan_pins_append_aligned(void **state) {
+  (void)state;
+  /* one file: appended in FQN order after the (unaligned) reservation,
+   * small items packed, large ones aligned */
+  world_t *w = world_new(1);
+  w->opts.io_threads = 1;
+  reserve(w, 0, 0, 5000);
+  blob(w, 0, "old", 4000, 1);
+  pin_last(w, 0, 0, 1000);
+  blob(w, 0, "a", 10, 2);
+  blob(w, 0, "e", 70000, 3);
+  blob(w, 0, "f", 10, 4);
+  plan_ok(w);
+  expect_at(w, 0, "old", 0, 1000);
+  expect_at(w, 0, "a", 0, 5000);
+  expect_at(w, 0, "e", 0, 8192);
+  expect_at(w, 0, "f", 0, 78192);
+  assert_int_equal(w->gp.ranks[0].n_files, 1);
+  assert_int_equal(w->gp.ranks[0].file_bytes[0], 78202);
+  world_free(w);
+
+  /* a large first item after an aligned reservation is not moved */
+  w = world_new(1);
+  w->opts.io_threads = 1;
+  reserve(w, 0, 0, 8192);
+  blob(w, 0, "big", 65536, 1);
+  plan_ok(w);
+  expect_at(w, 0, "big", 0, 8192);
+  assert_int_equal(w->gp.ranks[0].file_bytes[0], 8192 + 65536);
+  world_free(w);
+}
+
+static void test_plan_pins_balance(void **state) {
+  (void)state;
+  /* loads start at the reservations: [3000, 0, 1000];
+   * p0 -> f1 (1000), p1 -> f1 (tie with f2, lowest K; 2000), p2 -> f2
+   * (2000), p3 -> f1 (tie, 3000) */
+  world_t *w = world_new(1);
+  w->opts.io_threads = 3;
+  reserve(w, 0, 0, 3000);
+  reserve(w, 0, 2, 1000);
+  char path[8];
+  for (int i = 0; i < 4; i++) {
+    snprintf(path, sizeof(path), "p%d", i);
+    blob(w, 0, path, 1000, (uint64_t)i);
+  }
+  plan_ok(w);
+  const ckpt_rank_plan_t *rp = &w->gp.ranks[0];
+  assert_int_equal(rp->n_files, 3);
+  expect_at(w, 0, "p0", 1, 0);
+  expect_at(w, 0, "p1", 1, 1000);
+  expect_at(w, 0, "p3", 1, 2000);
+  expect_at(w, 0, "p2", 2, 1000);
+  assert_int_equal(rp->file_bytes[0], 3000);
+  assert_int_equal(rp->file_bytes[1], 3000);
+  assert_int_equal(rp->file_bytes[2], 2000);
+  world_free(w);
+
+  /* many items: the files end within one item of each other */
+  w = world_new(1);
+  w->opts.io_threads = 4;
+  reserve(w, 0, 0, 500000);
+  reserve(w, 0, 3, 200000);
+  for (int i = 0; i < 100; i++) {
+    snprintf(path, sizeof(path), "q%03d", i);
+    blob(w, 0, path, 1000 + (uint64_t)(i * 7919) % 30000, 1);
+  }
+  plan_ok(w);
+  rp = &w->gp.ranks[0];
+  assert_int_equal(rp->n_files, 4);
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (uint32_t k = 0; k < 4; k++) {
+    lo = rp->file_bytes[k] < lo ? rp->file_bytes[k] : lo;
+    hi = rp->file_bytes[k] > hi ? rp->file_bytes[k] : hi;
+  }
+  assert_true(hi - lo <= 31000 + 4096);
+  world_free(w);
+
+  /* zero reservations change nothing: same plan as without */
+  world_t *a = world_new(2), *b = world_new(2);
+  a->opts.io_threads = b->opts.io_threads = 3;
+  for (int i = 0; i < 20; i++) {
+    snprintf(path, sizeof(path), "z%02d", i);
+    blob(a, i % 2, path, 100 + (uint64_t)i * 9000, 1);
+    blob(b, i % 2, path, 100 + (uint64_t)i * 9000, 1);
+  }
+  reserve(b, 0, 2, 0);
+  reserve(b, 1, 7, 0); /* zero beyond io_threads: no error either */
+  plan_ok(a);
+  plan_ok(b);
+  for (int32_t r = 0; r < 2; r++) {
+    const ckpt_rank_plan_t *x = &a->gp.ranks[r], *y = &b->gp.ranks[r];
+    assert_int_equal(x->n_files, y->n_files);
+    assert_int_equal(x->n_assign, y->n_assign);
+    assert_memory_equal(x->file_bytes, y->file_bytes,
+                        x->n_files * sizeof(uint64_t));
+    assert_memory_equal(x->assign, y->assign,
+                        x->n_assign * sizeof(ckpt_assignment_t));
+  }
+  world_free(a);
+  world_free(b);
+}
+
+static void test_plan_pins_dedup(void **state) {
+  (void)state;
+  /* rank 2 is the most loaded, but it has x pinned: it keeps x */
+  world_t *w = world_new(3);
+  for (int32_t r = 0; r < 3; r++)
+    blob(w, r, "x", 100, 5);
+  blob(w, 2, "heavy", 1000, 6);
+  reserve(w, 2, 0, 100);
+  w->lp[2].items[0].pin_file = 0;
+  w->lp[2].items[0].pin_offset = 0;
+  plan_ok(w);
+  assert_int_equal(w->gp.meta.blobs[1].rank, 2);
+  assert_string_equal(w->gp.meta.blobs[1].fqn, "x");
+  expect_at(w, 2, "x", 0, 0);
+  expect_at(w, 2, "heavy", 1, 0);
+  assert_int_equal(rank_bytes(w, 0), 0);
+  assert_int_equal(rank_bytes(w, 1), 0);
+  world_free(w);
+
+  /* two pinned holders: the least loaded of them; the other pin is
+   * dropped and its bytes stay dead space in its file */
+  w = world_new(3);
+  for (int32_t r = 0; r < 3; r++)
+    blob(w, r, "x", 100, 5);
+  blob(w, 2, "heavy", 1000, 6);
+  blob(w, 1, "light", 10, 7);
+  for (int32_t r = 1; r < 3; r++) {
+    reserve(w, r, 0, 100);
+    assert_int_equal(ckpt_local_plan_pin(&w->lp[r], 0, 0, 0), 0);
+  }
+  plan_ok(w);
+  assert_int_equal(w->gp.meta.blobs[2].rank, 1);
+  assert_string_equal(w->gp.meta.blobs[2].fqn, "x");
+  expect_at(w, 1, "x", 0, 0);
+  expect_at(w, 1, "light", 1, 0);
+  const ckpt_rank_plan_t *r2 = &w->gp.ranks[2];
+  assert_null(assign_of(w, 2, "x"));
+  assert_int_equal(r2->n_assign, 1);
+  expect_at(w, 2, "heavy", 1, 0);
+  assert_int_equal(r2->n_files, 2);
+  assert_int_equal(r2->file_bytes[0], 100);
+  assert_int_equal(r2->file_bytes[1], 1000);
+  world_free(w);
+
+  /* a replicated chunk: meta names the pinned copy */
+  w = world_new(2);
+  chunk(w, 0, "t", F32, 1, DIMS(4), NULL, NULL);
+  chunk(w, 1, "t", F32, 1, DIMS(4), NULL, NULL);
+  reserve(w, 1, 1, 48);
+  pin_last(w, 1, 1, 32);
+  plan_ok(w);
+  assert_int_equal(w->gp.meta.chunks[0].rank, 1);
+  assert_int_equal(w->gp.meta.chunks[0].file, 1);
+  assert_int_equal(w->gp.meta.chunks[0].file_offset, 32);
+  assert_int_equal(w->gp.ranks[1].n_files, 2);
+  assert_int_equal(w->gp.ranks[1].file_bytes[0], 0);
+  assert_int_equal(w->gp.ranks[1].file_bytes[1], 48);
+  assert_int_equal(rank_bytes(w, 0), 0);
+  world_free(w);
+}
+
+static void test_plan_pins_invalid(void **state) {
+  (void)state;
+  /* outside the reservation, none or too small */
+  world_t *w = world_new(2);
+  blob(w, 1, "x/y", 100, 1);
+  pin_last(w, 1, 2, 4096);
+  blob(w, 1, "x/z", 100, 2);
+  reserve(w, 1, 3, 4100);
+  pin_last(w, 1, 3, 4096);
+  blob(w, 1, "x/w", 10, 3);
+  pin_last(w, 1, 3, UINT64_MAX - 5); /* offset + length overflows */
+  PLAN_FAILS(w,
+             "rank 1: x.y (x/y) pinned at file 2 offset 4096 length 100 "
+             "outside its 0 reserved bytes",
+             "rank 1: x.z (x/z) pinned at file 3 offset 4096 length 100 "
+             "outside its 4100 reserved bytes",
+             "rank 1: x.w (x/w) pinned at file 3 offset 18446744073709551610 "
+             "length 10 outside its 4100 reserved bytes");
+  assert_int_equal(count_lines(w->gp.errors), 3);
+  world_free(w);
+
+  /* overlapping pins, also nested ones */
+  w = world_new(1);
+  reserve(w, 0, 0, 1000);
+  blob(w, 0, "a", 100, 1);
+  pin_last(w, 0, 0, 0);
+  blob(w, 0, "b", 100, 2);
+  pin_last(w, 0, 0, 50);
+  blob(w, 0, "c", 500, 3);
+  pin_last(w, 0, 0, 400);
+  blob(w, 0, "d", 10, 4);
+  pin_last(w, 0, 0, 600);
+  blob(w, 0, "e", 0, 5);
+  pin_last(w, 0, 0, 700);
+  blob(w, 0, "f", 10, 6);
+  pin_last(w, 0, 0, 900); /* after c: fine */
+  PLAN_FAILS(w,
+             "rank 0: b (b) pinned at file 0 offset 50 length 100 overlaps "
+             "a (a) at offset 0 length 100",
+             "rank 0: d (d) pinned at file 0 offset 600 length 10 overlaps "
+             "c (c) at offset 400 length 500",
+             "rank 0: e (e) pinned at file 0 offset 700 length 0 overlaps "
+             "c (c) at offset 400 length 500");
+  assert_int_equal(count_lines(w->gp.errors), 3);
+  world_free(w);
+
+  /* files beyond io_threads, pinned or reserved */
+  w = world_new(1);
+  w->opts.io_threads = 4;
+  reserve(w, 0, 4, 10);
+  blob(w, 0, "c", 10, 1);
+  pin_last(w, 0, 4, 0);
+  reserve(w, 0, 7, 10);
+  reserve(w, 0, 9, 0); /* nothing reserved: no problem */
+  PLAN_FAILS(w, "rank 0: 10 bytes reserved in file 4, beyond io_threads 4",
+             "rank 0: 10 bytes reserved in file 7, beyond io_threads 4",
+             "rank 0: c (c) pinned at file 4 offset 0 length 10 beyond "
+             "io_threads 4");
+  assert_int_equal(count_lines(w->gp.errors), 3);
+  world_free(w);
+
+  /* pin problems come after the ranks' own errors, before the FQNs' */
+  w = world_new(2);
+  assert_int_equal(ckpt_local_plan_add_error(&w->lp[1], "own problem"), 0);
+  blob(w, 0, "q", 10, 1);
+  pin_last(w, 0, 0, 0);
+  chunk_len(w, 0, "t", F32, 1, DIMS(4), NULL, NULL, 15, 1);
+  ckpt_global_plan_free(&w->gp);
+  assert_int_equal(ckpt_plan_global(w->lp, w->n, &w->opts, &w->gp), 0);
+  assert_non_null(w->gp.errors);
+  const char *own = strstr(w->gp.errors, "rank 1: own problem");
+  const char *pin = strstr(w->gp.errors, "rank 0: q (q) pinned");
+  const char *len = strstr(w->gp.errors, "t (t): rank 0 wrote 15 bytes");
+  assert_non_null(own);
+  assert_non_null(pin);
+  assert_non_null(len);
+  assert_true(pin > own && len > pin);
+  world_free(w);
+
+  /* a reservation array that is missing: unusable */
+  w = world_new(1);
+  w->lp[0].n_reserved = 2;
+  assert_int_equal(ckpt_plan_global(w->lp, w->n, &w->opts, &w->gp), -EINVAL);
+  w->lp[0].n_reserved = 0;
+  world_free(w);
+}
+
+/* ------------------------------------------------------------------------
  * Messages.
  * ---------------------------------------------------------------------- */
 
@@ -1393,7 +1891,13 @@ static void assert_local_plans_equal(const ckpt_local_plan_t *a,
     assert_int_equal(x->length, y->length);
     assert_true(x->checksum == y->checksum);
     assert_int_equal(x->local_id, y->local_id);
+    assert_int_equal(x->pin_file, y->pin_file);
+    assert_true(x->pin_offset == y->pin_offset);
   }
+  assert_int_equal(a->n_reserved, b->n_reserved);
+  if (a->n_reserved > 0)
+    assert_memory_equal(a->reserved, b->reserved,
+                        a->n_reserved * sizeof(uint64_t));
 }
 
 static void make_local_plan(ckpt_local_plan_t *lp) {
@@ -1416,6 +1920,13 @@ static void make_local_plan(ckpt_local_plan_t *lp) {
   assert_int_equal(ckpt_local_plan_add_bytes(lp, "optim/é/cfg", 123, 7, 4), 0);
   assert_int_equal(ckpt_local_plan_add_bytes(lp, "", 0, 0, 0), 0);
   assert_int_equal(ckpt_local_plan_add_error(lp, "x: missing dtype"), 0);
+  /* write-behind: pins (also absurd ones: not checked here) and
+   * reservations, zero ones included */
+  assert_int_equal(ckpt_local_plan_pin(lp, 0, 1, 4096), 0);
+  assert_int_equal(ckpt_local_plan_pin(lp, 2, UINT32_MAX - 1, UINT64_MAX), 0);
+  assert_int_equal(ckpt_local_plan_pin(lp, 4, 0, 0), 0);
+  assert_int_equal(ckpt_local_plan_reserve(lp, 1, 8192), 0);
+  assert_int_equal(ckpt_local_plan_reserve(lp, 3, UINT64_MAX), 0);
 }
 
 /* Every strict prefix of msg, and msg plus a byte, fail to decode; so does
@@ -1483,6 +1994,25 @@ static void test_msg_local_plan(void **state) {
   ckpt_local_plan_free(&back);
   check_malformed(&msg, decode_lp, free_lp);
 
+  /* without pins and reservations */
+  ckpt_local_plan_free(&lp);
+  make_local_plan(&lp);
+  for (uint32_t i = 0; i < lp.n_items; i++)
+    assert_int_equal(ckpt_local_plan_pin(&lp, i, CKPT_NO_PIN, 0), 0);
+  free(lp.reserved);
+  lp.reserved = NULL;
+  lp.n_reserved = 0;
+  msg.len = 0;
+  assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back), 0);
+  assert_local_plans_equal(&lp, &back);
+  assert_int_equal(back.n_reserved, 0);
+  assert_null(back.reserved);
+  for (uint32_t i = 0; i < back.n_items; i++)
+    assert_int_equal(back.items[i].pin_file, CKPT_NO_PIN);
+  ckpt_local_plan_free(&back);
+  check_malformed(&msg, decode_lp, free_lp);
+
   /* without errors, without items */
   ckpt_local_plan_free(&lp);
   ckpt_local_plan_init(&lp, 0);
@@ -1513,27 +2043,32 @@ static void test_msg_local_plan_invalid(void **state) {
                                               DIMS(4), NULL, NULL, 16, 1, 2),
                    0);
   assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
-  /* layout: magic 0, version 4, rank 8, has_errors 12, n_items 13, kind 17,
-   * dtype 18, ndim 19, dims 20.., length 44, checksum 52, id 60, path 64 */
-  assert_int_equal(msg.len, 64 + 4 + 1);
+  /* layout: magic 0, version 4, rank 8, has_errors 12, n_reserved 13,
+   * n_items 17, kind 21, dtype 22, ndim 23, dims 24.., length 48,
+   * checksum 56, id 64, pin_file 68, path 72 */
+  assert_int_equal(msg.len, 72 + 4 + 1);
   static const struct {
     size_t off, size;
     uint64_t v;
   } bad[] = {
       {0, 1, 'X'},           /* magic */
-      {4, 4, 2},             /* version */
+      {4, 4, 1},             /* version 1 (no write-behind fields) */
+      {4, 4, 3},             /* a future version */
       {8, 4, UINT32_MAX},    /* negative rank */
       {12, 1, 2},            /* has_errors not 0/1 */
-      {13, 4, 2},            /* more items than bytes */
+      {13, 4, 1},            /* reservations beyond the message */
       {13, 4, UINT32_MAX},   /* absurd count */
-      {17, 1, 2},            /* kind */
-      {18, 1, 0},            /* tensor without dtype */
-      {18, 1, 15},           /* unknown dtype */
-      {19, 1, 65},           /* too many dims */
-      {19, 1, 2},            /* dims beyond the message */
-      {20, 8, (uint64_t)-1}, /* negative shape */
-      {64, 4, 2},            /* path beyond the message */
-      {68, 1, 0},            /* NUL in the path */
+      {17, 4, 2},            /* more items than bytes */
+      {17, 4, UINT32_MAX},   /* absurd count */
+      {21, 1, 2},            /* kind */
+      {22, 1, 0},            /* tensor without dtype */
+      {22, 1, 15},           /* unknown dtype */
+      {23, 1, 65},           /* too many dims */
+      {23, 1, 2},            /* dims beyond the message */
+      {24, 8, (uint64_t)-1}, /* negative shape */
+      {68, 4, 0},            /* pinned: offset, then path beyond the end */
+      {72, 4, 2},            /* path beyond the message */
+      {76, 1, 0},            /* NUL in the path */
   };
   for (size_t i = 0; i < N_OF(bad); i++) {
     ckpt_buf_t copy;
@@ -1547,7 +2082,7 @@ static void test_msg_local_plan_invalid(void **state) {
     ckpt_buf_free(&copy);
   }
   /* a bytes item with a dtype or dimensions */
-  msg.data[17] = CKPT_ITEM_BYTES;
+  msg.data[21] = CKPT_ITEM_BYTES;
   assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back),
                    -EINVAL);
   ckpt_buf_free(&msg);
@@ -1682,6 +2217,7 @@ int main(void) {
       cmocka_unit_test(test_fqn),
       cmocka_unit_test(test_data_file_names),
       cmocka_unit_test(test_local_plan),
+      cmocka_unit_test(test_local_plan_pins),
       cmocka_unit_test(test_plan_empty),
       cmocka_unit_test(test_plan_row_shards_and_blob),
       cmocka_unit_test(test_plan_scalar),
@@ -1701,6 +2237,11 @@ int main(void) {
       cmocka_unit_test(test_plan_unusable),
       cmocka_unit_test(test_plan_dedup_balance),
       cmocka_unit_test(test_plan_files),
+      cmocka_unit_test(test_plan_pins_respected),
+      cmocka_unit_test(test_plan_pins_append_aligned),
+      cmocka_unit_test(test_plan_pins_balance),
+      cmocka_unit_test(test_plan_pins_dedup),
+      cmocka_unit_test(test_plan_pins_invalid),
       cmocka_unit_test(test_msg_local_plan),
       cmocka_unit_test(test_msg_local_plan_invalid),
       cmocka_unit_test(test_msg_rank_plan),

@@ -4,7 +4,8 @@
  * The input goes to all three decoders. A decoder must reject it cleanly or
  * accept it; what it accepts must encode back to exactly the input (the
  * format has a single encoding of every message), and an accepted local
- * plan must be something the global planner handles.
+ * plan (pins and reservations included) must be something the global
+ * planner handles, the rank plans of a valid plan decoding again.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -49,6 +50,19 @@ static void fuzz_local_plan(const uint8_t *data, size_t size) {
     world[lp.rank] = lp;
     rc = ckpt_plan_global(world, lp.rank + 1, &opts, &gp);
     CHECK(rc == 0 || rc == -ENOMEM || rc == -EINVAL);
+    /* the rank plans of a valid plan are what the rank plan decoder
+     * accepts (order, no overlap, inside the files), pins and all */
+    for (int32_t r = 0; rc == 0 && gp.errors == NULL && r <= lp.rank; r++) {
+      ckpt_rank_plan_t back;
+      ckpt_buf_init(&out);
+      CHECK(ckpt_msg_encode_rank_plan(&gp.ranks[r], &out) == 0);
+      rc = ckpt_msg_decode_rank_plan(out.data, out.len, &back);
+      CHECK(rc == 0 || rc == -ENOMEM);
+      if (rc == 0)
+        ckpt_rank_plan_free(&back);
+      rc = 0;
+      ckpt_buf_free(&out);
+    }
     ckpt_global_plan_free(&gp);
   }
   ckpt_local_plan_free(&lp);

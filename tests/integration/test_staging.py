@@ -334,7 +334,7 @@ def spill_file_size(pid):
             target = os.readlink(os.path.join(fds, fd))
         except OSError:
             continue
-        if "/.staging/" in target:
+        if "/.staging/#" in target:  # O_TMPFILE: "#inode (deleted)"
             return os.stat(os.path.join(fds, fd)).st_size
     return None
 
@@ -354,7 +354,13 @@ class StagingMemory(CkptfsTestCase):
         rss_before = rss_kib(pid)
         os.mkdir(self.ck("s"))
         big = os.urandom(24 * MiB)
-        write_file(self.ck("s", "big"), big)              # in order: 1 MiB RAM, rest spilled
+        # written back to front (a file written in order from offset 0
+        # would go to a write-behind stream instead): 1 MiB in RAM, the
+        # rest spilled
+        fd = os.open(self.ck("s", "big"), os.O_WRONLY | os.O_CREAT, 0o644)
+        for off in range(len(big) - MiB, -1, -MiB):
+            os.pwrite(fd, big[off:off + MiB], off)
+        os.close(fd)
         model = Model()                                    # out of order, with holes
         p = self.ck("s", "scattered")
         fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -397,7 +403,10 @@ class StagingMemory(CkptfsTestCase):
     def test_discarded_checkpoint_frees_memory(self):
         m = self.mount("staging_mem=2M")
         os.mkdir(self.ck("a"))
-        write_file(self.ck("a", "x"), b"\1" * (6 * MiB))
+        fd = os.open(self.ck("a", "x"), os.O_WRONLY | os.O_CREAT, 0o644)
+        for off in range(5 * MiB, -1, -MiB):  # out of order: no stream
+            os.pwrite(fd, b"\1" * MiB, off)
+        os.close(fd)
         self.assertGreater(spill_file_size(m.proc.pid), 0)
         shutil.rmtree(self.ck("a"))
         self.assertEqual(spill_file_size(m.proc.pid), 0)
