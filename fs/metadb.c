@@ -355,7 +355,7 @@ int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
   if ((rc = unlink_stale(tmp, err)) < 0 ||
       (rc = unlink_stale(journal, err)) < 0)
     goto cleanup;
-  fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
     rc = set_err(err, -errno, "creating %s: %s", tmp, strerror(errno));
     goto cleanup;
