@@ -79,9 +79,11 @@ int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
                     double commit_timeout);
 /* Queue a save; it runs after every save queued before it. */
 void ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job);
-/* Run every queued save to its end, then stop the thread. */
+/* Run every queued save to its end; no save runs once it returns. The
+ * world is not left yet: unmount first, then ckpt_dist_destroy. */
 void ckpt_dist_stop(ckpt_dist_t *d);
-/* Leave the world and free d. */
+/* Stop, leave the world and free d. Under MPI, leaving waits until every
+ * rank of the world leaves (MPI_Finalize). */
 void ckpt_dist_destroy(ckpt_dist_t *d);
 
 #endif /* CKPT_DIST_H */

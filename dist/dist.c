@@ -21,6 +21,11 @@
  *  7. done().
  * Every wait has a deadline, so no daemon hangs on a rank that is gone,
  * and a failed round leaves the world ready for the next one.
+ *
+ * Stopping a rank (ckpt_dist_stop) drains its queue; it leaves the world
+ * (MPI_Finalize, which waits for every rank) only in ckpt_dist_destroy,
+ * after its unmount. A stopped coordinator tells the clients (STOPPED),
+ * whose saves then fail at once instead of waiting for its answer.
  */
 #include <assert.h>
 #include <errno.h>
@@ -140,14 +145,28 @@ static void put_ranks(ckpt_buf_t *b, const bool *set, int n) {
   }
 }
 
+/* Client: has the coordinator said that it stopped (STOPPED)? */
+static bool coordinator_stopped(ckpt_dist_t *d) {
+  if (!d->coord_stopped) {
+    ckpt_buf_t m;
+    ckpt_buf_init(&m);
+    int from;
+    d->coord_stopped = ckpt__mpi_poll(d, 0, CKPT__TAG_STOPPED, &from, &m) == 1;
+    ckpt_buf_free(&m);
+  }
+  return d->coord_stopped;
+}
+
 /*
  * Wait for a message of tag (from src, or any rank if src < 0) whose first
  * u32 is key; messages with another key are stale and dropped. Returns 1
- * with *from and out set, 0 at the deadline, < 0 on error.
+ * with *from and out set, 0 at the deadline, -ESHUTDOWN when a client
+ * learns that the coordinator stopped, < 0 on error.
  */
 static int wait_msg(ckpt_dist_t *d, int src, int tag, uint32_t key,
                     double deadline, int *from, ckpt_buf_t *out) {
   unsigned spins = 0;
+  bool last_try = false;
   for (;;) {
     int r = ckpt__mpi_poll(d, src, tag, from, out);
     if (r < 0)
@@ -157,10 +176,26 @@ static int wait_msg(ckpt_dist_t *d, int src, int tag, uint32_t key,
         return 1;
       continue; /* stale */
     }
+    if (last_try)
+      return -ESHUTDOWN;
+    /* The coordinator sends what it owes a client before STOPPED, and
+     * messages of one sender match in order: one more look for it. */
+    if (d->rank != 0 && coordinator_stopped(d)) {
+      last_try = true;
+      continue;
+    }
     if (now() >= deadline)
       return 0;
     pause_poll(&spins);
   }
+}
+
+/* Client: the reason of a save that the coordinator cannot run. */
+static void put_stopped(ckpt_dist_t *d, ckpt_buf_t *reasons,
+                        const ckpt_dist_job_t *job) {
+  ckpt_buf_printf(reasons, "%s: rank 0 (the coordinator) has stopped; rank "
+                  "%d cannot commit before the world is started again",
+                  job->name, d->rank);
 }
 
 static void job_done(ckpt_dist_t *d, ckpt_dist_job_t *job, int rc,
@@ -185,6 +220,12 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   ckpt_buf_init(&reply);
   ckpt_buf_init(&reasons);
 
+  if (coordinator_stopped(d)) {
+    put_stopped(d, &reasons, job);
+    rc = -ESHUTDOWN;
+    goto fail;
+  }
+
   /* PLAN: seq, name, local plan frame */
   uint32_t seq = ++d->seq;
   size_t nlen = strlen(job->name);
@@ -200,6 +241,10 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   /* PLAN_REPLY: seq, round, rank plan frame */
   rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, now() + client_wait(d),
                 &from, &reply);
+  if (rc == -ESHUTDOWN) {
+    put_stopped(d, &reasons, job);
+    goto fail;
+  }
   if (rc <= 0 || reply.len < 8) {
     ckpt_buf_printf(&reasons, "rank %d: no answer from the coordinator "
                     "(rank 0) within %.0f s", d->rank, client_wait(d));
@@ -229,6 +274,10 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   /* OUTCOME: round, frame */
   rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, round, now() + client_wait(d),
                 &from, &reply);
+  if (rc == -ESHUTDOWN) {
+    put_stopped(d, &reasons, job);
+    goto fail;
+  }
   if (rc <= 0 || reply.len < 4) {
     ckpt_buf_printf(&reasons, "rank %d: no outcome from the coordinator "
                     "(rank 0) within %.0f s", d->rank, client_wait(d));
@@ -307,6 +356,13 @@ static void own_plan(ckpt_dist_t *d, ckpt_dist_job_t *job, arrival_t *a) {
   a->msg.len = 0;
   framed_step(d, rc, err, &out, &a->msg);
   ckpt_buf_free(&out);
+}
+
+static bool is_stopping(ckpt_dist_t *d) {
+  pthread_mutex_lock(&d->lock);
+  bool stopping = d->stopping;
+  pthread_mutex_unlock(&d->lock);
+  return stopping;
 }
 
 static ckpt_dist_job_t *pop_job(ckpt_dist_t *d) {
@@ -454,6 +510,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     own_plan(d, job, &plans[0]);
   double deadline = now() + d->commit_timeout;
   unsigned spins = 0;
+  bool stopped = false; /* this rank stops without a save of its own */
   for (;;) {
     int in = 0;
     for (int r = 0; r < n; r++)
@@ -470,10 +527,19 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
       own_plan(d, job, &plans[0]);
       continue;
     }
+    if (!job && (stopped = is_stopping(d)))
+      break; /* our own PLAN will never come */
     pause_poll(&spins);
   }
 
   /* 2. everyone, one name, every local step fine */
+  if (stopped) {
+    for (int r = 1; r < n && reasons.len == 0; r++)
+      if (plans[r].in)
+        ckpt_buf_printf(&reasons, "%s: rank 0 (the coordinator) has stopped",
+                        plans[r].name);
+    goto fail_early;
+  }
   check_arrivals(d, plans, &reasons);
   for (int r = 0; r < n && reasons.len == 0; r++)
     if (!frame_ok(arrival_frame(&plans[r])))
@@ -575,9 +641,34 @@ out:
   ckpt_buf_free(&m);
 }
 
+/* The coordinator stops: tell every client, and give the messages a moment
+ * to leave before MPI_Finalize cancels what is still pending. */
+static void tell_stopped(ckpt_dist_t *d) {
+  for (int r = 1; r < d->size; r++) {
+    ckpt_buf_t m;
+    ckpt_buf_init(&m);
+    put_u32(&m, 0);
+    ckpt__mpi_send(d, r, CKPT__TAG_STOPPED, &m);
+  }
+  double end = now() + 2;
+  unsigned spins = 0;
+  while (!ckpt__mpi_progress(d) && now() < end)
+    pause_poll(&spins);
+}
+
 /* ------------------------------------------------------------------------
  * The dist thread.
  * ---------------------------------------------------------------------- */
+
+/* Wait on d->cond for at most 2 ms. d->lock held. */
+static void idle_wait(ckpt_dist_t *d) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_nsec += 2000000;
+  if (ts.tv_nsec >= 1000000000L)
+    ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+  pthread_cond_timedwait(&d->cond, &d->lock, &ts);
+}
 
 static void *dist_main(void *arg) {
   ckpt_dist_t *d = arg;
@@ -622,22 +713,28 @@ static void *dist_main(void *arg) {
       break;
     }
     if (!d->head) {
-      if (d->size > 1) { /* keep MPI progressing and rank 0 listening */
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 2000000;
-        if (ts.tv_nsec >= 1000000000L)
-          ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-        pthread_cond_timedwait(&d->cond, &d->lock, &ts);
-      } else {
+      if (d->size > 1) /* keep MPI progressing and rank 0 listening */
+        idle_wait(d);
+      else
         pthread_cond_wait(&d->cond, &d->lock);
-      }
     }
     pthread_mutex_unlock(&d->lock);
     if (d->size > 1)
       ckpt__mpi_progress(d);
   }
   ckpt_buf_free(&first);
+  if (d->launched && d->started && d->rank == 0 && d->size > 1)
+    tell_stopped(d);
+  /* Drained: ckpt_dist_stop returns. Leaving the world waits for
+   * ckpt_dist_destroy, which comes after the unmount: MPI_Finalize waits
+   * for every rank of the world, and a rank stopped before the others
+   * must not keep a mount that no longer answers meanwhile. */
+  pthread_mutex_lock(&d->lock);
+  d->drained = true;
+  pthread_cond_broadcast(&d->cond);
+  while (d->launched && !d->leaving)
+    pthread_cond_wait(&d->cond, &d->lock);
+  pthread_mutex_unlock(&d->lock);
   /* A rank that never started serving (its mount failed) cannot finish
    * the world cleanly: MPI_Finalize would wait for ranks that keep
    * serving. Abort the world instead, so that the launcher reports it. */
@@ -726,15 +823,23 @@ void ckpt_dist_stop(ckpt_dist_t *d) {
   pthread_mutex_lock(&d->lock);
   d->stopping = true;
   pthread_cond_broadcast(&d->cond);
+  while (!d->drained)
+    pthread_cond_wait(&d->cond, &d->lock);
   pthread_mutex_unlock(&d->lock);
-  pthread_join(d->thread, NULL);
-  d->thread_running = false;
 }
 
 void ckpt_dist_destroy(ckpt_dist_t *d) {
   if (!d)
     return;
   ckpt_dist_stop(d);
+  if (d->thread_running) {
+    pthread_mutex_lock(&d->lock);
+    d->leaving = true;
+    pthread_cond_broadcast(&d->cond);
+    pthread_mutex_unlock(&d->lock);
+    pthread_join(d->thread, NULL);
+    d->thread_running = false;
+  }
   free(d->init_err);
   pthread_mutex_destroy(&d->lock);
   pthread_cond_destroy(&d->cond);

@@ -13,6 +13,8 @@
  *   OUTCOME      0 -> client    u32 round, frame (empty, or the reason)
  *   DISCARDED    client -> 0    u32 round (its files of a failed save are
  *                               gone)
+ *   STOPPED      0 -> client    u32 0 (the coordinator has stopped: no
+ *                               save can run any more)
  *
  * A frame is one status byte, CKPT__FRAME_OK followed by the payload or
  * CKPT__FRAME_FAIL followed by the reason text. seq counts a client's
@@ -34,6 +36,7 @@ enum {
   CKPT__TAG_RESULT,
   CKPT__TAG_OUTCOME,
   CKPT__TAG_DISCARDED,
+  CKPT__TAG_STOPPED,
 };
 
 typedef struct ckpt__pending ckpt__pending_t; /* an unfinished send */
@@ -53,12 +56,15 @@ struct ckpt_dist {
   int init_rc;            /* MPI start-up result */
   char *init_err;
   bool started;           /* ops are set: the protocol may run */
-  bool stopping;
+  bool stopping;          /* ckpt_dist_stop: drain the queue, then idle */
+  bool drained;           /* the dist thread runs no save any more */
+  bool leaving;           /* ckpt_dist_destroy: leave the world (MPI) */
   ckpt_dist_job_t *head;  /* queued saves, FIFO */
   ckpt_dist_job_t *tail;
   /* dist thread only: */
   uint32_t seq;           /* client: saves sent */
   uint32_t round;         /* coordinator: rounds run */
+  bool coord_stopped;     /* client: rank 0 sent STOPPED */
   ckpt__pending_t *pending; /* sends not yet completed */
   void *comm;             /* mpi.c's communicator */
 };

@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 
-from ckptfs_util import mountinfo_has, read_log, sanitizer_report  # noqa: F401
+from ckptfs_util import read_log, sanitizer_report  # noqa: F401
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
@@ -33,6 +33,34 @@ TRANSPORTS = {"vader": "self,vader", "tcp": "self,tcp", "any": "self,vader,tcp"}
 
 
 # ---- the world ---------------------------------------------------------------
+
+def mountinfo_has(path):
+    """Is path a mount point? Never stats path itself: a mount whose daemon
+    stopped answering would hang the test."""
+    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ").replace("\\011", "\t")
+            if mp == path:
+                return True
+    return False
+
+
+def rank_pid(world, rank):
+    """Pid of the ckptfs process of rank in world, or None."""
+    want = f"OMPI_COMM_WORLD_RANK={rank}".encode()
+    for pid in world.session_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]) == b"ckptfs" and want in env:
+            return pid
+    return None
+
 
 class World:
     """N rank mounts of one ckptfs world (one mpirun) over one backing dir.

@@ -26,6 +26,8 @@ Classes:
                    the last one, the coordinator, two, a late one
   TimingTcp2       2 ranks over TCP: commit_timeout, different names,
                    replica_check=warn, async
+  StopOneRankTcp3  SIGTERM to one rank of a running world: a client while
+                   a save is in flight, and the coordinator
 
 Set CKPT_MR_VERBOSE=1 to print the failure reasons, CKPT_MR_KEEP=1 to keep
 the temporary directories (logs, backing), CKPT_MR_LEAK_CHECK=0 to turn
@@ -38,15 +40,17 @@ import itertools
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpi_world import (Blob, Tensor, World, block, commit, commit_all,  # noqa: E402
-                       cuts, errname, query, read_all, read_log,
+                       cuts, errname, mountinfo_has, query, rank_pid, read_all, read_log,
                        sanitizer_report, split, stage, state, status, strides,
                        wait_state, write_file)
 
@@ -290,7 +294,8 @@ class WorldTestCase(unittest.TestCase):
         tensors = [it for it in items if it.kind == "tensor"]
         blobs = [it for it in items if it.kind == "bytes"]
         expect_files = {it.path for it in items} | {".metadata"}
-        for r in (range(world.n) if ranks is None else ranks):
+        ranks = list(range(world.n) if ranks is None else ranks)
+        for r in ranks:
             ck = self.ck(r, name, world=world)
             self.assertEqual(state(ck), "committed", f"rank {r}")
             seen = set()
@@ -315,7 +320,7 @@ class WorldTestCase(unittest.TestCase):
             for b in blobs:
                 p = os.path.join(ck, b.path)
                 self.assertEqual(read_all(p), b.data, f"rank {r}: {name}/{b.path}")
-        self.check_metadata(world, name, items, saved_n)
+        self.check_metadata(world, name, items, saved_n, ranks[-1])
 
     def check_partial_reads(self, p, t, msg):
         """pread at and around chunk borders, at the end, and block by
@@ -372,9 +377,10 @@ class WorldTestCase(unittest.TestCase):
             self.assertEqual(bytes(out), block(t.data, t.shape, t.isz, offs, sizes),
                              f"{msg}: block {offs} {sizes}")
 
-    def check_metadata(self, world, name, items, saved_n):
-        """The .metadata tables, and the stored bytes behind every row."""
-        db = os.path.join(self.ck(world.n - 1, name, world=world), ".metadata")
+    def check_metadata(self, world, name, items, saved_n, rank):
+        """The .metadata tables (read on rank's mount), and the stored bytes
+        behind every row."""
+        db = os.path.join(self.ck(rank, name, world=world), ".metadata")
         kv = dict(query(db, "select key, value from checkpoint"))
         self.assertEqual(str(kv.get("world_size")), str(saved_n))
         self.assertEqual(kv.get("name"), name)
@@ -1023,6 +1029,89 @@ class TimingTcp2(TimeoutMixin, WorldTestCase):
         for r in range(n):
             self.assertEqual(wait_state(self.ck(r, "as-1")).split("\n", 1)[0], "committed")
         self.verify(self.world, "as-1", [t], n)
+
+
+class StopOneRankTcp3(WorldTestCase):
+    """SIGTERM stops one rank of a running world (3 ranks over TCP): its
+    mount goes away at once, and the others go on."""
+
+    N, TRANSPORT = 3, "tcp"
+    OPTS = "commit_timeout=3"
+
+    def test_sigterm_one_rank(self):
+        n, w = self.N, self.world
+        big = Tensor("model/big", "float32", [3 * 512, 1024],
+                     {r: ([512 * r, 0], [512, 1024]) for r in range(n)})
+        stage(w, "x", [big])
+        self.assertCommitted(commit_all(w, "x", mode="async"))
+        pid = rank_pid(w, 2)
+        self.assertIsNotNone(pid, "no process of rank 2")
+        os.kill(pid, signal.SIGTERM)
+        # the save in flight finishes everywhere
+        for r in range(n - 1):
+            st = wait_state(self.ck(r, "x"), timeout=60)
+            self.assertEqual(st.split("\n", 1)[0], "committed", f"rank {r}: {st!r}")
+        self.assertTrue(os.path.exists(self.bk("x", ".metadata")))
+        # the stopped rank's mount goes away, although its process may stay
+        # (MPI_Finalize waits for the other ranks)
+        deadline = time.monotonic() + 20
+        while mountinfo_has(w.mnt(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(mountinfo_has(w.mnt(2)),
+                         "rank 2 is still mounted 20 s after SIGTERM")
+        # the others go on: a commit fails naming the stopped rank
+        t = Tensor("w", "float32", [n, 2], {r: ([r, 0], [1, 2]) for r in range(n)})
+        stage(w, "y", [t], ranks=range(n - 1))
+        res = commit_all(w, "y", ranks=range(n - 1), timeout=120)
+        self.assertFailedEverywhere("y", res, None, [2], ranks=range(n - 1))
+        self.verify(w, "x", [big], n, partial=False, ranks=range(n - 1))
+
+    def test_sigterm_coordinator(self):
+        """SIGTERM stops rank 0 (in a world of its own) while the others
+        wait for it in a commit, and the others commit again later: each
+        time their commits fail at once, naming rank 0, not after
+        commit_timeout (30 s) or the clients' longer wait."""
+        n = self.N
+        w = self.new_world(n, "tcp", "commit_timeout=30", "coord")
+        w.start()
+        t = Tensor("w", "float32", [n, 2], {r: ([r, 0], [1, 2]) for r in range(n)})
+        stage(w, "z1", [t])
+        stage(w, "z2", [t], ranks=range(1, n))
+        out = {}
+        waiting = threading.Thread(target=lambda: out.update(
+            commit_all(w, "z1", ranks=range(1, n), timeout=200)), daemon=True)
+        t0 = time.monotonic()
+        waiting.start()
+        time.sleep(1)  # rank 0 now runs a round without its own save
+        pid = rank_pid(w, 0)
+        self.assertIsNotNone(pid, "no process of rank 0")
+        os.kill(pid, signal.SIGTERM)
+        waiting.join(200)
+        self.assertLess(time.monotonic() - t0, 25, "the commits waited for commit_timeout")
+        deadline = time.monotonic() + 20
+        while mountinfo_has(w.mnt(0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(mountinfo_has(w.mnt(0)), "rank 0 is still mounted 20 s after SIGTERM")
+        for name, res in (("z1", out), ("z2", None)):
+            if res is None:
+                t0 = time.monotonic()
+                res = commit_all(w, name, ranks=range(1, n), timeout=200)
+                self.assertLess(time.monotonic() - t0, 25, "the commits waited")
+            self.assertEqual(sorted(res), list(range(1, n)))
+            for r in range(1, n):
+                e = res[r][0]
+                self.assertIsInstance(e, OSError, f"rank {r} {name}: {e!r}")
+                self.assertEqual(e.errno, errno.EIO)
+                st = status(self.ck(r, name, world=w))
+                self.assertEqual(st.split("\n", 1)[0], "failed", st)
+                self.assertIn("stopped", st)
+                self.assertNamesRank(st, 0)
+            self.assertFalse(os.path.exists(self.bk(name, ".metadata")))
+        self.assertEqual(w.stop(), 0)
+
+    def assertNothingPublished(self, name):
+        d = self.bk(name)
+        self.assertFalse(os.path.exists(os.path.join(d, ".metadata")), d)
 
 
 # ---- entry point ------------------------------------------------------------------
