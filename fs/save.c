@@ -49,6 +49,7 @@ typedef struct ckpt_save {
   ckpt_rank_plan_t rp;   /* this rank's plan */
   bool have_rp;
   int dirfd;             /* BACKING_DIR/NAME, flock'ed shared, or -1 */
+  _Atomic int failed_file; /* K of the first data file that failed, or -1 */
 } ckpt_save_t;
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
@@ -115,6 +116,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
   s->req = req;
   s->reply_size = reply_size;
   s->dirfd = -1;
+  s->failed_file = -1;
   s->job.user = s;
   snprintf(s->job.name, sizeof(s->job.name), "%s", ck->name);
 
@@ -439,9 +441,12 @@ static int write_file(void *arg, uint32_t k) {
     rc = -(w->err = errno);
   if (w->fd >= 0 && close(w->fd) && rc == 0)
     rc = -(w->err = errno);
-  if (rc)
+  if (rc) {
     ckpt__log("%s: writing %s: %s", s->job.name, name,
               strerror(w->err ? w->err : -rc));
+    int none = -1;
+    atomic_compare_exchange_strong(&s->failed_file, &none, (int)k);
+  }
   int e = rc ? (w->err ? -w->err : rc) : 0;
   free(w);
   return e;
@@ -513,8 +518,12 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     return rc;
   rc = ckpt__pool_run(fs->pool, s->rp.n_files, write_file, s);
   if (rc) {
-    *err = ckpt__strdup_printf("rank %d: writing data files in %s/%s: %s",
-                               fs->rank, fs->backing_path, job->name,
+    char name[64] = "data files";
+    int k = atomic_load(&s->failed_file);
+    if (k >= 0)
+      ckpt_data_file_name(fs->rank, (uint32_t)k, name, sizeof(name));
+    *err = ckpt__strdup_printf("rank %d: writing %s/%s/%s: %s", fs->rank,
+                               fs->backing_path, job->name, name,
                                strerror(-rc));
     return rc;
   }
