@@ -29,6 +29,7 @@
  */
 #include <assert.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -271,17 +272,19 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
       (rc = ckpt__mpi_send(d, 0, CKPT__TAG_RESULT, &msg)) != 0)
     goto fail;
 
-  /* OUTCOME: round, frame */
-  rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, round, now() + client_wait(d),
-                &from, &reply);
+  /* OUTCOME: round, frame. Once its RESULT is sent, the coordinator
+   * alone decides: giving up here (and removing our files) while it
+   * publishes would commit a checkpoint without our data. It answers, or
+   * says it stopped (STOPPED), or dies and the launcher ends the world. */
+  rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, round, INFINITY, &from, &reply);
   if (rc == -ESHUTDOWN) {
     put_stopped(d, &reasons, job);
     goto fail;
   }
   if (rc <= 0 || reply.len < 4) {
     ckpt_buf_printf(&reasons, "rank %d: no outcome from the coordinator "
-                    "(rank 0) within %.0f s", d->rank, client_wait(d));
-    rc = -ETIMEDOUT;
+                    "(rank 0)", d->rank);
+    rc = rc < 0 ? rc : -EIO;
     goto fail;
   }
   f = (view_t){reply.data + 4, reply.len - 4};

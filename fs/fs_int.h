@@ -104,19 +104,18 @@ enum {
 };
 
 /*
- * Write-behind streams of one checkpoint on this rank (streams.c): files
- * BACKING_DIR/.staging/NAME.R.K, K < io_threads. A staged file written
+ * Write-behind streams of one checkpoint on this rank (streams.c): unnamed
+ * files in BACKING_DIR/.staging, K < io_threads. A staged file written
  * front to back from offset 0 claims a free stream; its bytes then go
  * straight into the stream file (the page cache writes them back while the
- * trainer goes on) and take no RAM. At commit each stream file becomes the
- * data file __R_K.distcp (a hard link) and its files stay where they are
- * (pinned in the plan): the bytes are written once.
+ * trainer goes on) and take no RAM. At commit each used stream is linked
+ * as the data file __R_K.distcp and its files stay where they are (pinned
+ * in the plan): the bytes are written once.
  */
 typedef struct ckpt_streams {
-  pthread_mutex_t lock;   /* protects everything below */
+  pthread_mutex_t lock;   /* protects everything below but committed */
   int backing_fd;
   int rank;
-  uint64_t serial;        /* makes the file names unique in the mount */
   char name[256];         /* the checkpoint */
   uint32_t n;             /* streams: io_threads */
   struct ckpt_stream {
@@ -125,22 +124,26 @@ typedef struct ckpt_streams {
     struct ckpt_sfile *owner; /* the file appending to it, or NULL */
   } *s;
   bool frozen;            /* committing: no new claims */
-  bool committed;         /* the stream files are data files now */
+  _Atomic bool committed; /* the streams are data files now: never
+                             written or punched again */
 } ckpt_streams_t;
 
+/* An unnamed file (O_TMPFILE) in BACKING_DIR/.staging: fd or -errno. */
+int ckpt__staging_tmpfile(int backing_fd);
 ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
                                   uint32_t n);
-/* Close the streams and remove their .staging names (a committed
- * checkpoint keeps the data through its links). */
+/* Close the streams (a committed checkpoint keeps the data through its
+ * links; otherwise it is gone). */
 void ckpt__streams_free(ckpt_streams_t *st);
 void ckpt__streams_freeze(ckpt_streams_t *st, bool frozen);
-/* Committed: drop the .staging names, no new claims. */
-void ckpt__streams_unlink(ckpt_streams_t *st);
-/* Bytes of stream K in use (released files and the owner's), 0 if unused. */
-uint64_t ckpt__streams_used(ckpt_streams_t *st, uint32_t k);
-/* Link every used stream file as BACKING_DIR/NAME/__R_K.distcp (dirfd);
- * on failure the links made are removed. */
-int ckpt__streams_link(ckpt_streams_t *st, int dirfd, char **err);
+/* The checkpoint is committed: no new claims, nothing written or punched
+ * in the streams any more. */
+void ckpt__streams_committed(ckpt_streams_t *st);
+/* Link stream K as BACKING_DIR/NAME/__R_K.distcp (dirfd) for every K with
+ * used[K] > 0 (the end of its last live file); on failure the links made
+ * are removed. */
+int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
+                       char **err);
 /* Claim a free stream for sf (sf->lock held): 0, or -EAGAIN if none. */
 int ckpt__stream_claim(ckpt_streams_t *st, struct ckpt_sfile *sf);
 /* sf stops appending to its stream (sf->lock held). */

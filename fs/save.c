@@ -50,13 +50,15 @@ typedef struct ckpt_save {
   bool have_rp;
   int dirfd;             /* BACKING_DIR/NAME, flock'ed shared, or -1 */
   _Atomic int failed_file; /* K of the first data file that failed, or -1 */
+  uint64_t *stream_used; /* per stream: bytes its live files use */
 } ckpt_save_t;
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
   pthread_mutex_lock(&fs->lock);
   for (uint32_t i = 0; i < s->nfiles; i++)
     ckpt__node_unref(fs, s->files[i]);
-  s->ck->save = NULL;
+  if (s->ck->save == s)
+    s->ck->save = NULL;
   ckpt__ckpt_unref(fs, s->ck);
   pthread_mutex_unlock(&fs->lock);
   for (uint32_t i = 0; i < s->nfiles; i++)
@@ -64,6 +66,7 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
   free(s->paths);
   free(s->files);
   free(s->checksums);
+  free(s->stream_used);
   if (s->have_gp)
     ckpt_global_plan_free(&s->gp);
   if (s->have_rp)
@@ -253,12 +256,20 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
       rc = ckpt_local_plan_pin(&lp, before, (uint32_t)sf->stream,
                                sf->stream_base);
   }
-  for (uint32_t k = 0; rc == 0 && s->ck->streams && k < s->ck->streams->n;
-       k++) {
-    uint64_t used = ckpt__streams_used(s->ck->streams, k);
-    if (used)
-      rc = ckpt_local_plan_reserve(&lp, k, used);
+  /* Each stream holds its live files up to the end of the last one:
+   * that much of data file K is written already. */
+  uint32_t nstreams = s->ck->streams ? s->ck->streams->n : 0;
+  s->stream_used = calloc(nstreams ? nstreams : 1, sizeof(*s->stream_used));
+  if (!s->stream_used && rc == 0)
+    rc = -ENOMEM;
+  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
+    const ckpt_sfile_t *sf = s->files[i]->u.sf;
+    if (sf->stream >= 0 && sf->stream_base + sf->size > s->stream_used[sf->stream])
+      s->stream_used[sf->stream] = sf->stream_base + sf->size;
   }
+  for (uint32_t k = 0; rc == 0 && k < nstreams; k++)
+    if (s->stream_used[k])
+      rc = ckpt_local_plan_reserve(&lp, k, s->stream_used[k]);
   if (rc == 0)
     rc = ckpt_msg_encode_local_plan(&lp, out);
   if (rc)
@@ -416,7 +427,8 @@ static int write_file(void *arg, uint32_t k) {
   w->s = s;
   w->file = name;
   /* A stream file linked as this data file holds the pinned items. */
-  bool streamed = s->ck->streams && ckpt__streams_used(s->ck->streams, k);
+  bool streamed = s->ck->streams && k < s->ck->streams->n &&
+                  s->stream_used[k] > 0;
   w->fd = openat(s->dirfd, name,
                  O_WRONLY | O_CREAT | (streamed ? 0 : O_TRUNC) | O_CLOEXEC,
                  0600);
@@ -514,7 +526,8 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     return rc;
   }
   if (s->ck->streams &&
-      (rc = ckpt__streams_link(s->ck->streams, s->dirfd, err)) != 0)
+      (rc = ckpt__streams_link(s->ck->streams, s->stream_used, s->dirfd,
+                               err)) != 0)
     return rc;
   rc = ckpt__pool_run(fs->pool, s->rp.n_files, write_file, s);
   if (rc) {
@@ -602,7 +615,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     if (s->dirfd >= 0)
       flock(s->dirfd, LOCK_UN);
     if (ck->streams) /* the data files hold the streamed bytes now */
-      ckpt__streams_unlink(ck->streams);
+      ckpt__streams_committed(ck->streams);
     if (ckpt__fs_load_one(fs, job->name, &err)) {
       ckpt__log("%s: committed, but cannot show it: %s", job->name,
                 err ? err : "unknown error");

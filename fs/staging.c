@@ -108,19 +108,35 @@ static void segment_put(ckpt_staging_t *b, uint8_t *p) {
   pthread_mutex_unlock(&b->lock);
 }
 
+int ckpt__staging_tmpfile(int backing_fd) {
+  /* A starting mount may remove .staging between our mkdir and open:
+   * try again. */
+  for (int attempt = 0; attempt < 5; attempt++) {
+    if (mkdirat(backing_fd, SPILL_DIR, 0700) && errno != EEXIST)
+      return -errno;
+    int dfd = openat(backing_fd, SPILL_DIR, O_RDONLY | O_DIRECTORY);
+    if (dfd < 0 && errno == ENOENT)
+      continue;
+    if (dfd < 0)
+      return -errno;
+    int fd = openat(dfd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    int e = errno;
+    close(dfd);
+    if (fd >= 0)
+      return fd;
+    if (e != ENOENT)
+      return -e;
+  }
+  return -ENOENT;
+}
+
 /* The unnamed spill file in BACKING_DIR/.staging. b->lock held. */
 static int spill_open(ckpt_staging_t *b) {
   if (b->spill_fd >= 0)
     return 0;
-  if (mkdirat(b->backing_fd, SPILL_DIR, 0700) && errno != EEXIST)
-    return -errno;
-  int dfd = openat(b->backing_fd, SPILL_DIR, O_RDONLY | O_DIRECTORY);
-  if (dfd < 0)
-    return -errno;
-  int fd = openat(dfd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-  close(dfd);
+  int fd = ckpt__staging_tmpfile(b->backing_fd);
   if (fd < 0)
-    return -errno;
+    return fd;
   b->spill_fd = fd;
   return 0;
 }
@@ -424,7 +440,8 @@ static ssize_t stream_write(ckpt_sfile_t *sf, const void *buf, size_t n,
     ckpt__stream_claim(sf->streams, sf);
   if (sf->stream < 0)
     return 0;
-  if (!sf->stream_owner || off != sf->size) {
+  if (!sf->stream_owner || off != sf->size ||
+      atomic_load(&sf->streams->committed)) {
     int rc = unstream(sf);
     return rc ? rc : 0;
   }
@@ -519,7 +536,7 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
   if (sf->stream >= 0 && size == 0) {
     /* Written again from the start: in the same place while it owns the
      * stream, else it may claim a stream anew. */
-    if (!sf->stream_owner)
+    if (!sf->stream_owner || atomic_load(&sf->streams->committed))
       ckpt__stream_drop(sf);
     sf->size = 0;
   } else if (sf->stream >= 0 && (rc = unstream(sf)) != 0) {

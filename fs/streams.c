@@ -1,19 +1,20 @@
 /*
  * streams.c - write-behind of staged files into their future data files.
  *
- * Each checkpoint staged on this rank has io_threads streams, files
- * BACKING_DIR/.staging/NAME.R.K. A staged file whose first write is at
- * offset 0 claims a free stream and is appended there as it is written
- * (staging.c); closing its last write handle releases the stream for the
- * next file, which starts at the next 4 KiB boundary. A file written out
- * of order leaves its stream (its bytes are copied back into segments).
+ * Each checkpoint staged on this rank has io_threads streams: unnamed
+ * files (O_TMPFILE) in BACKING_DIR/.staging. A staged file whose first
+ * write is at offset 0 claims a free stream and is appended there as it is
+ * written (staging.c); closing it releases the stream for the next file,
+ * which starts at the next 4 KiB boundary. A file written out of order
+ * leaves its stream (its bytes are copied back into segments).
  *
- * At commit, the used streams are hard-linked as BACKING_DIR/NAME/
- * __R_K.distcp and every streamed file is pinned in the plan where it is,
- * so its bytes are written to disk once, while the trainer was still
- * writing. A failed commit removes only the links: the staged data stays
- * in .staging for the retry. A committed checkpoint drops the .staging
- * names; a discarded one removes the files.
+ * At commit, the used streams are linked as BACKING_DIR/NAME/__R_K.distcp
+ * (linkat through /proc/self/fd) and every streamed file is pinned in the
+ * plan where it is, so its bytes are written to disk once, while the
+ * trainer was still writing. A failed commit removes only the links: the
+ * staged data stays in the open streams for the retry. Being unnamed, a
+ * stream never collides with another daemon's, no mount's cleanup can
+ * remove it, and a crash leaves nothing behind.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -26,17 +27,9 @@
 #include "fs_int.h"
 
 #define STREAM_ALIGN 4096u
-#define SPILL_DIR ".staging"
-
-static void stream_path(const ckpt_streams_t *st, uint32_t k, char *buf,
-                        size_t cap) {
-  snprintf(buf, cap, "%s/%s.%d.%llu.%u", SPILL_DIR, st->name, st->rank,
-           (unsigned long long)st->serial, k);
-}
 
 ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
                                   uint32_t n) {
-  static _Atomic uint64_t serials;
   ckpt_streams_t *st = calloc(1, sizeof(*st));
   if (!st)
     return NULL;
@@ -48,7 +41,6 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
   pthread_mutex_init(&st->lock, NULL);
   st->backing_fd = backing_fd;
   st->rank = rank;
-  st->serial = atomic_fetch_add(&serials, 1);
   snprintf(st->name, sizeof(st->name), "%s", name);
   st->n = n;
   for (uint32_t k = 0; k < n; k++)
@@ -59,32 +51,21 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
 void ckpt__streams_free(ckpt_streams_t *st) {
   if (!st)
     return;
-  for (uint32_t k = 0; k < st->n; k++) {
-    if (st->s[k].fd < 0)
-      continue;
-    close(st->s[k].fd);
-    char path[300];
-    stream_path(st, k, path, sizeof(path));
-    unlinkat(st->backing_fd, path, 0);
-  }
-  unlinkat(st->backing_fd, SPILL_DIR, AT_REMOVEDIR); /* if now empty */
+  for (uint32_t k = 0; k < st->n; k++)
+    if (st->s[k].fd >= 0)
+      close(st->s[k].fd);
+  /* .staging goes when nothing uses it (a daemon creating a file there
+   * meanwhile tries again: ckpt__staging_tmpfile). */
+  unlinkat(st->backing_fd, ".staging", AT_REMOVEDIR);
   pthread_mutex_destroy(&st->lock);
   free(st->s);
   free(st);
 }
 
-void ckpt__streams_unlink(ckpt_streams_t *st) {
+void ckpt__streams_committed(ckpt_streams_t *st) {
   pthread_mutex_lock(&st->lock);
   st->frozen = true;
-  st->committed = true;
-  for (uint32_t k = 0; k < st->n; k++) {
-    if (st->s[k].fd < 0)
-      continue;
-    char path[300];
-    stream_path(st, k, path, sizeof(path));
-    unlinkat(st->backing_fd, path, 0);
-  }
-  unlinkat(st->backing_fd, SPILL_DIR, AT_REMOVEDIR); /* if now empty */
+  atomic_store(&st->committed, true);
   pthread_mutex_unlock(&st->lock);
 }
 
@@ -98,38 +79,57 @@ static uint64_t align_up(uint64_t v) {
   return (v + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
 }
 
-uint64_t ckpt__streams_used(ckpt_streams_t *st, uint32_t k) {
-  pthread_mutex_lock(&st->lock);
-  uint64_t used = 0;
-  if (k < st->n && st->s[k].fd >= 0) {
-    used = st->s[k].end;
-    const ckpt_sfile_t *o = st->s[k].owner;
-    if (o && o->stream_base + o->size > used)
-      used = o->stream_base + o->size;
+/* Copy the first len bytes of stream fd into a new file dirfd/to. */
+static int copy_stream(int fd, uint64_t len, int dirfd, const char *to) {
+  int out = openat(dirfd, to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (out < 0)
+    return -errno;
+  loff_t in_off = 0, out_off = 0;
+  int rc = 0;
+  while ((uint64_t)in_off < len) {
+    ssize_t n = copy_file_range(fd, &in_off, out, &out_off,
+                                (size_t)(len - (uint64_t)in_off), 0);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      rc = n < 0 ? -errno : -EIO;
+      break;
+    }
   }
-  pthread_mutex_unlock(&st->lock);
-  return used;
+  if (close(out) && rc == 0)
+    rc = -errno;
+  if (rc)
+    unlinkat(dirfd, to, 0);
+  return rc;
 }
 
-int ckpt__streams_link(ckpt_streams_t *st, int dirfd, char **err) {
+int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
+                       char **err) {
   int rc = 0;
   uint32_t k;
   for (k = 0; k < st->n && rc == 0; k++) {
-    if (ckpt__streams_used(st, k) == 0)
+    if (used[k] == 0)
       continue;
-    char from[300], to[64];
-    stream_path(st, k, from, sizeof(from));
+    char from[64], to[64];
+    snprintf(from, sizeof(from), "/proc/self/fd/%d", st->s[k].fd);
     ckpt_data_file_name(st->rank, k, to, sizeof(to));
     unlinkat(dirfd, to, 0);
-    if (linkat(st->backing_fd, from, dirfd, to, 0)) {
+    if (linkat(AT_FDCWD, from, dirfd, to, AT_SYMLINK_FOLLOW) == 0)
+      continue;
+    /* An unnamed file can be linked once only: after a failed commit
+     * removed that link, the retry copies the stream instead. */
+    if (errno == ENOENT)
+      rc = copy_stream(st->s[k].fd, used[k], dirfd, to);
+    else
       rc = -errno;
-      *err = ckpt__strdup_printf("rank %d: linking %s as %s: %s", st->rank,
-                                 from, to, strerror(errno));
-    }
+    if (rc)
+      *err = ckpt__strdup_printf("rank %d: storing the write-behind stream "
+                                 "%u as %s: %s", st->rank, k, to,
+                                 strerror(-rc));
   }
-  if (rc) /* undo: the staged data stays in .staging */
+  if (rc) /* undo: the staged data stays in the streams */
     for (uint32_t j = 0; j + 1 < k; j++)
-      if (ckpt__streams_used(st, j) > 0) {
+      if (used[j] > 0) {
         char to[64];
         ckpt_data_file_name(st->rank, j, to, sizeof(to));
         unlinkat(dirfd, to, 0);
@@ -144,12 +144,7 @@ int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
     if (st->s[k].owner)
       continue;
     if (st->s[k].fd < 0) {
-      char path[300];
-      stream_path(st, k, path, sizeof(path));
-      if (mkdirat(st->backing_fd, SPILL_DIR, 0700) && errno != EEXIST)
-        break;
-      int fd = openat(st->backing_fd, path,
-                      O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      int fd = ckpt__staging_tmpfile(st->backing_fd);
       if (fd < 0)
         break;
       st->s[k].fd = fd;
@@ -188,7 +183,7 @@ void ckpt__stream_drop(ckpt_sfile_t *sf) {
   pthread_mutex_lock(&st->lock);
   /* Give the space back, unless the stream file is a committed data file
    * now (its bytes are the checkpoint's). */
-  if (!st->committed && sf->size > 0)
+  if (!atomic_load(&st->committed) && sf->size > 0)
     fallocate(st->s[sf->stream].fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
               (off_t)sf->stream_base, (off_t)sf->size);
   pthread_mutex_unlock(&st->lock);

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Write-behind streams: staged files written front to back go straight
-into BACKING_DIR/.staging/NAME.R.S.K while they are written, become the
-data files at commit (written once), and every way of leaving the stream
-(writes out of order, truncate, rewrite, a failed commit) keeps the bytes
-right."""
+into unnamed files in BACKING_DIR/.staging while they are written, become
+the data files at commit (the same inode: written once), and every way of
+leaving the stream (writes out of order, truncate, rewrite, a failed
+commit) keeps the bytes right."""
 
 import errno
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -16,36 +17,46 @@ from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
 MiB = 1 << 20
 
 
-def staging_files(backing, name):
-    d = os.path.join(backing, ".staging")
-    if not os.path.isdir(d):
-        return {}
-    return {f: os.stat(os.path.join(d, f)).st_size
-            for f in os.listdir(d) if f.startswith(name + ".")}
+def tmpfiles(pid):
+    """{inode: size} of the daemon's unnamed files in BACKING/.staging
+    (streams and the spill file), seen through /proc."""
+    out = {}
+    fds = os.path.join("/proc", str(pid), "fd")
+    for fd in os.listdir(fds):
+        try:
+            if "/.staging/#" in os.readlink(os.path.join(fds, fd)):
+                st = os.stat(os.path.join(fds, fd))
+                out[st.st_ino] = st.st_size
+        except OSError:
+            pass
+    return out
 
 
 class Streams(CkptfsTestCase):
     def test_streamed_bytes_become_the_data_files(self):
-        self.mount("io_threads=2,staging_mem=1M")
+        m = self.mount("io_threads=2,staging_mem=1M")
         os.mkdir(self.ck("s"))
         datas = [os.urandom(3 * MiB + i * 4097) for i in range(5)]
         for i, d in enumerate(datas):
             write_tensor(self.ck("s", f"t{i}"), "uint8", [len(d)], d)
         small = os.urandom(1000)                       # too small to stream
         write_file(self.ck("s", "small.bin"), small)
-        st = staging_files(self.bk(), "s")
+        st = tmpfiles(m.proc.pid)
         self.assertTrue(st, "nothing was written behind")
         self.assertGreaterEqual(sum(st.values()), sum(map(len, datas)))
         self.assertLessEqual(len(st), 2)               # io_threads streams at most
+        self.assertEqual(os.listdir(self.bk(".staging")), [])  # unnamed
         for i, d in enumerate(datas):                  # staged view reads the streams
             self.assertEqual(read_all(self.ck("s", f"t{i}")), d)
         commit(self.ck("s"))
-        self.assertEqual(staging_files(self.bk(), "s"), {})
         for i, d in enumerate(datas):
             self.assertEqual(read_all(self.ck("s", f"t{i}")), d)
         self.assertEqual(read_all(self.ck("s", "small.bin")), small)
         files = sorted(f for f in os.listdir(self.bk("s")) if f.endswith(".distcp"))
         self.assertLessEqual(len(files), 2)
+        # the data files are the streams themselves (same inodes)
+        inodes = {os.stat(self.bk("s", f)).st_ino for f in files}
+        self.assertEqual(set(st) & inodes, set(st))
         # each stream's bytes are stored once: the data files are not much
         # larger than the data (4 KiB alignment between files)
         stored = sum(os.stat(self.bk("s", f)).st_size for f in files)
@@ -95,7 +106,7 @@ class Streams(CkptfsTestCase):
             self.assertEqual(read_all(self.ck("s", name)), data, name)
 
     def test_failed_commit_keeps_streamed_data_for_the_retry(self):
-        self.mount("io_threads=2")
+        m = self.mount("io_threads=2")
         os.mkdir(self.ck("s"))
         big = os.urandom(4 * MiB)
         write_tensor(self.ck("s", "w"), "float32", [MiB], big)
@@ -109,23 +120,43 @@ class Streams(CkptfsTestCase):
         self.assertEqual(e.exception.errno, errno.EIO)
         self.assertEqual(state(self.ck("s")), "failed")
         self.assertFalse(os.path.exists(self.bk("s")))  # nothing published
-        self.assertTrue(staging_files(self.bk(), "s"))  # the staged data is kept
+        self.assertGreaterEqual(sum(tmpfiles(m.proc.pid).values()), 4 * MiB)  # kept
         os.unlink(p)
         more = os.urandom(3 * MiB)                      # streams work again
         write_tensor(self.ck("s", "more"), "uint8", [len(more)], more)
         commit(self.ck("s"))
         self.assertEqual(read_all(self.ck("s", "w")), big)
         self.assertEqual(read_all(self.ck("s", "more")), more)
-        self.assertEqual(staging_files(self.bk(), "s"), {})
 
     def test_discarded_checkpoint_removes_its_streams(self):
-        self.mount()
+        m = self.mount()
         os.mkdir(self.ck("s"))
         write_file(self.ck("s", "x"), os.urandom(2 * MiB))
-        self.assertTrue(staging_files(self.bk(), "s"))
-        import shutil
+        self.assertEqual(sum(tmpfiles(m.proc.pid).values()), 2 * MiB)
         shutil.rmtree(self.ck("s"))
-        self.assertEqual(staging_files(self.bk(), "s"), {})
+        self.assertEqual(tmpfiles(m.proc.pid), {})
+
+    def test_other_daemons_on_the_backing_dir_do_not_interfere(self):
+        # two mounts on one BACKING_DIR staging the same name, and a third
+        # starting (its cleanup of .staging) meanwhile
+        m1 = self.mount()
+        mnt2 = os.path.join(self.dir, "mnt2")
+        os.makedirs(mnt2)
+        self.mount(mnt=mnt2)
+        a, b = os.urandom(MiB), os.urandom(MiB)
+        os.mkdir(self.ck("X"))
+        os.mkdir(self.ck("X", mnt=mnt2))
+        write_file(self.ck("X", "a"), a)
+        write_file(self.ck("X", "a", mnt=mnt2), b)
+        mnt3 = os.path.join(self.dir, "mnt3")
+        os.makedirs(mnt3)
+        self.mount(mnt=mnt3)
+        self.assertEqual(read_all(self.ck("X", "a")), a)
+        commit(self.ck("X"))
+        self.assertEqual(read_all(self.ck("X", "a")), a)
+        shutil.rmtree(self.ck("X", mnt=mnt2))  # discards the other staging
+        self.assertEqual(read_all(self.ck("X", "a")), a)
+        self.assertEqual(m1.stop(), 0)
 
 
 if __name__ == "__main__":
