@@ -130,6 +130,9 @@ typedef struct ckpt_streams {
 
 /* An unnamed file (O_TMPFILE) in BACKING_DIR/.staging: fd or -errno. */
 int ckpt__staging_tmpfile(int backing_fd);
+/* Remove BACKING_DIR/.staging (holding only unnamed files, it is always
+ * empty); a daemon creating a file there at once tries again. */
+void ckpt__staging_tidy(int backing_fd);
 ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
                                   uint32_t n);
 /* Close the streams (a committed checkpoint keeps the data through its

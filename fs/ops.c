@@ -504,6 +504,7 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
   }
   ckpt__node_detach(fs, dir);
   ckpt__ckpt_unref(fs, ck);
+  ckpt__staging_tidy(fs->backing_fd);
   return 0;
 }
 

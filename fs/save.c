@@ -636,6 +636,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
       ckpt__streams_freeze(ck->streams, false);
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
   }
+  ckpt__staging_tidy(fs->backing_fd);
   if (s->sync) {
     if (rc == 0)
       fuse_reply_write(s->req, s->reply_size);

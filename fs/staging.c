@@ -130,6 +130,11 @@ int ckpt__staging_tmpfile(int backing_fd) {
   return -ENOENT;
 }
 
+void ckpt__staging_tidy(int backing_fd) {
+  /* Only unnamed files live there: it is empty whenever it exists. */
+  unlinkat(backing_fd, SPILL_DIR, AT_REMOVEDIR);
+}
+
 /* The unnamed spill file in BACKING_DIR/.staging. b->lock held. */
 static int spill_open(ckpt_staging_t *b) {
   if (b->spill_fd >= 0)

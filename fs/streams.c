@@ -54,9 +54,7 @@ void ckpt__streams_free(ckpt_streams_t *st) {
   for (uint32_t k = 0; k < st->n; k++)
     if (st->s[k].fd >= 0)
       close(st->s[k].fd);
-  /* .staging goes when nothing uses it (a daemon creating a file there
-   * meanwhile tries again: ckpt__staging_tmpfile). */
-  unlinkat(st->backing_fd, ".staging", AT_REMOVEDIR);
+  ckpt__staging_tidy(st->backing_fd);
   pthread_mutex_destroy(&st->lock);
   free(st->s);
   free(st);
