@@ -86,6 +86,23 @@ static int staged_writable(const ckpt_ckpt_t *ck) {
   return -EIO;
 }
 
+/* Begin a change of ck's staged data: holds the freeze lock shared (a
+ * commit cannot freeze meanwhile) when it returns 0; then end it with
+ * staged_change_end. -EBUSY / -EROFS when the staged data cannot change. */
+static int staged_change_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  pthread_rwlock_rdlock(&ck->freeze);
+  pthread_mutex_lock(&fs->lock);
+  int rc = staged_writable(ck);
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    pthread_rwlock_unlock(&ck->freeze);
+  return rc;
+}
+
+static void staged_change_end(ckpt_ckpt_t *ck) {
+  pthread_rwlock_unlock(&ck->freeze);
+}
+
 /* A new name inside a checkpoint: 0, -EPERM (reserved) or -ENAMETOOLONG. */
 static int check_name(const char *name) {
   if (name[0] == '.')
@@ -254,13 +271,7 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
   } else if (is_committed_kind(n->kind) || n->kind == CKPT_NODE_STATUS) {
     rc = -EROFS;
   } else {
-    pthread_rwlock_rdlock(&n->ck->freeze);
-    pthread_mutex_lock(&fs->lock);
-    rc = staged_writable(n->ck);
-    if (rc == 0 && n->kind == CKPT_NODE_CKPT && n->ck->state != CKPT_STAGING &&
-        n->ck->state != CKPT_FAILED)
-      rc = -EROFS;
-    pthread_mutex_unlock(&fs->lock);
+    bool changing = (rc = staged_change_begin(fs, n->ck)) == 0;
     if (rc == 0 && (to_set & FUSE_SET_ATTR_SIZE)) {
       if (n->kind != CKPT_NODE_SFILE)
         rc = -EISDIR;
@@ -282,7 +293,8 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
       clock_gettime(CLOCK_REALTIME, &n->ctime);
       pthread_mutex_unlock(&fs->lock);
     }
-    pthread_rwlock_unlock(&n->ck->freeze);
+    if (changing)
+      staged_change_end(n->ck);
   }
   if (rc) {
     fuse_reply_err(req, -rc);
@@ -622,13 +634,11 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
       rc = -errno;
     fi->keep_cache = 1;
   } else if (writing) { /* a staged file */
-    pthread_rwlock_rdlock(&n->ck->freeze);
-    pthread_mutex_lock(&fs->lock);
-    rc = staged_writable(n->ck);
-    pthread_mutex_unlock(&fs->lock);
-    if (rc == 0 && (fi->flags & O_TRUNC))
-      rc = ckpt__sfile_truncate(n->u.sf, 0);
-    pthread_rwlock_unlock(&n->ck->freeze);
+    if ((rc = staged_change_begin(fs, n->ck)) == 0) {
+      if (fi->flags & O_TRUNC)
+        rc = ckpt__sfile_truncate(n->u.sf, 0);
+      staged_change_end(n->ck);
+    }
     h->writer = true;
   }
   if (rc) {
@@ -781,13 +791,10 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
     fuse_reply_err(req, is_committed_kind(n->kind) ? EROFS : EBADF);
     return;
   }
-  pthread_rwlock_rdlock(&n->ck->freeze);
-  pthread_mutex_lock(&fs->lock);
-  rc = staged_writable(n->ck);
-  pthread_mutex_unlock(&fs->lock);
-  if (rc == 0)
+  if ((rc = staged_change_begin(fs, n->ck)) == 0) {
     rc = ckpt__sfile_write(n->u.sf, buf, size, (uint64_t)off);
-  pthread_rwlock_unlock(&n->ck->freeze);
+    staged_change_end(n->ck);
+  }
   if (rc < 0)
     fuse_reply_err(req, (int)-rc);
   else
@@ -907,13 +914,10 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   } else if (n->kind != CKPT_NODE_SFILE) {
     rc = -ENOTSUP;
   } else {
-    pthread_rwlock_rdlock(&n->ck->freeze);
-    pthread_mutex_lock(&fs->lock);
-    rc = staged_writable(n->ck);
-    pthread_mutex_unlock(&fs->lock);
-    if (rc == 0)
+    if ((rc = staged_change_begin(fs, n->ck)) == 0) {
       rc = ckpt__sfile_setxattr(n->u.sf, name, value, size, flags);
-    pthread_rwlock_unlock(&n->ck->freeze);
+      staged_change_end(n->ck);
+    }
   }
   put_node(fs, n);
   fuse_reply_err(req, -rc);
@@ -1003,13 +1007,10 @@ static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
   } else if (n->kind != CKPT_NODE_SFILE) {
     rc = -ENODATA;
   } else {
-    pthread_rwlock_rdlock(&n->ck->freeze);
-    pthread_mutex_lock(&fs->lock);
-    rc = staged_writable(n->ck);
-    pthread_mutex_unlock(&fs->lock);
-    if (rc == 0)
+    if ((rc = staged_change_begin(fs, n->ck)) == 0) {
       rc = ckpt__sfile_removexattr(n->u.sf, name);
-    pthread_rwlock_unlock(&n->ck->freeze);
+      staged_change_end(n->ck);
+    }
   }
   put_node(fs, n);
   fuse_reply_err(req, -rc);
