@@ -1,0 +1,1163 @@
+#!/usr/bin/env python3
+"""ckptfs end-to-end benchmark: save and load one state dict through rank
+mounts, next to the limit of the same machine and to PyTorch DCP.
+
+    bench/bench.py --bin build/bin/ckptfs --backing /var/tmp/ckbench --size 4G \\
+        [--ranks 4,1] [--staging-mem 1G] [--opts io_threads=4] [--no-dcp] [--json out.json]
+
+The state dict (deterministic for a --seed): tensors of log-uniform sizes
+from 4 KiB to min(256 MiB, SIZE/8), float32 (60%), bfloat16 (30%), int64
+(10%), 2-d [rows, cols] with rows >= 64, plus a few bytes items, summing to
+exactly SIZE stored bytes. At N ranks a tensor is either row-sharded
+(rank r holds rows [r*rows/N, (r+1)*rows/N)) or replicated (every rank
+holds all of it: tensors of <= 64 KiB, and every 16th tensor of up to
+32 MiB); bytes items are replicated (config, train state, param groups)
+or owned by one rank (rng/rankI, held by rank I mod N). The content is
+slices of one random pool shared by all processes (fork), so replicas are
+identical and the loads can be checked byte for byte.
+
+For each world size (one process per rank, multiprocessing, fork):
+ 1. limit: every rank's stored bytes (its shards, its own bytes items and
+    its share of the replicated items, balanced by bytes) written straight
+    into BACKING/limit/rankR.bin with 8 MiB writes, fsync, fsync of the dir.
+ 2. sync save: each trainer mkdirs NAME in its rank mount, writes every
+    local item (replicas too) with 1 MiB writes, sets user.ckpt.dtype,
+    shape, offsets, sizes, waits for the other trainers (a barrier), then
+    writes "sync\\n" to NAME/.commit. Time: first mkdir -> the last commit
+    write returned.
+ 3. async save: the same with "async\\n". Stall: first mkdir -> the last
+    commit write returned; committed: first mkdir -> .status reads
+    "committed" on every rank (polled every 5 ms by each trainer).
+ 4. load: each rank preads (16 MiB reads) the byte range of its own shard
+    of every sharded tensor, and the whole of every replicated tensor and
+    bytes item it holds, from the committed files of its own mount, into
+    one preallocated buffer; cold (sync; drop_caches) and warm; checked
+    byte for byte afterwards (untimed). Reference: each rank reads its
+    data files BACKING/NAME/__R_K.distcp directly, 16 MiB reads, cold and
+    warm.
+ 5. DCP (when torch imports): torch.distributed.checkpoint.save/load, or
+    on torch 1.13 torch.distributed._shard.checkpoint.save_state_dict /
+    load_state_dict, with FileSystemWriter(single_file_per_rank=True,
+    sync_files=True) into BACKING/dcp; 1 rank: no_dist=True and plain
+    tensors; N ranks: a gloo process group of N processes, sharded tensors
+    as ShardedTensor (init_from_local_shards, the same row shards),
+    replicated tensors as plain tensors. torch 1.13 only saves non-sharded
+    items from the coordinator, so at N ranks every rank holds every bytes
+    item (rank 0 writes them all; they are a few KiB). Load into
+    preallocated tensors of the same layout, cold and warm, checked.
+ 6. peak RSS: VmHWM of every ckptfs daemon, read just before unmounting.
+
+Ratios are throughput relative to the reference (reference_time / time),
+except the async stall: stall_time / limit_time. Page caches are dropped
+(sync; echo 3 > /proc/sys/vm/drop_caches) before the limit, each save and
+each cold load. Checkpoints are removed through the mount between phases.
+"""
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MiB = 1 << 20
+GiB = 1 << 30
+WCHUNK = 1 * MiB          # trainer write size through the mount
+LIMIT_CHUNK = 8 * MiB     # write size of the limit writers
+RCHUNK = 16 * MiB         # read size of the loaders
+DTYPES = [("float32", 4, 0.6), ("bfloat16", 2, 0.3), ("int64", 8, 0.1)]
+MIN_T = 4 << 10
+MAX_T = 256 * MiB
+WAIT = 3600               # seconds any phase may take before we give up
+
+
+def parse_size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = s.strip()
+    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
+
+
+def fmt_size(n):
+    for unit, m in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= m:
+            return f"{n / m:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------
+# The state dict.
+# ---------------------------------------------------------------------------
+
+class Item:
+    """One state-dict entry: a 2-d tensor or a bytes item."""
+
+    def __init__(self, path, dtype, itemsize, shape, nbytes, replicated, owner=None):
+        self.path = path                 # relative path in the checkpoint
+        self.fqn = path.replace("/", ".")
+        self.dtype = dtype               # None for a bytes item
+        self.itemsize = itemsize
+        self.shape = shape               # [rows, cols] or None
+        self.nbytes = nbytes
+        self.replicated = replicated
+        self.owner = owner               # bytes items held by one rank: index
+        self.base = 0                    # offset of the content in the pool
+
+    def rows_of(self, rank, n):
+        """Row range [a, b) of rank's shard of a sharded tensor."""
+        rows = self.shape[0]
+        return rows * rank // n, rows * (rank + 1) // n
+
+    def local(self, rank, n):
+        """What rank holds at world size n: (offset, length, offsets, sizes)
+        in bytes of the global tensor, or None."""
+        if self.dtype is None:
+            if self.replicated or self.owner % n == rank:
+                return (0, self.nbytes, None, None)
+            return None
+        if self.replicated or n == 1:
+            return (0, self.nbytes, [0, 0], list(self.shape))
+        a, b = self.rows_of(rank, n)
+        row = self.shape[1] * self.itemsize
+        return (a * row, (b - a) * row, [a, 0], [b - a, self.shape[1]])
+
+
+def make_state_dict(size, max_ranks, seed):
+    rng = random.Random(seed)
+    max_t = max(64 << 10, min(MAX_T, size // 8))
+    items = []
+    # bytes items: replicated metadata and per-rank RNG states
+    blobs = [("meta/config.json", 2 << 10, True), ("meta/train_state.pkl", 16 << 10, True),
+             ("optim/param_groups.pkl", 64 << 10, True)]
+    blobs += [(f"rng/rank{i}", 8 << 10, False) for i in range(max_ranks)]
+    budget = size - sum(b[1] for b in blobs)
+    if budget < 64 * 8:
+        sys.exit(f"--size {size} is too small")
+    total = 0
+    idx = 0
+    wts = [d[2] for d in DTYPES]
+    while True:
+        target = int(round(2 ** rng.uniform(12, max_t.bit_length() - 1)))
+        name, isz, _ = rng.choices(DTYPES, wts)[0]
+        numel = target // isz
+        cols = 1
+        while cols * 2 <= 4096 and cols * 2 * 64 <= numel:
+            cols *= 2
+        rows = numel // cols
+        nb = rows * cols * isz
+        if total + nb > budget:
+            break
+        repl = nb <= (64 << 10) or (idx % 16 == 5 and nb <= 32 * MiB)
+        items.append(Item(f"model/layer{idx // 8:03d}/p{idx % 8}", name, isz, [rows, cols], nb, repl))
+        total += nb
+        idx += 1
+    rest = budget - total
+    if rest >= 64:  # the remainder as one uint8 tensor [64, rest // 64]
+        nb = rest // 64 * 64
+        items.append(Item("model/tail", "uint8", 1, [64, rest // 64], nb, False))
+        rest -= nb
+    for i, (path, nb, repl) in enumerate(blobs):
+        if i == 0:
+            nb += rest  # the last few bytes go to the config blob
+        it = Item(path, None, 1, None, nb, repl, owner=None if repl else int(path[8:]))
+        items.append(it)
+    pool_size = max_t + 32 * MiB
+    for it in items:
+        it.base = rng.randrange(0, (pool_size - it.nbytes) // 4096 + 1) * 4096
+    assert sum(it.nbytes for it in items) == size
+    return items, pool_size
+
+
+def make_pool(n, seed):
+    r = random.Random(seed ^ 0x5EED)
+    buf = bytearray(n)
+    mv = memoryview(buf)
+    for off in range(0, n, 16 * MiB):
+        k = min(16 * MiB, n - off)
+        mv[off:off + k] = r.randbytes(k)
+    return buf
+
+
+def stored_assignment(items, n):
+    """Bytes each rank stores: own shards and bytes items, replicas
+    balanced by bytes (largest first to the least loaded rank)."""
+    per = [[] for _ in range(n)]   # (item, offset, length)
+    load = [0] * n
+    for it in items:
+        if it.replicated:
+            continue
+        for r in range(n):
+            loc = it.local(r, n)
+            if loc and loc[1]:
+                per[r].append((it, loc[0], loc[1]))
+                load[r] += loc[1]
+    for it in sorted((i for i in items if i.replicated), key=lambda i: -i.nbytes):
+        r = min(range(n), key=lambda k: load[k])
+        per[r].append((it, 0, it.nbytes))
+        load[r] += it.nbytes
+    return per, load
+
+
+# ---------------------------------------------------------------------------
+# System helpers.
+# ---------------------------------------------------------------------------
+
+def mounted(path):
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def fs_type(path):
+    path = os.path.realpath(path)
+    best, typ = "", "?"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            mp_, fstype = parts[4], parts[parts.index("-") + 1]
+            if (path == mp_ or path.startswith(mp_.rstrip("/") + "/")) and len(mp_) >= len(best):
+                best, typ = mp_, fstype
+    return typ
+
+
+CAN_DROP = [True]
+
+
+def drop_caches():
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        CAN_DROP[0] = False
+
+
+def cpu_busy(dt=0.5):
+    """Fraction of all CPUs busy over dt seconds (/proc/stat)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return sum(v), v[3] + v[4]
+    t1, i1 = snap()
+    time.sleep(dt)
+    t2, i2 = snap()
+    return 1 - (i2 - i1) / max(1, t2 - t1)
+
+
+def others_cpu():
+    """{(pid, start time): CPU seconds used so far} of the user processes
+    that are not this bench or its descendants (trainers, mpirun,
+    daemons): the other jobs on the machine."""
+    procs = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields after comm: state ppid ... flags(7) ... utime(12) stime(13)
+        procs[int(d)] = (int(st[1]), int(st[6]), int(st[11]) + int(st[12]), st[19])
+    kids = {}
+    for pid, (ppid, _, _, _) in procs.items():
+        kids.setdefault(ppid, []).append(pid)
+    ours, todo = set(), [os.getpid()]
+    while todo:
+        p = todo.pop()
+        ours.add(p)
+        todo.extend(kids.get(p, []))
+    hz = os.sysconf("SC_CLK_TCK")
+    return {(pid, start): t / hz for pid, (ppid, flags, t, start) in procs.items()
+            if pid not in ours and not flags & 0x00200000}   # PF_KTHREAD
+
+
+class Others:
+    """Average number of CPUs used by other jobs during each timed phase."""
+
+    def __init__(self):
+        self.cur, self.out = None, {}
+
+    def start(self, phase):
+        self.stop()
+        self.cur = (phase, others_cpu(), time.perf_counter())
+
+    def stop(self):
+        if self.cur:
+            phase, c0, t0 = self.cur
+            # processes that exited meanwhile are not counted (an underestimate)
+            used = sum(t - c0.get(k, 0) for k, t in others_cpu().items())
+            self.out[phase] = round(used / max(1e-3, time.perf_counter() - t0), 2)
+            self.cur = None
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def touch(buf):
+    """Fault in every page of a buffer (untimed), so timed reads do not."""
+    if len(buf):
+        ctypes.memset((ctypes.c_char * len(buf)).from_buffer(buf), 0x5A, len(buf))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# ---------------------------------------------------------------------------
+# Workers: one process per rank; the parent takes part in "pauses" (two
+# barrier rounds) to drop caches while every worker waits.
+# ---------------------------------------------------------------------------
+
+class Ctx:
+    def __init__(self, rank, n, pbar, wbar):
+        self.rank, self.n, self.pbar, self.wbar = rank, n, pbar, wbar
+
+    def pause(self):
+        self.pbar.wait(WAIT)
+        self.pbar.wait(WAIT)
+
+
+class Aborted(Exception):
+    pass
+
+
+def _worker(fn, rank, n, q, pbar, wbar, kw):
+    ctx = Ctx(rank, n, pbar, wbar)
+    try:
+        res = fn(ctx, **kw)
+        q.put((rank, "ok", res))
+    except threading.BrokenBarrierError:
+        q.put((rank, "aborted", "stopped: another rank failed"))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        try:
+            pbar.abort()
+            wbar.abort()
+        finally:
+            q.put((rank, "err", f"{type(e).__name__}: {e}"))
+    finally:
+        q.close()
+        q.join_thread()
+
+
+def run_workers(n, fn, actions=(), **kw):
+    """Runs fn(ctx, **kw) on n forked workers. actions: callables run by
+    the parent at each ctx.pause() of the workers, in order. Returns
+    ({rank: result}, [errors])."""
+    c = mp.get_context("fork")
+    q = c.Queue()
+    pbar = c.Barrier(n + 1)
+    wbar = c.Barrier(n)
+    procs = [c.Process(target=_worker, args=(fn, r, n, q, pbar, wbar, kw)) for r in range(n)]
+    for p in procs:
+        p.start()
+    errors = []
+    try:
+        for act in actions:
+            pbar.wait(WAIT)
+            act()
+            pbar.wait(WAIT)
+    except threading.BrokenBarrierError:
+        pass
+    results = {}
+    deadline = time.time() + WAIT
+    while len(results) + len(errors) < n and time.time() < deadline:
+        try:
+            rank, kind, val = q.get(timeout=1)
+        except queue.Empty:
+            if all(p.exitcode is not None for p in procs) and q.empty():
+                break
+            continue
+        if kind == "ok":
+            results[rank] = val
+        elif kind == "err":
+            errors.append(f"rank {rank}: {val}")
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    if len(results) < n and not errors:
+        errors.append("workers exited without a result: " +
+                      ", ".join(f"rank {r} exit {p.exitcode}" for r, p in enumerate(procs)))
+    return results, errors
+
+
+def span(results, start, end):
+    return max(r[end] for r in results.values()) - min(r[start] for r in results.values())
+
+
+# --- 1. the limit ----------------------------------------------------------
+
+def w_limit(ctx, pool, per, outdir):
+    mv = memoryview(pool)
+    path = os.path.join(outdir, f"rank{ctx.rank}.bin")
+    ctx.pause()                                   # parent: sync + drop caches
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for it, off, ln in per[ctx.rank]:
+        src = mv[it.base + off: it.base + off + ln]
+        done = 0
+        while done < ln:
+            done += os.write(fd, src[done:done + LIMIT_CHUNK])
+    os.fsync(fd)
+    os.close(fd)
+    fsync_dir(outdir)
+    return {"t0": t0, "t1": time.perf_counter()}
+
+
+# --- 2./3. saves through the mounts ----------------------------------------
+
+def w_save(ctx, pool, items, mnts, name, mode):
+    rank, n = ctx.rank, ctx.n
+    mv = memoryview(pool)
+    ck = os.path.join(mnts[rank], name)
+    local = [(it, it.local(rank, n)) for it in items]
+    local = [(it, loc) for it, loc in local if loc]
+    ctx.pause()                                   # parent: sync + drop caches
+    t0 = time.perf_counter()
+    os.mkdir(ck)
+    made = {""}
+    where, staged = "mkdir", 0
+    try:
+        for it, (off, ln, offs, sizes) in local:
+            d = os.path.dirname(it.path)
+            if d not in made:
+                os.makedirs(os.path.join(ck, d), exist_ok=True)
+                made.add(d)
+            p = os.path.join(ck, it.path)
+            where = f"{it.path}"
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                src = mv[it.base + off: it.base + off + ln]
+                done = 0
+                while done < ln:
+                    where = f"{it.path} at byte {done}"
+                    done += os.write(fd, src[done:done + WCHUNK])
+            finally:
+                os.close(fd)   # may fail too (a flush error)
+            if it.dtype:
+                where = f"setxattr {it.path}"
+                os.setxattr(p, "user.ckpt.dtype", it.dtype.encode())
+                os.setxattr(p, "user.ckpt.shape", f"{it.shape[0]},{it.shape[1]}".encode())
+                os.setxattr(p, "user.ckpt.offsets", f"{offs[0]},{offs[1]}".encode())
+                os.setxattr(p, "user.ckpt.sizes", f"{sizes[0]},{sizes[1]}".encode())
+            staged += ln
+    except OSError as e:
+        raise OSError(e.errno, f"write {where} (after {fmt_size(staged)} staged on this rank): "
+                      f"{e.strerror}") from None
+    t_w = time.perf_counter()
+    ctx.wbar.wait(WAIT)                           # all trainers commit together
+    fd = os.open(os.path.join(ck, ".commit"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    tc0 = time.perf_counter()
+    try:
+        os.write(fd, f"{mode}\n".encode())
+    except OSError as e:
+        with open(os.path.join(ck, ".status")) as f:
+            raise OSError(e.errno, f"{mode} commit: {e.strerror}; .status: "
+                          f"{f.read().strip()[:600]!r}") from None
+    finally:
+        os.close(fd)
+    tc1 = time.perf_counter()
+    res = {"t0": t0, "t_w": t_w, "tc0": tc0, "tc1": tc1,
+           "bytes": sum(loc[1] for _, loc in local)}
+    if mode == "async":
+        st = os.path.join(ck, ".status")
+        while True:
+            with open(st) as f:
+                text = f.read()
+            first = text.split("\n", 1)[0].strip()
+            if first == "committed":
+                break
+            if first == "failed":
+                raise OSError(0, f"async save failed; .status: {text.strip()[:600]!r}")
+            time.sleep(0.005)
+        res["t_done"] = time.perf_counter()
+    return res
+
+
+# --- 4. loads --------------------------------------------------------------
+
+def _read_all(reads, buf):
+    """reads: (path, file_offset, length, buf_offset). 16 MiB preads."""
+    mv = memoryview(buf)
+    cur, fd = None, -1
+    try:
+        for path, foff, ln, boff in reads:
+            if path != cur:
+                if fd >= 0:
+                    os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
+                cur = path
+            done = 0
+            while done < ln:
+                try:
+                    k = os.preadv(fd, [mv[boff + done: boff + min(ln, done + RCHUNK)]], foff + done)
+                except OSError as e:
+                    raise OSError(e.errno, f"preadv {path} at {foff + done} "
+                                  f"({min(RCHUNK, ln - done)} bytes): {e.strerror}") from None
+                if k <= 0:
+                    raise OSError(0, f"short read of {path} at {foff + done}")
+                done += k
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def w_load(ctx, pool, items, mnts, name, backing, verify):
+    rank, n = ctx.rank, ctx.n
+    mreads, boff = [], 0
+    for it in items:
+        loc = it.local(rank, n)
+        if loc and loc[1]:
+            mreads.append((os.path.join(mnts[rank], name, it.path), loc[0], loc[1], boff, it))
+            boff += loc[1]
+    ck = os.path.join(backing, name)
+    files = sorted(f for f in os.listdir(ck) if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
+    dreads, doff = [], 0
+    for f in files:
+        sz = os.path.getsize(os.path.join(ck, f))
+        dreads.append((os.path.join(ck, f), 0, sz, doff))
+        doff += sz
+    buf = bytearray(max(boff, doff))
+    touch(buf)
+    out = {"mount_bytes": boff, "direct_bytes": doff, "direct_files": len(files)}
+    for kind, reads in (("mount", [r[:4] for r in mreads]), ("direct", dreads)):
+        for temp in ("cold", "warm"):
+            ctx.pause()                           # parent: sync + drop caches (cold)
+            t0 = time.perf_counter()
+            try:
+                _read_all(reads, buf)
+            except OSError as e:
+                raise OSError(e.errno, f"{kind} {temp}: {e.strerror}") from None
+            out[f"{kind}_{temp}"] = (t0, time.perf_counter())
+            if kind == "mount" and verify:
+                check(buf, pool, mreads)
+    return out
+
+
+def check(buf, pool, mreads):
+    mv, pv = memoryview(buf), memoryview(pool)
+    for path, foff, ln, boff, it in mreads:
+        if mv[boff:boff + ln] != pv[it.base + foff: it.base + foff + ln]:
+            raise ValueError(f"content mismatch reading {path} [{foff}, {foff + ln})")
+
+
+# --- 5. DCP ----------------------------------------------------------------
+
+def import_dcp():
+    """Returns (torch, api) where api is 'new' (torch.distributed.checkpoint
+    save/load) or 'old' (torch 1.13 _shard.checkpoint)."""
+    import dataclasses
+    import copy
+    import torch
+    try:
+        import torch.distributed.checkpoint as dcp
+        if hasattr(dcp, "save") and hasattr(dcp, "load"):
+            return torch, dcp, "new"
+    except Exception:  # noqa: BLE001
+        pass
+    # torch 1.13 on Python 3.11: sharded_tensor/metadata.py has a dataclass
+    # field whose default is an (unhashable) dataclass instance, which 3.11
+    # refuses ("mutable default"). Import it with field(default=X) turned
+    # into field(default_factory=copy of X); nothing else changes.
+    orig = dataclasses.field
+
+    def field(*a, **kw):
+        d = kw.get("default", dataclasses.MISSING)
+        if d is not dataclasses.MISSING and dataclasses.is_dataclass(d) and type(d).__hash__ is None:
+            kw.pop("default")
+            kw["default_factory"] = lambda d=d: copy.deepcopy(d)
+        return orig(*a, **kw)
+
+    dataclasses.field = field
+    try:
+        import torch.distributed._shard.checkpoint as dcp
+        import torch.distributed._shard.sharded_tensor  # noqa: F401
+    finally:
+        dataclasses.field = orig
+    return torch, dcp, "old"
+
+
+TORCH_DT = {"float32": "float32", "bfloat16": "bfloat16", "int64": "int64", "uint8": "uint8"}
+SAME_SIZE_INT = {"float32": "int32", "bfloat16": "int16", "int64": "int64", "uint8": "uint8"}
+
+
+def w_dcp(ctx, pool, items, path, port):
+    rank, n = ctx.rank, ctx.n
+    torch, dcp, api = import_dcp()
+    import torch.distributed as dist
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    if n > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=n)
+
+    def sharded(local, it, a):
+        if api == "old":
+            from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+            sh = Shard.from_tensor_and_offsets(local, [a, 0], rank)
+            return init_from_local_shards([sh], *it.shape)
+        from torch.distributed._tensor import DeviceMesh, Shard as DShard, DTensor
+        mesh = DeviceMesh("cpu", list(range(n)))
+        return DTensor.from_local(local, mesh, [DShard(0)], run_check=False)
+
+    def build(fill):
+        sd, src = {}, {}
+        for it in items:
+            if it.dtype is None:
+                if n > 1 and api == "old":
+                    held = True      # 1.13 writes non-sharded items from rank 0 only
+                else:
+                    held = it.local(rank, n) is not None
+                if held:
+                    sd[it.fqn] = bytes(pool[it.base: it.base + it.nbytes]) if fill else b""
+                continue
+            off, ln, offs, sizes = it.local(rank, n)
+            dt = getattr(torch, TORCH_DT[it.dtype])
+            if fill:
+                t = torch.frombuffer(pool, dtype=dt, count=ln // it.itemsize,
+                                     offset=it.base + off).view(*sizes).clone()
+            else:
+                t = torch.empty(*sizes, dtype=dt)
+                t.view(getattr(torch, SAME_SIZE_INT[it.dtype])).fill_(0)   # fault in pages
+            src[it.fqn] = t
+            sd[it.fqn] = sharded(t, it, offs[0]) if (n > 1 and not it.replicated) else t
+        return sd, src
+
+    def barrier():
+        if n > 1:
+            dist.barrier()
+
+    def save(sd):
+        if api == "old":
+            dcp.save_state_dict(sd, dcp.FileSystemWriter(path, single_file_per_rank=True,
+                                                         sync_files=True), no_dist=(n == 1))
+        else:
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True,
+                                                             sync_files=True), no_dist=(n == 1))
+
+    def load(sd):
+        if api == "old":
+            dcp.load_state_dict(sd, dcp.FileSystemReader(path), no_dist=(n == 1))
+        else:
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=(n == 1))
+
+    sd, src = build(True)
+    out = {"api": api, "torch": torch.__version__}
+    ctx.pause()                                   # parent: sync + drop caches
+    barrier()
+    t0 = time.perf_counter()
+    save(sd)
+    out["save"] = (t0, time.perf_counter())
+    dst, dsrc = build(False)
+    for kind in ("cold", "warm"):
+        ctx.pause()                               # parent: drop caches (cold only)
+        barrier()
+        t0 = time.perf_counter()
+        load(dst)
+        out[f"load_{kind}"] = (t0, time.perf_counter())
+        for fqn, t in src.items():
+            iv = getattr(torch, SAME_SIZE_INT[next(i for i in items if i.fqn == fqn).dtype])
+            if not torch.equal(t.view(iv), dsrc[fqn].view(iv)):
+                raise ValueError(f"DCP load: {fqn} differs")
+            dsrc[fqn].view(iv).fill_(0)
+        for fqn, v in sd.items():
+            if isinstance(v, bytes) and dst[fqn] != v:
+                raise ValueError(f"DCP load: bytes item {fqn} differs")
+    barrier()
+    if n > 1:
+        dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# A ckptfs world.
+# ---------------------------------------------------------------------------
+
+class World:
+    def __init__(self, binpath, n, backing, opts):
+        self.n, self.backing = n, backing
+        self.root = tempfile.mkdtemp(prefix="ckptfs-bench-mnt-")
+        self.mnts = [os.path.join(self.root, f"rank{r}") for r in range(n)]
+        for m in self.mnts:
+            os.makedirs(m)
+        o = ["-o", opts] if opts else []
+        if n == 1:  # a world of one: no launcher, no MPI
+            cmd = [binpath, "-f"] + o + [backing, self.mnts[0]]
+        else:
+            cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n),
+                   "--mca", "btl", "self,vader", binpath, "-f"] + o + \
+                  [backing, os.path.join(self.root, "rank%r")]
+        self.logpath = os.path.join(self.root, ".log")
+        self.log = open(self.logpath, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + 60
+        while not all(mounted(m) for m in self.mnts):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                sys.exit("ckptfs did not mount: " + self.tail())
+            time.sleep(0.05)
+        self.exe = os.path.realpath(binpath)
+
+    def tail(self):
+        self.log.flush()
+        with open(self.logpath) as f:
+            return f.read()[-3000:]
+
+    def daemons(self):
+        pids = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                if os.path.realpath(f"/proc/{d}/exe") != self.exe:
+                    continue
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+                if any(a.decode(errors="replace").startswith(self.root) for a in args):
+                    pids.append(int(d))
+            except OSError:
+                pass
+        return pids
+
+    def peak_rss(self):
+        out = []
+        for pid in self.daemons():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            out.append(int(line.split()[1]) * 1024)
+            except OSError:
+                pass
+        return out
+
+    def remove(self, name):
+        """rm -r NAME through every rank's mount (a staged checkpoint is
+        per rank; a committed one goes from BACKING_DIR at the first)."""
+        errs = []
+        for m in self.mnts:
+            p = os.path.join(m, name)
+            if os.path.lexists(p):
+                r = subprocess.run(["rm", "-rf", p], capture_output=True, text=True)
+                if r.returncode:
+                    errs.append(r.stderr.strip())
+        if os.path.exists(os.path.join(self.backing, name)):
+            errs.append(f"{name} still in the backing directory after rm -r")
+        return errs
+
+    def stop(self):
+        for m in self.mnts:
+            if mounted(m):
+                subprocess.run(["fusermount3", "-u", m], capture_output=True)
+        try:
+            rc = self.proc.wait(300)
+        except subprocess.TimeoutExpired:
+            for m in self.mnts:
+                subprocess.run(["fusermount3", "-uz", m], capture_output=True)
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        return rc
+
+
+# ---------------------------------------------------------------------------
+# One world size.
+# ---------------------------------------------------------------------------
+
+def bench_world(args, n, items, pool, dcp_ok):
+    R = {"ranks": n, "failures": []}
+    fail = R["failures"].append
+    per, load = stored_assignment(items, n)
+    R["stored_bytes_per_rank"] = load
+    R["trainer_bytes_per_rank"] = [sum(it.local(r, n)[1] for it in items if it.local(r, n))
+                                   for r in range(n)]
+
+    R["busy"] = {}
+    others = Others()
+    R["others_cpus"] = others.out
+
+    def pre(phase, cold=True):
+        """Run by the parent while every worker waits: drop caches (cold),
+        then wait (up to --quiet-wait s) until the machine is quiet, since
+        other processes' CPU use skews the figures; record how busy it was."""
+        def act():
+            if cold:
+                drop_caches()
+            # warm phases start at once: this VM reclaims idle page cache
+            deadline = time.time() + (args.quiet_wait if cold else 0)
+            busy = cpu_busy()
+            while busy > 0.15 and time.time() < deadline:
+                busy = cpu_busy()
+            if cold:
+                R["busy"][phase] = round(busy, 3)
+            others.start(phase)
+        return act
+
+    # 1. limit
+    limit_dir = os.path.join(args.backing, "limit")
+    shutil.rmtree(limit_dir, ignore_errors=True)
+    os.makedirs(limit_dir)
+    res, errs = run_workers(n, w_limit, actions=[pre("limit")], pool=pool, per=per, outdir=limit_dir)
+    others.stop()
+    shutil.rmtree(limit_dir, ignore_errors=True)
+    if errs:
+        sys.exit(f"limit writers failed at {n} ranks: {errs}")
+    R["limit"] = span(res, "t0", "t1")
+    log(f"  limit: {R['limit']:.3f} s")
+
+    backing = os.path.join(args.backing, "ckptfs")
+    shutil.rmtree(backing, ignore_errors=True)
+    os.makedirs(backing)
+    opts = ",".join(o for o in [f"staging_mem={args.staging_mem}"] + args.opts if o)
+    world = World(args.bin, n, backing, opts)
+    try:
+        # 2. sync save
+        res, errs = run_workers(n, w_save, actions=[pre("sync_save")], pool=pool, items=items,
+                                mnts=world.mnts, name="bench-sync", mode="sync")
+        others.stop()
+        if errs:
+            fail(f"sync save ({n} ranks): " + "; ".join(errs))
+            log("  sync save FAILED: " + "; ".join(errs))
+        else:
+            R["sync_save"] = span(res, "t0", "tc1")
+            R["sync_staging_writes"] = span(res, "t0", "t_w")
+            R["sync_commit"] = max(r["tc1"] for r in res.values()) - max(r["tc0"] for r in res.values())
+            R["sync_bytes_through_mounts"] = sum(r["bytes"] for r in res.values())
+            log(f"  sync save: {R['sync_save']:.3f} s (staging writes {R['sync_staging_writes']:.3f} s)")
+        for e in world.remove("bench-sync"):
+            fail(f"rm -r bench-sync ({n} ranks): {e}")
+
+        # 3. async save
+        res, errs = run_workers(n, w_save, actions=[pre("async_save")], pool=pool, items=items,
+                                mnts=world.mnts, name="bench-async", mode="async")
+        others.stop()
+        committed = not errs
+        if errs:
+            fail(f"async save ({n} ranks): " + "; ".join(errs))
+            log("  async save FAILED: " + "; ".join(errs))
+        else:
+            R["async_stall"] = span(res, "t0", "tc1")
+            R["async_committed"] = span(res, "t0", "t_done")
+            R["async_background"] = R["async_committed"] - R["async_stall"]
+            log(f"  async save: stall {R['async_stall']:.3f} s, committed {R['async_committed']:.3f} s")
+
+        # 4. loads
+        if committed:
+            acts = [pre("load_mount_cold"), pre("load_mount_warm", False),
+                    pre("load_direct_cold"), pre("load_direct_warm", False)]
+            res, errs = run_workers(n, w_load, actions=acts,
+                                    pool=pool, items=items, mnts=world.mnts, name="bench-async",
+                                    backing=backing, verify=not args.no_verify)
+            others.stop()
+            if errs:
+                fail(f"load ({n} ranks): " + "; ".join(errs))
+                log("  load FAILED: " + "; ".join(errs))
+            else:
+                for k in ("mount_cold", "mount_warm", "direct_cold", "direct_warm"):
+                    R[f"load_{k}"] = (max(r[k][1] for r in res.values()) -
+                                      min(r[k][0] for r in res.values()))
+                R["load_mount_bytes"] = sum(r["mount_bytes"] for r in res.values())
+                R["load_direct_bytes"] = sum(r["direct_bytes"] for r in res.values())
+                R["data_files"] = sum(r["direct_files"] for r in res.values())
+                log("  load: " + ", ".join(f"{k} {R['load_' + k]:.3f} s" for k in
+                                           ("mount_cold", "mount_warm", "direct_cold", "direct_warm")))
+        else:
+            fail(f"load ({n} ranks): skipped, no committed checkpoint")
+        for e in world.remove("bench-async"):
+            fail(f"rm -r bench-async ({n} ranks): {e}")
+
+        # 6. peak RSS, just before unmounting
+        rss = world.peak_rss()
+        if len(rss) != n:
+            fail(f"peak RSS ({n} ranks): found {len(rss)} ckptfs processes, expected {n}")
+        if rss:
+            R["rss_max"], R["rss_sum"], R["rss"] = max(rss), sum(rss), rss
+    finally:
+        daemon_log = world.tail()
+        rc = world.stop()
+        if rc:
+            fail(f"ckptfs world of {n} exited with {rc}: {daemon_log[-800:]}")
+        elif R["failures"] and daemon_log.strip():
+            R["daemon_log"] = daemon_log
+            fail(f"ckptfs log ({n} ranks), last lines: " + " | ".join(daemon_log.strip().splitlines()[-6:]))
+    shutil.rmtree(backing, ignore_errors=True)
+
+    # 5. DCP
+    if dcp_ok:
+        path = os.path.join(args.backing, "dcp")
+        shutil.rmtree(path, ignore_errors=True)
+        acts = [pre("dcp_save"), pre("dcp_load_cold"), pre("dcp_load_warm", False)]
+        res, errs = run_workers(n, w_dcp, actions=acts, pool=pool,
+                                items=items, path=path, port=free_port())
+        others.stop()
+        if not errs:
+            R["dcp_bytes_on_disk"] = sum(os.path.getsize(os.path.join(path, f))
+                                         for f in os.listdir(path))
+        shutil.rmtree(path, ignore_errors=True)
+        if errs:
+            fail(f"DCP ({n} ranks): " + "; ".join(errs))
+            log("  DCP FAILED: " + "; ".join(errs))
+        else:
+            r0 = res[0]
+            R["dcp_api"] = f"torch {r0['torch']} " + (
+                "torch.distributed._shard.checkpoint" if r0["api"] == "old"
+                else "torch.distributed.checkpoint")
+            for k in ("save", "load_cold", "load_warm"):
+                R[f"dcp_{k}"] = max(r[k][1] for r in res.values()) - min(r[k][0] for r in res.values())
+            log(f"  DCP: save {R['dcp_save']:.3f} s, load cold {R['dcp_load_cold']:.3f} s, "
+                f"warm {R['dcp_load_warm']:.3f} s")
+    return R
+
+
+def combine(runs):
+    """Several runs of one world size: the median of each time, the
+    largest RSS, every failure; the per-run values kept under "runs"."""
+    if len(runs) == 1:
+        return runs[0]
+    W = {"ranks": runs[0]["ranks"], "failures": [], "runs": runs}
+    for i, r in enumerate(runs):
+        W["failures"] += [f"{f} [run {i + 1}]" for f in r["failures"]]
+    keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float)) and k != "ranks"}
+    for k in keys:
+        vals = [r[k] for r in runs if k in r]
+        W[k] = max(vals) if k.startswith("rss") else statistics.median(vals)
+        if not k.startswith("rss") and isinstance(vals[0], float):
+            W.setdefault("spread", {})[k] = (min(vals), max(vals))
+    for k in ("busy", "others_cpus"):
+        W[k] = {}
+        for r in runs:
+            for ph, v in r.get(k, {}).items():
+                W[k][ph] = max(W[k].get(ph, 0), v)
+    for k in ("dcp_api", "stored_bytes_per_rank", "trainer_bytes_per_rank"):
+        if k in runs[0]:
+            W[k] = runs[0][k]
+    return W
+
+
+# ---------------------------------------------------------------------------
+# Report.
+# ---------------------------------------------------------------------------
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+PHASE = (("sync_", "sync save"), ("async_", "async save"), ("load_", "load"), ("dcp_", "DCP"))
+
+
+def table(args, worlds, on_tmpfs):
+    gib = args.total / GiB
+    staging = parse_size(args.staging_mem)
+    sync_target = 0.5 if on_tmpfs else 0.9
+    # (label, key, reference key, kind, (target text, test of the ratio) or None)
+    rows = [
+        ("limit: write + fsync into DIR", "limit", "limit", "thr", None),
+        ("sync save (writes + sync commit)", "sync_save", "limit", "thr",
+         (f">= {sync_target}x limit ({'tmpfs' if on_tmpfs else 'disk'})", lambda r: r >= sync_target)),
+        ("  staging writes (before commit)", "sync_staging_writes", "limit", "thr", None),
+        ("  last commit write -> all done", "sync_commit", "limit", "thr", None),
+        ("async save: trainer stall", "async_stall", "limit", "stall",
+         ("stall <= 0.25x limit time", lambda r: r <= 0.25)),
+        ("async save: until committed", "async_committed", "limit", "thr", None),
+        ("  stall end -> all committed", "async_background", "limit", "thr", None),
+        ("load via mounts, cold", "load_mount_cold", "load_direct_cold", "thr",
+         (">= 0.8x direct cold", lambda r: r >= 0.8)),
+        ("load via mounts, warm", "load_mount_warm", "load_direct_warm", "thr",
+         (">= 0.8x direct warm", lambda r: r >= 0.8)),
+        ("direct read of data files, cold", "load_direct_cold", "load_direct_cold", "thr", None),
+        ("direct read of data files, warm", "load_direct_warm", "load_direct_warm", "thr", None),
+        ("DCP save (sync_files=True)", "dcp_save", "limit", "thr", None),
+        ("DCP load, cold", "dcp_load_cold", "load_direct_cold", "thr", None),
+        ("DCP load, warm", "dcp_load_warm", "load_direct_warm", "thr", None),
+        ("sync save vs DCP save", "sync_save", "dcp_save", "vs",
+         ("> 1 (faster than DCP)", lambda r: r > 1)),
+        ("async committed vs DCP save", "async_committed", "dcp_save", "vs", None),
+        ("load cold vs DCP load cold", "load_mount_cold", "dcp_load_cold", "vs",
+         ("> 1 (faster than DCP)", lambda r: r > 1)),
+        ("load warm vs DCP load warm", "load_mount_warm", "dcp_load_warm", "vs",
+         ("> 1 (faster than DCP)", lambda r: r > 1)),
+    ]
+    w = 33
+
+    def missing(W, key):
+        for prefix, phase in PHASE:
+            if key.startswith(prefix) and any(f.startswith(phase) for f in W["failures"]):
+                return "FAILED"
+        return "-"
+
+    def cell(t="", g="", r="", m=""):
+        return f"{t:>7} {g:>6} {r:>6} {m:<4}"
+
+    col = len(cell())
+    head = f"{'':{w}}" + "".join(
+        f" | {str(W['ranks']) + (' ranks' if W['ranks'] > 1 else ' rank'):^{col}}" for W in worlds) + " |"
+    sub = f"{'figure':{w}}" + "".join(" | " + cell("s", "GiB/s", "ratio", "") for _ in worlds) + " | target"
+    lines = [head, sub, "-" * (len(sub) + 30)]
+    for label, key, ref, kind, target in rows:
+        cells = []
+        for W in worlds:
+            t, rt = W.get(key), W.get(ref)
+            if t is None or (kind == "vs" and rt is None):
+                cells.append(cell(missing(W, key) if t is None else "", "", missing(W, ref) if kind == "vs" else ""))
+                continue
+            ratio = (t / rt if kind == "stall" else rt / t) if rt else None
+            mark = ""
+            if target and ratio is not None:
+                mark = "ok" if target[1](ratio) else "MISS"
+            cells.append(cell("" if kind == "vs" else f"{t:.3f}", "" if kind == "vs" else f"{gib / t:.2f}",
+                              "-" if ratio is None else f"{ratio:.2f}", mark))
+        lines.append(f"{label:{w}}" + "".join(" | " + c for c in cells) + f" | {target[0] if target else ''}")
+    for label, key in (("daemon peak RSS, max (MiB)", "rss_max"), ("daemon peak RSS, sum (MiB)", "rss_sum")):
+        cells = []
+        for W in worlds:
+            v = W.get(key)
+            if v is None:
+                cells.append(cell("-"))
+                continue
+            mark = ("ok" if v <= staging + 128 * MiB else "MISS") if key == "rss_max" else ""
+            cells.append(cell(f"{v / MiB:.0f}", "", "", mark))
+        tgt = f"<= staging_mem + 128 MiB = {(staging + 128 * MiB) / MiB:.0f} MiB" if key == "rss_max" else ""
+        lines.append(f"{label:{w}}" + "".join(" | " + c for c in cells) + f" | {tgt}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default="build/bin/ckptfs", help="the ckptfs binary")
+    ap.add_argument("--backing", required=True,
+                    help="directory on the filesystem under test (limit files, backing dir, DCP dir)")
+    ap.add_argument("--size", default="4G", help="state dict size (K/M/G suffixes)")
+    ap.add_argument("--ranks", default="4,1", help="world sizes, comma-separated")
+    ap.add_argument("--staging-mem", default="1G", help="ckptfs -o staging_mem")
+    ap.add_argument("--opts", action="append", default=[],
+                    help="more ckptfs -o options (repeatable, or comma-separated)")
+    ap.add_argument("--no-dcp", action="store_true", help="skip PyTorch DCP")
+    ap.add_argument("--no-verify", action="store_true", help="do not check loaded bytes")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each world size this many times; the table shows medians")
+    ap.add_argument("--quiet-wait", type=float, default=30,
+                    help="before each timed phase wait up to this many seconds for the CPUs to be "
+                         "< 15%% busy (other jobs skew the figures); the busy fraction is reported")
+    ap.add_argument("--json", help="write all figures to this file")
+    args = ap.parse_args()
+    args.total = parse_size(args.size)
+    ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    if not os.access(args.bin, os.X_OK):
+        sys.exit(f"bench: {args.bin} is not an executable (build it, or pass --bin)")
+    os.makedirs(args.backing, exist_ok=True)
+    args.backing = os.path.realpath(args.backing)
+    free = shutil.disk_usage(args.backing).free
+    if free < 3 * args.total:
+        sys.exit(f"bench: {args.backing} has {fmt_size(free)} free; the run needs 3 x --size = "
+                 f"{fmt_size(3 * args.total)} (limit files, ckptfs checkpoint and its staging "
+                 f"spill, DCP checkpoint). Free space or pass a smaller --size.")
+    fstype = fs_type(args.backing)
+    on_tmpfs = fstype in ("tmpfs", "ramfs")
+
+    dcp_ok, dcp_why = False, "--no-dcp"
+    if not args.no_dcp:
+        r = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True)
+        dcp_ok = r.returncode == 0
+        dcp_why = "" if dcp_ok else f"`import torch` fails under {sys.executable} " \
+            "(Debian's python3-torch is for /usr/bin/python3)"
+
+    items, pool_size = make_state_dict(args.total, max(ranks), args.seed)
+    pool = make_pool(pool_size, args.seed)
+    tensors = [i for i in items if i.dtype]
+    repl = sum(i.nbytes for i in items if i.replicated)
+    by_dt = {}
+    for i in tensors:
+        by_dt[i.dtype] = by_dt.get(i.dtype, 0) + i.nbytes
+    desc = (f"state dict {fmt_size(args.total)}: {len(tensors)} tensors "
+            f"({fmt_size(min(i.nbytes for i in tensors))} .. {fmt_size(max(i.nbytes for i in tensors))}; "
+            + ", ".join(f"{k} {100 * v / args.total:.0f}%" for k, v in sorted(by_dt.items()))
+            + f"), {len(items) - len(tensors)} bytes items; replicated {fmt_size(repl)} in "
+            f"{sum(1 for i in items if i.replicated)} items")
+    log(desc)
+    log(f"backing {args.backing} ({fstype}), staging_mem={args.staging_mem}, "
+        f"DCP: {'yes' if dcp_ok else 'no (' + dcp_why + ')'}")
+
+    worlds = []
+    for n in ranks:
+        runs = []
+        for i in range(args.repeat):
+            log(f"{n} rank(s)" + (f", run {i + 1} of {args.repeat}:" if args.repeat > 1 else ":"))
+            runs.append(bench_world(args, n, items, pool, dcp_ok))
+        worlds.append(combine(runs))
+
+    print(desc)
+    st = os.stat(args.bin)
+    print(f"ckptfs {os.path.realpath(args.bin)} (built {time.strftime('%Y-%m-%d %H:%M', time.localtime(st.st_mtime))})")
+    print(f"backing {args.backing} ({fstype}{', in RAM' if on_tmpfs else ''}), "
+          f"ckptfs -o staging_mem={args.staging_mem}" + "".join("," + o for o in args.opts)
+          + f"; {os.cpu_count()} CPUs")
+    print(table(args, worlds, on_tmpfs))
+    if args.repeat > 1:
+        wide = [(W["ranks"], k, lo, hi) for W in worlds for k, (lo, hi) in W.get("spread", {}).items()]
+        print(f"each time is the median of {args.repeat} runs (ratios of medians); the widest spreads: "
+              + ", ".join(f"{k} at {n} rank(s) {lo:.2f}..{hi:.2f} s"
+                          for n, k, lo, hi in sorted(wide, key=lambda x: -(x[3] / max(x[2], 1e-9)))[:4]))
+    print("ratio: throughput vs the reference (reference time / time): the limit for saves, direct "
+          "reads of the data files for loads, DCP for 'vs DCP'; async stall: stall time / limit time.")
+    print("GiB/s: state dict size / time." + (
+        " Mount loads read replicated items on every rank: " + ", ".join(
+            f"{W['ranks']} rank(s) {fmt_size(W['load_mount_bytes'])} via mounts vs "
+            f"{fmt_size(W['load_direct_bytes'])} of data files"
+            for W in worlds if "load_mount_bytes" in W) + "."
+        if any("load_mount_bytes" in W for W in worlds) else ""))
+    for W in worlds:
+        if "dcp_api" in W:
+            print(f"DCP ({W['ranks']} rank(s)): {W['dcp_api']}, single_file_per_rank=True, sync_files=True, "
+                  f"{fmt_size(W['dcp_bytes_on_disk'])} on disk")
+    if not dcp_ok:
+        print(f"DCP not run: {dcp_why}")
+    for W in worlds:
+        b = W.get("busy", {})
+        if b:
+            worst = max(b, key=b.get)
+            o = W.get("others_cpus", {})
+            ow = max(o, key=o.get) if o else worst
+            print(f"other jobs on this machine ({W['ranks']} rank(s)): CPUs busy just before the cold "
+                  f"phases (after waiting up to {args.quiet_wait:g} s for < 15%) max {100 * b[worst]:.0f}% "
+                  f"({worst}); CPUs used by other processes during the timed phases "
+                  f"max {o.get(ow, 0):.2f} ({ow})"
+                  + ("  WARNING: not idle, figures skewed" if b[worst] > 0.15 or o.get(ow, 0) > 0.1 else ""))
+    if not CAN_DROP[0]:
+        print("WARNING: could not write /proc/sys/vm/drop_caches (not root?): 'cold' figures are not cold")
+    fails = [f for W in worlds for f in W["failures"]]
+    for f in fails:
+        print("FAILED: " + f)
+    if args.json:
+        out = {"size": args.total, "backing": args.backing, "fstype": fstype,
+               "staging_mem": args.staging_mem, "opts": args.opts, "seed": args.seed,
+               "state_dict": {"tensors": len(tensors), "bytes_items": len(items) - len(tensors),
+                              "replicated_bytes": repl, "bytes_by_dtype": by_dt},
+               "worlds": worlds, "dcp": dcp_ok}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
