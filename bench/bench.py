@@ -2,8 +2,12 @@
 """ckptfs end-to-end benchmark: save and load one state dict through rank
 mounts, next to the limit of the same machine and to PyTorch DCP.
 
-    bench/bench.py --bin build/bin/ckptfs --backing /var/tmp/ckbench --size 4G \\
-        [--ranks 4,1] [--staging-mem 1G] [--opts io_threads=4] [--no-dcp] [--json out.json]
+    /usr/bin/python3 bench/bench.py --bin build/bin/ckptfs --backing /var/tmp/ckbench \\
+        --size 4G [--ranks 4,1] [--staging-mem 1G] [--opts io_threads=4] [--repeat 3] \\
+        [--no-dcp] [--json out.json]
+
+Run as root (it drops the page cache). DCP needs `import torch` to work in
+the interpreter that runs this (Debian's python3-torch: /usr/bin/python3).
 
 The state dict (deterministic for a --seed): tensors of log-uniform sizes
 from 4 KiB to min(256 MiB, SIZE/8), float32 (60%), bfloat16 (30%), int64
@@ -51,6 +55,10 @@ Ratios are throughput relative to the reference (reference_time / time),
 except the async stall: stall_time / limit_time. Page caches are dropped
 (sync; echo 3 > /proc/sys/vm/drop_caches) before the limit, each save and
 each cold load. Checkpoints are removed through the mount between phases.
+Other jobs on the machine skew the figures: before each cold phase the
+bench waits up to --quiet-wait seconds for the CPUs to be < 15% busy, and
+it reports the CPUs other processes used during each phase; --repeat N
+runs every world size N times and reports medians (all runs in --json).
 """
 import argparse
 import ctypes
@@ -503,7 +511,10 @@ def _read_all(reads, buf):
             if path != cur:
                 if fd >= 0:
                     os.close(fd)
-                fd = os.open(path, os.O_RDONLY)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise OSError(e.errno, f"open {path}: {e.strerror}") from None
                 cur = path
             done = 0
             while done < ln:
