@@ -401,6 +401,16 @@ static int read_chunk(ckpt_ckpt_t *ck, const ckpt_tensor_meta_t *t,
   return rc;
 }
 
+/* Does chunk c of tensor t hold any byte of [off, off+size)? */
+static bool chunk_touches(const ckpt_tensor_meta_t *t,
+                          const ckpt_chunk_meta_t *c, uint64_t off,
+                          size_t size) {
+  uint64_t first, end;
+  ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim,
+                     ckpt_dtype_size(t->dtype), &first, &end);
+  return end > off && first < off + size;
+}
+
 typedef struct {
   uint32_t n;        /* pieces seen */
   ckpt_piece_t first;
@@ -441,10 +451,7 @@ int ckpt__committed_span(ckpt_ckpt_t *ck, const ckpt_node_t *n, size_t size,
     const ckpt_chunk_meta_t *hit = NULL;
     for (uint32_t i = 0; i < t->n_chunks; i++) {
       const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
-      uint64_t first, end;
-      ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim, isz,
-                         &first, &end);
-      if (end <= off || first >= off + size)
+      if (!chunk_touches(t, c, off, size))
         continue;
       if (hit)
         return 0; /* several chunks */
@@ -501,13 +508,9 @@ ssize_t ckpt__committed_read(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     return rc ? rc : (ssize_t)size;
   }
   const ckpt_tensor_meta_t *t = &m->tensors[n->u.tensor];
-  size_t isz = ckpt_dtype_size(t->dtype);
   for (uint32_t i = 0; i < t->n_chunks; i++) {
     const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
-    uint64_t first, end;
-    ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim, isz,
-                       &first, &end);
-    if (end <= off || first >= off + size)
+    if (!chunk_touches(t, c, off, size))
       continue;
     int rc = read_chunk(ck, t, c, buf, off, size);
     if (rc)

@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 
-from ckptfs_util import read_log, sanitizer_report  # noqa: F401
+from ckptfs_util import read_log, sanitizer_report, state, status, wait_state  # noqa: F401
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
@@ -256,23 +256,6 @@ def commit_all(world, names, mode="sync", ranks=None, timeout=180):
     return results
 
 
-def status(ckdir):
-    with open(os.path.join(ckdir, ".status")) as f:
-        return f.read()
-
-
-def state(ckdir):
-    return status(ckdir).split("\n", 1)[0].strip()
-
-
-def wait_state(ckdir, want=("committed", "failed"), timeout=180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = status(ckdir)
-        if s.split("\n", 1)[0].strip() in want:
-            return s
-        time.sleep(0.02)
-    raise TimeoutError(f"{ckdir}: still {status(ckdir)!r}")
 
 
 def write_file(path, data):
