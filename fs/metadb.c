@@ -547,7 +547,7 @@ static int parse_checksum(const char *s, uint64_t *out) {
 static int col_storage(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
                        int32_t *rank, uint32_t *file, uint64_t *file_offset,
                        uint64_t *length, uint64_t *checksum) {
-  int64_t rk, off, len;
+  int64_t rk = 0, off = 0, len = 0;
   int rc;
   if ((rc = col_int(ld, st, i, r, 0, ld->m->world_size - 1, &rk)) < 0 ||
       (rc = col_int(ld, st, i + 2, r, 0, INT64_MAX, &off)) < 0 ||
