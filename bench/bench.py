@@ -722,8 +722,9 @@ class World:
         deadline = time.time() + 60
         while not all(mounted(m) for m in self.mnts):
             if self.proc.poll() is not None or time.time() > deadline:
+                log = self.tail()
                 self.stop()
-                sys.exit("ckptfs did not mount: " + self.tail())
+                sys.exit("ckptfs did not mount: " + log)
             time.sleep(0.05)
         self.exe = os.path.realpath(binpath)
 

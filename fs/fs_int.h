@@ -46,7 +46,9 @@ typedef struct {
   uint64_t staging_mem;       /* bytes of RAM for staged data */
   double commit_timeout;      /* seconds */
   uint32_t io_threads;        /* data files written per rank */
+  uint64_t readahead;         /* the mount's kernel readahead, bytes; 0: as is */
   bool sync_files;            /* fsync data and metadata at commit */
+  bool direct_reads;          /* committed tensors bypass the mount's cache */
   ckpt_replica_check_t replica_check;
   bool foreground;            /* -f */
   bool show_help;             /* -h / --help */
@@ -68,6 +70,10 @@ int ckpt__parse_size(const char *s, uint64_t *out);
  * ---------------------------------------------------------------------- */
 #define CKPT_SEG_SHIFT 20 /* 1 MiB segments */
 #define CKPT_SEG_SIZE ((uint64_t)1 << CKPT_SEG_SHIFT)
+/* The largest read request: libfuse splices a reply only when header, data
+ * and three pages of slack fit in a pipe of pipe-max-size (1 MiB by
+ * default) and copies it through a fresh buffer otherwise. */
+#define CKPT_MAX_READ (CKPT_SEG_SIZE - 16384)
 
 typedef struct ckpt_staging ckpt_staging_t; /* the mount's memory budget */
 

@@ -13,10 +13,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <inttypes.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include "fs_int.h"
@@ -56,6 +59,50 @@ static int open_backing(ckpt_fs_t *fs) {
     return -1;
   }
   return 0;
+}
+
+typedef struct {
+  char *mountpoint;
+  uint64_t readahead;
+} readahead_job_t;
+
+/* FUSE mounts start with the kernel's 128 KiB readahead (the INIT reply
+ * can only lower it): a sequential load then costs one 128 KiB request per
+ * step. Raise it in the mount's bdi once INIT is done, which the stat of
+ * the mountpoint waits for (it needs the loop running, so this runs on a
+ * thread of its own). Root only; otherwise the kernel's value stays. */
+static void *raise_readahead(void *arg) {
+  readahead_job_t *job = arg;
+  struct stat st;
+  if (stat(job->mountpoint, &st) == 0) {
+    char path[96];
+    snprintf(path, sizeof(path), "/sys/class/bdi/%u:%u/read_ahead_kb",
+             major(st.st_dev), minor(st.st_dev));
+    FILE *f = fopen(path, "w");
+    if (f) {
+      fprintf(f, "%" PRIu64 "\n", job->readahead >> 10);
+      fclose(f);
+    }
+  }
+  free(job->mountpoint);
+  free(job);
+  return NULL;
+}
+
+static void start_readahead_tuning(const char *mountpoint, uint64_t bytes) {
+  readahead_job_t *job = malloc(sizeof(*job));
+  pthread_t t;
+  if (!job || bytes == 0 || !(job->mountpoint = strdup(mountpoint))) {
+    free(job);
+    return;
+  }
+  job->readahead = bytes;
+  if (pthread_create(&t, NULL, raise_readahead, job)) {
+    free(job->mountpoint);
+    free(job);
+    return;
+  }
+  pthread_detach(t);
 }
 
 int main(int argc, char **argv) {
@@ -108,6 +155,11 @@ int main(int argc, char **argv) {
   ckpt__storage_cleanup(&fs);
   ckpt__fs_load(&fs);
 
+  char max_read[32];
+  snprintf(max_read, sizeof(max_read), "-omax_read=%u",
+           (unsigned)CKPT_MAX_READ);
+  if (fuse_opt_add_arg(&args, max_read))
+    goto out;
   se = fuse_session_new(&args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops), &fs);
   if (!se) {
     /* libfuse said which option it did not know */
@@ -138,6 +190,7 @@ int main(int argc, char **argv) {
     goto out;
   fuse_loop_cfg_set_max_threads(loop, 64);
   fuse_loop_cfg_set_clone_fd(loop, 0);
+  start_readahead_tuning(mountpoint, fs.opts.readahead);
   int rc = fuse_session_loop_mt(se, loop);
   /* rc > 0 is the signal that stopped us (SIGTERM): a clean stop. */
   status = rc < 0 ? EXIT_FAILURE : EXIT_SUCCESS;

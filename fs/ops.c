@@ -32,6 +32,7 @@ typedef struct ckpt_handle {
   char *text;        /* STATUS text, or the readdir buffer */
   size_t len;
   bool writer;       /* a staged file opened for writing */
+  _Atomic uint64_t advised; /* committed node: readahead asked up to here */
   struct ckpt_handle *prev, *next; /* fs->handles; fs->lock */
 } handle_t;
 
@@ -426,6 +427,16 @@ static handle_t *new_handle(ckpt_node_t *n) {
   return h;
 }
 
+/* Staged files opened write-only skip the kernel's page cache: each write
+ * request carries the trainer's own pages, copied once, into staging or
+ * its stream, instead of first into cache pages the mount never reads
+ * back (and that would double the memory a save takes). O_RDWR keeps the
+ * cache, so a shared writable mmap (np.memmap "w+") still works. */
+static bool writes_direct(const ckpt_node_t *n,
+                          const struct fuse_file_info *fi) {
+  return n->kind == CKPT_NODE_SFILE && (fi->flags & O_ACCMODE) == O_WRONLY;
+}
+
 static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
                       mode_t mode, struct fuse_file_info *fi) {
   ckpt_fs_t *fs = fs_of(req);
@@ -463,7 +474,7 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     h->writer = n->kind == CKPT_NODE_SFILE;
     fill_entry(fs, n, &e);
     fi->fh = (uintptr_t)h;
-    fi->direct_io = n->kind == CKPT_NODE_COMMIT;
+    fi->direct_io = n->kind == CKPT_NODE_COMMIT || writes_direct(n, fi);
   }
   pthread_mutex_unlock(&fs->lock);
   if (rc)
@@ -633,6 +644,10 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
                              O_RDONLY | O_CLOEXEC)) < 0)
       rc = -errno;
     fi->keep_cache = 1;
+    /* Tensors and blobs: each read spliced from the data file's page
+     * cache straight into the reader's buffer, not first into a second
+     * cache of the same bytes (see direct_reads in options.c). */
+    fi->direct_io = fs->opts.direct_reads && n->kind != CKPT_NODE_METADATA;
   } else if (writing) { /* a staged file */
     if ((rc = staged_change_begin(fs, n->ck)) == 0) {
       if (fi->flags & O_TRUNC)
@@ -640,6 +655,7 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
       staged_change_end(n->ck);
     }
     h->writer = true;
+    fi->direct_io = writes_direct(n, fi);
   }
   if (rc) {
     free(h ? h->text : NULL);
@@ -694,6 +710,27 @@ static void fs_release(fuse_req_t req, fuse_ino_t ino,
   fuse_reply_err(req, 0);
 }
 
+#define READ_AHEAD ((uint64_t)8 << 20)
+
+/* Direct reads come one request at a time, each spliced from the data
+ * file as it is read: without help the disk reads each request only when
+ * it is asked for. Ask the kernel to read the next READ_AHEAD bytes of the
+ * node's run behind this one, in the background, and again halfway. */
+static void read_ahead(handle_t *h, uint64_t from) {
+  uint64_t done = atomic_load(&h->advised);
+  if (from + READ_AHEAD / 2 <= done)
+    return;
+  if (from < done)
+    from = done;
+  int fd;
+  uint64_t pos;
+  size_t len;
+  if (ckpt__committed_span(h->node->ck, h->node, READ_AHEAD, from, &fd, &pos,
+                           &len) == 1 &&
+      atomic_compare_exchange_strong(&h->advised, &done, from + len))
+    posix_fadvise(fd, (off_t)pos, (off_t)len, POSIX_FADV_WILLNEED);
+}
+
 static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi) {
   (void)ino;
@@ -718,6 +755,8 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
       return;
     }
     if (rc == 1) {
+      if (fs->opts.direct_reads)
+        read_ahead(h, (uint64_t)off + len);
       struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
       bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
       bv.buf[0].fd = fd;
@@ -1032,10 +1071,13 @@ static void fs_statfs(fuse_req_t req, fuse_ino_t ino) {
 
 static void fs_init(void *userdata, struct fuse_conn_info *conn) {
   (void)userdata;
-  /* Large requests: 1 MiB writes and readahead. */
+  /* Large requests: 1 MiB writes, ~1 MiB reads, and enough readahead requests
+   * in flight for the loop's threads to serve a sequential load in
+   * parallel (main.c raises the readahead window itself). */
   conn->max_write = (unsigned)CKPT_SEG_SIZE;
-  if (conn->max_readahead > CKPT_SEG_SIZE)
-    conn->max_readahead = (unsigned)CKPT_SEG_SIZE;
+  conn->max_read = (unsigned)CKPT_MAX_READ; /* as main.c's max_read= */
+  conn->max_background = 32;
+  conn->congestion_threshold = 24;
   if (conn->capable & FUSE_CAP_ASYNC_READ)
     conn->want |= FUSE_CAP_ASYNC_READ;
   if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)

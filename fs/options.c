@@ -20,7 +20,9 @@ enum {
   KEY_STAGING_MEM,
   KEY_COMMIT_TIMEOUT,
   KEY_IO_THREADS,
+  KEY_READAHEAD,
   KEY_SYNC_FILES,
+  KEY_DIRECT_READS,
   KEY_REPLICA_CHECK,
   KEY_FOREGROUND,
   KEY_HELP,
@@ -31,7 +33,9 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("staging_mem=", KEY_STAGING_MEM),
     FUSE_OPT_KEY("commit_timeout=", KEY_COMMIT_TIMEOUT),
     FUSE_OPT_KEY("io_threads=", KEY_IO_THREADS),
+    FUSE_OPT_KEY("readahead=", KEY_READAHEAD),
     FUSE_OPT_KEY("sync_files=", KEY_SYNC_FILES),
+    FUSE_OPT_KEY("direct_reads=", KEY_DIRECT_READS),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
@@ -60,8 +64,16 @@ void ckpt__opts_help(void) {
       "(default: 600)\n"
       "  -o io_threads=N         threads writing data files per rank, 1-256 "
       "(default: 4)\n"
+      "  -o readahead=SIZE       kernel readahead of the mount, up to 1G; 0 "
+      "keeps the\n"
+      "                          kernel's (default: 16M; needs root, else "
+      "ignored)\n"
       "  -o sync_files=0|1       fsync data and metadata before a commit "
       "succeeds (default: 1)\n"
+      "  -o direct_reads=0|1     committed tensors read straight from the "
+      "data files'\n"
+      "                          cache, not cached twice; 0 allows shared "
+      "mmap (default: 1)\n"
       "  -o replica_check=error|warn|off\n"
       "                          replicas of one chunk that differ between "
       "ranks (default: error)\n"
@@ -159,11 +171,20 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "io_threads", val, "1 to 256");
     o->io_threads = (uint32_t)v;
     return 0;
-  case KEY_SYNC_FILES:
-    if (strcmp(val, "0") && strcmp(val, "1"))
-      return bad(ps, "sync_files", val, "0 or 1");
-    o->sync_files = val[0] == '1';
+  case KEY_READAHEAD:
+    if (ckpt__parse_size(val, &v) || v > ((uint64_t)1 << 30))
+      return bad(ps, "readahead", val, "a size up to 1G, like 16M, or 0");
+    o->readahead = v;
     return 0;
+  case KEY_SYNC_FILES:
+  case KEY_DIRECT_READS: {
+    const char *name = key == KEY_SYNC_FILES ? "sync_files" : "direct_reads";
+    if (strcmp(val, "0") && strcmp(val, "1"))
+      return bad(ps, name, val, "0 or 1");
+    *(key == KEY_SYNC_FILES ? &o->sync_files : &o->direct_reads) =
+        val[0] == '1';
+    return 0;
+  }
   case KEY_REPLICA_CHECK:
     if (!strcmp(val, "error"))
       o->replica_check = CKPT_REPLICA_ERROR;
@@ -209,7 +230,9 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   o->staging_mem = default_staging_mem();
   o->commit_timeout = 600;
   o->io_threads = 4;
+  o->readahead = (uint64_t)16 << 20;
   o->sync_files = true;
+  o->direct_reads = true;
   o->replica_check = CKPT_REPLICA_ERROR;
   parse_state_t ps = {.o = o};
   if (fuse_opt_parse(args, &ps, opt_spec, opt_proc) == -1 && !ps.err)
