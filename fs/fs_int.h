@@ -49,6 +49,7 @@ typedef struct {
   uint64_t readahead;         /* the mount's kernel readahead, bytes; 0: as is */
   bool sync_files;            /* fsync data and metadata at commit */
   bool direct_reads;          /* committed tensors bypass the mount's cache */
+  bool verify;                /* check each chunk's XXH3 before serving it */
   ckpt_replica_check_t replica_check;
   bool foreground;            /* -f */
   bool show_help;             /* -h / --help */
@@ -300,7 +301,12 @@ struct ckpt_ckpt {
                              opened on first read, -1 until then */
   uint32_t fds_stride;    /* files per rank in fds */
   uint32_t nfds;
+  _Atomic uint8_t *verified; /* verify=1: CKPT_CHUNK_* of each chunk, then
+                                each blob (n_chunks + n_blobs); else NULL */
 };
+
+/* What verify=1 knows of a stored chunk or blob. */
+enum { CKPT_CHUNK_UNCHECKED, CKPT_CHUNK_GOOD, CKPT_CHUNK_BAD };
 
 struct ckpt_fs {
   ckpt_opts_t opts;
@@ -389,6 +395,14 @@ ssize_t ckpt__committed_read(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
  * assembled (ckpt__committed_read), < 0 on error. */
 int ckpt__committed_span(ckpt_ckpt_t *ck, const ckpt_node_t *n, size_t size,
                          uint64_t off, int *fd, uint64_t *pos, size_t *len);
+/* verify=1: check the XXH3-64 of every chunk (or the blob) that
+ * [off, off+size) of committed node n touches, once per chunk. 0, or -EIO
+ * when one does not match (logged with its FQN, rank and file). */
+int ckpt__committed_verify(ckpt_ckpt_t *ck, const ckpt_node_t *n,
+                           size_t size, uint64_t off);
+/* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends
+ * first, or -errno of the read (verify.c; ckptfs-fsck uses it too). */
+int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
 /* st_size of a committed node. */
 uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n);
 

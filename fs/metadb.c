@@ -949,3 +949,50 @@ cleanup:
     ckpt_metadata_free(out);
   return rc;
 }
+
+int ckpt_metadb_check(const char *metadata_path, char **err) {
+  assert(metadata_path != NULL && err != NULL);
+  *err = NULL;
+  loader_t ld = {.path = metadata_path, .err = err};
+  sqlite3_stmt *st = NULL;
+  int rc = 0, src;
+  char *uri = immutable_uri(metadata_path);
+  if (uri == NULL) {
+    rc = nomem(&ld);
+    goto cleanup;
+  }
+  src = sqlite3_open_v2(
+      uri, &ld.db, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX,
+      NULL);
+  if (src == SQLITE_OK)
+    src = sqlite3_prepare_v2(ld.db, "PRAGMA integrity_check(8)", -1, &st,
+                             NULL);
+  if (src != SQLITE_OK) {
+    rc = lfail(&ld, src);
+    goto cleanup;
+  }
+  /* One row "ok", or up to 8 rows naming what is wrong. */
+  ckpt_buf_t msg;
+  ckpt_buf_init(&msg);
+  while ((src = sqlite3_step(st)) == SQLITE_ROW) {
+    const char *line = (const char *)sqlite3_column_text(st, 0);
+    if (line && strcmp(line, "ok"))
+      ckpt_buf_printf(&msg, "%s%s", msg.len ? "; " : "", line);
+  }
+  if (src != SQLITE_DONE) {
+    ckpt_buf_free(&msg);
+    rc = lfail(&ld, src);
+  } else if (msg.len) {
+    rc = set_err(err, -EINVAL, "%s: integrity check: %s", metadata_path,
+                 (const char *)msg.data);
+    ckpt_buf_free(&msg);
+  } else {
+    ckpt_buf_free(&msg);
+  }
+
+cleanup:
+  sqlite3_finalize(st);
+  sqlite3_close(ld.db);
+  free(uri);
+  return rc;
+}

@@ -53,4 +53,10 @@ int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
 int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
                      char **err);
 
+/*
+ * SQLite's own integrity check of a .metadata file (b-trees, indexes, free
+ * list): 0, or a negative errno with *err (malloc'd) saying what is wrong.
+ */
+int ckpt_metadb_check(const char *metadata_path, char **err);
+
 #endif /* CKPT_METADB_H */

@@ -277,6 +277,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
     if (ck->fds[i] >= 0)
       close(ck->fds[i]);
   free(ck->fds);
+  free((void *)ck->verified);
   if (ck->dirfd >= 0)
     close(ck->dirfd);
   free(ck->reason);
@@ -347,6 +348,14 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   }
   for (uint32_t i = 0; i < nfds; i++)
     fds[i] = -1;
+  _Atomic uint8_t *verified = NULL;
+  if (fs->opts.verify &&
+      !(verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
+                          sizeof(*verified)))) {
+    free(fds);
+    *err = strdup("out of memory");
+    return -ENOMEM;
+  }
 
   /* Drop the staged view, keep .commit and .status. */
   for (ckpt_node_t *c = ck->dir->children, *nx; c; c = nx) {
@@ -357,6 +366,7 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   ck->meta = meta;
   ck->dirfd = dirfd;
   ck->fds = fds;
+  ck->verified = verified;
   ck->fds_stride = stride;
   ck->nfds = nfds;
   struct timespec when = {.tv_sec = meta->created_at};

@@ -743,6 +743,11 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     return;
   }
   if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
+    int bad = ckpt__committed_verify(n->ck, n, size, (uint64_t)off);
+    if (bad) {
+      fuse_reply_err(req, -bad);
+      return;
+    }
     /* One contiguous run of a data file (a blob, a row shard): spliced
      * from the file's page cache, no copy here. */
     int fd;

@@ -23,6 +23,7 @@ enum {
   KEY_READAHEAD,
   KEY_SYNC_FILES,
   KEY_DIRECT_READS,
+  KEY_VERIFY,
   KEY_REPLICA_CHECK,
   KEY_FOREGROUND,
   KEY_HELP,
@@ -36,6 +37,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("readahead=", KEY_READAHEAD),
     FUSE_OPT_KEY("sync_files=", KEY_SYNC_FILES),
     FUSE_OPT_KEY("direct_reads=", KEY_DIRECT_READS),
+    FUSE_OPT_KEY("verify=", KEY_VERIFY),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
@@ -74,6 +76,9 @@ void ckpt__opts_help(void) {
       "data files'\n"
       "                          cache, not cached twice; 0 allows shared "
       "mmap (default: 1)\n"
+      "  -o verify=0|1           check each chunk's XXH3-64 before a read "
+      "serves it;\n"
+      "                          EIO on a mismatch (default: 0)\n"
       "  -o replica_check=error|warn|off\n"
       "                          replicas of one chunk that differ between "
       "ranks (default: error)\n"
@@ -177,12 +182,17 @@ static int opt_proc(void *data, const char *arg, int key,
     o->readahead = v;
     return 0;
   case KEY_SYNC_FILES:
-  case KEY_DIRECT_READS: {
-    const char *name = key == KEY_SYNC_FILES ? "sync_files" : "direct_reads";
+  case KEY_DIRECT_READS:
+  case KEY_VERIFY: {
+    bool *flag = key == KEY_SYNC_FILES     ? &o->sync_files
+                 : key == KEY_DIRECT_READS ? &o->direct_reads
+                                           : &o->verify;
     if (strcmp(val, "0") && strcmp(val, "1"))
-      return bad(ps, name, val, "0 or 1");
-    *(key == KEY_SYNC_FILES ? &o->sync_files : &o->direct_reads) =
-        val[0] == '1';
+      return bad(ps, key == KEY_SYNC_FILES     ? "sync_files"
+                     : key == KEY_DIRECT_READS ? "direct_reads"
+                                               : "verify",
+                 val, "0 or 1");
+    *flag = val[0] == '1';
     return 0;
   }
   case KEY_REPLICA_CHECK:

@@ -12,6 +12,7 @@
 #include <assert.h>
 #include <dirent.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -477,6 +478,64 @@ int ckpt__committed_span(ckpt_ckpt_t *ck, const ckpt_node_t *n, size_t size,
   *pos = at;
   *len = size;
   return 1;
+}
+
+/* Check stored chunk or blob i of ck (verified[i]) once: 0 or -EIO. */
+static int verify_stored(ckpt_ckpt_t *ck, uint32_t i, const char *fqn,
+                         int32_t rank, uint32_t file, uint64_t pos,
+                         uint64_t len, uint64_t want) {
+  uint8_t known = atomic_load(&ck->verified[i]);
+  if (known != CKPT_CHUNK_UNCHECKED)
+    return known == CKPT_CHUNK_GOOD ? 0 : -EIO;
+  int fd = data_fd(ck, rank, file);
+  if (fd < 0)
+    return fd;
+  uint64_t got = 0;
+  int rc = ckpt__stored_checksum(fd, pos, len, &got);
+  if (rc == -ENODATA || (rc == 0 && got != want)) {
+    char name[64];
+    ckpt_data_file_name(rank, file, name, sizeof(name));
+    if (rc)
+      ckpt__log("%s: %s: rank %d, %s: truncated (bytes %" PRIu64
+                "..%" PRIu64 " missing)", ck->name, fqn, rank, name, pos,
+                pos + len);
+    else
+      ckpt__log("%s: %s: rank %d, %s at %" PRIu64 ": checksum %016" PRIx64
+                ", stored %016" PRIx64, ck->name, fqn, rank, name, pos, got,
+                want);
+    atomic_store(&ck->verified[i], CKPT_CHUNK_BAD);
+    return -EIO;
+  }
+  if (rc)
+    return rc; /* a read error: not known bad, try again next time */
+  atomic_store(&ck->verified[i], CKPT_CHUNK_GOOD);
+  return 0;
+}
+
+int ckpt__committed_verify(ckpt_ckpt_t *ck, const ckpt_node_t *n,
+                           size_t size, uint64_t off) {
+  const ckpt_metadata_t *m = ck->meta;
+  uint64_t total = ckpt__committed_size(ck, n);
+  if (!ck->verified || off >= total || size == 0)
+    return 0;
+  if (size > total - off)
+    size = (size_t)(total - off);
+  if (n->kind == CKPT_NODE_CBLOB) {
+    const ckpt_blob_meta_t *b = &m->blobs[n->u.blob];
+    return verify_stored(ck, m->n_chunks + n->u.blob, b->fqn, b->rank,
+                         b->file, b->file_offset, b->length, b->checksum);
+  }
+  const ckpt_tensor_meta_t *t = &m->tensors[n->u.tensor];
+  for (uint32_t i = 0; i < t->n_chunks; i++) {
+    const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+    if (!chunk_touches(t, c, off, size))
+      continue;
+    int rc = verify_stored(ck, t->first_chunk + i, t->fqn, c->rank, c->file,
+                           c->file_offset, c->length, c->checksum);
+    if (rc)
+      return rc;
+  }
+  return 0;
 }
 
 uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n) {

@@ -245,6 +245,7 @@ class Options(CkptfsTestCase):
                     "io_threads=0", "io_threads=x", "io_threads=-1", "io_threads=100000",
                     "sync_files=2", "sync_files=yes", "replica_check=maybe",
                     "direct_reads=2", "direct_reads=", "readahead=2G", "readahead=x",
+                    "verify=yes", "verify=",
                     "commit_timeout=-1", "commit_timeout=abc", "commit_timeout=0",
                     "no_such_option", "no_such_option=1"]:
             r = self.run_bin("-f", "-o", bad, self.backing, self.mnt)

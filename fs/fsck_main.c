@@ -1,0 +1,248 @@
+/*
+ * fsck_main.c - ckptfs-fsck, the offline checker of a backing directory.
+ *
+ *   ckptfs-fsck BACKING_DIR [NAME...]
+ *
+ * Without a mount: loads each committed checkpoint's .metadata (with every
+ * consistency check a mount makes), then reads every chunk and blob from
+ * its data file and compares its XXH3-64 with the stored one. Each problem
+ * is one line naming the checkpoint, the FQN (and the chunk's offsets),
+ * the rank and the data file. Exit status: 0 all checked checkpoints are
+ * intact, 1 something is damaged or missing, 2 usage or BACKING_DIR
+ * unreadable. Directories without .metadata (a save that was interrupted;
+ * the next mount removes them) are listed, not counted as damage.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+#include "metadb.h"
+
+#define EXIT_DAMAGED 1
+#define EXIT_USAGE 2
+
+typedef struct {
+  const char *name;  /* checkpoint */
+  int dirfd;
+  int fds[64];       /* open data files, by slot; -1 */
+  char files[64][64];
+  uint32_t nfds;
+  uint32_t problems;
+  uint64_t bytes;    /* checked */
+} check_t;
+
+static void usage(FILE *to) {
+  fprintf(to,
+          "usage: ckptfs-fsck BACKING_DIR [NAME...]\n"
+          "\n"
+          "Check committed checkpoints in BACKING_DIR without mounting: the\n"
+          ".metadata of each, and the XXH3-64 of every chunk and blob in its\n"
+          "data files. Without NAME, every checkpoint there. Exit status 0:\n"
+          "intact; 1: a problem was found (each is printed); 2: usage or\n"
+          "BACKING_DIR unreadable.\n");
+}
+
+static void problem(check_t *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void problem(check_t *c, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  printf("%s: ", c->name);
+  vprintf(fmt, ap);
+  putchar('\n');
+  va_end(ap);
+  c->problems++;
+}
+
+/* The fd of data file name, opened once; -1 (reported) when it cannot be. */
+static int data_file(check_t *c, const char *name, const char *what) {
+  for (uint32_t i = 0; i < c->nfds; i++)
+    if (!strcmp(c->files[i], name))
+      return c->fds[i];
+  int fd = openat(c->dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0)
+    problem(c, "%s: %s: %s", what, name, strerror(errno));
+  if (c->nfds < sizeof(c->fds) / sizeof(c->fds[0])) {
+    snprintf(c->files[c->nfds], sizeof(c->files[0]), "%s", name);
+    c->fds[c->nfds++] = fd;
+  }
+  return fd;
+}
+
+/* Check one chunk or blob; what names it ("FQN [offsets], rank R"). */
+static void check_stored(check_t *c, const char *what, int32_t rank,
+                         uint32_t file, uint64_t pos, uint64_t len,
+                         uint64_t want) {
+  char name[64];
+  ckpt_data_file_name(rank, file, name, sizeof(name));
+  int fd = data_file(c, name, what);
+  if (fd < 0)
+    return;
+  uint64_t got = 0;
+  int rc = ckpt__stored_checksum(fd, pos, len, &got);
+  if (rc == -ENODATA) {
+    struct stat st;
+    problem(c, "%s: %s: truncated: the chunk is bytes %" PRIu64 "..%" PRIu64
+               ", the file has %lld",
+            what, name, pos, pos + len,
+            fstat(fd, &st) ? -1LL : (long long)st.st_size);
+  } else if (rc) {
+    problem(c, "%s: %s: read error: %s", what, name, strerror(-rc));
+  } else if (got != want) {
+    problem(c, "%s: %s at %" PRIu64 ": checksum mismatch (stored %016" PRIx64
+               ", data %016" PRIx64 ")",
+            what, name, pos, want, got);
+  } else {
+    c->bytes += len;
+  }
+}
+
+/* "[o1,o2,...]" of a chunk. */
+static void offsets_text(const int64_t *dims, int ndim, char *buf, size_t cap) {
+  size_t at = (size_t)snprintf(buf, cap, "[");
+  for (int d = 0; d < ndim && at < cap; d++)
+    at += (size_t)snprintf(buf + at, cap - at, "%s%" PRId64, d ? "," : "",
+                           dims[d]);
+  if (at < cap)
+    snprintf(buf + at, cap - at, "]");
+}
+
+/* 0 intact, 1 damaged. */
+static int check_checkpoint(int backing_fd, const char *backing,
+                            const char *name) {
+  check_t c = {.name = name, .dirfd = -1};
+  char path[PATH_MAX];
+  struct stat st;
+  if (fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) ||
+      !S_ISDIR(st.st_mode)) {
+    printf("%s: no such checkpoint in %s\n", name, backing);
+    return 1;
+  }
+  snprintf(path, sizeof(path), "%s/%s/%s", backing, name,
+           CKPT_METADATA_FILE);
+  if (access(path, F_OK)) {
+    printf("%s: not committed (no %s: an interrupted save, removed by the "
+           "next mount)\n", name, CKPT_METADATA_FILE);
+    return 0;
+  }
+  ckpt_metadata_t m = {0};
+  char *err = NULL;
+  if (ckpt_metadb_check(path, &err) || ckpt_metadb_load(path, &m, &err)) {
+    problem(&c, "%s is damaged: %s", CKPT_METADATA_FILE,
+            err ? err : "cannot be read");
+    free(err);
+    return 1;
+  }
+  c.dirfd = openat(backing_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  if (c.dirfd < 0) {
+    problem(&c, "cannot open: %s", strerror(errno));
+    ckpt_metadata_free(&m);
+    return 1;
+  }
+  char what[PATH_MAX + 600], offs[512];
+  for (uint32_t t = 0; t < m.n_tensors; t++) {
+    const ckpt_tensor_meta_t *tm = &m.tensors[t];
+    for (uint32_t i = 0; i < tm->n_chunks; i++) {
+      const ckpt_chunk_meta_t *ch = &m.chunks[tm->first_chunk + i];
+      offsets_text(ch->dims, tm->ndim, offs, sizeof(offs));
+      snprintf(what, sizeof(what), "tensor %s chunk %s, rank %d", tm->fqn,
+               offs, ch->rank);
+      check_stored(&c, what, ch->rank, ch->file, ch->file_offset, ch->length,
+                   ch->checksum);
+    }
+  }
+  for (uint32_t b = 0; b < m.n_blobs; b++) {
+    const ckpt_blob_meta_t *bm = &m.blobs[b];
+    snprintf(what, sizeof(what), "blob %s, rank %d", bm->fqn, bm->rank);
+    check_stored(&c, what, bm->rank, bm->file, bm->file_offset, bm->length,
+                 bm->checksum);
+  }
+  if (c.problems == 0)
+    printf("%s: ok: %u tensors in %u chunks, %u blobs, world size %d, %" PRIu64
+           " bytes checked\n",
+           name, m.n_tensors, m.n_chunks, m.n_blobs, m.world_size, c.bytes);
+  else
+    printf("%s: DAMAGED: %u problems\n", name, c.problems);
+  for (uint32_t i = 0; i < c.nfds; i++)
+    if (c.fds[i] >= 0)
+      close(c.fds[i]);
+  close(c.dirfd);
+  ckpt_metadata_free(&m);
+  return c.problems ? 1 : 0;
+}
+
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
+    usage(stdout);
+    return EXIT_SUCCESS;
+  }
+  if (argc < 2 || argv[1][0] == '-') {
+    usage(stderr);
+    return EXIT_USAGE;
+  }
+  const char *backing = argv[1];
+  int backing_fd = open(backing, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (backing_fd < 0) {
+    fprintf(stderr, "ckptfs-fsck: cannot open BACKING_DIR %s: %s\n", backing,
+            strerror(errno));
+    return EXIT_USAGE;
+  }
+  int damaged = 0;
+  if (argc > 2) {
+    for (int i = 2; i < argc; i++) {
+      if (!ckpt_name_valid(argv[i])) {
+        printf("%s: not a checkpoint name\n", argv[i]);
+        damaged = 1;
+        continue;
+      }
+      damaged |= check_checkpoint(backing_fd, backing, argv[i]);
+    }
+  } else {
+    DIR *d = fdopendir(dup(backing_fd));
+    if (!d) {
+      fprintf(stderr, "ckptfs-fsck: cannot list %s: %s\n", backing,
+              strerror(errno));
+      close(backing_fd);
+      return EXIT_USAGE;
+    }
+    char **names = NULL;
+    size_t n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+      char **grown;
+      if (!ckpt_name_valid(e->d_name) ||
+          !(grown = realloc(names, (n + 1) * sizeof(*names))))
+        continue;
+      names = grown;
+      if ((names[n] = strdup(e->d_name)) != NULL)
+        n++;
+    }
+    closedir(d);
+    qsort(names, n, sizeof(*names), by_name);
+    for (size_t i = 0; i < n; i++) {
+      struct stat st;
+      if (fstatat(backing_fd, names[i], &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+          S_ISDIR(st.st_mode))
+        damaged |= check_checkpoint(backing_fd, backing, names[i]);
+      free(names[i]);
+    }
+    free(names);
+    if (n == 0)
+      printf("%s: no checkpoints\n", backing);
+  }
+  close(backing_fd);
+  return damaged ? EXIT_DAMAGED : EXIT_SUCCESS;
+}

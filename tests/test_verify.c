@@ -1,0 +1,92 @@
+/* Unit tests of verify.c: the XXH3-64 of a byte range of a file. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cmocka.h>
+
+#include "fs_int.h"
+
+/* A temporary file holding n pseudo-random bytes, also copied to *data. */
+static int temp_file(size_t n, uint8_t **data) {
+  char path[] = "/tmp/ckpt-verify-XXXXXX";
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  unlink(path);
+  uint8_t *d = malloc(n ? n : 1);
+  assert_non_null(d);
+  uint64_t x = 0x9e3779b97f4a7c15u;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    d[i] = (uint8_t)x;
+  }
+  assert_int_equal(write(fd, d, n), (ssize_t)n);
+  *data = d;
+  return fd;
+}
+
+static void ranges_match_one_shot_hash(void **state) {
+  (void)state;
+  size_t n = (3u << 20) + 12345; /* several 1 MiB reads, a ragged end */
+  uint8_t *d;
+  int fd = temp_file(n, &d);
+  const uint64_t ranges[][2] = {
+      {0, n}, {0, 0}, {1, 1}, {4095, (1u << 20) + 2}, {n - 7, 7}, {100, n - 100}};
+  for (size_t i = 0; i < sizeof(ranges) / sizeof(ranges[0]); i++) {
+    uint64_t got = 1;
+    assert_int_equal(ckpt__stored_checksum(fd, ranges[i][0], ranges[i][1], &got), 0);
+    assert_true(got == XXH3_64bits(d + ranges[i][0], ranges[i][1]));
+  }
+  free(d);
+  close(fd);
+}
+
+static void a_range_past_the_end_is_nodata(void **state) {
+  (void)state;
+  uint8_t *d;
+  int fd = temp_file(5000, &d);
+  uint64_t got = 7;
+  assert_int_equal(ckpt__stored_checksum(fd, 4000, 1001, &got), -ENODATA);
+  assert_int_equal(ckpt__stored_checksum(fd, 6000, 1, &got), -ENODATA);
+  assert_true(got == 7); /* untouched on failure */
+  free(d);
+  close(fd);
+}
+
+static void a_flipped_bit_changes_the_sum(void **state) {
+  (void)state;
+  uint8_t *d;
+  int fd = temp_file(70000, &d);
+  uint64_t before, after;
+  assert_int_equal(ckpt__stored_checksum(fd, 0, 70000, &before), 0);
+  d[65536] ^= 0x10;
+  assert_int_equal(pwrite(fd, d + 65536, 1, 65536), 1);
+  assert_int_equal(ckpt__stored_checksum(fd, 0, 70000, &after), 0);
+  assert_true(before != after);
+  assert_true(after == XXH3_64bits(d, 70000));
+  free(d);
+  close(fd);
+}
+
+static void a_bad_fd_is_an_error(void **state) {
+  (void)state;
+  uint64_t got;
+  assert_int_equal(ckpt__stored_checksum(-1, 0, 10, &got), -EBADF);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(ranges_match_one_shot_hash),
+      cmocka_unit_test(a_range_past_the_end_is_nodata),
+      cmocka_unit_test(a_flipped_bit_changes_the_sum),
+      cmocka_unit_test(a_bad_fd_is_an_error),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
