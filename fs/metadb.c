@@ -917,34 +917,33 @@ static char *immutable_uri(const char *path) {
   return uri;
 }
 
+/* Open ld->path read-only and immutable into ld->db: 0 or -errno. */
+static int open_readonly(loader_t *ld) {
+  char *uri = immutable_uri(ld->path);
+  if (uri == NULL)
+    return nomem(ld);
+  int src = sqlite3_open_v2(
+      uri, &ld->db,
+      SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX, NULL);
+  free(uri);
+  return src == SQLITE_OK ? 0 : lfail(ld, src);
+}
+
 int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
                      char **err) {
   assert(metadata_path != NULL && out != NULL && err != NULL);
   *err = NULL;
   memset(out, 0, sizeof(*out));
   loader_t ld = {.path = metadata_path, .err = err, .m = out};
-  int rc = 0, src;
-
-  char *uri = immutable_uri(metadata_path);
-  if (uri == NULL) {
-    rc = nomem(&ld);
-    goto cleanup;
-  }
-  src = sqlite3_open_v2(
-      uri, &ld.db, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX,
-      NULL);
-  if (src != SQLITE_OK) {
-    rc = lfail(&ld, src);
-    goto cleanup;
-  }
-  if ((rc = load_checkpoint(&ld)) < 0 || (rc = load_tensors(&ld)) < 0 ||
-      (rc = load_chunks(&ld)) < 0 || (rc = load_blobs(&ld)) < 0)
+  int rc = open_readonly(&ld);
+  if (rc < 0 || (rc = load_checkpoint(&ld)) < 0 ||
+      (rc = load_tensors(&ld)) < 0 || (rc = load_chunks(&ld)) < 0 ||
+      (rc = load_blobs(&ld)) < 0)
     goto cleanup;
   group_chunks(out);
 
 cleanup:
   sqlite3_close(ld.db);
-  free(uri);
   if (rc < 0)
     ckpt_metadata_free(out);
   return rc;
@@ -955,18 +954,10 @@ int ckpt_metadb_check(const char *metadata_path, char **err) {
   *err = NULL;
   loader_t ld = {.path = metadata_path, .err = err};
   sqlite3_stmt *st = NULL;
-  int rc = 0, src;
-  char *uri = immutable_uri(metadata_path);
-  if (uri == NULL) {
-    rc = nomem(&ld);
+  int rc = open_readonly(&ld), src;
+  if (rc < 0)
     goto cleanup;
-  }
-  src = sqlite3_open_v2(
-      uri, &ld.db, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX,
-      NULL);
-  if (src == SQLITE_OK)
-    src = sqlite3_prepare_v2(ld.db, "PRAGMA integrity_check(8)", -1, &st,
-                             NULL);
+  src = sqlite3_prepare_v2(ld.db, "PRAGMA integrity_check(8)", -1, &st, NULL);
   if (src != SQLITE_OK) {
     rc = lfail(&ld, src);
     goto cleanup;
@@ -993,6 +984,5 @@ int ckpt_metadb_check(const char *metadata_path, char **err) {
 cleanup:
   sqlite3_finalize(st);
   sqlite3_close(ld.db);
-  free(uri);
   return rc;
 }
