@@ -14,4 +14,5 @@ cmake --build build -j"$jobs"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j1)
+scripts/fuzz.sh 20  # a bounded libFuzzer run of every parser
 echo "all tests passed"
