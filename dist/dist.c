@@ -615,8 +615,13 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     goto out;
   }
 
-  /* 6. a failed save leaves nothing behind */
+  /* 6. a failed save leaves nothing behind. A rank that missed the RESULT
+   * deadline is not waited for again: if it died, that would hold every
+   * rank's answer for another commit_timeout; if it is only slow, it gets
+   * the OUTCOME sent above and removes its own files. */
   ops->discard_step(d->ctx, job, false);
+  for (int r = 1; r < n; r++)
+    plans[r].in = plans[r].in && results[r].in;
   for (int r = 0; r < n; r++)
     ckpt_buf_free(&results[r].msg), results[r].in = false;
   collect(d, CKPT__TAG_DISCARDED, round, now() + d->commit_timeout, plans,

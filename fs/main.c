@@ -22,6 +22,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include "failpoint.h"
 #include "fs_int.h"
 
 #define EXIT_USAGE 2
@@ -140,6 +141,11 @@ int main(int argc, char **argv) {
   }
   fs.rank = ckpt_dist_rank(fs.dist);
   fs.world_size = ckpt_dist_size(fs.dist);
+  const char *why = NULL;
+  if (ckpt_failpoint_setup(fs.rank, &why)) {
+    fprintf(stderr, "ckptfs: %s\n", why);
+    goto out;
+  }
   mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
   if (mountpoint) {
     /* Absolute, like other FUSE filesystems: a daemon works in / and

@@ -33,6 +33,7 @@
 
 #include <sqlite3.h>
 
+#include "failpoint.h"
 #include "metadb.h"
 
 /* Longest JSON dims list: 19 digits and a comma per value, brackets, NUL. */
@@ -381,12 +382,14 @@ int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
   if (rc < 0)
     goto cleanup;
   /* 3. */
+  ckpt_failpoint("metadata_tmp");
   if (rename(tmp, dst) < 0) {
     rc = set_err(err, -errno, "renaming %s to %s: %s", tmp, dst,
                  strerror(errno));
     goto cleanup;
   }
   renamed = true;
+  ckpt_failpoint("metadata_rename");
   /* 4. */
   if (sync) {
     int dfd = open(ckpt_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "failpoint.h"
 #include "fs_int.h"
 #include "metadb.h"
 
@@ -276,6 +277,7 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
     *err = ckpt__strdup_printf("rank %d: building the local plan: %s",
                                fs->rank, strerror(-rc));
   ckpt_local_plan_free(&lp);
+  ckpt_failpoint("local_plan");
   return rc;
 }
 
@@ -350,6 +352,7 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
   for (int r = 0; r < n; r++)
     ckpt_local_plan_free(&locals[r]);
   free(locals);
+  ckpt_failpoint("global_plan");
   return rc;
 }
 
@@ -386,6 +389,7 @@ static int flush_batch(writer_t *w) {
     }
     off += (uint64_t)r;
     atomic_fetch_add(&w->s->ck->bytes_done, (uint64_t)r);
+    ckpt_failpoint("write_data");
     while (niov > 0 && (size_t)r >= iov->iov_len) {
       r -= (ssize_t)iov->iov_len;
       iov++, niov--;
@@ -529,6 +533,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
       (rc = ckpt__streams_link(s->ck->streams, s->stream_used, s->dirfd,
                                err)) != 0)
     return rc;
+  ckpt_failpoint("write_begin");
   rc = ckpt__pool_run(fs->pool, s->rp.n_files, write_file, s);
   if (rc) {
     char name[64] = "data files";
@@ -540,6 +545,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
                                strerror(-rc));
     return rc;
   }
+  ckpt_failpoint("write_done");
   ckpt_write_result_t wr = {.rank = fs->rank, .bytes_written = total};
   return ckpt_msg_encode_write_result(&wr, out);
 }
@@ -580,12 +586,15 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
     *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
                                strerror(errno));
   }
+  if (rc == 0)
+    ckpt_failpoint("metadata_synced");
   return rc;
 }
 
 static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
+  ckpt_failpoint("discard");
   if (!all_done) {
     for (uint32_t k = 0; s->have_rp && s->dirfd >= 0 && k < s->rp.n_files;
          k++) {
@@ -637,6 +646,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
   }
   ckpt__staging_tidy(fs->backing_fd);
+  if (rc == 0)
+    ckpt_failpoint("committed");
   if (s->sync) {
     if (rc == 0)
       fuse_reply_write(s->req, s->reply_size);

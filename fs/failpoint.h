@@ -1,0 +1,32 @@
+/*
+ * failpoint.h - named points of the save protocol where a test can make
+ * this daemon die, to prove what a crash there leaves behind.
+ *
+ * CKPTFS_FAILPOINT=NAME[:N][@RANK] in the daemon's environment: the N-th
+ * time (default 1st) that rank RANK (default: every rank) passes the point
+ * NAME, the daemon kills itself with SIGKILL: no handler, no cleanup, no
+ * unmount, as after a crash or the OOM killer. Unset (production), a point
+ * costs one load and a branch. The names (in protocol order):
+ *
+ *   local_plan       the local plan is built, not yet sent
+ *   global_plan      coordinator: the global plan is made, not yet sent
+ *   write_begin      the rank's plan arrived, its data files are not written
+ *   write_data       one batch of data bytes is in a data file (use :N)
+ *   write_done       the data files are complete (and synced), unreported
+ *   metadata_tmp     coordinator: .metadata.tmp is complete, not renamed
+ *   metadata_rename  coordinator: renamed to .metadata, directory not synced
+ *   metadata_synced  coordinator: published and synced, ranks not told
+ *   committed        the committed view is shown, the writer not answered
+ *   discard          a failed save is about to remove what it wrote
+ */
+#ifndef CKPT_FAILPOINT_H
+#define CKPT_FAILPOINT_H
+
+/* Read CKPTFS_FAILPOINT for this rank; 0, or -EINVAL with *why set if the
+ * variable is malformed (the daemon refuses to start). */
+int ckpt_failpoint_setup(int rank, const char **why);
+
+/* Die here if the configured point is NAME and its count is reached. */
+void ckpt_failpoint(const char *name);
+
+#endif

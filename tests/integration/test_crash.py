@@ -1,0 +1,444 @@
+"""The crash-point matrix: a daemon (one rank, or every rank of a world)
+dies by SIGKILL at a named point of a sync or async save
+(CKPTFS_FAILPOINT, fs/failpoint.h), or is killed from outside while it
+writes data; then BACKING_DIR is mounted again, at the same or another
+world size, and must show:
+
+  - every checkpoint committed before, bit-exact (and ckptfs-fsck clean);
+  - the interrupted save either committed whole, bit-exact, or absent;
+    committed exactly when the coordinator got past renaming .metadata;
+  - nothing else in BACKING_DIR: no unfinished NAME directory, no
+    .metadata.tmp, no .staging;
+  - the interrupted name can be saved again.
+
+    python3 tests/integration/test_crash.py --bin build/bin/ckptfs
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util as cu  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, Mount, commit, read_all, read_log,  # noqa: E402
+                         sanitizer_report, status, wait_state, write_file,
+                         write_tensor)
+import mpi_world as mw  # noqa: E402
+
+MiB = 1 << 20
+
+# (point, committed when the coordinator dies there)
+POINTS = [
+    ("local_plan", False),
+    ("global_plan", False),
+    ("write_begin", False),
+    ("write_data", False),
+    ("write_data:2", False),
+    ("write_done", False),
+    ("metadata_tmp", False),
+    ("metadata_rename", True),
+    ("metadata_synced", True),
+    ("committed", True),
+]
+
+
+def pattern(tag, n):
+    """n bytes that differ for every tag and position."""
+    seed = sum(tag.encode()) * 2654435761 & 0xFFFFFFFF
+    block = bytes((seed >> (8 * (i % 4)) ^ i * 31) & 0xFF for i in range(4093))
+    return (block * (n // len(block) + 1))[:n]
+
+
+def write_backwards(path, data, piece=MiB):
+    """Written last piece first: not streamed behind, so the save's write
+    step copies it into the data file (several write batches)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in reversed(range(0, len(data), piece)):
+            os.pwrite(fd, data[off:off + piece], off)
+    finally:
+        os.close(fd)
+
+
+def unmount_dead(mnt):
+    if mw.mountinfo_has(mnt):
+        subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+
+
+def fsck(backing, *names):
+    exe = os.path.join(os.path.dirname(cu.BIN), "ckptfs-fsck")
+    return subprocess.run([exe, backing, *names], capture_output=True, text=True)
+
+
+class Content:
+    """What a checkpoint of NAME saved by a world of n ranks holds: a uint8
+    tensor "w" of one chunk per rank (streamed: written in order), a bytes
+    item big.bin per rank written backwards (copied by the write step, 20
+    MiB: three 8 MiB write batches) and a small one."""
+
+    CHUNK = 3 * MiB + 17
+    BIG = 20 * MiB
+
+    def __init__(self, name, n):
+        self.name, self.n = name, n
+
+    def files(self):
+        """path -> bytes, as read back through any mount."""
+        out = {"w": b"".join(pattern(f"{self.name}/w{r}", self.CHUNK)
+                             for r in range(self.n))}
+        for r in range(self.n):
+            out[f"r{r}/big.bin"] = pattern(f"{self.name}/big{r}", self.BIG)
+            out[f"r{r}/small"] = f"{self.name} rank {r}\n".encode()
+        return out
+
+    def stage(self, ckdir, r):
+        os.mkdir(ckdir)
+        files = self.files()
+        os.mkdir(os.path.join(ckdir, f"r{r}"))
+        write_tensor(os.path.join(ckdir, "w"), "uint8", [self.n * self.CHUNK],
+                     files["w"][r * self.CHUNK:(r + 1) * self.CHUNK],
+                     offsets=[r * self.CHUNK], sizes=[self.CHUNK])
+        write_backwards(os.path.join(ckdir, f"r{r}", "big.bin"), files[f"r{r}/big.bin"])
+        write_file(os.path.join(ckdir, f"r{r}", "small"), files[f"r{r}/small"])
+
+
+class CrashChecks:
+    """Checks shared by the single-rank and the multi-rank matrix."""
+
+    def check_backing(self, backing, committed, victim, outcome):
+        """After the remount: committed names only, each complete."""
+        names = set(os.listdir(backing))
+        want = set(committed) | ({victim} if outcome else set())
+        self.assertEqual(names, want, f"BACKING_DIR after the remount ({outcome=})")
+        for n in want:
+            left = sorted(f for f in os.listdir(os.path.join(backing, n))
+                          if not f.endswith(".distcp") and f != ".metadata")
+            self.assertEqual(left, [], f"{n}: stale files in its directory")
+        r = fsck(backing)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def check_view(self, mnt, contents):
+        listed = set(os.listdir(mnt))
+        for c in contents:
+            self.assertIn(c.name, listed)
+            self.assertEqual(status(os.path.join(mnt, c.name)).split("\n")[0], "committed")
+            for path, data in c.files().items():
+                got = read_all(os.path.join(mnt, c.name, path))
+                self.assertTrue(got == data, f"{c.name}/{path}: {len(got)} bytes "
+                                f"read, {len(data)} saved, first difference at "
+                                f"{next((i for i, (a, b) in enumerate(zip(got, data)) if a != b), None)}")
+
+
+# ---- one rank ----------------------------------------------------------------
+
+class OneRank(CkptfsTestCase, CrashChecks):
+    OPTS = "staging_mem=8M,commit_timeout=30"
+
+    def crash_case(self, point, mode, expect_committed):
+        before = Content("before", 1)
+        m = self.mount(self.OPTS)
+        before.stage(self.ck("before"), 0)
+        commit(self.ck("before"))
+        self.assertEqual(m.stop(), 0)
+
+        victim = Content("victim", 1)
+        m = self.mount(self.OPTS, env={"CKPTFS_FAILPOINT": point})
+        victim.stage(self.ck("victim"), 0)
+        err = None
+        try:
+            commit(self.ck("victim"), mode)
+            if mode == "async":
+                wait_state(self.ck("victim"), timeout=60)
+        except OSError as e:
+            err = e
+        rc = m.wait(60)
+        self.assertEqual(rc, -signal.SIGKILL,
+                         f"{point}: the daemon did not die there ({err!r})\n"
+                         + read_log(self.log))
+        self.assertIn("failpoint reached", read_log(self.log))
+        unmount_dead(self.mnt)
+
+        m = self.mount(self.OPTS)
+        present = os.path.exists(self.bk("victim", ".metadata"))
+        self.assertEqual(present, expect_committed, f"{point} {mode}")
+        self.check_backing(self.backing, ["before"], "victim", present)
+        self.check_view(self.mnt, [before] + ([victim] if present else []))
+        if not present:
+            # the name is free: the same save succeeds now
+            self.assertNotIn("victim", os.listdir(self.mnt))
+            victim.stage(self.ck("victim"), 0)
+            commit(self.ck("victim"), mode)
+            wait_state(self.ck("victim"), timeout=60)
+            self.check_view(self.mnt, [before, victim])
+        self.assertEqual(m.stop(), 0)
+        self.check_backing(self.backing, ["before", "victim"], "victim", True)
+        shutil.rmtree(self.backing)
+
+
+def _one_rank_case(point, mode, committed):
+    def test(self):
+        self.crash_case(point, mode, committed)
+    return test
+
+
+for _point, _committed in POINTS:
+    for _mode in ("sync", "async"):
+        setattr(OneRank, f"test_{_point.replace(':', '_')}_{_mode}",
+                _one_rank_case(_point, _mode, _committed))
+
+
+class KillFromOutside(CkptfsTestCase, CrashChecks):
+    """SIGKILL sent by another process while the data files are written
+    (the point is not chosen by the daemon)."""
+
+    def test_sigkill_while_writing(self):
+        before = Content("before", 1)
+        m = self.mount("staging_mem=8M")
+        before.stage(self.ck("before"), 0)
+        commit(self.ck("before"))
+        self.assertEqual(m.stop(), 0)
+        outcomes = []
+        for attempt in range(4):
+            victim = Content(f"victim{attempt}", 1)
+            m = self.mount("staging_mem=8M,io_threads=1")
+            os.mkdir(self.ck(victim.name))
+            # 192 MiB written backwards: long enough to be killed mid-way
+            big = pattern(victim.name, 192 * MiB)
+            write_backwards(self.ck(victim.name, "big.bin"), big, piece=8 * MiB)
+            commit(self.ck(victim.name), "async")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                st = status(self.ck(victim.name))
+                if st.startswith("committed") or "bytes" in st and not st.split("bytes ")[1].startswith("0 "):
+                    break
+                time.sleep(0.001)
+            os.kill(m.proc.pid, signal.SIGKILL)
+            self.assertEqual(m.wait(30), -signal.SIGKILL)
+            unmount_dead(self.mnt)
+            m = self.mount("staging_mem=8M")
+            present = os.path.exists(self.bk(victim.name, ".metadata"))
+            outcomes.append(present)
+            self.check_backing(self.backing, ["before"], victim.name, present)
+            self.check_view(self.mnt, [before])
+            if present:
+                self.assertEqual(read_all(self.ck(victim.name, "big.bin")), big)
+                shutil.rmtree(self.ck(victim.name))
+            self.assertEqual(m.stop(), 0)
+        # at least one kill landed before the commit completed
+        self.assertIn(False, outcomes)
+
+
+# ---- worlds ------------------------------------------------------------------
+
+class FailWorld(mw.World):
+    """A world whose daemons get CKPTFS_FAILPOINT."""
+
+    def __init__(self, *a, failpoint=None, **kw):
+        super().__init__(*a, **kw)
+        self.failpoint = failpoint
+
+    def argv(self):
+        cmd = super().argv()
+        if self.failpoint:
+            cmd[1:1] = ["-x", "CKPTFS_FAILPOINT"]
+        return cmd
+
+    def env(self):
+        env = super().env()
+        if self.failpoint:
+            env["CKPTFS_FAILPOINT"] = self.failpoint
+        return env
+
+    def dead(self):
+        return self.proc is None or self.proc.poll() is not None
+
+
+class WorldCase(unittest.TestCase, CrashChecks):
+    """Worlds of 2 ranks save; the remount is at 1 or 3 ranks."""
+
+    OPTS = "staging_mem=8M,commit_timeout=20"
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="ckptfs-crash-", dir="/tmp")
+        self.backing = os.path.join(self.dir, "backing")
+        self.worlds = []
+        self.addCleanup(self._cleanup)
+
+    def _cleanup(self):
+        for w in self.worlds:
+            w.stop(timeout=30)
+        with open("/proc/self/mountinfo") as f:
+            left = [line.split()[4] for line in f if line.split()[4].startswith(self.dir)]
+        for p in left:
+            subprocess.run(["fusermount3", "-uz", p], capture_output=True)
+        text = "".join(read_log(w.log, limit=1 << 24) for w in self.worlds)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        bad = sanitizer_report(text)
+        if bad:
+            self.fail(f"sanitizer report: {bad}\n{text[text.index(bad):][:6000]}")
+
+    def world(self, n, failpoint=None):
+        i = len(self.worlds)
+        w = FailWorld(cu.BIN, n, self.backing, os.path.join(self.dir, f"mnt{i}"),
+                      os.path.join(self.dir, f"world{i}.log"), opts=self.OPTS,
+                      failpoint=failpoint, leak_check=False)
+        self.worlds.append(w)
+        return w.start()
+
+    def stage_commit(self, w, content, mode):
+        """Stage content on every rank and commit; the commits' errors."""
+        for r in range(w.n):
+            content.stage(os.path.join(w.mnt(r), content.name), r)
+        errs = {}
+
+        def one(r):
+            try:
+                commit(os.path.join(w.mnt(r), content.name), mode)
+                if mode == "async":
+                    wait_state(os.path.join(w.mnt(r), content.name), timeout=90)
+            except OSError as e:
+                errs[r] = e
+        ts = [threading.Thread(target=one, args=(r,)) for r in range(w.n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(150)
+        return errs
+
+    def crash_case(self, point, rank, mode, remount_n):
+        before = Content("before", 2)
+        w = self.world(2)
+        self.assertEqual(self.stage_commit(w, before, "sync"), {})
+        self.assertEqual(w.stop(), 0)
+
+        victim = Content("victim", 2)
+        spec = point if rank is None else f"{point}@{rank}"
+        w = self.world(2, failpoint=spec)
+        self.stage_commit(w, victim, mode)
+        deadline = time.monotonic() + 60
+        while not w.dead() and time.monotonic() < deadline:
+            # a surviving rank's commit failed; the job ends at unmount
+            time.sleep(0.1)
+        w.stop(timeout=30)
+        self.assertIn("failpoint reached", read_log(w.log, limit=1 << 24))
+
+        w = self.world(remount_n)
+        present = os.path.exists(os.path.join(self.backing, "victim", ".metadata"))
+        if rank in (None, 0) or point in ("local_plan", "write_begin", "write_data",
+                                          "write_data:2"):
+            expect = dict(POINTS)[point]
+            self.assertEqual(present, expect, f"{spec} {mode}")
+        self.check_backing(self.backing, ["before"], "victim", present)
+        for r in range(remount_n):
+            self.check_view(w.mnt(r), [before] + ([victim] if present else []))
+        self.assertEqual(w.stop(), 0)
+        return present
+
+
+class Worlds(WorldCase):
+    """The matrix of kill points in worlds (tests added below)."""
+
+
+# Which rank dies, where, and the world size of the remount: each point
+# at least once; the coordinator alone, a client alone, every rank.
+WORLD_CASES = [
+    ("local_plan", 1, "sync", 1),
+    ("global_plan", 0, "async", 3),
+    ("write_begin", None, "sync", 1),
+    ("write_data:2", 1, "async", 3),
+    ("write_data", None, "sync", 3),
+    ("write_done", 1, "sync", 1),
+    ("metadata_tmp", 0, "sync", 3),
+    ("metadata_rename", 0, "async", 1),
+    ("metadata_synced", None, "sync", 3),
+    ("committed", 1, "async", 1),
+]
+
+
+def _world_case(point, rank, mode, n):
+    def test(self):
+        self.crash_case(point, rank, mode, n)
+    return test
+
+
+for _point, _rank, _mode, _n in WORLD_CASES:
+    _who = "all" if _rank is None else f"rank{_rank}"
+    setattr(Worlds, f"test_{_point.replace(':', '_')}_{_who}_{_mode}_remount{_n}",
+            _world_case(_point, _rank, _mode, _n))
+
+
+class RecoveryWorld(FailWorld):
+    """mpirun --enable-recovery: the job goes on when a rank dies."""
+
+    def argv(self):
+        cmd = super().argv()
+        cmd[1:1] = ["--enable-recovery"]
+        return cmd
+
+
+class RankDies(WorldCase):
+    """A client rank dies during the collective save, and the launcher
+    keeps the job going: the surviving ranks' commits fail within
+    commit_timeout with a reason naming the rank, their mounts keep
+    serving what was committed, and a remount finds BACKING_DIR
+    consistent. (Under mpirun's default, the job stops instead: the
+    Worlds matrix.)"""
+
+    TIMEOUT = 8
+    OPTS = f"staging_mem=8M,commit_timeout={TIMEOUT}"
+
+    def world(self, n, failpoint=None, recovery=False):
+        if not recovery:
+            return super().world(n, failpoint)
+        i = len(self.worlds)
+        w = RecoveryWorld(cu.BIN, n, self.backing, os.path.join(self.dir, f"mnt{i}"),
+                          os.path.join(self.dir, f"world{i}.log"), opts=self.OPTS,
+                          failpoint=failpoint, leak_check=False, transport="tcp")
+        self.worlds.append(w)
+        return w.start()
+
+    def dies_at(self, point, mode):
+        before = Content("before", 3)
+        w = self.world(3)
+        self.assertEqual(self.stage_commit(w, before, "sync"), {})
+        self.assertEqual(w.stop(), 0)
+
+        w = self.world(3, failpoint=f"{point}@1", recovery=True)
+        victim = Content("victim", 3)
+        t0 = time.monotonic()
+        errs = self.stage_commit(w, victim, mode)
+        took = time.monotonic() - t0
+        self.assertIn("failpoint reached", read_log(w.log, limit=1 << 24))
+        for r in (0, 2):
+            ckdir = os.path.join(w.mnt(r), "victim")
+            if mode == "sync":
+                self.assertIn(r, errs, "a survivor's commit succeeded")
+            st = status(ckdir)
+            self.assertEqual(st.split("\n")[0], "failed", st)
+            self.assertRegex(st, r"rank 1 did not (commit|finish writing) victim "
+                             rf"within {self.TIMEOUT} s \(commit_timeout\)")
+            self.check_view(w.mnt(r), [before])
+        # staging, planning and writing take a few seconds here; then one
+        # commit_timeout, not more
+        self.assertLess(took, self.TIMEOUT + 15, "the survivors waited too long")
+        w.stop(timeout=30)
+        w = self.world(1)
+        self.check_backing(self.backing, ["before"], "victim", False)
+        self.check_view(w.mnt(0), [before])
+        self.assertEqual(w.stop(), 0)
+
+    def test_client_dies_before_its_plan(self):
+        self.dies_at("local_plan", "sync")
+
+    def test_client_dies_while_writing(self):
+        self.dies_at("write_data", "async")
+
+
+if __name__ == "__main__":
+    cu.main()
