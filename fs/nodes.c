@@ -183,10 +183,7 @@ void ckpt__node_unref(ckpt_fs_t *fs, ckpt_node_t *n) {
     node_free(fs, n);
 }
 
-void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
-  assert(n->attached && n->kind != CKPT_NODE_ROOT);
-  while (n->children)
-    ckpt__node_detach(fs, n->children);
+static void detach_one(ckpt_fs_t *fs, ckpt_node_t *n) {
   /* Out of the tree, but still found by inode number (for fstat of an
    * open file) until freed. */
   hash_remove_name(fs, n);
@@ -197,6 +194,22 @@ void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
   fs->nnodes--;
   if (n->refs == 0)
     node_free(fs, n);
+}
+
+void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
+  assert(n->attached && n->kind != CKPT_NODE_ROOT);
+  /* Leaves first, without recursion: a tree may be thousands of
+   * directories deep (a committed path from any .metadata). */
+  for (ckpt_node_t *c = n;;) {
+    while (c->children)
+      c = c->children;
+    if (c == n)
+      break;
+    ckpt_node_t *up = c->parent;
+    detach_one(fs, c);
+    c = up;
+  }
+  detach_one(fs, n);
 }
 
 void ckpt__node_move(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *newparent,

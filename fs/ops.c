@@ -113,6 +113,52 @@ static int check_name(const char *name) {
   return 0;
 }
 
+/* The longest path inside a checkpoint ("model/layer0/weight"), as the
+ * longest path Linux takes: it bounds the depth of a staged tree (walked
+ * recursively at commit) and the length of an FQN. */
+#define CKPT_PATH_MAX 4095
+
+/* Length of the path of a new entry `name` in staged directory p (fs->lock
+ * held): "a/b" + "/" + name. */
+static size_t new_path_len(const ckpt_node_t *p, const char *name) {
+  size_t len = strlen(name);
+  for (; p && p->kind != CKPT_NODE_CKPT; p = p->parent)
+    len += strlen(p->name) + 1;
+  return len;
+}
+
+/* Length of the longest path below dir, relative to dir ("x/y": 3), 0 if
+ * it is empty; without recursion. fs->lock held. */
+static size_t subtree_path_len(const ckpt_node_t *dir) {
+  size_t best = 0, base = 0;
+  const ckpt_node_t *n = dir->children;
+  while (n) {
+    size_t len = base + strlen(n->name);
+    if (len > best)
+      best = len;
+    if (n->children) {
+      base = len + 1;
+      n = n->children;
+      continue;
+    }
+    while (!n->next) {
+      n = n->parent;
+      if (n == dir)
+        return best;
+      base -= strlen(n->name) + 1;
+    }
+    n = n->next;
+  }
+  return best;
+}
+
+/* Requests from other users (a mount with -o allow_other) read only: only
+ * the mounting user and root change anything. */
+static bool may_change(fuse_req_t req) {
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  return ctx->uid == 0 || ctx->uid == getuid();
+}
+
 /* ------------------------------------------------------------------------
  * .status
  * ---------------------------------------------------------------------- */
@@ -254,6 +300,10 @@ static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
 
 static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
                        int to_set, struct fuse_file_info *fi) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *n = node_of(fs, ino, fi);
@@ -324,6 +374,8 @@ static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
     return rc;
   if ((rc = check_name(name)) != 0)
     return rc;
+  if (new_path_len(p, name) > CKPT_PATH_MAX)
+    return -ENAMETOOLONG;
   return ckpt__node_child(fs, p, name) ? -EEXIST : 0;
 }
 
@@ -342,6 +394,12 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
   snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
   if (faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
     return -EEXIST; /* committed by another world sharing BACKING_DIR */
+  /* Something else has the name in BACKING_DIR (a file, a symlink): the
+   * commit could not create the directory, so refuse the name now. */
+  struct stat bst;
+  if (fstatat(fs->backing_fd, name, &bst, AT_SYMLINK_NOFOLLOW) == 0 &&
+      !S_ISDIR(bst.st_mode))
+    return -EEXIST;
   ckpt_ckpt_t *ck = ckpt__ckpt_new(fs, name);
   if (!ck)
     return -ENOMEM;
@@ -353,6 +411,10 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
 
 static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
                      mode_t mode) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   const struct fuse_ctx *ctx = fuse_req_ctx(req);
   struct fuse_entry_param e;
@@ -439,6 +501,10 @@ static bool writes_direct(const ckpt_node_t *n,
 
 static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
                       mode_t mode, struct fuse_file_info *fi) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   const struct fuse_ctx *ctx = fuse_req_ctx(req);
   struct fuse_entry_param e;
@@ -484,6 +550,10 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
 }
 
 static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
   pthread_mutex_lock(&fs->lock);
@@ -532,6 +602,10 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
 }
 
 static void fs_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
   pthread_mutex_lock(&fs->lock);
@@ -565,6 +639,10 @@ static bool is_ancestor(const ckpt_node_t *a, const ckpt_node_t *n) {
 static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
                       fuse_ino_t newparent, const char *newname,
                       unsigned int flags) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
   pthread_mutex_lock(&fs->lock);
@@ -590,6 +668,10 @@ static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
     ;
   else if (is_ancestor(n, np))
     rc = -EINVAL;
+  else if (new_path_len(np, newname) +
+               (n->children ? 1 + subtree_path_len(n) : 0) >
+           CKPT_PATH_MAX)
+    rc = -ENAMETOOLONG;
   else if (target == n)
     rc = 0;
   else if (target && (flags & RENAME_NOREPLACE))
@@ -624,6 +706,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
   handle_t *h = new_handle(n);
   if (!h) {
     rc = -ENOMEM;
+  } else if (writing && !may_change(req)) {
+    rc = -EACCES;
   } else if (S_ISDIR(n->mode)) {
     rc = -EISDIR;
   } else if (n->kind == CKPT_NODE_COMMIT) {
@@ -846,7 +930,7 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
 }
 
 /* ------------------------------------------------------------------------
- * Directories: a snapshot of the entries is taken at opendir.
+ * Directories: a snapshot of the entries at each readdir from offset 0.
  * ---------------------------------------------------------------------- */
 
 static int add_dirent(fuse_req_t req, ckpt_buf_t *b, const char *name,
@@ -861,36 +945,38 @@ static int add_dirent(fuse_req_t req, ckpt_buf_t *b, const char *name,
   return 0;
 }
 
+/* The entries of directory n into b. fs->lock held. */
+static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
+                    ckpt_buf_t *b) {
+  struct stat st = {.st_ino = n->ino, .st_mode = S_IFDIR};
+  int rc = add_dirent(req, b, ".", &st);
+  st.st_ino = n->parent ? n->parent->ino : n->ino;
+  if (rc == 0)
+    rc = add_dirent(req, b, "..", &st);
+  for (ckpt_node_t *c = n->children, *nx; c && rc == 0; c = nx) {
+    nx = c->next;
+    if (c->hidden || c->kind == CKPT_NODE_COMMIT ||
+        c->kind == CKPT_NODE_STATUS)
+      continue;
+    if (n->kind == CKPT_NODE_ROOT && !still_stored(fs, c))
+      continue;
+    st.st_ino = c->ino;
+    st.st_mode = c->mode;
+    rc = add_dirent(req, b, c->name, &st);
+  }
+  return rc;
+}
+
 static void fs_opendir(fuse_req_t req, fuse_ino_t ino,
                        struct fuse_file_info *fi) {
   ckpt_fs_t *fs = fs_of(req);
-  ckpt_buf_t b;
-  ckpt_buf_init(&b);
   int rc = 0;
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *n = ckpt__node_by_ino(fs, ino);
-  if (!n) {
+  if (!n)
     rc = -ESTALE;
-  } else if (!S_ISDIR(n->mode)) {
+  else if (!S_ISDIR(n->mode))
     rc = -ENOTDIR;
-  } else {
-    struct stat st = {.st_ino = n->ino, .st_mode = S_IFDIR};
-    rc = add_dirent(req, &b, ".", &st);
-    st.st_ino = n->parent ? n->parent->ino : n->ino;
-    if (rc == 0)
-      rc = add_dirent(req, &b, "..", &st);
-    for (ckpt_node_t *c = n->children, *nx; c && rc == 0; c = nx) {
-      nx = c->next;
-      if (c->hidden || c->kind == CKPT_NODE_COMMIT ||
-          c->kind == CKPT_NODE_STATUS)
-        continue;
-      if (n->kind == CKPT_NODE_ROOT && !still_stored(fs, c))
-        continue;
-      st.st_ino = c->ino;
-      st.st_mode = c->mode;
-      rc = add_dirent(req, &b, c->name, &st);
-    }
-  }
   handle_t *h = rc == 0 ? new_handle(n) : NULL;
   if (rc == 0 && !h)
     rc = -ENOMEM;
@@ -900,12 +986,9 @@ static void fs_opendir(fuse_req_t req, fuse_ino_t ino,
   }
   pthread_mutex_unlock(&fs->lock);
   if (rc) {
-    ckpt_buf_free(&b);
     fuse_reply_err(req, -rc);
     return;
   }
-  h->len = b.len;
-  h->text = ckpt_buf_steal(&b);
   fi->fh = (uintptr_t)h;
   fuse_reply_open(req, fi);
 }
@@ -914,6 +997,25 @@ static void fs_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                        struct fuse_file_info *fi) {
   (void)ino;
   handle_t *h = handle_of(fi);
+  if (off == 0 || !h->text) {
+    /* A snapshot of the entries at each pass from the start: a rewinddir
+     * (or a listing through an fd opened earlier) sees the directory as
+     * it is now. */
+    ckpt_fs_t *fs = fs_of(req);
+    ckpt_buf_t b;
+    ckpt_buf_init(&b);
+    pthread_mutex_lock(&fs->lock);
+    int rc = list_dir(req, fs, h->node, &b);
+    pthread_mutex_unlock(&fs->lock);
+    if (rc) {
+      ckpt_buf_free(&b);
+      fuse_reply_err(req, -rc);
+      return;
+    }
+    free(h->text);
+    h->len = b.len;
+    h->text = ckpt_buf_steal(&b);
+  }
   /* Entries end on offsets we gave; send whole entries up to size. */
   size_t start = (uint64_t)off < h->len ? (size_t)off : h->len;
   size_t end = start;
@@ -946,6 +1048,10 @@ static void reply_xattr_value(fuse_req_t req, const char *v, size_t len,
 
 static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         const char *value, size_t size, int flags) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = get_node(fs, ino);
   if (!n) {
@@ -1039,6 +1145,10 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
 }
 
 static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = get_node(fs, ino);
   if (!n) {

@@ -28,7 +28,14 @@
 
 #include "fs_int.h"
 
-#define SEG0_MIN 4096u
+/* Segment 0 of a small file starts this small: a trainer may stage a
+ * million tiny files (counters, RNG states, scalars). */
+#define SEG0_MIN 64u
+/* The largest staged file: 1 TiB. Its segment index (16 bytes per MiB)
+ * stays small, and a commit never has to hash and store more than this
+ * for one file: a pwrite at a wild offset gets EFBIG instead of a huge
+ * index and a commit that writes the holes as terabytes of zeros. */
+#define CKPT_MAX_FILE ((uint64_t)1 << 40)
 /* A first write of at least this many bytes at offset 0 starts a stream. */
 #define CKPT_STREAM_MIN (64u << 10)
 #define SPILL_DIR ".staging"
@@ -476,7 +483,7 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
                           uint64_t off) {
   if (n == 0)
     return 0;
-  if (off > INT64_MAX - n || ((off + n - 1) >> CKPT_SEG_SHIFT) >= UINT32_MAX)
+  if (off > CKPT_MAX_FILE || n > CKPT_MAX_FILE - off)
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   ssize_t r = stream_write(sf, buf, n, off);
@@ -534,7 +541,7 @@ ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off) {
 }
 
 int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
-  if (size > INT64_MAX || (size >> CKPT_SEG_SHIFT) >= UINT32_MAX)
+  if (size > CKPT_MAX_FILE)
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
