@@ -202,13 +202,19 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
 ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off);
 int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size);
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf);
-/* Call fn on each piece of the contents in order (holes as zeros from a
- * shared zero page); stops at a non-zero return. transient: p is valid
- * only during the call (spilled data read into a bounce buffer), else
- * until sf changes. Caller freezes sf. */
+/* What a piece of a staged file's contents is, for ckpt__sfile_walk. */
+typedef enum {
+  CKPT_WALK_KEPT,      /* p stays valid until the file changes */
+  CKPT_WALK_TRANSIENT, /* p is valid during the call only (spilled data
+                        * read into a bounce buffer) */
+  CKPT_WALK_HOLE,      /* never written: n zero bytes, p is NULL */
+} ckpt_walk_piece_t;
+
+/* Call fn on each piece of the contents in order; stops at a non-zero
+ * return. Caller freezes sf. */
 int ckpt__sfile_walk(ckpt_sfile_t *sf,
                      int (*fn)(void *arg, const void *p, size_t n,
-                               bool transient),
+                               ckpt_walk_piece_t kind),
                      void *arg);
 /* The XXH3-64 of the contents if it was computed while the file was
  * written front to back: 0, or -EAGAIN (walk and hash it). */

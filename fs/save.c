@@ -168,9 +168,17 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
  * local_step: checksums and the local plan.
  * ---------------------------------------------------------------------- */
 
-static int hash_piece(void *arg, const void *p, size_t n, bool transient) {
-  (void)transient;
-  return XXH3_64bits_update(arg, p, n) == XXH_OK ? 0 : -EIO;
+static const uint8_t zeros[64 * 1024];
+
+static int hash_piece(void *arg, const void *p, size_t n, ckpt_walk_piece_t kind) {
+  if (kind != CKPT_WALK_HOLE)
+    return XXH3_64bits_update(arg, p, n) == XXH_OK ? 0 : -EIO;
+  for (size_t k; n > 0; n -= k) {
+    k = n < sizeof(zeros) ? n : sizeof(zeros);
+    if (XXH3_64bits_update(arg, zeros, k) != XXH_OK)
+      return -EIO;
+  }
+  return 0;
 }
 
 /* The checksum of staged file i: kept while it was written in order, else
@@ -364,6 +372,7 @@ typedef struct {
   ckpt_save_t *s;
   int fd;
   const char *file;     /* name, for errors */
+  bool fresh;           /* the file was empty: holes need no writes */
   struct iovec iov[IOV_MAX];
   int niov;
   uint64_t batch_off;   /* file offset of iov[0] */
@@ -405,8 +414,37 @@ static int flush_batch(writer_t *w) {
   return 0;
 }
 
-static int add_piece(void *arg, const void *p, size_t n, bool transient) {
+/* The next n bytes of a data file are zeros (a hole of a staged file):
+ * skipped in a fresh file, which ftruncate extends with holes; written
+ * over old bytes of a reused stream file. */
+static int add_zeros(writer_t *w, size_t n) {
+  if (w->fresh) {
+    int rc = flush_batch(w);
+    if (rc)
+      return rc;
+    w->batch_off += n;
+    atomic_fetch_add(&w->s->ck->bytes_done, (uint64_t)n);
+    return 0;
+  }
+  for (size_t k; n > 0; n -= k) {
+    k = n < sizeof(zeros) ? n : sizeof(zeros);
+    if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
+      int rc = flush_batch(w);
+      if (rc)
+        return rc;
+    }
+    w->iov[w->niov].iov_base = (void *)zeros;
+    w->iov[w->niov].iov_len = k;
+    w->niov++;
+    w->batch_len += k;
+  }
+  return 0;
+}
+
+static int add_piece(void *arg, const void *p, size_t n, ckpt_walk_piece_t kind) {
   writer_t *w = arg;
+  if (kind == CKPT_WALK_HOLE)
+    return add_zeros(w, n);
   if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
     int rc = flush_batch(w);
     if (rc)
@@ -417,7 +455,7 @@ static int add_piece(void *arg, const void *p, size_t n, bool transient) {
   w->niov++;
   w->batch_len += n;
   /* A spilled piece sits in a buffer reused for the next one. */
-  return transient ? flush_batch(w) : 0;
+  return kind == CKPT_WALK_TRANSIENT ? flush_batch(w) : 0;
 }
 
 static int write_file(void *arg, uint32_t k) {
@@ -434,8 +472,10 @@ static int write_file(void *arg, uint32_t k) {
   bool streamed = s->ck->streams && k < s->ck->streams->n &&
                   s->stream_used[k] > 0;
   w->fd = openat(s->dirfd, name,
-                 O_WRONLY | O_CREAT | (streamed ? 0 : O_TRUNC) | O_CLOEXEC,
+                 O_WRONLY | O_CREAT | (streamed ? 0 : O_TRUNC) | O_NOFOLLOW |
+                     O_CLOEXEC,
                  0600);
+  w->fresh = !streamed;
   int rc = w->fd < 0 ? -(w->err = errno) : 0;
   for (uint32_t a = 0; rc == 0 && a < s->rp.n_assign; a++) {
     const ckpt_assignment_t *as = &s->rp.assign[a];
@@ -605,8 +645,13 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
     return;
   }
   /* Coordinator, every rank done: the global step refused an existing
-   * checkpoint, so whatever is in BACKING_DIR/NAME is this save's. */
-  if (s->have_gp && !s->gp.errors) {
+   * checkpoint, so the directory this save held is its own. Anything
+   * else by that name now (a file, a symlink) is not removed. */
+  struct stat held, named;
+  if (s->have_gp && !s->gp.errors && s->dirfd >= 0 &&
+      fstat(s->dirfd, &held) == 0 &&
+      fstatat(fs->backing_fd, job->name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+      held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
     ckpt__remove_tree(fs->backing_fd, job->name);
     if (fs->opts.sync_files)
       fsync(fs->backing_fd);

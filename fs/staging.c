@@ -47,8 +47,6 @@ const char *const ckpt__xattr_names[CKPT_X_COUNT] = {
     [CKPT_X_SIZES] = "user.ckpt.sizes",
 };
 
-static const uint8_t zero_page[4096];
-
 /* ------------------------------------------------------------------------
  * The mount's staging memory: budget, segment pool, spill file.
  * ---------------------------------------------------------------------- */
@@ -604,7 +602,7 @@ int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out) {
 
 int ckpt__sfile_walk(ckpt_sfile_t *sf,
                      int (*fn)(void *arg, const void *p, size_t n,
-                               bool transient),
+                               ckpt_walk_piece_t kind),
                      void *arg) {
   uint8_t *bounce = NULL;
   uint64_t pos = 0;
@@ -616,7 +614,7 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
                                               : (size_t)CKPT_SEG_SIZE;
     rc = stream_read(sf, bounce, n, pos);
     if (rc == 0)
-      rc = fn(arg, bounce, n, true);
+      rc = fn(arg, bounce, n, CKPT_WALK_TRANSIENT);
     pos += n;
   }
   while (pos < sf->size && rc == 0) {
@@ -626,21 +624,20 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
     if (chunk > CKPT_SEG_SIZE - in)
       chunk = CKPT_SEG_SIZE - in;
     uint64_t have = seg_have(sf, i);
-    if (in >= have) { /* a hole */
-      uint64_t n = chunk < sizeof(zero_page) ? chunk : sizeof(zero_page);
-      rc = fn(arg, zero_page, (size_t)n, false);
-      pos += n;
+    if (in >= have) { /* a hole, to the end of the segment */
+      rc = fn(arg, NULL, (size_t)chunk, CKPT_WALK_HOLE);
+      pos += chunk;
       continue;
     }
     uint64_t n = have - in < chunk ? have - in : chunk;
     if (sf->segs[i].mem) {
-      rc = fn(arg, sf->segs[i].mem + in, (size_t)n, false);
+      rc = fn(arg, sf->segs[i].mem + in, (size_t)n, CKPT_WALK_KEPT);
     } else {
       if (!bounce && !(bounce = malloc(CKPT_SEG_SIZE)))
         return -ENOMEM;
       rc = seg_copy_out(sf, i, in, (size_t)n, bounce);
       if (rc == 0)
-        rc = fn(arg, bounce, (size_t)n, true);
+        rc = fn(arg, bounce, (size_t)n, CKPT_WALK_TRANSIENT);
     }
     pos += n;
   }

@@ -203,7 +203,13 @@ static DIR *open_backing_dir(ckpt_fs_t *fs) {
   return d;
 }
 
+/* Is BACKING_DIR/name a committed checkpoint: a directory (not a symlink
+ * to one elsewhere) with a .metadata? */
 static bool has_metadata(int backing_fd, const char *name) {
+  struct stat st;
+  if (fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) ||
+      !S_ISDIR(st.st_mode))
+    return false;
   char path[300];
   snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
   return faccessat(backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0;
@@ -315,7 +321,7 @@ static int data_fd(ckpt_ckpt_t *ck, int32_t rank, uint32_t file) {
   if (fd < 0) {
     char name[64];
     ckpt_data_file_name(rank, file, name, sizeof(name));
-    fd = openat(ck->dirfd, name, O_RDONLY | O_CLOEXEC);
+    fd = openat(ck->dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) {
       /* A committed checkpoint whose data file is gone is damaged: a read
        * fails with EIO (ENOENT from read(2) would puzzle the caller). */
