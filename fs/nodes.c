@@ -33,15 +33,19 @@ static size_t hash_name(const ckpt_node_t *parent, const char *name,
   return (size_t)(h ^ (h >> 29)) & (size - 1);
 }
 
-static void hash_insert(ckpt_fs_t *fs, ckpt_node_t *n) {
-  size_t i = hash_ino(n->ino, fs->hash_size);
-  n->hnext_ino = fs->ino_hash[i];
-  fs->ino_hash[i] = n;
+static void hash_insert_name(ckpt_fs_t *fs, ckpt_node_t *n) {
   if (n->parent) {
     size_t j = hash_name(n->parent, n->name, fs->hash_size);
     n->hnext_name = fs->name_hash[j];
     fs->name_hash[j] = n;
   }
+}
+
+static void hash_insert(ckpt_fs_t *fs, ckpt_node_t *n) {
+  size_t i = hash_ino(n->ino, fs->hash_size);
+  n->hnext_ino = fs->ino_hash[i];
+  fs->ino_hash[i] = n;
+  hash_insert_name(fs, n);
 }
 
 static void hash_remove_ino(ckpt_fs_t *fs, ckpt_node_t *n) {
@@ -223,7 +227,9 @@ void ckpt__node_move(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *newparent,
   free(n->name);
   n->name = name;
   link_child(newparent, n);
-  hash_insert(fs, n);
+  /* Only the name changes: n stays where it is in the inode table (a
+   * second insertion there would make its chain a cycle). */
+  hash_insert_name(fs, n);
   clock_gettime(CLOCK_REALTIME, &n->ctime);
 }
 

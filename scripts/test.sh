@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build ckptfs and run the whole test suite: unit and integration tests in
 # a normal build, then the same tests under AddressSanitizer and
-# UndefinedBehaviorSanitizer. Needs root (FUSE mounts, mpirun as root).
+# UndefinedBehaviorSanitizer, then the unit tests and the concurrency stress
+# test (label tsan) under ThreadSanitizer. Needs root (FUSE mounts, mpirun
+# as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -14,5 +16,9 @@ cmake --build build -j"$jobs"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j1)
+
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPT_TSAN=ON
+cmake --build build-tsan -j"$jobs"
+(cd build-tsan && ctest --output-on-failure -j1 -L 'unit|tsan')
 scripts/fuzz.sh 20  # a bounded libFuzzer run of every parser
 echo "all tests passed"

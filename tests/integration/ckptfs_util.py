@@ -4,8 +4,8 @@ one rank, driven with plain file calls. Python standard library only.
     python3 tests/integration/test_x.py --bin build/bin/ckptfs [unittest args]
 
 Every daemon's stderr goes to a log file in the test's temporary directory;
-a test fails when the log shows a sanitizer report (the ASan+UBSan build).
-Mounts are always unmounted in cleanup, lazily as a last resort.
+a test fails when the log shows a sanitizer report (the ASan+UBSan and TSan
+builds). Mounts are always unmounted in cleanup, lazily as a last resort.
 """
 
 import argparse
@@ -48,10 +48,28 @@ def mountinfo_has(path):
     return False
 
 
+# ThreadSanitizer (build-tsan): report every race and go on (halt_on_error=0),
+# then exit 66 instead of 0, so that the test sees both; the suppressions
+# only match reports inside the uninstrumented Open MPI, libfuse and SQLite.
+TSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tsan.supp")
+TSAN_DEFAULTS = ("suppressions=" + TSAN_SUPP, "halt_on_error=0", "exitcode=66",
+                 "second_deadlock_stack=1")
+
+
+def add_options(value, opts):
+    """A sanitizer's colon-separated options value, with each of opts whose
+    key it does not set yet appended (the caller's settings win)."""
+    parts = [p for p in value.split(":") if p]
+    keys = {p.split("=", 1)[0] for p in parts}
+    parts += [o for o in opts if o.split("=", 1)[0] not in keys]
+    return ":".join(parts)
+
+
 def daemon_env(extra=None):
     env = dict(os.environ)
     # Sanitizer reports must reach the log; keep the caller's options first.
     env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1")
+    env["TSAN_OPTIONS"] = add_options(env.get("TSAN_OPTIONS", ""), TSAN_DEFAULTS)
     if extra:
         env.update(extra)
     return env

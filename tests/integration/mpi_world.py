@@ -25,7 +25,8 @@ import subprocess
 import threading
 import time
 
-from ckptfs_util import read_log, sanitizer_report, state, status, wait_state  # noqa: F401
+from ckptfs_util import (TSAN_DEFAULTS, add_options, read_log,  # noqa: F401
+                         sanitizer_report, state, status, wait_state)
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
@@ -94,7 +95,7 @@ class World:
 
     def argv(self):
         cmd = MPIRUN + ["-np", str(self.n), "--mca", "btl", TRANSPORTS[self.transport]]
-        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"):
+        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS"):
             cmd += ["-x", var]
         cmd += [self.binary, "-f"]
         if self.opts:
@@ -120,6 +121,7 @@ class World:
             with_opt("ASAN_OPTIONS", "detect_leaks=0", replace=True)
         with_opt("UBSAN_OPTIONS", "print_stacktrace=1")
         env.setdefault("LSAN_OPTIONS", "")
+        env["TSAN_OPTIONS"] = add_options(env.get("TSAN_OPTIONS", ""), TSAN_DEFAULTS)
         return env
 
     def start(self, timeout=90):
