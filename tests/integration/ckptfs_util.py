@@ -187,6 +187,15 @@ def find_daemon(mnt):
     return None
 
 
+def rss_kib(pid):
+    """Resident set size of process pid, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
 def read_log(path, limit=20000):
     try:
         with open(path, "rb") as f:

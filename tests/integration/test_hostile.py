@@ -29,20 +29,12 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util as cu  # noqa: E402
 from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
-                         sanitizer_report, state, status, tensor_bytes, wait_state,
+                         rss_kib, sanitizer_report, state, status, tensor_bytes, wait_state,
                          write_file, write_tensor)
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 NOBODY = 65534
 MAX_FILE = TiB  # the largest staged file (staging.c)
-
-
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def metadata_rows(path, sql):

@@ -11,7 +11,8 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
-                         set_tensor_xattrs, state, tensor_bytes, write_file, write_tensor)
+                         rss_kib, set_tensor_xattrs, state, tensor_bytes, write_file,
+                         write_tensor)
 
 MiB = 1 << 20
 
@@ -337,14 +338,6 @@ def spill_file_size(pid):
         if "/.staging/#" in target:  # O_TMPFILE: "#inode (deleted)"
             return os.stat(os.path.join(fds, fd)).st_size
     return None
-
-
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 class StagingMemory(CkptfsTestCase):
