@@ -1,0 +1,654 @@
+"""ckptfs.py - save and load PyTorch / NumPy state dicts through a ckptfs
+rank mount, with plain file calls and extended attributes only.
+
+    import ckptfs
+    ckptfs.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                 "step": step}, "/mnt/ckpt/rank0", "step-100", rank=0)
+    sd = ckptfs.load(None, "/mnt/ckpt/rank0", "step-100")          # a new dict
+    ckptfs.load({"model": model.state_dict()}, mnt, "step-100")   # in place
+
+The core is the Python standard library; numpy and torch are imported
+only when a state dict holds their objects (or a load builds them).
+
+Layout of a save (the ckptfs contract, README "Saving a checkpoint"):
+
+- Nested dicts become directories: the item at keys ("model",
+  "layer0.weight") is the file MOUNT/NAME/model/layer0.weight, FQN
+  "model.layer0.weight". Keys are str or int (an optimizer's state is keyed
+  by parameter index); a key may not be empty, start with '.', or contain
+  '/' or NUL, and the top-level key "_ckptfs" is reserved.
+- torch tensors and numpy arrays are tensor chunks: their elements in
+  row-major little-endian order, and user.ckpt.dtype / user.ckpt.shape. A
+  shard of a larger tensor is given as Shard(local, offsets, global_shape):
+  it also gets user.ckpt.offsets and user.ckpt.sizes. Tensors that all
+  ranks save whole with the same values are replicas (stored once).
+- Every other value is a bytes item: bytes, bytearray and memoryview are
+  stored as they are; anything else is pickled (objects="pickle", the
+  default) or stored as UTF-8 JSON (objects="json", for values JSON can
+  hold; JSON turns tuples into lists).
+- How a loader tells them apart: a file with user.ckpt.dtype is a tensor;
+  for the rest, each rank writes a manifest bytes item
+  NAME/_ckptfs/rank<R>.json (JSON) that gives, for every file it saved, its
+  original key path (with key types) and its kind: "torch", "numpy",
+  "bytes", "pickle" or "json". A checkpoint written by other tools has no
+  manifest: its tensors load as numpy arrays (torch tensors for dtypes numpy
+  lacks, such as bfloat16) and its other files as bytes.
+
+Loading unpickles bytes items of kind "pickle": load only checkpoints you
+trust, or pass allow_pickle=False (such items then raise).
+
+Errors: a failed commit raises CommitError with the reason ckptfs gives in
+NAME/.status; a missing checkpoint or item, a shape or dtype that does not
+match, or an unsupported dtype raise with a message naming the item.
+"""
+
+import errno
+import json
+import math
+import os
+import pickle
+import sys
+import time
+
+__all__ = ["save", "load", "wait", "status", "Shard", "CommitError",
+           "CkptfsError", "DTYPES"]
+
+MANIFEST_DIR = "_ckptfs"
+FORMAT = 1
+IO_STEP = 8 << 20  # bytes per write/pread call
+
+# ckptfs dtype -> itemsize
+DTYPES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+# ckptfs dtype -> numpy dtype name (little-endian); bfloat16 and float8 have none
+NUMPY_NAMES = {
+    "bool": "bool", "uint8": "u1", "int8": "i1", "int16": "<i2",
+    "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4",
+    "float64": "<f8", "complex64": "<c8", "complex128": "<c16",
+}
+# numpy dtype of the same itemsize used to move bytes of dtypes numpy lacks
+CARRIER = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8", 16: "<c16"}
+
+
+class CkptfsError(Exception):
+    """A ckptfs save or load that cannot go on; the message says why."""
+
+
+class CommitError(CkptfsError):
+    """A commit failed; .status holds the reason ckptfs gave."""
+
+    def __init__(self, name, status_text, path=None):
+        self.name = name
+        self.status = status_text
+        lines = [ln for ln in status_text.splitlines() if ln.strip()]
+        reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
+        where = f" ({path})" if path else ""
+        super().__init__(
+            f"commit of checkpoint {name!r} failed{where}: {reason}. The "
+            "checkpoint stays staged on every rank: fix what the reason names "
+            "and commit again, or remove it with rm -r.")
+
+
+class Shard:
+    """A local shard of a larger tensor: `tensor` (torch tensor or numpy
+    array) holds the block of the global tensor that starts at `offsets`;
+    `global_shape` is the whole tensor's shape. Saved as one chunk; given to
+    load(), only its byte ranges are read (resharding)."""
+
+    __slots__ = ("tensor", "offsets", "global_shape")
+
+    def __init__(self, tensor, offsets, global_shape):
+        self.tensor = tensor
+        self.offsets = tuple(int(o) for o in offsets)
+        self.global_shape = tuple(int(s) for s in global_shape)
+        shape = tuple(tensor.shape)
+        if not (len(self.offsets) == len(self.global_shape) == len(shape)):
+            raise ValueError(f"Shard: offsets {self.offsets}, global shape "
+                             f"{self.global_shape} and the local shape {shape} "
+                             "must have the same number of dimensions")
+        for o, s, g in zip(self.offsets, shape, self.global_shape):
+            if o < 0 or o + s > g:
+                raise ValueError(f"Shard: the block at offsets {self.offsets} "
+                                 f"of shape {shape} is outside the global "
+                                 f"shape {self.global_shape}")
+
+    def __repr__(self):
+        return (f"Shard(shape={tuple(self.tensor.shape)}, offsets={self.offsets}, "
+                f"global_shape={self.global_shape})")
+
+
+# ---- tensors: torch and numpy, imported lazily ---------------------------------
+
+def _is_torch(x):
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _is_numpy(x):
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, (np.ndarray, np.generic))
+
+
+def _is_tensor(x):
+    return isinstance(x, Shard) or _is_torch(x) or _is_numpy(x)
+
+
+def _torch_dtype_name(dt):
+    name = str(dt).replace("torch.", "")
+    if name not in DTYPES:
+        raise CkptfsError(f"torch dtype {dt} has no ckptfs dtype (ckptfs has: "
+                          f"{', '.join(DTYPES)}); convert the tensor first")
+    return name
+
+
+def _numpy_dtype_name(dt):
+    np = sys.modules["numpy"]
+    for name, npname in NUMPY_NAMES.items():
+        if np.dtype(npname) == dt.newbyteorder("<") or np.dtype(npname) == dt:
+            return name
+    raise CkptfsError(f"numpy dtype {dt} has no ckptfs dtype (ckptfs has: "
+                      f"{', '.join(NUMPY_NAMES)}); convert the array first, "
+                      "or save it as bytes")
+
+
+def _torch_module():
+    try:
+        import torch
+    except ImportError as e:
+        raise CkptfsError("this item was saved as a torch tensor (or has a dtype "
+                          "only torch has), but torch cannot be imported: "
+                          f"{e}") from e
+    return torch
+
+
+def _numpy_module():
+    try:
+        import numpy
+    except ImportError as e:
+        raise CkptfsError(f"loading tensors needs numpy or torch: {e}") from e
+    return numpy
+
+
+def _torch_numpy_view(t):
+    """A numpy array sharing t's memory (t on the CPU, contiguous); dtypes
+    numpy lacks are viewed as unsigned integers of their size."""
+    torch = sys.modules["torch"]
+    t = t.detach()
+    name = _torch_dtype_name(t.dtype)
+    if name in NUMPY_NAMES:
+        return t.numpy()
+    carrier = {1: torch.uint8, 2: torch.int16}[DTYPES[name]]
+    return t.view(carrier).numpy()
+
+
+def _tensor_info(x):
+    """(ckptfs dtype, shape, byte buffer of the elements in row-major
+    little-endian order, kind) of a torch tensor or numpy array."""
+    if _is_torch(x):
+        name = _torch_dtype_name(x.dtype)
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        arr = _torch_numpy_view(t)
+        return name, tuple(x.shape), memoryview(arr.reshape(-1)).cast("B"), "torch"
+    np = sys.modules["numpy"]
+    arr = np.asarray(x)
+    name = _numpy_dtype_name(arr.dtype)
+    arr = np.ascontiguousarray(arr, dtype=np.dtype(NUMPY_NAMES[name]))
+    return name, tuple(arr.shape), memoryview(arr.reshape(-1)).cast("B"), "numpy"
+
+
+# ---- file calls -----------------------------------------------------------------
+
+def _write_all(path, buf):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+        pos = 0
+        while pos < len(mv):
+            pos += os.write(fd, mv[pos:pos + IO_STEP])
+    finally:
+        os.close(fd)
+
+
+def _pread_into(fd, mv, offset, path):
+    """Fill memoryview mv from offset of fd."""
+    pos = 0
+    while pos < len(mv):
+        n = os.preadv(fd, [mv[pos:pos + IO_STEP]], offset + pos)
+        if n == 0:
+            raise CkptfsError(f"{path}: file ends at byte {offset + pos}, "
+                              f"{offset + len(mv)} expected")
+        pos += n
+
+
+def _csv(xs):
+    return ",".join(str(int(v)) for v in xs).encode()
+
+
+def _parse_dims(value):
+    s = value.decode().strip().strip("[]")
+    return tuple(int(v) for v in s.replace(" ", "").split(",") if v != "")
+
+
+def _read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def status(mount, name):
+    """(state, text) of checkpoint name: state is the first line of
+    NAME/.status (staging, committing, committed, failed)."""
+    text = _read_text(os.path.join(mount, name, ".status"))
+    return text.split("\n", 1)[0].strip(), text
+
+
+# ---- save -----------------------------------------------------------------------
+
+def _check_key(k, where):
+    if isinstance(k, bool) or not isinstance(k, (str, int)):
+        raise CkptfsError(f"key {k!r} under {where or 'the top level'}: keys must "
+                          "be str or int")
+    s = str(k)
+    if not s or s.startswith(".") or "/" in s or "\0" in s:
+        raise CkptfsError(f"key {s!r} under {where or 'the top level'} cannot be a "
+                          "file name: it must not be empty, start with '.', or "
+                          "contain '/' or NUL")
+    return s
+
+
+def _flatten(obj, keys, out):
+    """(key path, value) of every leaf: dicts recurse, everything else is a leaf."""
+    for k, v in obj.items():
+        where = "/".join(str(x) for x in keys)
+        _check_key(k, where)
+        if not keys and str(k) == MANIFEST_DIR:
+            raise CkptfsError(f"the top-level key {MANIFEST_DIR!r} is reserved "
+                              "for ckptfs.py's manifest")
+        path = keys + [k]
+        if isinstance(v, dict):
+            if not v:
+                out.append((path, v))  # an empty dict is kept as an object
+            else:
+                _flatten(v, path, out)
+        else:
+            out.append((path, v))
+    return out
+
+
+def _encode_object(v, objects):
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v) if isinstance(v, memoryview) else v, "bytes"
+    if objects == "json":
+        try:
+            return json.dumps(v, allow_nan=True).encode(), "json"
+        except (TypeError, ValueError) as e:
+            raise CkptfsError(f"cannot store {type(v).__name__} as JSON ({e}); use "
+                              "objects='pickle' or bytes") from e
+    return pickle.dumps(v, protocol=4), "pickle"
+
+
+def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
+         exist_ok=False, timeout=None):
+    """Write state_dict into MOUNT/NAME and commit it.
+
+    mount: this rank's ckptfs mount; name: the checkpoint name
+    ([A-Za-z0-9_.-]+, not starting with '.'); rank: this rank (names the
+    manifest; every rank of the world must call save with the same name);
+    mode: "sync" (return once committed and durable everywhere) or "async"
+    (return once the staged data is frozen; then wait(mount, name));
+    objects: "pickle" or "json" for values that are neither tensors nor bytes;
+    exist_ok: reuse a checkpoint directory this rank already staged (e.g. to
+    retry after a failed commit). Raises CommitError when the commit fails.
+    """
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
+    if objects not in ("pickle", "json"):
+        raise ValueError(f"objects must be 'pickle' or 'json', not {objects!r}")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    if not os.path.isdir(mount):
+        raise CkptfsError(f"{mount} is not a directory (is the ckptfs rank mount "
+                          "there? mount it with ckptfs or mount-scripts/ckpt-mount)")
+    leaves = _flatten(state_dict, [], [])
+    ckdir = os.path.join(mount, name)
+    try:
+        os.mkdir(ckdir)
+    except FileExistsError:
+        if not exist_ok:
+            raise CkptfsError(
+                f"checkpoint {name!r} already exists in {mount} (committed, or "
+                "staged on this rank): choose another name, remove it with "
+                f"rm -r {ckdir}, or pass exist_ok=True to restage it") from None
+    except OSError as e:
+        raise CkptfsError(f"cannot create checkpoint {ckdir}: {e.strerror}"
+                          + (" (names are [A-Za-z0-9_.-]+, not starting with '.')"
+                             if e.errno in (errno.EINVAL, errno.EPERM) else "")) from e
+
+    manifest = {}
+    made = set()
+    for keys, v in leaves:
+        rel = "/".join(str(k) for k in keys)
+        path = os.path.join(ckdir, rel)
+        parent = os.path.dirname(path)
+        if parent not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        entry = {"keys": [["i" if isinstance(k, int) else "s", k] for k in keys]}
+        try:
+            if _is_tensor(v):
+                shard = v if isinstance(v, Shard) else None
+                dtype, shape, buf, kind = _tensor_info(shard.tensor if shard else v)
+                _write_all(path, buf)
+                os.setxattr(path, "user.ckpt.dtype", dtype.encode())
+                if shard:
+                    os.setxattr(path, "user.ckpt.shape", _csv(shard.global_shape))
+                    os.setxattr(path, "user.ckpt.offsets", _csv(shard.offsets))
+                    os.setxattr(path, "user.ckpt.sizes", _csv(shape))
+                else:
+                    os.setxattr(path, "user.ckpt.shape", _csv(shape))
+                entry["kind"] = kind
+            else:
+                data, kind = _encode_object(v, objects)
+                _write_all(path, data)
+                entry["kind"] = kind
+        except OSError as e:
+            raise CkptfsError(f"cannot stage {rel} of checkpoint {name!r}: "
+                              f"{e.strerror} ({path})") from e
+        manifest[rel] = entry
+    mpath = os.path.join(ckdir, MANIFEST_DIR, f"rank{int(rank)}.json")
+    os.makedirs(os.path.dirname(mpath), exist_ok=True)
+    _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
+                                  "items": manifest}, sort_keys=True).encode())
+    commit(mount, name, mode)
+    if mode == "sync" and timeout is not None:
+        wait(mount, name, timeout)
+
+
+def commit(mount, name, mode="sync"):
+    """Write mode to NAME/.commit (what save() does last)."""
+    ckdir = os.path.join(mount, name)
+    try:
+        fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
+    except OSError as e:
+        raise CkptfsError(f"cannot open {ckdir}/.commit: {e.strerror} (is {mount} "
+                          "a ckptfs mount?)") from e
+    try:
+        os.write(fd, mode.encode() + b"\n")
+    except OSError as e:
+        try:
+            st, text = status(mount, name)
+        except OSError:
+            st, text = "", ""
+        if st == "failed":
+            raise CommitError(name, text, ckdir) from e
+        raise CkptfsError(f"commit of {name!r} failed: {e.strerror}"
+                          + (f"; .status: {text.strip()}" if text else "")) from e
+    finally:
+        os.close(fd)
+
+
+def wait(mount, name, timeout=None, poll=0.05):
+    """Wait until an async commit of name is committed (return its .status
+    text) or failed (raise CommitError); TimeoutError after timeout s."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        st, text = status(mount, name)
+        if st == "committed":
+            return text
+        if st == "failed":
+            raise CommitError(name, text, os.path.join(mount, name))
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"checkpoint {name!r} is still {st} after "
+                               f"{timeout} s: {text.strip()}")
+        time.sleep(poll)
+
+
+# ---- load -----------------------------------------------------------------------
+
+def _manifest(ckdir):
+    """{relative path: entry} merged from every rank's manifest."""
+    items = {}
+    d = os.path.join(ckdir, MANIFEST_DIR)
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return items
+    for n in names:
+        if n.startswith("rank") and n.endswith(".json"):
+            with open(os.path.join(d, n), "rb") as f:
+                doc = json.load(f)
+            for rel, entry in doc.get("items", {}).items():
+                items.setdefault(rel, entry)
+    return items
+
+
+def _walk(ckdir):
+    """Relative paths of every file of the checkpoint but .metadata and the manifests."""
+    out = []
+    for root, dirs, files in os.walk(ckdir):
+        rel_root = os.path.relpath(root, ckdir)
+        if rel_root == MANIFEST_DIR:
+            dirs[:] = []
+            continue
+        for f in files:
+            rel = f if rel_root == "." else f"{rel_root}/{f}"
+            if rel != ".metadata":
+                out.append(rel)
+    return sorted(out)
+
+
+def _xattrs(path):
+    try:
+        dtype = os.getxattr(path, "user.ckpt.dtype").decode()
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP):
+            return None, None
+        raise
+    return dtype, _parse_dims(os.getxattr(path, "user.ckpt.shape"))
+
+
+def _runs(global_shape, offsets, sizes):
+    """(element offset in the global tensor, element count) of the contiguous
+    runs of block (offsets, sizes) of a row-major tensor, in the block's
+    row-major order."""
+    n = len(global_shape)
+    if n == 0:
+        yield 0, 1
+        return
+    if any(s == 0 for s in sizes):
+        return
+    # d: the last dimension the block does not span whole; runs cover
+    # sizes[d] x the full extent of every later dimension
+    d = n - 1
+    while d > 0 and sizes[d] == global_shape[d] and offsets[d] == 0:
+        d -= 1
+    strides = [math.prod(global_shape[i + 1:]) for i in range(n)]
+    run = sizes[d] * strides[d]
+    idx = [0] * d
+    while True:
+        flat = sum((offsets[i] + idx[i]) * strides[i] for i in range(d))
+        yield flat + offsets[d] * strides[d], run
+        i = d - 1
+        while i >= 0:
+            idx[i] += 1
+            if idx[i] < sizes[i]:
+                break
+            idx[i] = 0
+            i -= 1
+        if i < 0:
+            return
+
+
+def _read_block(path, dtype, global_shape, offsets, sizes, mv):
+    """Read block (offsets, sizes) of the global tensor at path into mv
+    (the block's bytes, row-major) with one pread per contiguous run."""
+    item = DTYPES[dtype]
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pos = 0
+        for start, count in _runs(global_shape, offsets, sizes):
+            nbytes = count * item
+            _pread_into(fd, mv[pos:pos + nbytes], start * item, path)
+            pos += nbytes
+    finally:
+        os.close(fd)
+
+
+def _new_tensor(kind, dtype, shape):
+    """An empty tensor to read into, and a byte view of its memory."""
+    if kind == "torch" or (kind != "numpy" and dtype not in NUMPY_NAMES):
+        torch = _torch_module()
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        return t, memoryview(_torch_numpy_view(t).reshape(-1)).cast("B")
+    if dtype not in NUMPY_NAMES:
+        raise CkptfsError(f"dtype {dtype} has no numpy equivalent; load it as a "
+                          "torch tensor")
+    np = _numpy_module()
+    a = np.empty(shape, dtype=np.dtype(NUMPY_NAMES[dtype]))
+    return a, memoryview(a.reshape(-1)).cast("B")
+
+
+def _load_into(target, path, rel, dtype, gshape):
+    """Read the item at path into target (a tensor, array or Shard) in place."""
+    shard = target if isinstance(target, Shard) else None
+    t = shard.tensor if shard else target
+    if _is_torch(t):
+        want = _torch_dtype_name(t.dtype)
+    else:
+        want = _numpy_dtype_name(t.dtype)
+    if want != dtype:
+        raise CkptfsError(f"{rel}: the checkpoint holds {dtype}, the given "
+                          f"tensor is {want}")
+    shape = tuple(t.shape)
+    if shard:
+        if shard.global_shape != gshape:
+            raise CkptfsError(f"{rel}: the checkpoint's shape is {list(gshape)}, "
+                              f"the Shard's global shape {list(shard.global_shape)}")
+        offsets = shard.offsets
+    else:
+        if shape != gshape:
+            raise CkptfsError(f"{rel}: the checkpoint's shape is {list(gshape)}, "
+                              f"the given tensor's {list(shape)} (give a Shard "
+                              "to load part of it)")
+        offsets = (0,) * len(shape)
+    direct = None
+    if _is_torch(t):
+        if t.device.type == "cpu" and t.is_contiguous():
+            direct = _torch_numpy_view(t)
+    else:
+        if t.flags.c_contiguous and t.flags.writeable:
+            direct = t
+    if direct is not None:
+        _read_block(path, dtype, gshape, offsets, shape,
+                    memoryview(direct.reshape(-1)).cast("B"))
+        return
+    tmp, mv = _new_tensor("torch" if _is_torch(t) else "numpy", dtype, shape)
+    _read_block(path, dtype, gshape, offsets, shape, mv)
+    if _is_torch(t):
+        with sys.modules["torch"].no_grad():
+            t.copy_(tmp)
+    else:
+        t[...] = tmp
+
+
+def _decode_object(path, rel, kind, allow_pickle):
+    with open(path, "rb") as f:
+        data = f.read()
+    if kind == "pickle":
+        if not allow_pickle:
+            raise CkptfsError(f"{rel} is pickled and allow_pickle is False")
+        return pickle.loads(data)
+    if kind == "json":
+        return json.loads(data)
+    return data
+
+
+def _key(k):
+    t, v = k
+    return int(v) if t == "i" else v
+
+
+def load(spec, mount, name, allow_pickle=True):
+    """Read committed checkpoint name from this rank's mount.
+
+    spec None: return a new nested dict of everything in the checkpoint
+    (tensors as saved: torch tensors or numpy arrays; dtype and shape from
+    the xattrs). spec a dict: fill it: its tensors, arrays and Shards are
+    read in place (a Shard reads only its own byte ranges; dtype and global
+    shape must match), its other leaves are replaced by the stored values;
+    items of the checkpoint that spec does not name are not read. Returns
+    the dict.
+    """
+    ckdir = os.path.join(mount, name)
+    if not os.path.isdir(ckdir):
+        try:
+            have = sorted(n for n in os.listdir(mount) if not n.startswith("."))
+        except OSError as e:
+            raise CkptfsError(f"cannot list {mount}: {e.strerror}") from e
+        raise CkptfsError(f"no checkpoint {name!r} in {mount} (it has: "
+                          f"{', '.join(have) or 'none'})")
+    try:
+        st, text = status(mount, name)
+    except OSError:
+        st, text = "committed", ""  # not a ckptfs mount: read what is there
+    if st != "committed":
+        raise CkptfsError(f"checkpoint {name!r} is {st}, not committed: "
+                          + ("wait(mount, name) first" if st == "committing"
+                             else text.strip()))
+    manifest = _manifest(ckdir)
+    if spec is None:
+        out = {}
+        for rel in _walk(ckdir):
+            entry = manifest.get(rel)
+            keys = ([_key(k) for k in entry["keys"]] if entry
+                    else rel.split("/"))
+            path = os.path.join(ckdir, rel)
+            dtype, shape = _xattrs(path)
+            if dtype is not None:
+                kind = entry["kind"] if entry else None
+                t, mv = _new_tensor(kind, dtype, shape)
+                _read_block(path, dtype, shape, (0,) * len(shape), shape, mv)
+                value = t
+            else:
+                value = _decode_object(path, rel, entry["kind"] if entry else "bytes",
+                                       allow_pickle)
+            d = out
+            for k in keys[:-1]:
+                d = d.setdefault(k, {})
+            d[keys[-1]] = value
+        return out
+    if not isinstance(spec, dict):
+        raise TypeError(f"spec must be a dict or None, not {type(spec).__name__}")
+    for keys, v in _flatten(spec, [], []):
+        rel = "/".join(str(k) for k in keys)
+        path = os.path.join(ckdir, rel)
+        try:
+            dtype, shape = _xattrs(path)
+        except FileNotFoundError:
+            raise CkptfsError(f"checkpoint {name!r} has no item {rel} (FQN "
+                              f"{rel.replace('/', '.')})") from None
+        if _is_tensor(v):
+            if dtype is None:
+                raise CkptfsError(f"{rel} is a bytes item in checkpoint {name!r}, "
+                                  "not a tensor")
+            _load_into(v, path, rel, dtype, shape)
+            continue
+        if dtype is not None:
+            entry = manifest.get(rel)
+            t, mv = _new_tensor(entry["kind"] if entry else None, dtype, shape)
+            _read_block(path, dtype, shape, (0,) * len(shape), shape, mv)
+            value = t
+        else:
+            entry = manifest.get(rel)
+            value = _decode_object(path, rel, entry["kind"] if entry else "bytes",
+                                   allow_pickle)
+        d = spec
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+    return spec
