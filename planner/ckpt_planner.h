@@ -384,4 +384,7 @@ int ckpt_msg_encode_write_result(const ckpt_write_result_t *wr,
 int ckpt_msg_decode_write_result(const void *p, size_t n,
                                  ckpt_write_result_t *wr);
 
+/* File formats of other tools (safetensors, .npy): ckpt_views.h. */
+#include "ckpt_views.h"
+
 #endif /* CKPT_PLANNER_H */
