@@ -427,17 +427,18 @@ def _manifest(ckdir):
     return items
 
 
-def _walk(ckdir):
-    """Relative paths of every file of the checkpoint but .metadata and the manifests."""
+def _walk(ckdir, top=True):
+    """Relative paths of every file under ckdir; at the top of a checkpoint
+    (top) but .metadata and the manifests."""
     out = []
     for root, dirs, files in os.walk(ckdir):
         rel_root = os.path.relpath(root, ckdir)
-        if rel_root == MANIFEST_DIR:
+        if top and rel_root == MANIFEST_DIR:
             dirs[:] = []
             continue
         for f in files:
             rel = f if rel_root == "." else f"{rel_root}/{f}"
-            if rel != ".metadata":
+            if not (top and rel == ".metadata"):
                 out.append(rel)
     return sorted(out)
 
@@ -573,6 +574,34 @@ def _key(k):
     return int(v) if t == "i" else v
 
 
+def _load_item(path, rel, entry, allow_pickle):
+    """A new tensor, array, bytes or object from the file at path."""
+    dtype, shape = _xattrs(path)
+    if dtype is not None:
+        t, mv = _new_tensor(entry["kind"] if entry else None, dtype, shape)
+        _read_block(path, dtype, shape, (0,) * len(shape), shape, mv)
+        return t
+    return _decode_object(path, rel, entry["kind"] if entry else "bytes",
+                          allow_pickle)
+
+
+def _load_tree(ckdir, sub, manifest, allow_pickle):
+    """A new nested dict of every item under directory sub ("" for all)."""
+    out = {}
+    depth = len(sub.split("/")) if sub else 0
+    for rel in _walk(os.path.join(ckdir, sub) if sub else ckdir, top=not sub):
+        rel = f"{sub}/{rel}" if sub else rel
+        entry = manifest.get(rel)
+        keys = [_key(k) for k in entry["keys"]] if entry else rel.split("/")
+        keys = keys[depth:]
+        value = _load_item(os.path.join(ckdir, rel), rel, entry, allow_pickle)
+        d = out
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = value
+    return out
+
+
 def load(spec, mount, name, allow_pickle=True):
     """Read committed checkpoint name from this rank's mount.
 
@@ -602,26 +631,7 @@ def load(spec, mount, name, allow_pickle=True):
                              else text.strip()))
     manifest = _manifest(ckdir)
     if spec is None:
-        out = {}
-        for rel in _walk(ckdir):
-            entry = manifest.get(rel)
-            keys = ([_key(k) for k in entry["keys"]] if entry
-                    else rel.split("/"))
-            path = os.path.join(ckdir, rel)
-            dtype, shape = _xattrs(path)
-            if dtype is not None:
-                kind = entry["kind"] if entry else None
-                t, mv = _new_tensor(kind, dtype, shape)
-                _read_block(path, dtype, shape, (0,) * len(shape), shape, mv)
-                value = t
-            else:
-                value = _decode_object(path, rel, entry["kind"] if entry else "bytes",
-                                       allow_pickle)
-            d = out
-            for k in keys[:-1]:
-                d = d.setdefault(k, {})
-            d[keys[-1]] = value
-        return out
+        return _load_tree(ckdir, "", manifest, allow_pickle)
     if not isinstance(spec, dict):
         raise TypeError(f"spec must be a dict or None, not {type(spec).__name__}")
     for keys, v in _flatten(spec, [], []):
@@ -638,15 +648,10 @@ def load(spec, mount, name, allow_pickle=True):
                                   "not a tensor")
             _load_into(v, path, rel, dtype, shape)
             continue
-        if dtype is not None:
-            entry = manifest.get(rel)
-            t, mv = _new_tensor(entry["kind"] if entry else None, dtype, shape)
-            _read_block(path, dtype, shape, (0,) * len(shape), shape, mv)
-            value = t
+        if os.path.isdir(path):
+            value = _load_tree(ckdir, rel, manifest, allow_pickle)
         else:
-            entry = manifest.get(rel)
-            value = _decode_object(path, rel, entry["kind"] if entry else "bytes",
-                                   allow_pickle)
+            value = _load_item(path, rel, manifest.get(rel), allow_pickle)
         d = spec
         for k in keys[:-1]:
             d = d[k]
