@@ -12,7 +12,6 @@
  * unreadable. Directories without .metadata (a save that was interrupted;
  * the next mount removes them) are listed, not counted as damage.
  */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -24,6 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "catalog.h"
 #include "fs_int.h"
 #include "metadb.h"
 
@@ -180,10 +180,6 @@ static int check_checkpoint(int backing_fd, const char *backing,
   return c.problems ? 1 : 0;
 }
 
-static int by_name(const void *a, const void *b) {
-  return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
 int main(int argc, char **argv) {
   if (argc >= 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
     usage(stdout);
@@ -211,35 +207,18 @@ int main(int argc, char **argv) {
       damaged |= check_checkpoint(backing_fd, backing, argv[i]);
     }
   } else {
-    DIR *d = fdopendir(dup(backing_fd));
-    if (!d) {
+    char **names;
+    size_t n;
+    int rc = ckpt__catalog_names(backing_fd, &names, &n);
+    if (rc) {
       fprintf(stderr, "ckptfs-fsck: cannot list %s: %s\n", backing,
-              strerror(errno));
+              strerror(-rc));
       close(backing_fd);
       return EXIT_USAGE;
     }
-    char **names = NULL;
-    size_t n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-      char **grown;
-      if (!ckpt_name_valid(e->d_name) ||
-          !(grown = realloc(names, (n + 1) * sizeof(*names))))
-        continue;
-      names = grown;
-      if ((names[n] = strdup(e->d_name)) != NULL)
-        n++;
-    }
-    closedir(d);
-    qsort(names, n, sizeof(*names), by_name);
-    for (size_t i = 0; i < n; i++) {
-      struct stat st;
-      if (fstatat(backing_fd, names[i], &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-          S_ISDIR(st.st_mode))
-        damaged |= check_checkpoint(backing_fd, backing, names[i]);
-      free(names[i]);
-    }
-    free(names);
+    for (size_t i = 0; i < n; i++)
+      damaged |= check_checkpoint(backing_fd, backing, names[i]);
+    ckpt__catalog_names_free(names, n);
     if (n == 0)
       printf("%s: no checkpoints\n", backing);
   }

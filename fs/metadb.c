@@ -952,6 +952,21 @@ cleanup:
   return rc;
 }
 
+int ckpt_metadb_load_header(const char *metadata_path, ckpt_metadata_t *out,
+                            char **err) {
+  assert(metadata_path != NULL && out != NULL && err != NULL);
+  *err = NULL;
+  memset(out, 0, sizeof(*out));
+  loader_t ld = {.path = metadata_path, .err = err, .m = out};
+  int rc = open_readonly(&ld);
+  if (rc == 0)
+    rc = load_checkpoint(&ld);
+  sqlite3_close(ld.db);
+  if (rc < 0)
+    ckpt_metadata_free(out);
+  return rc;
+}
+
 int ckpt_metadb_check(const char *metadata_path, char **err) {
   assert(metadata_path != NULL && err != NULL);
   *err = NULL;

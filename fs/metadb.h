@@ -54,6 +54,14 @@ int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
                      char **err);
 
 /*
+ * Only the checkpoint table of a .metadata file (name, save_id, world_size,
+ * created_at; no tensors, chunks or blobs): what listing and pruning
+ * need, without reading the chunk rows of a large checkpoint.
+ */
+int ckpt_metadb_load_header(const char *metadata_path, ckpt_metadata_t *out,
+                            char **err);
+
+/*
  * SQLite's own integrity check of a .metadata file (b-trees, indexes, free
  * list): 0, or a negative errno with *err (malloc'd) saying what is wrong.
  */

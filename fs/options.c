@@ -25,6 +25,7 @@ enum {
   KEY_DIRECT_READS,
   KEY_VERIFY,
   KEY_REPLICA_CHECK,
+  KEY_KEEP_LAST,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -39,6 +40,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("direct_reads=", KEY_DIRECT_READS),
     FUSE_OPT_KEY("verify=", KEY_VERIFY),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
+    FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -82,6 +84,10 @@ void ckpt__opts_help(void) {
       "  -o replica_check=error|warn|off\n"
       "                          replicas of one chunk that differ between "
       "ranks (default: error)\n"
+      "  -o keep_last=N          after each commit, remove the committed "
+      "checkpoints of\n"
+      "                          BACKING_DIR beyond the N newest; 0 keeps all "
+      "(default: 0)\n"
       "  -o allow_other, -o default_permissions, ...\n"
       "                          standard FUSE mount options\n");
 }
@@ -204,6 +210,11 @@ static int opt_proc(void *data, const char *arg, int key,
       o->replica_check = CKPT_REPLICA_OFF;
     else
       return bad(ps, "replica_check", val, "error, warn or off");
+    return 0;
+  case KEY_KEEP_LAST:
+    if (parse_uint(val, UINT32_MAX, &v))
+      return bad(ps, "keep_last", val, "a number of checkpoints, 0 for all");
+    o->keep_last = (uint32_t)v;
     return 0;
   case KEY_FOREGROUND:
     o->foreground = true;

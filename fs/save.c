@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "catalog.h"
 #include "failpoint.h"
 #include "fs_int.h"
 #include "metadb.h"
@@ -658,6 +659,35 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   }
 }
 
+/* -o keep_last=N, coordinator, after name was committed: remove the
+ * committed checkpoints of BACKING_DIR beyond the N newest (name is always
+ * kept), .metadata first and durably, as rm -r through a mount does. Other
+ * ranks' views drop them at their next lookup or listing (still_stored in
+ * ops.c). A checkpoint a writer still holds is left for the next commit. */
+static void keep_last(ckpt_fs_t *fs, const char *name) {
+  ckpt_catalog_t cat;
+  if (ckpt__catalog_scan(fs->backing_fd, fs->backing_path, false, &cat)) {
+    ckpt__log("keep_last: cannot list %s: %s", fs->backing_path,
+              strerror(errno));
+    return;
+  }
+  bool *old = calloc(cat.n ? cat.n : 1, sizeof(*old));
+  if (old && ckpt__catalog_select_old(&cat, fs->opts.keep_last, name, old))
+    for (size_t i = 0; i < cat.n; i++) {
+      if (!old[i])
+        continue;
+      int rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
+      if (rc)
+        ckpt__log("keep_last=%u: not removing %s: %s", fs->opts.keep_last,
+                  cat.e[i].name, strerror(-rc));
+      else
+        ckpt__log("keep_last=%u: removed %s", fs->opts.keep_last,
+                  cat.e[i].name);
+    }
+  free(old);
+  ckpt__catalog_free(&cat);
+}
+
 static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                       const char *reason) {
   ckpt_fs_t *fs = ctx;
@@ -691,6 +721,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
   }
   ckpt__staging_tidy(fs->backing_fd);
+  if (rc == 0 && fs->rank == 0 && fs->opts.keep_last)
+    keep_last(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");
   if (s->sync) {

@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "catalog.h"
 #include "fs_int.h"
 #include "metadb.h"
 
@@ -167,22 +168,7 @@ int ckpt__remove_tree(int parent_fd, const char *name) {
 }
 
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
-  int dfd = openat(fs->backing_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-  if (dfd < 0)
-    return errno == ENOENT ? 0 : -errno;
-  /* .metadata first and durably: from here on the checkpoint is gone for
-   * every mount, and a crash leaves only an unfinished save behind. */
-  int rc = 0;
-  if (unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
-    rc = -errno;
-  if (rc == 0 && fsync(dfd))
-    rc = -errno;
-  close(dfd);
-  if (rc)
-    return rc;
-  rc = ckpt__remove_tree(fs->backing_fd, name);
-  fsync(fs->backing_fd);
-  return rc;
+  return ckpt__checkpoint_remove(fs->backing_fd, name, false);
 }
 
 /* ------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+/*
+ * catalog.h - the checkpoints of a backing directory, as an administrator
+ * sees them: listing (committed, unfinished, damaged), pruning the oldest
+ * committed ones, and removing one durably.
+ *
+ * Shared by the offline tools (ckptctl, ckptfs-fsck) and the mount's
+ * keep_last (on the dist thread, after a commit). No FUSE and no MPI here;
+ * .metadata is read through metadb.c.
+ */
+#ifndef CKPT_CATALOG_H
+#define CKPT_CATALOG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "ckpt_planner.h"
+
+typedef enum {
+  CKPT_CAT_COMMITTED,  /* .metadata loads */
+  CKPT_CAT_UNFINISHED, /* no .metadata: a save in flight or interrupted */
+  CKPT_CAT_DAMAGED,    /* .metadata is there but does not load */
+} ckpt_cat_state_t;
+
+typedef struct {
+  char *name;             /* owned */
+  ckpt_cat_state_t state;
+  struct timespec mtime;  /* committed: .metadata's mtime; orders checkpoints
+                             of one created_at second */
+  bool held;              /* unfinished: a writer holds its flock */
+  uint64_t disk_bytes;    /* sizes of the files in BACKING_DIR/NAME */
+  char *error;            /* damaged: why (owned) */
+  ckpt_metadata_t meta;   /* committed: the header (name, save_id,
+                             world_size, created_at), or all of it when
+                             scanned with full */
+} ckpt_cat_entry_t;
+
+typedef struct {
+  size_t n;
+  ckpt_cat_entry_t *e;    /* owned, sorted by name */
+} ckpt_catalog_t;
+
+/* The names in BACKING_DIR that are checkpoint names and directories (not
+ * symlinks), sorted. *names (and each name) malloc'd. 0 or -errno. */
+int ckpt__catalog_names(int backing_fd, char ***names, size_t *n);
+void ckpt__catalog_names_free(char **names, size_t n);
+
+/* Describe every checkpoint directory of BACKING_DIR (backing_path names
+ * it for the SQLite loader). full: load each .metadata whole (tensors,
+ * chunks, blobs); else only its header. 0 or -errno (BACKING_DIR cannot be
+ * listed). */
+int ckpt__catalog_scan(int backing_fd, const char *backing_path, bool full,
+                       ckpt_catalog_t *out);
+void ckpt__catalog_free(ckpt_catalog_t *c);
+
+/* Which committed entries lie beyond the keep newest (created_at, then
+ * .metadata's mtime, then name): remove[i] set for those. The entry named
+ * keep_name (NULL: none) is always kept and counts as one of the keep.
+ * Unfinished and damaged entries are never selected. Returns how many are
+ * selected. keep 0 selects nothing (keep all). */
+size_t ckpt__catalog_select_old(const ckpt_catalog_t *c, uint32_t keep,
+                                const char *keep_name, bool *remove);
+
+/* Delete BACKING_DIR/name (committed or not):
+ *  1. with if_idle, take an exclusive flock on the directory without
+ *     waiting: -EBUSY when a writer holds it;
+ *  2. unlink .metadata and fsync the directory: from here on the
+ *     checkpoint is gone for every mount, and a crash leaves only an
+ *     unfinished save, which the next mount removes;
+ *  3. remove the data files and the directory, fsync BACKING_DIR.
+ * 0 (also when it does not exist) or -errno. */
+int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle);
+
+#endif /* CKPT_CATALOG_H */
