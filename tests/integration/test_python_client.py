@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""examples/python/ckptfs.py, the Python client: save and load round trips
+through a real mount (numpy dtypes, torch dtypes with bfloat16, 0-d, empty
+and non-contiguous tensors, nested dicts with int keys, bytes, pickled and
+JSON objects), a sharded save from a world of 2 ranks loaded at 1 rank
+with other shards (pread of each shard's byte ranges), async saves, and
+the errors a user gets.
+
+What the client wrote is checked independently of it: the committed files'
+bytes, the xattrs, and .metadata's tensors and chunks tables.
+
+    python3 tests/integration/test_python_client.py --bin build/bin/ckptfs
+
+The torch and numpy parts run in an interpreter that has them
+(tests/integration/pyenv.py); the standard-library core runs in this one.
+"""
+
+import json
+import os
+import pickle
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import CkptfsTestCase, main, read_all, state  # noqa: E402
+from mpi_world import World  # noqa: E402
+import pyenv  # noqa: E402
+from pyenv import EXAMPLES, require_torch, run_py  # noqa: E402
+
+sys.path.insert(0, EXAMPLES)
+import ckptfs  # noqa: E402  (the client under test)
+
+
+def query(db, sql):
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return [tuple(r) for r in con.execute(sql)]
+    finally:
+        con.close()
+
+
+# Saves numpy arrays of every dtype numpy shares with ckptfs, and torch
+# tensors of every torch dtype (bfloat16 too), and prints, per file, the
+# dtype, shape and hex of the bytes the file must hold.
+SAVE_TENSORS = r'''
+import json, sys
+import numpy as np, torch
+import ckptfs
+mnt, name, mode = sys.argv[1:4]
+g = torch.Generator().manual_seed(5)
+sd = {"np": {}, "torch": {}}
+exp = {}
+for dt in ["bool", "u1", "i1", "<i2", "<i4", "<i8", "<f2", "<f4", "<f8", "<c8", "<c16", ">f4", ">i8"]:
+    a = (np.arange(24).reshape(2, 3, 4) * 7 - 50).astype(dt)
+    key = "big_" + dt[1:] if dt.startswith(">") else np.dtype(dt).name
+    sd["np"][key] = a
+    exp["np/" + key] = (np.dtype(dt).newbyteorder("<").name if dt != "bool" else "bool",
+                        [2, 3, 4], a.astype(a.dtype.newbyteorder("<")).tobytes().hex())
+tdt = {"bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+       "int32": torch.int32, "int64": torch.int64, "float16": torch.float16,
+       "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+       "complex64": torch.complex64, "complex128": torch.complex128}
+for n, d in tdt.items():
+    t = (torch.randn(3, 5, generator=g) * 40).to(d)
+    sd["torch"][n] = t
+    raw = t.contiguous().view(torch.int16) if d == torch.bfloat16 else t
+    exp["torch/" + n] = (n, [3, 5], raw.numpy().tobytes().hex())
+w = torch.randn(4, 6, generator=g)
+extra = {"scalar": torch.tensor(2.5, dtype=torch.bfloat16), "empty": torch.zeros(0, 3),
+         "transposed": w.t(), "param": torch.nn.Parameter(torch.ones(2, 2))}
+for k, t in extra.items():
+    sd["torch"][k] = t
+    c = t.detach().contiguous()
+    raw = c.view(torch.int16) if c.dtype == torch.bfloat16 else c
+    exp["torch/" + k] = (str(c.dtype)[6:], list(c.shape), raw.numpy().tobytes().hex())
+sd["optim"] = {"state": {0: {"exp_avg": torch.ones(3), "step": torch.tensor(4.0)}},
+               "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99), "params": [0]}]}
+ckptfs.save(sd, mnt, name, mode=mode)
+if mode == "async":
+    ckptfs.wait(mnt, name)
+print(json.dumps(exp))
+'''
+
+# Loads the checkpoint SAVE_TENSORS wrote, as a new dict and in place, and
+# checks every value against a second run of the same generator.
+LOAD_TENSORS = r'''
+import sys
+import numpy as np, torch
+import ckptfs
+mnt, name = sys.argv[1:3]
+out = ckptfs.load(None, mnt, name)
+for dt in ["bool", "u1", "i1", "<i2", "<i4", "<i8", "<f2", "<f4", "<f8", "<c8", "<c16", ">f4", ">i8"]:
+    a = (np.arange(24).reshape(2, 3, 4) * 7 - 50).astype(dt)
+    key = "big_" + dt[1:] if dt.startswith(">") else np.dtype(dt).name
+    b = out["np"][key]
+    assert isinstance(b, np.ndarray), (key, type(b))
+    assert b.dtype == a.dtype.newbyteorder("<") and b.shape == a.shape, (key, b.dtype, b.shape)
+    assert (b == a).all(), key
+g = torch.Generator().manual_seed(5)
+names = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+         "float32", "float64", "complex64", "complex128"]
+for n in names:
+    t = (torch.randn(3, 5, generator=g) * 40).to(getattr(torch, n))
+    got = out["torch"][n]
+    assert torch.is_tensor(got) and got.dtype == t.dtype and got.shape == t.shape, n
+    assert torch.equal(got, t), n
+w = torch.randn(4, 6, generator=g)
+assert torch.equal(out["torch"]["transposed"], w.t())
+assert out["torch"]["scalar"].dtype == torch.bfloat16 and out["torch"]["scalar"].shape == ()
+assert out["torch"]["scalar"].item() == 2.5
+assert out["torch"]["empty"].shape == (0, 3)
+assert list(out["optim"]["state"].keys()) == [0], out["optim"]["state"].keys()
+assert torch.equal(out["optim"]["state"][0]["exp_avg"], torch.ones(3))
+assert out["optim"]["param_groups"] == [{"lr": 0.5, "betas": (0.9, 0.99), "params": [0]}]
+# in place: a bfloat16 tensor, a Parameter, a non-contiguous tensor, an array
+p = torch.nn.Parameter(torch.zeros(2, 2))
+bf = torch.zeros(3, 5, dtype=torch.bfloat16)
+nc = torch.zeros(4, 6).t()
+arr = np.zeros((2, 3, 4), dtype="<f8")
+spec = {"torch": {"param": p, "bfloat16": bf, "transposed": nc}, "np": {"float64": arr},
+        "optim": {"param_groups": None}}
+ptr = (p.data_ptr(), bf.data_ptr(), arr.ctypes.data)
+ckptfs.load(spec, mnt, name)
+assert (p.data_ptr(), bf.data_ptr(), arr.ctypes.data) == ptr, "not in place"
+assert torch.equal(p.detach(), torch.ones(2, 2)) and p.requires_grad
+assert torch.equal(bf, out["torch"]["bfloat16"])
+assert torch.equal(nc, w.t())
+assert (arr == out["np"]["float64"]).all()
+assert spec["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+print("ok")
+'''
+
+
+class Client(CkptfsTestCase):
+
+    def committed_files(self, name):
+        """{relative path: bytes} of every file of committed name, through the mount."""
+        out = {}
+        top = self.ck(name)
+        for root, _, files in os.walk(top):
+            for f in files:
+                rel = os.path.relpath(os.path.join(root, f), top)
+                if rel != ".metadata":
+                    out[rel] = read_all(os.path.join(root, f))
+        return out
+
+    def test_numpy_and_torch_dtypes(self):
+        py = require_torch(self)
+        self.mount()
+        exp = json.loads(run_py(self, py, SAVE_TENSORS, self.mnt, "t", "sync"))
+        self.assertEqual(state(self.ck("t")), "committed")
+        db = self.ck("t", ".metadata")
+        rows = {r[0]: r[1:] for r in query(db, "select path, dtype, shape from tensors")}
+        for rel, (dtype, shape, hexdata) in exp.items():
+            with self.subTest(item=rel):
+                path = self.ck("t", rel)
+                self.assertEqual(read_all(path), bytes.fromhex(hexdata))
+                self.assertEqual(os.getxattr(path, "user.ckpt.dtype").decode(), dtype)
+                self.assertEqual(os.getxattr(path, "user.ckpt.shape").decode(),
+                                 ",".join(map(str, shape)))
+                self.assertEqual(rows[rel], (dtype, json.dumps(shape, separators=(",", ":"))))
+        # bfloat16 is the upper half of the float32 of the same value
+        bf = struct.unpack("<15h", read_all(self.ck("t", "torch/bfloat16")))
+        self.assertTrue(any(bf))
+        # non-tensor leaves are bytes items, the manifest names their kind
+        blobs = {r[0] for r in query(db, "select path from blobs")}
+        self.assertEqual(blobs, {"optim/param_groups", "_ckptfs/rank0.json"})
+        manifest = json.loads(read_all(self.ck("t", "_ckptfs/rank0.json")))
+        self.assertEqual(manifest["items"]["optim/param_groups"]["kind"], "pickle")
+        self.assertEqual(manifest["items"]["optim/state/0/exp_avg"]["keys"],
+                         [["s", "optim"], ["s", "state"], ["i", 0], ["s", "exp_avg"]])
+        self.assertEqual(manifest["items"]["torch/bfloat16"]["kind"], "torch")
+        self.assertEqual(manifest["items"]["np/float32"]["kind"], "numpy")
+        self.assertEqual(run_py(self, py, LOAD_TENSORS, self.mnt, "t").strip(), "ok")
+        # and again after a remount (read from BACKING_DIR, not the staging)
+        self.mounts[0].stop()
+        self.mount()
+        self.assertEqual(run_py(self, py, LOAD_TENSORS, self.mnt, "t").strip(), "ok")
+
+    def test_async_save(self):
+        py = require_torch(self)
+        self.mount()
+        exp = json.loads(run_py(self, py, SAVE_TENSORS, self.mnt, "a", "async"))
+        self.assertEqual(state(self.ck("a")), "committed")
+        for rel, (_, _, hexdata) in exp.items():
+            self.assertEqual(read_all(self.ck("a", rel)), bytes.fromhex(hexdata), rel)
+        # the standard-library core: async save, wait, status
+        ckptfs.save({"x": b"123"}, self.mnt, "b", mode="async")
+        text = ckptfs.wait(self.mnt, "b", timeout=120)
+        self.assertEqual(text.split("\n", 1)[0], "committed")
+        self.assertEqual(ckptfs.status(self.mnt, "b")[0], "committed")
+        self.assertEqual(read_all(self.ck("b", "x")), b"123")
+
+    def test_objects_standard_library_only(self):
+        self.mount()
+        sd = {"raw": b"\x00\xffbytes", "ba": bytearray(b"abc"), "step": 12,
+              "cfg": {"lr": 0.1, "sizes": (1, 2), "name": "run"}, "none": None,
+              "deep": {"a": {"b": {"c": "leaf"}}}, "empty": {}}
+        ckptfs.save(sd, self.mnt, "objs")
+        self.assertEqual(read_all(self.ck("objs", "raw")), b"\x00\xffbytes")
+        self.assertEqual(read_all(self.ck("objs", "ba")), b"abc")
+        self.assertEqual(pickle.loads(read_all(self.ck("objs", "step"))), 12)
+        self.assertEqual(pickle.loads(read_all(self.ck("objs", "deep/a/b/c"))), "leaf")
+        for f in os.listdir(self.ck("objs")):
+            self.assertRaises(OSError, os.getxattr, self.ck("objs", f) if f != "cfg"
+                              else self.ck("objs", "cfg/lr"), "user.ckpt.dtype")
+        out = ckptfs.load(None, self.mnt, "objs")
+        self.assertEqual(out, sd | {"ba": b"abc"})
+        self.assertEqual(out["cfg"]["sizes"], (1, 2))
+        # JSON: readable by anything; tuples come back as lists
+        ckptfs.save({"cfg": {"lr": 0.1, "sizes": (1, 2)}, "b": b"x"}, self.mnt, "js",
+                    objects="json")
+        self.assertEqual(json.loads(read_all(self.ck("js", "cfg/sizes"))), [1, 2])
+        self.assertEqual(ckptfs.load(None, self.mnt, "js"),
+                         {"cfg": {"lr": 0.1, "sizes": [1, 2]}, "b": b"x"})
+        # into a given dict: only the items it names
+        spec = {"cfg": {"lr": None}, "step": None}
+        self.assertIs(ckptfs.load(spec, self.mnt, "objs"), spec)
+        self.assertEqual(spec, {"cfg": {"lr": 0.1}, "step": 12})
+        # refusing pickles
+        with self.assertRaisesRegex(ckptfs.CkptfsError, "pickled and allow_pickle is False"):
+            ckptfs.load(None, self.mnt, "objs", allow_pickle=False)
+        self.assertEqual(ckptfs.load({"raw": None}, self.mnt, "objs", allow_pickle=False),
+                         {"raw": b"\x00\xffbytes"})
+        # the core imports neither numpy nor torch
+        r = subprocess.run([sys.executable, "-c",
+                            "import sys, ckptfs; "
+                            "ckptfs.load(None, sys.argv[1], 'objs'); "
+                            "assert 'numpy' not in sys.modules and 'torch' not in sys.modules"
+                            ", sorted(sys.modules)", self.mnt],
+                           capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=EXAMPLES))
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_foreign_checkpoint(self):
+        """A checkpoint written with plain file calls (no manifest): tensors
+        load as numpy arrays, other files as bytes."""
+        py = require_torch(self)
+        self.mount()
+        ckptfs_util.write_tensor(self.ck("plain", "w"), "int16", [2, 2],
+                                 struct.pack("<4h", 1, -2, 3, -4))
+        ckptfs_util.write_file(self.ck("plain", "sub", "note.txt"), b"hello")
+        ckptfs_util.commit(self.ck("plain"))
+        out = run_py(self, py, r'''
+import sys, ckptfs, numpy as np
+out = ckptfs.load(None, sys.argv[1], "plain")
+assert isinstance(out["w"], np.ndarray) and out["w"].dtype == np.int16
+assert out["w"].tolist() == [[1, -2], [3, -4]], out
+assert out["sub"] == {"note.txt": b"hello"}, out
+print("ok")
+''', self.mnt)
+        self.assertEqual(out.strip(), "ok")
+
+    def test_errors(self):
+        py = require_torch(self)
+        self.mount()
+        ckptfs_util.write_file(self.ck("x", "k"), b"")  # staged, not committed
+        out = run_py(self, py, r'''
+import sys, ckptfs, torch, numpy as np
+mnt = sys.argv[1]
+def expect(fn, *words):
+    try:
+        fn()
+    except (ckptfs.CkptfsError, TypeError, ValueError) as e:
+        msg = str(e)
+        assert all(w in msg for w in words), (msg, words)
+        print(type(e).__name__ + ": " + msg)
+        return e
+    raise AssertionError("no error for " + repr(words))
+# a shard that leaves a gap: the commit fails on .status's reason
+e = expect(lambda: ckptfs.save({"w": ckptfs.Shard(torch.ones(2, 3), (0, 0), (4, 3))}, mnt, "gap"),
+           "commit of checkpoint 'gap' failed", "gap", "commit again")
+assert isinstance(e, ckptfs.CommitError) and e.status.startswith("failed"), e.status
+ckptfs.save({"w": torch.ones(4, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}, mnt, "good")
+expect(lambda: ckptfs.save({"w": torch.ones(1)}, mnt, "good"), "already exists", "rm -r")
+expect(lambda: ckptfs.save({"w": 1}, mnt, ".hidden"), "cannot create checkpoint")
+expect(lambda: ckptfs.save({"a/b": 1}, mnt, "k"), "'a/b'", "cannot be a file name")
+expect(lambda: ckptfs.save({(1, 2): 1}, mnt, "k2"), "keys must be str or int")
+expect(lambda: ckptfs.save({"_ckptfs": 1}, mnt, "k3"), "reserved")
+expect(lambda: ckptfs.save({"u": np.zeros(2, np.uint32)}, mnt, "k4"), "uint32", "no ckptfs dtype")
+expect(lambda: ckptfs.save({"x": 1}, mnt + "/nowhere", "k5"), "is not a directory")
+expect(lambda: ckptfs.save({"x": 1}, mnt, "k6", mode="later"), "mode must be")
+expect(lambda: ckptfs.Shard(torch.ones(3, 3), (2, 0), (4, 3)), "outside the global shape")
+expect(lambda: ckptfs.load(None, mnt, "nope"), "no checkpoint 'nope'", "good")
+expect(lambda: ckptfs.load({"zz": torch.ones(1)}, mnt, "good"), "has no item zz")
+expect(lambda: ckptfs.load({"w": torch.ones(3, 3)}, mnt, "good"), "shape is [4, 3]", "[3, 3]")
+expect(lambda: ckptfs.load({"w": torch.ones(4, 3, dtype=torch.float64)}, mnt, "good"),
+       "holds float32", "float64")
+expect(lambda: ckptfs.load({"w": ckptfs.Shard(torch.ones(2, 3), (0, 0), (5, 3))}, mnt, "good"),
+       "global shape [5, 3]")
+expect(lambda: ckptfs.load({"k": torch.ones(1)}, mnt, "x"), "'x' is staging, not committed")
+print("done")
+''', self.mnt)
+        self.assertIn("CommitError: commit of checkpoint 'gap' failed", out)
+        self.assertTrue(out.rstrip().endswith("done"), out)
+        # a staged, failed name is left for the user: nothing published
+        self.assertEqual(state(self.ck("gap")), "failed")
+        self.assertNothingPublished("gap")
+
+    def test_sharded_two_ranks_loaded_at_one(self):
+        py = require_torch(self)
+        root = os.path.join(self.dir, "world")
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, 2, self.backing, root, log).start()
+        try:
+            save = r'''
+import sys, torch, ckptfs
+mnt, rank = sys.argv[1], int(sys.argv[2])
+full = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) * 0.5 - 3
+emb = (torch.arange(4 * 10, dtype=torch.float32).reshape(4, 10) / 7).to(torch.bfloat16)
+sd = {"model": {
+    "rows": ckptfs.Shard(full[rank * 3:(rank + 1) * 3], (rank * 3, 0), (6, 4)),
+    "cols": ckptfs.Shard(emb[:, rank * 5:(rank + 1) * 5].clone(), (0, rank * 5), (4, 10)),
+    "bias": torch.full((3,), 1.5)},          # replicated
+    "rng": {f"rank{rank}": torch.tensor([rank])}, "step": 3}
+ckptfs.save(sd, mnt, "sharded", rank=rank, mode="async")
+print(ckptfs.wait(mnt, "sharded").splitlines()[0])
+'''
+            outs = [None, None]
+
+            def one(r):
+                try:
+                    outs[r] = run_py(self, py, save, w.mnt(r), r)
+                except BaseException as e:  # noqa: B902 - reported below
+                    outs[r] = e
+            ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            for r in range(2):
+                if isinstance(outs[r], BaseException):
+                    raise outs[r]
+                self.assertEqual(outs[r].strip(), "committed")
+        finally:
+            self.assertEqual(w.stop(), 0)
+        db = self.bk("sharded", ".metadata")
+        chunks = query(db, "select fqn, offsets, sizes, rank from chunks order by fqn, offsets")
+        self.assertIn(("model.rows", "[0,0]", "[3,4]", 0), chunks)
+        self.assertIn(("model.rows", "[3,0]", "[3,4]", 1), chunks)
+        self.assertIn(("model.cols", "[0,5]", "[4,5]", 1), chunks)
+        self.assertEqual(len([c for c in chunks if c[0] == "model.bias"]), 1)  # dedup
+        self.assertEqual(query(db, "select value from checkpoint where key='world_size'"),
+                         [("2",)])
+        # one rank, other shards: rows in 3 pieces of 2, a 2x3 block of
+        # cols, both whole; only the shards' byte ranges are read
+        self.mount()
+        full = struct.pack("<24f", *[i * 0.5 - 3 for i in range(24)])
+        self.assertEqual(read_all(self.ck("sharded", "model/rows")), full)
+        out = run_py(self, py, r'''
+import sys, torch, ckptfs
+mnt = sys.argv[1]
+full = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) * 0.5 - 3
+emb = (torch.arange(4 * 10, dtype=torch.float32).reshape(4, 10) / 7).to(torch.bfloat16)
+pieces = [ckptfs.Shard(torch.zeros(2, 4), (2 * i, 0), (6, 4)) for i in range(3)]
+block = ckptfs.Shard(torch.zeros(2, 3, dtype=torch.bfloat16), (1, 4), (4, 10))
+col = ckptfs.Shard(torch.zeros(6, 1), (0, 3), (6, 4))
+for p in pieces:
+    ckptfs.load({"model": {"rows": p}}, mnt, "sharded")
+    o = p.offsets[0]
+    assert torch.equal(p.tensor, full[o:o + 2]), (p.tensor, o)
+ckptfs.load({"model": {"cols": block}}, mnt, "sharded")
+assert torch.equal(block.tensor, emb[1:3, 4:7]), block.tensor
+ckptfs.load({"model": {"rows": col}}, mnt, "sharded")
+assert torch.equal(col.tensor, full[:, 3:4])
+out = ckptfs.load(None, mnt, "sharded")
+assert torch.equal(out["model"]["rows"], full) and torch.equal(out["model"]["cols"], emb)
+assert sorted(out["rng"]) == ["rank0", "rank1"], out["rng"]
+assert torch.equal(out["rng"]["rank0"], torch.tensor([0]))
+assert torch.equal(out["rng"]["rank1"], torch.tensor([1]))
+assert out["step"] == 3
+print("ok")
+''', self.mnt)
+        self.assertEqual(out.strip(), "ok")
+
+    def test_shard_runs(self):
+        """The byte ranges a Shard reads: one pread per contiguous run."""
+        runs = list(ckptfs._runs((6, 4), (2, 0), (2, 4)))
+        self.assertEqual(runs, [(8, 8)])  # whole rows: one run
+        runs = list(ckptfs._runs((4, 10), (1, 4), (2, 3)))
+        self.assertEqual(runs, [(14, 3), (24, 3)])
+        runs = list(ckptfs._runs((2, 3, 4), (1, 1, 0), (1, 2, 4)))
+        self.assertEqual(runs, [(16, 8)])
+        runs = list(ckptfs._runs((2, 3, 4), (0, 1, 1), (2, 1, 2)))
+        self.assertEqual(runs, [(5, 2), (17, 2)])
+        self.assertEqual(list(ckptfs._runs((), (), ())), [(0, 1)])
+        self.assertEqual(list(ckptfs._runs((3, 0), (0, 0), (3, 0))), [])
+
+
+class Interpreter(unittest.TestCase):
+    def test_no_torch_fails_unless_allowed(self):
+        """Without an interpreter that has torch, the torch tests fail, and
+        are skipped only with CKPT_ALLOW_NO_TORCH=1."""
+        saved = (pyenv.CANDIDATES, dict(pyenv._found), os.environ.get("CKPT_ALLOW_NO_TORCH"))
+        try:
+            pyenv.CANDIDATES = ("/nonexistent/python3",)
+            pyenv._found.clear()
+            os.environ.pop("CKPT_ALLOW_NO_TORCH", None)
+            with self.assertRaisesRegex(AssertionError, "no Python with torch"):
+                pyenv.require_torch(self)
+            os.environ["CKPT_ALLOW_NO_TORCH"] = "1"
+            with self.assertRaises(unittest.SkipTest):
+                pyenv.require_torch(self)
+        finally:
+            pyenv.CANDIDATES = saved[0]
+            pyenv._found.clear()
+            pyenv._found.update(saved[1])
+            if saved[2] is None:
+                os.environ.pop("CKPT_ALLOW_NO_TORCH", None)
+            else:
+                os.environ["CKPT_ALLOW_NO_TORCH"] = saved[2]
+
+
+if __name__ == "__main__":
+    main()
