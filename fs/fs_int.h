@@ -50,6 +50,7 @@ typedef struct {
   bool sync_files;            /* fsync data and metadata at commit */
   bool direct_reads;          /* committed tensors bypass the mount's cache */
   bool verify;                /* check each chunk's XXH3 before serving it */
+  uint64_t safetensors_shard; /* tensor bytes per NAME/.safetensors shard */
   ckpt_replica_check_t replica_check;
   bool foreground;            /* -f */
   uint32_t keep_last;         /* committed checkpoints kept; 0: all */
@@ -248,6 +249,12 @@ typedef enum {
   CKPT_NODE_COMMIT,   /* NAME/.commit */
   CKPT_NODE_STATUS,   /* NAME/.status */
   CKPT_NODE_METADATA, /* NAME/.metadata */
+  /* Views of a committed checkpoint (views.c), read-only: */
+  CKPT_NODE_VROOT,    /* NAME/.npy, NAME/.safetensors (not listed) */
+  CKPT_NODE_VDIR,     /* a directory below NAME/.npy */
+  CKPT_NODE_VNPY,     /* NAME/.npy/PATH.npy of a tensor */
+  CKPT_NODE_VST,      /* a file of NAME/.safetensors */
+  CKPT_NODE_VINDEX,   /* NAME/.safetensors/model.safetensors.index.json */
 } ckpt_node_kind_t;
 
 typedef enum {
@@ -284,7 +291,8 @@ struct ckpt_node {
   struct timespec ctime;
   union {
     ckpt_sfile_t *sf;     /* SFILE */
-    uint32_t tensor;      /* CTENSOR: index into ck->meta->tensors */
+    uint32_t tensor;      /* CTENSOR, VNPY: index into ck->meta->tensors */
+    uint32_t shard;       /* VST: the safetensors file */
     uint32_t blob;        /* CBLOB: index into ck->meta->blobs */
   } u;
 };
@@ -310,6 +318,7 @@ struct ckpt_ckpt {
   uint32_t nfds;
   _Atomic uint8_t *verified; /* verify=1: CKPT_CHUNK_* of each chunk, then
                                 each blob (n_chunks + n_blobs); else NULL */
+  struct ckpt_views *views; /* the views' state (views.c), or NULL */
 };
 
 /* What verify=1 knows of a stored chunk or blob. */
@@ -412,6 +421,24 @@ int ckpt__committed_verify(ckpt_ckpt_t *ck, const ckpt_node_t *n,
 int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
 /* st_size of a committed node. */
 uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n);
+
+/* ------------------------------------------------------------------------
+ * Views of a committed checkpoint (views.c): NAME/.npy and
+ * NAME/.safetensors, files generated from the stored chunks on the fly.
+ * ---------------------------------------------------------------------- */
+static inline bool ckpt__is_view_kind(ckpt_node_kind_t k) {
+  return k >= CKPT_NODE_VROOT && k <= CKPT_NODE_VINDEX;
+}
+/* Add the (empty) view directories to committed ck. fs->lock held. */
+int ckpt__views_attach(ckpt_fs_t *fs, ckpt_ckpt_t *ck);
+/* Fill view directory vroot at its first lookup. fs->lock held. */
+int ckpt__views_populate(ckpt_fs_t *fs, ckpt_node_t *vroot);
+void ckpt__views_free(struct ckpt_views *v);
+/* st_size of a view file. fs->lock held. */
+uint64_t ckpt__view_size(const ckpt_node_t *n);
+/* Serve a read of view file n (replies to req). */
+void ckpt__view_read(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
+                     size_t size, uint64_t off);
 
 /* ------------------------------------------------------------------------
  * Saves (save.c).

@@ -297,6 +297,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
       close(ck->fds[i]);
   free(ck->fds);
   free((void *)ck->verified);
+  ckpt__views_free(ck->views);
   if (ck->dirfd >= 0)
     close(ck->dirfd);
   free(ck->reason);
@@ -413,6 +414,8 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   ck->dir->mode = S_IFDIR | 0555;
   ck->dir->mtime = ck->dir->ctime = when;
   ck->state = CKPT_COMMITTED;
+  if (ckpt__views_attach(fs, ck) < 0) /* the checkpoint is whole without */
+    ckpt__log("%s: no .npy and .safetensors views (out of memory)", ck->name);
   return 0;
 }
 

@@ -92,7 +92,8 @@ static void put_node(ckpt_fs_t *fs, ckpt_node_t *n) {
 
 static bool is_committed_kind(ckpt_node_kind_t k) {
   return k == CKPT_NODE_CDIR || k == CKPT_NODE_CTENSOR ||
-         k == CKPT_NODE_CBLOB || k == CKPT_NODE_METADATA;
+         k == CKPT_NODE_CBLOB || k == CKPT_NODE_METADATA ||
+         ckpt__is_view_kind(k);
 }
 
 /* May the staged contents of ck change? 0, -EBUSY or -EROFS. fs->lock. */
@@ -245,6 +246,11 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
       st->st_size = bst.st_size;
     break;
   }
+  case CKPT_NODE_VNPY:
+  case CKPT_NODE_VST:
+  case CKPT_NODE_VINDEX:
+    st->st_size = (off_t)ckpt__view_size(n);
+    break;
   default:
     break;
   }
@@ -292,6 +298,8 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = ESTALE;
   else if (!n || n->hidden)
     rc = ENOENT;
+  else if (n->kind == CKPT_NODE_VROOT && ckpt__views_populate(fs, n) < 0)
+    rc = ENOMEM; /* a view is filled at its first lookup */
   else
     fill_entry(fs, n, &e);
   pthread_mutex_unlock(&fs->lock);
@@ -589,6 +597,8 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = -EISDIR;
   else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS)
     rc = -EPERM;
+  else if (ckpt__is_view_kind(n->kind))
+    rc = -EROFS;
   else if (is_committed_kind(n->kind))
     n->hidden = true; /* only this mount's view; the store stays whole */
   else if ((rc = staged_writable(n->ck)) == 0)
@@ -601,7 +611,7 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
 static bool has_visible(const ckpt_node_t *dir) {
   for (const ckpt_node_t *c = dir->children; c; c = c->next)
     if (!c->hidden && c->kind != CKPT_NODE_COMMIT &&
-        c->kind != CKPT_NODE_STATUS)
+        c->kind != CKPT_NODE_STATUS && c->kind != CKPT_NODE_VROOT)
       return true;
   return false;
 }
@@ -753,7 +763,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     /* Tensors and blobs: each read spliced from the data file's page
      * cache straight into the reader's buffer, not first into a second
      * cache of the same bytes (see direct_reads in options.c). */
-    fi->direct_io = fs->opts.direct_reads && n->kind != CKPT_NODE_METADATA;
+    fi->direct_io = fs->opts.direct_reads && n->kind != CKPT_NODE_METADATA &&
+                    !ckpt__is_view_kind(n->kind); /* views: mmap works */
   } else if (writing) { /* a staged file */
     if ((rc = staged_change_begin(fs, n->ck)) == 0) {
       if (fi->flags & O_TRUNC)
@@ -847,6 +858,11 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
   if (n->kind == CKPT_NODE_STATUS) {
     size_t o = (uint64_t)off < h->len ? (size_t)off : h->len;
     reply_copy(req, h->text + o, size < h->len - o ? size : h->len - o);
+    return;
+  }
+  if (ckpt__is_view_kind(n->kind)) {
+    HANDLE_REPLIED(h);
+    ckpt__view_read(req, fs, n, size, (uint64_t)off);
     return;
   }
   if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
@@ -980,7 +996,7 @@ static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
   for (ckpt_node_t *c = n->children, *nx; c && rc == 0; c = nx) {
     nx = c->next;
     if (c->hidden || c->kind == CKPT_NODE_COMMIT ||
-        c->kind == CKPT_NODE_STATUS)
+        c->kind == CKPT_NODE_STATUS || c->kind == CKPT_NODE_VROOT)
       continue;
     if (n->kind == CKPT_NODE_ROOT && !still_stored(fs, c))
       continue;

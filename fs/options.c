@@ -26,6 +26,7 @@ enum {
   KEY_VERIFY,
   KEY_REPLICA_CHECK,
   KEY_KEEP_LAST,
+  KEY_SAFETENSORS_SHARD,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -41,6 +42,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("verify=", KEY_VERIFY),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
+    FUSE_OPT_KEY("safetensors_shard=", KEY_SAFETENSORS_SHARD),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -88,6 +90,11 @@ void ckpt__opts_help(void) {
       "checkpoints of\n"
       "                          BACKING_DIR beyond the N newest; 0 keeps all "
       "(default: 0)\n"
+      "  -o safetensors_shard=SIZE\n"
+      "                          tensor bytes per file of NAME/.safetensors, "
+      "K/M/G suffixes\n"
+      "                          (default: 5000000000, save_pretrained's "
+      "5GB)\n"
       "  -o allow_other, -o default_permissions, ...\n"
       "                          standard FUSE mount options\n");
 }
@@ -216,6 +223,11 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "keep_last", val, "a number of checkpoints, 0 for all");
     o->keep_last = (uint32_t)v;
     return 0;
+  case KEY_SAFETENSORS_SHARD:
+    if (ckpt__parse_size(val, &v) || v == 0)
+      return bad(ps, "safetensors_shard", val, "a size like 500M or 5G");
+    o->safetensors_shard = v;
+    return 0;
   case KEY_FOREGROUND:
     o->foreground = true;
     return 0;
@@ -255,6 +267,7 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   o->sync_files = true;
   o->direct_reads = true;
   o->replica_check = CKPT_REPLICA_ERROR;
+  o->safetensors_shard = UINT64_C(5000000000); /* save_pretrained's "5GB" */
   parse_state_t ps = {.o = o};
   if (fuse_opt_parse(args, &ps, opt_spec, opt_proc) == -1 && !ps.err)
     ps.err = strdup("cannot parse the options");
