@@ -11,6 +11,7 @@ pkgs=(
   libcmocka-dev                           # unit tests
   python3 attr                            # integration tests, getfattr
   clang                                   # libFuzzer builds (optional)
+  python3-torch python3-numpy             # Python client and PyTorch example tests
 )
 missing=()
 for p in "${pkgs[@]}"; do
