@@ -325,34 +325,21 @@ static void ranks_text(const int32_t *r, uint32_t n, char *buf, size_t cap) {
  * Command lines.
  * ---------------------------------------------------------------------- */
 
-typedef struct {
-  const char *name;
-  int (*run)(int argc, char **argv);
-  const char *summary;
-  const char *help; /* usage and options */
-} command_t;
-
-static const command_t *current;
-
-static void command_usage(FILE *to) {
-  fprintf(to, "%s", current->help);
-}
-
-static int usage_error(const char *fmt, ...)
-    __attribute__((format(printf, 1, 2)));
-static int usage_error(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "%s %s: ", prog, current->name);
-  vfprintf(stderr, fmt, ap);
-  fprintf(stderr, "\n(`%s %s --help` lists the options)\n", prog,
-          current->name);
-  va_end(ap);
-  return EXIT_USAGE;
-}
-
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
        OPT_TIMEOUT, OPT_INTERVAL };
+#define OPTBIT(o) (1u << ((o) - OPT_JSON))
+
+/* Every option of every command; each command takes --json, --help and
+ * those of its mask. */
+static const struct option all_options[] = {
+    {"json", no_argument, NULL, OPT_JSON},
+    {"help", no_argument, NULL, OPT_HELP},
+    {"safetensors", required_argument, NULL, OPT_SAFETENSORS},
+    {"keep", required_argument, NULL, OPT_KEEP},
+    {"dry-run", no_argument, NULL, OPT_DRY_RUN},
+    {"timeout", required_argument, NULL, OPT_TIMEOUT},
+    {"interval", required_argument, NULL, OPT_INTERVAL},
+    {0, 0, 0, 0}};
 
 typedef struct {
   bool json;
@@ -365,22 +352,52 @@ typedef struct {
   int npos;
 } args_t;
 
-/* Parse argv (argv[0] is the command) with the options listed in allowed.
- * 0, 1 (--help printed) or EXIT_USAGE (message printed). */
-static int parse_args(int argc, char **argv, const struct option *allowed,
-                      int want_pos, args_t *a) {
+typedef struct {
+  const char *name;
+  int (*run)(const args_t *a, int backing_fd);
+  int npos;          /* positional arguments it takes */
+  bool backing;      /* pos[0] is BACKING_DIR, opened for run */
+  int error_exit;    /* exit status when BACKING_DIR cannot be opened */
+  unsigned options;  /* OPTBIT of its options besides --json and --help */
+  unsigned required; /* OPTBIT of those it needs */
+  const char *summary;
+  const char *help;  /* usage and options */
+} command_t;
+
+static const command_t *current;
+
+static int usage_error(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "%s %s: ", prog, current->name);
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n%.*s(`%s %s --help` lists the options)\n",
+          (int)(strchr(current->help, '\n') + 1 - current->help),
+          current->help, prog, current->name);
+  va_end(ap);
+  return EXIT_USAGE;
+}
+
+/* Parse argv (argv[0] is the command) for the current command. 0, 1
+ * (--help printed) or EXIT_USAGE (message printed). */
+static int parse_args(int argc, char **argv, args_t *a) {
   memset(a, 0, sizeof(*a));
   a->keep = -1;
   a->interval = 0.1;
   optind = 1;
   opterr = 0;
   int c;
-  while ((c = getopt_long(argc, argv, ":h", allowed, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":h", all_options, NULL)) != -1) {
     char *end = NULL;
+    if (c >= OPT_SAFETENSORS && !(current->options & OPTBIT(c)))
+      return usage_error("--%s is not an option of this command",
+                         all_options[c - OPT_JSON].name);
     switch (c) {
     case 'h':
     case OPT_HELP:
-      command_usage(stdout);
+      fputs(current->help, stdout);
       return 1;
     case OPT_JSON:
       a->json = true;
@@ -421,17 +438,20 @@ static int parse_args(int argc, char **argv, const struct option *allowed,
     }
   }
   for (int i = optind; i < argc; i++) {
-    if (a->npos == want_pos)
+    if (a->npos == current->npos)
       return usage_error("unexpected argument '%s'", argv[i]);
     a->pos[a->npos++] = argv[i];
   }
-  if (a->npos < want_pos)
+  if (a->npos < current->npos)
     return usage_error("missing arguments");
+  if ((current->required & OPTBIT(OPT_SAFETENSORS)) && !a->safetensors)
+    return usage_error("--safetensors FILE is required (the only format so "
+                       "far)");
+  if ((current->required & OPTBIT(OPT_KEEP)) && a->keep < 0)
+    return usage_error("--keep N is required: how many of the newest "
+                       "committed checkpoints to keep");
   return 0;
 }
-
-#define OPT_COMMON                                                            \
-  {"json", no_argument, NULL, OPT_JSON}, {"help", no_argument, NULL, OPT_HELP}
 
 /* ------------------------------------------------------------------------
  * ls
@@ -443,25 +463,16 @@ static const char *state_name(ckpt_cat_state_t s) {
                                     : "damaged";
 }
 
-static int cmd_ls(int argc, char **argv) {
-  static const struct option opts[] = {OPT_COMMON, {0, 0, 0, 0}};
-  args_t a;
-  int rc = parse_args(argc, argv, opts, 1, &a);
-  if (rc)
-    return rc == 1 ? 0 : rc;
-  const char *backing = a.pos[0];
-  int bfd = open_backing(backing);
-  if (bfd < 0)
-    return EXIT_NO;
+static int cmd_ls(const args_t *a, int bfd) {
+  const char *backing = a->pos[0];
   ckpt_catalog_t cat;
-  rc = ckpt__catalog_scan(bfd, backing, true, &cat);
-  close(bfd);
+  int rc = ckpt__catalog_scan(bfd, backing, true, &cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
     return EXIT_NO;
   }
   char t[64], b[32];
-  if (a.json) {
+  if (a->json) {
     json_t j;
     j_begin(&j);
     j_open(&j, '{');
@@ -534,20 +545,10 @@ static int cmd_ls(int argc, char **argv) {
  * show
  * ---------------------------------------------------------------------- */
 
-static int cmd_show(int argc, char **argv) {
-  static const struct option opts[] = {OPT_COMMON, {0, 0, 0, 0}};
-  args_t a;
-  int rc = parse_args(argc, argv, opts, 2, &a);
-  if (rc)
-    return rc == 1 ? 0 : rc;
-  const char *backing = a.pos[0], *name = a.pos[1];
-  int bfd = open_backing(backing);
-  if (bfd < 0)
-    return EXIT_NO;
+static int cmd_show(const args_t *a, int bfd) {
+  const char *backing = a->pos[0], *name = a->pos[1];
   ckpt_metadata_t m;
-  rc = load_named(bfd, backing, name, &m);
-  close(bfd);
-  if (rc)
+  if (load_named(bfd, backing, name, &m))
     return EXIT_NO;
   int32_t *ranks = calloc(m.n_chunks ? m.n_chunks : 1, sizeof(*ranks));
   if (!ranks) {
@@ -556,7 +557,7 @@ static int cmd_show(int argc, char **argv) {
     return EXIT_NO;
   }
   char t[64], b[32], dims[1024], rtext[256];
-  if (a.json) {
+  if (a->json) {
     json_t j;
     j_begin(&j);
     j_open(&j, '{');
@@ -822,49 +823,37 @@ static void diff_pass(diff_t *d, char op, const ckpt_metadata_t *ma,
   }
 }
 
-static int cmd_diff(int argc, char **argv) {
-  static const struct option opts[] = {OPT_COMMON, {0, 0, 0, 0}};
-  args_t a;
-  int rc = parse_args(argc, argv, opts, 3, &a);
-  if (rc)
-    return rc == 1 ? 0 : rc;
-  const char *backing = a.pos[0];
-  int bfd = open_backing(backing);
-  if (bfd < 0)
-    return EXIT_USAGE;
+static int cmd_diff(const args_t *a, int bfd) {
+  const char *backing = a->pos[0];
   ckpt_metadata_t ma, mb;
-  if (load_named(bfd, backing, a.pos[1], &ma)) {
-    close(bfd);
+  if (load_named(bfd, backing, a->pos[1], &ma))
     return EXIT_USAGE;
-  }
-  if (load_named(bfd, backing, a.pos[2], &mb)) {
+  if (load_named(bfd, backing, a->pos[2], &mb)) {
     ckpt_metadata_free(&ma);
-    close(bfd);
     return EXIT_USAGE;
   }
-  close(bfd);
-  diff_t d = {.json = a.json};
-  if (a.json) {
+  diff_t d = {.json = a->json};
+  if (a->json) {
     j_begin(&d.j);
     j_open(&d.j, '{');
-    j_key(&d.j, "a"), j_str(&d.j, a.pos[1]);
-    j_key(&d.j, "b"), j_str(&d.j, a.pos[2]);
+    j_key(&d.j, "a"), j_str(&d.j, a->pos[1]);
+    j_key(&d.j, "b"), j_str(&d.j, a->pos[2]);
   } else {
-    printf("--- %s\n+++ %s\n", a.pos[1], a.pos[2]);
+    printf("--- %s\n+++ %s\n", a->pos[1], a->pos[2]);
   }
   static const char ops[3] = {'+', '-', '~'};
   static const char *const keys[3] = {"added", "removed", "changed"};
   for (int p = 0; p < 3; p++) {
-    if (a.json) {
+    if (a->json) {
       j_key(&d.j, keys[p]);
       j_open(&d.j, '[');
     }
     diff_pass(&d, ops[p], &ma, &mb);
-    if (a.json)
+    if (a->json)
       j_close(&d.j, ']');
   }
   bool same = d.added + d.removed + d.changed == 0;
-  if (a.json) {
+  if (a->json) {
     j_key(&d.j, "unchanged"), j_u64(&d.j, d.unchanged);
     j_key(&d.j, "identical"), j_bool(&d.j, same);
     j_close(&d.j, '}');
@@ -882,28 +871,12 @@ static int cmd_diff(int argc, char **argv) {
  * prune
  * ---------------------------------------------------------------------- */
 
-static int cmd_prune(int argc, char **argv) {
-  static const struct option opts[] = {
-      OPT_COMMON,
-      {"keep", required_argument, NULL, OPT_KEEP},
-      {"dry-run", no_argument, NULL, OPT_DRY_RUN},
-      {0, 0, 0, 0}};
-  args_t a;
-  int rc = parse_args(argc, argv, opts, 1, &a);
-  if (rc)
-    return rc == 1 ? 0 : rc;
-  if (a.keep < 0)
-    return usage_error("--keep N is required: how many of the newest "
-                       "committed checkpoints to keep");
-  const char *backing = a.pos[0];
-  int bfd = open_backing(backing);
-  if (bfd < 0)
-    return EXIT_NO;
+static int cmd_prune(const args_t *a, int bfd) {
+  const char *backing = a->pos[0];
   ckpt_catalog_t cat;
-  rc = ckpt__catalog_scan(bfd, backing, false, &cat);
+  int rc = ckpt__catalog_scan(bfd, backing, false, &cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
-    close(bfd);
     return EXIT_NO;
   }
   bool *old = calloc(cat.n ? cat.n : 1, sizeof(*old));
@@ -912,31 +885,29 @@ static int cmd_prune(int argc, char **argv) {
     fail("out of memory");
     free(old), free(result);
     ckpt__catalog_free(&cat);
-    close(bfd);
     return EXIT_NO;
   }
-  ckpt__catalog_select_old(&cat, (uint32_t)a.keep, NULL, old);
+  ckpt__catalog_select_old(&cat, (uint32_t)a->keep, NULL, old);
   int failed = 0;
   for (size_t i = 0; i < cat.n; i++)
-    if (old[i] && !a.dry_run &&
+    if (old[i] && !a->dry_run &&
         (result[i] = ckpt__checkpoint_remove(bfd, cat.e[i].name, true)))
       failed++;
-  close(bfd);
 
   char t[64];
   json_t j;
-  if (a.json) {
+  if (a->json) {
     j_begin(&j);
     j_open(&j, '{');
     j_key(&j, "backing_dir"), j_str(&j, backing);
-    j_key(&j, "keep"), j_i64(&j, a.keep);
-    j_key(&j, "dry_run"), j_bool(&j, a.dry_run);
+    j_key(&j, "keep"), j_i64(&j, a->keep);
+    j_key(&j, "dry_run"), j_bool(&j, a->dry_run);
   }
   /* Pass 0: removed (or would be), 1: kept, 2: skipped, 3: failed. */
   static const char *const keys[4] = {"removed", "kept", "skipped",
                                       "errors"};
   for (int pass = 0; pass < 4; pass++) {
-    if (a.json) {
+    if (a->json) {
       j_key(&j, keys[pass]);
       j_open(&j, '[');
     }
@@ -955,7 +926,7 @@ static int cmd_prune(int argc, char **argv) {
       else if (pass == 3)
         why = result[i] == -EBUSY ? "busy: a save holds it; try again"
                                   : strerror(-result[i]);
-      if (a.json) {
+      if (a->json) {
         j_open(&j, '{');
         j_key(&j, "name"), j_str(&j, e->name);
         j_key(&j, "created_at");
@@ -969,15 +940,15 @@ static int cmd_prune(int argc, char **argv) {
       static const char *const verbs[4] = {"removed", "kept", "skipped",
                                            "FAILED"};
       printf("%-12s  %s%s%s%s%s\n",
-             pass == 0 && a.dry_run ? "would remove" : verbs[pass], e->name,
+             pass == 0 && a->dry_run ? "would remove" : verbs[pass], e->name,
              committed ? "  " : "",
              committed ? iso_time(e->meta.created_at, t, sizeof(t)) : "",
              why ? ": " : "", why ? why : "");
     }
-    if (a.json)
+    if (a->json)
       j_close(&j, ']');
   }
-  if (a.json) {
+  if (a->json) {
     j_close(&j, '}');
     j_end(&j);
   }
@@ -1228,27 +1199,11 @@ static int sync_parent(const char *path) {
   return rc;
 }
 
-static int cmd_export(int argc, char **argv) {
-  static const struct option opts[] = {
-      OPT_COMMON,
-      {"safetensors", required_argument, NULL, OPT_SAFETENSORS},
-      {0, 0, 0, 0}};
-  args_t a;
-  int rc = parse_args(argc, argv, opts, 2, &a);
-  if (rc)
-    return rc == 1 ? 0 : rc;
-  if (!a.safetensors)
-    return usage_error("--safetensors FILE is required (the only format so "
-                       "far)");
-  const char *backing = a.pos[0], *name = a.pos[1], *file = a.safetensors;
-  int bfd = open_backing(backing);
-  if (bfd < 0)
-    return EXIT_NO;
+static int cmd_export(const args_t *a, int bfd) {
+  const char *backing = a->pos[0], *name = a->pos[1], *file = a->safetensors;
   ckpt_metadata_t m;
-  if (load_named(bfd, backing, name, &m)) {
-    close(bfd);
+  if (load_named(bfd, backing, name, &m))
     return EXIT_NO;
-  }
   int status = EXIT_NO, out_fd = -1;
   char tmp[PATH_MAX];
   bool tmp_made = false;
@@ -1272,7 +1227,7 @@ static int cmd_export(int argc, char **argv) {
                                .dtype = m.tensors[i].dtype,
                                .ndim = m.tensors[i].ndim,
                                .shape = m.tensors[i].shape};
-  rc = ckpt_st_plan(st, m.n_tensors, 0, &plan);
+  int rc = ckpt_st_plan(st, m.n_tensors, 0, &plan);
   if (rc) {
     fail("%s: cannot lay out a safetensors file: %s", name, strerror(-rc));
     goto out;
@@ -1316,7 +1271,7 @@ static int cmd_export(int argc, char **argv) {
   uint64_t blob_bytes = 0;
   for (uint32_t i = 0; i < m.n_blobs; i++)
     blob_bytes += m.blobs[i].length;
-  if (a.json) {
+  if (a->json) {
     json_t j;
     j_begin(&j);
     j_open(&j, '{');
@@ -1371,7 +1326,6 @@ out:
   free(c.rbuf);
   free(c.wbuf);
   ckpt_metadata_free(&m);
-  close(bfd);
   return status;
 }
 
@@ -1434,20 +1388,12 @@ static void draw_bar(const char *name, uint64_t done, uint64_t total,
   fflush(stdout);
 }
 
-static int cmd_wait(int argc, char **argv) {
-  static const struct option opts[] = {
-      OPT_COMMON,
-      {"timeout", required_argument, NULL, OPT_TIMEOUT},
-      {"interval", required_argument, NULL, OPT_INTERVAL},
-      {0, 0, 0, 0}};
-  args_t a;
-  int rc = parse_args(argc, argv, opts, 1, &a);
-  if (rc)
-    return rc == 1 ? 0 : rc;
-  const char *dir = a.pos[0];
+static int cmd_wait(const args_t *a, int bfd) {
+  (void)bfd;
+  const char *dir = a->pos[0];
   const char *name = strrchr(dir, '/');
   name = name && name[1] ? name + 1 : dir;
-  bool tty = !a.json && isatty(STDOUT_FILENO);
+  bool tty = !a->json && isatty(STDOUT_FILENO);
   double start = now_s(), last_line = -1;
   char state[32] = "", last_state[32] = "";
   char *text = NULL;
@@ -1477,7 +1423,7 @@ static int cmd_wait(int argc, char **argv) {
       break;
     if (tty && !strcmp(state, "committing")) {
       draw_bar(name, done, total, el);
-    } else if (!a.json && (strcmp(state, last_state) ||
+    } else if (!a->json && (strcmp(state, last_state) ||
                            (done != last_done && el - last_line >= 1))) {
       if (tty)
         printf("\r\033[K");
@@ -1492,10 +1438,10 @@ static int cmd_wait(int argc, char **argv) {
       last_done = done;
     }
     snprintf(last_state, sizeof(last_state), "%s", state);
-    if (a.timeout > 0 && el >= a.timeout) {
+    if (a->timeout > 0 && el >= a->timeout) {
       if (tty)
         putchar('\n');
-      if (a.json) {
+      if (a->json) {
         json_t j;
         j_begin(&j);
         j_open(&j, '{');
@@ -1509,12 +1455,12 @@ static int cmd_wait(int argc, char **argv) {
         j_close(&j, '}');
         j_end(&j);
       }
-      fail("%s: still %s after %g s (--timeout)", name, state, a.timeout);
+      fail("%s: still %s after %g s (--timeout)", name, state, a->timeout);
       free(text);
       return EXIT_TIMEOUT;
     }
-    struct timespec ts = {.tv_sec = (time_t)a.interval,
-                          .tv_nsec = (long)((a.interval - (double)(time_t)a.interval) * 1e9)};
+    struct timespec ts = {.tv_sec = (time_t)a->interval,
+                          .tv_nsec = (long)((a->interval - (double)(time_t)a->interval) * 1e9)};
     nanosleep(&ts, NULL);
   }
   double el = now_s() - start;
@@ -1532,7 +1478,7 @@ static int cmd_wait(int argc, char **argv) {
       draw_bar(name, total, total, el);
     putchar('\n');
   }
-  if (a.json) {
+  if (a->json) {
     json_t j;
     j_begin(&j);
     j_open(&j, '{');
@@ -1567,7 +1513,8 @@ static int cmd_wait(int argc, char **argv) {
  * ---------------------------------------------------------------------- */
 
 static const command_t commands[] = {
-    {"ls", cmd_ls, "list the checkpoints of BACKING_DIR",
+    {"ls", cmd_ls, 1, true, EXIT_NO, 0, 0,
+     "list the checkpoints of BACKING_DIR",
      "usage: ckptctl ls [--json] BACKING_DIR\n"
      "\n"
      "List every checkpoint directory of BACKING_DIR: name, state\n"
@@ -1578,7 +1525,8 @@ static const command_t commands[] = {
      "options:\n"
      "  --json       one JSON document instead of the table (default: off)\n"
      "  -h, --help   this help\n"},
-    {"show", cmd_show, "tensors and blobs of one checkpoint",
+    {"show", cmd_show, 2, true, EXIT_NO, 0, 0,
+     "tensors and blobs of one checkpoint",
      "usage: ckptctl show [--json] BACKING_DIR NAME\n"
      "\n"
      "The tensors of committed checkpoint NAME (dtype, global shape,\n"
@@ -1588,7 +1536,8 @@ static const command_t commands[] = {
      "options:\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
-    {"diff", cmd_diff, "what changed between two checkpoints",
+    {"diff", cmd_diff, 3, true, EXIT_USAGE, 0, 0,
+     "what changed between two checkpoints",
      "usage: ckptctl diff [--json] BACKING_DIR A B\n"
      "\n"
      "Tensors and blobs added in B, removed from A, and changed: dtype,\n"
@@ -1600,7 +1549,9 @@ static const command_t commands[] = {
      "options:\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
-    {"export", cmd_export, "write a checkpoint as one safetensors file",
+    {"export", cmd_export, 2, true, EXIT_NO, OPTBIT(OPT_SAFETENSORS),
+     OPTBIT(OPT_SAFETENSORS),
+     "write a checkpoint as one safetensors file",
      "usage: ckptctl export [--json] BACKING_DIR NAME --safetensors FILE\n"
      "\n"
      "Write committed checkpoint NAME as one consolidated safetensors file:\n"
@@ -1614,7 +1565,9 @@ static const command_t commands[] = {
      "  --safetensors FILE  the file to write (required)\n"
      "  --json              one JSON document (default: off)\n"
      "  -h, --help          this help\n"},
-    {"prune", cmd_prune, "remove all but the newest committed checkpoints",
+    {"prune", cmd_prune, 1, true, EXIT_NO,
+     OPTBIT(OPT_KEEP) | OPTBIT(OPT_DRY_RUN), OPTBIT(OPT_KEEP),
+     "remove all but the newest committed checkpoints",
      "usage: ckptctl prune [--json] [--dry-run] --keep N BACKING_DIR\n"
      "\n"
      "Remove the committed checkpoints of BACKING_DIR beyond the N newest\n"
@@ -1630,7 +1583,8 @@ static const command_t commands[] = {
      "  --dry-run    only print what would be removed (default: off)\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
-    {"wait", cmd_wait, "follow an async save until it ends",
+    {"wait", cmd_wait, 1, false, EXIT_USAGE,
+     OPTBIT(OPT_TIMEOUT) | OPTBIT(OPT_INTERVAL), 0, "follow an async save until it ends",
      "usage: ckptctl wait [--json] [--timeout SEC] [--interval SEC] "
      "MOUNTPOINT/NAME\n"
      "\n"
@@ -1682,7 +1636,17 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
     if (!strcmp(argv[1], commands[i].name)) {
       current = &commands[i];
-      return commands[i].run(argc - 1, argv + 1);
+      args_t a;
+      int rc = parse_args(argc - 1, argv + 1, &a);
+      if (rc)
+        return rc == 1 ? 0 : rc;
+      int bfd = current->backing ? open_backing(a.pos[0]) : -1;
+      if (current->backing && bfd < 0)
+        return current->error_exit;
+      rc = current->run(&a, bfd);
+      if (bfd >= 0)
+        close(bfd);
+      return rc;
     }
   fprintf(stderr, "%s: unknown command '%s'\n\n", prog, argv[1]);
   usage(stderr);
