@@ -106,6 +106,24 @@ static void start_readahead_tuning(const char *mountpoint, uint64_t bytes) {
   pthread_detach(t);
 }
 
+/* The mount shows as type fuse.ckptfs with BACKING_DIR as its source
+ * (mountinfo, findmnt, df, systemd), like an fstab line names it. Inserted
+ * first, so a user's own -o fsname= or subtype= wins. */
+static int name_mount(struct fuse_args *args, const char *backing) {
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  ckpt_buf_printf(&b, "-osubtype=ckptfs,fsname=");
+  for (const char *p = backing; *p; p++) {
+    if (*p == ',' || *p == '\\')
+      ckpt_buf_append(&b, "\\", 1); /* fuse_opt's escape */
+    ckpt_buf_append(&b, p, 1);
+  }
+  char *opt = ckpt_buf_steal(&b);
+  int rc = opt ? fuse_opt_insert_arg(args, 1, opt) : -1;
+  free(opt);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
   ckpt_fs_t fs = {.backing_fd = -1};
@@ -164,7 +182,7 @@ int main(int argc, char **argv) {
   char max_read[32];
   snprintf(max_read, sizeof(max_read), "-omax_read=%u",
            (unsigned)CKPT_MAX_READ);
-  if (fuse_opt_add_arg(&args, max_read))
+  if (fuse_opt_add_arg(&args, max_read) || name_mount(&args, fs.backing_path))
     goto out;
   se = fuse_session_new(&args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops), &fs);
   if (!se) {

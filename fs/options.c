@@ -95,8 +95,29 @@ void ckpt__opts_help(void) {
       "K/M/G suffixes\n"
       "                          (default: 5000000000, save_pretrained's "
       "5GB)\n"
-      "  -o allow_other, -o default_permissions, ...\n"
-      "                          standard FUSE mount options\n");
+      "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
+      "                          standard FUSE mount options (default: off)\n"
+      "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
+      "                          kernel mount flags (default: rw)\n"
+      "  -o noauto, nofail, _netdev, user, users, x-*, ...\n"
+      "                          /etc/fstab-only options: ignored\n"
+      "\n"
+      "/etc/fstab: BACKING_DIR MOUNTPOINT fuse.ckptfs OPTIONS 0 0 (mount(8)\n"
+      "runs mount.fuse3, which runs `ckptfs BACKING_DIR MOUNTPOINT -o OPTIONS`\n"
+      "with ckptfs found in /usr/local/bin, /usr/bin or /bin).\n");
+}
+
+/* Options meant for mount(8), systemd or the mount.fuse3 helper that can
+ * reach the daemon when it is run by hand or by another helper; libfuse
+ * would refuse them. Other FUSE filesystems (sshfs) drop them too. */
+static bool fstab_only(const char *arg) {
+  static const char *const names[] = {"auto",  "noauto", "nofail", "_netdev",
+                                      "user",  "nouser", "users",  "owner",
+                                      "group", "defaults"};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+    if (!strcmp(arg, names[i]))
+      return true;
+  return !strncmp(arg, "x-", 2) || !strncmp(arg, "comment=", 8);
 }
 
 int ckpt__parse_size(const char *s, uint64_t *out) {
@@ -247,6 +268,8 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "argument", arg, "only BACKING_DIR and MOUNTPOINT");
     return 0;
   default:
+    if (key == FUSE_OPT_KEY_OPT && fstab_only(arg))
+      return 0; /* dropped */
     return 1; /* a FUSE option: keep it */
   }
 }
