@@ -1427,7 +1427,9 @@ static int cmd_wait(const args_t *a, int bfd) {
                            (done != last_done && el - last_line >= 1))) {
       if (tty)
         printf("\r\033[K");
-      if (!strcmp(state, "committing"))
+      if (!strcmp(state, "committing") && total == 0)
+        printf("%s: committing: planning, every rank must commit\n", name);
+      else if (!strcmp(state, "committing"))
         printf("%s: committing: %llu of %llu bytes written\n", name,
                (unsigned long long)done, (unsigned long long)total);
       else
@@ -1493,11 +1495,14 @@ static int cmd_wait(const args_t *a, int bfd) {
     j_close(&j, '}');
     j_end(&j);
   } else if (ok) {
-    char *p = reason;
-    for (char *q = p; q && *q; q++) /* "tensors 3\nblobs 1" -> one line */
+    /* "tensors 3\nblobs 1\nworld_size 2" -> "tensors 3, blobs 1, ..." */
+    printf("%s: committed (", name);
+    for (const char *q = reason ? reason : ""; *q; q++)
       if (*q == '\n')
-        *q = ',';
-    printf("%s: committed (%s) after %.1f s\n", name, p ? p : "", el);
+        fputs(", ", stdout);
+      else
+        putchar(*q == '_' ? ' ' : *q);
+    printf(") after %.1f s\n", el);
   } else {
     printf("%s: failed after %.1f s\n", name, el);
     fail("%s: the save failed: %s", name, reason ? reason : "");

@@ -415,7 +415,7 @@ class Commands(Base):
         r = ctl("wait", ck)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertRegex(r.stdout.splitlines()[-1],
-                         r"^big: committed \(tensors 1,blobs 0,world_size 1\) after [\d.]+ s$")
+                         r"^big: committed \(tensors 1, blobs 0, world size 1\) after [\d.]+ s$")
         doc = ctl_json(self, "wait", ck, "--timeout", "5")
         self.assertEqual(doc["state"], "committed")
         self.assertIsNone(doc["reason"])
@@ -660,7 +660,7 @@ class World2(unittest.TestCase):
         self.assertEqual(os.waitstatus_to_exitcode(st), 0, text)
         self.assertRegex(text, r"late: committing \[[#.]{30}\] +\d+%")
         self.assertIn("\r", text, "the bar is redrawn in place")
-        self.assertRegex(text, r"late: committed \(tensors 3,blobs 2,world_size 2\)")
+        self.assertRegex(text, r"late: committed \(tensors 3, blobs 2, world size 2\)")
 
 
 if __name__ == "__main__":
