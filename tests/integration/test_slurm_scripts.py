@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""mount-scripts/slurm-prolog.sh and slurm-epilog.sh, run as slurmd runs
+them (as root, with SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GID set) on
+this machine: the prolog prepares the job's MOUNTROOT, the "job" mounts 2
+ranks there with ckpt-mount and commits a checkpoint, and the epilog
+clears what the job left: live rank mounts it did not unmount, or dead
+ones after Slurm killed the daemons. The checkpoints in BACKING_DIR stay.
+
+    python3 tests/integration/test_slurm_scripts.py --bin build/bin/ckptfs
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import CkptfsTestCase, main, read_all  # noqa: E402
+from pyenv import REPO  # noqa: E402
+from test_mount_scripts import (CKPT_MOUNT, mounts_under, processes_naming,  # noqa: E402
+                                scripts_env)
+
+PROLOG = os.path.join(REPO, "mount-scripts", "slurm-prolog.sh")
+EPILOG = os.path.join(REPO, "mount-scripts", "slurm-epilog.sh")
+JOB = "4242"
+NOBODY = 65534
+
+
+class SlurmScripts(CkptfsTestCase):
+
+    def setUp(self):
+        super().setUp()
+        if os.geteuid() != 0:
+            self.fail("the Slurm prolog and epilog run as root: run this test as root")
+        self.base = os.path.join(self.dir, "local-ckpt")
+        self.root = os.path.join(self.base, JOB)
+        self.addCleanup(self.leftovers)
+
+    def leftovers(self):
+        for p in mounts_under(self.dir):
+            subprocess.run(["fusermount3", "-uz", p], capture_output=True)
+        for pid in processes_naming(self.dir):
+            os.kill(pid, signal.SIGKILL)
+
+    def slurm_env(self, **extra):
+        env = scripts_env()
+        env.update(CKPT_MOUNT_BASE=self.base, SLURM_JOB_ID=JOB,
+                   SLURM_JOB_UID=str(NOBODY), SLURM_JOB_GID=str(NOBODY))
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def run_script(self, script, env, timeout=240):
+        return subprocess.run([script], capture_output=True, text=True, env=env,
+                              stdin=subprocess.DEVNULL, timeout=timeout)
+
+    def prolog(self, **extra):
+        r = self.run_script(PROLOG, self.slurm_env(**extra))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return r
+
+    def job(self, commit=True):
+        """What a job script does: ckpt-mount 2 ranks in MOUNTROOT, save."""
+        r = subprocess.run([CKPT_MOUNT, "-n", "2", "--bin", ckptfs_util.BIN,
+                            self.backing, self.root], capture_output=True, text=True,
+                           env=scripts_env(), timeout=240, stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        if commit:
+            for rank in range(2):
+                ckptfs_util.write_file(os.path.join(self.root, f"rank{rank}", "s", "x"),
+                                       b"replica")
+            import threading
+            ts = [threading.Thread(target=ckptfs_util.commit,
+                                   args=(os.path.join(self.root, f"rank{r}", "s"),))
+                  for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            self.assertEqual(ckptfs_util.state(os.path.join(self.root, "rank0", "s")),
+                             "committed")
+
+    def assert_cleared(self, r):
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(mounts_under(self.base), [])
+        self.assertFalse(os.path.exists(self.root), os.listdir(self.root)
+                         if os.path.exists(self.root) else "")
+        self.assertTrue(os.path.isdir(self.base))
+        # the checkpoint is in BACKING_DIR, untouched
+        self.assertTrue(os.path.exists(self.bk("s", ".metadata")))
+        deadline = time.monotonic() + 30
+        while processes_naming(self.root) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertEqual(processes_naming(self.root), [], "daemons left running")
+
+    def test_prolog_prepares_mountroot(self):
+        # left from an earlier job with this id (a node reboot)
+        os.makedirs(os.path.join(self.root, "rank0"))
+        with open(os.path.join(self.root, ".ckpt-mount.log"), "w") as f:
+            f.write("old")
+        self.prolog(CKPT_PRECREATE_RANKS=2)
+        for d in (self.root, os.path.join(self.root, "rank0"),
+                  os.path.join(self.root, "rank1")):
+            st = os.stat(d)
+            self.assertEqual((st.st_uid, st.st_gid, st.st_mode & 0o777),
+                             (NOBODY, NOBODY, 0o700), d)
+        self.assertEqual(sorted(os.listdir(self.root)), ["rank0", "rank1"])
+        self.assertEqual(os.stat(self.base).st_mode & 0o777, 0o755)
+
+    def test_prolog_outside_slurm_fails(self):
+        env = self.slurm_env()
+        del env["SLURM_JOB_ID"]
+        r = self.run_script(PROLOG, env)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("not run by Slurm", r.stderr)
+        self.assertFalse(os.path.exists(self.base))
+
+    def test_epilog_unmounts_live_ranks(self):
+        """The job did not run ckpt-umount: its daemons still run."""
+        self.prolog()
+        self.job()
+        self.assertEqual(len(mounts_under(self.root)), 2)
+        r = self.run_script(EPILOG, self.slurm_env())
+        self.assert_cleared(r)
+        # and the checkpoint reads back through a fresh mount
+        self.mount()
+        self.assertEqual(read_all(self.ck("s", "x")), b"replica")
+
+    def test_epilog_after_daemons_were_killed(self):
+        """Slurm killed the job's processes, daemons included: dead mounts."""
+        self.prolog(CKPT_PRECREATE_RANKS=2)
+        self.job()
+        for pid in processes_naming(self.root):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        self.assertEqual(len(mounts_under(self.root)), 2)  # dead, still there
+        r = self.run_script(EPILOG, self.slurm_env(CKPT_KEEP_LOGS=os.path.join(self.dir, "logs")))
+        self.assert_cleared(r)
+        kept = os.listdir(os.path.join(self.dir, "logs"))
+        self.assertEqual(len(kept), 1)
+        self.assertTrue(kept[0].startswith(f"ckpt-mount.{JOB}."), kept)
+
+    def test_epilog_leaves_user_files(self):
+        """Never rm -r: a file the user left keeps MOUNTROOT, and exit 0."""
+        self.prolog()
+        with open(os.path.join(self.root, "notes.txt"), "w") as f:
+            f.write("mine")
+        r = self.run_script(EPILOG, self.slurm_env())
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(f"job {JOB}: {self.root} is not empty, left in place", r.stderr)
+        self.assertEqual(read_all(os.path.join(self.root, "notes.txt")), b"mine")
+
+    def test_epilog_without_mountroot(self):
+        r = self.run_script(EPILOG, self.slurm_env())
+        self.assertEqual((r.returncode, r.stderr), (0, ""))
+
+
+if __name__ == "__main__":
+    main()
