@@ -106,6 +106,29 @@ static void start_readahead_tuning(const char *mountpoint, uint64_t bytes) {
   pthread_detach(t);
 }
 
+/* MOUNTPOINT must be a directory (FUSE would also mount over a file);
+ * say what to do when it is not. */
+static int check_mountpoint(const char *mp) {
+  struct stat st;
+  if (stat(mp, &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      return 0;
+    fprintf(stderr, "ckptfs: MOUNTPOINT %s is not a directory\n", mp);
+  } else if (errno == ENOENT) {
+    fprintf(stderr,
+            "ckptfs: MOUNTPOINT %s does not exist: create it (mkdir -p %s)\n",
+            mp, mp);
+  } else if (errno == ENOTCONN) {
+    fprintf(stderr,
+            "ckptfs: MOUNTPOINT %s is a dead FUSE mount (its daemon died): "
+            "unmount it first (fusermount3 -u %s)\n",
+            mp, mp);
+  } else {
+    fprintf(stderr, "ckptfs: MOUNTPOINT %s: %s\n", mp, strerror(errno));
+  }
+  return -1;
+}
+
 /* The mount shows as type fuse.ckptfs with BACKING_DIR as its source
  * (mountinfo, findmnt, df, systemd), like an fstab line names it. Inserted
  * first, so a user's own -o fsname= or subtype= wins. */
@@ -187,6 +210,7 @@ int main(int argc, char **argv) {
   se = fuse_session_new(&args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops), &fs);
   if (!se) {
     /* libfuse said which option it did not know */
+    fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
     status = EXIT_USAGE;
     goto out;
   }
@@ -194,7 +218,7 @@ int main(int argc, char **argv) {
   if (fuse_set_signal_handlers(se))
     goto out;
   handlers = true;
-  if (fuse_session_mount(se, mountpoint)) {
+  if (check_mountpoint(mountpoint) || fuse_session_mount(se, mountpoint)) {
     fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
     goto out;
   }

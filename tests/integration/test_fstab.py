@@ -233,6 +233,65 @@ class Fstab(CkptfsTestCase):
         self.assertEqual(ckptfs_util.state(self.ck("o")), "committed")
 
 
+class Errors(CkptfsTestCase):
+    """Errors at start-up say what was wrong and what to do."""
+
+    def run_bin(self, *args):
+        return subprocess.run([ckptfs_util.BIN, *args], capture_output=True, text=True,
+                              timeout=60, stdin=subprocess.DEVNULL)
+
+    def test_mountpoint_problems(self):
+        missing = os.path.join(self.dir, "missing")
+        r = self.run_bin(self.backing, missing)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(f"ckptfs: MOUNTPOINT {missing} does not exist: create it "
+                      f"(mkdir -p {missing})", r.stderr)
+        afile = os.path.join(self.dir, "afile")
+        open(afile, "w").close()
+        r = self.run_bin(self.backing, afile)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(f"ckptfs: MOUNTPOINT {afile} is not a directory", r.stderr)
+        self.assertFalse(mountinfo_has(afile))
+        # a mount whose daemon was killed
+        m = self.mount()
+        m.proc.kill()
+        m.proc.wait()
+        try:
+            r = self.run_bin(self.backing, self.mnt)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn(f"ckptfs: MOUNTPOINT {self.mnt} is a dead FUSE mount (its "
+                          f"daemon died): unmount it first (fusermount3 -u {self.mnt})",
+                          r.stderr)
+        finally:
+            subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
+        m.proc = None
+
+    def test_unknown_option(self):
+        r = self.run_bin("-o", "no_such_option=1", self.backing, self.mnt)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("no_such_option", r.stderr)
+        self.assertIn("Try 'ckptfs --help' for the options.", r.stderr)
+        self.assertFalse(mountinfo_has(self.mnt))
+
+    def test_help_lists_every_option_with_its_default(self):
+        r = self.run_bin("--help")
+        self.assertEqual(r.returncode, 0)
+        entries = re.split(r"(?m)^  (?=-o )", r.stdout)[1:]
+        names = set()
+        for e in entries:
+            name = re.match(r"-o (\w+)=", e)
+            if name:
+                names.add(name.group(1))
+                self.assertIn("(default: ", e, f"no default for {name.group(1)}: {e}")
+        # every -o option of the README's table is there
+        with open(os.path.join(REPO, "README.md")) as f:
+            readme = f.read()
+        table = set(re.findall(r"(?m)^\| `(\w+)=[^`]*` \|", readme))
+        self.assertTrue(table, "no option table in README.md")
+        self.assertEqual(table - names, set(), "README options missing from --help")
+        self.assertIn("fuse.ckptfs", r.stdout)
+
+
 class SystemdUnit(CkptfsTestCase):
     """mount-scripts/ckptfs@.service: its fields, systemd-analyze verify,
     and its commands run as systemd would run them (variables expanded)."""
