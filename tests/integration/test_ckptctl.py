@@ -57,8 +57,12 @@ def ctl_bin():
 
 
 def ctl(*args, timeout=120):
-    return subprocess.run([ctl_bin()] + [str(a) for a in args], capture_output=True,
-                          text=True, timeout=timeout)
+    r = subprocess.run([ctl_bin()] + [str(a) for a in args], capture_output=True,
+                       text=True, timeout=timeout)
+    bad = ckptfs_util.sanitizer_report(r.stderr)
+    if bad:  # the ASan+UBSan build
+        raise AssertionError(f"ckptctl {args}: sanitizer report: {bad}\n{r.stderr[-6000:]}")
+    return r
 
 
 def ctl_json(test, *args, rc=0):
