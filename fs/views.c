@@ -23,6 +23,7 @@
  */
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,7 @@ struct ckpt_views {
 #define NPY_DIR ".npy"
 #define ST_DIR ".safetensors"
 #define ST_INDEX "model.safetensors.index.json"
+#define VIEW_AHEAD ((uint64_t)2 << 20) /* readahead step of spliced reads */
 
 void ckpt__views_free(struct ckpt_views *v) {
   if (v == NULL)
@@ -293,6 +295,12 @@ static bool reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, uint32_t i,
       ckpt__committed_span(ck, &tn, len, toff, &fd, &pos, &got) != 1 ||
       got != len)
     return false;
+  /* Sequential loads: each time a read crosses a VIEW_AHEAD boundary of
+   * the data file, ask for the next 4 x VIEW_AHEAD bytes in the background
+   * (the run may end sooner: the kernel clips at the end of the file). */
+  if ((pos + len) / VIEW_AHEAD != pos / VIEW_AHEAD)
+    posix_fadvise(fd, (off_t)((pos + len) / VIEW_AHEAD * VIEW_AHEAD),
+                  (off_t)(4 * VIEW_AHEAD), POSIX_FADV_WILLNEED);
   struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
   bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
   bv.buf[0].fd = fd;
