@@ -222,7 +222,62 @@ static const char *dims_text(const int64_t *d, int n, char *buf, size_t cap) {
  * Loading checkpoints.
  * ---------------------------------------------------------------------- */
 
+/* mountinfo's octal escapes (\040 for a space) undone in place. */
+static void unescape(char *s) {
+  char *o = s;
+  for (char *p = s; *p; p++) {
+    if (p[0] == '\\' && p[1] >= '0' && p[1] <= '3' && p[2] >= '0' &&
+        p[2] <= '7' && p[3] >= '0' && p[3] <= '7') {
+      *o++ = (char)((p[1] - '0') * 64 + (p[2] - '0') * 8 + (p[3] - '0'));
+      p += 3;
+    } else {
+      *o++ = *p;
+    }
+  }
+  *o = '\0';
+}
+
+/* Is path itself a ckptfs mount? Then *source (malloc'd) is what it
+ * mounts, its BACKING_DIR. */
+static bool is_ckptfs_mount(const char *path, char **source) {
+  char *real = realpath(path, NULL);
+  FILE *f = real ? fopen("/proc/self/mountinfo", "re") : NULL;
+  bool found = false;
+  char *line = NULL;
+  size_t cap = 0;
+  while (f && !found && getline(&line, &cap, f) > 0) {
+    /* ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [TAGS...] - TYPE SOURCE */
+    char *save = NULL, *tok = strtok_r(line, " \n", &save), *mp = NULL;
+    for (int i = 0; tok && i < 4; i++)
+      mp = tok = strtok_r(NULL, " \n", &save);
+    while (tok && strcmp(tok, "-"))
+      tok = strtok_r(NULL, " \n", &save);
+    char *type = tok ? strtok_r(NULL, " \n", &save) : NULL;
+    char *src = type ? strtok_r(NULL, " \n", &save) : NULL;
+    if (!mp || !type || !src || strcmp(type, "fuse.ckptfs"))
+      continue;
+    unescape(mp);
+    if (!strcmp(mp, real)) {
+      unescape(src);
+      *source = strdup(src);
+      found = true;
+    }
+  }
+  free(line);
+  if (f)
+    fclose(f);
+  free(real);
+  return found;
+}
+
 static int open_backing(const char *path) {
+  char *source = NULL;
+  if (is_ckptfs_mount(path, &source)) {
+    fail("%s is a ckptfs mount, not a backing directory: give its "
+         "BACKING_DIR, %s", path, source ? source : "(unknown)");
+    free(source);
+    return -1;
+  }
   int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
     fail("cannot open BACKING_DIR %s: %s (give the directory the mounts "

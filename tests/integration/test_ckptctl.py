@@ -211,6 +211,12 @@ class Commands(Base):
         self.assertIn("interrupted save", row["gone"])
         self.assertIn("damaged", row["bad"])
 
+        # A mountpoint given for BACKING_DIR: said so, with the right one.
+        r = ctl("ls", self.mnt)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(f"{self.mnt} is a ckptfs mount, not a backing directory: give its "
+                      f"BACKING_DIR, {os.path.realpath(self.backing)}", r.stderr)
+
         # No mount needed: the same with every daemon stopped.
         self.mounts[0].stop()
         self.assertEqual(ctl_json(self, "ls", self.backing), doc)
