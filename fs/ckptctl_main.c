@@ -1019,116 +1019,74 @@ static int cmd_prune(const args_t *a, int bfd) {
  * export
  * ---------------------------------------------------------------------- */
 
-#define EXPORT_READ ((size_t)4 << 20)
-#define EXPORT_WRITE ((size_t)8 << 20)
+/* The export assembles each tensor window by window (EXPORT_WINDOW bytes
+ * of the global tensor in memory, then one write): for every chunk that
+ * touches the window, one read of the chunk bytes the window needs, then
+ * the copies (ckpt_layout_pieces, as a mount's reads do). A chunk's bytes
+ * land in the global tensor in their own order, so window after window
+ * each chunk is read front to back, and its XXH3-64 is computed on the
+ * way: every chunk is read once, however it is sharded (a column shard of
+ * 4-byte rows costs memcpys, not a write each). */
+#define EXPORT_WINDOW ((size_t)16 << 20)
 
-/* Copying one chunk into the file: its bytes are read front to back (and
- * hashed on the way), each piece goes to its place in the tensor;
- * consecutive pieces that are contiguous in the file are written
- * together. */
 typedef struct {
-  int in_fd;
-  uint64_t in_pos;     /* next byte of the data file to read */
-  uint64_t in_left;    /* bytes of the chunk not read yet */
-  uint64_t used;       /* chunk bytes handed to pieces */
-  uint8_t *rbuf;
-  size_t rlen, rat;    /* read buffer: valid bytes, consumed */
-  XXH3_state_t *hash;
-  int out_fd;
-  uint64_t out_base;   /* file offset of the tensor's byte 0 */
-  uint8_t *wbuf;
-  size_t wlen;         /* pending bytes for file offset wdst */
-  uint64_t wdst;
-  int err;             /* -errno of an output write */
-  bool truncated;      /* the data file ends inside the chunk */
-} copy_t;
+  uint8_t *win;        /* EXPORT_WINDOW: the window being assembled */
+  uint8_t *src;        /* EXPORT_WINDOW: one chunk's bytes for it */
+  uint64_t win_base;   /* global byte offset of win[0] */
+  uint64_t src_base;   /* chunk byte offset of src[0] */
+  uint64_t src_min, src_max; /* the chunk bytes the window needs */
+} window_t;
+
+/* Per chunk while it is read: its hash and how far. */
+typedef struct {
+  XXH3_state_t *hash;  /* NULL until its first window */
+  uint64_t used;       /* chunk bytes read and hashed */
+} chunk_read_t;
+
+static int span_of(void *arg, const ckpt_piece_t *p) {
+  window_t *w = arg;
+  if (p->src < w->src_min)
+    w->src_min = p->src;
+  if (p->src + p->len > w->src_max)
+    w->src_max = p->src + p->len;
+  return 0;
+}
+
+static int copy_in(void *arg, const ckpt_piece_t *p) {
+  window_t *w = arg;
+  memcpy(w->win + (p->dst - w->win_base), w->src + (p->src - w->src_base),
+         p->len);
+  return 0;
+}
 
 static int write_full(int fd, const void *p, size_t n, uint64_t off) {
   const char *c = p;
   while (n > 0) {
-    ssize_t w = pwrite(fd, c, n, (off_t)off);
-    if (w < 0 && errno == EINTR)
-      continue;
-    if (w < 0)
-      return -errno;
-    if (w == 0)
-      return -EIO;
-    c += w, n -= (size_t)w, off += (uint64_t)w;
-  }
-  return 0;
-}
-
-static int flush_out(copy_t *c) {
-  if (c->wlen == 0)
-    return 0;
-  int rc = write_full(c->out_fd, c->wbuf, c->wlen, c->wdst);
-  c->wdst += c->wlen;
-  c->wlen = 0;
-  return rc;
-}
-
-static int emit(copy_t *c, const uint8_t *p, size_t n, uint64_t dst) {
-  if (c->wlen && (c->wdst + c->wlen != dst || c->wlen + n > EXPORT_WRITE)) {
-    int rc = flush_out(c);
-    if (rc)
-      return rc;
-  }
-  if (c->wlen == 0)
-    c->wdst = dst;
-  if (n >= EXPORT_WRITE)
-    return write_full(c->out_fd, p, n, dst);
-  memcpy(c->wbuf + c->wlen, p, n);
-  c->wlen += n;
-  return 0;
-}
-
-/* Read the next block of the chunk into rbuf: 0, or -errno. */
-static int refill(copy_t *c) {
-  size_t want = c->in_left < EXPORT_READ ? (size_t)c->in_left : EXPORT_READ;
-  size_t got = 0;
-  while (got < want) {
-    ssize_t r = pread(c->in_fd, c->rbuf + got, want - got,
-                      (off_t)(c->in_pos + got));
+    ssize_t r = pwrite(fd, c, n, (off_t)off);
     if (r < 0 && errno == EINTR)
       continue;
     if (r < 0)
       return -errno;
-    if (r == 0) {
-      c->truncated = true;
-      return -ENODATA;
-    }
-    got += (size_t)r;
+    if (r == 0)
+      return -EIO;
+    c += r, n -= (size_t)r, off += (uint64_t)r;
   }
-  XXH3_64bits_update(c->hash, c->rbuf, got);
-  c->in_pos += got;
-  c->in_left -= got;
-  c->rlen = got;
-  c->rat = 0;
   return 0;
 }
 
-static int copy_piece_out(void *arg, const ckpt_piece_t *p) {
-  copy_t *c = arg;
-  if (p->src != c->used) /* pieces come in chunk order, without gaps */
-    return -EIO;
-  uint64_t left = p->len, dst = c->out_base + p->dst;
-  while (left > 0) {
-    if (c->rat == c->rlen) {
-      if (c->in_left == 0)
-        return -EIO; /* the chunk's length is less than its sizes say */
-      int rc = refill(c);
-      if (rc)
-        return rc;
-    }
-    size_t n = c->rlen - c->rat;
-    if (n > left)
-      n = (size_t)left;
-    int rc = emit(c, c->rbuf + c->rat, n, dst);
-    if (rc) {
-      c->err = rc;
-      return rc;
-    }
-    c->rat += n, dst += n, left -= n, c->used += n;
+/* Read exactly n bytes at off: 0, -ENODATA when the file ends first, or
+ * -errno. */
+static int read_full(int fd, void *buf, size_t n, uint64_t off) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(fd, (char *)buf + got, n - got, (off_t)(off + got));
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r < 0)
+      return -errno;
+    if (r == 0)
+      return -ENODATA;
+    got += (size_t)r;
   }
   return 0;
 }
@@ -1162,77 +1120,108 @@ static int data_file_fd(data_files_t *df, int32_t rank, uint32_t k) {
   return fd;
 }
 
-/* Copy every chunk of tensor t to out_fd at base, verifying each chunk's
- * checksum. 0, or -1 with the reason printed. */
+/* What a chunk is called in messages: "tensor FQN chunk at [OFFSETS]
+ * (rank R, __R_K.distcp)". */
+static void chunk_what(const ckpt_tensor_meta_t *t, const ckpt_chunk_meta_t *ch,
+                       char *buf, size_t cap) {
+  char offs[512], file[64];
+  ckpt_dims_format(ch->dims, t->ndim, CKPT_DIMS_JSON, offs, sizeof(offs));
+  ckpt_data_file_name(ch->rank, ch->file, file, sizeof(file));
+  snprintf(buf, cap, "tensor %s chunk at %s (rank %d, %s)", t->fqn, offs,
+           ch->rank, file);
+}
+
+/* Copy tensor t, assembled from its chunks, to out_fd at base, verifying
+ * every chunk's checksum (see window_t). 0, or -1 with the reason printed
+ * (out_file names the file in messages). */
 static int export_tensor(data_files_t *df, const ckpt_metadata_t *m,
-                         const ckpt_tensor_meta_t *t, copy_t *c, int out_fd,
-                         uint64_t base, const char *file) {
+                         const ckpt_tensor_meta_t *t, window_t *w, int out_fd,
+                         uint64_t base, const char *out_file) {
   size_t isz = ckpt_dtype_size(t->dtype);
-  char offs[512];
-  for (uint32_t i = 0; i < t->n_chunks; i++) {
+  uint64_t numel = 0;
+  ckpt_dims_numel(t->shape, t->ndim, &numel);
+  uint64_t total = numel * isz;
+  chunk_read_t *cr = calloc(t->n_chunks ? t->n_chunks : 1, sizeof(*cr));
+  char what[PATH_MAX + 700];
+  int rc = cr ? 0 : -ENOMEM, bad = 0;
+  if (rc)
+    fail("out of memory");
+  for (uint64_t at = 0; rc == 0 && at < total; at += EXPORT_WINDOW) {
+    size_t len = total - at < EXPORT_WINDOW ? (size_t)(total - at)
+                                            : EXPORT_WINDOW;
+    w->win_base = at;
+    for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
+      const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
+      const int64_t *offs = ch->dims, *sizes = ch->dims + t->ndim;
+      w->src_min = UINT64_MAX, w->src_max = 0;
+      ckpt_layout_pieces(t->ndim, t->shape, offs, sizes, isz, at, len,
+                         span_of, w);
+      if (w->src_min >= w->src_max)
+        continue; /* not in this window */
+      chunk_what(t, ch, what, sizeof(what));
+      if (w->src_min != cr[i].used || w->src_max > ch->length) {
+        fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
+             "sizes; the checkpoint is damaged", df->name, what, ch->length);
+        rc = -EIO;
+        break;
+      }
+      if (!cr[i].hash) {
+        if (!(cr[i].hash = XXH3_createState()) ||
+            XXH3_64bits_reset(cr[i].hash) != XXH_OK) {
+          fail("out of memory");
+          rc = -ENOMEM;
+          break;
+        }
+      }
+      int fd = data_file_fd(df, ch->rank, ch->file);
+      size_t n = (size_t)(w->src_max - w->src_min);
+      rc = fd < 0 ? fd
+                  : read_full(fd, w->src, n, ch->file_offset + w->src_min);
+      if (rc) {
+        fail("%s: %s: %s; the checkpoint is damaged, nothing exported "
+             "(ckptfs-fsck %s %s lists every problem)",
+             df->name, what,
+             rc == -ENODATA ? "the data file is truncated"
+             : fd < 0       ? (rc == -ENOENT ? "cannot open the data file: "
+                                               "it is missing"
+                                             : "cannot open the data file")
+                            : strerror(-rc),
+             df->backing, df->name);
+        break;
+      }
+      XXH3_64bits_update(cr[i].hash, w->src, n);
+      cr[i].used = w->src_max;
+      w->src_base = w->src_min;
+      ckpt_layout_pieces(t->ndim, t->shape, offs, sizes, isz, at, len,
+                         copy_in, w);
+    }
+    if (rc == 0 && (rc = write_full(out_fd, w->win, len, base + at)) != 0)
+      fail("writing %s: %s", out_file, strerror(-rc));
+  }
+  /* Every chunk read whole: its checksum. Each mismatch is reported. */
+  for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
     const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
-    char dname[64];
-    ckpt_data_file_name(ch->rank, ch->file, dname, sizeof(dname));
-    dims_text(ch->dims, t->ndim, offs, sizeof(offs));
-    int fd = data_file_fd(df, ch->rank, ch->file);
-    if (fd < 0) {
-      fail("%s: tensor %s chunk at %s (rank %d): cannot open %s: %s; the "
-           "checkpoint is damaged (ckptfs-fsck %s %s)",
-           df->name, t->fqn, offs, ch->rank, dname, strerror(-fd),
-           df->backing, df->name);
-      return -1;
-    }
-    uint64_t first, end;
-    ckpt_layout_extent(t->ndim, t->shape, ch->dims, ch->dims + t->ndim, isz,
-                       &first, &end);
-    c->in_fd = fd;
-    c->in_pos = ch->file_offset;
-    c->in_left = ch->length;
-    c->used = 0;
-    c->rlen = c->rat = 0;
-    c->out_fd = out_fd;
-    c->out_base = base;
-    c->wlen = 0;
-    c->err = 0;
-    c->truncated = false;
-    XXH3_64bits_reset(c->hash);
-    int rc = ckpt_layout_pieces(t->ndim, t->shape, ch->dims,
-                                ch->dims + t->ndim, isz, first, end - first,
-                                copy_piece_out, c);
-    if (rc == 0)
-      rc = flush_out(c);
-    if (rc && c->err) {
-      fail("writing %s: %s", file, strerror(-c->err));
-      return -1;
-    }
-    if (rc == 0 && (c->used != ch->length || c->rat != c->rlen ||
-                    c->in_left != 0))
-      rc = -EIO;
-    if (rc == -ENODATA || c->truncated) {
-      fail("%s: tensor %s chunk at %s (rank %d): %s is truncated (the chunk "
-           "is bytes %" PRIu64 "..%" PRIu64 "); the checkpoint is damaged",
-           df->name, t->fqn, offs, ch->rank, dname, ch->file_offset,
-           ch->file_offset + ch->length);
-      return -1;
-    }
-    if (rc) {
-      fail("%s: tensor %s chunk at %s (rank %d): reading %s: %s", df->name,
-           t->fqn, offs, ch->rank, dname,
-           rc == -EIO ? "its length does not match its sizes" : strerror(-rc));
-      return -1;
-    }
-    uint64_t got = XXH3_64bits_digest(c->hash);
-    if (got != ch->checksum) {
-      fail("%s: tensor %s chunk at %s (rank %d): %s at %" PRIu64
-           ": checksum mismatch (stored %016" PRIx64 ", data %016" PRIx64
-           "); the checkpoint is damaged, nothing exported (ckptfs-fsck %s "
-           "lists every damaged chunk)",
-           df->name, t->fqn, offs, ch->rank, dname, ch->file_offset,
-           ch->checksum, got, df->backing);
-      return -1;
+    chunk_what(t, ch, what, sizeof(what));
+    uint64_t got = XXH3_64bits(NULL, 0);
+    if (cr[i].hash)
+      got = XXH3_64bits_digest(cr[i].hash);
+    if (cr[i].used != ch->length) {
+      fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
+           "sizes; the checkpoint is damaged", df->name, what, ch->length);
+      bad++;
+    } else if (got != ch->checksum) {
+      fail("%s: %s at %" PRIu64 ": checksum mismatch (stored %016" PRIx64
+           ", data %016" PRIx64 "); the checkpoint is damaged, nothing "
+           "exported (ckptfs-fsck %s %s lists every problem)",
+           df->name, what, ch->file_offset, ch->checksum, got, df->backing,
+           df->name);
+      bad++;
     }
   }
-  return 0;
+  for (uint32_t i = 0; cr && i < t->n_chunks; i++)
+    XXH3_freeState(cr[i].hash);
+  free(cr);
+  return rc || bad ? -1 : 0;
 }
 
 /* fsync the directory holding path. */
@@ -1263,13 +1252,12 @@ static int cmd_export(const args_t *a, int bfd) {
   char tmp[PATH_MAX];
   bool tmp_made = false;
   data_files_t df = {.backing = backing, .name = name};
-  copy_t c = {.hash = XXH3_createState(), .rbuf = malloc(EXPORT_READ),
-              .wbuf = malloc(EXPORT_WRITE)};
+  window_t w = {.win = malloc(EXPORT_WINDOW), .src = malloc(EXPORT_WINDOW)};
   ckpt_st_tensor_t *st = calloc(m.n_tensors ? m.n_tensors : 1, sizeof(*st));
   ckpt_st_plan_t plan = {0};
   df.dirfd = openat(bfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
                                    O_CLOEXEC);
-  if (!c.hash || !c.rbuf || !c.wbuf || !st) {
+  if (!w.win || !w.src || !st) {
     fail("out of memory");
     goto out;
   }
@@ -1305,7 +1293,7 @@ static int cmd_export(const args_t *a, int bfd) {
   }
   for (size_t k = 0; k < plan.n_kept; k++) {
     size_t i = plan.order[k];
-    if (export_tensor(&df, &m, &m.tensors[i], &c, out_fd,
+    if (export_tensor(&df, &m, &m.tensors[i], &w, out_fd,
                       plan.place[i].offset, tmp))
       goto out;
   }
@@ -1377,9 +1365,8 @@ out:
     close(df.dirfd);
   ckpt_st_plan_free(&plan);
   free(st);
-  XXH3_freeState(c.hash);
-  free(c.rbuf);
-  free(c.wbuf);
+  free(w.win);
+  free(w.src);
   ckpt_metadata_free(&m);
   return status;
 }

@@ -602,9 +602,20 @@ class World2(unittest.TestCase):
     def test_1_keep_last_show_and_export(self):
         from mpi_world import stage
         items = {}
+        # w4 also holds a column-sharded tensor larger than export's 16 MiB
+        # window: its chunks are read window by window, front to back.
+        R, C, cut = 5000, 4100, 1333
+        big = os.urandom(R * C)
         for i in range(1, 5):
             items[i] = self.items(10 * i)
             stage(self.world, f"w{i}", items[i])
+            if i == 4:
+                for r, (c0, c1) in enumerate(((0, cut), (cut, C))):
+                    p = os.path.join(self.world.mnt(r), "w4", "big")
+                    write_file(p, b"".join(big[row * C + c0:row * C + c1] for row in range(R)))
+                    for k, v in (("dtype", "uint8"), ("shape", f"{R},{C}"),
+                                 ("offsets", f"0,{c0}"), ("sizes", f"{R},{c1 - c0}")):
+                        os.setxattr(p, "user.ckpt." + k, v.encode())
             self.commit_both(f"w{i}")
             want = [f"w{j}" for j in range(max(1, i - 1), i + 1)]
             self.assertEqual(sorted(os.listdir(self.backing)), want, f"after commit {i}")
@@ -627,6 +638,8 @@ class World2(unittest.TestCase):
         out = os.path.join(self.dir, "w4.safetensors")
         ctl_json(self, "export", self.backing, "w4", "--safetensors", out)
         got, _ = read_safetensors(self, out)
+        self.assertEqual(got["big"][:2], ("U8", [R, C]))
+        self.assertTrue(got["big"][2] == big, "big: bytes differ")
         for it in items[4]:
             if it.kind == "tensor":
                 self.assertEqual(got[it.fqn][1], it.shape)
@@ -634,6 +647,7 @@ class World2(unittest.TestCase):
         doc = ctl_json(self, "diff", self.backing, "w3", "w4", rc=1)
         self.assertEqual(sorted(c["fqn"] for c in doc["changed"]),
                          ["bias", "model.cols", "model.rows", "rng0", "rng1"])
+        self.assertEqual(doc["added"], [{"kind": "tensor", "fqn": "big"}])
 
     def test_2_wait_progress_bar_and_timeout(self):
         from mpi_world import commit, stage
