@@ -17,7 +17,8 @@ Classes:
            serves them as asked), listings (the views are not listed in
            NAME, their contents are), exact stat sizes, EROFS, shards and
            model.safetensors.index.json with a small safetensors_shard,
-           verify=1 on a damaged data file, after a remount; and with numpy
+           verify=1 on a damaged data file, after a remount, threads doing
+           the first lookups and random reads at once; and with numpy
            in a child interpreter: np.load and np.load(mmap_mode="r")
            equal the tensors, the .npy bytes equal np.save's, np.memmap of
            the safetensors files; the `safetensors` package too when it is
@@ -449,6 +450,53 @@ class OneRank(CkptfsTestCase, ViewChecks):
                   os.path.join(ck, ".safetensors", "model.safetensors")):
             self.assertErrno(errno.EIO, read_all, p)
         self.check_npy(ck, cases[1:], {"npy": []})
+
+    def test_concurrent_readers(self):
+        """Threads doing the first lookups of the views at once, then reading
+        them at random ranges (O_DIRECT: every read reaches the daemon)."""
+        import threading
+        self.mount(opts="safetensors_shard=20000")
+        ck = self.ck("v4")
+        cases = [Case(f"t/{i}", dt, [37 * (i + 1), 11], seed=i)
+                 for i, dt in enumerate(["float32", "int16", "float64", "uint8"] * 3)]
+        stage_one(ck, cases)
+        self.mounts[0].stop()
+        self.mount(opts="safetensors_shard=20000")  # nothing looked up yet
+        errors = []
+
+        def reader(k):
+            try:
+                rng = random.Random(k)
+                st = os.path.join(ck, ".safetensors")
+                files = sorted(f for f in os.listdir(st) if f.endswith(".safetensors"))
+                whole = {f: read_all(os.path.join(st, f)) for f in files}
+                for _ in range(60):
+                    if rng.random() < 0.5:
+                        c = rng.choice(cases)
+                        p = os.path.join(ck, ".npy", c.path + ".npy")
+                        want = npy_header(DT[c.dtype][1], c.shape) + c.data
+                    else:
+                        f = rng.choice(files)
+                        p, want = os.path.join(st, f), whole[f]
+                    off = rng.randrange(0, len(want))
+                    n = rng.choice([1, 100, 4096, 50000])
+                    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+                    try:
+                        got = os.pread(fd, n, off)
+                    finally:
+                        os.close(fd)
+                    if got != want[off:off + n]:
+                        errors.append(f"{p} [{off}, +{n}): wrong bytes")
+            except Exception as e:  # reported below
+                errors.append(f"reader {k}: {e!r}")
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        self.assertEqual(errors, [])
+        self.check_st(ck, cases, shard=20000)
 
     def test_bad_option(self):
         for bad in ("safetensors_shard=0", "safetensors_shard=5X", "safetensors_shard="):
