@@ -666,9 +666,10 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
  * ops.c). A checkpoint a writer still holds is left for the next commit. */
 static void keep_last(ckpt_fs_t *fs, const char *name) {
   ckpt_catalog_t cat;
-  if (ckpt__catalog_scan(fs->backing_fd, fs->backing_path, false, &cat)) {
+  int rc = ckpt__catalog_scan(fs->backing_fd, fs->backing_path, false, &cat);
+  if (rc) {
     ckpt__log("keep_last: cannot list %s: %s", fs->backing_path,
-              strerror(errno));
+              strerror(-rc));
     return;
   }
   bool *old = calloc(cat.n ? cat.n : 1, sizeof(*old));
@@ -676,7 +677,7 @@ static void keep_last(ckpt_fs_t *fs, const char *name) {
     for (size_t i = 0; i < cat.n; i++) {
       if (!old[i])
         continue;
-      int rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
+      rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
       if (rc)
         ckpt__log("keep_last=%u: not removing %s: %s", fs->opts.keep_last,
                   cat.e[i].name, strerror(-rc));
