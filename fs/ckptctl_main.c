@@ -1433,8 +1433,12 @@ static void draw_bar(const char *name, uint64_t done, uint64_t total,
 static int cmd_wait(const args_t *a, int bfd) {
   (void)bfd;
   const char *dir = a->pos[0];
-  const char *name = strrchr(dir, '/');
-  name = name && name[1] ? name + 1 : dir;
+  char base[PATH_MAX]; /* NAME, for messages: the last component */
+  snprintf(base, sizeof(base), "%s", dir);
+  for (size_t n = strlen(base); n > 1 && base[n - 1] == '/';)
+    base[--n] = '\0';
+  const char *name = strrchr(base, '/');
+  name = name && name[1] ? name + 1 : base;
   bool tty = !a->json && isatty(STDOUT_FILENO);
   double start = now_s(), last_line = -1;
   char state[32] = "", last_state[32] = "";

@@ -426,6 +426,8 @@ class Commands(Base):
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertRegex(r.stdout.splitlines()[-1],
                          r"^big: committed \(tensors 1, blobs 0, world size 1\) after [\d.]+ s$")
+        r = ctl("wait", ck + "/")
+        self.assertTrue(r.stdout.startswith("big: committed"), r.stdout)
         doc = ctl_json(self, "wait", ck, "--timeout", "5")
         self.assertEqual(doc["state"], "committed")
         self.assertIsNone(doc["reason"])
