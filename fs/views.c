@@ -154,6 +154,13 @@ static int st_build(ckpt_fs_t *fs, ckpt_node_t *root) {
     ckpt__log("%s: no .safetensors view: %s", ck->name, strerror(-rc));
     return rc;
   }
+  for (uint32_t k = 0; k < v->plan.n_shards; k++)
+    if (v->plan.shards[k].header_len - 8 > CKPT_ST_MAX_HEADER)
+      ckpt__log("%s: .safetensors file %u has a header of %llu bytes: "
+                "safetensors readers refuse more than %llu (a smaller "
+                "safetensors_shard splits it)", ck->name, k + 1,
+                (unsigned long long)(v->plan.shards[k].header_len - 8),
+                (unsigned long long)CKPT_ST_MAX_HEADER);
   for (size_t i = 0; i < v->plan.n_tensors; i++)
     if (v->plan.place[i].shard == CKPT_ST_LEFT_OUT)
       ckpt__log("%s: %s left out of the .safetensors view (%s)", ck->name,
