@@ -341,22 +341,23 @@ static uint64_t stored_bytes(const ckpt_metadata_t *m) {
   return sum;
 }
 
+static int by_rank(const void *a, const void *b) {
+  int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+  return (x > y) - (x < y);
+}
+
 /* The distinct ranks holding t's chunks, sorted, into ranks (cap n_chunks);
  * returns how many. */
 static uint32_t tensor_ranks(const ckpt_metadata_t *m,
                              const ckpt_tensor_meta_t *t, int32_t *ranks) {
+  for (uint32_t i = 0; i < t->n_chunks; i++)
+    ranks[i] = m->chunks[t->first_chunk + i].rank;
+  if (t->n_chunks > 1)
+    qsort(ranks, t->n_chunks, sizeof(*ranks), by_rank);
   uint32_t n = 0;
-  for (uint32_t i = 0; i < t->n_chunks; i++) {
-    int32_t r = m->chunks[t->first_chunk + i].rank;
-    uint32_t at = 0;
-    while (at < n && ranks[at] < r)
-      at++;
-    if (at < n && ranks[at] == r)
-      continue;
-    memmove(ranks + at + 1, ranks + at, (n - at) * sizeof(*ranks));
-    ranks[at] = r;
-    n++;
-  }
+  for (uint32_t i = 0; i < t->n_chunks; i++)
+    if (n == 0 || ranks[n - 1] != ranks[i])
+      ranks[n++] = ranks[i];
   return n;
 }
 
