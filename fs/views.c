@@ -327,15 +327,18 @@ void ckpt__view_read(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
   }
   if (size > total - off)
     size = (size_t)(total - off);
-  if (n->kind == CKPT_NODE_VINDEX) {
-    fuse_reply_buf(req, v->index + off, size);
-    return;
-  }
   int rc = 0;
   char *buf = NULL;
   ckpt_buf_t hdr;
   ckpt_buf_init(&hdr);
-  if (n->kind == CKPT_NODE_VNPY) {
+  if (n->kind == CKPT_NODE_VINDEX) {
+    /* A copy: once the reply is written, a release on another thread may
+     * drop the last reference to the checkpoint (see reply_copy, ops.c). */
+    if ((buf = malloc(size)) == NULL)
+      rc = -ENOMEM;
+    else
+      memcpy(buf, v->index + off, size);
+  } else if (n->kind == CKPT_NODE_VNPY) {
     if ((rc = npy_header(ck, n->u.tensor, &hdr)) != 0)
       goto out;
     /* Wholly inside the tensor's bytes: perhaps one stored run. */
