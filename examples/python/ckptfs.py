@@ -20,8 +20,10 @@ Layout of a save (the ckptfs contract, README "Saving a checkpoint"):
 - torch tensors and numpy arrays are tensor chunks: their elements in
   row-major little-endian order, and user.ckpt.dtype / user.ckpt.shape. A
   shard of a larger tensor is given as Shard(local, offsets, global_shape):
-  it also gets user.ckpt.offsets and user.ckpt.sizes. Tensors that all
-  ranks save whole with the same values are replicas (stored once).
+  it also gets user.ckpt.offsets and user.ckpt.sizes. Items (tensors or
+  not) that several ranks save under the same keys are replicas, stored
+  once: their values must be equal on every rank or the commit fails
+  (replica_check); give per-rank values per-rank keys ("rng/rank3").
 - Every other value is a bytes item: bytes, bytearray and memoryview are
   stored as they are; anything else is pickled (objects="pickle", the
   default) or stored as UTF-8 JSON (objects="json", for values JSON can

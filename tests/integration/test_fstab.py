@@ -63,7 +63,10 @@ def daemon_pid():
     return None
 
 subprocess.run(["mount", "--make-rprivate", "/"], check=True)
-subprocess.run(["mount", "--bind", sbin, "/usr/local/sbin"], check=True)
+# the first directory of the helper shell's default PATH that exists
+target = next(d for d in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin")
+              if os.path.isdir(d))
+subprocess.run(["mount", "--bind", sbin, target], check=True)
 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
 say(mount=r.returncode, stderr=r.stderr)
 if r.returncode:
