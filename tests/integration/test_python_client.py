@@ -321,6 +321,14 @@ sd = {"model": {
     "rng": {f"rank{rank}": torch.tensor([rank])}, "step": 3}
 ckptfs.save(sd, mnt, "sharded", rank=rank, mode="async")
 print(ckptfs.wait(mnt, "sharded").splitlines()[0])
+# a value that differs between ranks under the same key: a replica
+# mismatch, reported on every rank
+try:
+    ckptfs.save({"step": rank}, mnt, "conflict", rank=rank)
+    print("no error")
+except ckptfs.CommitError as e:
+    assert "replicas differ" in str(e) and "step" in str(e), str(e)
+    print("conflict refused")
 '''
             outs = [None, None]
 
@@ -337,7 +345,7 @@ print(ckptfs.wait(mnt, "sharded").splitlines()[0])
             for r in range(2):
                 if isinstance(outs[r], BaseException):
                     raise outs[r]
-                self.assertEqual(outs[r].strip(), "committed")
+                self.assertEqual(outs[r].split(), ["committed", "conflict", "refused"])
         finally:
             self.assertEqual(w.stop(), 0)
         db = self.bk("sharded", ".metadata")
