@@ -257,6 +257,125 @@ static void test_left_out(void **state) {
   ckpt_st_plan_free(&p);
 }
 
+/* Decode the JSON string at *p (just after its opening quote) into out
+ * (cap bytes), checking it on the way: no raw control characters, only
+ * JSON's escapes, \u of a BMP non-surrogate; *p ends after the closing
+ * quote. Returns the decoded length. */
+static size_t json_decode(const char **p, char *out, size_t cap) {
+  size_t n = 0;
+  const unsigned char *s = (const unsigned char *)*p;
+  for (;;) {
+    unsigned c = *s++;
+    assert_true(c >= 0x20); /* also catches the end of the text */
+    if (c == '"')
+      break;
+    if (c == '\\') {
+      c = *s++;
+      const char *esc = strchr("\"\\/bfnrt", (int)c);
+      if (c == 'u') {
+        unsigned v = 0;
+        for (int i = 0; i < 4; i++) {
+          unsigned h = *s++;
+          assert_non_null(strchr("0123456789abcdefABCDEF", (int)h));
+          v = v * 16 + (h <= '9' ? h - '0' : (h | 0x20) - 'a' + 10);
+        }
+        assert_true(v < 0x20); /* we only escape control characters */
+        c = v;
+      } else {
+        assert_true(c != 0 && esc != NULL);
+        c = (unsigned char)"\"\\/\b\f\n\r\t"[esc - "\"\\/bfnrt"];
+      }
+    }
+    assert_true(n < cap);
+    out[n++] = (char)c;
+  }
+  *p = (const char *)s;
+  return n;
+}
+
+/* Is s valid UTF-8? Decodes each code point and checks its value (the
+ * shortest form, not a surrogate, at most U+10FFFF). */
+static bool is_utf8(const char *str) {
+  const unsigned char *s = (const unsigned char *)str;
+  while (*s) {
+    unsigned c = *s++, need, cp, min;
+    if (c < 0x80)
+      continue;
+    if ((c & 0xE0) == 0xC0)
+      need = 1, cp = c & 0x1F, min = 0x80;
+    else if ((c & 0xF0) == 0xE0)
+      need = 2, cp = c & 0x0F, min = 0x800;
+    else if ((c & 0xF8) == 0xF0)
+      need = 3, cp = c & 0x07, min = 0x10000;
+    else
+      return false;
+    for (unsigned i = 0; i < need; i++, s++) {
+      if ((*s & 0xC0) != 0x80)
+        return false;
+      cp = cp << 6 | (*s & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+  }
+  return true;
+}
+
+/* Names of random bytes: every kept one comes back from the header's JSON
+ * exactly, and the ones left out are exactly those that are not UTF-8. */
+static void test_random_names_roundtrip(void **state) {
+  (void)state;
+  srand(12345);
+  enum { N = 300 };
+  static char names[N][40];
+  ckpt_st_tensor_t t[N];
+  const int64_t d1[] = {1};
+  for (int i = 0; i < N; i++) {
+    int len = 1 + rand() % 30;
+    for (int j = 0; j < len; j++) {
+      int r = rand() % 4;
+      names[i][j] = (char)(r == 0 ? 1 + rand() % 31          /* control */
+                           : r == 1 ? 0x80 + rand() % 128    /* high bytes */
+                           : r == 2 ? "\"\\/{}:,"[rand() % 8]
+                                    : 'a' + rand() % 26);
+    }
+    snprintf(names[i] + len, 8, "%03d", i); /* unique */
+    t[i] = (ckpt_st_tensor_t){names[i], CKPT_DTYPE_UINT8, 1, d1};
+  }
+  /* a few well-formed multi-byte sequences too */
+  snprintf(names[0], sizeof(names[0]), "\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80x");
+  ckpt_st_plan_t p;
+  assert_int_equal(ckpt_st_plan(t, N, 0, &p), 0);
+  check_plan(&p, t, N);
+  char *js = json_of(&p, 0);
+  const char *q = strstr(js, "\"ckptfs.left_out\":\"");
+  size_t found = 0;
+  if (q != NULL) /* skip the left_out string: checked for validity only */
+    q += strlen("\"ckptfs.left_out\":\""), json_decode(&q, (char[1 << 16]){0},
+                                                      1 << 16);
+  else
+    q = js;
+  for (size_t j = 0; j < p.n_kept; j++) {
+    size_t i = p.order[j];
+    const char *k = strstr(q, ",\"");
+    assert_non_null(k);
+    k += 2;
+    char got[256];
+    size_t n = json_decode(&k, got, sizeof(got));
+    assert_int_equal(n, strlen(t[i].name));
+    assert_memory_equal(got, t[i].name, n);
+    assert_int_equal(*k, ':');
+    q = strstr(k, "]}"); /* the end of this tensor's entry */
+    assert_non_null(q);
+    found++;
+  }
+  assert_int_equal(found, p.n_kept);
+  assert_true(p.n_left_out > 0 && p.n_kept > 0);
+  for (int i = 0; i < N; i++)
+    assert_int_equal(p.place[i].shard == CKPT_ST_LEFT_OUT, !is_utf8(names[i]));
+  free(js);
+  ckpt_st_plan_free(&p);
+}
+
 /* ----- Sharding ----- */
 
 static void test_sharding(void **state) {
@@ -493,6 +612,7 @@ int main(void) {
       cmocka_unit_test(test_every_dtype_name),
       cmocka_unit_test(test_escaping),
       cmocka_unit_test(test_left_out),
+      cmocka_unit_test(test_random_names_roundtrip),
       cmocka_unit_test(test_sharding),
       cmocka_unit_test(test_index_sorted_and_escaped),
       cmocka_unit_test(test_find),
