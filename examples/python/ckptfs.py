@@ -89,9 +89,10 @@ class CommitError(CkptfsError):
         reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
         where = f" ({path})" if path else ""
         super().__init__(
-            f"commit of checkpoint {name!r} failed{where}: {reason}. The "
-            "checkpoint stays staged on every rank: fix what the reason names "
-            "and commit again, or remove it with rm -r.")
+            f"commit of checkpoint {name!r} failed{where}: {reason}. Nothing "
+            "was published; the checkpoint stays staged on every rank: fix "
+            "what the reason names and save again with exist_ok=True, or "
+            "discard it with rm -r.")
 
 
 class Shard:
@@ -304,8 +305,9 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     mode: "sync" (return once committed and durable everywhere) or "async"
     (return once the staged data is frozen; then wait(mount, name));
     objects: "pickle" or "json" for values that are neither tensors nor bytes;
-    exist_ok: reuse a checkpoint directory this rank already staged (e.g. to
-    retry after a failed commit). Raises CommitError when the commit fails.
+    exist_ok: when this rank already staged name and did not commit it (e.g.
+    the commit failed), discard what is staged and save again; a committed
+    name is never replaced. Raises CommitError when the commit fails.
     """
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
@@ -321,11 +323,21 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     try:
         os.mkdir(ckdir)
     except FileExistsError:
+        try:
+            st = status(mount, name)[0]
+        except OSError:
+            st = "committed"
+        if st in ("committed", "committing"):
+            raise CkptfsError(
+                f"checkpoint {name!r} is already {st} in {mount}: choose another "
+                f"name (or remove it for every rank with rm -r {ckdir})") from None
         if not exist_ok:
             raise CkptfsError(
-                f"checkpoint {name!r} already exists in {mount} (committed, or "
-                "staged on this rank): choose another name, remove it with "
-                f"rm -r {ckdir}, or pass exist_ok=True to restage it") from None
+                f"checkpoint {name!r} is already staged ({st}) on this rank in "
+                f"{mount}: choose another name, discard it with rm -r {ckdir}, "
+                "or pass exist_ok=True to discard and restage it") from None
+        _discard_staged(ckdir)
+        os.mkdir(ckdir)
     except OSError as e:
         raise CkptfsError(f"cannot create checkpoint {ckdir}: {e.strerror}"
                           + (" (names are [A-Za-z0-9_.-]+, not starting with '.')"
@@ -369,6 +381,17 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     commit(mount, name, mode)
     if mode == "sync" and timeout is not None:
         wait(mount, name, timeout)
+
+
+def _discard_staged(ckdir):
+    """rm -r of a staged (never committed) checkpoint: discards it on this
+    rank only. Never called on a committed one (that would delete it)."""
+    for root, dirs, files in os.walk(ckdir, topdown=False):
+        for f in files:
+            os.unlink(os.path.join(root, f))
+        for d in dirs:
+            os.rmdir(os.path.join(root, d))
+    os.rmdir(ckdir)
 
 
 def commit(mount, name, mode="sync"):

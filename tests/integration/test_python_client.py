@@ -276,8 +276,18 @@ def expect(fn, *words):
 e = expect(lambda: ckptfs.save({"w": ckptfs.Shard(torch.ones(2, 3), (0, 0), (4, 3))}, mnt, "gap"),
            "commit of checkpoint 'gap' failed", "gap", "commit again")
 assert isinstance(e, ckptfs.CommitError) and e.status.startswith("failed"), e.status
+import os
+assert not os.path.exists(os.path.join(sys.argv[2], "gap", ".metadata"))  # nothing published
+expect(lambda: ckptfs.save({"w": torch.ones(4, 3)}, mnt, "gap"), "already staged (failed)",
+       "exist_ok=True")
+# fixed and saved again over the failed one: the stale shard xattrs go too
+ckptfs.save({"w": torch.full((4, 3), 2.0)}, mnt, "gap", exist_ok=True)
+assert torch.equal(ckptfs.load(None, mnt, "gap")["w"], torch.full((4, 3), 2.0))
 ckptfs.save({"w": torch.ones(4, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}, mnt, "good")
-expect(lambda: ckptfs.save({"w": torch.ones(1)}, mnt, "good"), "already exists", "rm -r")
+expect(lambda: ckptfs.save({"w": torch.ones(1)}, mnt, "good"), "already committed", "rm -r")
+expect(lambda: ckptfs.save({"w": torch.ones(1)}, mnt, "good", exist_ok=True),
+       "already committed")
+assert torch.equal(ckptfs.load(None, mnt, "good")["w"], torch.ones(4, 3))
 expect(lambda: ckptfs.save({"w": 1}, mnt, ".hidden"), "cannot create checkpoint")
 expect(lambda: ckptfs.save({"a/b": 1}, mnt, "k"), "'a/b'", "cannot be a file name")
 expect(lambda: ckptfs.save({(1, 2): 1}, mnt, "k2"), "keys must be str or int")
@@ -295,12 +305,12 @@ expect(lambda: ckptfs.load({"w": ckptfs.Shard(torch.ones(2, 3), (0, 0), (5, 3))}
        "global shape [5, 3]")
 expect(lambda: ckptfs.load({"k": torch.ones(1)}, mnt, "x"), "'x' is staging, not committed")
 print("done")
-''', self.mnt)
+''', self.mnt, self.backing)
         self.assertIn("CommitError: commit of checkpoint 'gap' failed", out)
         self.assertTrue(out.rstrip().endswith("done"), out)
-        # a staged, failed name is left for the user: nothing published
-        self.assertEqual(state(self.ck("gap")), "failed")
-        self.assertNothingPublished("gap")
+        # the failed save was restaged and committed
+        self.assertEqual(state(self.ck("gap")), "committed")
+        self.assertEqual(read_all(self.ck("gap", "w")), struct.pack("<12f", *[2.0] * 12))
 
     def test_sharded_two_ranks_loaded_at_one(self):
         py = require_torch(self)
