@@ -47,8 +47,8 @@
  *    "model.safetensors.index.json" (ckpt_st_index_json).
  *  - dtypes: bool BOOL, uint8 U8, int8 I8, int16 I16, int32 I32, int64
  *    I64, float16 F16, bfloat16 BF16, float32 F32, float64 F64, complex64
- *    C64 (safetensors 0.6 and later read it), float8_e4m3fn F8_E4M3,
- *    float8_e5m2 F8_E5M2.
+ *    C64 (a recent addition: older readers refuse the file),
+ *    float8_e4m3fn F8_E4M3, float8_e5m2 F8_E5M2.
  * ---------------------------------------------------------------------- */
 
 /* safetensors refuses headers larger than this (tensor.rs MAX_HEADER_SIZE);
