@@ -274,7 +274,8 @@ def expect(fn, *words):
     raise AssertionError("no error for " + repr(words))
 # a shard that leaves a gap: the commit fails on .status's reason
 e = expect(lambda: ckptfs.save({"w": ckptfs.Shard(torch.ones(2, 3), (0, 0), (4, 3))}, mnt, "gap"),
-           "commit of checkpoint 'gap' failed", "gap", "commit again")
+           "commit of checkpoint 'gap' failed", "gap", "Nothing was published",
+           "save again with exist_ok=True")
 assert isinstance(e, ckptfs.CommitError) and e.status.startswith("failed"), e.status
 import os
 assert not os.path.exists(os.path.join(sys.argv[2], "gap", ".metadata"))  # nothing published
