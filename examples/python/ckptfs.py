@@ -567,8 +567,9 @@ def _load_into(target, path, rel, dtype, gshape):
         if t.device.type == "cpu" and t.is_contiguous():
             direct = _torch_numpy_view(t)
     else:
-        if t.flags.c_contiguous and t.flags.writeable:
-            direct = t
+        if t.flags.c_contiguous and t.flags.writeable and \
+                t.dtype == t.dtype.newbyteorder("<"):
+            direct = t  # stored bytes are little-endian: read them in place
     if direct is not None:
         _read_block(path, dtype, gshape, offsets, shape,
                     memoryview(direct.reshape(-1)).cast("B"))

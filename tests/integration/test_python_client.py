@@ -122,8 +122,9 @@ p = torch.nn.Parameter(torch.zeros(2, 2))
 bf = torch.zeros(3, 5, dtype=torch.bfloat16)
 nc = torch.zeros(4, 6).t()
 arr = np.zeros((2, 3, 4), dtype="<f8")
-spec = {"torch": {"param": p, "bfloat16": bf, "transposed": nc}, "np": {"float64": arr},
-        "optim": {"param_groups": None}}
+big = np.zeros((2, 3, 4), dtype=">i8")
+spec = {"torch": {"param": p, "bfloat16": bf, "transposed": nc},
+        "np": {"float64": arr, "big_i8": big}, "optim": {"param_groups": None}}
 ptr = (p.data_ptr(), bf.data_ptr(), arr.ctypes.data)
 ckptfs.load(spec, mnt, name)
 assert (p.data_ptr(), bf.data_ptr(), arr.ctypes.data) == ptr, "not in place"
@@ -131,6 +132,7 @@ assert torch.equal(p.detach(), torch.ones(2, 2)) and p.requires_grad
 assert torch.equal(bf, out["torch"]["bfloat16"])
 assert torch.equal(nc, w.t())
 assert (arr == out["np"]["float64"]).all()
+assert big.dtype == np.dtype(">i8") and (big == np.arange(24).reshape(2, 3, 4) * 7 - 50).all(), big
 assert spec["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
 print("ok")
 '''
