@@ -1033,9 +1033,6 @@ static int cmd_prune(const args_t *a, int bfd) {
 typedef struct {
   uint8_t *win;        /* EXPORT_WINDOW: the window being assembled */
   uint8_t *src;        /* EXPORT_WINDOW: one chunk's bytes for it */
-  uint64_t win_base;   /* global byte offset of win[0] */
-  uint64_t src_base;   /* chunk byte offset of src[0] */
-  uint64_t src_min, src_max; /* the chunk bytes the window needs */
 } window_t;
 
 /* Per chunk while it is read: its hash and how far. */
@@ -1043,22 +1040,6 @@ typedef struct {
   XXH3_state_t *hash;  /* NULL until its first window */
   uint64_t used;       /* chunk bytes read and hashed */
 } chunk_read_t;
-
-static int span_of(void *arg, const ckpt_piece_t *p) {
-  window_t *w = arg;
-  if (p->src < w->src_min)
-    w->src_min = p->src;
-  if (p->src + p->len > w->src_max)
-    w->src_max = p->src + p->len;
-  return 0;
-}
-
-static int copy_in(void *arg, const ckpt_piece_t *p) {
-  window_t *w = arg;
-  memcpy(w->win + (p->dst - w->win_base), w->src + (p->src - w->src_base),
-         p->len);
-  return 0;
-}
 
 static int write_full(int fd, const void *p, size_t n, uint64_t off) {
   const char *c = p;
@@ -1150,17 +1131,16 @@ static int export_tensor(data_files_t *df, const ckpt_metadata_t *m,
   for (uint64_t at = 0; rc == 0 && at < total; at += EXPORT_WINDOW) {
     size_t len = total - at < EXPORT_WINDOW ? (size_t)(total - at)
                                             : EXPORT_WINDOW;
-    w->win_base = at;
     for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
       const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
       const int64_t *offs = ch->dims, *sizes = ch->dims + t->ndim;
-      w->src_min = UINT64_MAX, w->src_max = 0;
-      ckpt_layout_pieces(t->ndim, t->shape, offs, sizes, isz, at, len,
-                         span_of, w);
-      if (w->src_min >= w->src_max)
+      uint64_t lo, hi;
+      ckpt_layout_span(t->ndim, t->shape, offs, sizes, isz, at, len, &lo,
+                       &hi);
+      if (lo >= hi)
         continue; /* not in this window */
       chunk_what(t, ch, what, sizeof(what));
-      if (w->src_min != cr[i].used || w->src_max > ch->length) {
+      if (lo != cr[i].used || hi > ch->length) {
         fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
              "sizes; the checkpoint is damaged", df->name, what, ch->length);
         rc = -EIO;
@@ -1175,9 +1155,8 @@ static int export_tensor(data_files_t *df, const ckpt_metadata_t *m,
         }
       }
       int fd = data_file_fd(df, ch->rank, ch->file);
-      size_t n = (size_t)(w->src_max - w->src_min);
-      rc = fd < 0 ? fd
-                  : read_full(fd, w->src, n, ch->file_offset + w->src_min);
+      size_t n = (size_t)(hi - lo);
+      rc = fd < 0 ? fd : read_full(fd, w->src, n, ch->file_offset + lo);
       if (rc) {
         fail("%s: %s: %s; the checkpoint is damaged, nothing exported "
              "(ckptfs-fsck %s %s lists every problem)",
@@ -1191,10 +1170,9 @@ static int export_tensor(data_files_t *df, const ckpt_metadata_t *m,
         break;
       }
       XXH3_64bits_update(cr[i].hash, w->src, n);
-      cr[i].used = w->src_max;
-      w->src_base = w->src_min;
-      ckpt_layout_pieces(t->ndim, t->shape, offs, sizes, isz, at, len,
-                         copy_in, w);
+      cr[i].used = hi;
+      ckpt_layout_copy(t->ndim, t->shape, offs, sizes, isz, at, len, w->src,
+                       lo, w->win);
     }
     if (rc == 0 && (rc = write_full(out_fd, w->win, len, base + at)) != 0)
       fail("writing %s: %s", out_file, strerror(-rc));

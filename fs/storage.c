@@ -338,30 +338,6 @@ static int pread_full(int fd, void *buf, size_t n, uint64_t off) {
   return 0;
 }
 
-typedef struct {
-  char *out;       /* the reply buffer, global offset `base` at out[0] */
-  uint64_t base;
-  const uint8_t *src; /* chunk bytes [src_base, ...) read into memory */
-  uint64_t src_base;
-  uint64_t src_min; /* first pass: the chunk range the pieces need */
-  uint64_t src_max;
-} read_ctx_t;
-
-static int span_piece(void *arg, const ckpt_piece_t *p) {
-  read_ctx_t *c = arg;
-  if (p->src < c->src_min)
-    c->src_min = p->src;
-  if (p->src + p->len > c->src_max)
-    c->src_max = p->src + p->len;
-  return 0;
-}
-
-static int copy_piece(void *arg, const ckpt_piece_t *p) {
-  read_ctx_t *c = arg;
-  memcpy(c->out + (p->dst - c->base), c->src + (p->src - c->src_base), p->len);
-  return 0;
-}
-
 /* Read the part of one chunk that falls in [off, off+size): one pread of
  * the chunk bytes that the range needs, then the copies. */
 static int read_chunk(ckpt_ckpt_t *ck, const ckpt_tensor_meta_t *t,
@@ -369,27 +345,23 @@ static int read_chunk(ckpt_ckpt_t *ck, const ckpt_tensor_meta_t *t,
                       size_t size) {
   size_t isz = ckpt_dtype_size(t->dtype);
   const int64_t *offs = c->dims, *sizes = c->dims + t->ndim;
-  read_ctx_t ctx = {.out = out, .base = off, .src_min = UINT64_MAX};
-  ckpt_layout_pieces(t->ndim, t->shape, offs, sizes, isz, off, size,
-                     span_piece, &ctx);
-  if (ctx.src_min >= ctx.src_max)
+  uint64_t lo, hi;
+  ckpt_layout_span(t->ndim, t->shape, offs, sizes, isz, off, size, &lo, &hi);
+  if (lo >= hi)
     return 0;
-  if (ctx.src_max > c->length)
+  if (hi > c->length)
     return -EIO;
   int fd = data_fd(ck, c->rank, c->file);
   if (fd < 0)
     return fd;
-  size_t n = (size_t)(ctx.src_max - ctx.src_min);
+  size_t n = (size_t)(hi - lo);
   uint8_t *tmp = malloc(n);
   if (!tmp)
     return -ENOMEM;
-  int rc = pread_full(fd, tmp, n, c->file_offset + ctx.src_min);
-  if (rc == 0) {
-    ctx.src = tmp;
-    ctx.src_base = ctx.src_min;
-    ckpt_layout_pieces(t->ndim, t->shape, offs, sizes, isz, off, size,
-                       copy_piece, &ctx);
-  }
+  int rc = pread_full(fd, tmp, n, c->file_offset + lo);
+  if (rc == 0)
+    ckpt_layout_copy(t->ndim, t->shape, offs, sizes, isz, off, size, tmp, lo,
+                     (uint8_t *)out);
   free(tmp);
   return rc;
 }

@@ -360,6 +360,21 @@ int ckpt_layout_pieces(int ndim, const int64_t *shape, const int64_t *offsets,
                        uint64_t len,
                        int (*cb)(void *arg, const ckpt_piece_t *p), void *arg);
 
+/* The chunk bytes [*src_first, *src_end) that the global byte range
+ * [off, off+len) needs (one contiguous range: the pieces are in chunk
+ * order too); *src_first == *src_end when the chunk holds none of it. */
+void ckpt_layout_span(int ndim, const int64_t *shape, const int64_t *offsets,
+                      const int64_t *sizes, size_t itemsize, uint64_t off,
+                      uint64_t len, uint64_t *src_first, uint64_t *src_end);
+
+/* Copy the chunk's part of [off, off+len) from src, which holds chunk
+ * bytes from src_base on (at least the span above), to out, which holds
+ * the global range from byte off on. */
+void ckpt_layout_copy(int ndim, const int64_t *shape, const int64_t *offsets,
+                      const int64_t *sizes, size_t itemsize, uint64_t off,
+                      uint64_t len, const uint8_t *src, uint64_t src_base,
+                      uint8_t *out);
+
 /* ------------------------------------------------------------------------
  * Binary messages between ranks. Compact, little-endian, versioned, one
  * per rank per protocol step. Decoders validate every length and count

@@ -32,7 +32,9 @@
  * here fits; only off + len needs saturation.
  */
 #include <assert.h>
+#include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "ckpt_planner.h"
 
@@ -173,4 +175,52 @@ int ckpt_layout_pieces(int ndim, const int64_t *shape, const int64_t *offsets,
       return 0;
     estart = run_next(&rs, idx, estart);
   }
+}
+
+typedef struct {
+  bool any;
+  uint64_t first, end;
+} span_t;
+
+static int span_piece(void *arg, const ckpt_piece_t *p) {
+  span_t *s = arg;
+  if (!s->any)
+    s->first = p->src;
+  s->any = true;
+  s->end = p->src + p->len;
+  return 0;
+}
+
+void ckpt_layout_span(int ndim, const int64_t *shape, const int64_t *offsets,
+                      const int64_t *sizes, size_t itemsize, uint64_t off,
+                      uint64_t len, uint64_t *src_first, uint64_t *src_end) {
+  span_t s = {.any = false};
+  ckpt_layout_pieces(ndim, shape, offsets, sizes, itemsize, off, len,
+                     span_piece, &s);
+  *src_first = s.any ? s.first : 0;
+  *src_end = s.any ? s.end : 0;
+}
+
+typedef struct {
+  const uint8_t *src;
+  uint64_t src_base;
+  uint8_t *out;
+  uint64_t out_base;
+} copy_t;
+
+static int copy_piece(void *arg, const ckpt_piece_t *p) {
+  copy_t *c = arg;
+  assert(p->src >= c->src_base && p->dst >= c->out_base);
+  memcpy(c->out + (p->dst - c->out_base), c->src + (p->src - c->src_base),
+         (size_t)p->len);
+  return 0;
+}
+
+void ckpt_layout_copy(int ndim, const int64_t *shape, const int64_t *offsets,
+                      const int64_t *sizes, size_t itemsize, uint64_t off,
+                      uint64_t len, const uint8_t *src, uint64_t src_base,
+                      uint8_t *out) {
+  copy_t c = {.src = src, .src_base = src_base, .out = out, .out_base = off};
+  ckpt_layout_pieces(ndim, shape, offsets, sizes, itemsize, off, len,
+                     copy_piece, &c);
 }

@@ -104,6 +104,31 @@ static void check_against_reference(int ndim, const int64_t *shape,
     assert_int_equal(got.p[i].dst, want.p[i].dst);
     assert_int_equal(got.p[i].len, want.p[i].len);
   }
+
+  /* ckpt_layout_span: the chunk bytes from the first piece to the last;
+   * ckpt_layout_copy: each piece's bytes from there, nothing else. */
+  uint64_t lo = 7, hi = 7;
+  ckpt_layout_span(ndim, shape, offs, sizes, isz, off, len, &lo, &hi);
+  if (want.n == 0) {
+    assert_int_equal(lo, hi);
+  } else {
+    assert_int_equal(lo, want.p[0].src);
+    assert_int_equal(hi, want.p[want.n - 1].src + want.p[want.n - 1].len);
+    uint8_t *src = malloc(hi - lo), *out = malloc(len), *exp = malloc(len);
+    assert_true(src && out && exp);
+    for (uint64_t k = lo; k < hi; k++)
+      src[k - lo] = (uint8_t)(k * 131 + 7);
+    memset(out, 0xee, len);
+    memset(exp, 0xee, len);
+    for (size_t i = 0; i < want.n; i++)
+      for (uint64_t k = 0; k < want.p[i].len; k++)
+        exp[want.p[i].dst - off + k] = (uint8_t)((want.p[i].src + k) * 131 + 7);
+    ckpt_layout_copy(ndim, shape, offs, sizes, isz, off, len, src, lo, out);
+    assert_memory_equal(out, exp, len);
+    free(src);
+    free(out);
+    free(exp);
+  }
   free(got.p);
   free(want.p);
 }
