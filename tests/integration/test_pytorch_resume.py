@@ -16,7 +16,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util  # noqa: E402
