@@ -52,7 +52,7 @@ import pickle
 import sys
 import time
 
-__all__ = ["save", "load", "wait", "status", "Shard", "CommitError",
+__all__ = ["save", "load", "wait", "status", "commit", "Shard", "CommitError",
            "CkptfsError", "DTYPES"]
 
 MANIFEST_DIR = "_ckptfs"
@@ -71,8 +71,6 @@ NUMPY_NAMES = {
     "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4",
     "float64": "<f8", "complex64": "<c8", "complex128": "<c16",
 }
-# numpy dtype of the same itemsize used to move bytes of dtypes numpy lacks
-CARRIER = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8", 16: "<c16"}
 
 
 class CkptfsError(Exception):
@@ -177,7 +175,11 @@ def _numpy_module():
 
 def _torch_numpy_view(t):
     """A numpy array sharing t's memory (t on the CPU, contiguous); dtypes
-    numpy lacks are viewed as unsigned integers of their size."""
+    numpy lacks are viewed as integers of their size. The bytes are the
+    host's: ckptfs stores little-endian, hence the check."""
+    if sys.byteorder != "little":
+        raise CkptfsError("torch tensors are moved as raw host bytes, and this "
+                          "host is big-endian; ckptfs stores little-endian")
     torch = sys.modules["torch"]
     t = t.detach()
     name = _torch_dtype_name(t.dtype)
