@@ -298,7 +298,7 @@ def _encode_object(v, objects):
 
 
 def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
-         exist_ok=False, timeout=None):
+         exist_ok=False):
     """Write state_dict into MOUNT/NAME and commit it.
 
     mount: this rank's ckptfs mount; name: the checkpoint name
@@ -351,11 +351,11 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
         rel = "/".join(str(k) for k in keys)
         path = os.path.join(ckdir, rel)
         parent = os.path.dirname(path)
-        if parent not in made:
-            os.makedirs(parent, exist_ok=True)
-            made.add(parent)
         entry = {"keys": [["i" if isinstance(k, int) else "s", k] for k in keys]}
         try:
+            if parent not in made:
+                os.makedirs(parent, exist_ok=True)
+                made.add(parent)
             if _is_tensor(v):
                 shard = v if isinstance(v, Shard) else None
                 dtype, shape, buf, kind = _tensor_info(shard.tensor if shard else v)
@@ -381,8 +381,6 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
                                   "items": manifest}, sort_keys=True).encode())
     commit(mount, name, mode)
-    if mode == "sync" and timeout is not None:
-        wait(mount, name, timeout)
 
 
 def _discard_staged(ckdir):
