@@ -18,8 +18,8 @@ Resume (one process, on a 1-rank mount of the same backing directory):
 
 The model is a 2-layer MLP on synthetic regression data with Adam. Each
 rank computes the gradients of its half of every global batch; the two are
-averaged with an all-reduce (gloo, over a file store), so both replicas
-take identical steps. Every --save-every steps every rank saves
+averaged with an all-reduce (gloo over loopback, with a file store: one
+machine), so both replicas take identical steps. Every --save-every steps every rank saves
 {"model", "optim", "step", "rng/rankR"} as checkpoint step-N with an async
 commit (training goes on while it is written; the previous save is waited
 for before the next starts), so model and optimizer state are replicas that
@@ -127,6 +127,9 @@ def train(args):
     if size != 2:
         sys.exit(f"train_resume.py: training runs on 2 ranks (mpirun -np 2), not {size}")
     torch.set_num_threads(1)
+    # One machine: gloo talks over loopback (a container's hostname may not
+    # resolve to an interface); the file store is a local path too.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.distributed.init_process_group("gloo", init_method="file://" + args.store,
                                          rank=rank, world_size=size)
     mount = args.mount.replace("%r", str(rank))
