@@ -1075,32 +1075,8 @@ static int read_full(int fd, void *buf, size_t n, uint64_t off) {
 
 typedef struct {
   const char *backing, *name;
-  int dirfd;
-  int fds[64];
-  char files[64][64];
-  uint32_t nfds;
+  ckpt_data_files_t files;
 } data_files_t;
-
-/* The fd of the data file of (rank, k), opened once; -errno. */
-static int data_file_fd(data_files_t *df, int32_t rank, uint32_t k) {
-  char name[64];
-  ckpt_data_file_name(rank, k, name, sizeof(name));
-  for (uint32_t i = 0; i < df->nfds; i++)
-    if (!strcmp(df->files[i], name))
-      return df->fds[i];
-  int fd = openat(df->dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0)
-    return -errno;
-  if (df->nfds == sizeof(df->fds) / sizeof(df->fds[0])) {
-    close(df->fds[0]); /* rarely more than 64 files: reopen as needed */
-    memmove(df->fds, df->fds + 1, (df->nfds - 1) * sizeof(df->fds[0]));
-    memmove(df->files, df->files + 1, (df->nfds - 1) * sizeof(df->files[0]));
-    df->nfds--;
-  }
-  snprintf(df->files[df->nfds], sizeof(df->files[0]), "%s", name);
-  df->fds[df->nfds++] = fd;
-  return fd;
-}
 
 /* What a chunk is called in messages: "tensor FQN chunk at [OFFSETS]
  * (rank R, __R_K.distcp)". */
@@ -1154,7 +1130,8 @@ static int export_tensor(data_files_t *df, const ckpt_metadata_t *m,
           break;
         }
       }
-      int fd = data_file_fd(df, ch->rank, ch->file);
+      bool first;
+      int fd = ckpt__data_files_get(&df->files, ch->rank, ch->file, &first);
       size_t n = (size_t)(hi - lo);
       rc = fd < 0 ? fd : read_full(fd, w->src, n, ch->file_offset + lo);
       if (rc) {
@@ -1234,13 +1211,13 @@ static int cmd_export(const args_t *a, int bfd) {
   window_t w = {.win = malloc(EXPORT_WINDOW), .src = malloc(EXPORT_WINDOW)};
   ckpt_st_tensor_t *st = calloc(m.n_tensors ? m.n_tensors : 1, sizeof(*st));
   ckpt_st_plan_t plan = {0};
-  df.dirfd = openat(bfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
-                                   O_CLOEXEC);
+  ckpt__data_files_init(&df.files, openat(bfd, name, O_RDONLY | O_DIRECTORY |
+                                                        O_NOFOLLOW | O_CLOEXEC));
   if (!w.win || !w.src || !st) {
     fail("out of memory");
     goto out;
   }
-  if (df.dirfd < 0) {
+  if (df.files.dirfd < 0) {
     fail("cannot open %s/%s: %s", backing, name, strerror(errno));
     goto out;
   }
@@ -1338,10 +1315,9 @@ out:
     close(out_fd);
   if (tmp_made && unlink(tmp) == 0 && status)
     fprintf(stderr, "%s: removed the partial %s\n", prog, tmp);
-  for (uint32_t i = 0; i < df.nfds; i++)
-    close(df.fds[i]);
-  if (df.dirfd >= 0)
-    close(df.dirfd);
+  ckpt__data_files_close(&df.files);
+  if (df.files.dirfd >= 0)
+    close(df.files.dirfd);
   ckpt_st_plan_free(&plan);
   free(st);
   free(w.win);

@@ -33,9 +33,7 @@
 typedef struct {
   const char *name;  /* checkpoint */
   int dirfd;
-  int fds[64];       /* open data files, by slot; -1 */
-  char files[64][64];
-  uint32_t nfds;
+  ckpt_data_files_t files; /* its data files, opened once */
   uint32_t problems;
   uint64_t bytes;    /* checked */
 } check_t;
@@ -63,18 +61,14 @@ static void problem(check_t *c, const char *fmt, ...) {
   c->problems++;
 }
 
-/* The fd of data file name, opened once; -1 (reported) when it cannot be. */
-static int data_file(check_t *c, const char *name, const char *what) {
-  for (uint32_t i = 0; i < c->nfds; i++)
-    if (!strcmp(c->files[i], name))
-      return c->fds[i];
-  int fd = openat(c->dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0)
-    problem(c, "%s: %s: %s", what, name, strerror(errno));
-  if (c->nfds < sizeof(c->fds) / sizeof(c->fds[0])) {
-    snprintf(c->files[c->nfds], sizeof(c->files[0]), "%s", name);
-    c->fds[c->nfds++] = fd;
-  }
+/* The fd of data file K of rank R (named name), opened once; < 0 when it
+ * cannot be (reported the first time). */
+static int data_file(check_t *c, int32_t rank, uint32_t k, const char *name,
+                     const char *what) {
+  bool first;
+  int fd = ckpt__data_files_get(&c->files, rank, k, &first);
+  if (fd < 0 && (first || fd == -ENOMEM))
+    problem(c, "%s: %s: %s", what, name, strerror(-fd));
   return fd;
 }
 
@@ -84,7 +78,7 @@ static void check_stored(check_t *c, const char *what, int32_t rank,
                          uint64_t want) {
   char name[64];
   ckpt_data_file_name(rank, file, name, sizeof(name));
-  int fd = data_file(c, name, what);
+  int fd = data_file(c, rank, file, name, what);
   if (fd < 0)
     return;
   uint64_t got = 0;
@@ -104,16 +98,6 @@ static void check_stored(check_t *c, const char *what, int32_t rank,
   } else {
     c->bytes += len;
   }
-}
-
-/* "[o1,o2,...]" of a chunk. */
-static void offsets_text(const int64_t *dims, int ndim, char *buf, size_t cap) {
-  size_t at = (size_t)snprintf(buf, cap, "[");
-  for (int d = 0; d < ndim && at < cap; d++)
-    at += (size_t)snprintf(buf + at, cap - at, "%s%" PRId64, d ? "," : "",
-                           dims[d]);
-  if (at < cap)
-    snprintf(buf + at, cap - at, "]");
 }
 
 /* 0 intact, 1 damaged. */
@@ -148,12 +132,14 @@ static int check_checkpoint(int backing_fd, const char *backing,
     ckpt_metadata_free(&m);
     return 1;
   }
+  ckpt__data_files_init(&c.files, c.dirfd);
   char what[PATH_MAX + 600], offs[512];
   for (uint32_t t = 0; t < m.n_tensors; t++) {
     const ckpt_tensor_meta_t *tm = &m.tensors[t];
     for (uint32_t i = 0; i < tm->n_chunks; i++) {
       const ckpt_chunk_meta_t *ch = &m.chunks[tm->first_chunk + i];
-      offsets_text(ch->dims, tm->ndim, offs, sizeof(offs));
+      ckpt_dims_format(ch->dims, tm->ndim, CKPT_DIMS_JSON, offs,
+                       sizeof(offs));
       snprintf(what, sizeof(what), "tensor %s chunk %s, rank %d", tm->fqn,
                offs, ch->rank);
       check_stored(&c, what, ch->rank, ch->file, ch->file_offset, ch->length,
@@ -172,9 +158,7 @@ static int check_checkpoint(int backing_fd, const char *backing,
            name, m.n_tensors, m.n_chunks, m.n_blobs, m.world_size, c.bytes);
   else
     printf("%s: DAMAGED: %u problems\n", name, c.problems);
-  for (uint32_t i = 0; i < c.nfds; i++)
-    if (c.fds[i] >= 0)
-      close(c.fds[i]);
+  ckpt__data_files_close(&c.files);
   close(c.dirfd);
   ckpt_metadata_free(&m);
   return c.problems ? 1 : 0;

@@ -364,6 +364,44 @@ class Commands(Base):
         self.assertIn("cannot open", r.stderr)
         self.assertFalse(os.path.exists(out + ".tmp"))
 
+    def test_many_data_files_under_a_low_fd_limit(self):
+        # 80 data files (io_threads=80; files written out of order are
+        # staged in RAM and spread over every file): ckptfs-fsck and export
+        # keep each open once, within RLIMIT_NOFILE 48.
+        self.mount("io_threads=80")
+        ck = self.ck("wide")
+        os.mkdir(ck)
+        want = {}
+        for i in range(160):
+            data = tensor_bytes("int32", [16], i)
+            p = os.path.join(ck, f"t{i:03d}")
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(fd, data[32:], 32)
+            os.pwrite(fd, data[:32], 0)
+            os.close(fd)
+            os.setxattr(p, "user.ckpt.dtype", b"int32")
+            os.setxattr(p, "user.ckpt.shape", b"16")
+            want[f"t{i:03d}"] = data
+        commit(ck)
+        files = query(self.bk("wide", ".metadata"), "select count(distinct file) from chunks")[0][0]
+        self.assertGreater(files, 64)
+
+        def low_limit():
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+        fsck = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptfs-fsck")
+        for _ in range(2):  # every chunk checked twice: reopened files too
+            r = subprocess.run([fsck, self.backing, "wide", "wide"], capture_output=True,
+                               text=True, preexec_fn=low_limit)
+            self.assertEqual(r.returncode, 0, r.stdout[-3000:])
+        out = os.path.join(self.dir, "wide.safetensors")
+        r = subprocess.run([ctl_bin(), "export", self.backing, "wide", "--safetensors", out],
+                           capture_output=True, text=True, preexec_fn=low_limit)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got, _ = read_safetensors(self, out)
+        self.assertEqual({k: v[2] for k, v in got.items()}, want)
+
     def test_prune(self):
         m = self.mount()
         data = {}
