@@ -155,8 +155,11 @@ def train(args):
         with open(args.ref, "w") as f:
             json.dump(ref, f, indent=1, sort_keys=True)
     torch.distributed.destroy_process_group()
-    if rank == 0 and os.path.exists(args.store):  # FileStore may have removed it
-        os.unlink(args.store)
+    if rank == 0:
+        try:
+            os.unlink(args.store)
+        except FileNotFoundError:  # the last FileStore user removes it itself
+            pass
 
 
 def newest(mount):
