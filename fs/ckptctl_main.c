@@ -382,7 +382,7 @@ static void ranks_text(const int32_t *r, uint32_t n, char *buf, size_t cap) {
  * ---------------------------------------------------------------------- */
 
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
-       OPT_TIMEOUT, OPT_INTERVAL };
+       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT };
 #define OPTBIT(o) (1u << ((o) - OPT_JSON))
 
 /* Every option of every command; each command takes --json, --help and
@@ -395,6 +395,7 @@ static const struct option all_options[] = {
     {"dry-run", no_argument, NULL, OPT_DRY_RUN},
     {"timeout", required_argument, NULL, OPT_TIMEOUT},
     {"interval", required_argument, NULL, OPT_INTERVAL},
+    {"content", no_argument, NULL, OPT_CONTENT},
     {0, 0, 0, 0}};
 
 typedef struct {
@@ -402,6 +403,7 @@ typedef struct {
   const char *safetensors;
   long long keep;      /* -1: not given */
   bool dry_run;
+  bool content;        /* diff: compare differently chunked tensors */
   double timeout;      /* seconds; 0: none */
   double interval;     /* seconds */
   char *pos[4];        /* positional arguments */
@@ -472,6 +474,9 @@ static int parse_args(int argc, char **argv, args_t *a) {
       break;
     case OPT_DRY_RUN:
       a->dry_run = true;
+      break;
+    case OPT_CONTENT:
+      a->content = true;
       break;
     case OPT_TIMEOUT:
     case OPT_INTERVAL: {
@@ -700,6 +705,175 @@ static int cmd_show(const args_t *a, int bfd) {
 }
 
 /* ------------------------------------------------------------------------
+ * Reading whole tensors from the data files (export, diff --content).
+ * ---------------------------------------------------------------------- */
+
+/* The export assembles each tensor window by window (EXPORT_WINDOW bytes
+ * of the global tensor in memory, then one write): for every chunk that
+ * touches the window, one read of the chunk bytes the window needs, then
+ * the copies (ckpt_layout_pieces, as a mount's reads do). A chunk's bytes
+ * land in the global tensor in their own order, so window after window
+ * each chunk is read front to back, and its XXH3-64 is computed on the
+ * way: every chunk is read once, however it is sharded (a column shard of
+ * 4-byte rows costs memcpys, not a write each). */
+#define EXPORT_WINDOW ((size_t)16 << 20)
+
+typedef struct {
+  uint8_t *win;        /* EXPORT_WINDOW: the window being assembled */
+  uint8_t *src;        /* EXPORT_WINDOW: one chunk's bytes for it */
+} window_t;
+
+/* Per chunk while it is read: its hash and how far. */
+typedef struct {
+  XXH3_state_t *hash;  /* NULL until its first window */
+  uint64_t used;       /* chunk bytes read and hashed */
+} chunk_read_t;
+
+static int write_full(int fd, const void *p, size_t n, uint64_t off) {
+  const char *c = p;
+  while (n > 0) {
+    ssize_t r = pwrite(fd, c, n, (off_t)off);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r < 0)
+      return -errno;
+    if (r == 0)
+      return -EIO;
+    c += r, n -= (size_t)r, off += (uint64_t)r;
+  }
+  return 0;
+}
+
+/* Read exactly n bytes at off: 0, -ENODATA when the file ends first, or
+ * -errno. */
+static int read_full(int fd, void *buf, size_t n, uint64_t off) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(fd, (char *)buf + got, n - got, (off_t)(off + got));
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r < 0)
+      return -errno;
+    if (r == 0)
+      return -ENODATA;
+    got += (size_t)r;
+  }
+  return 0;
+}
+
+typedef struct {
+  const char *backing, *name;
+  ckpt_data_files_t files;
+} data_files_t;
+
+/* What a chunk is called in messages: "tensor FQN chunk at [OFFSETS]
+ * (rank R, __R_K.distcp)". */
+static void chunk_what(const ckpt_tensor_meta_t *t, const ckpt_chunk_meta_t *ch,
+                       char *buf, size_t cap) {
+  char offs[512], file[64];
+  ckpt_dims_format(ch->dims, t->ndim, CKPT_DIMS_JSON, offs, sizeof(offs));
+  ckpt_data_file_name(ch->rank, ch->file, file, sizeof(file));
+  snprintf(buf, cap, "tensor %s chunk at %s (rank %d, %s)", t->fqn, offs,
+           ch->rank, file);
+}
+
+/* Where an assembled window goes: sink(arg, bytes, n, at) with at its
+ * offset in the tensor, windows in order; 0, or -1 with the reason
+ * printed. */
+typedef int (*sink_fn)(void *arg, const uint8_t *p, size_t n, uint64_t at);
+
+/* Assemble tensor t from its chunks, window by window, into sink,
+ * verifying every chunk's checksum (see window_t). 0, or -1 with the
+ * reason printed (the sink may have seen part of the tensor then). */
+static int assemble_tensor(data_files_t *df, const ckpt_metadata_t *m,
+                           const ckpt_tensor_meta_t *t, window_t *w,
+                           sink_fn sink, void *arg) {
+  size_t isz = ckpt_dtype_size(t->dtype);
+  uint64_t numel = 0;
+  ckpt_dims_numel(t->shape, t->ndim, &numel);
+  uint64_t total = numel * isz;
+  chunk_read_t *cr = calloc(t->n_chunks ? t->n_chunks : 1, sizeof(*cr));
+  char what[PATH_MAX + 700];
+  int rc = cr ? 0 : -ENOMEM, bad = 0;
+  if (rc)
+    fail("out of memory");
+  for (uint64_t at = 0; rc == 0 && at < total; at += EXPORT_WINDOW) {
+    size_t len = total - at < EXPORT_WINDOW ? (size_t)(total - at)
+                                            : EXPORT_WINDOW;
+    for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
+      const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
+      const int64_t *offs = ch->dims, *sizes = ch->dims + t->ndim;
+      uint64_t lo, hi;
+      ckpt_layout_span(t->ndim, t->shape, offs, sizes, isz, at, len, &lo,
+                       &hi);
+      if (lo >= hi)
+        continue; /* not in this window */
+      chunk_what(t, ch, what, sizeof(what));
+      if (lo != cr[i].used || hi > ch->length) {
+        fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
+             "sizes; the checkpoint is damaged", df->name, what, ch->length);
+        rc = -EIO;
+        break;
+      }
+      if (!cr[i].hash) {
+        if (!(cr[i].hash = XXH3_createState()) ||
+            XXH3_64bits_reset(cr[i].hash) != XXH_OK) {
+          fail("out of memory");
+          rc = -ENOMEM;
+          break;
+        }
+      }
+      bool first;
+      int fd = ckpt__data_files_get(&df->files, ch->rank, ch->file, &first);
+      size_t n = (size_t)(hi - lo);
+      rc = fd < 0 ? fd : read_full(fd, w->src, n, ch->file_offset + lo);
+      if (rc) {
+        fail("%s: %s: %s; the checkpoint is damaged, nothing exported "
+             "(ckptfs-fsck %s %s lists every problem)",
+             df->name, what,
+             rc == -ENODATA ? "the data file is truncated"
+             : fd < 0       ? (rc == -ENOENT ? "cannot open the data file: "
+                                               "it is missing"
+                                             : "cannot open the data file")
+                            : strerror(-rc),
+             df->backing, df->name);
+        break;
+      }
+      XXH3_64bits_update(cr[i].hash, w->src, n);
+      cr[i].used = hi;
+      ckpt_layout_copy(t->ndim, t->shape, offs, sizes, isz, at, len, w->src,
+                       lo, w->win);
+    }
+    if (rc == 0 && sink(arg, w->win, len, at))
+      rc = -EIO;
+  }
+  /* Every chunk read whole: its checksum. Each mismatch is reported. */
+  for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
+    const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
+    chunk_what(t, ch, what, sizeof(what));
+    uint64_t got = XXH3_64bits(NULL, 0);
+    if (cr[i].hash)
+      got = XXH3_64bits_digest(cr[i].hash);
+    if (cr[i].used != ch->length) {
+      fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
+           "sizes; the checkpoint is damaged", df->name, what, ch->length);
+      bad++;
+    } else if (got != ch->checksum) {
+      fail("%s: %s at %" PRIu64 ": checksum mismatch (stored %016" PRIx64
+           ", data %016" PRIx64 "); the checkpoint is damaged, nothing "
+           "exported (ckptfs-fsck %s %s lists every problem)",
+           df->name, what, ch->file_offset, ch->checksum, got, df->backing,
+           df->name);
+      bad++;
+    }
+  }
+  for (uint32_t i = 0; cr && i < t->n_chunks; i++)
+    XXH3_freeState(cr[i].hash);
+  free(cr);
+  return rc || bad ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------
  * diff
  * ---------------------------------------------------------------------- */
 
@@ -748,6 +922,8 @@ typedef struct {
   json_t j;
   bool json;
   uint32_t added, removed, changed, unchanged;
+  const int8_t *same; /* --content, by A's tensor index: 1 the contents
+                         are equal, 0 not, -1 not compared; or NULL */
 } diff_t;
 
 static void diff_one(diff_t *d, char op, const char *kind, const char *fqn,
@@ -808,6 +984,9 @@ static void diff_pass(diff_t *d, char op, const ckpt_metadata_t *ma,
       unsigned why = tensor_changes(ma, ta, mb, tb, &ndiff);
       if (op != '~')
         continue;
+      bool whole = (why & WHY_CHUNKS) && d->same && d->same[i - 1] >= 0;
+      if (whole) /* compared whole (--content) */
+        why = (why & ~(unsigned)WHY_CHUNKS) | (d->same[i - 1] ? 0 : WHY_DATA);
       if (!why) {
         d->unchanged++;
         continue;
@@ -826,9 +1005,14 @@ static void diff_pass(diff_t *d, char op, const ckpt_metadata_t *ma,
       if ((why & WHY_CHUNKS) && at < sizeof(detail))
         at += (size_t)snprintf(detail + at, sizeof(detail) - at,
                                "stored in other chunks (%u -> %u; contents "
-                               "not compared), ",
+                               "not compared, see --content), ",
                                ta->n_chunks, tb->n_chunks);
-      if ((why & WHY_DATA) && at < sizeof(detail))
+      if ((why & WHY_DATA) && whole && at < sizeof(detail))
+        at += (size_t)snprintf(detail + at, sizeof(detail) - at,
+                               "data: the contents differ (compared whole: "
+                               "%u -> %u chunks), ",
+                               ta->n_chunks, tb->n_chunks);
+      else if ((why & WHY_DATA) && at < sizeof(detail))
         at += (size_t)snprintf(detail + at, sizeof(detail) - at,
                                "data: %u of %u chunks differ, ", ndiff,
                                ta->n_chunks);
@@ -879,6 +1063,77 @@ static void diff_pass(diff_t *d, char op, const ckpt_metadata_t *ma,
   }
 }
 
+static int hash_sink(void *arg, const uint8_t *p, size_t n, uint64_t at) {
+  (void)at;
+  return XXH3_64bits_update(arg, p, n) == XXH_OK ? 0 : -1;
+}
+
+/* XXH3-64 of tensor t read whole: 0, or -1 with the reason printed. */
+static int tensor_digest(data_files_t *df, const ckpt_metadata_t *m,
+                         const ckpt_tensor_meta_t *t, window_t *w,
+                         uint64_t *out) {
+  XXH3_state_t *h = XXH3_createState();
+  int rc = h && XXH3_64bits_reset(h) == XXH_OK ? 0 : -1;
+  if (rc)
+    fail("out of memory");
+  else
+    rc = assemble_tensor(df, m, t, w, hash_sink, h);
+  if (rc == 0)
+    *out = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return rc;
+}
+
+/* --content: same[i] for every tensor i of A that B stores in other
+ * chunks (same dtype and shape): whether the contents are equal. 0, or -1
+ * with the reason printed. */
+static int compare_contents(int bfd, const char *backing, const char *na,
+                            const ckpt_metadata_t *ma, const char *nb,
+                            const ckpt_metadata_t *mb, int8_t *same) {
+  data_files_t da = {.backing = backing, .name = na};
+  data_files_t db = {.backing = backing, .name = nb};
+  window_t w = {.win = malloc(EXPORT_WINDOW), .src = malloc(EXPORT_WINDOW)};
+  ckpt__data_files_init(&da.files, openat(bfd, na, O_RDONLY | O_DIRECTORY |
+                                                       O_NOFOLLOW | O_CLOEXEC));
+  ckpt__data_files_init(&db.files, openat(bfd, nb, O_RDONLY | O_DIRECTORY |
+                                                       O_NOFOLLOW | O_CLOEXEC));
+  int rc = 0;
+  if (!w.win || !w.src) {
+    fail("out of memory");
+    rc = -1;
+  } else if (da.files.dirfd < 0 || db.files.dirfd < 0) {
+    fail("cannot open %s/%s: %s", backing, da.files.dirfd < 0 ? na : nb,
+         strerror(errno));
+    rc = -1;
+  }
+  for (uint32_t i = 0, k = 0; rc == 0 && i < ma->n_tensors;) {
+    int c = k == mb->n_tensors
+                ? -1
+                : strcmp(ma->tensors[i].fqn, mb->tensors[k].fqn);
+    if (c != 0) {
+      c < 0 ? i++ : k++;
+      continue;
+    }
+    const ckpt_tensor_meta_t *ta = &ma->tensors[i], *tb = &mb->tensors[k];
+    uint32_t ndiff;
+    unsigned why = tensor_changes(ma, ta, mb, tb, &ndiff);
+    uint64_t ha, hb;
+    if ((why & WHY_CHUNKS) &&
+        (rc = tensor_digest(&da, ma, ta, &w, &ha)) == 0 &&
+        (rc = tensor_digest(&db, mb, tb, &w, &hb)) == 0)
+      same[i] = ha == hb;
+    i++, k++;
+  }
+  for (data_files_t *df = &da; df; df = df == &da ? &db : NULL) {
+    ckpt__data_files_close(&df->files);
+    if (df->files.dirfd >= 0)
+      close(df->files.dirfd);
+  }
+  free(w.win);
+  free(w.src);
+  return rc;
+}
+
 static int cmd_diff(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_metadata_t ma, mb;
@@ -889,6 +1144,22 @@ static int cmd_diff(const args_t *a, int bfd) {
     return EXIT_USAGE;
   }
   diff_t d = {.json = a->json};
+  int8_t *same = NULL;
+  if (a->content) {
+    same = malloc(ma.n_tensors ? ma.n_tensors : 1);
+    if (same)
+      memset(same, -1, ma.n_tensors ? ma.n_tensors : 1);
+    if (!same || compare_contents(bfd, backing, a->pos[1], &ma, a->pos[2],
+                                  &mb, same)) {
+      if (!same)
+        fail("out of memory");
+      free(same);
+      ckpt_metadata_free(&ma);
+      ckpt_metadata_free(&mb);
+      return EXIT_USAGE;
+    }
+    d.same = same;
+  }
   if (a->json) {
     j_begin(&d.j);
     j_open(&d.j, '{');
@@ -908,19 +1179,20 @@ static int cmd_diff(const args_t *a, int bfd) {
     if (a->json)
       j_close(&d.j, ']');
   }
-  bool same = d.added + d.removed + d.changed == 0;
+  bool identical = d.added + d.removed + d.changed == 0;
   if (a->json) {
     j_key(&d.j, "unchanged"), j_u64(&d.j, d.unchanged);
-    j_key(&d.j, "identical"), j_bool(&d.j, same);
+    j_key(&d.j, "identical"), j_bool(&d.j, identical);
     j_close(&d.j, '}');
     j_end(&d.j);
   } else {
     printf("%u unchanged, %u added, %u removed, %u changed%s\n", d.unchanged,
-           d.added, d.removed, d.changed, same ? ": identical" : "");
+           d.added, d.removed, d.changed, identical ? ": identical" : "");
   }
+  free(same);
   ckpt_metadata_free(&ma);
   ckpt_metadata_free(&mb);
-  return same ? 0 : EXIT_NO;
+  return identical ? 0 : EXIT_NO;
 }
 
 /* ------------------------------------------------------------------------
@@ -1020,164 +1292,18 @@ static int cmd_prune(const args_t *a, int bfd) {
  * export
  * ---------------------------------------------------------------------- */
 
-/* The export assembles each tensor window by window (EXPORT_WINDOW bytes
- * of the global tensor in memory, then one write): for every chunk that
- * touches the window, one read of the chunk bytes the window needs, then
- * the copies (ckpt_layout_pieces, as a mount's reads do). A chunk's bytes
- * land in the global tensor in their own order, so window after window
- * each chunk is read front to back, and its XXH3-64 is computed on the
- * way: every chunk is read once, however it is sharded (a column shard of
- * 4-byte rows costs memcpys, not a write each). */
-#define EXPORT_WINDOW ((size_t)16 << 20)
-
 typedef struct {
-  uint8_t *win;        /* EXPORT_WINDOW: the window being assembled */
-  uint8_t *src;        /* EXPORT_WINDOW: one chunk's bytes for it */
-} window_t;
+  int fd;
+  uint64_t base;    /* the tensor's byte 0 in the file */
+  const char *file; /* for messages */
+} write_sink_t;
 
-/* Per chunk while it is read: its hash and how far. */
-typedef struct {
-  XXH3_state_t *hash;  /* NULL until its first window */
-  uint64_t used;       /* chunk bytes read and hashed */
-} chunk_read_t;
-
-static int write_full(int fd, const void *p, size_t n, uint64_t off) {
-  const char *c = p;
-  while (n > 0) {
-    ssize_t r = pwrite(fd, c, n, (off_t)off);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r < 0)
-      return -errno;
-    if (r == 0)
-      return -EIO;
-    c += r, n -= (size_t)r, off += (uint64_t)r;
-  }
-  return 0;
-}
-
-/* Read exactly n bytes at off: 0, -ENODATA when the file ends first, or
- * -errno. */
-static int read_full(int fd, void *buf, size_t n, uint64_t off) {
-  size_t got = 0;
-  while (got < n) {
-    ssize_t r = pread(fd, (char *)buf + got, n - got, (off_t)(off + got));
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r < 0)
-      return -errno;
-    if (r == 0)
-      return -ENODATA;
-    got += (size_t)r;
-  }
-  return 0;
-}
-
-typedef struct {
-  const char *backing, *name;
-  ckpt_data_files_t files;
-} data_files_t;
-
-/* What a chunk is called in messages: "tensor FQN chunk at [OFFSETS]
- * (rank R, __R_K.distcp)". */
-static void chunk_what(const ckpt_tensor_meta_t *t, const ckpt_chunk_meta_t *ch,
-                       char *buf, size_t cap) {
-  char offs[512], file[64];
-  ckpt_dims_format(ch->dims, t->ndim, CKPT_DIMS_JSON, offs, sizeof(offs));
-  ckpt_data_file_name(ch->rank, ch->file, file, sizeof(file));
-  snprintf(buf, cap, "tensor %s chunk at %s (rank %d, %s)", t->fqn, offs,
-           ch->rank, file);
-}
-
-/* Copy tensor t, assembled from its chunks, to out_fd at base, verifying
- * every chunk's checksum (see window_t). 0, or -1 with the reason printed
- * (out_file names the file in messages). */
-static int export_tensor(data_files_t *df, const ckpt_metadata_t *m,
-                         const ckpt_tensor_meta_t *t, window_t *w, int out_fd,
-                         uint64_t base, const char *out_file) {
-  size_t isz = ckpt_dtype_size(t->dtype);
-  uint64_t numel = 0;
-  ckpt_dims_numel(t->shape, t->ndim, &numel);
-  uint64_t total = numel * isz;
-  chunk_read_t *cr = calloc(t->n_chunks ? t->n_chunks : 1, sizeof(*cr));
-  char what[PATH_MAX + 700];
-  int rc = cr ? 0 : -ENOMEM, bad = 0;
+static int write_sink(void *arg, const uint8_t *p, size_t n, uint64_t at) {
+  write_sink_t *ws = arg;
+  int rc = write_full(ws->fd, p, n, ws->base + at);
   if (rc)
-    fail("out of memory");
-  for (uint64_t at = 0; rc == 0 && at < total; at += EXPORT_WINDOW) {
-    size_t len = total - at < EXPORT_WINDOW ? (size_t)(total - at)
-                                            : EXPORT_WINDOW;
-    for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
-      const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
-      const int64_t *offs = ch->dims, *sizes = ch->dims + t->ndim;
-      uint64_t lo, hi;
-      ckpt_layout_span(t->ndim, t->shape, offs, sizes, isz, at, len, &lo,
-                       &hi);
-      if (lo >= hi)
-        continue; /* not in this window */
-      chunk_what(t, ch, what, sizeof(what));
-      if (lo != cr[i].used || hi > ch->length) {
-        fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
-             "sizes; the checkpoint is damaged", df->name, what, ch->length);
-        rc = -EIO;
-        break;
-      }
-      if (!cr[i].hash) {
-        if (!(cr[i].hash = XXH3_createState()) ||
-            XXH3_64bits_reset(cr[i].hash) != XXH_OK) {
-          fail("out of memory");
-          rc = -ENOMEM;
-          break;
-        }
-      }
-      bool first;
-      int fd = ckpt__data_files_get(&df->files, ch->rank, ch->file, &first);
-      size_t n = (size_t)(hi - lo);
-      rc = fd < 0 ? fd : read_full(fd, w->src, n, ch->file_offset + lo);
-      if (rc) {
-        fail("%s: %s: %s; the checkpoint is damaged, nothing exported "
-             "(ckptfs-fsck %s %s lists every problem)",
-             df->name, what,
-             rc == -ENODATA ? "the data file is truncated"
-             : fd < 0       ? (rc == -ENOENT ? "cannot open the data file: "
-                                               "it is missing"
-                                             : "cannot open the data file")
-                            : strerror(-rc),
-             df->backing, df->name);
-        break;
-      }
-      XXH3_64bits_update(cr[i].hash, w->src, n);
-      cr[i].used = hi;
-      ckpt_layout_copy(t->ndim, t->shape, offs, sizes, isz, at, len, w->src,
-                       lo, w->win);
-    }
-    if (rc == 0 && (rc = write_full(out_fd, w->win, len, base + at)) != 0)
-      fail("writing %s: %s", out_file, strerror(-rc));
-  }
-  /* Every chunk read whole: its checksum. Each mismatch is reported. */
-  for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
-    const ckpt_chunk_meta_t *ch = &m->chunks[t->first_chunk + i];
-    chunk_what(t, ch, what, sizeof(what));
-    uint64_t got = XXH3_64bits(NULL, 0);
-    if (cr[i].hash)
-      got = XXH3_64bits_digest(cr[i].hash);
-    if (cr[i].used != ch->length) {
-      fail("%s: %s: its length (%" PRIu64 " bytes) does not match its "
-           "sizes; the checkpoint is damaged", df->name, what, ch->length);
-      bad++;
-    } else if (got != ch->checksum) {
-      fail("%s: %s at %" PRIu64 ": checksum mismatch (stored %016" PRIx64
-           ", data %016" PRIx64 "); the checkpoint is damaged, nothing "
-           "exported (ckptfs-fsck %s %s lists every problem)",
-           df->name, what, ch->file_offset, ch->checksum, got, df->backing,
-           df->name);
-      bad++;
-    }
-  }
-  for (uint32_t i = 0; cr && i < t->n_chunks; i++)
-    XXH3_freeState(cr[i].hash);
-  free(cr);
-  return rc || bad ? -1 : 0;
+    fail("writing %s: %s", ws->file, strerror(-rc));
+  return rc ? -1 : 0;
 }
 
 /* fsync the directory holding path. */
@@ -1249,8 +1375,9 @@ static int cmd_export(const args_t *a, int bfd) {
   }
   for (size_t k = 0; k < plan.n_kept; k++) {
     size_t i = plan.order[k];
-    if (export_tensor(&df, &m, &m.tensors[i], &w, out_fd,
-                      plan.place[i].offset, tmp))
+    write_sink_t ws = {.fd = out_fd, .base = plan.place[i].offset,
+                       .file = tmp};
+    if (assemble_tensor(&df, &m, &m.tensors[i], &w, write_sink, &ws))
       goto out;
   }
   if (fsync(out_fd)) {
@@ -1542,17 +1669,21 @@ static const command_t commands[] = {
      "options:\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
-    {"diff", cmd_diff, 3, true, EXIT_USAGE, 0, 0,
+    {"diff", cmd_diff, 3, true, EXIT_USAGE, OPTBIT(OPT_CONTENT), 0,
      "what changed between two checkpoints",
-     "usage: ckptctl diff [--json] BACKING_DIR A B\n"
+     "usage: ckptctl diff [--json] [--content] BACKING_DIR A B\n"
      "\n"
      "Tensors and blobs added in B, removed from A, and changed: dtype,\n"
      "shape, data (a chunk's XXH3-64 checksum differs), chunks (stored\n"
      "in differently shaped chunks: contents not compared), path; plus the\n"
-     "number unchanged. Reads only .metadata. Exit status 0: identical,\n"
-     "1: they differ, 2: usage or a checkpoint cannot be read.\n"
+     "number unchanged. Reads only .metadata, unless --content. Exit\n"
+     "status 0: identical, 1: they differ, 2: usage or a checkpoint cannot\n"
+     "be read.\n"
      "\n"
      "options:\n"
+     "  --content    tensors stored in differently shaped chunks (saved at\n"
+     "               another world size) are read whole from both and\n"
+     "               compared: data or unchanged (default: off)\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
     {"export", cmd_export, 2, true, EXIT_NO, OPTBIT(OPT_SAFETENSORS),
