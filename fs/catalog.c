@@ -109,7 +109,8 @@ static void describe(int backing_fd, const char *backing_path, bool full,
     en->error = ckpt__strdup_printf("cannot open: %s", strerror(errno));
     return;
   }
-  en->disk_bytes = dir_bytes(dfd);
+  if (full)
+    en->disk_bytes = dir_bytes(dfd);
   struct stat st;
   if (fstatat(dfd, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW)) {
     en->state = CKPT_CAT_UNFINISHED;

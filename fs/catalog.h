@@ -29,7 +29,8 @@ typedef struct {
   struct timespec mtime;  /* committed: .metadata's mtime; orders checkpoints
                              of one created_at second */
   bool held;              /* unfinished: a writer holds its flock */
-  uint64_t disk_bytes;    /* sizes of the files in BACKING_DIR/NAME */
+  uint64_t disk_bytes;    /* sizes of the files in BACKING_DIR/NAME
+                             (scanned with full; else 0) */
   char *error;            /* damaged: why (owned) */
   ckpt_metadata_t meta;   /* committed: the header (name, save_id,
                              world_size, created_at), or all of it when
@@ -48,8 +49,8 @@ void ckpt__catalog_names_free(char **names, size_t n);
 
 /* Describe every checkpoint directory of BACKING_DIR (backing_path names
  * it for the SQLite loader). full: load each .metadata whole (tensors,
- * chunks, blobs); else only its header. 0 or -errno (BACKING_DIR cannot be
- * listed). */
+ * chunks, blobs) and sum the sizes of its files; else only its header.
+ * 0 or -errno (BACKING_DIR cannot be listed). */
 int ckpt__catalog_scan(int backing_fd, const char *backing_path, bool full,
                        ckpt_catalog_t *out);
 void ckpt__catalog_free(ckpt_catalog_t *c);
