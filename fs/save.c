@@ -665,6 +665,16 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
  * ranks' views drop them at their next lookup or listing (still_stored in
  * ops.c). A checkpoint a writer still holds is left for the next commit. */
 static void keep_last(ckpt_fs_t *fs, const char *name) {
+  /* Cheap first: no .metadata is read while there are at most N. */
+  char **names;
+  size_t n, committed = 0;
+  if (ckpt__catalog_names(fs->backing_fd, &names, &n) == 0) {
+    for (size_t i = 0; i < n; i++)
+      committed += already_committed(fs, names[i]);
+    ckpt__catalog_names_free(names, n);
+    if (committed <= fs->opts.keep_last)
+      return;
+  }
   ckpt_catalog_t cat;
   int rc = ckpt__catalog_scan(fs->backing_fd, fs->backing_path, false, &cat);
   if (rc) {
