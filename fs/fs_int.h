@@ -52,8 +52,8 @@ typedef struct {
   bool verify;                /* check each chunk's XXH3 before serving it */
   uint64_t safetensors_shard; /* tensor bytes per NAME/.safetensors shard */
   ckpt_replica_check_t replica_check;
-  bool foreground;            /* -f */
   uint32_t keep_last;         /* committed checkpoints kept; 0: all */
+  bool foreground;            /* -f */
   bool show_help;             /* -h / --help */
   bool show_version;          /* -V / --version */
   char *backing_dir;          /* owned */
