@@ -4,7 +4,8 @@ an alternative fstab), mount -t fuse.ckptfs, mount -t fuse PROG#SOURCE,
 umount, the fstab-only options mount(8) and systemd pass, mount errors as
 a non-zero exit with ckptfs's message, and the systemd unit template
 mount-scripts/ckptfs@.service. Needs root (mount(8)) and, for the fstab
-and fuse.ckptfs cases, unshare(1).
+and fuse.ckptfs cases, unshare(1) (in a chroot, where a mount namespace
+cannot be made private, the bind mount below is made and undone in place).
 
 mount(8) runs the helper /sbin/mount.fuse3 (as mount.fuse) with PATH
 removed from the environment, so the helper's shell finds `ckptfs` in its
@@ -61,10 +62,15 @@ def daemon_pid():
                 return int(p)
     return None
 
-subprocess.run(["mount", "--make-rprivate", "/"], check=True)
 # the first directory of the helper shell's default PATH that exists
 target = next(d for d in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin")
               if os.path.isdir(d))
+if os.environ.get("CKPT_FSTAB_NO_NS") == "1":
+    # no private namespace (a chroot): the bind mount is undone at exit
+    import atexit
+    atexit.register(subprocess.run, ["umount", target])
+else:
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
 subprocess.run(["mount", "--bind", sbin, target], check=True)
 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
 say(mount=r.returncode, stderr=r.stderr)
@@ -135,12 +141,15 @@ class Fstab(CkptfsTestCase):
     def in_namespace(self, *cmd):
         """Run INNER with mount command cmd in a private mount namespace;
         its reports, merged into one dict."""
-        if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
-            self.fail("unshare -m does not work here: cannot test mount(8) "
-                      "without changing /usr/local/sbin")
-        r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable,
-                            "-c", INNER, self.sbin, self.mnt, self.backing, EXAMPLES,
-                            *cmd], capture_output=True, text=True, timeout=300)
+        ns = ["unshare", "-m", "--propagation", "private"]
+        env = dict(os.environ)
+        if subprocess.run(ns + ["true"], capture_output=True).returncode:
+            # a chroot has no mount namespace of its own to make private:
+            # bind over the helper's PATH directory for this run only
+            ns, env["CKPT_FSTAB_NO_NS"] = [], "1"
+        r = subprocess.run(ns + [sys.executable, "-c", INNER, self.sbin, self.mnt,
+                                 self.backing, EXAMPLES, *cmd],
+                           capture_output=True, text=True, timeout=300, env=env)
         self.assertEqual(r.returncode, 0, f"inner:\n{r.stdout}\n{r.stderr}")
         out = {}
         for line in r.stdout.splitlines():
