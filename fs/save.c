@@ -415,6 +415,20 @@ static int flush_batch(writer_t *w) {
   return 0;
 }
 
+/* Add n bytes at p to the batch, writing the batch first when full. */
+static int append_iov(writer_t *w, const void *p, size_t n) {
+  if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
+    int rc = flush_batch(w);
+    if (rc)
+      return rc;
+  }
+  w->iov[w->niov].iov_base = (void *)p;
+  w->iov[w->niov].iov_len = n;
+  w->niov++;
+  w->batch_len += n;
+  return 0;
+}
+
 /* The next n bytes of a data file are zeros (a hole of a staged file):
  * skipped in a fresh file, which ftruncate extends with holes; written
  * over old bytes of a reused stream file. */
@@ -429,15 +443,9 @@ static int add_zeros(writer_t *w, size_t n) {
   }
   for (size_t k; n > 0; n -= k) {
     k = n < sizeof(zeros) ? n : sizeof(zeros);
-    if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
-      int rc = flush_batch(w);
-      if (rc)
-        return rc;
-    }
-    w->iov[w->niov].iov_base = (void *)zeros;
-    w->iov[w->niov].iov_len = k;
-    w->niov++;
-    w->batch_len += k;
+    int rc = append_iov(w, zeros, k);
+    if (rc)
+      return rc;
   }
   return 0;
 }
@@ -446,17 +454,9 @@ static int add_piece(void *arg, const void *p, size_t n, ckpt_walk_piece_t kind)
   writer_t *w = arg;
   if (kind == CKPT_WALK_HOLE)
     return add_zeros(w, n);
-  if (w->niov == IOV_MAX || w->batch_len >= WRITE_BATCH) {
-    int rc = flush_batch(w);
-    if (rc)
-      return rc;
-  }
-  w->iov[w->niov].iov_base = (void *)p;
-  w->iov[w->niov].iov_len = n;
-  w->niov++;
-  w->batch_len += n;
+  int rc = append_iov(w, p, n);
   /* A spilled piece sits in a buffer reused for the next one. */
-  return kind == CKPT_WALK_TRANSIENT ? flush_batch(w) : 0;
+  return rc == 0 && kind == CKPT_WALK_TRANSIENT ? flush_batch(w) : rc;
 }
 
 static int write_file(void *arg, uint32_t k) {
