@@ -38,6 +38,8 @@
 
 #include "ckpt_dist.h"
 #include "ckpt_planner.h"
+#include "metadb.h"
+#include "store.h"
 
 /* ------------------------------------------------------------------------
  * Options (options.c).
@@ -310,19 +312,10 @@ struct ckpt_ckpt {
   ckpt_streams_t *streams; /* staged: write-behind streams, or NULL */
   /* COMMITTED: */
   ckpt_metadata_t *meta;  /* owned */
-  int dirfd;              /* BACKING_DIR/NAME, O_PATH|O_DIRECTORY, or -1 */
-  pthread_mutex_t fd_lock; /* protects fds */
-  int *fds;               /* data file fds by rank * nfiles_per_rank + K,
-                             opened on first read, -1 until then */
-  uint32_t fds_stride;    /* files per rank in fds */
-  uint32_t nfds;
-  _Atomic uint8_t *verified; /* verify=1: CKPT_CHUNK_* of each chunk, then
-                                each blob (n_chunks + n_blobs); else NULL */
+  ckpt_stored_t stored;   /* the reader's view of it (store.h) */
+  bool has_stored;        /* stored is set up */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
 };
-
-/* What verify=1 knows of a stored chunk or blob. */
-enum { CKPT_CHUNK_UNCHECKED, CKPT_CHUNK_GOOD, CKPT_CHUNK_BAD };
 
 struct ckpt_fs {
   ckpt_opts_t opts;
@@ -341,6 +334,7 @@ struct ckpt_fs {
   size_t hash_size;        /* buckets in each table (power of two) */
   size_t nnodes;
   struct ckpt_pool *pool;  /* io_threads workers */
+  ckpt_fdcache_t *fdcache; /* data file descriptors of committed reads */
   struct ckpt_handle *handles; /* open file and directory handles (ops.c);
                                   fs->lock */
   ckpt_save_ops_t save_ops;
@@ -389,38 +383,19 @@ int ckpt__pool_run(ckpt_pool_t *p, uint32_t n, int (*fn)(void *arg,
                                                          uint32_t i),
                    void *arg);
 
-/* Remove unfinished saves (directories without .metadata that no daemon
- * holds) and leftover temporary files. */
-void ckpt__storage_cleanup(ckpt_fs_t *fs);
-/* Load every committed checkpoint of BACKING_DIR. */
+/* Load every committed checkpoint of BACKING_DIR (those refused are
+ * logged with the reason, and left where they are). */
 int ckpt__fs_load(ckpt_fs_t *fs);
 /* Load BACKING_DIR/name/.metadata into the tree (state COMMITTED). */
 int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err);
 /* Delete BACKING_DIR/name: .metadata first and durably, then the data. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name);
-/* Remove every entry of directory dirfd and then the directory name in
- * parent_fd. */
-int ckpt__remove_tree(int parent_fd, const char *name);
-/* Read [off, off+n) of committed tensor/blob node into buf. */
-ssize_t ckpt__committed_read(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
-                             const ckpt_node_t *n, char *buf, size_t size,
-                             uint64_t off);
-/* When [off, off+size) of committed node n (clipped to its size) is one
- * contiguous run of one data file: 1, with *fd, *pos and *len set, so that
- * the reply can be spliced from the file. 0 when the range must be
- * assembled (ckpt__committed_read), < 0 on error. */
-int ckpt__committed_span(ckpt_ckpt_t *ck, const ckpt_node_t *n, size_t size,
-                         uint64_t off, int *fd, uint64_t *pos, size_t *len);
-/* verify=1: check the XXH3-64 of every chunk (or the blob) that
- * [off, off+size) of committed node n touches, once per chunk. 0, or -EIO
- * when one does not match (logged with its FQN, rank and file). */
-int ckpt__committed_verify(ckpt_ckpt_t *ck, const ckpt_node_t *n,
-                           size_t size, uint64_t off);
-/* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends
- * first, or -errno of the read (verify.c; ckptfs-fsck uses it too). */
-int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
-/* st_size of a committed node. */
-uint64_t ckpt__committed_size(const ckpt_ckpt_t *ck, const ckpt_node_t *n);
+/* The item a committed tensor or blob node reads. */
+static inline ckpt_item_t ckpt__node_item(const ckpt_node_t *n) {
+  ckpt_item_t it = {n->kind == CKPT_NODE_CBLOB,
+                    n->kind == CKPT_NODE_CBLOB ? n->u.blob : n->u.tensor};
+  return it;
+}
 
 /* ------------------------------------------------------------------------
  * Views of a committed checkpoint (views.c): NAME/.npy and
@@ -437,7 +412,7 @@ void ckpt__views_free(struct ckpt_views *v);
 /* st_size of a view file. fs->lock held. */
 uint64_t ckpt__view_size(const ckpt_node_t *n);
 /* Serve a read of view file n (replies to req). */
-void ckpt__view_read(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
+void ckpt__view_read(fuse_req_t req, ckpt_node_t *n,
                      size_t size, uint64_t off);
 
 /* ------------------------------------------------------------------------
@@ -456,10 +431,5 @@ extern const struct fuse_lowlevel_ops ckpt__fuse_ops;
 /* Free the handles the kernel did not release before the session ended
  * (call after the FUSE loop, before ckpt__fs_destroy). */
 void ckpt__release_handles(ckpt_fs_t *fs);
-
-/* Small helpers. */
-char *ckpt__strdup_printf(const char *fmt, ...)
-    __attribute__((format(printf, 1, 2)));
-void ckpt__log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif /* CKPT_FS_INT_H */

@@ -199,7 +199,7 @@ int main(int argc, char **argv) {
   }
   if (!mountpoint || open_backing(&fs) || ckpt__fs_init(&fs))
     goto out;
-  ckpt__storage_cleanup(&fs);
+  ckpt_store_cleanup(fs.backing_fd);
   ckpt__fs_load(&fs);
 
   char max_read[32];

@@ -263,8 +263,6 @@ ckpt_ckpt_t *ckpt__ckpt_new(ckpt_fs_t *fs, const char *name) {
     return NULL;
   snprintf(ck->name, sizeof(ck->name), "%s", name);
   pthread_rwlock_init(&ck->freeze, NULL);
-  pthread_mutex_init(&ck->fd_lock, NULL);
-  ck->dirfd = -1;
   ck->refs = 1; /* listed in the root */
   ck->state = CKPT_STAGING;
   ck->dir = ckpt__node_new(fs, fs->root, name, CKPT_NODE_CKPT, S_IFDIR | 0755,
@@ -292,18 +290,12 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
     ckpt_metadata_free(ck->meta);
     free(ck->meta);
   }
-  for (uint32_t i = 0; i < ck->nfds; i++)
-    if (ck->fds[i] >= 0)
-      close(ck->fds[i]);
-  free(ck->fds);
-  free((void *)ck->verified);
+  if (ck->has_stored)
+    ckpt_stored_destroy(&ck->stored);
   ckpt__views_free(ck->views);
-  if (ck->dirfd >= 0)
-    close(ck->dirfd);
   free(ck->reason);
   ckpt__streams_free(ck->streams);
   pthread_rwlock_destroy(&ck->freeze);
-  pthread_mutex_destroy(&ck->fd_lock);
   free(ck);
 }
 
@@ -351,31 +343,16 @@ static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
 
 int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                              ckpt_metadata_t *meta, int dirfd, char **err) {
-  /* Data file descriptors, indexed by rank and file number. */
-  uint32_t stride = 1;
-  for (uint32_t i = 0; i < meta->n_chunks; i++)
-    if (meta->chunks[i].file + 1 > stride)
-      stride = meta->chunks[i].file + 1;
-  for (uint32_t i = 0; i < meta->n_blobs; i++)
-    if (meta->blobs[i].file + 1 > stride)
-      stride = meta->blobs[i].file + 1;
-  uint32_t nfds = stride * (uint32_t)(meta->world_size > 0 ? meta->world_size
-                                                           : 1);
-  int *fds = malloc(nfds * sizeof(*fds));
-  if (!fds) {
-    *err = strdup("out of memory");
-    return -ENOMEM;
+  /* The reader: no descriptor is kept; the directory is pinned by its
+   * identity (a directory of this name with another inode is not it). */
+  int rc = ckpt_stored_init(&ck->stored, fs->fdcache, ck->name, dirfd, meta,
+                            fs->opts.verify);
+  if (rc) {
+    ckpt_stored_destroy(&ck->stored);
+    *err = ckpt__strdup_printf("setting up its reader: %s", strerror(-rc));
+    return rc;
   }
-  for (uint32_t i = 0; i < nfds; i++)
-    fds[i] = -1;
-  _Atomic uint8_t *verified = NULL;
-  if (fs->opts.verify &&
-      !(verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
-                          sizeof(*verified)))) {
-    free(fds);
-    *err = strdup("out of memory");
-    return -ENOMEM;
-  }
+  ck->has_stored = true;
 
   /* Drop the staged view, keep .commit and .status. */
   for (ckpt_node_t *c = ck->dir->children, *nx; c; c = nx) {
@@ -384,11 +361,6 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       ckpt__node_detach(fs, c);
   }
   ck->meta = meta;
-  ck->dirfd = dirfd;
-  ck->fds = fds;
-  ck->verified = verified;
-  ck->fds_stride = stride;
-  ck->nfds = nfds;
   struct timespec when = {.tv_sec = meta->created_at};
   for (uint32_t i = 0; i < meta->n_tensors + meta->n_blobs; i++) {
     bool tensor = i < meta->n_tensors;
@@ -430,7 +402,8 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
   fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
   fs->next_ino = FUSE_ROOT_ID + 1;
   ckpt__staging_init(&fs->staging, fs->opts.staging_mem, fs->backing_fd);
-  if (!fs->ino_hash || !fs->name_hash)
+  if (!fs->ino_hash || !fs->name_hash ||
+      ckpt_fdcache_new(fs->backing_fd, 0, &fs->fdcache))
     return -ENOMEM;
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
                             NULL);
@@ -453,25 +426,8 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
   }
   free(fs->ino_hash);
   free(fs->name_hash);
+  ckpt_fdcache_free(fs->fdcache);
+  fs->fdcache = NULL;
   ckpt__staging_destroy(&fs->staging);
   pthread_mutex_destroy(&fs->lock);
-}
-
-char *ckpt__strdup_printf(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  char *s = NULL;
-  if (vasprintf(&s, fmt, ap) < 0)
-    s = NULL;
-  va_end(ap);
-  return s;
-}
-
-void ckpt__log(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "ckptfs: ");
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
-  va_end(ap);
 }

@@ -231,7 +231,7 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
     break;
   case CKPT_NODE_CTENSOR:
   case CKPT_NODE_CBLOB:
-    st->st_size = (off_t)ckpt__committed_size(n->ck, n);
+    st->st_size = (off_t)ckpt_stored_size(&n->ck->stored, ckpt__node_item(n));
     break;
   case CKPT_NODE_STATUS: {
     char *t = status_text(n->ck);
@@ -241,8 +241,10 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   }
   case CKPT_NODE_METADATA: {
     struct stat bst;
-    if (n->ck->dirfd >= 0 &&
-        fstatat(n->ck->dirfd, CKPT_METADATA_FILE, &bst, 0) == 0)
+    char path[300];
+    snprintf(path, sizeof(path), "%s/%s", n->ck->name, CKPT_METADATA_FILE);
+    if (fstatat(fs->backing_fd, path, &bst, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(bst.st_mode))
       st->st_size = bst.st_size;
     break;
   }
@@ -254,7 +256,8 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   default:
     break;
   }
-  st->st_blocks = (st->st_size + 511) / 512;
+  /* st_size <= INT64_MAX (metadb bounds every size): no overflow here. */
+  st->st_blocks = st->st_size / 512 + (st->st_size % 512 != 0);
 }
 
 static double node_timeout(const ckpt_node_t *n) {
@@ -268,6 +271,31 @@ static void fill_entry(ckpt_fs_t *fs, ckpt_node_t *n, struct fuse_entry_param *e
   e->generation = 1;
   fill_attr(fs, n, &e->attr);
   e->attr_timeout = e->entry_timeout = node_timeout(n);
+}
+
+/* Open BACKING_DIR/NAME/.metadata of committed ck for reading: never
+ * through a symlink, only a regular file, only in the directory that was
+ * loaded. fd or -errno. */
+static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  int dfd = ckpt_store_open_dir(fs->backing_fd, ck->name, O_PATH);
+  if (dfd < 0)
+    return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
+  struct stat st;
+  int fd;
+  if (fstat(dfd, &st))
+    fd = -errno;
+  else if (!ck->has_stored || st.st_dev != ck->stored.dev ||
+           st.st_ino != ck->stored.ino)
+    fd = -ESTALE; /* replaced since it was loaded */
+  else
+    fd = ckpt_store_open_file(dfd, CKPT_METADATA_FILE);
+  close(dfd);
+  if (fd == -ELOOP || fd == -EINVAL) {
+    ckpt__log("%s: %s is not a regular file any more: not serving it",
+              ck->name, CKPT_METADATA_FILE);
+    fd = -EIO;
+  }
+  return fd;
 }
 
 /* A committed checkpoint whose .metadata vanished from BACKING_DIR (removed
@@ -756,9 +784,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     if (writing)
       rc = -EROFS;
     else if (n->kind == CKPT_NODE_METADATA &&
-             (h->fd = openat(n->ck->dirfd, CKPT_METADATA_FILE,
-                             O_RDONLY | O_CLOEXEC)) < 0)
-      rc = -errno;
+             (h->fd = open_metadata(fs, n->ck)) < 0)
+      rc = h->fd;
     fi->keep_cache = 1;
     /* Tensors and blobs: each read spliced from the data file's page
      * cache straight into the reader's buffer, not first into a second
@@ -840,13 +867,15 @@ static void read_ahead(handle_t *h, uint64_t from) {
     return;
   if (from < done)
     from = done;
-  int fd;
+  ckpt_fdref_t ref;
   uint64_t pos;
   size_t len;
-  if (ckpt__committed_span(h->node->ck, h->node, READ_AHEAD, from, &fd, &pos,
-                           &len) == 1 &&
-      atomic_compare_exchange_strong(&h->advised, &done, from + len))
-    posix_fadvise(fd, (off_t)pos, (off_t)len, POSIX_FADV_WILLNEED);
+  if (ckpt_stored_span(&h->node->ck->stored, ckpt__node_item(h->node),
+                       READ_AHEAD, from, &ref, &pos, &len) == 1) {
+    if (atomic_compare_exchange_strong(&h->advised, &done, from + len))
+      posix_fadvise(ref.fd, (off_t)pos, (off_t)len, POSIX_FADV_WILLNEED);
+    ckpt_fdref_put(&ref);
+  }
 }
 
 static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
@@ -862,22 +891,23 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
   }
   if (ckpt__is_view_kind(n->kind)) {
     HANDLE_REPLIED(h);
-    ckpt__view_read(req, fs, n, size, (uint64_t)off);
+    ckpt__view_read(req, n, size, (uint64_t)off);
     return;
   }
   if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
-    int bad = ckpt__committed_verify(n->ck, n, size, (uint64_t)off);
+    const ckpt_stored_t *cs = &n->ck->stored;
+    int bad = ckpt_stored_verify(cs, ckpt__node_item(n), size, (uint64_t)off);
     if (bad) {
       fuse_reply_err(req, -bad);
       return;
     }
     /* One contiguous run of a data file (a blob, a row shard): spliced
      * from the file's page cache, no copy here. */
-    int fd;
+    ckpt_fdref_t ref;
     uint64_t pos;
     size_t len;
-    int rc = ckpt__committed_span(n->ck, n, size, (uint64_t)off, &fd, &pos,
-                                  &len);
+    int rc = ckpt_stored_span(cs, ckpt__node_item(n), size, (uint64_t)off,
+                              &ref, &pos, &len);
     if (rc < 0) {
       fuse_reply_err(req, -rc);
       return;
@@ -887,10 +917,11 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         read_ahead(h, (uint64_t)off + len);
       struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
       bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
-      bv.buf[0].fd = fd;
+      bv.buf[0].fd = ref.fd;
       bv.buf[0].pos = (off_t)pos;
       HANDLE_REPLIED(h);
       fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
+      ckpt_fdref_put(&ref); /* the reply has been written */
       return;
     }
   }
@@ -906,7 +937,8 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     break;
   case CKPT_NODE_CTENSOR:
   case CKPT_NODE_CBLOB:
-    r = ckpt__committed_read(fs, n->ck, n, buf, size, (uint64_t)off);
+    r = ckpt_stored_read(&n->ck->stored, ckpt__node_item(n), buf, size,
+                         (uint64_t)off);
     break;
   case CKPT_NODE_METADATA:
     r = pread(h->fd, buf, size, off);

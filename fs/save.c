@@ -676,7 +676,7 @@ static void keep_last(ckpt_fs_t *fs, const char *name) {
       return;
   }
   ckpt_catalog_t cat;
-  int rc = ckpt__catalog_scan(fs->backing_fd, fs->backing_path, false, &cat);
+  int rc = ckpt__catalog_scan(fs->backing_fd, false, &cat);
   if (rc) {
     ckpt__log("keep_last: cannot list %s: %s", fs->backing_path,
               strerror(-rc));

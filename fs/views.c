@@ -237,12 +237,10 @@ static int npy_header(const ckpt_ckpt_t *ck, uint32_t i, ckpt_buf_t *b) {
   return ckpt_npy_header(t->dtype, t->ndim, t->shape, b);
 }
 
-/* A stand-in committed node for tensor i, for storage.c's read path
- * (which looks at kind and u.tensor only). */
-static ckpt_node_t tensor_node(ckpt_ckpt_t *ck, uint32_t i) {
-  ckpt_node_t n = {.kind = CKPT_NODE_CTENSOR, .ck = ck};
-  n.u.tensor = i;
-  return n;
+/* Tensor i of a committed checkpoint, as the store's reader names it. */
+static ckpt_item_t tensor_item(uint32_t i) {
+  ckpt_item_t it = {false, i};
+  return it;
 }
 
 uint64_t ckpt__view_size(const ckpt_node_t *n) {
@@ -253,8 +251,7 @@ uint64_t ckpt__view_size(const ckpt_node_t *n) {
     ckpt_buf_init(&b);
     uint64_t hdr = npy_header(ck, n->u.tensor, &b) == 0 ? b.len : 0;
     ckpt_buf_free(&b);
-    ckpt_node_t tn = tensor_node(ck, n->u.tensor);
-    return hdr + ckpt__committed_size(ck, &tn);
+    return hdr + ckpt_stored_size(&ck->stored, tensor_item(n->u.tensor));
   }
   case CKPT_NODE_VST:
     return ck->views->plan.shards[n->u.shard].file_size;
@@ -266,15 +263,14 @@ uint64_t ckpt__view_size(const ckpt_node_t *n) {
 }
 
 /* Read [off, off+size) of tensor i into buf (the range lies inside it). */
-static int tensor_read(ckpt_fs_t *fs, ckpt_ckpt_t *ck, uint32_t i, char *buf,
+static int tensor_read(ckpt_ckpt_t *ck, uint32_t i, char *buf,
                        size_t size, uint64_t off) {
   if (size == 0)
     return 0;
-  ckpt_node_t tn = tensor_node(ck, i);
-  int rc = ckpt__committed_verify(ck, &tn, size, off);
+  int rc = ckpt_stored_verify(&ck->stored, tensor_item(i), size, off);
   if (rc)
     return rc;
-  ssize_t r = ckpt__committed_read(fs, ck, &tn, buf, size, off);
+  ssize_t r = ckpt_stored_read(&ck->stored, tensor_item(i), buf, size, off);
   if (r < 0)
     return (int)r;
   return (size_t)r == size ? 0 : -EIO;
@@ -294,14 +290,18 @@ static void copy_part(char *buf, uint64_t off, size_t size, uint64_t at,
  * when they are one contiguous stored run: true if replied. */
 static bool reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, uint32_t i,
                           size_t len, uint64_t toff) {
-  ckpt_node_t tn = tensor_node(ck, i);
-  int fd;
+  ckpt_fdref_t ref;
   uint64_t pos;
   size_t got;
-  if (ckpt__committed_verify(ck, &tn, len, toff) != 0 ||
-      ckpt__committed_span(ck, &tn, len, toff, &fd, &pos, &got) != 1 ||
-      got != len)
+  if (ckpt_stored_verify(&ck->stored, tensor_item(i), len, toff) != 0 ||
+      ckpt_stored_span(&ck->stored, tensor_item(i), len, toff, &ref, &pos,
+                       &got) != 1)
     return false;
+  if (got != len) {
+    ckpt_fdref_put(&ref);
+    return false;
+  }
+  int fd = ref.fd;
   /* Sequential loads: each time a read crosses a VIEW_AHEAD boundary of
    * the data file, ask for the next 4 x VIEW_AHEAD bytes in the background
    * (the run may end sooner: the kernel clips at the end of the file). */
@@ -313,10 +313,11 @@ static bool reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, uint32_t i,
   bv.buf[0].fd = fd;
   bv.buf[0].pos = (off_t)pos;
   fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
+  ckpt_fdref_put(&ref);
   return true;
 }
 
-void ckpt__view_read(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
+void ckpt__view_read(fuse_req_t req, ckpt_node_t *n,
                      size_t size, uint64_t off) {
   ckpt_ckpt_t *ck = n->ck;
   struct ckpt_views *v = ck->views;
@@ -352,7 +353,7 @@ void ckpt__view_read(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
     copy_part(buf, off, size, 0, hdr.data, hdr.len);
     if (off + size > hdr.len) {
       uint64_t b = off > hdr.len ? off : hdr.len;
-      rc = tensor_read(fs, ck, n->u.tensor, buf + (b - off),
+      rc = tensor_read(ck, n->u.tensor, buf + (b - off),
                        (size_t)(off + size - b), b - hdr.len);
     }
   } else if (n->kind == CKPT_NODE_VST) {
@@ -380,7 +381,7 @@ void ckpt__view_read(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
       uint64_t e = off + size < pl->offset + pl->length ? off + size
                                                          : pl->offset + pl->length;
       if (b < e)
-        rc = tensor_read(fs, ck, (uint32_t)p->order[j], buf + (b - off),
+        rc = tensor_read(ck, (uint32_t)p->order[j], buf + (b - off),
                          (size_t)(e - b), b - pl->offset);
     }
   } else {

@@ -267,6 +267,29 @@ typedef struct {
 
 void ckpt_metadata_free(ckpt_metadata_t *m);
 
+/* Do n boxes cover a tensor of shape[ndim] exactly? box[i] points to the
+ * ndim offsets, then the ndim sizes of box i (ckpt_chunk_meta_t.dims).
+ * Empty boxes occupy nothing. res says: exact, the first overlap found
+ * (boxes a and b), or a gap (gap_off/gap_size when gap_known) with
+ * covered elements. Returns 0, -EINVAL (a box outside the shape), -ENOMEM,
+ * or -E2BIG: a layout so irregular that checking it would take more than
+ * CKPT_COVER_BUDGET comparisons (only hostile input comes close). */
+#define CKPT_COVER_BUDGET ((uint64_t)200 * 1000 * 1000)
+typedef enum {
+  CKPT_COVER_EXACT = 0,
+  CKPT_COVER_OVERLAP,
+  CKPT_COVER_GAP,
+} ckpt_cover_kind_t;
+typedef struct {
+  ckpt_cover_kind_t kind;
+  size_t a, b;        /* OVERLAP: indexes of two boxes that meet */
+  uint64_t covered;   /* elements of the non-empty boxes, summed */
+  bool gap_known;
+  int64_t gap_off[CKPT_MAX_NDIM], gap_size[CKPT_MAX_NDIM];
+} ckpt_cover_t;
+int ckpt_cover_check(int ndim, const int64_t *shape, size_t n,
+                     const int64_t *const *box, ckpt_cover_t *res);
+
 /* ------------------------------------------------------------------------
  * The global plan (coordinator).
  * ---------------------------------------------------------------------- */

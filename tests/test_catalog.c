@@ -16,7 +16,7 @@
 #include <cmocka.h>
 
 #include "catalog.h"
-#include "fs_int.h"
+#include "store.h"
 #include "metadb.h"
 
 static ckpt_cat_entry_t entry(const char *name, ckpt_cat_state_t st,
@@ -112,7 +112,7 @@ static void scan_and_remove(void **state) {
   assert_int_equal(mkdir(path, 0700), 0);
 
   ckpt_catalog_t c;
-  assert_int_equal(ckpt__catalog_scan(bfd, b, false, &c), 0);
+  assert_int_equal(ckpt__catalog_scan(bfd, false, &c), 0);
   assert_int_equal(c.n, 4);
   assert_string_equal(c.e[0].name, "bad");
   assert_int_equal(c.e[0].state, CKPT_CAT_DAMAGED);
@@ -133,7 +133,7 @@ static void scan_and_remove(void **state) {
   snprintf(path, sizeof(path), "%s/unf", b);
   int w = open(path, O_RDONLY | O_DIRECTORY);
   assert_int_equal(flock(w, LOCK_SH), 0);
-  assert_int_equal(ckpt__catalog_scan(bfd, b, true, &c), 0);
+  assert_int_equal(ckpt__catalog_scan(bfd, true, &c), 0);
   assert_true(c.e[3].held);
   assert_int_equal(c.e[3].disk_bytes, 5);
   assert_int_equal(c.e[1].meta.n_tensors, 0); /* loaded whole: none */
@@ -164,44 +164,10 @@ static void scan_and_remove(void **state) {
   free(b);
 }
 
-static void data_files_open_once(void **state) {
-  (void)state;
-  int bfd;
-  char *b = temp_backing(&bfd);
-  char path[600];
-  snprintf(path, sizeof(path), "%s/__0_0.distcp", b);
-  close(open(path, O_WRONLY | O_CREAT, 0600));
-  snprintf(path, sizeof(path), "%s/__3_2.distcp", b);
-  close(open(path, O_WRONLY | O_CREAT, 0600));
-  ckpt_data_files_t df;
-  ckpt__data_files_init(&df, bfd);
-  bool first = true;
-  int a = ckpt__data_files_get(&df, 0, 0, &first);
-  assert_true(a >= 0);
-  assert_false(first);
-  int c = ckpt__data_files_get(&df, 3, 2, &first);
-  assert_true(c >= 0 && c != a);
-  assert_int_equal(ckpt__data_files_get(&df, 0, 0, &first), a); /* once */
-  assert_int_equal(ckpt__data_files_get(&df, 1, 0, &first), -ENOENT);
-  assert_true(first);
-  assert_int_equal(ckpt__data_files_get(&df, 1, 0, &first), -ENOENT);
-  assert_false(first); /* reported once */
-  assert_int_equal(ckpt__data_files_get(&df, -1, 0, &first), -EINVAL);
-  assert_int_equal(df.nopen, 2);
-  ckpt__data_files_close(&df);
-  assert_int_equal(fcntl(a, F_GETFD), -1); /* closed */
-  close(bfd);
-  char cmd[600];
-  snprintf(cmd, sizeof(cmd), "rm -rf '%s'", b);
-  assert_int_equal(system(cmd), 0);
-  free(b);
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(select_old_keeps_the_newest),
       cmocka_unit_test(scan_and_remove),
-      cmocka_unit_test(data_files_open_once),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -603,7 +603,7 @@ static void test_load_garbage(void **state) {
   load_fails(path, "not a database");
 
   write_file(path, "", 0); /* an empty file is an empty database */
-  load_fails(path, "no such table");
+  load_fails(path, "table checkpoint is missing");
 }
 
 static void test_load_truncated(void **state) {
@@ -700,7 +700,7 @@ static void test_load_inconsistent(void **state) {
        "'0' is not a world size"},
       {"UPDATE checkpoint SET value='yesterday' WHERE key='created_at'",
        "'yesterday' is not an ISO-8601 UTC time"},
-      {"DROP TABLE blobs", "no such table: blobs"},
+      {"DROP TABLE blobs", "table blobs is missing"},
       {"ALTER TABLE chunks DROP COLUMN checksum", "no such column: checksum"},
   };
   char dir[PATH_MAX], path[PATH_MAX];

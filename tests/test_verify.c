@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "fs_int.h"
+#include "store.h"
 
 /* A temporary file holding n pseudo-random bytes, also copied to *data. */
 static int temp_file(size_t n, uint8_t **data) {

@@ -1,5 +1,5 @@
 /*
- * fsck_main.c - ckptfs-fsck, the offline checker of a backing directory.
+ * fsck.c - ckptfs-fsck, the offline checker of a backing directory.
  *
  *   ckptfs-fsck BACKING_DIR [NAME...]
  *
@@ -24,18 +24,18 @@
 #include <unistd.h>
 
 #include "catalog.h"
-#include "fs_int.h"
 #include "metadb.h"
+#include "store.h"
 
 #define EXIT_DAMAGED 1
 #define EXIT_USAGE 2
 
 typedef struct {
   const char *name;  /* checkpoint */
-  int dirfd;
-  ckpt_data_files_t files; /* its data files, opened once */
+  ckpt_stored_t s;   /* its data files, through the store's reader */
   uint32_t problems;
   uint64_t bytes;    /* checked */
+  char last_bad[64]; /* the last data file that could not be opened */
 } check_t;
 
 static void usage(FILE *to) {
@@ -61,15 +61,20 @@ static void problem(check_t *c, const char *fmt, ...) {
   c->problems++;
 }
 
-/* The fd of data file K of rank R (named name), opened once; < 0 when it
- * cannot be (reported the first time). */
+/* Data file K of rank R (named name) into *ref: 0, or < 0 when it
+ * cannot be opened (reported, once per file in a row). */
 static int data_file(check_t *c, int32_t rank, uint32_t k, const char *name,
-                     const char *what) {
-  bool first;
-  int fd = ckpt__data_files_get(&c->files, rank, k, &first);
-  if (fd < 0 && (first || fd == -ENOMEM))
-    problem(c, "%s: %s: %s", what, name, strerror(-fd));
-  return fd;
+                     const char *what, ckpt_fdref_t *ref) {
+  int rc = ckpt_stored_fd(&c->s, rank, k, ref);
+  if (rc < 0 && strcmp(c->last_bad, name) != 0) {
+    problem(c, "%s: %s: %s", what, name,
+            rc == -EIO ? "missing, not a regular file, or unreadable"
+                       : strerror(-rc));
+    snprintf(c->last_bad, sizeof(c->last_bad), "%s", name);
+  } else if (rc < 0) {
+    c->problems++;
+  }
+  return rc;
 }
 
 /* Check one chunk or blob; what names it ("FQN [offsets], rank R"). */
@@ -78,9 +83,10 @@ static void check_stored(check_t *c, const char *what, int32_t rank,
                          uint64_t want) {
   char name[64];
   ckpt_data_file_name(rank, file, name, sizeof(name));
-  int fd = data_file(c, rank, file, name, what);
-  if (fd < 0)
+  ckpt_fdref_t ref;
+  if (data_file(c, rank, file, name, what, &ref) < 0)
     return;
+  int fd = ref.fd;
   uint64_t got = 0;
   int rc = ckpt__stored_checksum(fd, pos, len, &got);
   if (rc == -ENODATA) {
@@ -98,41 +104,54 @@ static void check_stored(check_t *c, const char *what, int32_t rank,
   } else {
     c->bytes += len;
   }
+  ckpt_fdref_put(&ref);
 }
 
 /* 0 intact, 1 damaged. */
 static int check_checkpoint(int backing_fd, const char *backing,
-                            const char *name) {
-  check_t c = {.name = name, .dirfd = -1};
+                            ckpt_fdcache_t *cache, const char *name) {
+  check_t c = {.name = name};
   char path[PATH_MAX];
-  struct stat st;
-  if (fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) ||
-      !S_ISDIR(st.st_mode)) {
+  int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+  if (dfd == -ELOOP || dfd == -ENOTDIR) {
+    struct stat st;
+    if (fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISLNK(st.st_mode)) {
+      problem(&c, "a symbolic link, not a checkpoint directory: refused "
+                  "(remove it by hand)");
+      return 1;
+    }
+  }
+  if (dfd < 0) {
     printf("%s: no such checkpoint in %s\n", name, backing);
     return 1;
   }
   snprintf(path, sizeof(path), "%s/%s/%s", backing, name,
            CKPT_METADATA_FILE);
-  if (access(path, F_OK)) {
+  if (!ckpt_store_has_metadata(dfd)) {
     printf("%s: not committed (no %s: an interrupted save, removed by the "
            "next mount)\n", name, CKPT_METADATA_FILE);
+    close(dfd);
     return 0;
   }
   ckpt_metadata_t m = {0};
   char *err = NULL;
-  if (ckpt_metadb_check(path, &err) || ckpt_metadb_load(path, &m, &err)) {
-    problem(&c, "%s is damaged: %s", CKPT_METADATA_FILE,
+  if (ckpt_metadb_check_at(dfd, path, &err) ||
+      ckpt_metadb_load_at(dfd, path, &m, &err)) {
+    problem(&c, "%s is damaged: %s; a mount does not show it and nothing "
+                "removes it", CKPT_METADATA_FILE,
             err ? err : "cannot be read");
     free(err);
+    close(dfd);
     return 1;
   }
-  c.dirfd = openat(backing_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-  if (c.dirfd < 0) {
-    problem(&c, "cannot open: %s", strerror(errno));
+  int rc = ckpt_stored_init(&c.s, cache, name, dfd, &m, false);
+  close(dfd);
+  if (rc) {
+    problem(&c, "cannot check: %s", strerror(-rc));
     ckpt_metadata_free(&m);
     return 1;
   }
-  ckpt__data_files_init(&c.files, c.dirfd);
   char what[PATH_MAX + 600], offs[512];
   for (uint32_t t = 0; t < m.n_tensors; t++) {
     const ckpt_tensor_meta_t *tm = &m.tensors[t];
@@ -158,8 +177,7 @@ static int check_checkpoint(int backing_fd, const char *backing,
            name, m.n_tensors, m.n_chunks, m.n_blobs, m.world_size, c.bytes);
   else
     printf("%s: DAMAGED: %u problems\n", name, c.problems);
-  ckpt__data_files_close(&c.files);
-  close(c.dirfd);
+  ckpt_stored_destroy(&c.s);
   ckpt_metadata_free(&m);
   return c.problems ? 1 : 0;
 }
@@ -180,6 +198,12 @@ int main(int argc, char **argv) {
             strerror(errno));
     return EXIT_USAGE;
   }
+  ckpt_fdcache_t *cache;
+  if (ckpt_fdcache_new(backing_fd, 0, &cache)) {
+    fprintf(stderr, "ckptfs-fsck: out of memory\n");
+    close(backing_fd);
+    return EXIT_USAGE;
+  }
   int damaged = 0;
   if (argc > 2) {
     for (int i = 2; i < argc; i++) {
@@ -188,7 +212,7 @@ int main(int argc, char **argv) {
         damaged = 1;
         continue;
       }
-      damaged |= check_checkpoint(backing_fd, backing, argv[i]);
+      damaged |= check_checkpoint(backing_fd, backing, cache, argv[i]);
     }
   } else {
     char **names;
@@ -197,15 +221,17 @@ int main(int argc, char **argv) {
     if (rc) {
       fprintf(stderr, "ckptfs-fsck: cannot list %s: %s\n", backing,
               strerror(-rc));
+      ckpt_fdcache_free(cache);
       close(backing_fd);
       return EXIT_USAGE;
     }
     for (size_t i = 0; i < n; i++)
-      damaged |= check_checkpoint(backing_fd, backing, names[i]);
+      damaged |= check_checkpoint(backing_fd, backing, cache, names[i]);
     ckpt__catalog_names_free(names, n);
     if (n == 0)
       printf("%s: no checkpoints\n", backing);
   }
+  ckpt_fdcache_free(cache);
   close(backing_fd);
   return damaged ? EXIT_DAMAGED : EXIT_SUCCESS;
 }

@@ -35,6 +35,7 @@
 
 #include "failpoint.h"
 #include "metadb.h"
+#include "store.h"
 
 /* Longest JSON dims list: 19 digits and a comma per value, brackets, NUL. */
 #define DIMS_TEXT_MAX (CKPT_MAX_NDIM * 20 + 3)
@@ -419,6 +420,10 @@ typedef struct {
   const char *path; /* the .metadata, for messages */
   char **err;
   ckpt_metadata_t *m;
+  int dirfd;        /* open .metadata in this directory, or -1: path */
+  int fd;           /* our own descriptor of the .metadata, or -1 */
+  struct timespec deadline; /* queries are interrupted past it */
+  bool timed_out;
 } loader_t;
 
 /* Where a row being checked is, for messages. */
@@ -566,6 +571,12 @@ static int col_storage(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
                     name);
   if (frank != rk)
     return row_fail(ld, r, "file %s is not of rank %" PRId64, name, rk);
+  if (*file > CKPT_METADB_MAX_FILE)
+    return row_fail(ld, r, "file %s: more than %d data files per rank",
+                    name, CKPT_METADB_MAX_FILE + 1);
+  if (len > INT64_MAX - off)
+    return row_fail(ld, r, "file_offset %" PRId64 " + length %" PRId64
+                    " overflows", off, len);
   if (parse_checksum(sum, checksum) < 0)
     return row_fail(ld, r, "checksum '%.64s' is not 16 hex digits", sum);
   *rank = (int32_t)rk;
@@ -695,8 +706,11 @@ static int load_checkpoint(loader_t *ld) {
     case K_WORLD:
       errno = 0;
       v = strtoll(val, &end, 10);
-      if (errno != 0 || end == val || *end != '\0' || v < 1 || v > INT32_MAX)
-        rc = row_fail(ld, &r, "'%.32s' is not a world size", val);
+      if (errno != 0 || end == val || *end != '\0' || v < 1 ||
+          v > CKPT_METADB_MAX_WORLD)
+        rc = row_fail(ld, &r,
+                      "'%.32s' is not a world size (1 to %d ranks)", val,
+                      CKPT_METADB_MAX_WORLD);
       m->world_size = (int32_t)v;
       break;
     case K_CREATED:
@@ -751,7 +765,8 @@ static int load_tensors(loader_t *ld) {
       rc = row_fail(ld, &r, "dtype '%.32s' is unknown", dt);
     } else if (ckpt_dims_numel(shape.d, shape.ndim, &numel) < 0 ||
                __builtin_mul_overflow(numel, ckpt_dtype_size(t->dtype),
-                                      &bytes)) {
+                                      &bytes) ||
+               bytes > INT64_MAX) {
       rc = row_fail(ld, &r, "shape is too large");
     } else if (r.n > 1 && strcmp(t[-1].fqn, t->fqn) == 0) {
       rc = row_fail(ld, &r, "fqn appears twice");
@@ -920,64 +935,295 @@ static char *immutable_uri(const char *path) {
   return uri;
 }
 
-/* Open ld->path read-only and immutable into ld->db: 0 or -errno. */
-static int open_readonly(loader_t *ld) {
-  char *uri = immutable_uri(ld->path);
+/* Interrupt a statement of the loader past its deadline (a .metadata is
+ * untrusted: however it was made, loading it ends). */
+static int past_deadline(void *arg) {
+  loader_t *ld = arg;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  if (now.tv_sec > ld->deadline.tv_sec ||
+      (now.tv_sec == ld->deadline.tv_sec &&
+       now.tv_nsec >= ld->deadline.tv_nsec)) {
+    ld->timed_out = true;
+    return 1;
+  }
+  return 0;
+}
+
+/* The schema objects a .metadata may hold: our four tables (plain ones,
+ * without generated columns) and indexes on them. A view, a trigger, a
+ * virtual table or another table would run someone else's SQL inside our
+ * queries (a recursive view never ends). full: tensors, chunks and blobs
+ * must be there too, else only checkpoint. */
+static int check_schema(loader_t *ld, bool full) {
+  static const char *const tables[] = {"checkpoint", "tensors", "chunks",
+                                       "blobs"};
+  bool seen[4] = {false};
+  sqlite3_stmt *st = NULL;
+  int rc = 0, src = sqlite3_prepare_v2(
+      ld->db, "SELECT type, name, tbl_name, sql FROM sqlite_master", -1, &st,
+      NULL);
+  if (src != SQLITE_OK)
+    return lfail(ld, src);
+  while (rc == 0 && (src = sqlite3_step(st)) == SQLITE_ROW) {
+    const char *type = (const char *)sqlite3_column_text(st, 0);
+    const char *name = (const char *)sqlite3_column_text(st, 1);
+    const char *tbl = (const char *)sqlite3_column_text(st, 2);
+    const char *sql = (const char *)sqlite3_column_text(st, 3);
+    if (!type || !name || !tbl) {
+      rc = set_err(ld->err, -EINVAL, "%s: a schema entry without a name",
+                   ld->path);
+      break;
+    }
+    int t = 0;
+    while (t < 4 && strcmp(tbl, tables[t]) != 0)
+      t++;
+    if (!strcmp(type, "table") && t < 4 && !strcmp(name, tbl) && sql &&
+        !strncmp(sql, "CREATE TABLE", 12)) {
+      seen[t] = true;
+    } else if (!strcmp(type, "index") && t < 4) {
+      /* an index of one of our tables: never evaluated by our reads */
+    } else {
+      rc = set_err(ld->err, -EINVAL,
+                   "%s: unexpected schema object: %.16s %.64s (only the "
+                   "tables checkpoint, tensors, chunks, blobs and their "
+                   "indexes are allowed)",
+                   ld->path, type, name);
+    }
+  }
+  if (rc == 0 && src != SQLITE_DONE)
+    rc = lfail(ld, src);
+  sqlite3_finalize(st);
+  for (int t = 0; rc == 0 && t < (full ? 4 : 1); t++) {
+    if (!seen[t])
+      rc = set_err(ld->err, -EINVAL, "%s: table %s is missing", ld->path,
+                   tables[t]);
+  }
+  /* Generated columns are expressions evaluated at every read. */
+  for (int t = 0; rc == 0 && t < 4; t++) {
+    if (!seen[t])
+      continue;
+    char sql_x[64];
+    snprintf(sql_x, sizeof(sql_x), "PRAGMA table_xinfo(%s)", tables[t]);
+    if ((src = sqlite3_prepare_v2(ld->db, sql_x, -1, &st, NULL)) != SQLITE_OK)
+      return lfail(ld, src);
+    while (rc == 0 && (src = sqlite3_step(st)) == SQLITE_ROW) {
+      if (sqlite3_column_int(st, 6) > 1) /* hidden: 2, 3 = generated */
+        rc = set_err(ld->err, -EINVAL,
+                     "%s: table %s has a generated column %.64s", ld->path,
+                     tables[t], (const char *)sqlite3_column_text(st, 1));
+    }
+    if (rc == 0 && src != SQLITE_DONE)
+      rc = lfail(ld, src);
+    sqlite3_finalize(st);
+  }
+  return rc;
+}
+
+/* Open the .metadata read-only and immutable into ld->db, through a
+ * descriptor of our own that refused a symlink (SQLite reopens it as
+ * /proc/self/fd/N, the same file), with views and triggers off, and a
+ * deadline for every query. Then check its schema. 0 or -errno. */
+static int open_readonly(loader_t *ld, bool full) {
+  ld->fd = -1;
+  int fd = ld->dirfd >= 0
+               ? ckpt_store_open_file(ld->dirfd, CKPT_METADATA_FILE)
+               : ckpt_store_open_file(AT_FDCWD, ld->path);
+  if (fd < 0) {
+    if (fd == -ELOOP)
+      return set_err(ld->err, -ELOOP, "%s is a symbolic link: refused",
+                     ld->path);
+    if (fd == -EINVAL)
+      return set_err(ld->err, -EINVAL, "%s is not a regular file: refused",
+                     ld->path);
+    return set_err(ld->err, fd, "opening %s: %s", ld->path, strerror(-fd));
+  }
+  ld->fd = fd;
+  char proc[64];
+  snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+  /* Without /proc only a path without a symlink at its end will do. */
+  int nofollow = 0;
+  const char *path = proc;
+  if (access(proc, F_OK) != 0) {
+    if (ld->dirfd >= 0)
+      return set_err(ld->err, -ENOENT,
+                     "%s: cannot be opened safely without /proc", ld->path);
+    path = ld->path;
+    nofollow = SQLITE_OPEN_NOFOLLOW;
+  }
+  char *uri = immutable_uri(path);
   if (uri == NULL)
     return nomem(ld);
-  int src = sqlite3_open_v2(
-      uri, &ld->db,
-      SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX, NULL);
+  int src = sqlite3_open_v2(uri, &ld->db,
+                            SQLITE_OPEN_READONLY | SQLITE_OPEN_URI |
+                                SQLITE_OPEN_NOMUTEX | nofollow,
+                            NULL);
   free(uri);
-  return src == SQLITE_OK ? 0 : lfail(ld, src);
+  if (src != SQLITE_OK)
+    return lfail(ld, src);
+  sqlite3_db_config(ld->db, SQLITE_DBCONFIG_DEFENSIVE, 1, NULL);
+  sqlite3_db_config(ld->db, SQLITE_DBCONFIG_TRUSTED_SCHEMA, 0, NULL);
+  sqlite3_db_config(ld->db, SQLITE_DBCONFIG_ENABLE_TRIGGER, 0, NULL);
+  sqlite3_db_config(ld->db, SQLITE_DBCONFIG_ENABLE_VIEW, 0, NULL);
+  sqlite3_db_config(ld->db, SQLITE_DBCONFIG_ENABLE_LOAD_EXTENSION, 0, NULL);
+  clock_gettime(CLOCK_MONOTONIC, &ld->deadline);
+  ld->deadline.tv_sec += CKPT_METADB_TIME_LIMIT;
+  sqlite3_progress_handler(ld->db, 1000, past_deadline, ld);
+  return check_schema(ld, full);
+}
+
+static void close_loader(loader_t *ld) {
+  sqlite3_close(ld->db);
+  ld->db = NULL;
+  if (ld->fd >= 0)
+    close(ld->fd);
+  ld->fd = -1;
+}
+
+/* A query interrupted past the deadline says so. */
+static int timed(loader_t *ld, int rc) {
+  if (rc < 0 && ld->timed_out) {
+    free(*ld->err);
+    *ld->err = NULL;
+    return set_err(ld->err, -ETIMEDOUT,
+                   "%s: reading it took more than %d s: refused", ld->path,
+                   CKPT_METADB_TIME_LIMIT);
+  }
+  return rc;
+}
+
+/* Every tensor is covered exactly by its chunks: no byte of a tensor is
+ * read from nowhere (a gap) or from two places (an overlap). */
+static int check_cover(loader_t *ld) {
+  const ckpt_metadata_t *m = ld->m;
+  const int64_t **box = NULL;
+  size_t cap = 0;
+  int rc = 0;
+  for (uint32_t ti = 0; rc == 0 && ti < m->n_tensors; ti++) {
+    const ckpt_tensor_meta_t *t = &m->tensors[ti];
+    if (t->n_chunks > cap) {
+      const int64_t **grown = realloc(box, t->n_chunks * sizeof(*box));
+      if (!grown) {
+        rc = nomem(ld);
+        break;
+      }
+      box = grown, cap = t->n_chunks;
+    }
+    for (uint32_t i = 0; i < t->n_chunks; i++)
+      box[i] = m->chunks[t->first_chunk + i].dims;
+    ckpt_cover_t res;
+    int r = ckpt_cover_check(t->ndim, t->shape, t->n_chunks, box, &res);
+    char a[DIMS_TEXT_MAX], b[DIMS_TEXT_MAX];
+    if (r == -ENOMEM) {
+      rc = nomem(ld);
+    } else if (r < 0) {
+      rc = set_err(ld->err, -EINVAL,
+                   "%s: tensor %s: its %" PRIu32 " chunks are laid out too "
+                   "irregularly to be checked: refused",
+                   ld->path, t->fqn, t->n_chunks);
+    } else if (res.kind == CKPT_COVER_OVERLAP) {
+      const ckpt_chunk_meta_t *x = &m->chunks[t->first_chunk + res.a];
+      const ckpt_chunk_meta_t *y = &m->chunks[t->first_chunk + res.b];
+      char c[DIMS_TEXT_MAX], d[DIMS_TEXT_MAX];
+      rc = set_err(ld->err, -EINVAL,
+                   "%s: tensor %s: chunks overlap: offsets %s sizes %s "
+                   "(rank %" PRId32 ") and offsets %s sizes %s (rank %" PRId32
+                   ")",
+                   ld->path, t->fqn, format_dims(a, x->dims, t->ndim),
+                   format_dims(b, x->dims + t->ndim, t->ndim), x->rank,
+                   format_dims(c, y->dims, t->ndim),
+                   format_dims(d, y->dims + t->ndim, t->ndim), y->rank);
+    } else if (res.kind == CKPT_COVER_GAP) {
+      uint64_t numel = 0;
+      ckpt_dims_numel(t->shape, t->ndim, &numel);
+      if (res.gap_known)
+        rc = set_err(ld->err, -EINVAL,
+                     "%s: tensor %s: its chunks cover %" PRIu64 " of %" PRIu64
+                     " elements (gap at offsets %s sizes %s)",
+                     ld->path, t->fqn, res.covered, numel,
+                     format_dims(a, res.gap_off, t->ndim),
+                     format_dims(b, res.gap_size, t->ndim));
+      else
+        rc = set_err(ld->err, -EINVAL,
+                     "%s: tensor %s: its chunks cover %" PRIu64 " of %" PRIu64
+                     " elements (a gap)",
+                     ld->path, t->fqn, res.covered, numel);
+    }
+  }
+  free(box);
+  return rc;
+}
+
+static int load(loader_t *ld, ckpt_metadata_t *out) {
+  memset(out, 0, sizeof(*out));
+  int rc = open_readonly(ld, true);
+  if (rc < 0 || (rc = load_checkpoint(ld)) < 0 ||
+      (rc = load_tensors(ld)) < 0 || (rc = load_chunks(ld)) < 0 ||
+      (rc = load_blobs(ld)) < 0)
+    goto cleanup;
+  group_chunks(out);
+  rc = check_cover(ld);
+
+cleanup:
+  rc = timed(ld, rc);
+  close_loader(ld);
+  if (rc < 0)
+    ckpt_metadata_free(out);
+  return rc;
+}
+
+static int load_header(loader_t *ld, ckpt_metadata_t *out) {
+  memset(out, 0, sizeof(*out));
+  int rc = open_readonly(ld, false);
+  if (rc == 0)
+    rc = load_checkpoint(ld);
+  rc = timed(ld, rc);
+  close_loader(ld);
+  if (rc < 0)
+    ckpt_metadata_free(out);
+  return rc;
 }
 
 int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
                      char **err) {
   assert(metadata_path != NULL && out != NULL && err != NULL);
   *err = NULL;
-  memset(out, 0, sizeof(*out));
-  loader_t ld = {.path = metadata_path, .err = err, .m = out};
-  int rc = open_readonly(&ld);
-  if (rc < 0 || (rc = load_checkpoint(&ld)) < 0 ||
-      (rc = load_tensors(&ld)) < 0 || (rc = load_chunks(&ld)) < 0 ||
-      (rc = load_blobs(&ld)) < 0)
-    goto cleanup;
-  group_chunks(out);
+  loader_t ld = {.path = metadata_path, .err = err, .m = out, .dirfd = -1};
+  return load(&ld, out);
+}
 
-cleanup:
-  sqlite3_close(ld.db);
-  if (rc < 0)
-    ckpt_metadata_free(out);
-  return rc;
+int ckpt_metadb_load_at(int dirfd, const char *display, ckpt_metadata_t *out,
+                        char **err) {
+  assert(dirfd >= 0 && display != NULL && out != NULL && err != NULL);
+  *err = NULL;
+  loader_t ld = {.path = display, .err = err, .m = out, .dirfd = dirfd};
+  return load(&ld, out);
 }
 
 int ckpt_metadb_load_header(const char *metadata_path, ckpt_metadata_t *out,
                             char **err) {
   assert(metadata_path != NULL && out != NULL && err != NULL);
   *err = NULL;
-  memset(out, 0, sizeof(*out));
-  loader_t ld = {.path = metadata_path, .err = err, .m = out};
-  int rc = open_readonly(&ld);
-  if (rc == 0)
-    rc = load_checkpoint(&ld);
-  sqlite3_close(ld.db);
-  if (rc < 0)
-    ckpt_metadata_free(out);
-  return rc;
+  loader_t ld = {.path = metadata_path, .err = err, .m = out, .dirfd = -1};
+  return load_header(&ld, out);
 }
 
-int ckpt_metadb_check(const char *metadata_path, char **err) {
-  assert(metadata_path != NULL && err != NULL);
+int ckpt_metadb_load_header_at(int dirfd, const char *display,
+                               ckpt_metadata_t *out, char **err) {
+  assert(dirfd >= 0 && display != NULL && out != NULL && err != NULL);
   *err = NULL;
-  loader_t ld = {.path = metadata_path, .err = err};
+  loader_t ld = {.path = display, .err = err, .m = out, .dirfd = dirfd};
+  return load_header(&ld, out);
+}
+
+static int check(loader_t *ld) {
   sqlite3_stmt *st = NULL;
-  int rc = open_readonly(&ld), src;
+  int rc = open_readonly(ld, false), src;
   if (rc < 0)
     goto cleanup;
-  src = sqlite3_prepare_v2(ld.db, "PRAGMA integrity_check(8)", -1, &st, NULL);
+  src = sqlite3_prepare_v2(ld->db, "PRAGMA integrity_check(8)", -1, &st, NULL);
   if (src != SQLITE_OK) {
-    rc = lfail(&ld, src);
+    rc = lfail(ld, src);
     goto cleanup;
   }
   /* One row "ok", or up to 8 rows naming what is wrong. */
@@ -990,9 +1236,9 @@ int ckpt_metadb_check(const char *metadata_path, char **err) {
   }
   if (src != SQLITE_DONE) {
     ckpt_buf_free(&msg);
-    rc = lfail(&ld, src);
+    rc = lfail(ld, src);
   } else if (msg.len) {
-    rc = set_err(err, -EINVAL, "%s: integrity check: %s", metadata_path,
+    rc = set_err(ld->err, -EINVAL, "%s: integrity check: %s", ld->path,
                  (const char *)msg.data);
     ckpt_buf_free(&msg);
   } else {
@@ -1001,6 +1247,21 @@ int ckpt_metadb_check(const char *metadata_path, char **err) {
 
 cleanup:
   sqlite3_finalize(st);
-  sqlite3_close(ld.db);
+  rc = timed(ld, rc);
+  close_loader(ld);
   return rc;
+}
+
+int ckpt_metadb_check(const char *metadata_path, char **err) {
+  assert(metadata_path != NULL && err != NULL);
+  *err = NULL;
+  loader_t ld = {.path = metadata_path, .err = err, .dirfd = -1};
+  return check(&ld);
+}
+
+int ckpt_metadb_check_at(int dirfd, const char *display, char **err) {
+  assert(dirfd >= 0 && display != NULL && err != NULL);
+  *err = NULL;
+  loader_t ld = {.path = display, .err = err, .dirfd = dirfd};
+  return check(&ld);
 }

@@ -47,11 +47,10 @@ typedef struct {
 int ckpt__catalog_names(int backing_fd, char ***names, size_t *n);
 void ckpt__catalog_names_free(char **names, size_t n);
 
-/* Describe every checkpoint directory of BACKING_DIR (backing_path names
- * it for the SQLite loader). full: load each .metadata whole (tensors,
+/* Describe every checkpoint directory of BACKING_DIR. full: load each .metadata whole (tensors,
  * chunks, blobs) and sum the sizes of its files; else only its header.
  * 0 or -errno (BACKING_DIR cannot be listed). */
-int ckpt__catalog_scan(int backing_fd, const char *backing_path, bool full,
+int ckpt__catalog_scan(int backing_fd, bool full,
                        ckpt_catalog_t *out);
 void ckpt__catalog_free(ckpt_catalog_t *c);
 
@@ -72,33 +71,5 @@ size_t ckpt__catalog_select_old(const ckpt_catalog_t *c, uint32_t keep,
  *  3. remove the data files and the directory, fsync BACKING_DIR.
  * 0 (also when it does not exist) or -errno. */
 int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle);
-
-/* The data files __R_K.distcp of one checkpoint directory, for tools that
- * read every chunk (ckptfs-fsck, ckptctl export): each opened once and
- * kept open, at most CKPT_DATA_FILES_OPEN at a time or as many as
- * RLIMIT_NOFILE allows (then all are closed and reopened as needed), a
- * failed open remembered. */
-#define CKPT_DATA_FILES_OPEN 256
-
-typedef struct {
-  int dirfd;              /* the checkpoint directory (not owned) */
-  int32_t nranks;         /* entries of by_rank */
-  struct ckpt_rank_files {
-    uint32_t n;           /* entries of fd */
-    int *fd;              /* by K: open fd, -errno of a failed open, or
-                             CKPT_DATA_FILE_UNOPENED */
-  } *by_rank;
-  uint32_t nopen;         /* fds open */
-} ckpt_data_files_t;
-
-#define CKPT_DATA_FILE_UNOPENED INT32_MIN
-
-void ckpt__data_files_init(ckpt_data_files_t *df, int dirfd);
-/* The fd of data file K of rank R, or -errno (-ENOMEM, or why it cannot
- * be opened; *first is true the first time an open fails, so that it is
- * reported once). */
-int ckpt__data_files_get(ckpt_data_files_t *df, int32_t rank, uint32_t k,
-                         bool *first);
-void ckpt__data_files_close(ckpt_data_files_t *df);
 
 #endif /* CKPT_CATALOG_H */

@@ -24,10 +24,14 @@
 #include <stdbool.h>
 
 #include "ckpt_planner.h"
+#include "store.h"
 
 #define CKPT_METADB_FORMAT_VERSION 1
-#define CKPT_METADATA_FILE ".metadata"
-#define CKPT_METADATA_TMP ".metadata.tmp"
+/* Bounds of what a .metadata may say (it is untrusted): ranks, data files
+ * per rank, and the seconds its queries may take. */
+#define CKPT_METADB_MAX_WORLD (1 << 20)
+#define CKPT_METADB_MAX_FILE ((1 << 20) - 1)
+#define CKPT_METADB_TIME_LIMIT 30
 
 /*
  * Publish m as ckpt_dir/.metadata, atomically:
@@ -52,6 +56,18 @@ int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
  */
 int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
                      char **err);
+/*
+ * The same for the .metadata in checkpoint directory dirfd (display names
+ * it in messages). Both refuse, with *err saying why: a .metadata that is
+ * a symlink or not a regular file; schema objects other than the four
+ * tables and their indexes (views, triggers, virtual tables, generated
+ * columns); a world size beyond CKPT_METADB_MAX_WORLD, a data file index
+ * beyond CKPT_METADB_MAX_FILE, a file_offset + length beyond INT64_MAX; a
+ * tensor not covered exactly by its chunks (a gap or an overlap); and
+ * queries that run longer than CKPT_METADB_TIME_LIMIT (-ETIMEDOUT).
+ */
+int ckpt_metadb_load_at(int dirfd, const char *display, ckpt_metadata_t *out,
+                        char **err);
 
 /*
  * Only the checkpoint table of a .metadata file (name, save_id, world_size,
@@ -60,11 +76,14 @@ int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
  */
 int ckpt_metadb_load_header(const char *metadata_path, ckpt_metadata_t *out,
                             char **err);
+int ckpt_metadb_load_header_at(int dirfd, const char *display,
+                               ckpt_metadata_t *out, char **err);
 
 /*
  * SQLite's own integrity check of a .metadata file (b-trees, indexes, free
  * list): 0, or a negative errno with *err (malloc'd) saying what is wrong.
  */
 int ckpt_metadb_check(const char *metadata_path, char **err);
+int ckpt_metadb_check_at(int dirfd, const char *display, char **err);
 
 #endif /* CKPT_METADB_H */

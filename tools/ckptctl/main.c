@@ -34,8 +34,8 @@
 
 #include "catalog.h"
 #include "ckpt_views.h"
-#include "fs_int.h"
 #include "metadb.h"
+#include "store.h"
 
 #define EXIT_NO 1      /* diff: differ; wait: failed; others: not done */
 #define EXIT_USAGE 2
@@ -314,7 +314,10 @@ static int load_named(int backing_fd, const char *backing, const char *name,
   char path[PATH_MAX];
   snprintf(path, sizeof(path), "%s/%s/%s", backing, name, CKPT_METADATA_FILE);
   char *err = NULL;
-  int rc = ckpt_metadb_load(path, m, &err);
+  int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+  int rc = dfd < 0 ? dfd : ckpt_metadb_load_at(dfd, path, m, &err);
+  if (dfd >= 0)
+    close(dfd);
   if (rc) {
     fail("%s: damaged %s: %s; run ckptfs-fsck %s %s", name,
          CKPT_METADATA_FILE, err ? err : strerror(-rc), backing, name);
@@ -527,7 +530,7 @@ static const char *state_name(ckpt_cat_state_t s) {
 static int cmd_ls(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_catalog_t cat;
-  int rc = ckpt__catalog_scan(bfd, backing, true, &cat);
+  int rc = ckpt__catalog_scan(bfd, true, &cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
     return EXIT_NO;
@@ -761,10 +764,41 @@ static int read_full(int fd, void *buf, size_t n, uint64_t off) {
   return 0;
 }
 
+/* The data files of one checkpoint, through the store's reader. */
 typedef struct {
   const char *backing, *name;
-  ckpt_data_files_t files;
+  ckpt_fdcache_t *cache;
+  ckpt_stored_t s;
+  bool open;
 } data_files_t;
+
+/* Set df up for checkpoint name (holding m) of BACKING_DIR bfd: 0, or -1
+ * with the reason printed. */
+static int df_open(data_files_t *df, int bfd, const ckpt_metadata_t *m) {
+  int dfd = ckpt_store_open_dir(bfd, df->name, O_RDONLY);
+  if (dfd < 0) {
+    fail("cannot open %s/%s: %s", df->backing, df->name, strerror(-dfd));
+    return -1;
+  }
+  int rc = ckpt_fdcache_new(bfd, 0, &df->cache);
+  if (rc == 0)
+    rc = ckpt_stored_init(&df->s, df->cache, df->name, dfd, m, false);
+  close(dfd);
+  if (rc) {
+    fail("%s: %s", df->name, strerror(-rc));
+    return -1;
+  }
+  df->open = true;
+  return 0;
+}
+
+static void df_close(data_files_t *df) {
+  if (df->open)
+    ckpt_stored_destroy(&df->s);
+  ckpt_fdcache_free(df->cache);
+  df->cache = NULL;
+  df->open = false;
+}
 
 /* What a chunk is called in messages: "tensor FQN chunk at [OFFSETS]
  * (rank R, __R_K.distcp)". */
@@ -823,10 +857,13 @@ static int assemble_tensor(data_files_t *df, const ckpt_metadata_t *m,
           break;
         }
       }
-      bool first;
-      int fd = ckpt__data_files_get(&df->files, ch->rank, ch->file, &first);
+      ckpt_fdref_t ref;
+      int fd = ckpt_stored_fd(&df->s, ch->rank, ch->file, &ref);
+      if (fd == 0)
+        fd = ref.fd;
       size_t n = (size_t)(hi - lo);
       rc = fd < 0 ? fd : read_full(fd, w->src, n, ch->file_offset + lo);
+      ckpt_fdref_put(&ref);
       if (rc) {
         fail("%s: %s: %s; the checkpoint is damaged, nothing exported "
              "(ckptfs-fsck %s %s lists every problem)",
@@ -1093,17 +1130,11 @@ static int compare_contents(int bfd, const char *backing, const char *na,
   data_files_t da = {.backing = backing, .name = na};
   data_files_t db = {.backing = backing, .name = nb};
   window_t w = {.win = malloc(EXPORT_WINDOW), .src = malloc(EXPORT_WINDOW)};
-  ckpt__data_files_init(&da.files, openat(bfd, na, O_RDONLY | O_DIRECTORY |
-                                                       O_NOFOLLOW | O_CLOEXEC));
-  ckpt__data_files_init(&db.files, openat(bfd, nb, O_RDONLY | O_DIRECTORY |
-                                                       O_NOFOLLOW | O_CLOEXEC));
   int rc = 0;
   if (!w.win || !w.src) {
     fail("out of memory");
     rc = -1;
-  } else if (da.files.dirfd < 0 || db.files.dirfd < 0) {
-    fail("cannot open %s/%s: %s", backing, da.files.dirfd < 0 ? na : nb,
-         strerror(errno));
+  } else if (df_open(&da, bfd, ma) || df_open(&db, bfd, mb)) {
     rc = -1;
   }
   for (uint32_t i = 0, k = 0; rc == 0 && i < ma->n_tensors;) {
@@ -1124,11 +1155,8 @@ static int compare_contents(int bfd, const char *backing, const char *na,
       same[i] = ha == hb;
     i++, k++;
   }
-  for (data_files_t *df = &da; df; df = df == &da ? &db : NULL) {
-    ckpt__data_files_close(&df->files);
-    if (df->files.dirfd >= 0)
-      close(df->files.dirfd);
-  }
+  df_close(&da);
+  df_close(&db);
   free(w.win);
   free(w.src);
   return rc;
@@ -1202,7 +1230,7 @@ static int cmd_diff(const args_t *a, int bfd) {
 static int cmd_prune(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_catalog_t cat;
-  int rc = ckpt__catalog_scan(bfd, backing, false, &cat);
+  int rc = ckpt__catalog_scan(bfd, false, &cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
     return EXIT_NO;
@@ -1337,16 +1365,12 @@ static int cmd_export(const args_t *a, int bfd) {
   window_t w = {.win = malloc(EXPORT_WINDOW), .src = malloc(EXPORT_WINDOW)};
   ckpt_st_tensor_t *st = calloc(m.n_tensors ? m.n_tensors : 1, sizeof(*st));
   ckpt_st_plan_t plan = {0};
-  ckpt__data_files_init(&df.files, openat(bfd, name, O_RDONLY | O_DIRECTORY |
-                                                        O_NOFOLLOW | O_CLOEXEC));
   if (!w.win || !w.src || !st) {
     fail("out of memory");
     goto out;
   }
-  if (df.files.dirfd < 0) {
-    fail("cannot open %s/%s: %s", backing, name, strerror(errno));
+  if (df_open(&df, bfd, &m))
     goto out;
-  }
   for (uint32_t i = 0; i < m.n_tensors; i++)
     st[i] = (ckpt_st_tensor_t){.name = m.tensors[i].fqn,
                                .dtype = m.tensors[i].dtype,
@@ -1442,9 +1466,7 @@ out:
     close(out_fd);
   if (tmp_made && unlink(tmp) == 0 && status)
     fprintf(stderr, "%s: removed the partial %s\n", prog, tmp);
-  ckpt__data_files_close(&df.files);
-  if (df.files.dirfd >= 0)
-    close(df.files.dirfd);
+  df_close(&df);
   ckpt_st_plan_free(&plan);
   free(st);
   free(w.win);

@@ -1,13 +1,13 @@
 /*
- * verify.c - checksums of stored bytes, for -o verify=1 (storage.c) and
- * the offline checker ckptfs-fsck (fsck_main.c).
+ * verify.c - checksums of stored bytes, for -o verify=1 (reader.c) and
+ * the offline checker ckptfs-fsck (tools/fsck.c).
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "fs_int.h"
+#include "store.h"
 
 #define VERIFY_READ ((size_t)1 << 20)
 

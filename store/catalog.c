@@ -18,7 +18,7 @@
 #include <unistd.h>
 
 #include "catalog.h"
-#include "fs_int.h"
+#include "store.h"
 #include "metadb.h"
 
 static int by_name(const void *a, const void *b) {
@@ -100,7 +100,7 @@ static uint64_t dir_bytes(int dfd) {
   return sum;
 }
 
-static void describe(int backing_fd, const char *backing_path, bool full,
+static void describe(int backing_fd, bool full,
                      ckpt_cat_entry_t *en) {
   int dfd = openat(backing_fd, en->name,
                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -122,14 +122,13 @@ static void describe(int backing_fd, const char *backing_path, bool full,
     close(dfd);
     return;
   }
-  close(dfd);
   en->mtime = st.st_mtim;
-  char path[PATH_MAX];
-  snprintf(path, sizeof(path), "%s/%s/%s", backing_path, en->name,
-           CKPT_METADATA_FILE);
+  char display[300];
+  snprintf(display, sizeof(display), "%s/%s", en->name, CKPT_METADATA_FILE);
   char *err = NULL;
-  int rc = full ? ckpt_metadb_load(path, &en->meta, &err)
-                : ckpt_metadb_load_header(path, &en->meta, &err);
+  int rc = full ? ckpt_metadb_load_at(dfd, display, &en->meta, &err)
+                : ckpt_metadb_load_header_at(dfd, display, &en->meta, &err);
+  close(dfd);
   if (rc) {
     en->state = CKPT_CAT_DAMAGED;
     en->error = err ? err : strdup(strerror(-rc));
@@ -138,7 +137,7 @@ static void describe(int backing_fd, const char *backing_path, bool full,
   }
 }
 
-int ckpt__catalog_scan(int backing_fd, const char *backing_path, bool full,
+int ckpt__catalog_scan(int backing_fd, bool full,
                        ckpt_catalog_t *out) {
   out->n = 0;
   out->e = NULL;
@@ -155,7 +154,7 @@ int ckpt__catalog_scan(int backing_fd, const char *backing_path, bool full,
   for (size_t i = 0; i < n; i++) {
     ckpt_cat_entry_t *en = &out->e[out->n++];
     en->name = names[i]; /* moved */
-    describe(backing_fd, backing_path, full, en);
+    describe(backing_fd, full, en);
   }
   free(names);
   return 0;
@@ -240,77 +239,4 @@ int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle) {
   close(dfd); /* the flock is held until the directory is gone */
   fsync(backing_fd);
   return rc;
-}
-
-/* ------------------------------------------------------------------------
- * The data files of one checkpoint.
- * ---------------------------------------------------------------------- */
-
-void ckpt__data_files_init(ckpt_data_files_t *df, int dirfd) {
-  memset(df, 0, sizeof(*df));
-  df->dirfd = dirfd;
-}
-
-static void close_open_files(ckpt_data_files_t *df) {
-  for (int32_t r = 0; r < df->nranks; r++)
-    for (uint32_t k = 0; k < df->by_rank[r].n; k++)
-      if (df->by_rank[r].fd[k] >= 0) {
-        close(df->by_rank[r].fd[k]);
-        df->by_rank[r].fd[k] = CKPT_DATA_FILE_UNOPENED;
-      }
-  df->nopen = 0;
-}
-
-int ckpt__data_files_get(ckpt_data_files_t *df, int32_t rank, uint32_t k,
-                         bool *first) {
-  *first = false;
-  if (rank < 0 || k > (1u << 20))
-    return -EINVAL;
-  if (rank >= df->nranks) {
-    struct ckpt_rank_files *v =
-        realloc(df->by_rank, ((size_t)rank + 1) * sizeof(*v));
-    if (!v)
-      return -ENOMEM;
-    memset(v + df->nranks, 0, ((size_t)rank + 1 - (size_t)df->nranks) *
-                                  sizeof(*v));
-    df->by_rank = v;
-    df->nranks = rank + 1;
-  }
-  struct ckpt_rank_files *rf = &df->by_rank[rank];
-  if (k >= rf->n) {
-    int *v = realloc(rf->fd, ((size_t)k + 1) * sizeof(*v));
-    if (!v)
-      return -ENOMEM;
-    for (uint32_t i = rf->n; i <= k; i++)
-      v[i] = CKPT_DATA_FILE_UNOPENED;
-    rf->fd = v;
-    rf->n = k + 1;
-  }
-  if (rf->fd[k] != CKPT_DATA_FILE_UNOPENED)
-    return rf->fd[k];
-  if (df->nopen >= CKPT_DATA_FILES_OPEN)
-    close_open_files(df);
-  char name[64];
-  ckpt_data_file_name(rank, k, name, sizeof(name));
-  int fd = openat(df->dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0 && (errno == EMFILE || errno == ENFILE) && df->nopen > 0) {
-    close_open_files(df); /* a low RLIMIT_NOFILE: make room, once */
-    fd = openat(df->dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  }
-  if (fd < 0) {
-    rf->fd[k] = -errno;
-    *first = true;
-    return rf->fd[k];
-  }
-  df->nopen++;
-  return rf->fd[k] = fd;
-}
-
-void ckpt__data_files_close(ckpt_data_files_t *df) {
-  close_open_files(df);
-  for (int32_t r = 0; r < df->nranks; r++)
-    free(df->by_rank[r].fd);
-  free(df->by_rank);
-  df->by_rank = NULL;
-  df->nranks = 0;
 }

@@ -1,0 +1,263 @@
+/*
+ * fdcache.c - the one bounded cache of data file descriptors (store.h).
+ *
+ * A mount serves every committed checkpoint of BACKING_DIR for as long as
+ * it runs, and a tool may read thousands: a descriptor per data file ever
+ * read would reach the process's limit (and then every commit fails with
+ * "Too many open files"). So descriptors are cached by (checkpoint id,
+ * rank, K), at most cap of them; the least recently used one that no read
+ * holds is closed to make room, and one held beyond the cap is closed when
+ * released. A miss opens BACKING_DIR/NAME again, without following
+ * symlinks, and checks that it is still the directory that was loaded.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "store_int.h"
+
+struct ckpt_fdent {
+  uint64_t id;
+  int32_t rank;
+  uint32_t k;
+  int fd;
+  uint32_t refs;
+  struct ckpt_fdent *hnext;            /* hash chain */
+  struct ckpt_fdent *lprev, *lnext;    /* LRU list of unused entries */
+};
+
+struct ckpt_fdcache {
+  pthread_mutex_t lock;   /* protects everything below */
+  int backing_fd;         /* not owned */
+  uint32_t cap;
+  uint32_t n;             /* entries (open descriptors) */
+  uint64_t next_id;
+  struct ckpt_fdent **hash;
+  size_t nbuckets;        /* power of two */
+  struct ckpt_fdent *lru_head, *lru_tail; /* head: least recently used */
+};
+
+static size_t bucket(const ckpt_fdcache_t *c, uint64_t id, int32_t rank,
+                     uint32_t k) {
+  uint64_t h = id * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)rank * 0xC2B2AE3D27D4EB4Full ^ k;
+  h ^= h >> 29;
+  return (size_t)h & (c->nbuckets - 1);
+}
+
+static void lru_remove(ckpt_fdcache_t *c, struct ckpt_fdent *e) {
+  if (e->lprev)
+    e->lprev->lnext = e->lnext;
+  else
+    c->lru_head = e->lnext;
+  if (e->lnext)
+    e->lnext->lprev = e->lprev;
+  else
+    c->lru_tail = e->lprev;
+  e->lprev = e->lnext = NULL;
+}
+
+static void lru_push(ckpt_fdcache_t *c, struct ckpt_fdent *e) {
+  e->lnext = NULL;
+  e->lprev = c->lru_tail;
+  if (c->lru_tail)
+    c->lru_tail->lnext = e;
+  else
+    c->lru_head = e;
+  c->lru_tail = e;
+}
+
+/* Unlink e from its hash chain and close it (unused, c->lock held). */
+static void drop(ckpt_fdcache_t *c, struct ckpt_fdent *e) {
+  struct ckpt_fdent **p = &c->hash[bucket(c, e->id, e->rank, e->k)];
+  while (*p != e)
+    p = &(*p)->hnext;
+  *p = e->hnext;
+  lru_remove(c, e);
+  close(e->fd);
+  free(e);
+  c->n--;
+}
+
+/* Close unused entries until fewer than want are open (c->lock held). */
+static void shrink(ckpt_fdcache_t *c, uint32_t want) {
+  while (c->n >= want && c->lru_head)
+    drop(c, c->lru_head);
+}
+
+static uint32_t default_cap(void) {
+  struct rlimit rl;
+  uint64_t cap = 256;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+    cap = (uint64_t)rl.rlim_cur / 4;
+  return cap < 16 ? 16 : cap > 1024 ? 1024 : (uint32_t)cap;
+}
+
+int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out) {
+  ckpt_fdcache_t *c = calloc(1, sizeof(*c));
+  if (!c)
+    return -ENOMEM;
+  c->backing_fd = backing_fd;
+  c->cap = cap ? cap : default_cap();
+  c->nbuckets = 64;
+  while (c->nbuckets < 2 * (size_t)c->cap)
+    c->nbuckets *= 2;
+  if (!(c->hash = calloc(c->nbuckets, sizeof(*c->hash)))) {
+    free(c);
+    return -ENOMEM;
+  }
+  c->next_id = 1;
+  pthread_mutex_init(&c->lock, NULL);
+  *out = c;
+  return 0;
+}
+
+void ckpt_fdcache_free(ckpt_fdcache_t *c) {
+  if (!c)
+    return;
+  for (size_t b = 0; b < c->nbuckets; b++) {
+    for (struct ckpt_fdent *e = c->hash[b], *nx; e; e = nx) {
+      nx = e->hnext;
+      close(e->fd);
+      free(e);
+    }
+  }
+  free(c->hash);
+  pthread_mutex_destroy(&c->lock);
+  free(c);
+}
+
+uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c) {
+  pthread_mutex_lock(&c->lock);
+  uint32_t n = c->n;
+  pthread_mutex_unlock(&c->lock);
+  return n;
+}
+
+uint64_t ckpt__fdcache_new_id(ckpt_fdcache_t *c) {
+  pthread_mutex_lock(&c->lock);
+  uint64_t id = c->next_id++;
+  pthread_mutex_unlock(&c->lock);
+  return id;
+}
+
+void ckpt__fdcache_forget(ckpt_fdcache_t *c, uint64_t id) {
+  pthread_mutex_lock(&c->lock);
+  for (size_t b = 0; b < c->nbuckets; b++) {
+    for (struct ckpt_fdent *e = c->hash[b], *nx; e; e = nx) {
+      nx = e->hnext;
+      if (e->id == id && e->refs == 0)
+        drop(c, e);
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+}
+
+/* Open data file K of rank R of s: fd or -errno. */
+static int open_data_file(const ckpt_stored_t *s, int backing_fd,
+                          int32_t rank, uint32_t k) {
+  char name[64];
+  ckpt_data_file_name(rank, k, name, sizeof(name));
+  int dfd = ckpt_store_open_dir(backing_fd, s->name, O_PATH);
+  if (dfd < 0) {
+    ckpt__log("%s: cannot open its directory: %s", s->name, strerror(-dfd));
+    return dfd;
+  }
+  struct stat st;
+  int fd;
+  if (fstat(dfd, &st)) {
+    fd = -errno;
+  } else if (st.st_dev != s->dev || st.st_ino != s->ino) {
+    ckpt__log("%s: the directory was replaced since it was loaded; not "
+              "reading %s", s->name, name);
+    fd = -ESTALE;
+  } else {
+    fd = ckpt_store_open_file(dfd, name);
+    if (fd < 0)
+      ckpt__log("%s: cannot open %s: %s", s->name, name, strerror(-fd));
+  }
+  close(dfd);
+  return fd;
+}
+
+int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                   ckpt_fdref_t *ref) {
+  ckpt_fdcache_t *c = s->cache;
+  ref->fd = -1;
+  ref->e = NULL;
+  ref->c = c;
+  if (rank < 0 || rank >= s->meta->world_size)
+    return -EIO;
+  size_t b = bucket(c, s->id, rank, k);
+  pthread_mutex_lock(&c->lock);
+  for (struct ckpt_fdent *e = c->hash[b]; e; e = e->hnext) {
+    if (e->id == s->id && e->rank == rank && e->k == k) {
+      if (e->refs++ == 0)
+        lru_remove(c, e);
+      ref->fd = e->fd;
+      ref->e = e;
+      pthread_mutex_unlock(&c->lock);
+      return 0;
+    }
+  }
+  shrink(c, c->cap);
+  pthread_mutex_unlock(&c->lock);
+
+  int fd = open_data_file(s, c->backing_fd, rank, k);
+  if (fd == -EMFILE || fd == -ENFILE) { /* make room and try once more */
+    pthread_mutex_lock(&c->lock);
+    shrink(c, 1);
+    pthread_mutex_unlock(&c->lock);
+    fd = open_data_file(s, c->backing_fd, rank, k);
+  }
+  if (fd < 0) /* missing or replaced data of a committed checkpoint */
+    return fd == -ENOMEM || fd == -EMFILE || fd == -ENFILE ? fd : -EIO;
+  struct ckpt_fdent *e = calloc(1, sizeof(*e));
+  if (!e) {
+    close(fd);
+    return -ENOMEM;
+  }
+  e->id = s->id, e->rank = rank, e->k = k, e->fd = fd, e->refs = 1;
+  pthread_mutex_lock(&c->lock);
+  /* Another thread may have opened it meanwhile: use one of the two. */
+  for (struct ckpt_fdent *o = c->hash[b]; o; o = o->hnext) {
+    if (o->id == s->id && o->rank == rank && o->k == k) {
+      if (o->refs++ == 0)
+        lru_remove(c, o);
+      pthread_mutex_unlock(&c->lock);
+      close(fd);
+      free(e);
+      ref->fd = o->fd;
+      ref->e = o;
+      return 0;
+    }
+  }
+  e->hnext = c->hash[b];
+  c->hash[b] = e;
+  c->n++;
+  pthread_mutex_unlock(&c->lock);
+  ref->fd = fd;
+  ref->e = e;
+  return 0;
+}
+
+void ckpt_fdref_put(ckpt_fdref_t *ref) {
+  if (!ref->e)
+    return;
+  ckpt_fdcache_t *c = ref->c;
+  pthread_mutex_lock(&c->lock);
+  struct ckpt_fdent *e = ref->e;
+  if (--e->refs == 0) {
+    lru_push(c, e);
+    if (c->n > c->cap)
+      drop(c, e);
+  }
+  pthread_mutex_unlock(&c->lock);
+  ref->e = NULL;
+  ref->fd = -1;
+}

@@ -1,0 +1,257 @@
+/*
+ * reader.c - the one reader of committed chunks and blobs (store.h): the
+ * mount's reads, its .npy and .safetensors views, ckptctl export and
+ * ckptfs-fsck all come here.
+ *
+ * A read of a tensor's byte range asks each chunk that touches it for the
+ * bytes it holds (ckpt_layout_span: one pread of the chunk bytes the range
+ * needs, then the copies). The loader (metadb.c) has checked that the
+ * chunks of a tensor cover it exactly, so every byte of the range is
+ * written by exactly one chunk.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "store_int.h"
+
+int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
+                     const char *name, int dirfd, const ckpt_metadata_t *meta,
+                     bool verify) {
+  memset(s, 0, sizeof(*s));
+  struct stat st;
+  if (fstat(dirfd, &st))
+    return -errno;
+  if (strlen(name) >= sizeof(s->name))
+    return -ENAMETOOLONG;
+  strcpy(s->name, name);
+  s->dev = st.st_dev;
+  s->ino = st.st_ino;
+  s->meta = meta;
+  s->cache = cache;
+  if (verify &&
+      !(s->verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
+                             sizeof(*s->verified))))
+    return -ENOMEM;
+  s->id = ckpt__fdcache_new_id(cache);
+  return 0;
+}
+
+void ckpt_stored_destroy(ckpt_stored_t *s) {
+  if (s->cache)
+    ckpt__fdcache_forget(s->cache, s->id);
+  free((void *)s->verified);
+  s->verified = NULL;
+  s->cache = NULL;
+}
+
+uint64_t ckpt_stored_size(const ckpt_stored_t *s, ckpt_item_t it) {
+  const ckpt_metadata_t *m = s->meta;
+  if (it.blob)
+    return m->blobs[it.i].length;
+  const ckpt_tensor_meta_t *t = &m->tensors[it.i];
+  uint64_t numel = 0;
+  ckpt_dims_numel(t->shape, t->ndim, &numel);
+  return numel * ckpt_dtype_size(t->dtype);
+}
+
+/* Does chunk c of tensor t hold any byte of [off, off+size)? */
+static bool chunk_touches(const ckpt_tensor_meta_t *t,
+                          const ckpt_chunk_meta_t *c, uint64_t off,
+                          size_t size) {
+  uint64_t first, end;
+  ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim,
+                     ckpt_dtype_size(t->dtype), &first, &end);
+  return end > off && first < off + size;
+}
+
+/* Read the part of one chunk that falls in [off, off+size). */
+static int read_chunk(const ckpt_stored_t *s, const ckpt_tensor_meta_t *t,
+                      const ckpt_chunk_meta_t *c, uint8_t *out, uint64_t off,
+                      size_t size) {
+  size_t isz = ckpt_dtype_size(t->dtype);
+  const int64_t *offs = c->dims, *sizes = c->dims + t->ndim;
+  uint64_t lo, hi;
+  ckpt_layout_span(t->ndim, t->shape, offs, sizes, isz, off, size, &lo, &hi);
+  if (lo >= hi)
+    return 0;
+  if (hi > c->length)
+    return -EIO;
+  ckpt_fdref_t ref;
+  int rc = ckpt_stored_fd(s, c->rank, c->file, &ref);
+  if (rc)
+    return rc;
+  size_t n = (size_t)(hi - lo);
+  uint8_t *tmp = malloc(n);
+  if (!tmp) {
+    ckpt_fdref_put(&ref);
+    return -ENOMEM;
+  }
+  rc = ckpt__pread_full(ref.fd, tmp, n, c->file_offset + lo);
+  ckpt_fdref_put(&ref);
+  if (rc == 0)
+    ckpt_layout_copy(t->ndim, t->shape, offs, sizes, isz, off, size, tmp, lo,
+                     out);
+  free(tmp);
+  return rc;
+}
+
+ssize_t ckpt_stored_read(const ckpt_stored_t *s, ckpt_item_t it, void *buf,
+                         size_t size, uint64_t off) {
+  uint64_t total = ckpt_stored_size(s, it);
+  if (off >= total)
+    return 0;
+  if (size > total - off)
+    size = (size_t)(total - off);
+  const ckpt_metadata_t *m = s->meta;
+  if (it.blob) {
+    const ckpt_blob_meta_t *b = &m->blobs[it.i];
+    ckpt_fdref_t ref;
+    int rc = ckpt_stored_fd(s, b->rank, b->file, &ref);
+    if (rc)
+      return rc;
+    rc = ckpt__pread_full(ref.fd, buf, size, b->file_offset + off);
+    ckpt_fdref_put(&ref);
+    return rc ? rc : (ssize_t)size;
+  }
+  const ckpt_tensor_meta_t *t = &m->tensors[it.i];
+  for (uint32_t i = 0; i < t->n_chunks; i++) {
+    const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+    if (!chunk_touches(t, c, off, size))
+      continue;
+    int rc = read_chunk(s, t, c, buf, off, size);
+    if (rc)
+      return rc;
+  }
+  return (ssize_t)size;
+}
+
+typedef struct {
+  uint32_t n;        /* pieces seen */
+  ckpt_piece_t first;
+} span_ctx_t;
+
+static int count_piece(void *arg, const ckpt_piece_t *p) {
+  span_ctx_t *c = arg;
+  if (c->n++ == 0)
+    c->first = *p;
+  return c->n > 1; /* a second piece: not one span, stop */
+}
+
+int ckpt_stored_span(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
+                     uint64_t off, ckpt_fdref_t *ref, uint64_t *pos,
+                     size_t *len) {
+  uint64_t total = ckpt_stored_size(s, it);
+  if (off >= total || size == 0)
+    return 0;
+  if (size > total - off)
+    size = (size_t)(total - off);
+  const ckpt_metadata_t *m = s->meta;
+  int32_t rank;
+  uint32_t file;
+  uint64_t at;
+  if (it.blob) {
+    const ckpt_blob_meta_t *b = &m->blobs[it.i];
+    rank = b->rank, file = b->file, at = b->file_offset + off;
+  } else {
+    const ckpt_tensor_meta_t *t = &m->tensors[it.i];
+    size_t isz = ckpt_dtype_size(t->dtype);
+    const ckpt_chunk_meta_t *hit = NULL;
+    for (uint32_t i = 0; i < t->n_chunks; i++) {
+      const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+      if (!chunk_touches(t, c, off, size))
+        continue;
+      if (hit)
+        return 0; /* several chunks */
+      hit = c;
+    }
+    if (!hit)
+      return 0;
+    span_ctx_t sc = {0};
+    ckpt_layout_pieces(t->ndim, t->shape, hit->dims, hit->dims + t->ndim, isz,
+                       off, size, count_piece, &sc);
+    if (sc.n != 1 || sc.first.dst != off || sc.first.len != size ||
+        sc.first.src + size > hit->length)
+      return 0;
+    rank = hit->rank, file = hit->file, at = hit->file_offset + sc.first.src;
+  }
+  int rc = ckpt_stored_fd(s, rank, file, ref);
+  if (rc)
+    return rc;
+  /* The bytes must be there: a short data file is damage, not zeros. */
+  struct stat st;
+  if (fstat(ref->fd, &st) || (uint64_t)st.st_size < at + size) {
+    ckpt_fdref_put(ref);
+    return -EIO;
+  }
+  *pos = at;
+  *len = size;
+  return 1;
+}
+
+/* Check stored chunk or blob i of s (verified[i]) once: 0 or -EIO. */
+static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
+                         int32_t rank, uint32_t file, uint64_t pos,
+                         uint64_t len, uint64_t want) {
+  uint8_t known = atomic_load(&s->verified[i]);
+  if (known != CKPT_CHUNK_UNCHECKED)
+    return known == CKPT_CHUNK_GOOD ? 0 : -EIO;
+  ckpt_fdref_t ref;
+  int rc = ckpt_stored_fd(s, rank, file, &ref);
+  if (rc)
+    return rc;
+  uint64_t got = 0;
+  rc = ckpt__stored_checksum(ref.fd, pos, len, &got);
+  ckpt_fdref_put(&ref);
+  if (rc == -ENODATA || (rc == 0 && got != want)) {
+    char name[64];
+    ckpt_data_file_name(rank, file, name, sizeof(name));
+    if (rc)
+      ckpt__log("%s: %s: rank %d, %s: truncated (bytes %" PRIu64
+                "..%" PRIu64 " missing)", s->name, fqn, rank, name, pos,
+                pos + len);
+    else
+      ckpt__log("%s: %s: rank %d, %s at %" PRIu64 ": checksum %016" PRIx64
+                ", stored %016" PRIx64, s->name, fqn, rank, name, pos, got,
+                want);
+    atomic_store(&s->verified[i], CKPT_CHUNK_BAD);
+    return -EIO;
+  }
+  if (rc)
+    return rc; /* a read error: not known bad, try again next time */
+  atomic_store(&s->verified[i], CKPT_CHUNK_GOOD);
+  return 0;
+}
+
+int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
+                       uint64_t off) {
+  if (!s->verified) /* verify=0: nothing to do on the read path */
+    return 0;
+  const ckpt_metadata_t *m = s->meta;
+  uint64_t total = ckpt_stored_size(s, it);
+  if (off >= total || size == 0)
+    return 0;
+  if (size > total - off)
+    size = (size_t)(total - off);
+  if (it.blob) {
+    const ckpt_blob_meta_t *b = &m->blobs[it.i];
+    return verify_stored(s, m->n_chunks + it.i, b->fqn, b->rank, b->file,
+                         b->file_offset, b->length, b->checksum);
+  }
+  const ckpt_tensor_meta_t *t = &m->tensors[it.i];
+  for (uint32_t i = 0; i < t->n_chunks; i++) {
+    const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+    if (!chunk_touches(t, c, off, size))
+      continue;
+    int rc = verify_stored(s, t->first_chunk + i, t->fqn, c->rank, c->file,
+                           c->file_offset, c->length, c->checksum);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}

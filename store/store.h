@@ -1,0 +1,150 @@
+/*
+ * store.h - the backing directory: its layout, the opens that refuse
+ * symlinks, the scan for unfinished saves, removal, and the one reader of
+ * committed chunks with its one bounded cache of data file descriptors.
+ *
+ * Everything below BACKING_DIR is untrusted: another user may own it, and
+ * several mounts and tools use it at once. So every open under it refuses
+ * symlinks, a checkpoint directory is pinned by its device and inode when
+ * it is loaded, and the reader never reads beyond what its .metadata says
+ * (the loader, metadb.c, checks that the chunks of a tensor cover it
+ * exactly).
+ *
+ * Layout of BACKING_DIR (SPEC.md, "Layout"):
+ *
+ *   NAME/                 one checkpoint (ckpt_name_valid)
+ *   NAME/.metadata        SQLite metadata: its presence is the commit
+ *   NAME/.metadata.tmp    being written (removed by the next mount)
+ *   NAME/__R_K.distcp     data file K of rank R
+ *   .staging/             unnamed spill and stream files of live mounts
+ *
+ * No FUSE and no MPI here: the offline tools link this library alone.
+ */
+#ifndef CKPT_STORE_H
+#define CKPT_STORE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ckpt_planner.h"
+
+#define CKPT_METADATA_FILE ".metadata"
+#define CKPT_METADATA_TMP ".metadata.tmp"
+#define CKPT_STAGING_DIR ".staging"
+
+/* ------------------------------------------------------------------------
+ * Small helpers (util.c).
+ * ---------------------------------------------------------------------- */
+char *ckpt__strdup_printf(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+/* One line "ckptfs: ..." on stderr. */
+void ckpt__log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Read exactly n bytes at off: 0, -EIO when the file ends first, -errno. */
+int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
+/* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends
+ * first, or -errno of the read (verify.c). */
+int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
+
+/* ------------------------------------------------------------------------
+ * Layout (layout.c).
+ * ---------------------------------------------------------------------- */
+/* Open BACKING_DIR/name, a checkpoint directory: O_DIRECTORY, never
+ * through a symlink. flags: O_RDONLY or O_PATH (plus O_CLOEXEC always).
+ * fd or -errno (-ELOOP / -ENOTDIR for a symlink). */
+int ckpt_store_open_dir(int backing_fd, const char *name, int flags);
+/* Open the regular file dirfd/file read-only, never through a symlink:
+ * fd, or -errno (-ELOOP for a symlink, -EINVAL for anything but a regular
+ * file). */
+int ckpt_store_open_file(int dirfd, const char *file);
+/* Is there a .metadata entry (of any type: a symlink there is a damaged
+ * checkpoint, not an unfinished save) in checkpoint directory dirfd? */
+bool ckpt_store_has_metadata(int dirfd);
+/* Remove every entry of directory parent_fd/name, then the directory
+ * (never following symlinks). 0 or the first -errno. */
+int ckpt__remove_tree(int parent_fd, const char *name);
+/* At mount: remove unfinished saves (directories without .metadata that
+ * no writer holds), stale .metadata.tmp files and .staging. */
+void ckpt_store_cleanup(int backing_fd);
+
+/* ------------------------------------------------------------------------
+ * Data file descriptors (fdcache.c): one cache per process, shared by all
+ * checkpoints, at most cap descriptors open (least recently used ones are
+ * closed; those in use are closed when released). Thread-safe.
+ * ---------------------------------------------------------------------- */
+typedef struct ckpt_fdcache ckpt_fdcache_t;
+
+/* cap 0: a quarter of RLIMIT_NOFILE's soft limit, at least 16 and at most
+ * 1024. 0 or -ENOMEM. */
+int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out);
+void ckpt_fdcache_free(ckpt_fdcache_t *c);
+/* Descriptors open now (for tests and the bench). */
+uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c);
+
+/* A committed checkpoint as the reader knows it. */
+typedef struct ckpt_stored {
+  char name[256];
+  uint64_t id;                /* unique in its cache (ckpt_stored_init) */
+  dev_t dev;                  /* the directory loaded: a directory of the */
+  ino_t ino;                  /* same name but another inode is not it */
+  const ckpt_metadata_t *meta; /* not owned */
+  ckpt_fdcache_t *cache;      /* not owned */
+  _Atomic uint8_t *verified;  /* with verify: CKPT_CHUNK_* of each chunk,
+                                 then each blob; else NULL (owned) */
+} ckpt_stored_t;
+
+/* What verify knows of a stored chunk or blob. */
+enum { CKPT_CHUNK_UNCHECKED, CKPT_CHUNK_GOOD, CKPT_CHUNK_BAD };
+
+/* Set s up for checkpoint directory dirfd (its identity is taken from it)
+ * holding meta. verify: check each chunk's XXH3-64 before it is first
+ * served. 0 or -errno. */
+int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
+                     const char *name, int dirfd, const ckpt_metadata_t *meta,
+                     bool verify);
+/* Close s's descriptors and free what it owns (not meta). */
+void ckpt_stored_destroy(ckpt_stored_t *s);
+
+/* A data file descriptor in use: valid until ckpt_fdref_put. */
+typedef struct {
+  int fd;
+  struct ckpt_fdent *e;
+  ckpt_fdcache_t *c;
+} ckpt_fdref_t;
+
+/* The descriptor of data file K of rank R of s: 0, or -EIO (the file is
+ * missing, is not a regular file, or the directory was replaced; logged
+ * once), -EMFILE/-ENOMEM. */
+int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                   ckpt_fdref_t *ref);
+void ckpt_fdref_put(ckpt_fdref_t *ref);
+
+/* Item i of s: tensor i, or with blob, blob i. */
+typedef struct {
+  bool blob;
+  uint32_t i;
+} ckpt_item_t;
+
+/* Bytes of an item (a tensor's bytes fit: metadb checks them). */
+uint64_t ckpt_stored_size(const ckpt_stored_t *s, ckpt_item_t it);
+/* Read [off, off+size) of an item (clipped to its size) into buf: bytes
+ * read or -errno (-EIO for missing or short data). */
+ssize_t ckpt_stored_read(const ckpt_stored_t *s, ckpt_item_t it, void *buf,
+                         size_t size, uint64_t off);
+/* When [off, off+size) of an item (clipped) is one contiguous run of one
+ * data file: 1 with *ref, *pos and *len set (release *ref), so that it can
+ * be spliced. 0 when it must be assembled by ckpt_stored_read, < 0 on
+ * error. */
+int ckpt_stored_span(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
+                     uint64_t off, ckpt_fdref_t *ref, uint64_t *pos,
+                     size_t *len);
+/* With verify: check the XXH3-64 of every chunk (or the blob) that
+ * [off, off+size) touches, once per chunk: 0, or -EIO when one does not
+ * match (logged with its FQN, rank and file). Without: 0. */
+int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
+                       uint64_t off);
+
+#endif /* CKPT_STORE_H */

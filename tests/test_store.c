@@ -1,0 +1,311 @@
+/*
+ * test_store.c - store/: the bounded cache of data file descriptors, the
+ * opens that refuse symlinks, the reader, and the .metadata loader's
+ * refusals of what an attacker with write access to BACKING_DIR could put
+ * there (symlinks, views, triggers, gaps, overlaps, huge indexes).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <xxhash.h>
+
+#include "metadb.h"
+#include "store.h"
+
+static char *temp_backing(int *fd) {
+  char tmpl[] = "/tmp/ckpt-store-XXXXXX";
+  assert_non_null(mkdtemp(tmpl));
+  *fd = open(tmpl, O_RDONLY | O_DIRECTORY);
+  assert_true(*fd >= 0);
+  return strdup(tmpl);
+}
+
+static void rm_backing(char *b, int bfd) {
+  close(bfd);
+  char cmd[600];
+  snprintf(cmd, sizeof(cmd), "rm -rf '%s'", b);
+  assert_int_equal(system(cmd), 0);
+  free(b);
+}
+
+static int open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  int n = 0;
+  assert_non_null(d);
+  while (readdir(d))
+    n++;
+  closedir(d);
+  return n;
+}
+
+/* A committed checkpoint NAME of one int32 tensor "t" of n elements
+ * (values i * mult), stored by `files` ranks in one data file each (rows
+ * split evenly), published with metadb. */
+static ckpt_metadata_t *make_ckpt(const char *b, const char *name,
+                                  int64_t n, int ranks, int32_t mult) {
+  char dir[512], path[600];
+  snprintf(dir, sizeof(dir), "%s/%s", b, name);
+  assert_int_equal(mkdir(dir, 0700), 0);
+  ckpt_metadata_t *m = calloc(1, sizeof(*m));
+  m->name = strdup(name);
+  m->save_id = strdup("00ff");
+  m->world_size = ranks;
+  m->created_at = 1700000000;
+  m->n_tensors = 1;
+  m->tensors = calloc(1, sizeof(*m->tensors));
+  m->tensors[0].fqn = strdup("t");
+  m->tensors[0].path = strdup("t");
+  m->tensors[0].dtype = CKPT_DTYPE_INT32;
+  m->tensors[0].ndim = 1;
+  m->tensors[0].shape = malloc(sizeof(int64_t));
+  m->tensors[0].shape[0] = n;
+  m->tensors[0].n_chunks = (uint32_t)ranks;
+  m->n_chunks = (uint32_t)ranks;
+  m->chunks = calloc((size_t)ranks, sizeof(*m->chunks));
+  int64_t per = n / ranks;
+  for (int r = 0; r < ranks; r++) {
+    int64_t lo = r * per, len = r == ranks - 1 ? n - lo : per;
+    ckpt_chunk_meta_t *c = &m->chunks[r];
+    c->tensor = 0;
+    c->dims = malloc(2 * sizeof(int64_t));
+    c->dims[0] = lo;
+    c->dims[1] = len;
+    c->rank = r;
+    c->file = 0;
+    c->length = (uint64_t)len * 4;
+    int32_t *v = malloc((size_t)len * 4 + 1);
+    for (int64_t i = 0; i < len; i++)
+      v[i] = (int32_t)(lo + i) * mult;
+    c->checksum = XXH3_64bits(v, (size_t)len * 4);
+    snprintf(path, sizeof(path), "%s/__%d_0.distcp", dir, r);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    assert_int_equal(write(fd, v, (size_t)len * 4), len * 4);
+    close(fd);
+    free(v);
+  }
+  char *err = NULL;
+  assert_int_equal(ckpt_metadb_publish(dir, m, false, &err), 0);
+  return m;
+}
+
+static void free_meta(ckpt_metadata_t *m) {
+  ckpt_metadata_free(m);
+  free(m);
+}
+
+static int load(int bfd, const char *name, ckpt_metadata_t *m, char **err) {
+  int dfd = ckpt_store_open_dir(bfd, name, O_RDONLY);
+  if (dfd < 0)
+    return dfd;
+  int rc = ckpt_metadb_load_at(dfd, name, m, err);
+  close(dfd);
+  return rc;
+}
+
+/* 300 checkpoints read through one cache of 16: at most 16 descriptors
+ * stay open, and every read is right. */
+static void fdcache_is_bounded(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  enum { N = 300 };
+  ckpt_fdcache_t *cache;
+  assert_int_equal(ckpt_fdcache_new(bfd, 16, &cache), 0);
+  static ckpt_stored_t s[N];
+  static ckpt_metadata_t *mm[N], loaded[N];
+  int before = open_fds();
+  for (int i = 0; i < N; i++) {
+    char name[32];
+    snprintf(name, sizeof(name), "c%03d", i);
+    mm[i] = make_ckpt(b, name, 64, 2, i + 1);
+    char *err = NULL;
+    assert_int_equal(load(bfd, name, &loaded[i], &err), 0);
+    int dfd = ckpt_store_open_dir(bfd, name, O_PATH);
+    assert_int_equal(ckpt_stored_init(&s[i], cache, name, dfd, &loaded[i],
+                                      i % 2 == 0), 0);
+    close(dfd);
+  }
+  for (int round = 0; round < 2; round++) {
+    for (int i = 0; i < N; i++) {
+      int32_t v[64];
+      ckpt_item_t it = {false, 0};
+      assert_int_equal(ckpt_stored_verify(&s[i], it, sizeof(v), 0), 0);
+      assert_int_equal(ckpt_stored_read(&s[i], it, v, sizeof(v), 0),
+                       (ssize_t)sizeof(v));
+      for (int k = 0; k < 64; k++)
+        assert_int_equal(v[k], k * (i + 1));
+      assert_true(ckpt_fdcache_open(cache) <= 16);
+    }
+  }
+  assert_true(open_fds() <= before + 16);
+  /* A held descriptor beyond the cap stays valid until released. */
+  ckpt_fdref_t refs[20];
+  for (int i = 0; i < 20; i++)
+    assert_int_equal(ckpt_stored_fd(&s[i], 1, 0, &refs[i]), 0);
+  for (int i = 0; i < 20; i++) {
+    struct stat st;
+    assert_int_equal(fstat(refs[i].fd, &st), 0);
+    ckpt_fdref_put(&refs[i]);
+  }
+  assert_true(ckpt_fdcache_open(cache) <= 16);
+  for (int i = 0; i < N; i++) {
+    ckpt_stored_destroy(&s[i]);
+    ckpt_metadata_free(&loaded[i]);
+    free_meta(mm[i]);
+  }
+  ckpt_fdcache_free(cache);
+  assert_int_equal(open_fds(), before);
+  rm_backing(b, bfd);
+}
+
+/* Data files that are symlinks, a directory replaced under the reader, a
+ * rank beyond the world: EIO, never someone else's bytes. */
+static void reader_refuses_what_moved(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  ckpt_metadata_t *m = make_ckpt(b, "a", 64, 2, 1), *m2 = make_ckpt(b, "z", 64, 2, 7);
+  ckpt_metadata_t l = {0};
+  char *err = NULL, path[600], other[600];
+  assert_int_equal(load(bfd, "a", &l, &err), 0);
+  ckpt_fdcache_t *cache;
+  assert_int_equal(ckpt_fdcache_new(bfd, 0, &cache), 0);
+  ckpt_stored_t s;
+  int dfd = ckpt_store_open_dir(bfd, "a", O_PATH);
+  assert_int_equal(ckpt_stored_init(&s, cache, "a", dfd, &l, false), 0);
+  close(dfd);
+  ckpt_item_t it = {false, 0};
+  int32_t v[64];
+  /* rank 1's data file becomes a symlink to another checkpoint's */
+  snprintf(path, sizeof(path), "%s/a/__1_0.distcp", b);
+  snprintf(other, sizeof(other), "%s/z/__1_0.distcp", b);
+  assert_int_equal(unlink(path), 0);
+  assert_int_equal(symlink(other, path), 0);
+  assert_int_equal(ckpt_stored_read(&s, it, v, sizeof(v), 0), -EIO);
+  /* the checkpoint directory replaced by another one of the same name */
+  snprintf(path, sizeof(path), "%s/a", b);
+  snprintf(other, sizeof(other), "%s/a.old", b);
+  assert_int_equal(rename(path, other), 0);
+  snprintf(other, sizeof(other), "%s/z", b);
+  assert_int_equal(rename(other, path), 0);
+  assert_int_equal(ckpt_stored_read(&s, it, v, sizeof(v), 0), -EIO);
+  ckpt_fdref_t ref;
+  assert_int_equal(ckpt_stored_fd(&s, 2, 0, &ref), -EIO); /* no rank 2 */
+  ckpt_stored_destroy(&s);
+  ckpt_fdcache_free(cache);
+  ckpt_metadata_free(&l);
+  free_meta(m);
+  free_meta(m2);
+  rm_backing(b, bfd);
+}
+
+/* Run sql on BACKING_DIR/name/.metadata. */
+static void tamper(const char *b, const char *name, const char *sql) {
+  char path[600];
+  snprintf(path, sizeof(path), "%s/%s/.metadata", b, name);
+  sqlite3 *db;
+  assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+  char *msg = NULL;
+  int rc = sqlite3_exec(db, sql, NULL, NULL, &msg);
+  if (rc != SQLITE_OK)
+    fail_msg("%s: %s", sql, msg);
+  sqlite3_close(db);
+}
+
+/* Load a tampered copy: refused with a message containing want. */
+static void refused(const char *sql, const char *want) {
+  int bfd;
+  char *b = temp_backing(&bfd);
+  ckpt_metadata_t *m = make_ckpt(b, "c", 1024, 2, 1);
+  tamper(b, "c", sql);
+  ckpt_metadata_t l = {0};
+  char *err = NULL;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = load(bfd, "c", &l, &err);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  if (rc == 0)
+    fail_msg("%s: loaded, must be refused (%s)", sql, want);
+  assert_non_null(err);
+  if (!strstr(err, want))
+    fail_msg("%s: '%s' does not say '%s'", sql, err, want);
+  assert_true(t1.tv_sec - t0.tv_sec < 5);
+  free(err);
+  free_meta(m);
+  rm_backing(b, bfd);
+}
+
+static void loader_refuses_hostile_metadata(void **state) {
+  (void)state;
+  refused("UPDATE tensors SET shape='[4096]'", "cover 1024 of 4096");
+  refused("INSERT INTO chunks SELECT fqn, '[100]', '[512]', rank, file,"
+          " 0, 2048, checksum FROM chunks WHERE rank = 0",
+          "chunks overlap");
+  refused("DROP TABLE tensors;"
+          " CREATE VIEW tensors(fqn, path, dtype, shape) AS"
+          " WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r)"
+          " SELECT 't' || x, 't' || x, 'int32', '[1]' FROM r",
+          "unexpected schema object: view tensors");
+  refused("CREATE TRIGGER x AFTER INSERT ON chunks BEGIN SELECT 1; END",
+          "unexpected schema object: trigger");
+  refused("CREATE TABLE extra(a)", "unexpected schema object: table extra");
+  refused("UPDATE checkpoint SET value='200000000' WHERE key='world_size'",
+          "is not a world size");
+  refused("UPDATE chunks SET file='__0_268435455.distcp' WHERE rank = 0",
+          "data files per rank");
+  refused("UPDATE chunks SET file_offset=9223372036854775000 WHERE rank = 0",
+          "overflows");
+  refused("ALTER TABLE checkpoint ADD COLUMN g GENERATED ALWAYS AS (1)",
+          "generated column");
+}
+
+static void loader_refuses_symlinks(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  ckpt_metadata_t *m = make_ckpt(b, "c", 64, 1, 1);
+  char path[600], target[600];
+  snprintf(path, sizeof(path), "%s/c/.metadata", b);
+  snprintf(target, sizeof(target), "%s/c/.metadata.real", b);
+  assert_int_equal(rename(path, target), 0);
+  assert_int_equal(symlink(target, path), 0);
+  ckpt_metadata_t l = {0};
+  char *err = NULL;
+  assert_int_equal(load(bfd, "c", &l, &err), -ELOOP);
+  assert_non_null(strstr(err, "symbolic link"));
+  free(err);
+  err = NULL;
+  assert_int_equal(ckpt_metadb_load(path, &l, &err), -ELOOP);
+  free(err);
+  /* a symlinked checkpoint directory is not opened */
+  snprintf(path, sizeof(path), "%s/d", b);
+  snprintf(target, sizeof(target), "%s/c", b);
+  assert_int_equal(symlink(target, path), 0);
+  assert_true(ckpt_store_open_dir(bfd, "d", O_RDONLY) < 0);
+  free_meta(m);
+  rm_backing(b, bfd);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(fdcache_is_bounded),
+      cmocka_unit_test(reader_refuses_what_moved),
+      cmocka_unit_test(loader_refuses_hostile_metadata),
+      cmocka_unit_test(loader_refuses_symlinks),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
