@@ -192,7 +192,7 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   ref->e = NULL;
   ref->c = c;
   if (rank < 0 || rank >= s->meta->world_size)
-    return -EIO;
+    return -ERANGE;
   size_t b = bucket(c, s->id, rank, k);
   pthread_mutex_lock(&c->lock);
   for (struct ckpt_fdent *e = c->hash[b]; e; e = e->hnext) {
@@ -215,8 +215,8 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
     pthread_mutex_unlock(&c->lock);
     fd = open_data_file(s, c->backing_fd, rank, k);
   }
-  if (fd < 0) /* missing or replaced data of a committed checkpoint */
-    return fd == -ENOMEM || fd == -EMFILE || fd == -ENFILE ? fd : -EIO;
+  if (fd < 0)
+    return fd;
   struct ckpt_fdent *e = calloc(1, sizeof(*e));
   if (!e) {
     close(fd);

@@ -60,6 +60,15 @@ uint64_t ckpt_stored_size(const ckpt_stored_t *s, ckpt_item_t it) {
   return numel * ckpt_dtype_size(t->dtype);
 }
 
+/* A data file that cannot be opened makes the checkpoint damaged: EIO
+ * (ENOENT from read(2) would puzzle the caller). */
+static int stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                     ckpt_fdref_t *ref) {
+  int rc = ckpt_stored_fd(s, rank, k, ref);
+  return rc == 0 || rc == -ENOMEM || rc == -EMFILE || rc == -ENFILE ? rc
+                                                                    : -EIO;
+}
+
 /* Does chunk c of tensor t hold any byte of [off, off+size)? */
 static bool chunk_touches(const ckpt_tensor_meta_t *t,
                           const ckpt_chunk_meta_t *c, uint64_t off,
@@ -83,7 +92,7 @@ static int read_chunk(const ckpt_stored_t *s, const ckpt_tensor_meta_t *t,
   if (hi > c->length)
     return -EIO;
   ckpt_fdref_t ref;
-  int rc = ckpt_stored_fd(s, c->rank, c->file, &ref);
+  int rc = stored_fd(s, c->rank, c->file, &ref);
   if (rc)
     return rc;
   size_t n = (size_t)(hi - lo);
@@ -112,7 +121,7 @@ ssize_t ckpt_stored_read(const ckpt_stored_t *s, ckpt_item_t it, void *buf,
   if (it.blob) {
     const ckpt_blob_meta_t *b = &m->blobs[it.i];
     ckpt_fdref_t ref;
-    int rc = ckpt_stored_fd(s, b->rank, b->file, &ref);
+    int rc = stored_fd(s, b->rank, b->file, &ref);
     if (rc)
       return rc;
     rc = ckpt__pread_full(ref.fd, buf, size, b->file_offset + off);
@@ -180,7 +189,7 @@ int ckpt_stored_span(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
       return 0;
     rank = hit->rank, file = hit->file, at = hit->file_offset + sc.first.src;
   }
-  int rc = ckpt_stored_fd(s, rank, file, ref);
+  int rc = stored_fd(s, rank, file, ref);
   if (rc)
     return rc;
   /* The bytes must be there: a short data file is damage, not zeros. */
@@ -202,7 +211,7 @@ static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
   if (known != CKPT_CHUNK_UNCHECKED)
     return known == CKPT_CHUNK_GOOD ? 0 : -EIO;
   ckpt_fdref_t ref;
-  int rc = ckpt_stored_fd(s, rank, file, &ref);
+  int rc = stored_fd(s, rank, file, &ref);
   if (rc)
     return rc;
   uint64_t got = 0;

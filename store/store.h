@@ -115,9 +115,13 @@ typedef struct {
   ckpt_fdcache_t *c;
 } ckpt_fdref_t;
 
-/* The descriptor of data file K of rank R of s: 0, or -EIO (the file is
- * missing, is not a regular file, or the directory was replaced; logged
- * once), -EMFILE/-ENOMEM. */
+/* The descriptor of data file K of rank R of s: 0, or -errno: why the
+ * file cannot be opened (-ENOENT, -ELOOP for a symlink, -EINVAL for
+ * something else than a regular file, -ESTALE when the checkpoint
+ * directory was replaced since it was loaded, -ERANGE for a rank beyond
+ * the world; logged), -EMFILE, -ENOMEM. The readers below turn all but
+ * the last two into -EIO: a committed checkpoint with missing data is
+ * damaged. */
 int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
                    ckpt_fdref_t *ref);
 void ckpt_fdref_put(ckpt_fdref_t *ref);

@@ -67,9 +67,11 @@ static int data_file(check_t *c, int32_t rank, uint32_t k, const char *name,
                      const char *what, ckpt_fdref_t *ref) {
   int rc = ckpt_stored_fd(&c->s, rank, k, ref);
   if (rc < 0 && strcmp(c->last_bad, name) != 0) {
-    problem(c, "%s: %s: %s", what, name,
-            rc == -EIO ? "missing, not a regular file, or unreadable"
-                       : strerror(-rc));
+    problem(c, "%s: %s: %s%s", what, name, strerror(-rc),
+            rc == -ELOOP    ? " (a symbolic link: refused)"
+            : rc == -EINVAL ? " (not a regular file: refused)"
+            : rc == -ESTALE ? " (the directory was replaced)"
+                            : "");
     snprintf(c->last_bad, sizeof(c->last_bad), "%s", name);
   } else if (rc < 0) {
     c->problems++;

@@ -40,7 +40,6 @@ import errno
 import json
 import os
 import re
-import resource
 import shutil
 import sqlite3
 import subprocess
@@ -53,7 +52,7 @@ import ckptfs_util as cu  # noqa: E402
 from ckptfs_util import (CkptfsTestCase, Mount, commit, read_all, read_log,  # noqa: E402
                          status, tensor_bytes, write_file, write_tensor)
 
-KiB, MiB = 1 << 10, 1 << 20
+MiB = 1 << 20
 NOBODY = 65534
 INT64_MAX = (1 << 63) - 1
 
@@ -97,14 +96,6 @@ def edit_metadata(path, *sql):
         for s in sql:
             con.execute(s)
         con.commit()
-    finally:
-        con.close()
-
-
-def query(path, sql, args=()):
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        return con.execute(sql, args).fetchall()
     finally:
         con.close()
 
@@ -484,7 +475,7 @@ class HugeNumbers(TrustCase):
                 pass
         return ok
 
-    def test_huge_world_size_and_file_index(self):
+    def test_huge_world_size_and_file_index_bounded_memory(self):
         m = self.mount("io_threads=1")
         good = self.stage("good", [("w", "float32", [64, 16], 1)], [("cfg", b"config")])
         files = {
@@ -537,7 +528,7 @@ class HugeNumbers(TrustCase):
             self.assertAlive(m, what)
             self.assertEqual(m.stop(), 0)
 
-    def test_int64_max_blob_length(self):
+    def test_int64_max_blob_length_no_crash(self):
         m = self.mount()
         good = self.stage("good", [("w", "float32", [64, 16], 1)], [("cfg", b"config")])
         files = self.stage("long", [("w", "float32", [256], 2)],
@@ -603,7 +594,7 @@ class ManyCheckpoints(TrustCase):
             if got != self.tiny(i):
                 self.fail(f"{why}: c{i:04d}/t reads {got.hex()}, not {self.tiny(i).hex()}")
 
-    def test_fds_bounded_and_low_rlimit(self):
+    def test_fds_bounded_and_serves_under_rlimit_64(self):
         m = self.mount("sync_files=0,io_threads=1")
         pid = self.daemon_pid(m)
         t0 = time.monotonic()
@@ -670,7 +661,7 @@ class ManyCheckpoints(TrustCase):
 
 class SpaceFreed(TrustCase):
 
-    def test_enospc_then_space_freed_retry(self):
+    def test_retry_commits_after_space_freed(self):
         self.backing = os.path.join(self.dir, "backing")
         os.makedirs(self.backing)
         r = run("mount", "-t", "tmpfs", "-o", "size=48m", "ckptfs-trust", self.backing)
