@@ -133,6 +133,7 @@ typedef struct ckpt_streams {
     int fd;               /* -1 until first claimed */
     uint64_t end;         /* bytes used by released files */
     struct ckpt_sfile *owner; /* the file appending to it, or NULL */
+    bool kept;            /* linked under its keep name (a failed commit) */
   } *s;
   bool frozen;            /* committing: no new claims */
   _Atomic bool committed; /* the streams are data files now: never
@@ -158,6 +159,9 @@ void ckpt__streams_committed(ckpt_streams_t *st);
  * are removed. */
 int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
                        char **err);
+/* The commit failed: move the links of the streams out of dirfd, aside
+ * in .staging, so that the retry links them again without a copy. */
+void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd);
 /* Claim a free stream for sf (sf->lock held): 0, or -EAGAIN if none. */
 int ckpt__stream_claim(ckpt_streams_t *st, struct ckpt_sfile *sf);
 /* sf stops appending to its stream (sf->lock held). */

@@ -637,6 +637,8 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   ckpt_save_t *s = job->user;
   ckpt_failpoint("discard");
   if (!all_done) {
+    if (s->ck->streams && s->dirfd >= 0) /* kept aside for the retry */
+      ckpt__streams_unlink(s->ck->streams, s->dirfd);
     for (uint32_t k = 0; s->have_rp && s->dirfd >= 0 && k < s->rp.n_files;
          k++) {
       char name[64];

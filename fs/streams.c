@@ -11,10 +11,14 @@
  * At commit, the used streams are linked as BACKING_DIR/NAME/__R_K.distcp
  * (linkat through /proc/self/fd) and every streamed file is pinned in the
  * plan where it is, so its bytes are written to disk once, while the
- * trainer was still writing. A failed commit removes only the links: the
- * staged data stays in the open streams for the retry. Being unnamed, a
- * stream never collides with another daemon's, no mount's cleanup can
- * remove it, and a crash leaves nothing behind.
+ * trainer was still writing. A failed commit moves the links aside, to
+ * BACKING_DIR/.staging/.keep-PID-ID-K: the staged data stays in the open
+ * streams, and the retry moves them back. (A stream once linked cannot be
+ * linked again after its last name is gone, and copying it would need its
+ * size in free space a second time: after ENOSPC, that is what is
+ * missing.) Being unnamed until then, a stream never collides with
+ * another daemon's, and a crash leaves nothing behind that the next
+ * mount's cleanup of .staging does not remove.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -48,12 +52,32 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
   return st;
 }
 
+/* The name stream k is kept under after a failed commit. */
+static void keep_name(const ckpt_streams_t *st, uint32_t k, char *buf,
+                      size_t cap) {
+  snprintf(buf, cap, "%s/.keep-%ld-%lx-%u", CKPT_STAGING_DIR, (long)getpid(),
+           (unsigned long)(uintptr_t)st, k);
+}
+
+/* Is dirfd/name the file of descriptor fd? */
+static bool same_file(int dirfd, const char *name, int fd) {
+  struct stat a, b;
+  return fstatat(dirfd, name, &a, AT_SYMLINK_NOFOLLOW) == 0 &&
+         fstat(fd, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
 void ckpt__streams_free(ckpt_streams_t *st) {
   if (!st)
     return;
-  for (uint32_t k = 0; k < st->n; k++)
+  for (uint32_t k = 0; k < st->n; k++) {
+    if (st->s[k].kept) {
+      char kept[128];
+      keep_name(st, k, kept, sizeof(kept));
+      unlinkat(st->backing_fd, kept, 0);
+    }
     if (st->s[k].fd >= 0)
       close(st->s[k].fd);
+  }
   ckpt__staging_tidy(st->backing_fd);
   pthread_mutex_destroy(&st->lock);
   free(st->s);
@@ -108,14 +132,22 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
   for (k = 0; k < st->n && rc == 0; k++) {
     if (used[k] == 0)
       continue;
-    char from[64], to[64];
+    char from[64], to[64], kept[128];
     snprintf(from, sizeof(from), "/proc/self/fd/%d", st->s[k].fd);
     ckpt_data_file_name(st->rank, k, to, sizeof(to));
     unlinkat(dirfd, to, 0);
+    /* Kept aside by a failed commit: moved back, not copied. */
+    keep_name(st, k, kept, sizeof(kept));
+    if (st->s[k].kept && same_file(st->backing_fd, kept, st->s[k].fd) &&
+        renameat(st->backing_fd, kept, dirfd, to) == 0) {
+      st->s[k].kept = false;
+      continue;
+    }
+    st->s[k].kept = false;
     if (linkat(AT_FDCWD, from, dirfd, to, AT_SYMLINK_FOLLOW) == 0)
       continue;
-    /* An unnamed file can be linked once only: after a failed commit
-     * removed that link, the retry copies the stream instead. */
+    /* An unnamed file can be linked once only: when its kept name was
+     * lost (another mount's cleanup), the retry copies the stream. */
     if (errno == ENOENT)
       rc = copy_stream(st->s[k].fd, used[k], dirfd, to);
     else
@@ -126,13 +158,24 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
                                  strerror(-rc));
   }
   if (rc) /* undo: the staged data stays in the streams */
-    for (uint32_t j = 0; j + 1 < k; j++)
-      if (used[j] > 0) {
-        char to[64];
-        ckpt_data_file_name(st->rank, j, to, sizeof(to));
-        unlinkat(dirfd, to, 0);
-      }
+    ckpt__streams_unlink(st, dirfd);
   return rc;
+}
+
+void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
+  for (uint32_t k = 0; k < st->n; k++) {
+    if (st->s[k].fd < 0)
+      continue;
+    char to[64], kept[128];
+    ckpt_data_file_name(st->rank, k, to, sizeof(to));
+    if (!same_file(dirfd, to, st->s[k].fd))
+      continue; /* not linked (or someone else's file): not ours */
+    keep_name(st, k, kept, sizeof(kept));
+    if (renameat(dirfd, to, st->backing_fd, kept) == 0)
+      st->s[k].kept = true;
+    else
+      unlinkat(dirfd, to, 0);
+  }
 }
 
 int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
