@@ -685,7 +685,8 @@ static void keep_last(ckpt_fs_t *fs, const char *name) {
     return;
   }
   bool *old = calloc(cat.n ? cat.n : 1, sizeof(*old));
-  if (old && ckpt__catalog_select_old(&cat, fs->opts.keep_last, name, old))
+  if (old && ckpt__catalog_select_prunable(fs->backing_fd, &cat,
+                                           fs->opts.keep_last, name, old))
     for (size_t i = 0; i < cat.n; i++) {
       if (!old[i])
         continue;

@@ -217,6 +217,43 @@ size_t ckpt__catalog_select_old(const ckpt_catalog_t *c, uint32_t keep,
   return selected;
 }
 
+size_t ckpt__catalog_select_prunable(int backing_fd, ckpt_catalog_t *c,
+                                     uint32_t keep, const char *keep_name,
+                                     bool *remove) {
+  for (;;) {
+    size_t n = ckpt__catalog_select_old(c, keep, keep_name, remove);
+    bool refused = false;
+    for (size_t i = 0; i < c->n; i++) {
+      ckpt_cat_entry_t *en = &c->e[i];
+      if (!remove[i] || en->meta.n_tensors || en->meta.n_chunks ||
+          en->meta.n_blobs)
+        continue; /* not selected, or loaded whole already */
+      int dfd = ckpt_store_open_dir(backing_fd, en->name, O_RDONLY);
+      char display[300], *err = NULL;
+      snprintf(display, sizeof(display), "%s/%s", en->name,
+               CKPT_METADATA_FILE);
+      ckpt_metadata_t whole;
+      int rc = dfd < 0 ? dfd
+                       : ckpt_metadb_load_at(dfd, display, &whole, &err);
+      if (dfd >= 0)
+        close(dfd);
+      if (rc == 0) {
+        ckpt_metadata_free(&en->meta);
+        en->meta = whole;
+        continue;
+      }
+      /* Refused: damaged, never removed by a policy; select again
+       * without it (it does not count as one of the keep either). */
+      en->state = CKPT_CAT_DAMAGED;
+      free(en->error);
+      en->error = err ? err : strdup(strerror(-rc));
+      refused = true;
+    }
+    if (!refused)
+      return n;
+  }
+}
+
 int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle) {
   int dfd = openat(backing_fd, name,
                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

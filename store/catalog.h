@@ -62,6 +62,14 @@ void ckpt__catalog_free(ckpt_catalog_t *c);
 size_t ckpt__catalog_select_old(const ckpt_catalog_t *c, uint32_t keep,
                                 const char *keep_name, bool *remove);
 
+/* The same, for a policy that removes them (keep_last, ckptctl prune):
+ * each selected entry is first loaded whole, and one that is refused
+ * (a gap, an overlap, ...) becomes DAMAGED with its reason and is never
+ * selected: a damaged checkpoint is reported, not removed. */
+size_t ckpt__catalog_select_prunable(int backing_fd, ckpt_catalog_t *c,
+                                     uint32_t keep, const char *keep_name,
+                                     bool *remove);
+
 /* Delete BACKING_DIR/name (committed or not):
  *  1. with if_idle, take an exclusive flock on the directory without
  *     waiting: -EBUSY when a writer holds it;

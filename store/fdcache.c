@@ -92,10 +92,11 @@ static void shrink(ckpt_fdcache_t *c, uint32_t want) {
 
 static uint32_t default_cap(void) {
   struct rlimit rl;
-  uint64_t cap = 256;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+  uint64_t cap = CKPT_FDCACHE_MAX;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+      rl.rlim_cur / 4 < cap)
     cap = (uint64_t)rl.rlim_cur / 4;
-  return cap < 16 ? 16 : cap > 1024 ? 1024 : (uint32_t)cap;
+  return cap < 16 ? 16 : (uint32_t)cap;
 }
 
 int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out) {

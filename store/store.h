@@ -78,7 +78,10 @@ void ckpt_store_cleanup(int backing_fd);
 typedef struct ckpt_fdcache ckpt_fdcache_t;
 
 /* cap 0: a quarter of RLIMIT_NOFILE's soft limit, at least 16 and at most
- * 1024. 0 or -ENOMEM. */
+ * CKPT_FDCACHE_MAX (data files are opened in a few microseconds: a miss
+ * costs little, a descriptor per checkpoint ever read costs the limit).
+ * 0 or -ENOMEM. */
+#define CKPT_FDCACHE_MAX 256
 int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out);
 void ckpt_fdcache_free(ckpt_fdcache_t *c);
 /* Descriptors open now (for tests and the bench). */
