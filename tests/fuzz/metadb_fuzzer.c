@@ -3,13 +3,18 @@
  * damaged or hostile .metadata holds, ckpt_metadb_check and
  * ckpt_metadb_load return 0 or an error with a message, and what loads
  * is consistent (chunk rows point at their tensor, ranks inside the
- * world, lists as long as the tensor's ndim).
+ * world, lists as long as the tensor's ndim, every tensor covered by its
+ * chunks' elements exactly).
  *
  * Input: either a raw SQLite file (it starts with "SQLite format 3"), or
  * rows to insert into a database with the real schema, one per line:
  * a table letter (c checkpoint, t tensors, k chunks, b blobs) and its
  * columns separated by tabs; a column that is a decimal integer is bound
- * as INTEGER, "~" as NULL, anything else as TEXT.
+ * as INTEGER, "~" as NULL, anything else as TEXT. A line "s" followed by
+ * SQL changes the schema (a view, a trigger, another table, a generated
+ * column, a dropped table: what a hostile BACKING_DIR could hold); it runs
+ * for at most a million SQLite steps here, the loader must then refuse or
+ * load it in bounded time.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,6 +62,12 @@ static void bind_field(sqlite3_stmt *st, int col, const char *f, size_t n) {
   sqlite3_bind_text(st, col, f, (int)n, SQLITE_TRANSIENT);
 }
 
+static int steps;
+static int too_long(void *arg) {
+  (void)arg;
+  return ++steps > 1000; /* a million steps */
+}
+
 /* Build a database at path from the row lines; 0 or -1. */
 static int build_db(const char *path, const char *in, size_t size) {
   sqlite3 *db = NULL;
@@ -76,9 +87,19 @@ static int build_db(const char *path, const char *in, size_t size) {
       {'b', 7, "INSERT OR REPLACE INTO blobs VALUES(?,?,?,?,?,?,?)"},
   };
   const char *p = in, *end = in + size;
+  sqlite3_progress_handler(db, 1000, too_long, NULL);
   while (p < end) {
     const char *nl = memchr(p, '\n', (size_t)(end - p));
     const char *line_end = nl ? nl : end;
+    if (line_end > p && *p == 's') { /* schema change */
+      char *sql = strndup(p + 1, (size_t)(line_end - p - 1));
+      steps = 0;
+      if (sql)
+        sqlite3_exec(db, sql, NULL, NULL, NULL);
+      free(sql);
+      p = nl ? nl + 1 : end;
+      continue;
+    }
     for (size_t t = 0; t < sizeof(tables) / sizeof(tables[0]); t++) {
       if (line_end == p || *p != tables[t].letter)
         continue;
@@ -135,11 +156,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const ckpt_tensor_meta_t *tm = &m.tensors[t];
         CHECK(tm->ndim >= 0 && tm->ndim <= CKPT_MAX_NDIM);
         CHECK((uint64_t)tm->first_chunk + tm->n_chunks <= m.n_chunks);
+        uint64_t numel = 0, covered = 0;
+        CHECK(ckpt_dims_numel(tm->shape, tm->ndim, &numel) == 0);
         for (uint32_t i = 0; i < tm->n_chunks; i++) {
           const ckpt_chunk_meta_t *c = &m.chunks[tm->first_chunk + i];
           CHECK(c->tensor == t);
           CHECK(c->rank >= 0 && c->rank < m.world_size);
+          uint64_t v = 0;
+          CHECK(ckpt_dims_numel(tm->ndim ? c->dims + tm->ndim : NULL,
+                                tm->ndim, &v) == 0);
+          covered += v;
+          CHECK(c->file_offset + c->length >= c->file_offset);
         }
+        CHECK(covered == numel); /* no gap, and (cover.c) no overlap */
       }
       for (uint32_t b = 0; b < m.n_blobs; b++)
         CHECK(m.blobs[b].rank >= 0 && m.blobs[b].rank < m.world_size);
