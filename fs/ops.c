@@ -17,6 +17,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include "catalog.h"
 #include "fs_int.h"
 #include "metadb.h"
 
@@ -298,14 +299,35 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   return fd;
 }
 
+/* Where BACKING_DIR/NAME stands, looked up before fs->lock is taken (no
+ * system call under it). */
+typedef struct {
+  bool committed;  /* a directory with .metadata */
+  bool not_dir;    /* something else than a directory (a file, a symlink) */
+  struct stat dir; /* its identity, when committed */
+} presence_t;
+
+static presence_t presence(ckpt_fs_t *fs, const char *name) {
+  presence_t p = {false, false, {0}};
+  struct stat st;
+  if (!ckpt_name_valid(name) ||
+      fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW))
+    return p;
+  p.not_dir = !S_ISDIR(st.st_mode);
+  p.committed = !p.not_dir && ckpt_store_committed(fs->backing_fd, name, &p.dir);
+  return p;
+}
+
 /* A committed checkpoint whose .metadata vanished from BACKING_DIR (removed
- * through another mount) leaves this mount's view too. fs->lock held. */
-static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir) {
+ * through another mount), or whose directory was replaced, leaves this
+ * mount's view too. fs->lock held; pr as found before. */
+static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
+                         const presence_t *pr) {
   if (dir->ck->state != CKPT_COMMITTED)
     return true;
-  char path[300];
-  snprintf(path, sizeof(path), "%s/%s", dir->name, CKPT_METADATA_FILE);
-  if (faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+  if (pr->committed && dir->ck->has_stored &&
+      pr->dir.st_dev == dir->ck->stored.dev &&
+      pr->dir.st_ino == dir->ck->stored.ino)
     return true;
   ckpt_ckpt_t *ck = dir->ck;
   ckpt__node_detach(fs, dir);
@@ -317,10 +339,13 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   ckpt_fs_t *fs = fs_of(req);
   struct fuse_entry_param e;
   int rc = 0;
+  presence_t pr = {false};
+  if (parent == FUSE_ROOT_ID)
+    pr = presence(fs, name);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
-  if (n && p->kind == CKPT_NODE_ROOT && !still_stored(fs, n))
+  if (n && p->kind == CKPT_NODE_ROOT && !still_stored(fs, n, &pr))
     n = NULL;
   if (!p)
     rc = ESTALE;
@@ -438,7 +463,7 @@ static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
 }
 
 static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
-                            ckpt_node_t **out) {
+                            const presence_t *pr, ckpt_node_t **out) {
   if (name[0] == '.')
     return -EPERM;
   if (strlen(name) > 255)
@@ -446,17 +471,13 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
   if (!ckpt_name_valid(name))
     return -EINVAL;
   ckpt_node_t *old = ckpt__ckpt_lookup(fs, name);
-  if (old && still_stored(fs, old))
+  if (old && still_stored(fs, old, pr))
     return -EEXIST;
-  char path[300];
-  snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
-  if (faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+  if (pr->committed)
     return -EEXIST; /* committed by another world sharing BACKING_DIR */
   /* Something else has the name in BACKING_DIR (a file, a symlink): the
    * commit could not create the directory, so refuse the name now. */
-  struct stat bst;
-  if (fstatat(fs->backing_fd, name, &bst, AT_SYMLINK_NOFOLLOW) == 0 &&
-      !S_ISDIR(bst.st_mode))
+  if (pr->not_dir)
     return -EEXIST;
   ckpt_ckpt_t *ck = ckpt__ckpt_new(fs, name);
   if (!ck)
@@ -478,12 +499,15 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
   struct fuse_entry_param e;
   ckpt_node_t *n = NULL;
   int rc;
+  presence_t pr = {false, false, {0}};
+  if (parent == FUSE_ROOT_ID)
+    pr = presence(fs, name);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   if (!p)
     rc = -ESTALE;
   else if (p->kind == CKPT_NODE_ROOT)
-    rc = mkdir_checkpoint(fs, name, &n);
+    rc = mkdir_checkpoint(fs, name, &pr, &n);
   else if ((rc = can_add(fs, p, name)) == 0)
     rc = (n = ckpt__node_new(fs, p, name, CKPT_NODE_SDIR,
                              S_IFDIR | (mode & 07777), p->ck))
@@ -1017,9 +1041,52 @@ static int add_dirent(fuse_req_t req, ckpt_buf_t *b, const char *name,
   return 0;
 }
 
-/* The entries of directory n into b. fs->lock held. */
+/* The committed checkpoints of BACKING_DIR, sorted by name, with their
+ * identity: looked up before the root is listed under fs->lock. */
+typedef struct {
+  char **names;
+  presence_t *pr;
+  size_t n;
+} stored_list_t;
+
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static void stored_list(ckpt_fs_t *fs, stored_list_t *l) {
+  memset(l, 0, sizeof(*l));
+  if (ckpt__catalog_names(fs->backing_fd, &l->names, &l->n))
+    return; /* unreadable: every committed entry is shown as it was */
+  l->pr = calloc(l->n ? l->n : 1, sizeof(*l->pr));
+  for (size_t i = 0; l->pr && i < l->n; i++)
+    l->pr[i] = presence(fs, l->names[i]);
+}
+
+static void stored_list_free(stored_list_t *l) {
+  ckpt__catalog_names_free(l->names, l->n);
+  free(l->pr);
+}
+
+/* The presence of name in l (l->pr NULL: not known, assume present). */
+static presence_t stored_lookup(const stored_list_t *l, ckpt_node_t *c) {
+  presence_t none = {false, false, {0}};
+  if (!l->pr) {
+    none.committed = c->ck->has_stored;
+    if (c->ck->has_stored) {
+      none.dir.st_dev = c->ck->stored.dev;
+      none.dir.st_ino = c->ck->stored.ino;
+    }
+    return none;
+  }
+  const char *key = c->name;
+  char **hit = bsearch(&key, l->names, l->n, sizeof(*l->names), by_name);
+  return hit ? l->pr[hit - l->names] : none;
+}
+
+/* The entries of directory n into b; l: BACKING_DIR's committed entries
+ * when n is the root. fs->lock held. */
 static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
-                    ckpt_buf_t *b) {
+                    const stored_list_t *l, ckpt_buf_t *b) {
   struct stat st = {.st_ino = n->ino, .st_mode = S_IFDIR};
   int rc = add_dirent(req, b, ".", &st);
   st.st_ino = n->parent ? n->parent->ino : n->ino;
@@ -1030,8 +1097,11 @@ static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
     if (c->hidden || c->kind == CKPT_NODE_COMMIT ||
         c->kind == CKPT_NODE_STATUS || c->kind == CKPT_NODE_VROOT)
       continue;
-    if (n->kind == CKPT_NODE_ROOT && !still_stored(fs, c))
-      continue;
+    if (n->kind == CKPT_NODE_ROOT && c->ck->state == CKPT_COMMITTED) {
+      presence_t pr = stored_lookup(l, c);
+      if (!still_stored(fs, c, &pr))
+        continue;
+    }
     st.st_ino = c->ino;
     st.st_mode = c->mode;
     rc = add_dirent(req, b, c->name, &st);
@@ -1076,9 +1146,13 @@ static void fs_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     ckpt_fs_t *fs = fs_of(req);
     ckpt_buf_t b;
     ckpt_buf_init(&b);
+    stored_list_t l = {0};
+    if (h->node->kind == CKPT_NODE_ROOT)
+      stored_list(fs, &l);
     pthread_mutex_lock(&fs->lock);
-    int rc = list_dir(req, fs, h->node, &b);
+    int rc = list_dir(req, fs, h->node, &l, &b);
     pthread_mutex_unlock(&fs->lock);
+    stored_list_free(&l);
     if (rc) {
       ckpt_buf_free(&b);
       fuse_reply_err(req, -rc);

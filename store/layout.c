@@ -44,6 +44,21 @@ bool ckpt_store_has_metadata(int dirfd) {
   return fstatat(dirfd, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
+bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir) {
+  struct stat st, md;
+  char path[300];
+  if (!ckpt_name_valid(name) ||
+      fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) ||
+      !S_ISDIR(st.st_mode))
+    return false;
+  snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
+  if (fstatat(backing_fd, path, &md, AT_SYMLINK_NOFOLLOW))
+    return false;
+  if (dir)
+    *dir = st;
+  return true;
+}
+
 int ckpt__remove_tree(int parent_fd, const char *name) {
   int fd = openat(parent_fd, name,
                   O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

@@ -28,6 +28,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include "ckpt_planner.h"
@@ -63,6 +64,11 @@ int ckpt_store_open_file(int dirfd, const char *file);
 /* Is there a .metadata entry (of any type: a symlink there is a damaged
  * checkpoint, not an unfinished save) in checkpoint directory dirfd? */
 bool ckpt_store_has_metadata(int dirfd);
+/* Is BACKING_DIR/name a committed checkpoint: a directory (not a
+ * symlink) with a .metadata entry? *dir gets the directory's stat (its
+ * identity) when it is. For callers that must not open the directory
+ * (listing, lookups): two fstatat calls. */
+bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir);
 /* Remove every entry of directory parent_fd/name, then the directory
  * (never following symlinks). 0 or the first -errno. */
 int ckpt__remove_tree(int parent_fd, const char *name);
