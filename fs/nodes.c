@@ -379,7 +379,7 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       n->u.blob = i - meta->n_tensors;
     n->mtime = n->ctime = when;
   }
-  ckpt_node_t *md = ckpt__node_new(fs, ck->dir, ".metadata",
+  ckpt_node_t *md = ckpt__node_new(fs, ck->dir, CKPT_METADATA_FILE,
                                    CKPT_NODE_METADATA, S_IFREG | 0444, ck);
   if (md)
     md->mtime = md->ctime = when;

@@ -295,9 +295,7 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
  * ---------------------------------------------------------------------- */
 
 static bool already_committed(ckpt_fs_t *fs, const char *name) {
-  char path[300];
-  snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
-  return faccessat(fs->backing_fd, path, F_OK, AT_SYMLINK_NOFOLLOW) == 0;
+  return ckpt_store_committed(fs->backing_fd, name, NULL);
 }
 
 static char *new_save_id(void) {

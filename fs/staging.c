@@ -38,7 +38,7 @@
 #define CKPT_MAX_FILE ((uint64_t)1 << 40)
 /* A first write of at least this many bytes at offset 0 starts a stream. */
 #define CKPT_STREAM_MIN (64u << 10)
-#define SPILL_DIR ".staging"
+#define SPILL_DIR CKPT_STAGING_DIR
 
 const char *const ckpt__xattr_names[CKPT_X_COUNT] = {
     [CKPT_X_DTYPE] = "user.ckpt.dtype",
