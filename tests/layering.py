@@ -36,6 +36,8 @@ def symbols(obj):
 
 def objects(build, target, src_dir):
     d = os.path.join(build, "CMakeFiles", f"{target}.dir", src_dir)
+    if not os.path.isdir(d):
+        return []
     return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".o"))
 
 
