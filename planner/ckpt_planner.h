@@ -289,6 +289,10 @@ typedef struct {
 } ckpt_cover_t;
 int ckpt_cover_check(int ndim, const int64_t *shape, size_t n,
                      const int64_t *const *box, ckpt_cover_t *res);
+/* The same with another budget of comparisons (tests). */
+int ckpt_cover_check_budget(int ndim, const int64_t *shape, size_t n,
+                            const int64_t *const *box, uint64_t budget,
+                            ckpt_cover_t *res);
 
 /* ------------------------------------------------------------------------
  * The global plan (coordinator).

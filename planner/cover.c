@@ -147,7 +147,7 @@ static int by_start0(const void *pa, const void *pb, void *arg) {
 /* Overlaps of the boxes in start order along dimension 0 (ndim >= 2):
  * each new box is compared with the active ones (those still spanning its
  * start). 0 (result set), -E2BIG beyond the budget, -ENOMEM. */
-static int cover_sweep(cover_t *c, uint32_t *order) {
+static int cover_sweep(cover_t *c, uint32_t *order, uint64_t budget) {
   const int ndim = c->ndim;
   qsort_r(order, c->m, sizeof(*order), by_start0, c);
   c->ne = order;
@@ -155,7 +155,6 @@ static int cover_sweep(cover_t *c, uint32_t *order) {
   if (!active)
     return -ENOMEM;
   size_t n_active = 0;
-  uint64_t budget = CKPT_COVER_BUDGET;
   int rc = 0;
   for (size_t i = 0; i < c->m; i++) {
     const int64_t start = lo_of(c, i, 0);
@@ -189,6 +188,12 @@ out:
 
 int ckpt_cover_check(int ndim, const int64_t *shape, size_t n,
                      const int64_t *const *box, ckpt_cover_t *res) {
+  return ckpt_cover_check_budget(ndim, shape, n, box, CKPT_COVER_BUDGET, res);
+}
+
+int ckpt_cover_check_budget(int ndim, const int64_t *shape, size_t n,
+                            const int64_t *const *box, uint64_t budget,
+                            ckpt_cover_t *res) {
   memset(res, 0, sizeof(*res));
   uint64_t numel;
   if (ndim < 0 || ndim > CKPT_MAX_NDIM ||
@@ -227,7 +232,7 @@ int ckpt_cover_check(int ndim, const int64_t *shape, size_t n,
     res->kind = CKPT_COVER_EXACT;
     rc = cover_grid(&c);
     if (rc == 1)
-      rc = cover_sweep(&c, ne);
+      rc = cover_sweep(&c, ne, budget);
     if (rc == 0 && res->kind == CKPT_COVER_EXACT && covered != numel)
       res->kind = CKPT_COVER_GAP;
   } else if (numel > 0) {

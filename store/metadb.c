@@ -20,6 +20,7 @@
  * on one thread, so it is opened without SQLite's mutexes (NOMUTEX).
  */
 #include <assert.h>
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -28,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -950,8 +952,23 @@ static int past_deadline(void *arg) {
   return 0;
 }
 
-/* The schema objects a .metadata may hold: our four tables (plain ones,
- * without generated columns) and indexes on them. A view, a trigger, a
+/* Does sql hold word (ASCII, any case) as a token of its own? */
+static bool has_word(const char *sql, const char *word) {
+  size_t n = strlen(word);
+  for (const char *p = sql; *p; p++) {
+    if (strncasecmp(p, word, n) != 0)
+      continue;
+    bool before = p > sql && (isalnum((unsigned char)p[-1]) || p[-1] == '_');
+    bool after = isalnum((unsigned char)p[n]) || p[n] == '_';
+    if (!before && !after)
+      return true;
+  }
+  return false;
+}
+
+/* The schema objects a .metadata may hold: our four tables (plain ones:
+ * no generated column, whose "AS (expr)" would be evaluated at every
+ * read; the writer's tables have no AS anywhere) and indexes on them. A view, a trigger, a
  * virtual table or another table would run someone else's SQL inside our
  * queries (a recursive view never ends). full: tensors, chunks and blobs
  * must be there too, else only checkpoint. */
@@ -979,8 +996,12 @@ static int check_schema(loader_t *ld, bool full) {
     while (t < 4 && strcmp(tbl, tables[t]) != 0)
       t++;
     if (!strcmp(type, "table") && t < 4 && !strcmp(name, tbl) && sql &&
-        !strncmp(sql, "CREATE TABLE", 12)) {
+        !strncmp(sql, "CREATE TABLE", 12) && !has_word(sql, "AS")) {
       seen[t] = true;
+    } else if (!strcmp(type, "table") && t < 4 && sql && has_word(sql, "AS")) {
+      rc = set_err(ld->err, -EINVAL,
+                   "%s: table %.64s has a generated column (AS): refused",
+                   ld->path, name);
     } else if (!strcmp(type, "index") && t < 4) {
       /* an index of one of our tables: never evaluated by our reads */
     } else {
@@ -998,24 +1019,6 @@ static int check_schema(loader_t *ld, bool full) {
     if (!seen[t])
       rc = set_err(ld->err, -EINVAL, "%s: table %s is missing", ld->path,
                    tables[t]);
-  }
-  /* Generated columns are expressions evaluated at every read. */
-  for (int t = 0; rc == 0 && t < 4; t++) {
-    if (!seen[t])
-      continue;
-    char sql_x[64];
-    snprintf(sql_x, sizeof(sql_x), "PRAGMA table_xinfo(%s)", tables[t]);
-    if ((src = sqlite3_prepare_v2(ld->db, sql_x, -1, &st, NULL)) != SQLITE_OK)
-      return lfail(ld, src);
-    while (rc == 0 && (src = sqlite3_step(st)) == SQLITE_ROW) {
-      if (sqlite3_column_int(st, 6) > 1) /* hidden: 2, 3 = generated */
-        rc = set_err(ld->err, -EINVAL,
-                     "%s: table %s has a generated column %.64s", ld->path,
-                     tables[t], (const char *)sqlite3_column_text(st, 1));
-    }
-    if (rc == 0 && src != SQLITE_DONE)
-      rc = lfail(ld, src);
-    sqlite3_finalize(st);
   }
   return rc;
 }
