@@ -1,5 +1,5 @@
 /*
- * test_metadb.c - unit tests of fs/metadb.c (the SQLite .metadata).
+ * test_metadb.c - unit tests of store/metadb.c (the SQLite .metadata).
  *
  * Round trips (publish, load, compare every field), the durable publish
  * (no temporary file left, stale ones replaced, nothing published on

@@ -1,5 +1,5 @@
 /*
- * metadb_fuzzer.c - fuzz the .metadata reader (fs/metadb.c): whatever a
+ * metadb_fuzzer.c - fuzz the .metadata reader (store/metadb.c): whatever a
  * damaged or hostile .metadata holds, ckpt_metadb_check and
  * ckpt_metadb_load return 0 or an error with a message, and what loads
  * is consistent (chunk rows point at their tensor, ranks inside the
