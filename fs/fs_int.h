@@ -318,6 +318,7 @@ struct ckpt_ckpt {
   ckpt_metadata_t *meta;  /* owned */
   ckpt_stored_t stored;   /* the reader's view of it (store.h) */
   bool has_stored;        /* stored is set up */
+  uint64_t load_gen;      /* fs->load_gen when it was loaded */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
 };
 
@@ -339,6 +340,7 @@ struct ckpt_fs {
   size_t nnodes;
   struct ckpt_pool *pool;  /* io_threads workers */
   ckpt_fdcache_t *fdcache; /* data file descriptors of committed reads */
+  _Atomic uint64_t load_gen; /* counts checkpoints loaded into the tree */
   struct ckpt_handle *handles; /* open file and directory handles (ops.c);
                                   fs->lock */
   ckpt_save_ops_t save_ops;

@@ -10,6 +10,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -353,6 +354,7 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     return rc;
   }
   ck->has_stored = true;
+  ck->load_gen = atomic_fetch_add(&fs->load_gen, 1) + 1;
 
   /* Drop the staged view, keep .commit and .status. */
   for (ckpt_node_t *c = ck->dir->children, *nx; c; c = nx) {

@@ -305,10 +305,11 @@ typedef struct {
   bool committed;  /* a directory with .metadata */
   bool not_dir;    /* something else than a directory (a file, a symlink) */
   struct stat dir; /* its identity, when committed */
+  uint64_t gen;    /* fs->load_gen before it was looked up */
 } presence_t;
 
 static presence_t presence(ckpt_fs_t *fs, const char *name) {
-  presence_t p = {false, false, {0}};
+  presence_t p = {false, false, {0}, atomic_load(&fs->load_gen)};
   struct stat st;
   if (!ckpt_name_valid(name) ||
       fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW))
@@ -325,6 +326,10 @@ static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
                          const presence_t *pr) {
   if (dir->ck->state != CKPT_COMMITTED)
     return true;
+  /* Loaded (by a commit of this world) after pr was looked up: pr may
+   * predate the publish, it says nothing against it. */
+  if (dir->ck->load_gen > pr->gen)
+    return true;
   if (pr->committed && dir->ck->has_stored &&
       pr->dir.st_dev == dir->ck->stored.dev &&
       pr->dir.st_ino == dir->ck->stored.ino)
@@ -339,7 +344,7 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   ckpt_fs_t *fs = fs_of(req);
   struct fuse_entry_param e;
   int rc = 0;
-  presence_t pr = {false};
+  presence_t pr = {false, false, {0}, 0};
   if (parent == FUSE_ROOT_ID)
     pr = presence(fs, name);
   pthread_mutex_lock(&fs->lock);
@@ -499,7 +504,7 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
   struct fuse_entry_param e;
   ckpt_node_t *n = NULL;
   int rc;
-  presence_t pr = {false, false, {0}};
+  presence_t pr = {false, false, {0}, 0};
   if (parent == FUSE_ROOT_ID)
     pr = presence(fs, name);
   pthread_mutex_lock(&fs->lock);
@@ -1055,11 +1060,14 @@ static int by_name(const void *a, const void *b) {
 
 static void stored_list(ckpt_fs_t *fs, stored_list_t *l) {
   memset(l, 0, sizeof(*l));
+  uint64_t gen = atomic_load(&fs->load_gen); /* before any lookup */
   if (ckpt__catalog_names(fs->backing_fd, &l->names, &l->n))
     return; /* unreadable: every committed entry is shown as it was */
   l->pr = calloc(l->n ? l->n : 1, sizeof(*l->pr));
-  for (size_t i = 0; l->pr && i < l->n; i++)
+  for (size_t i = 0; l->pr && i < l->n; i++) {
     l->pr[i] = presence(fs, l->names[i]);
+    l->pr[i].gen = gen;
+  }
 }
 
 static void stored_list_free(stored_list_t *l) {
@@ -1069,7 +1077,7 @@ static void stored_list_free(stored_list_t *l) {
 
 /* The presence of name in l (l->pr NULL: not known, assume present). */
 static presence_t stored_lookup(const stored_list_t *l, ckpt_node_t *c) {
-  presence_t none = {false, false, {0}};
+  presence_t none = {false, false, {0}, 0};
   if (!l->pr) {
     none.committed = c->ck->has_stored;
     if (c->ck->has_stored) {

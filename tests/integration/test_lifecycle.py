@@ -95,6 +95,47 @@ class AsyncCommit(CkptfsTestCase):
         self.assertEqual(wait_state(self.ck("bad")).split("\n")[0], "committed")
 
 
+class LookupsDuringCommit(CkptfsTestCase):
+    def test_checkpoint_never_vanishes_while_it_commits(self):
+        """Lookups racing an async commit: whether BACKING_DIR/NAME is
+        committed is looked up before the tree is locked, so a lookup that
+        looked just before the publish must not take the freshly committed
+        checkpoint for one removed elsewhere (it vanished: ENOENT)."""
+        import threading
+        self.mount("sync_files=0")
+        stop = threading.Event()
+        lost = []
+        current = [None]
+
+        def hammer():
+            while not stop.is_set():
+                name = current[0]
+                if name is None:
+                    continue
+                try:
+                    os.stat(self.ck(name, ".status"))
+                except FileNotFoundError:
+                    if current[0] == name:
+                        lost.append(name)
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(150):
+                name = f"c{i}"
+                os.mkdir(self.ck(name))
+                write_file(self.ck(name, "f"), b"x" * 4096)
+                current[0] = name
+                commit(self.ck(name), "async")
+                self.assertEqual(wait_state(self.ck(name)).split("\n")[0], "committed")
+                current[0] = None
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        self.assertEqual(lost, [], "checkpoints vanished from the mount while committing")
+
+
 class Removal(CkptfsTestCase):
     def test_rm_staged(self):
         self.mount()
