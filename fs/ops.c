@@ -1052,6 +1052,7 @@ typedef struct {
   char **names;
   presence_t *pr;
   size_t n;
+  uint64_t gen;  /* fs->load_gen before it was listed */
 } stored_list_t;
 
 static int by_name(const void *a, const void *b) {
@@ -1061,6 +1062,7 @@ static int by_name(const void *a, const void *b) {
 static void stored_list(ckpt_fs_t *fs, stored_list_t *l) {
   memset(l, 0, sizeof(*l));
   uint64_t gen = atomic_load(&fs->load_gen); /* before any lookup */
+  l->gen = gen;
   if (ckpt__catalog_names(fs->backing_fd, &l->names, &l->n))
     return; /* unreadable: every committed entry is shown as it was */
   l->pr = calloc(l->n ? l->n : 1, sizeof(*l->pr));
@@ -1088,6 +1090,7 @@ static presence_t stored_lookup(const stored_list_t *l, ckpt_node_t *c) {
   }
   const char *key = c->name;
   char **hit = bsearch(&key, l->names, l->n, sizeof(*l->names), by_name);
+  none.gen = l->gen; /* not listed, as of that listing */
   return hit ? l->pr[hit - l->names] : none;
 }
 
