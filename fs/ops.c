@@ -1089,7 +1089,9 @@ static presence_t stored_lookup(const stored_list_t *l, ckpt_node_t *c) {
     return none;
   }
   const char *key = c->name;
-  char **hit = bsearch(&key, l->names, l->n, sizeof(*l->names), by_name);
+  char **hit = l->n ? bsearch(&key, l->names, l->n, sizeof(*l->names),
+                              by_name)
+                    : NULL; /* an empty listing has no array at all */
   none.gen = l->gen; /* not listed, as of that listing */
   return hit ? l->pr[hit - l->names] : none;
 }
