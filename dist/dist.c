@@ -74,7 +74,9 @@ static uint32_t get_u32(const uint8_t *p) {
 /* Append a frame: the payload (rc 0) or the reason (rc < 0). */
 static int put_frame(ckpt_buf_t *out, int rc, const char *reason,
                      const ckpt_buf_t *payload) {
-  uint8_t tag = rc == 0 ? CKPT__FRAME_OK : CKPT__FRAME_FAIL;
+  uint8_t tag = rc == 0         ? CKPT__FRAME_OK
+                : rc == -EEXIST ? CKPT__FRAME_EXISTS
+                                : CKPT__FRAME_FAIL;
   int r = ckpt_buf_append(out, &tag, 1);
   if (r)
     return r;
@@ -92,6 +94,11 @@ typedef struct {
 
 static bool frame_ok(view_t f) { return f.n >= 1 && f.p[0] == CKPT__FRAME_OK; }
 
+/* The error of a failed frame: -EEXIST (committed elsewhere) or -EIO. */
+static int frame_rc(view_t f) {
+  return f.n >= 1 && f.p[0] == CKPT__FRAME_EXISTS ? -EEXIST : -EIO;
+}
+
 static ckpt_buf_t frame_payload(view_t f) {
   ckpt_buf_t b = {.data = (uint8_t *)f.p + 1, .len = f.n - 1, .cap = 0};
   return b;
@@ -101,7 +108,7 @@ static ckpt_buf_t frame_payload(view_t f) {
 static void add_reason(ckpt_buf_t *reasons, view_t f, int rank) {
   if (reasons->len)
     ckpt_buf_printf(reasons, "\n");
-  if (f.n >= 1 && f.p[0] == CKPT__FRAME_FAIL)
+  if (f.n >= 1 && (f.p[0] == CKPT__FRAME_FAIL || f.p[0] == CKPT__FRAME_EXISTS))
     ckpt_buf_printf(reasons, "%.*s", (int)(f.n - 1), (const char *)f.p + 1);
   else
     ckpt_buf_printf(reasons, "rank %d: malformed protocol message", rank);
@@ -199,9 +206,11 @@ static void put_stopped(ckpt_dist_t *d, ckpt_buf_t *reasons,
                   job->name, d->rank);
 }
 
+/* rc: 0, -EEXIST (the name was committed elsewhere) or another failure
+ * (-EIO for the save). */
 static void job_done(ckpt_dist_t *d, ckpt_dist_job_t *job, int rc,
                      const char *reason) {
-  d->ops->done(d->ctx, job, rc ? -EIO : 0,
+  d->ops->done(d->ctx, job, rc == 0 || rc == -EEXIST ? rc : -EIO,
                rc ? (reason && *reason ? reason : "commit failed") : NULL);
 }
 
@@ -256,7 +265,7 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   view_t f = {reply.data + 8, reply.len - 8};
   if (!frame_ok(f)) {
     add_reason(&reasons, f, 0);
-    rc = -EIO;
+    rc = frame_rc(f);
     goto fail;
   }
 
@@ -290,7 +299,7 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   f = (view_t){reply.data + 4, reply.len - 4};
   if (!frame_ok(f)) {
     add_reason(&reasons, f, 0);
-    rc = -EIO;
+    rc = frame_rc(f);
     goto fail;
   }
   job_done(d, job, 0, NULL);
@@ -305,7 +314,7 @@ fail:
     put_u32(&msg, round);
     ckpt__mpi_send(d, 0, CKPT__TAG_DISCARDED, &msg);
   }
-  job_done(d, job, -EIO, (const char *)reasons.data);
+  job_done(d, job, rc == -EEXIST ? rc : -EIO, (const char *)reasons.data);
 out:
   ckpt_buf_free(&out);
   ckpt_buf_free(&msg);
@@ -499,6 +508,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   ckpt_buf_init(&reasons);
   ckpt_buf_init(&m);
   bool wrote = false;
+  int fail_rc = -EIO; /* or -EEXIST: committed elsewhere */
   char *err = NULL;
   int rc = 0;
   if (!plans || !results || !rank_plans) {
@@ -565,6 +575,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   if (rc) {
     ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
     free(err), err = NULL;
+    fail_rc = rc == -EEXIST ? rc : -EIO;
     goto fail_early;
   }
   send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, 0, NULL, rank_plans);
@@ -605,10 +616,12 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
       free(views);
       if (rc)
         ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
+      if (rc == -EEXIST)
+        fail_rc = rc;
       free(err), err = NULL;
     }
   }
-  send_all(d, plans, CKPT__TAG_OUTCOME, round, reasons.len ? -EIO : 0,
+  send_all(d, plans, CKPT__TAG_OUTCOME, round, reasons.len ? fail_rc : 0,
            (const char *)reasons.data, NULL);
   if (reasons.len == 0) {
     job_done(d, job, 0, NULL);
@@ -627,16 +640,16 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   collect(d, CKPT__TAG_DISCARDED, round, now() + d->commit_timeout, plans,
           results);
   ops->discard_step(d->ctx, job, true);
-  job_done(d, job, -EIO, (const char *)reasons.data);
+  job_done(d, job, fail_rc, (const char *)reasons.data);
   goto out;
 
 fail_early:
   /* Nothing was written: tell the clients, fail our own save. */
   if (plans)
-    send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, -EIO,
+    send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, fail_rc,
              (const char *)reasons.data, NULL);
   if (job)
-    job_done(d, job, -EIO, (const char *)reasons.data);
+    job_done(d, job, fail_rc, (const char *)reasons.data);
   (void)wrote;
 out:
   free_arrivals(plans, n);

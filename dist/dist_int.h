@@ -28,7 +28,9 @@
 
 #include "ckpt_dist.h"
 
-enum { CKPT__FRAME_OK = 1, CKPT__FRAME_FAIL = 2 };
+/* CKPT__FRAME_EXISTS: failed because the name was committed elsewhere
+ * (the save reports EEXIST on every rank); reason text as for FAIL. */
+enum { CKPT__FRAME_OK = 1, CKPT__FRAME_FAIL = 2, CKPT__FRAME_EXISTS = 3 };
 
 enum {
   CKPT__TAG_PLAN = 101,

@@ -298,6 +298,44 @@ static bool already_committed(ckpt_fs_t *fs, const char *name) {
   return ckpt_store_committed(fs->backing_fd, name, NULL);
 }
 
+/* Why a save of NAME cannot publish: "NAME is already committed elsewhere
+ * (save S, world size W, created at T)", as far as its header says. */
+static char *committed_elsewhere(ckpt_fs_t *fs, const char *name) {
+  ckpt_metadata_t m;
+  char *err = NULL, display[300];
+  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
+  snprintf(display, sizeof(display), "%s/%s", name, CKPT_METADATA_FILE);
+  int rc = dfd < 0 ? dfd : ckpt_metadb_load_header_at(dfd, display, &m, &err);
+  if (dfd >= 0)
+    close(dfd);
+  free(err);
+  char *why;
+  struct stat st;
+  if (fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      !S_ISDIR(st.st_mode)) {
+    if (rc == 0)
+      ckpt_metadata_free(&m);
+    return ckpt__strdup_printf("%s is taken in %s by something else than a "
+                               "checkpoint (%s): not replaced",
+                               name, fs->backing_path,
+                               S_ISLNK(st.st_mode) ? "a symbolic link"
+                                                   : "a file");
+  }
+  if (rc == 0) {
+    char when[32];
+    time_t t = (time_t)m.created_at;
+    struct tm tm;
+    strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&t, &tm));
+    why = ckpt__strdup_printf("%s is already committed elsewhere (save %s, "
+                              "world size %d, created at %s)",
+                              name, m.save_id, m.world_size, when);
+    ckpt_metadata_free(&m);
+  } else {
+    why = ckpt__strdup_printf("%s is already committed elsewhere", name);
+  }
+  return why;
+}
+
 static char *new_save_id(void) {
   uint8_t r[16];
   if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
@@ -317,8 +355,7 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
   if (already_committed(fs, job->name)) {
-    *err = ckpt__strdup_printf("%s: a checkpoint of this name is already "
-                               "committed in %s", job->name, fs->backing_path);
+    *err = committed_elsewhere(fs, job->name);
     return -EEXIST;
   }
   ckpt_local_plan_t *locals = calloc((size_t)n, sizeof(*locals));
@@ -354,8 +391,11 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
     if (!s->gp.meta.name || !s->gp.meta.save_id)
       rc = -ENOMEM;
   }
-  for (int r = 0; r < n && rc == 0; r++)
+  for (int r = 0; r < n && rc == 0; r++) {
+    snprintf(s->gp.ranks[r].save_id, sizeof(s->gp.ranks[r].save_id), "%s",
+             s->gp.meta.save_id);
     rc = ckpt_msg_encode_rank_plan(&s->gp.ranks[r], &rank_plans[r]);
+  }
   for (int r = 0; r < n; r++)
     ckpt_local_plan_free(&locals[r]);
   free(locals);
@@ -470,8 +510,9 @@ static int write_file(void *arg, uint32_t k) {
   /* A stream file linked as this data file holds the pinned items. */
   bool streamed = s->ck->streams && k < s->ck->streams->n &&
                   s->stream_used[k] > 0;
+  /* The save's own directory: a data file there is ours or nothing. */
   w->fd = openat(s->dirfd, name,
-                 O_WRONLY | O_CREAT | (streamed ? 0 : O_TRUNC) | O_NOFOLLOW |
+                 O_WRONLY | (streamed ? 0 : O_CREAT | O_EXCL) | O_NOFOLLOW |
                      O_CLOEXEC,
                  0600);
   w->fresh = !streamed;
@@ -507,39 +548,6 @@ static int write_file(void *arg, uint32_t k) {
   return e;
 }
 
-/* Create (or join) BACKING_DIR/name and hold it with a shared flock, so
- * that a starting mount does not take it for an unfinished save. Such a
- * mount (holding an exclusive flock while it removes) may have removed the
- * directory between our mkdir and our flock: then the directory we hold is
- * no longer BACKING_DIR/name, and we start over. */
-static int hold_ckpt_dir(ckpt_fs_t *fs, const char *name, int *out) {
-  for (int attempt = 0; attempt < 10; attempt++) {
-    if (mkdirat(fs->backing_fd, name, 0700) && errno != EEXIST)
-      return -errno;
-    int fd = openat(fs->backing_fd, name,
-                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) {
-      if (errno == ENOENT)
-        continue; /* removed before we opened it */
-      return -errno;
-    }
-    if (flock(fd, LOCK_SH)) {
-      int e = errno;
-      close(fd);
-      return -e;
-    }
-    struct stat held, named;
-    if (fstat(fd, &held) == 0 &&
-        fstatat(fs->backing_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
-        held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
-      *out = fd;
-      return 0;
-    }
-    close(fd);
-  }
-  return -EAGAIN;
-}
-
 static int write_step(void *ctx, ckpt_dist_job_t *job,
                       const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -563,9 +571,15 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     total += s->rp.file_bytes[k];
   atomic_store(&s->ck->bytes_total, total);
 
-  if ((rc = hold_ckpt_dir(fs, job->name, &s->dirfd)) != 0) {
-    *err = ckpt__strdup_printf("rank %d: creating %s/%s: %s", fs->rank,
-                               fs->backing_path, job->name, strerror(-rc));
+  if (!ckpt_save_id_valid(s->rp.save_id)) {
+    *err = ckpt__strdup_printf("rank %d: the plan names no save", fs->rank);
+    return -EINVAL;
+  }
+  if ((rc = ckpt_store_save_dir_hold(fs->backing_fd, s->rp.save_id,
+                                     &s->dirfd)) != 0) {
+    *err = ckpt__strdup_printf("rank %d: creating %s/%s/%s: %s", fs->rank,
+                               fs->backing_path, CKPT_SAVES_DIR,
+                               s->rp.save_id, strerror(-rc));
     return rc;
   }
   if (s->ck->streams &&
@@ -616,9 +630,23 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
     if (rc)
       return rc;
   }
+  /* .metadata into the save's own directory, then the directory is
+   * renamed to NAME without replacing anything: of concurrent saves of
+   * one NAME, from any mount, exactly one gets there (the commit point). */
   char dir[PATH_MAX];
-  snprintf(dir, sizeof(dir), "%s/%s", fs->backing_path, job->name);
+  snprintf(dir, sizeof(dir), "%s/%s/%s", fs->backing_path, CKPT_SAVES_DIR,
+           s->gp.meta.save_id);
   int rc = ckpt_metadb_publish(dir, &s->gp.meta, fs->opts.sync_files, err);
+  if (rc == 0) {
+    rc = ckpt_store_publish(fs->backing_fd, s->gp.meta.save_id, job->name);
+    if (rc == -EEXIST)
+      *err = committed_elsewhere(fs, job->name);
+    else if (rc)
+      *err = ckpt__strdup_printf("publishing %s/%s: %s", fs->backing_path,
+                                 job->name, strerror(-rc));
+  }
+  if (rc == 0)
+    ckpt_failpoint("metadata_rename");
   /* The NAME entry itself must be durable too. */
   if (rc == 0 && fs->opts.sync_files && fsync(fs->backing_fd)) {
     rc = -errno;
@@ -645,15 +673,10 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
     }
     return;
   }
-  /* Coordinator, every rank done: the global step refused an existing
-   * checkpoint, so the directory this save held is its own. Anything
-   * else by that name now (a file, a symlink) is not removed. */
-  struct stat held, named;
-  if (s->have_gp && !s->gp.errors && s->dirfd >= 0 &&
-      fstat(s->dirfd, &held) == 0 &&
-      fstatat(fs->backing_fd, job->name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
-      held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
-    ckpt__remove_tree(fs->backing_fd, job->name);
+  /* Coordinator, every rank done: the save's own directory goes (never
+   * anything by the checkpoint's name: that is someone else's). */
+  if (s->have_gp && s->gp.meta.save_id) {
+    ckpt_store_save_dir_remove(fs->backing_fd, s->gp.meta.save_id);
     if (fs->opts.sync_files)
       fsync(fs->backing_fd);
   }
@@ -741,7 +764,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     if (rc == 0)
       fuse_reply_write(s->req, s->reply_size);
     else
-      fuse_reply_err(s->req, EIO);
+      fuse_reply_err(s->req, rc == -EEXIST ? EEXIST : EIO);
   }
   save_free(fs, s);
 }

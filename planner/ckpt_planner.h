@@ -208,8 +208,15 @@ typedef struct {
   uint64_t length;
 } ckpt_assignment_t;
 
+/* A save's id: 32 lowercase hex digits (the metadata's save_id). */
+#define CKPT_SAVE_ID_LEN 32
+bool ckpt_save_id_valid(const char *id);
+
 typedef struct {
   int32_t rank;
+  char save_id[CKPT_SAVE_ID_LEN + 1]; /* the save this plan belongs to
+                                         ("" until the coordinator sets
+                                         it; last in the message) */
   uint32_t n_files;      /* files K = 0 .. n_files-1 */
   uint64_t *file_bytes;  /* owned, n_files: final size of each file */
   uint32_t n_assign;

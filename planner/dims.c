@@ -160,6 +160,16 @@ bool ckpt_name_valid(const char *name) {
   return n > 0;
 }
 
+bool ckpt_save_id_valid(const char *id) {
+  assert(id != NULL);
+  size_t n = 0;
+  for (; id[n] != '\0'; n++)
+    if (n == CKPT_SAVE_ID_LEN ||
+        !(is_digit(id[n]) || (id[n] >= 'a' && id[n] <= 'f')))
+      return false;
+  return n == CKPT_SAVE_ID_LEN;
+}
+
 char *ckpt_fqn_from_path(const char *path) {
   assert(path != NULL);
   char *fqn = strdup(path);

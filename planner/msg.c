@@ -298,6 +298,7 @@ int ckpt_msg_encode_rank_plan(const ckpt_rank_plan_t *rp, ckpt_buf_t *out) {
     put_u64(&w, a->file_offset);
     put_u64(&w, a->length);
   }
+  put_str(&w, rp->save_id);
   return finish(&w, start);
 }
 
@@ -345,6 +346,17 @@ int ckpt_msg_decode_rank_plan(const void *p, size_t n, ckpt_rank_plan_t *rp) {
     }
     end = a.file_offset + a.length;
     rp->assign[rp->n_assign++] = a;
+  }
+  /* The save id: empty (a plan not yet given to a save) or valid. */
+  size_t id_len = 0;
+  const char *id = get_str(&r, &id_len);
+  if (id != NULL && id_len == CKPT_SAVE_ID_LEN) {
+    memcpy(rp->save_id, id, id_len);
+    rp->save_id[id_len] = '\0';
+    if (!ckpt_save_id_valid(rp->save_id))
+      fail(&r);
+  } else if (id_len != 0) {
+    fail(&r);
   }
   int rc = get_end(&r);
   if (rc < 0)

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -57,6 +58,129 @@ bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir) {
   if (dir)
     *dir = st;
   return true;
+}
+
+/* Open BACKING_DIR/.saves, creating it: fd or -errno. */
+static int open_saves(int backing_fd, bool create) {
+  if (create && mkdirat(backing_fd, CKPT_SAVES_DIR, 0700) && errno != EEXIST)
+    return -errno;
+  int fd = openat(backing_fd, CKPT_SAVES_DIR,
+                  O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  return fd >= 0 ? fd : -errno;
+}
+
+int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, int *out) {
+  if (!ckpt_save_id_valid(save_id))
+    return -EINVAL;
+  /* A starting mount may remove .saves or an unheld save directory
+   * between our mkdir and our flock: then start over. */
+  for (int attempt = 0; attempt < 10; attempt++) {
+    int sfd = open_saves(backing_fd, true);
+    if (sfd == -ENOENT)
+      continue;
+    if (sfd < 0)
+      return sfd;
+    if (mkdirat(sfd, save_id, 0700) && errno != EEXIST) {
+      int e = errno;
+      close(sfd);
+      if (e == ENOENT)
+        continue;
+      return -e;
+    }
+    int fd = openat(sfd, save_id,
+                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+      int e = errno;
+      close(sfd);
+      if (e == ENOENT)
+        continue;
+      return -e;
+    }
+    if (flock(fd, LOCK_SH)) {
+      int e = errno;
+      close(fd);
+      close(sfd);
+      return -e;
+    }
+    struct stat held, named;
+    bool same = fstat(fd, &held) == 0 &&
+                fstatat(sfd, save_id, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+                held.st_dev == named.st_dev && held.st_ino == named.st_ino;
+    close(sfd);
+    if (same) {
+      *out = fd;
+      return 0;
+    }
+    close(fd);
+  }
+  return -EAGAIN;
+}
+
+int ckpt_store_publish(int backing_fd, const char *save_id, const char *name) {
+  if (!ckpt_save_id_valid(save_id) || !ckpt_name_valid(name))
+    return -EINVAL;
+  char from[64];
+  snprintf(from, sizeof(from), "%s/%s", CKPT_SAVES_DIR, save_id);
+  int rc = renameat2(backing_fd, from, backing_fd, name, RENAME_NOREPLACE);
+  if (rc && (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)) {
+    /* No RENAME_NOREPLACE here: rename(2) of a directory replaces only
+     * an empty directory or nothing. An empty NAME directory (an
+     * interrupted save of an older ckptfs) holds nothing to lose. */
+    rc = renameat(backing_fd, from, backing_fd, name);
+  }
+  if (rc == 0) {
+    unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
+    return 0;
+  }
+  if (errno == EEXIST || errno == ENOTEMPTY || errno == ENOTDIR ||
+      errno == EISDIR)
+    return -EEXIST;
+  return -errno;
+}
+
+void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
+  if (!ckpt_save_id_valid(save_id))
+    return;
+  int sfd = open_saves(backing_fd, false);
+  if (sfd < 0)
+    return;
+  ckpt__remove_tree(sfd, save_id);
+  close(sfd);
+  unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
+}
+
+/* Remove the save directories of .saves that no writer holds. */
+static void cleanup_saves(int backing_fd) {
+  int sfd = open_saves(backing_fd, false);
+  if (sfd < 0)
+    return;
+  int lfd = openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d) {
+    if (lfd >= 0)
+      close(lfd);
+    close(sfd);
+    return;
+  }
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+      continue;
+    int fd = openat(sfd, e->d_name,
+                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) { /* not a directory: not ours either, but in our space */
+      unlinkat(sfd, e->d_name, 0);
+      continue;
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      ckpt__log("removing unfinished save %s/%s", CKPT_SAVES_DIR, e->d_name);
+      ckpt__remove_tree(sfd, e->d_name);
+    }
+    close(fd);
+  }
+  closedir(d);
+  close(sfd);
+  unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
 int ckpt__remove_tree(int parent_fd, const char *name) {
@@ -120,5 +244,6 @@ void ckpt_store_cleanup(int backing_fd) {
     close(dfd);
   }
   closedir(d);
+  cleanup_saves(backing_fd);
   ckpt__remove_tree(backing_fd, CKPT_STAGING_DIR);
 }

@@ -392,7 +392,6 @@ int ckpt_metadb_publish(const char *ckpt_dir, const ckpt_metadata_t *m,
     goto cleanup;
   }
   renamed = true;
-  ckpt_failpoint("metadata_rename");
   /* 4. */
   if (sync) {
     int dfd = open(ckpt_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);

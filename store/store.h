@@ -17,6 +17,8 @@
  *   NAME/.metadata.tmp    being written (removed by the next mount)
  *   NAME/__R_K.distcp     data file K of rank R
  *   .staging/             unnamed spill and stream files of live mounts
+ *   .saves/ID/            a save in flight: its data files and .metadata,
+ *                         renamed to NAME at the commit (never replacing)
  *
  * No FUSE and no MPI here: the offline tools link this library alone.
  */
@@ -36,6 +38,7 @@
 #define CKPT_METADATA_FILE ".metadata"
 #define CKPT_METADATA_TMP ".metadata.tmp"
 #define CKPT_STAGING_DIR ".staging"
+#define CKPT_SAVES_DIR ".saves"
 
 /* ------------------------------------------------------------------------
  * Small helpers (util.c).
@@ -69,11 +72,26 @@ bool ckpt_store_has_metadata(int dirfd);
  * identity) when it is. For callers that must not open the directory
  * (listing, lookups): two fstatat calls. */
 bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir);
+/* Create (or join) BACKING_DIR/.saves/save_id, the save's own directory,
+ * and hold it with a shared flock (a starting mount removes only the
+ * ones nobody holds). fd or -errno. */
+int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, int *out);
+/* The commit point: rename BACKING_DIR/.saves/save_id to BACKING_DIR/name,
+ * never replacing anything there: renameat2(RENAME_NOREPLACE), or where
+ * the filesystem lacks it (NFS, some FUSE filesystems) rename(2), which
+ * no POSIX filesystem lets replace a non-empty directory (and a committed
+ * checkpoint is never empty). 0, -EEXIST when name exists (committed by
+ * someone else), or -errno. */
+int ckpt_store_publish(int backing_fd, const char *save_id, const char *name);
+/* Remove BACKING_DIR/.saves/save_id (a failed or lost save's own files),
+ * and .saves when it is empty. */
+void ckpt_store_save_dir_remove(int backing_fd, const char *save_id);
 /* Remove every entry of directory parent_fd/name, then the directory
  * (never following symlinks). 0 or the first -errno. */
 int ckpt__remove_tree(int parent_fd, const char *name);
-/* At mount: remove unfinished saves (directories without .metadata that
- * no writer holds), stale .metadata.tmp files and .staging. */
+/* At mount: remove unfinished saves (directories without .metadata, and
+ * those of .saves, that no writer holds), stale .metadata.tmp files and
+ * .staging. */
 void ckpt_store_cleanup(int backing_fd);
 
 /* ------------------------------------------------------------------------

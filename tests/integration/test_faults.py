@@ -170,7 +170,10 @@ class KilledWhileDiscarding(FaultCase):
             commit(self.ck("big"))
         self.assertEqual(m.wait(60), -signal.SIGKILL, read_log(self.log))
         unmount_dead(self.mnt)
-        self.assertTrue(os.path.isdir(self.bk("big")), "the failpoint came too late")
+        saves = self.bk(".saves")
+        self.assertTrue(os.path.isdir(saves) and os.listdir(saves),
+                        "the failpoint came too late (the save's own directory is gone)")
+        self.assertFalse(os.path.exists(self.bk("big")), "a failed save made a NAME directory")
         m = self.mount()
         self.assertEqual(os.listdir(self.backing), ["before"])
         self.assertIntact("before", before)

@@ -189,8 +189,9 @@ class SharedBacking(CkptfsTestCase):
         write_file(self.ck("race", "f"), b"A wins")
         write_file(os.path.join(mnt_b, "race", "f"), b"B loses")
         commit(self.ck("race"))
-        self.assertErrno(errno.EIO, commit, os.path.join(mnt_b, "race"))
+        self.assertErrno(errno.EEXIST, commit, os.path.join(mnt_b, "race"))
         self.assertIn("race", status(os.path.join(mnt_b, "race")))
+        self.assertIn("committed elsewhere", status(os.path.join(mnt_b, "race")))
         self.assertEqual(read_all(self.ck("race", "f")), b"A wins")
         # removal through A leaves B's view
         shutil.rmtree(self.ck("from_a"))
@@ -253,9 +254,13 @@ class SharedBacking(CkptfsTestCase):
             # wait until its data files are being written, then start world B
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                if os.path.isdir(self.bk(name)) and any(
-                        f.endswith(".distcp") for f in os.listdir(self.bk(name))):
-                    break
+                saves = self.bk(".saves")  # the save's own directory
+                try:
+                    if any(f.endswith(".distcp") for d in os.listdir(saves)
+                           for f in os.listdir(os.path.join(saves, d))):
+                        break
+                except FileNotFoundError:  # not made yet, or gone
+                    pass
                 if state(self.ck(name)) != "committing":
                     break
                 time.sleep(0.001)

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Several mounts over one BACKING_DIR (other worlds on this node or on
+others): publishing a checkpoint is exclusive.
+
+    python3 tests/integration/test_shared.py --bin build/bin/ckptfs [Class ...]
+
+Classes:
+  SameName   two and three one-rank mounts commit one NAME at once, with
+             different bytes, many rounds (sync and async): exactly one
+             commit succeeds, every other fails with EEXIST and its .status
+             says the name was committed elsewhere; the published checkpoint
+             is the winner's, whole (ckptfs-fsck clean, bytes exact on a
+             fresh mount); nothing of the losers is left in BACKING_DIR, and
+             a loser's staged checkpoint stays staged
+  Leftovers  a save that was interrupted (killed daemon) leaves its own
+             directory under .saves, never a NAME directory: the next mount
+             removes it, and an unheld one only
+Needs root (FUSE). Python standard library only.
+"""
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util as cu  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, commit, read_all, status,  # noqa: E402
+                         write_tensor, wait_state)
+
+ROUNDS = 25
+
+
+def fsck(backing, *names):
+    exe = os.path.join(os.path.dirname(cu.BIN), "ckptfs-fsck")
+    return subprocess.run([exe, backing, *names], capture_output=True, text=True)
+
+
+def payload(writer, rnd, n=64 * 1024):
+    """Distinct bytes per writer and round (int32 values)."""
+    base = (writer * 1000003 + rnd * 7919) & 0x7FFFFFFF
+    return b"".join(((base + i) & 0x7FFFFFFF).to_bytes(4, "little") for i in range(n))
+
+
+class SameName(CkptfsTestCase):
+    def mounts_n(self, n, opts="sync_files=0"):
+        mnts = []
+        for i in range(n):
+            mnt = os.path.join(self.dir, f"m{i}")
+            self.mount(opts, mnt=mnt)
+            mnts.append(mnt)
+        return mnts
+
+    def race(self, mnts, name, rnd, mode):
+        """Stage NAME on every mount with its own bytes, commit all at once;
+        return the outcome per mount: 0 or an errno."""
+        for w, mnt in enumerate(mnts):
+            ck = self.ck(name, mnt=mnt)
+            os.mkdir(ck)
+            write_tensor(os.path.join(ck, "t"), "int32", [64 * 1024], payload(w, rnd))
+            os.makedirs(os.path.join(ck, "sub"))
+            with open(os.path.join(ck, "sub", "writer"), "wb") as f:
+                f.write(str(w).encode())
+        start = threading.Barrier(len(mnts))
+        out = [None] * len(mnts)
+
+        def go(w):
+            start.wait()
+            try:
+                commit(self.ck(name, mnt=mnts[w]), mode)
+                if mode == "async":
+                    st = wait_state(self.ck(name, mnt=mnts[w]), timeout=120)
+                    out[w] = 0 if st.startswith("committed") else -1
+                else:
+                    out[w] = 0
+            except OSError as e:
+                out[w] = e.errno
+        ts = [threading.Thread(target=go, args=(w,)) for w in range(len(mnts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return out
+
+    def check_round(self, mnts, name, rnd, out, mode):
+        winners = [w for w, o in enumerate(out) if o == 0]
+        self.assertEqual(len(winners), 1, f"round {rnd} ({mode}): exactly one commit of {name} "
+                                          f"must succeed: outcomes {out}")
+        win = winners[0]
+        for w, o in enumerate(out):
+            if w == win:
+                continue
+            st = status(self.ck(name, mnt=mnts[w]))
+            if mode == "sync":
+                self.assertEqual(o, errno.EEXIST, f"round {rnd}: the loser's commit must fail "
+                                                  f"with EEXIST, got {o}; .status: {st}")
+            self.assertIn("committed elsewhere", st,
+                          f"round {rnd}: the loser's .status must say so:\n{st}")
+            # the loser's staged data is still there
+            self.assertEqual(read_all(self.ck(name, "sub", "writer", mnt=mnts[w])),
+                             str(w).encode())
+        r = fsck(self.backing, name)
+        self.assertEqual(r.returncode, 0, f"round {rnd}: ckptfs-fsck:\n{r.stdout}{r.stderr}")
+        # only the winner's files: its .metadata and rank 0's data files
+        stored = os.listdir(self.bk(name))
+        self.assertIn(".metadata", stored)
+        self.assertFalse([f for f in stored if f != ".metadata" and
+                          not (f.startswith("__0_") and f.endswith(".distcp"))],
+                         f"round {rnd}: in {name}: {stored}")
+        self.assertEqual(read_all(self.ck(name, "t", mnt=mnts[win])), payload(win, rnd),
+                         f"round {rnd}: the winner's mount must serve its bytes")
+        left = [e for e in os.listdir(self.backing) if e not in (name, ".staging")]
+        self.assertFalse([e for e in left if not e.startswith("r")],
+                         f"round {rnd}: left in BACKING_DIR: {left}")
+        return win
+
+    def run_rounds(self, n_mounts, mode):
+        mnts = self.mounts_n(n_mounts)
+        wins = [0] * n_mounts
+        for rnd in range(ROUNDS):
+            name = f"r{rnd:03d}"
+            out = self.race(mnts, name, rnd, mode)
+            wins[self.check_round(mnts, name, rnd, out, mode)] += 1
+            for mnt in mnts:  # the losers discard their staged copies
+                ck = self.ck(name, mnt=mnt)
+                if os.path.isdir(ck) and "committed elsewhere" in status(ck):
+                    subprocess.run(["rm", "-r", ck], check=True)
+        print(f"\n  {n_mounts} mounts, {mode}: wins per mount {wins}", file=sys.stderr)
+        # a fresh mount sees every winner, whole
+        for m in self.mounts:
+            m.stop()
+        self.mounts.clear()
+        fresh = os.path.join(self.dir, "fresh")
+        self.mount(mnt=fresh)
+        names = sorted(n for n in os.listdir(fresh))
+        self.assertEqual(names, [f"r{i:03d}" for i in range(ROUNDS)])
+        self.assertFalse(os.path.exists(self.bk(".saves")),
+                         "the save directories must be gone")
+
+    def test_two_mounts_sync(self):
+        self.run_rounds(2, "sync")
+
+    def test_three_mounts_sync(self):
+        self.run_rounds(3, "sync")
+
+    def test_two_mounts_async(self):
+        self.run_rounds(2, "async")
+
+
+class Leftovers(CkptfsTestCase):
+    def test_killed_save_leaves_only_its_own_directory(self):
+        env = {"CKPTFS_FAILPOINT": "write_done"}
+        m = self.mount("sync_files=0", env=env)
+        ck = self.ck("a")
+        os.mkdir(ck)
+        write_tensor(os.path.join(ck, "t"), "int32", [1024], payload(0, 0, 1024))
+        try:
+            commit(ck)
+        except OSError:
+            pass
+        m.wait(60)
+        self.mounts.clear()
+        subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
+        self.assertFalse(os.path.exists(self.bk("a")),
+                         "an interrupted save must not leave a NAME directory")
+        saves = os.listdir(self.bk(".saves"))
+        self.assertEqual(len(saves), 1, saves)
+        # a save directory somebody holds is left alone by a starting mount
+        held = self.bk(".saves", "f" * 32)
+        os.makedirs(held)
+        fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self.mount()
+        self.assertEqual(os.listdir(self.bk(".saves")), ["f" * 32])
+        os.close(fd)
+        self.assertEqual(os.listdir(self.mnt), [])
+
+
+if __name__ == "__main__":
+    cu.main()
