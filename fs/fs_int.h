@@ -34,6 +34,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include "ckpt_dist.h"
@@ -322,6 +323,37 @@ struct ckpt_ckpt {
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
 };
 
+/* Where BACKING_DIR/NAME stands, looked up without fs->lock (ops.c). */
+typedef struct {
+  bool committed;  /* a directory with .metadata */
+  bool not_dir;    /* something else than a directory (a file, a symlink) */
+  struct stat dir; /* its identity, when committed */
+  uint64_t gen;    /* fs->load_gen before it was looked up: a checkpoint
+                      loaded since then is newer than this look */
+} ckpt_presence_t;
+
+/* The entries of BACKING_DIR as the root was last listed (ops.c): reused
+ * while BACKING_DIR's mtime is unchanged and it is less than
+ * CKPT_SCAN_MAX_AGE seconds old, so that listings cost one stat and a
+ * checkpoint committed or removed by another mount shows within that. */
+#define CKPT_SCAN_MAX_AGE 1.0
+typedef struct ckpt_scan {
+  char **names;           /* sorted */
+  ckpt_presence_t *pr;    /* by name */
+  size_t n;
+  struct timespec mtime;  /* BACKING_DIR's, when listed */
+  double at;              /* CLOCK_MONOTONIC seconds, when listed */
+  uint32_t refs;          /* fs->scan_lock */
+} ckpt_scan_t;
+
+/* A checkpoint of BACKING_DIR whose .metadata was refused: not loaded
+ * again (nor logged again) while it is the same directory. */
+typedef struct {
+  char *name;
+  dev_t dev;
+  ino_t ino;
+} ckpt_refused_t;
+
 struct ckpt_fs {
   ckpt_opts_t opts;
   int backing_fd;          /* BACKING_DIR, O_DIRECTORY */
@@ -341,10 +373,17 @@ struct ckpt_fs {
   struct ckpt_pool *pool;  /* io_threads workers */
   ckpt_fdcache_t *fdcache; /* data file descriptors of committed reads */
   _Atomic uint64_t load_gen; /* counts checkpoints loaded into the tree */
+  pthread_mutex_t scan_lock; /* protects scan and refused */
+  ckpt_scan_t *scan;       /* the last listing of BACKING_DIR, or NULL */
+  ckpt_refused_t *refused;
+  size_t nrefused;
   struct ckpt_handle *handles; /* open file and directory handles (ops.c);
                                   fs->lock */
   ckpt_save_ops_t save_ops;
 };
+
+/* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
+void ckpt__scan_put(ckpt_scan_t *sc);
 
 /* Create the root; fs->opts and backing_fd must be set. */
 int ckpt__fs_init(ckpt_fs_t *fs);

@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "catalog.h"
 #include "fs_int.h"
 
 _Static_assert(sizeof(fuse_ino_t) >= sizeof(uint64_t),
@@ -397,8 +398,17 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
  * The mount.
  * ---------------------------------------------------------------------- */
 
+void ckpt__scan_put(ckpt_scan_t *sc) {
+  if (!sc || --sc->refs)
+    return;
+  ckpt__catalog_names_free(sc->names, sc->n);
+  free(sc->pr);
+  free(sc);
+}
+
 int ckpt__fs_init(ckpt_fs_t *fs) {
   pthread_mutex_init(&fs->lock, NULL);
+  pthread_mutex_init(&fs->scan_lock, NULL);
   fs->hash_size = 1024;
   fs->ino_hash = calloc(fs->hash_size, sizeof(*fs->ino_hash));
   fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
@@ -430,6 +440,14 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
   free(fs->name_hash);
   ckpt_fdcache_free(fs->fdcache);
   fs->fdcache = NULL;
+  ckpt__scan_put(fs->scan);
+  fs->scan = NULL;
+  for (size_t i = 0; i < fs->nrefused; i++)
+    free(fs->refused[i].name);
+  free(fs->refused);
+  fs->refused = NULL;
+  fs->nrefused = 0;
+  pthread_mutex_destroy(&fs->scan_lock);
   ckpt__staging_destroy(&fs->staging);
   pthread_mutex_destroy(&fs->lock);
 }

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -301,12 +302,7 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
 
 /* Where BACKING_DIR/NAME stands, looked up before fs->lock is taken (no
  * system call under it). */
-typedef struct {
-  bool committed;  /* a directory with .metadata */
-  bool not_dir;    /* something else than a directory (a file, a symlink) */
-  struct stat dir; /* its identity, when committed */
-  uint64_t gen;    /* fs->load_gen before it was looked up */
-} presence_t;
+typedef ckpt_presence_t presence_t;
 
 static presence_t presence(ckpt_fs_t *fs, const char *name) {
   presence_t p = {false, false, {0}, atomic_load(&fs->load_gen)};
@@ -340,18 +336,174 @@ static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
   return false;
 }
 
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* BACKING_DIR's entries with their presence: the last listing while
+ * BACKING_DIR's mtime is unchanged and it is younger than
+ * CKPT_SCAN_MAX_AGE, else a new one (one fstatat per entry, without
+ * fs->lock). A reference for the caller (ckpt__scan_put), or NULL when
+ * BACKING_DIR cannot be listed. */
+static ckpt_scan_t *root_scan(ckpt_fs_t *fs) {
+  struct stat bst;
+  bool have = fstat(fs->backing_fd, &bst) == 0;
+  double now = mono_now();
+  pthread_mutex_lock(&fs->scan_lock);
+  ckpt_scan_t *sc = fs->scan;
+  if (sc && have && now - sc->at < CKPT_SCAN_MAX_AGE &&
+      sc->mtime.tv_sec == bst.st_mtim.tv_sec &&
+      sc->mtime.tv_nsec == bst.st_mtim.tv_nsec) {
+    sc->refs++;
+    pthread_mutex_unlock(&fs->scan_lock);
+    return sc;
+  }
+  pthread_mutex_unlock(&fs->scan_lock);
+  sc = calloc(1, sizeof(*sc));
+  if (!sc || ckpt__catalog_names(fs->backing_fd, &sc->names, &sc->n)) {
+    free(sc);
+    return NULL;
+  }
+  sc->pr = calloc(sc->n ? sc->n : 1, sizeof(*sc->pr));
+  if (!sc->pr) {
+    sc->refs = 1;
+    ckpt__scan_put(sc);
+    return NULL;
+  }
+  uint64_t gen = atomic_load(&fs->load_gen); /* before any lookup */
+  for (size_t i = 0; i < sc->n; i++) {
+    sc->pr[i] = presence(fs, sc->names[i]);
+    sc->pr[i].gen = gen;
+  }
+  sc->mtime = bst.st_mtim;
+  sc->at = now;
+  sc->refs = 2; /* the caller's and the cache's */
+  pthread_mutex_lock(&fs->scan_lock);
+  ckpt__scan_put(fs->scan);
+  fs->scan = sc;
+  pthread_mutex_unlock(&fs->scan_lock);
+  return sc;
+}
+
+static void scan_put(ckpt_fs_t *fs, ckpt_scan_t *sc) {
+  pthread_mutex_lock(&fs->scan_lock);
+  ckpt__scan_put(sc);
+  pthread_mutex_unlock(&fs->scan_lock);
+}
+
+/* The presence of c's name in sc (sc NULL: not known, assume present). */
+static presence_t scan_lookup(const ckpt_scan_t *sc, ckpt_node_t *c) {
+  presence_t none = {false, false, {0}, 0};
+  if (!sc) {
+    none.committed = c->ck->has_stored;
+    if (c->ck->has_stored) {
+      none.dir.st_dev = c->ck->stored.dev;
+      none.dir.st_ino = c->ck->stored.ino;
+    }
+    return none;
+  }
+  const char *key = c->name;
+  char **hit = bsearch(&key, sc->names, sc->n, sizeof(*sc->names), by_name);
+  return hit ? sc->pr[hit - sc->names] : none;
+}
+
+/* Was this directory of name refused before? (fs->scan_lock held) */
+static bool refused_before(ckpt_fs_t *fs, const char *name,
+                           const presence_t *pr) {
+  for (size_t i = 0; i < fs->nrefused; i++)
+    if (!strcmp(fs->refused[i].name, name))
+      return fs->refused[i].dev == pr->dir.st_dev &&
+             fs->refused[i].ino == pr->dir.st_ino;
+  return false;
+}
+
+/* Show checkpoint name, committed in BACKING_DIR by another mount (pr:
+ * its presence). A refused one is logged once and not tried again while
+ * it is the same directory. Without fs->lock. */
+static void load_committed(ckpt_fs_t *fs, const char *name,
+                           const presence_t *pr) {
+  pthread_mutex_lock(&fs->scan_lock);
+  bool skip = refused_before(fs, name, pr);
+  pthread_mutex_unlock(&fs->scan_lock);
+  if (skip)
+    return;
+  char *err = NULL;
+  if (ckpt__fs_load_one(fs, name, &err) == 0) {
+    free(err);
+    return;
+  }
+  ckpt__log("not showing checkpoint %s: %s (left in place; see "
+            "ckptfs-fsck)", name, err ? err : "unknown error");
+  free(err);
+  pthread_mutex_lock(&fs->scan_lock);
+  size_t i = 0;
+  while (i < fs->nrefused && strcmp(fs->refused[i].name, name))
+    i++;
+  if (i == fs->nrefused) {
+    ckpt_refused_t *grown =
+        realloc(fs->refused, (fs->nrefused + 1) * sizeof(*grown));
+    char *copy = strdup(name);
+    if (grown)
+      fs->refused = grown;
+    if (grown && copy)
+      fs->refused[fs->nrefused++].name = copy;
+    else
+      free(copy), i = SIZE_MAX;
+  }
+  if (i != SIZE_MAX) {
+    fs->refused[i].dev = pr->dir.st_dev;
+    fs->refused[i].ino = pr->dir.st_ino;
+  }
+  pthread_mutex_unlock(&fs->scan_lock);
+}
+
+/* Show the checkpoints of sc committed by other mounts that this mount
+ * does not know yet. */
+static void load_new(ckpt_fs_t *fs, const ckpt_scan_t *sc) {
+  if (!sc)
+    return;
+  bool *todo = calloc(sc->n ? sc->n : 1, sizeof(*todo));
+  if (!todo)
+    return;
+  size_t n = 0;
+  pthread_mutex_lock(&fs->lock);
+  for (size_t i = 0; i < sc->n; i++)
+    if (sc->pr[i].committed && !ckpt__ckpt_lookup(fs, sc->names[i]))
+      todo[i] = true, n++;
+  pthread_mutex_unlock(&fs->lock);
+  for (size_t i = 0; n && i < sc->n; i++)
+    if (todo[i])
+      load_committed(fs, sc->names[i], &sc->pr[i]);
+  free(todo);
+}
+
 static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   ckpt_fs_t *fs = fs_of(req);
   struct fuse_entry_param e;
   int rc = 0;
   presence_t pr = {false, false, {0}, 0};
-  if (parent == FUSE_ROOT_ID)
+  bool root = parent == FUSE_ROOT_ID;
+  if (root)
     pr = presence(fs, name);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
   if (n && p->kind == CKPT_NODE_ROOT && !still_stored(fs, n, &pr))
     n = NULL;
+  if (root && p && !n && pr.committed) {
+    /* Committed by another mount: shown from now on. */
+    pthread_mutex_unlock(&fs->lock);
+    load_committed(fs, name, &pr);
+    pthread_mutex_lock(&fs->lock);
+    p = ckpt__node_by_ino(fs, parent);
+    n = p ? ckpt__node_child(fs, p, name) : NULL;
+  }
   if (!p)
     rc = ESTALE;
   else if (!n || n->hidden)
@@ -1046,60 +1198,10 @@ static int add_dirent(fuse_req_t req, ckpt_buf_t *b, const char *name,
   return 0;
 }
 
-/* The committed checkpoints of BACKING_DIR, sorted by name, with their
- * identity: looked up before the root is listed under fs->lock. */
-typedef struct {
-  char **names;
-  presence_t *pr;
-  size_t n;
-  uint64_t gen;  /* fs->load_gen before it was listed */
-} stored_list_t;
-
-static int by_name(const void *a, const void *b) {
-  return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-static void stored_list(ckpt_fs_t *fs, stored_list_t *l) {
-  memset(l, 0, sizeof(*l));
-  uint64_t gen = atomic_load(&fs->load_gen); /* before any lookup */
-  l->gen = gen;
-  if (ckpt__catalog_names(fs->backing_fd, &l->names, &l->n))
-    return; /* unreadable: every committed entry is shown as it was */
-  l->pr = calloc(l->n ? l->n : 1, sizeof(*l->pr));
-  for (size_t i = 0; l->pr && i < l->n; i++) {
-    l->pr[i] = presence(fs, l->names[i]);
-    l->pr[i].gen = gen;
-  }
-}
-
-static void stored_list_free(stored_list_t *l) {
-  ckpt__catalog_names_free(l->names, l->n);
-  free(l->pr);
-}
-
-/* The presence of name in l (l->pr NULL: not known, assume present). */
-static presence_t stored_lookup(const stored_list_t *l, ckpt_node_t *c) {
-  presence_t none = {false, false, {0}, 0};
-  if (!l->pr) {
-    none.committed = c->ck->has_stored;
-    if (c->ck->has_stored) {
-      none.dir.st_dev = c->ck->stored.dev;
-      none.dir.st_ino = c->ck->stored.ino;
-    }
-    return none;
-  }
-  const char *key = c->name;
-  char **hit = l->n ? bsearch(&key, l->names, l->n, sizeof(*l->names),
-                              by_name)
-                    : NULL; /* an empty listing has no array at all */
-  none.gen = l->gen; /* not listed, as of that listing */
-  return hit ? l->pr[hit - l->names] : none;
-}
-
-/* The entries of directory n into b; l: BACKING_DIR's committed entries
- * when n is the root. fs->lock held. */
+/* The entries of directory n into b; sc: BACKING_DIR's entries when n is
+ * the root. fs->lock held. */
 static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
-                    const stored_list_t *l, ckpt_buf_t *b) {
+                    const ckpt_scan_t *sc, ckpt_buf_t *b) {
   struct stat st = {.st_ino = n->ino, .st_mode = S_IFDIR};
   int rc = add_dirent(req, b, ".", &st);
   st.st_ino = n->parent ? n->parent->ino : n->ino;
@@ -1111,7 +1213,7 @@ static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
         c->kind == CKPT_NODE_STATUS || c->kind == CKPT_NODE_VROOT)
       continue;
     if (n->kind == CKPT_NODE_ROOT && c->ck->state == CKPT_COMMITTED) {
-      presence_t pr = stored_lookup(l, c);
+      presence_t pr = scan_lookup(sc, c);
       if (!still_stored(fs, c, &pr))
         continue;
     }
@@ -1159,13 +1261,16 @@ static void fs_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     ckpt_fs_t *fs = fs_of(req);
     ckpt_buf_t b;
     ckpt_buf_init(&b);
-    stored_list_t l = {0};
-    if (h->node->kind == CKPT_NODE_ROOT)
-      stored_list(fs, &l);
+    ckpt_scan_t *sc = NULL;
+    if (h->node->kind == CKPT_NODE_ROOT) {
+      sc = root_scan(fs);
+      load_new(fs, sc); /* committed by other mounts meanwhile */
+    }
     pthread_mutex_lock(&fs->lock);
-    int rc = list_dir(req, fs, h->node, &l, &b);
+    int rc = list_dir(req, fs, h->node, sc, &b);
     pthread_mutex_unlock(&fs->lock);
-    stored_list_free(&l);
+    if (sc)
+      scan_put(fs, sc);
     if (rc) {
       ckpt_buf_free(&b);
       fuse_reply_err(req, -rc);

@@ -12,6 +12,11 @@ Classes:
              is the winner's, whole (ckptfs-fsck clean, bytes exact on a
              fresh mount); nothing of the losers is left in BACKING_DIR, and
              a loser's staged checkpoint stays staged
+  Visibility a checkpoint committed through one mount is seen by another at
+             once by name (stat, open) and in listings within about a
+             second, without a remount; one removed through one mount is
+             gone from the other; a refused one (a gap) that appears is not
+             shown and is logged once
   Leftovers  a save that was interrupted (killed daemon) leaves its own
              directory under .saves, never a NAME directory: the next mount
              removes it, and an unheld one only
@@ -23,6 +28,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +37,7 @@ from ckptfs_util import (CkptfsTestCase, commit, read_all, status,  # noqa: E402
                          write_tensor, wait_state)
 
 ROUNDS = 25
+CKPT_SCAN_MAX_AGE = 1.0  # fs_int.h
 
 
 def fsck(backing, *names):
@@ -147,6 +154,66 @@ class SameName(CkptfsTestCase):
 
     def test_two_mounts_async(self):
         self.run_rounds(2, "async")
+
+
+class Visibility(CkptfsTestCase):
+    def test_commit_and_removal_seen_by_another_mount(self):
+        a, b = os.path.join(self.dir, "a"), os.path.join(self.dir, "b")
+        self.mount(mnt=a)
+        self.mount(mnt=b)
+        self.assertEqual(os.listdir(b), [])  # listed (and cached) before
+        data = payload(1, 1)
+        ck = self.ck("x", mnt=a)
+        os.mkdir(ck)
+        write_tensor(os.path.join(ck, "t"), "int32", [64 * 1024], data)
+        commit(ck)
+        t0 = time.monotonic()
+        while "x" not in os.listdir(b):
+            self.assertLess(time.monotonic() - t0, 3, "mount b must list x within about a second")
+            time.sleep(0.01)
+        seen = time.monotonic() - t0
+        print(f"\n  listed by the other mount after {seen * 1000:.0f} ms", file=sys.stderr)
+        self.assertEqual(read_all(self.ck("x", "t", mnt=b)), data)
+        self.assertIn("committed", status(self.ck("x", mnt=b)))
+        # by name at once (no listing first)
+        ck = self.ck("y", mnt=a)
+        os.mkdir(ck)
+        write_tensor(os.path.join(ck, "t"), "int32", [64 * 1024], payload(2, 2))
+        commit(ck)
+        self.assertEqual(read_all(self.ck("y", "t", mnt=b)), payload(2, 2))
+        self.assertErrno(errno.EEXIST, os.mkdir, self.ck("y", mnt=b))
+        # removed through a: gone from b by name at once, from listings soon
+        subprocess.run(["rm", "-r", self.ck("x", mnt=a)], check=True)
+        self.assertErrno(errno.ENOENT, os.stat, self.ck("x", mnt=b))
+        t0 = time.monotonic()
+        while "x" in os.listdir(b):
+            self.assertLess(time.monotonic() - t0, 3, "the removal must show within a second")
+            time.sleep(0.01)
+        self.assertEqual(sorted(os.listdir(b)), ["y"])
+
+    def test_refused_checkpoint_appearing_is_not_shown(self):
+        a, b = os.path.join(self.dir, "a"), os.path.join(self.dir, "b")
+        self.mount(mnt=a)
+        self.mount(mnt=b)
+        ck = self.ck("g", mnt=a)
+        os.mkdir(ck)
+        write_tensor(os.path.join(ck, "t"), "int32", [1024], payload(0, 0, 1024))
+        commit(ck)
+        # another copy whose tensor claims a shape its chunk does not cover
+        import shutil
+        import sqlite3
+        shutil.copytree(self.bk("g"), os.path.join(self.dir, "gap"))
+        db = sqlite3.connect(os.path.join(self.dir, "gap", ".metadata"))
+        db.execute("update tensors set shape='[4096]'")
+        db.commit()
+        db.close()
+        os.rename(os.path.join(self.dir, "gap"), self.bk("gap"))
+        for _ in range(3):
+            self.assertErrno(errno.ENOENT, os.stat, self.ck("gap", mnt=b))
+            time.sleep(CKPT_SCAN_MAX_AGE)
+            self.assertEqual(sorted(os.listdir(b)), ["g"])
+        self.assertEqual(self.daemon_log().count("not showing checkpoint gap"), 1,
+                         self.daemon_log())
 
 
 class Leftovers(CkptfsTestCase):
