@@ -343,6 +343,7 @@ typedef struct ckpt_scan {
   size_t n;
   struct timespec mtime;  /* BACKING_DIR's, when listed */
   double at;              /* CLOCK_MONOTONIC seconds, when listed */
+  uint64_t gen;           /* fs->load_gen before it was listed */
   uint32_t refs;          /* fs->scan_lock */
 } ckpt_scan_t;
 

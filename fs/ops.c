@@ -381,6 +381,7 @@ static ckpt_scan_t *root_scan(ckpt_fs_t *fs) {
     sc->pr[i] = presence(fs, sc->names[i]);
     sc->pr[i].gen = gen;
   }
+  sc->gen = gen;
   sc->mtime = bst.st_mtim;
   sc->at = now;
   sc->refs = 2; /* the caller's and the cache's */
@@ -410,6 +411,7 @@ static presence_t scan_lookup(const ckpt_scan_t *sc, ckpt_node_t *c) {
   }
   const char *key = c->name;
   char **hit = bsearch(&key, sc->names, sc->n, sizeof(*sc->names), by_name);
+  none.gen = sc->gen; /* not listed, as of that listing */
   return hit ? sc->pr[hit - sc->names] : none;
 }
 
