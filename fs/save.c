@@ -321,6 +321,13 @@ static char *committed_elsewhere(ckpt_fs_t *fs, const char *name) {
                                S_ISLNK(st.st_mode) ? "a symbolic link"
                                                    : "a file");
   }
+  if (rc == -ENOENT || (rc != 0 && !ckpt_store_committed(fs->backing_fd,
+                                                          name, NULL))) {
+    return ckpt__strdup_printf("%s exists in %s as an unfinished save (no %s):"
+                               " not replaced; a starting mount removes it "
+                               "when no writer holds it",
+                               name, fs->backing_path, CKPT_METADATA_FILE);
+  }
   if (rc == 0) {
     char when[32];
     time_t t = (time_t)m.created_at;
@@ -511,7 +518,11 @@ static int write_file(void *arg, uint32_t k) {
   bool streamed = s->ck->streams && k < s->ck->streams->n &&
                   s->stream_used[k] > 0;
   /* The save's own directory: a data file there is ours or nothing. */
-  w->fd = openat(s->dirfd, name,
+  int injected = ckpt_failpoint_error("write_open");
+  if (injected)
+    w->fd = -1, errno = -injected;
+  else
+    w->fd = openat(s->dirfd, name,
                  O_WRONLY | (streamed ? 0 : O_CREAT | O_EXCL) | O_NOFOLLOW |
                      O_CLOEXEC,
                  0600);

@@ -2,19 +2,24 @@
  * failpoint.h - named points of the save protocol where a test can make
  * this daemon die, to prove what a crash there leaves behind.
  *
- * CKPTFS_FAILPOINT=NAME[:N][@RANK] in the daemon's environment: the N-th
+ * CKPTFS_FAILPOINT=NAME[:N][@RANK][=ERR] in the daemon's environment: the N-th
  * time (default 1st) that rank RANK (default: every rank) passes the point
  * NAME, the daemon kills itself with SIGKILL: no handler, no cleanup, no
- * unmount, as after a crash or the OOM killer. Unset (production), a point
- * costs one load and a branch. The names (in protocol order):
+ * unmount, as after a crash or the OOM killer. With =ERR (EIO, ENOSPC,
+ * EISDIR, EACCES, EROFS or a number) the operation at an error point fails
+ * with that errno instead, once, as a failing backing filesystem would.
+ * Unset (production), a point costs one load and a branch. The names (in
+ * protocol order):
  *
  *   local_plan       the local plan is built, not yet sent
  *   global_plan      coordinator: the global plan is made, not yet sent
  *   write_begin      the rank's plan arrived, its data files are not written
+ *   write_open       (error point) opening one of the rank's data files
  *   write_data       one batch of data bytes is in a data file (use :N)
  *   write_done       the data files are complete (and synced), unreported
  *   metadata_tmp     coordinator: .metadata.tmp is complete, not renamed
- *   metadata_rename  coordinator: renamed to .metadata, directory not synced
+ *   metadata_rename  coordinator: the save's directory is renamed to NAME
+ *                    (the commit point), BACKING_DIR not synced
  *   metadata_synced  coordinator: published and synced, ranks not told
  *   committed        the committed view is shown, the writer not answered
  *   discard          a failed save is about to remove what it wrote
@@ -28,5 +33,9 @@ int ckpt_failpoint_setup(int rank, const char **why);
 
 /* Die here if the configured point is NAME and its count is reached. */
 void ckpt_failpoint(const char *name);
+
+/* An error point: -ERR if the configured point is NAME with =ERR and its
+ * count is reached (once), else 0. */
+int ckpt_failpoint_error(const char *name);
 
 #endif

@@ -76,8 +76,9 @@ class World:
     """
 
     def __init__(self, binary, n, backing, root, log, transport="vader",
-                 opts="", leak_check=None):
+                 opts="", leak_check=None, env_extra=None):
         self.binary, self.n = binary, n
+        self.env_extra = dict(env_extra or {})  # for every rank (mpirun -x)
         self.backing, self.root, self.log = backing, root, log
         self.transport = transport
         self.opts = opts
@@ -95,7 +96,8 @@ class World:
 
     def argv(self):
         cmd = MPIRUN + ["-np", str(self.n), "--mca", "btl", TRANSPORTS[self.transport]]
-        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS"):
+        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS",
+                    *sorted(self.env_extra)):
             cmd += ["-x", var]
         cmd += [self.binary, "-f"]
         if self.opts:
@@ -104,6 +106,7 @@ class World:
 
     def env(self):
         env = dict(os.environ)
+        env.update(self.env_extra)
 
         def with_opt(var, opt, replace=False):
             key = opt.split("=", 1)[0]

@@ -771,36 +771,38 @@ class FailuresVader4(WorldTestCase):
         self.verify(self.world, name, [t], 4, partial=False)
 
     def test_write_failure_one_rank(self):
-        """The backing filesystem fails one rank's data file (a directory is
-        in its place): every rank fails with the system's error text, and
-        what the other ranks wrote is removed. A client, and the
-        coordinator."""
+        """The backing filesystem fails one rank's data file (EISDIR, made
+        by an error failpoint of that rank: a save writes into a directory
+        of its own, where nothing can be planted in advance): every rank
+        fails with the system's error text, nothing is published, and what
+        the other ranks wrote is removed; the retry commits. A client, and
+        the coordinator."""
         for bad in (2, 0):
             with self.subTest(rank=bad):
+                w = self.new_world(4, "vader", self.OPTS, f"wf{bad}")
+                w.env_extra = {"CKPTFS_FAILPOINT": f"write_open@{bad}=EISDIR"}
+                w.start()
                 name = f"f-write-{bad}"
                 t = Tensor("w", "float32", [4, 64], {r: ([r, 0], [1, 64]) for r in range(4)})
-                stage(self.world, name, [t])
-                os.makedirs(self.bk(name, f"__{bad}_0.distcp", "in-the-way"))
-                res = commit_all(self.world, name)
+                stage(w, name, [t])
+                res = commit_all(w, name)
                 for r in range(4):
                     e = res[r][0]
                     self.assertIsInstance(e, OSError, f"rank {r}: {e!r}")
                     self.assertEqual(e.errno, errno.EIO, f"rank {r}: {e!r}")
                 for r in range(4):
-                    st = status(self.ck(r, name))
+                    st = status(self.ck(r, name, world=w))
                     self.assertEqual(st.split("\n", 1)[0], "failed", st)
                     self.assertNamesRank(st, bad)
                     self.assertIn(os.strerror(errno.EISDIR), st)
                 if os.environ.get("CKPT_MR_VERBOSE"):
                     sys.stderr.write(f"\n[{name}] {st}")
-                self.assertFalse(os.path.exists(self.bk(name, ".metadata")))
-                if os.path.isdir(self.bk(name)):
-                    left = sorted(f for f in os.listdir(self.bk(name))
-                                  if f != f"__{bad}_0.distcp")
-                    self.assertEqual(left, [], "files of the failed save left behind")
-                shutil.rmtree(self.bk(name), ignore_errors=True)
-                self.assertCommitted(commit_all(self.world, name))
-                self.verify(self.world, name, [t], 4, partial=False)
+                self.assertFalse(os.path.exists(self.bk(name)), "nothing may be published")
+                saves = self.bk(".saves")
+                self.assertFalse(os.path.isdir(saves) and os.listdir(saves),
+                                 "files of the failed save left behind")
+                self.assertCommitted(commit_all(w, name), world=w)
+                self.verify(w, name, [t], 4, partial=False)
 
     def test_mixed_sync_async(self):
         name = "mixed-modes"
