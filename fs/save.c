@@ -398,6 +398,12 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
     if (!s->gp.meta.name || !s->gp.meta.save_id)
       rc = -ENOMEM;
   }
+  if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->backing_fd,
+                                                s->gp.meta.save_id, true,
+                                                &s->dirfd)) != 0)
+    *err = ckpt__strdup_printf("rank 0: creating %s/%s/%s: %s",
+                               fs->backing_path, CKPT_SAVES_DIR,
+                               s->gp.meta.save_id, strerror(-rc));
   for (int r = 0; r < n && rc == 0; r++) {
     snprintf(s->gp.ranks[r].save_id, sizeof(s->gp.ranks[r].save_id), "%s",
              s->gp.meta.save_id);
@@ -586,12 +592,24 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     *err = ckpt__strdup_printf("rank %d: the plan names no save", fs->rank);
     return -EINVAL;
   }
-  if ((rc = ckpt_store_save_dir_hold(fs->backing_fd, s->rp.save_id,
+  /* The coordinator made and holds the save's directory (global_step);
+   * every other rank joins it: one that does not see it has a BACKING_DIR
+   * of its own. */
+  if (s->dirfd < 0 &&
+      (rc = ckpt_store_save_dir_hold(fs->backing_fd, s->rp.save_id, false,
                                      &s->dirfd)) != 0) {
-    *err = ckpt__strdup_printf("rank %d: creating %s/%s/%s: %s", fs->rank,
-                               fs->backing_path, CKPT_SAVES_DIR,
-                               s->rp.save_id, strerror(-rc));
-    return rc;
+    if (rc == -ENOENT)
+      *err = ckpt__strdup_printf(
+          "rank %d: BACKING_DIR %s is not the coordinator's (rank 0 made "
+          "%s/%s there, this rank does not see it): every rank of a world "
+          "must mount one BACKING_DIR shared by all nodes; nothing was "
+          "written", fs->rank, fs->backing_path, CKPT_SAVES_DIR,
+          s->rp.save_id);
+    else
+      *err = ckpt__strdup_printf("rank %d: opening %s/%s/%s: %s", fs->rank,
+                                 fs->backing_path, CKPT_SAVES_DIR,
+                                 s->rp.save_id, strerror(-rc));
+    return rc == -ENOENT ? -EXDEV : rc;
   }
   if (s->ck->streams &&
       (rc = ckpt__streams_link(s->ck->streams, s->stream_used, s->dirfd,

@@ -69,18 +69,19 @@ static int open_saves(int backing_fd, bool create) {
   return fd >= 0 ? fd : -errno;
 }
 
-int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, int *out) {
+int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
+                             int *out) {
   if (!ckpt_save_id_valid(save_id))
     return -EINVAL;
   /* A starting mount may remove .saves or an unheld save directory
    * between our mkdir and our flock: then start over. */
   for (int attempt = 0; attempt < 10; attempt++) {
-    int sfd = open_saves(backing_fd, true);
-    if (sfd == -ENOENT)
+    int sfd = open_saves(backing_fd, create);
+    if (sfd == -ENOENT && create)
       continue;
     if (sfd < 0)
       return sfd;
-    if (mkdirat(sfd, save_id, 0700) && errno != EEXIST) {
+    if (create && mkdirat(sfd, save_id, 0700) && errno != EEXIST) {
       int e = errno;
       close(sfd);
       if (e == ENOENT)
@@ -92,7 +93,7 @@ int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, int *out) {
     if (fd < 0) {
       int e = errno;
       close(sfd);
-      if (e == ENOENT)
+      if (e == ENOENT && create)
         continue;
       return -e;
     }

@@ -72,10 +72,13 @@ bool ckpt_store_has_metadata(int dirfd);
  * identity) when it is. For callers that must not open the directory
  * (listing, lookups): two fstatat calls. */
 bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir);
-/* Create (or join) BACKING_DIR/.saves/save_id, the save's own directory,
- * and hold it with a shared flock (a starting mount removes only the
- * ones nobody holds). fd or -errno. */
-int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, int *out);
+/* Create (create) or join BACKING_DIR/.saves/save_id, the save's own
+ * directory, and hold it with a shared flock (a starting mount removes
+ * only the ones nobody holds). 0 with *out, or -errno: -ENOENT when
+ * joining a directory that is not there (the coordinator creates it: a
+ * rank that does not see it does not share BACKING_DIR). */
+int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
+                             int *out);
 /* The commit point: rename BACKING_DIR/.saves/save_id to BACKING_DIR/name,
  * never replacing anything there: renameat2(RENAME_NOREPLACE), or where
  * the filesystem lacks it (NFS, some FUSE filesystems) rename(2), which

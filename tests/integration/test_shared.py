@@ -17,6 +17,10 @@ Classes:
              second, without a remount; one removed through one mount is
              gone from the other; a refused one (a gap) that appears is not
              shown and is logged once
+  PerNodeBacking  a world whose ranks have a BACKING_DIR each (as nodes
+             with local directories would): every rank's commit fails,
+             saying BACKING_DIR must be shared, and nothing is left or
+             deleted in either directory
   Leftovers  a save that was interrupted (killed daemon) leaves its own
              directory under .saves, never a NAME directory: the next mount
              removes it, and an unheld one only
@@ -214,6 +218,64 @@ class Visibility(CkptfsTestCase):
             self.assertEqual(sorted(os.listdir(b)), ["g"])
         self.assertEqual(self.daemon_log().count("not showing checkpoint gap"), 1,
                          self.daemon_log())
+
+
+class PerNodeBacking(unittest.TestCase):
+    def test_commit_refused_on_every_rank(self):
+        import shutil
+        import tempfile
+        from mpi_world import MPIRUN, TRANSPORTS, World
+        if not shutil.which("mpirun"):
+            self.fail("mpirun is missing")
+        d = tempfile.mkdtemp(prefix="ckptfs-pernode-", dir="/tmp")
+        self.addCleanup(shutil.rmtree, d, True)
+        backs = [os.path.join(d, f"node{r}", "backing") for r in range(2)]
+        for b in backs:
+            os.makedirs(b)
+        # something of each "node" that must survive
+        for b in backs:
+            with open(os.path.join(b, "keep"), "wb") as f:
+                f.write(b"mine")
+
+        class PerRank(World):
+            def argv(self):
+                cmd = MPIRUN + ["--mca", "btl", TRANSPORTS["vader"]]
+                for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS"):
+                    cmd += ["-x", var]
+                for r in range(self.n):
+                    if r:
+                        cmd.append(":")
+                    cmd += ["-np", "1", self.binary, "-f", "-o", "commit_timeout=30",
+                            backs[r], self.mnt(r)]
+                return cmd
+        w = PerRank(cu.BIN, 2, backs[0], os.path.join(d, "mnt"), os.path.join(d, "log"))
+        w.start()
+        self.addCleanup(w.stop, 60)
+        for r in range(2):
+            ck = os.path.join(w.mnt(r), "step")
+            os.mkdir(ck)
+            write_tensor(os.path.join(ck, "t"), "int32", [2, 4], payload(r, 0, 4),
+                         offsets=[r, 0], sizes=[1, 4])
+        errs = [None, None]
+
+        def go(r):
+            try:
+                commit(os.path.join(w.mnt(r), "step"))
+            except OSError as e:
+                errs[r] = e
+        ts = [threading.Thread(target=go, args=(r,)) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for r in range(2):
+            self.assertIsInstance(errs[r], OSError, f"rank {r} must fail")
+            st = status(os.path.join(w.mnt(r), "step"))
+            self.assertIn("shared", st, f"rank {r}: .status must say why:\n{st}")
+        for b in backs:
+            self.assertEqual(sorted(os.listdir(b)), ["keep"], f"{b}: nothing left, nothing lost")
+            with open(os.path.join(b, "keep"), "rb") as f:
+                self.assertEqual(f.read(), b"mine")
 
 
 class Leftovers(CkptfsTestCase):
