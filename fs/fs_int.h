@@ -320,6 +320,10 @@ struct ckpt_ckpt {
   ckpt_stored_t stored;   /* the reader's view of it (store.h) */
   bool has_stored;        /* stored is set up */
   uint64_t load_gen;      /* fs->load_gen when it was loaded */
+  bool removing;          /* COMMITTED: an entry inside was removed, so the
+                             checkpoint's .metadata is gone from
+                             BACKING_DIR (for every mount); this mount keeps
+                             the rest until rmdir NAME; fs->lock */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
 };
 

@@ -199,6 +199,10 @@ static char *status_text(const ckpt_ckpt_t *ck) {
         (unsigned long long)atomic_load(&ck->bytes_done),
         (unsigned long long)atomic_load(&ck->bytes_total));
   case CKPT_COMMITTED:
+    if (ck->removing)
+      return strdup("removing\nan entry inside was removed: the checkpoint "
+                    "is gone for every mount; rmdir NAME (rm -r) removes "
+                    "its data\n");
     return ckpt__strdup_printf(
         "committed\ntensors %u\nblobs %u\nworld_size %d\n",
         ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
@@ -320,8 +324,8 @@ static presence_t presence(ckpt_fs_t *fs, const char *name) {
  * mount's view too. fs->lock held; pr as found before. */
 static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
                          const presence_t *pr) {
-  if (dir->ck->state != CKPT_COMMITTED)
-    return true;
+  if (dir->ck->state != CKPT_COMMITTED || dir->ck->removing)
+    return true; /* removing: kept until rmdir NAME, so that rm -r ends */
   /* Loaded (by a commit of this world) after pr was looked up: pr may
    * predate the publish, it says nothing against it. */
   if (dir->ck->load_gen > pr->gen)
@@ -790,6 +794,30 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     fuse_reply_create(req, &e, fi);
 }
 
+/* An entry inside committed ck is removed: the whole checkpoint goes, for
+ * every mount (a committed checkpoint is one immutable unit): its
+ * .metadata is unlinked from BACKING_DIR durably now, the rest of its
+ * entries stay in this mount for rm -r to remove, and rmdir NAME removes
+ * its data (or the next mount start does). fs->lock held. */
+static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  if (ck->removing)
+    return 0;
+  if (ck->state != CKPT_COMMITTED || !ck->has_stored)
+    return -EROFS;
+  struct stat dir = {0};
+  dir.st_dev = ck->stored.dev;
+  dir.st_ino = ck->stored.ino;
+  int rc = ckpt_store_unpublish(fs->backing_fd, ck->name, &dir);
+  if (rc == -ESTALE)
+    rc = 0; /* replaced by another checkpoint of the name: ours is gone */
+  if (rc)
+    return rc;
+  ckpt__log("%s: an entry inside was removed: removing the checkpoint for "
+            "every mount", ck->name);
+  ck->removing = true;
+  return 0;
+}
+
 static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
@@ -810,8 +838,8 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = -EPERM;
   else if (ckpt__is_view_kind(n->kind))
     rc = -EROFS;
-  else if (is_committed_kind(n->kind))
-    n->hidden = true; /* only this mount's view; the store stays whole */
+  else if (is_committed_kind(n->kind) && (rc = start_removal(fs, n->ck)) == 0)
+    n->hidden = true;
   else if ((rc = staged_writable(n->ck)) == 0)
     ckpt__node_detach(fs, n);
   pthread_mutex_unlock(&fs->lock);
@@ -864,7 +892,7 @@ static void fs_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = rmdir_checkpoint(fs, n);
   else if (has_visible(n))
     rc = -ENOTEMPTY;
-  else if (n->kind == CKPT_NODE_CDIR)
+  else if (n->kind == CKPT_NODE_CDIR && (rc = start_removal(fs, n->ck)) == 0)
     n->hidden = true;
   else if ((rc = staged_writable(n->ck)) == 0)
     ckpt__node_detach(fs, n);

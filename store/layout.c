@@ -150,6 +150,25 @@ void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
+int ckpt_store_unpublish(int backing_fd, const char *name,
+                         const struct stat *dir) {
+  int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+  if (dfd < 0)
+    return dfd == -ENOENT ? 0 : dfd;
+  struct stat st;
+  int rc = 0;
+  if (fstat(dfd, &st))
+    rc = -errno;
+  else if (st.st_dev != dir->st_dev || st.st_ino != dir->st_ino)
+    rc = -ESTALE;
+  else if (unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
+    rc = -errno;
+  else if (fsync(dfd))
+    rc = -errno;
+  close(dfd);
+  return rc;
+}
+
 /* Remove the save directories of .saves that no writer holds. */
 static void cleanup_saves(int backing_fd) {
   int sfd = open_saves(backing_fd, false);

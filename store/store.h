@@ -89,6 +89,13 @@ int ckpt_store_publish(int backing_fd, const char *save_id, const char *name);
 /* Remove BACKING_DIR/.saves/save_id (a failed or lost save's own files),
  * and .saves when it is empty. */
 void ckpt_store_save_dir_remove(int backing_fd, const char *save_id);
+/* Start removing committed checkpoint name for every mount: unlink its
+ * .metadata and fsync the directory (from then on it is an unfinished
+ * save), if it is still the directory of identity dir. 0 (also when its
+ * .metadata is already gone), -ESTALE when the directory was replaced, or
+ * -errno. */
+int ckpt_store_unpublish(int backing_fd, const char *name,
+                         const struct stat *dir);
 /* Remove every entry of directory parent_fd/name, then the directory
  * (never following symlinks). 0 or the first -errno. */
 int ckpt__remove_tree(int parent_fd, const char *name);

@@ -178,31 +178,49 @@ class Removal(CkptfsTestCase):
         self.assertErrno(errno.ENOTEMPTY, os.rmdir, self.ck("c"))
         self.assertTrue(os.path.exists(self.bk("c", ".metadata")))
 
-    def test_unlink_in_committed_only_hides(self):
+    def test_removal_inside_committed_removes_it_everywhere(self):
+        """A committed checkpoint is one unit: removing an entry inside
+        removes the checkpoint for every mount (its .metadata goes first,
+        durably); this mount keeps the rest so that rm -r finishes, and
+        rmdir NAME removes the data."""
         self.mount()
+        other = os.path.join(self.dir, "other")
+        self.mount(mnt=other)
         os.mkdir(self.ck("h"))
-        w = write_tensor(self.ck("h", "m/w"), "float32", [8], tensor_bytes("float32", [8]))
+        write_tensor(self.ck("h", "m/w"), "float32", [8], tensor_bytes("float32", [8]))
         write_file(self.ck("h", "m/b"), b"blob")
         write_file(self.ck("h", "top"), b"top")
         commit(self.ck("h"))
-        stored = {f: read_all(self.bk("h", f)) for f in os.listdir(self.bk("h"))}
+        self.assertEqual(read_all(self.ck("h", "top", mnt=other)), b"top")
         os.unlink(self.ck("h", "m/w"))
+        # gone for every mount at once, durably
+        self.assertFalse(os.path.exists(self.bk("h", ".metadata")))
+        self.assertErrno(errno.ENOENT, os.stat, self.ck("h", mnt=other))
+        self.assertNotIn("h", os.listdir(other))
+        # this mount: the rest stays for rm -r
+        self.assertEqual(sorted(os.listdir(self.ck("h"))), [".metadata", "m", "top"])
+        self.assertTrue(status(self.ck("h")).startswith("removing"), status(self.ck("h")))
         os.unlink(self.ck("h", "m/b"))
         os.rmdir(self.ck("h", "m"))
         os.unlink(self.ck("h", ".metadata"))
         self.assertEqual(sorted(os.listdir(self.ck("h"))), ["top"])
-        self.assertFalse(os.path.exists(self.ck("h", "m/w")))
-        self.assertErrno(errno.ENOENT, os.stat, self.ck("h", "m"))
-        self.assertEqual(read_all(self.ck("h", "top")), b"top")
-        self.assertEqual(state(self.ck("h")), "committed")
-        # the backing directory is untouched
-        self.assertEqual({f: read_all(self.bk("h", f)) for f in os.listdir(self.bk("h"))}, stored)
-        # a fresh mount shows everything again
-        self.assertEqual(self.mounts[0].stop(), 0)
+        os.unlink(self.ck("h", "top"))
+        os.rmdir(self.ck("h"))
+        self.assertFalse(os.path.exists(self.bk("h")))
+        self.assertNotIn("h", os.listdir(self.mnt))
+        # rm -r of a committed checkpoint's subdirectory, then nothing more:
+        # gone everywhere, its data removed by the next mount start
+        os.mkdir(self.ck("g"))
+        write_file(self.ck("g", "sub", "f"), b"f")
+        commit(self.ck("g"))
+        subprocess.run(["rm", "-r", self.ck("g", "sub")], check=True)
+        self.assertNotIn("g", os.listdir(other))
+        for m in self.mounts:
+            self.assertEqual(m.stop(), 0)
+        self.mounts.clear()
         self.mount()
-        self.assertEqual(sorted(os.listdir(self.ck("h"))), [".metadata", "m", "top"])
-        self.assertEqual(read_all(self.ck("h", "m/w")), w)
-        self.assertEqual(read_all(self.ck("h", "m/b")), b"blob")
+        self.assertEqual(os.listdir(self.mnt), [])
+        self.assertFalse(os.path.exists(self.bk("g")))
 
     def test_removed_through_backing_leaves_view(self):
         self.mount()
