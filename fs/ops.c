@@ -199,10 +199,10 @@ static char *status_text(const ckpt_ckpt_t *ck) {
         (unsigned long long)atomic_load(&ck->bytes_done),
         (unsigned long long)atomic_load(&ck->bytes_total));
   case CKPT_COMMITTED:
-    if (ck->removing)
-      return strdup("removing\nan entry inside was removed: the checkpoint "
-                    "is gone for every mount; rmdir NAME (rm -r) removes "
-                    "its data\n");
+    if (ck->removing) /* the first line stays one of the four states */
+      return strdup("committed\nremoving: an entry inside was removed, so "
+                    "the checkpoint is gone for every other mount; rmdir "
+                    "NAME (rm -r) removes its data\n");
     return ckpt__strdup_printf(
         "committed\ntensors %u\nblobs %u\nworld_size %d\n",
         ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
