@@ -414,7 +414,9 @@ static presence_t scan_lookup(const ckpt_scan_t *sc, ckpt_node_t *c) {
     return none;
   }
   const char *key = c->name;
-  char **hit = bsearch(&key, sc->names, sc->n, sizeof(*sc->names), by_name);
+  char **hit = sc->n ? bsearch(&key, sc->names, sc->n, sizeof(*sc->names),
+                               by_name)
+                     : NULL; /* an empty listing has no array at all */
   none.gen = sc->gen; /* not listed, as of that listing */
   return hit ? sc->pr[hit - sc->names] : none;
 }
