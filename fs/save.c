@@ -676,11 +676,21 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
   }
   if (rc == 0)
     ckpt_failpoint("metadata_rename");
-  /* The NAME entry itself must be durable too. */
+  /* The NAME entry itself must be durable too; if it cannot be, the
+   * commit fails and nothing may stay published: the directory goes back
+   * to its own name (the discard removes it), if it is still ours. */
   if (rc == 0 && fs->opts.sync_files && fsync(fs->backing_fd)) {
     rc = -errno;
     *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
                                strerror(errno));
+    struct stat held, named;
+    char back[64];
+    snprintf(back, sizeof(back), "%s/%s", CKPT_SAVES_DIR, s->gp.meta.save_id);
+    if (s->dirfd >= 0 && fstat(s->dirfd, &held) == 0 &&
+        fstatat(fs->backing_fd, job->name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+        held.st_dev == named.st_dev && held.st_ino == named.st_ino &&
+        (mkdirat(fs->backing_fd, CKPT_SAVES_DIR, 0700) == 0 || errno == EEXIST))
+      renameat(fs->backing_fd, job->name, fs->backing_fd, back);
   }
   if (rc == 0)
     ckpt_failpoint("metadata_synced");
