@@ -163,6 +163,9 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
 /* The commit failed: move the links of the streams out of dirfd, aside
  * in .staging, so that the retry links them again without a copy. */
 void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd);
+/* The checkpoint is discarded: remove the links kept aside (its streams'
+ * data goes when they are closed). */
+void ckpt__streams_drop_kept(ckpt_streams_t *st);
 /* Claim a free stream for sf (sf->lock held): 0, or -EAGAIN if none. */
 int ckpt__stream_claim(ckpt_streams_t *st, struct ckpt_sfile *sf);
 /* sf stops appending to its stream (sf->lock held). */

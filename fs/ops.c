@@ -868,6 +868,10 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
     if (rc)
       return rc;
   }
+  /* A save may still hold ck for a moment: its kept stream links go now,
+   * so that .staging is empty when rmdir returns. */
+  if (ck->state != CKPT_COMMITTED)
+    ckpt__streams_drop_kept(ck->streams);
   ckpt__node_detach(fs, dir);
   ckpt__ckpt_unref(fs, ck);
   ckpt__staging_tidy(fs->backing_fd);

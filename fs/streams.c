@@ -66,18 +66,28 @@ static bool same_file(int dirfd, const char *name, int fd) {
          fstat(fd, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
 }
 
-void ckpt__streams_free(ckpt_streams_t *st) {
+void ckpt__streams_drop_kept(ckpt_streams_t *st) {
   if (!st)
     return;
+  pthread_mutex_lock(&st->lock);
   for (uint32_t k = 0; k < st->n; k++) {
     if (st->s[k].kept) {
       char kept[128];
       keep_name(st, k, kept, sizeof(kept));
       unlinkat(st->backing_fd, kept, 0);
+      st->s[k].kept = false;
     }
+  }
+  pthread_mutex_unlock(&st->lock);
+}
+
+void ckpt__streams_free(ckpt_streams_t *st) {
+  if (!st)
+    return;
+  ckpt__streams_drop_kept(st);
+  for (uint32_t k = 0; k < st->n; k++)
     if (st->s[k].fd >= 0)
       close(st->s[k].fd);
-  }
   ckpt__staging_tidy(st->backing_fd);
   pthread_mutex_destroy(&st->lock);
   free(st->s);
