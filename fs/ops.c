@@ -310,12 +310,9 @@ typedef ckpt_presence_t presence_t;
 
 static presence_t presence(ckpt_fs_t *fs, const char *name) {
   presence_t p = {false, false, {0}, atomic_load(&fs->load_gen)};
-  struct stat st;
-  if (!ckpt_name_valid(name) ||
-      fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW))
-    return p;
-  p.not_dir = !S_ISDIR(st.st_mode);
-  p.committed = !p.not_dir && ckpt_store_committed(fs->backing_fd, name, &p.dir);
+  ckpt_entry_t e = ckpt_store_entry(fs->backing_fd, name, &p.dir);
+  p.not_dir = e == CKPT_ENTRY_OTHER;
+  p.committed = e == CKPT_ENTRY_COMMITTED;
   return p;
 }
 

@@ -180,11 +180,7 @@ int ckpt__fs_load(ckpt_fs_t *fs) {
   if (rc)
     return rc;
   for (size_t i = 0; i < n; i++) {
-    int dfd = ckpt_store_open_dir(fs->backing_fd, names[i], O_PATH);
-    bool committed = dfd >= 0 && ckpt_store_has_metadata(dfd);
-    if (dfd >= 0)
-      close(dfd);
-    if (!committed)
+    if (!ckpt_store_committed(fs->backing_fd, names[i], NULL))
       continue;
     char *err = NULL;
     if (ckpt__fs_load_one(fs, names[i], &err))

@@ -45,19 +45,25 @@ bool ckpt_store_has_metadata(int dirfd) {
   return fstatat(dirfd, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
-bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir) {
+ckpt_entry_t ckpt_store_entry(int backing_fd, const char *name,
+                              struct stat *dir) {
   struct stat st, md;
   char path[300];
   if (!ckpt_name_valid(name) ||
-      fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) ||
-      !S_ISDIR(st.st_mode))
-    return false;
+      fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW))
+    return CKPT_ENTRY_NONE;
+  if (!S_ISDIR(st.st_mode))
+    return CKPT_ENTRY_OTHER;
   snprintf(path, sizeof(path), "%s/%s", name, CKPT_METADATA_FILE);
   if (fstatat(backing_fd, path, &md, AT_SYMLINK_NOFOLLOW))
-    return false;
+    return CKPT_ENTRY_UNFINISHED;
   if (dir)
     *dir = st;
-  return true;
+  return CKPT_ENTRY_COMMITTED;
+}
+
+bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir) {
+  return ckpt_store_entry(backing_fd, name, dir) == CKPT_ENTRY_COMMITTED;
 }
 
 /* Open BACKING_DIR/.saves, creating it: fd or -errno. */

@@ -72,6 +72,16 @@ bool ckpt_store_has_metadata(int dirfd);
  * identity) when it is. For callers that must not open the directory
  * (listing, lookups): two fstatat calls. */
 bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir);
+/* What BACKING_DIR/name is, without following a symlink (two fstatat
+ * calls at most); *dir as above when COMMITTED. */
+typedef enum {
+  CKPT_ENTRY_NONE,       /* nothing, or not a checkpoint name */
+  CKPT_ENTRY_OTHER,      /* a file, a symlink, ...: not a directory */
+  CKPT_ENTRY_UNFINISHED, /* a directory without .metadata */
+  CKPT_ENTRY_COMMITTED,  /* a directory with .metadata */
+} ckpt_entry_t;
+ckpt_entry_t ckpt_store_entry(int backing_fd, const char *name,
+                              struct stat *dir);
 /* Create (create) or join BACKING_DIR/.saves/save_id, the save's own
  * directory, and hold it with a shared flock (a starting mount removes
  * only the ones nobody holds). 0 with *out, or -errno: -ENOENT when
