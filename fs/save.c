@@ -301,45 +301,40 @@ static bool already_committed(ckpt_fs_t *fs, const char *name) {
 /* Why a save of NAME cannot publish: "NAME is already committed elsewhere
  * (save S, world size W, created at T)", as far as its header says. */
 static char *committed_elsewhere(ckpt_fs_t *fs, const char *name) {
-  ckpt_metadata_t m;
-  char *err = NULL, display[300];
-  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
-  snprintf(display, sizeof(display), "%s/%s", name, CKPT_METADATA_FILE);
-  int rc = dfd < 0 ? dfd : ckpt_metadb_load_header_at(dfd, display, &m, &err);
-  if (dfd >= 0)
-    close(dfd);
-  free(err);
-  char *why;
-  struct stat st;
-  if (fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-      !S_ISDIR(st.st_mode)) {
-    if (rc == 0)
-      ckpt_metadata_free(&m);
+  ckpt_entry_t e = ckpt_store_entry(fs->backing_fd, name, NULL);
+  if (e == CKPT_ENTRY_OTHER) {
+    struct stat st;
+    bool link = fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                S_ISLNK(st.st_mode);
     return ckpt__strdup_printf("%s is taken in %s by something else than a "
                                "checkpoint (%s): not replaced",
                                name, fs->backing_path,
-                               S_ISLNK(st.st_mode) ? "a symbolic link"
-                                                   : "a file");
+                               link ? "a symbolic link" : "a file");
   }
-  if (rc == -ENOENT || (rc != 0 && !ckpt_store_committed(fs->backing_fd,
-                                                          name, NULL))) {
+  if (e != CKPT_ENTRY_COMMITTED)
     return ckpt__strdup_printf("%s exists in %s as an unfinished save (no %s):"
                                " not replaced; a starting mount removes it "
                                "when no writer holds it",
                                name, fs->backing_path, CKPT_METADATA_FILE);
-  }
-  if (rc == 0) {
-    char when[32];
-    time_t t = (time_t)m.created_at;
-    struct tm tm;
-    strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&t, &tm));
-    why = ckpt__strdup_printf("%s is already committed elsewhere (save %s, "
-                              "world size %d, created at %s)",
-                              name, m.save_id, m.world_size, when);
-    ckpt_metadata_free(&m);
-  } else {
-    why = ckpt__strdup_printf("%s is already committed elsewhere", name);
-  }
+  /* Who committed it, as far as its header says. */
+  ckpt_metadata_t m;
+  char *err = NULL, display[300];
+  snprintf(display, sizeof(display), "%s/%s", name, CKPT_METADATA_FILE);
+  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
+  int rc = dfd < 0 ? dfd : ckpt_metadb_load_header_at(dfd, display, &m, &err);
+  if (dfd >= 0)
+    close(dfd);
+  free(err);
+  if (rc)
+    return ckpt__strdup_printf("%s is already committed elsewhere", name);
+  char when[32];
+  time_t t = (time_t)m.created_at;
+  struct tm tm;
+  strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&t, &tm));
+  char *why = ckpt__strdup_printf("%s is already committed elsewhere (save "
+                                  "%s, world size %d, created at %s)",
+                                  name, m.save_id, m.world_size, when);
+  ckpt_metadata_free(&m);
   return why;
 }
 
