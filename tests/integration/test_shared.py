@@ -24,11 +24,23 @@ Classes:
   Leftovers  a save that was interrupted (killed daemon) leaves its own
              directory under .saves, never a NAME directory: the next mount
              removes it, and an unheld one only
+  MixedWorlds  50 rounds of one NAME committed at once by three worlds
+             over one BACKING_DIR, kept mounted across rounds: two one-rank
+             mounts and a world of 2 ranks under mpirun (both ranks commit),
+             each with its own bytes, sync and async: exactly one world
+             wins (both ranks of the world of 2 agree), every other rank
+             fails with EEXIST and its .status names the winner's save and
+             world size; ckptfs-fsck is clean, all 4 mounts serve the
+             winner's bytes (every shard), nothing is left in .saves or
+             .staging once the losers removed their staged copies
 Needs root (FUSE). Python standard library only.
 """
 
+import array
 import errno
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -307,6 +319,242 @@ class Leftovers(CkptfsTestCase):
         os.close(fd)
         self.assertEqual(os.listdir(self.mnt), [])
 
+
+class MixedWorlds(CkptfsTestCase):
+    """Three worlds race for one NAME per round: a and b (one rank each) and
+    w (2 ranks under mpirun), all mounted once for every round."""
+
+    ROUNDS = 50
+    H = 256 * 1024          # int32 elements of model/t per shard of w (1 MiB)
+    ROWS, COLS = 4, 1024    # model/m, int32, sharded on rows in w
+    OPTS = "sync_files=0,commit_timeout=60"
+
+    def setUp(self):
+        super().setUp()
+        from mpi_world import World
+        for tool in ("mpirun", "fusermount3"):
+            if not shutil.which(tool):
+                self.fail(f"{tool} is missing")
+        self.world = World(cu.BIN, 2, self.backing, os.path.join(self.dir, "w"),
+                           os.path.join(self.dir, "world.log"), opts=self.OPTS)
+        self.extra_logs.append(self.world.log)
+        self.addCleanup(self.world.stop)
+        self.world.start()
+        self.writers = []  # (writer name, [mountpoint of rank r])
+        for wn in ("a", "b"):
+            mnt = os.path.join(self.dir, wn)
+            self.mount(self.OPTS, mnt=mnt)
+            self.writers.append((wn, [mnt]))
+        self.writers.append(("w", self.world.mnts()))
+        self.all_mnts = [m for _, ms in self.writers for m in ms]
+
+    # what writer wi stages in round rnd: the global tensors and a bytes
+    # item per rank
+    def tensors(self, wi, rnd):
+        return (self.ramp(2 * wi, rnd, 2 * self.H),
+                self.ramp(2 * wi + 1, rnd, self.ROWS * self.COLS))
+
+    @staticmethod
+    def ramp(k, rnd, n):
+        """n int32 values from a start of its own per (k, round)."""
+        base = ((k * 64 + rnd) * 4 * 1024 * 1024) % (2**31 - n)
+        a = array.array("i", range(base, base + n))
+        if sys.byteorder == "big":
+            a.byteswap()
+        return a.tobytes()
+
+    def blob(self, wi, rnd, r):
+        return f"writer {self.writers[wi][0]}, round {rnd}, rank {r}".encode()
+
+    def stage(self, wi, rnd, name):
+        t, m = self.tensors(wi, rnd)
+        mnts = self.writers[wi][1]
+        n = len(mnts)
+        for r, mnt in enumerate(mnts):
+            ck = os.path.join(mnt, name)
+            os.mkdir(ck)
+            if n == 1:
+                write_tensor(os.path.join(ck, "model", "t"), "int32", [2 * self.H], t)
+                write_tensor(os.path.join(ck, "model", "m"), "int32",
+                             [self.ROWS, self.COLS], m)
+            else:  # a shard per rank (n == 2)
+                tb, rows = 4 * self.H, self.ROWS // n
+                write_tensor(os.path.join(ck, "model", "t"), "int32", [2 * self.H],
+                             t[r * tb:(r + 1) * tb], offsets=[r * self.H], sizes=[self.H])
+                mb = rows * self.COLS * 4
+                write_tensor(os.path.join(ck, "model", "m"), "int32", [self.ROWS, self.COLS],
+                             m[r * mb:(r + 1) * mb], offsets=[r * rows, 0],
+                             sizes=[rows, self.COLS])
+            cu.write_file(os.path.join(ck, "meta", f"rank{r}"), self.blob(wi, rnd, r))
+
+    def race(self, name, mode):
+        """Commit NAME on every rank of every writer at once. Returns
+        {(wi, r): (errno of the commit write or 0, .status after it)}."""
+        jobs = [(wi, r, mnt) for wi, (_, ms) in enumerate(self.writers)
+                for r, mnt in enumerate(ms)]
+        start = threading.Barrier(len(jobs))
+        out = {}
+
+        def go(wi, r, mnt):
+            ck = os.path.join(mnt, name)
+            try:
+                start.wait(30)
+            except threading.BrokenBarrierError:
+                pass
+            try:
+                commit(ck, mode)
+                e = 0
+            except OSError as ex:
+                e = ex.errno
+            try:
+                st = wait_state(ck, timeout=120) if mode == "async" and e == 0 else status(ck)
+            except (OSError, TimeoutError) as ex:
+                st = f"(no .status: {ex!r})"
+            out[(wi, r)] = (e, st)
+        ts = [threading.Thread(target=go, args=j, daemon=True) for j in jobs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(180)
+        hung = [(j[0], j[1]) for j, t in zip(jobs, ts) if t.is_alive()]
+        self.assertFalse(hung, f"{name}: commits of (writer, rank) {hung} did not return "
+                               f"within 180 s:\n{cu.read_log(self.world.log)[-4000:]}")
+        return out
+
+    def check_round(self, rnd, name, mode, out, committed):
+        tag = f"round {rnd} ({mode}, {name})"
+        def where(wi, r):
+            return f"{self.writers[wi][0]} rank {r}"
+        ok = {k: e == 0 and st.split("\n", 1)[0] == "committed" for k, (e, st) in out.items()}
+        detail = "\n".join(f"  {where(*k)}: errno {errno.errorcode.get(e, e)}, .status "
+                           f"{st.strip()!r}" for k, (e, st) in sorted(out.items()))
+        if mode == "async":  # the commit write itself only queues the save
+            self.assertTrue(all(e == 0 for e, _ in out.values()),
+                            f"{tag}: an async commit write failed:\n{detail}")
+        for wi, (wn, ms) in enumerate(self.writers):
+            self.assertEqual(len({ok[(wi, r)] for r in range(len(ms))}), 1,
+                             f"{tag}: the ranks of world {wn} disagree:\n{detail}")
+        winners = [wi for wi in range(len(self.writers)) if ok[(wi, 0)]]
+        self.assertEqual(len(winners), 1, f"{tag}: exactly one world must win:\n{detail}")
+        win = winners[0]
+        wsize = len(self.writers[win][1])
+
+        # what BACKING_DIR holds under NAME: the winner's save, whole
+        db = sqlite3.connect(f"file:{self.bk(name, '.metadata')}?mode=ro", uri=True)
+        try:
+            hdr = dict(db.execute("select key, value from checkpoint"))
+        finally:
+            db.close()
+        self.assertEqual((hdr.get("name"), int(hdr.get("world_size", -1))), (name, wsize),
+                         f"{tag}: .metadata {hdr}, winner {self.writers[win][0]}")
+        save_id = hdr["save_id"]
+        stored = sorted(os.listdir(self.bk(name)))
+        files = [f for f in stored if f != ".metadata"]
+        bad = [f for f in files if not (f.startswith("__") and f.endswith(".distcp") and
+                                        f.split("_")[2].isdigit() and
+                                        int(f.split("_")[2]) < wsize)]
+        self.assertFalse(bad, f"{tag}: in BACKING_DIR/{name}: {stored}")
+        self.assertEqual({int(f.split("_")[2]) for f in files}, set(range(wsize)),
+                         f"{tag}: every rank of the winner has data files: {stored}")
+
+        # the winner's ranks say committed, every other rank lost with EEXIST
+        for (wi, r), (e, st) in sorted(out.items()):
+            if wi == win:
+                self.assertIn(f"world_size {wsize}\n", st, f"{tag}: {where(wi, r)}:\n{detail}")
+                continue
+            if mode == "sync":
+                self.assertEqual(e, errno.EEXIST, f"{tag}: {where(wi, r)} must fail with "
+                                                  f"EEXIST:\n{detail}")
+            self.assertEqual(st.split("\n", 1)[0], "failed", f"{tag}: {where(wi, r)}:\n{detail}")
+            self.assertIn(f"{name} is already committed elsewhere (save {save_id}, world size "
+                          f"{wsize}, created at ", st, f"{tag}: {where(wi, r)}:\n{detail}")
+            # a loser's staged checkpoint is still there, then it discards it
+            ck = os.path.join(self.writers[wi][1][r], name)
+            self.assertEqual(read_all(os.path.join(ck, "meta", f"rank{r}")),
+                             self.blob(wi, rnd, r), f"{tag}: {where(wi, r)}'s staged copy")
+        for wi, (_, ms) in enumerate(self.writers):
+            if wi != win:
+                for mnt in ms:
+                    shutil.rmtree(os.path.join(mnt, name))
+
+        # every mount serves the winner's checkpoint, every shard of it
+        t, m = self.tensors(win, rnd)
+        for mnt in self.all_mnts:
+            ck = os.path.join(mnt, name)
+            at = f"{tag}: through {mnt} (winner {self.writers[win][0]})"
+            st = status(ck)
+            self.assertTrue(st.startswith("committed\n") and f"world_size {wsize}\n" in st,
+                            f"{at}: .status {st!r}")
+            self.assertEqual(sorted(os.listdir(ck)), [".metadata", "meta", "model"], at)
+            self.assertEqual(sorted(os.listdir(os.path.join(ck, "meta"))),
+                             [f"rank{r}" for r in range(wsize)], at)
+            for r in range(wsize):
+                self.assertEqual(read_all(os.path.join(ck, "meta", f"rank{r}")),
+                                 self.blob(win, rnd, r), at)
+            got = read_all(os.path.join(ck, "model", "t"))
+            self.assertTrue(got == t, f"{at}: model/t differs ({len(got)} bytes, "
+                                      f"{len(t)} expected)")
+            got = read_all(os.path.join(ck, "model", "m"))
+            self.assertTrue(got == m, f"{at}: model/m differs ({len(got)} bytes, "
+                                      f"{len(m)} expected)")
+
+        # ckptfs-fsck: every checkpoint so far intact, nothing else
+        committed.append(name)
+        r = fsck(self.backing)
+        lines = r.stdout.splitlines()
+        self.assertEqual(r.returncode, 0, f"{tag}: ckptfs-fsck:\n{r.stdout}{r.stderr}")
+        self.assertEqual(sorted(ln.split(":", 1)[0] for ln in lines), sorted(committed),
+                         f"{tag}: ckptfs-fsck:\n{r.stdout}")
+        self.assertFalse([ln for ln in lines if ": ok: " not in ln], f"{tag}:\n{r.stdout}")
+        mine = [ln for ln in lines if ln.startswith(name + ":")]
+        self.assertIn(f"world size {wsize},", mine[0], f"{tag}: {mine}")
+
+        # no save directory, no stray entry, no staged stream left
+        left = sorted(set(os.listdir(self.backing)) - set(committed) - {".staging"})
+        if left == [".saves"]:
+            self.assertEqual(os.listdir(self.bk(".saves")), [],
+                             f"{tag}: save directories left in BACKING_DIR/.saves")
+            left = []
+        self.assertEqual(left, [], f"{tag}: left in BACKING_DIR")
+        if os.path.isdir(self.bk(".staging")):
+            self.assertEqual(os.listdir(self.bk(".staging")), [],
+                             f"{tag}: left in BACKING_DIR/.staging")
+        return win
+
+    def test_fifty_rounds_one_name(self):
+        t0 = time.monotonic()
+        committed, wins = [], {wn: 0 for wn, _ in self.writers}
+        modes = {"sync": 0, "async": 0}
+        for rnd in range(self.ROUNDS):
+            name = f"mixed-{rnd:03d}"
+            mode = "async" if rnd % 3 == 2 else "sync"
+            modes[mode] += 1
+            for wi in range(len(self.writers)):
+                self.stage(wi, rnd, name)
+            out = self.race(name, mode)
+            win = self.check_round(rnd, name, mode, out, committed)
+            wins[self.writers[win][0]] += 1
+        print(f"\n  {self.ROUNDS} rounds ({modes['sync']} sync, {modes['async']} async) in "
+              f"{time.monotonic() - t0:.1f} s; wins: {wins}", file=sys.stderr)
+
+        # every mount lists every round's checkpoint (within about a second)
+        for mnt in self.all_mnts:
+            deadline = time.monotonic() + 3
+            while sorted(os.listdir(mnt)) != committed and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(sorted(os.listdir(mnt)), committed, mnt)
+        # the world leaves cleanly; a fresh mount finds nothing to clean up
+        for mt in self.mounts:
+            self.assertEqual(mt.stop(), 0, cu.read_log(self.log)[-4000:])
+        self.mounts.clear()
+        rc = self.world.stop()
+        self.assertEqual(rc, 0, f"mpirun exited with {rc}:\n"
+                                f"{cu.read_log(self.world.log)[-4000:]}")
+        fresh = os.path.join(self.dir, "fresh")
+        self.mount(mnt=fresh)
+        self.assertEqual(sorted(os.listdir(fresh)), committed)
+        self.assertNotIn("removing unfinished save", self.daemon_log())
+        self.assertNotIn("removing unfinished save", cu.read_log(self.world.log, 1 << 24))
 
 if __name__ == "__main__":
     cu.main()
