@@ -60,6 +60,11 @@ typedef struct {
   void (*discard_step)(void *ctx, ckpt_dist_job_t *job, bool all_done);
   /* Every rank, last: rc 0 and reason NULL when the save is committed. */
   void (*done)(void *ctx, ckpt_dist_job_t *job, int rc, const char *reason);
+  /* Optional: what the save waits for now ("rank 1 and rank 3 to commit
+   * NAME", NULL: nothing), and until when (CLOCK_MONOTONIC seconds, 0: no
+   * deadline). Called on the dist thread whenever that changes. */
+  void (*waiting)(void *ctx, ckpt_dist_job_t *job, const char *what,
+                  double until);
 } ckpt_save_ops_t;
 
 /*
@@ -74,11 +79,17 @@ int ckpt_dist_size(const ckpt_dist_t *d);
 bool ckpt_dist_launched(const ckpt_dist_t *d);
 
 /* Start the dist thread. commit_timeout: seconds a save waits for every
- * rank. */
+ * rank. A client rank that hears nothing from the coordinator gives up
+ * after ckpt_dist_client_wait(commit_timeout) seconds. */
 int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
                     double commit_timeout);
-/* Queue a save; it runs after every save queued before it. */
-void ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job);
+/* Seconds a client rank waits for the coordinator's answer to its plan
+ * before giving up: the coordinator waits commit_timeout for every rank,
+ * and may first finish the discard of a failed save (commit_timeout). */
+double ckpt_dist_client_wait(double commit_timeout);
+/* Queue a save; it runs after every save queued before it. Returns 0, or
+ * -ESHUTDOWN once ckpt_dist_stop was called (the job is not queued). */
+int ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job);
 /* Run every queued save to its end; no save runs once it returns. The
  * world is not left yet: unmount first, then ckpt_dist_destroy. */
 void ckpt_dist_stop(ckpt_dist_t *d);

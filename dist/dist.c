@@ -55,9 +55,20 @@ static void pause_poll(unsigned *spins) {
   nanosleep(&ts, NULL);
 }
 
+double ckpt_dist_client_wait(double commit_timeout) {
+  return 2 * commit_timeout + 10;
+}
+
 /* How long a client waits for the coordinator before giving up. */
 static double client_wait(const ckpt_dist_t *d) {
-  return 3 * d->commit_timeout + 60;
+  return ckpt_dist_client_wait(d->commit_timeout);
+}
+
+/* Tell the caller what job waits for now (what NULL: nothing). */
+static void waiting(ckpt_dist_t *d, ckpt_dist_job_t *job, const char *what,
+                    double until) {
+  if (job && d->ops->waiting)
+    d->ops->waiting(d->ctx, job, what, until);
 }
 
 static int put_u32(ckpt_buf_t *b, uint32_t v) {
@@ -151,6 +162,19 @@ static void put_ranks(ckpt_buf_t *b, const bool *set, int n) {
     }
     ckpt_buf_printf(b, "rank %d", r);
   }
+}
+
+/* Tell the caller which ranks (set) job waits for, to do what. */
+static void waiting_for(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                        const bool *set, const char *what, double until) {
+  if (!job || !d->ops->waiting)
+    return;
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  put_ranks(&b, set, d->size);
+  ckpt_buf_printf(&b, " %s", what);
+  waiting(d, job, b.len ? (const char *)b.data : what, until);
+  ckpt_buf_free(&b);
 }
 
 /* Client: has the coordinator said that it stopped (STOPPED)? */
@@ -249,8 +273,10 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
     goto fail;
 
   /* PLAN_REPLY: seq, round, rank plan frame */
-  rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, now() + client_wait(d),
-                &from, &reply);
+  double until = now() + client_wait(d);
+  waiting(d, job, "rank 0 (the coordinator): it plans once every rank "
+          "committed this checkpoint", until);
+  rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, until, &from, &reply);
   if (rc == -ESHUTDOWN) {
     put_stopped(d, &reasons, job);
     goto fail;
@@ -259,6 +285,13 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
     ckpt_buf_printf(&reasons, "rank %d: no answer from the coordinator "
                     "(rank 0) within %.0f s", d->rank, client_wait(d));
     rc = -ETIMEDOUT;
+    /* Our PLAN may still be on its way (a link down): say that we gave
+     * up on it, behind it, so that it never counts in a later round. */
+    msg.len = 0;
+    put_u32(&msg, seq);
+    uint8_t none[2] = {0, 0};
+    ckpt_buf_append(&msg, none, 2);
+    ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &msg);
     goto fail;
   }
   round = get_u32(reply.data + 4);
@@ -271,6 +304,7 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
 
   /* writes, RESULT */
   wrote = true;
+  waiting(d, job, NULL, 0);
   ckpt_buf_t plan = frame_payload(f);
   out.len = 0;
   err = NULL;
@@ -285,6 +319,8 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
    * alone decides: giving up here (and removing our files) while it
    * publishes would commit a checkpoint without our data. It answers, or
    * says it stopped (STOPPED), or dies and the launcher ends the world. */
+  waiting(d, job, "rank 0 (the coordinator): it publishes once every "
+          "rank has written its part", 0);
   rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, round, INFINITY, &from, &reply);
   if (rc == -ESHUTDOWN) {
     put_stopped(d, &reasons, job);
@@ -308,6 +344,7 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
 fail:
   if (reasons.len == 0)
     ckpt_buf_printf(&reasons, "rank %d: %s", d->rank, strerror(-rc));
+  waiting(d, job, NULL, 0);
   if (wrote) {
     ops->discard_step(d->ctx, job, false);
     msg.len = 0;
@@ -354,6 +391,49 @@ static bool take_plan(arrival_t *a, ckpt_buf_t *msg) {
   a->frame_off = 6 + nlen;
   ckpt_buf_init(msg);
   return true;
+}
+
+/*
+ * A PLAN-tag message from client `from` (1 <= from < size): a plan, taken
+ * into plans[from] (a newer one supersedes an older), unless it is of a
+ * save the client gave up on; or the client saying that it gave up on a
+ * save, which drops that save's plan from plans. Returns true when
+ * plans[from] changed.
+ */
+static bool take_plan_msg(ckpt_dist_t *d, arrival_t *plans, int from,
+                          ckpt_buf_t *msg) {
+  if (!d->gave_up && !(d->gave_up = calloc((size_t)d->size, sizeof(uint32_t))))
+    return false;
+  if (msg->len < 6)
+    return false;
+  uint32_t seq = get_u32(msg->data);
+  bool abandon = msg->data[4] == 0 && msg->data[5] == 0;
+  if (abandon) {
+    if (seq > d->gave_up[from])
+      d->gave_up[from] = seq;
+    if (plans && plans[from].in && plans[from].seq <= seq) {
+      ckpt_buf_free(&plans[from].msg);
+      plans[from].in = false;
+      return true;
+    }
+    return false;
+  }
+  if (seq <= d->gave_up[from])
+    return false; /* late: its client no longer waits for it */
+  return plans && take_plan(&plans[from], msg);
+}
+
+/* Coordinator: which ranks' plans are not in, for .status. */
+static void report_plans(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                         const arrival_t *plans, double until) {
+  bool *set = calloc((size_t)d->size, sizeof(*set));
+  if (!set)
+    return;
+  for (int r = 0; r < d->size; r++)
+    set[r] = !plans[r].in;
+  waiting_for(d, job, set, "to commit this checkpoint (commit_timeout)",
+              until);
+  free(set);
 }
 
 /* The coordinator's own local plan, as an arrival. */
@@ -457,18 +537,35 @@ static void send_all(ckpt_dist_t *d, const arrival_t *a, int tag,
   }
 }
 
+/* Coordinator: which clients of expect are not in got, for .status. */
+static void report_collect(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                           const arrival_t *expect, const arrival_t *got,
+                           const char *what, double until) {
+  bool *set = calloc((size_t)d->size, sizeof(*set));
+  if (!set)
+    return;
+  for (int r = 1; r < d->size; r++)
+    set[r] = expect[r].in && !got[r].in;
+  waiting_for(d, job, set, what, until);
+  free(set);
+}
+
 /*
  * Collect one message of tag and this round from every client with in[r]
  * (arrivals a[r] get the message); false when some did not come in time.
+ * what: what the missing ranks are to do, for .status.
  */
-static bool collect(ckpt_dist_t *d, int tag, uint32_t round, double deadline,
-                    const arrival_t *expect, arrival_t *got) {
-  int n = d->size, waiting = 0;
+static bool collect(ckpt_dist_t *d, ckpt_dist_job_t *job, int tag,
+                    uint32_t round, double deadline, const arrival_t *expect,
+                    arrival_t *got, const char *what) {
+  int n = d->size, missing = 0;
   for (int r = 1; r < n; r++)
-    waiting += expect[r].in && !got[r].in;
+    missing += expect[r].in && !got[r].in;
   ckpt_buf_t m;
   ckpt_buf_init(&m);
-  while (waiting > 0) {
+  if (missing > 0)
+    report_collect(d, job, expect, got, what, deadline);
+  while (missing > 0) {
     int from;
     int rc = wait_msg(d, -1, tag, round, deadline, &from, &m);
     if (rc <= 0)
@@ -480,10 +577,13 @@ static bool collect(ckpt_dist_t *d, int tag, uint32_t round, double deadline,
     got[from].frame_off = 4;
     got[from].in = true;
     ckpt_buf_init(&m);
-    waiting--;
+    missing--;
+    if (missing > 0)
+      report_collect(d, job, expect, got, what, deadline);
   }
   ckpt_buf_free(&m);
-  return waiting == 0;
+  waiting(d, job, NULL, 0);
+  return missing == 0;
 }
 
 static void free_arrivals(arrival_t *a, int n) {
@@ -516,28 +616,48 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     goto fail_early;
   }
 
-  /* 1. every rank's PLAN, until all are in or the deadline */
+  /* 1. every rank's PLAN, until all are in or the deadline. Messages
+   * that have arrived are taken before the round is judged complete: a
+   * stale plan is followed by its client's giving up on it. */
   if (first && first_from > 0 && first_from < n)
-    take_plan(&plans[first_from], first);
-  if (job)
-    own_plan(d, job, &plans[0]);
+    take_plan_msg(d, plans, first_from, first);
   double deadline = now() + d->commit_timeout;
+  if (job) {
+    own_plan(d, job, &plans[0]);
+    report_plans(d, job, plans, deadline);
+  }
   unsigned spins = 0;
   bool stopped = false; /* this rank stops without a save of its own */
+  double differ_until = 0; /* names differ: a moment for late messages */
   for (;;) {
+    int from;
+    int got = n > 1 ? ckpt__mpi_poll(d, -1, CKPT__TAG_PLAN, &from, &m) : 0;
+    if (got == 1) {
+      if (from > 0 && from < n && take_plan_msg(d, plans, from, &m))
+        report_plans(d, job, plans, deadline);
+      continue;
+    }
     int in = 0;
     for (int r = 0; r < n; r++)
       in += plans[r].in;
-    if (in == n || now() >= deadline)
-      break;
-    int from;
-    int got = n > 1 ? ckpt__mpi_poll(d, -1, CKPT__TAG_PLAN, &from, &m) : 0;
-    if (got == 1 && from > 0 && from < n) {
-      take_plan(&plans[from], &m); /* a newer PLAN supersedes an older */
-      continue;
+    if (!job && in == 0)
+      goto out; /* its only plan was given up on: nobody waits */
+    if (in == n) {
+      bool differ = false;
+      for (int r = 1; r < n; r++)
+        differ |= strcmp(plans[r].name, plans[0].name) != 0;
+      if (!differ)
+        break;
+      if (differ_until == 0)
+        differ_until = now() + 1.0;
+      if (now() >= differ_until)
+        break;
     }
+    if (now() >= deadline)
+      break;
     if (!job && (job = pop_job(d)) != NULL) {
       own_plan(d, job, &plans[0]);
+      report_plans(d, job, plans, deadline);
       continue;
     }
     if (!job && (stopped = is_stopping(d)))
@@ -545,6 +665,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     pause_poll(&spins);
   }
 
+  waiting(d, job, NULL, 0);
   /* 2. everyone, one name, every local step fine */
   if (stopped) {
     for (int r = 1; r < n && reasons.len == 0; r++)
@@ -589,8 +710,8 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   framed_step(d, rc, err, &own_result, &results[0].msg);
   err = NULL;
   ckpt_buf_free(&own_result);
-  if (!collect(d, CKPT__TAG_RESULT, round, now() + d->commit_timeout, plans,
-               results)) {
+  if (!collect(d, job, CKPT__TAG_RESULT, round, now() + d->commit_timeout,
+               plans, results, "to finish writing (commit_timeout)")) {
     bool *late = calloc((size_t)n, sizeof(*late));
     for (int r = 0; late && r < n; r++)
       late[r] = !results[r].in;
@@ -637,8 +758,8 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     plans[r].in = plans[r].in && results[r].in;
   for (int r = 0; r < n; r++)
     ckpt_buf_free(&results[r].msg), results[r].in = false;
-  collect(d, CKPT__TAG_DISCARDED, round, now() + d->commit_timeout, plans,
-          results);
+  collect(d, job, CKPT__TAG_DISCARDED, round, now() + d->commit_timeout,
+          plans, results, "to remove what they wrote of the failed save");
   ops->discard_step(d->ctx, job, true);
   job_done(d, job, fail_rc, (const char *)reasons.data);
   goto out;
@@ -825,10 +946,14 @@ int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
   return 0;
 }
 
-void ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job) {
+int ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   job->next = NULL;
   pthread_mutex_lock(&d->lock);
   assert(d->started);
+  if (d->stopping) {
+    pthread_mutex_unlock(&d->lock);
+    return -ESHUTDOWN;
+  }
   if (d->tail)
     d->tail->next = job;
   else
@@ -836,6 +961,7 @@ void ckpt_dist_submit(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   d->tail = job;
   pthread_cond_broadcast(&d->cond);
   pthread_mutex_unlock(&d->lock);
+  return 0;
 }
 
 void ckpt_dist_stop(ckpt_dist_t *d) {
@@ -862,6 +988,7 @@ void ckpt_dist_destroy(ckpt_dist_t *d) {
     d->thread_running = false;
   }
   free(d->init_err);
+  free(d->gave_up);
   pthread_mutex_destroy(&d->lock);
   pthread_cond_destroy(&d->cond);
   free(d);

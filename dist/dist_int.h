@@ -7,7 +7,10 @@
  * turns into a failed round, not a hang:
  *
  *   tag          direction      body
- *   PLAN         client -> 0    u32 seq, u16 name length, name, frame
+ *   PLAN         client -> 0    u32 seq, u16 name length, name, frame;
+ *                               or u32 seq, u16 0: the client gave up on
+ *                               save seq (no answer in time), so a PLAN
+ *                               of it that is still on its way is stale
  *   PLAN_REPLY   0 -> client    u32 seq, u32 round, frame (rank plan)
  *   RESULT       client -> 0    u32 round, frame (write result)
  *   OUTCOME      0 -> client    u32 round, frame (empty, or the reason)
@@ -19,7 +22,9 @@
  * A frame is one status byte, CKPT__FRAME_OK followed by the payload or
  * CKPT__FRAME_FAIL followed by the reason text. seq counts a client's
  * saves; round counts the coordinator's. Messages of an older seq or round
- * are stale and dropped.
+ * are stale and dropped; so is a PLAN of a save its client gave up on
+ * (the coordinator keeps the last such seq per client): a late message
+ * of an abandoned round never counts in a later one.
  */
 #ifndef CKPT_DIST_INT_H
 #define CKPT_DIST_INT_H
@@ -66,6 +71,8 @@ struct ckpt_dist {
   /* dist thread only: */
   uint32_t seq;           /* client: saves sent */
   uint32_t round;         /* coordinator: rounds run */
+  uint32_t *gave_up;      /* coordinator: per client, the last seq it gave
+                             up on (NULL until the first round) */
   bool coord_stopped;     /* client: rank 0 sent STOPPED */
   ckpt__pending_t *pending; /* sends not yet completed */
   void *comm;             /* mpi.c's communicator */

@@ -316,6 +316,9 @@ struct ckpt_ckpt {
   char *reason;           /* FAILED: why; fs->lock */
   _Atomic uint64_t bytes_total; /* COMMITTING: bytes this rank writes */
   _Atomic uint64_t bytes_done;
+  char *waiting;          /* COMMITTING: what the save waits for, or NULL;
+                             fs->lock */
+  double waiting_until;   /* its deadline (CLOCK_MONOTONIC s), 0: none */
   struct ckpt_save *save; /* in-flight save, or NULL */
   ckpt_streams_t *streams; /* staged: write-behind streams, or NULL */
   /* COMMITTED: */
@@ -387,6 +390,7 @@ struct ckpt_fs {
   size_t nrefused;
   struct ckpt_handle *handles; /* open file and directory handles (ops.c);
                                   fs->lock */
+  uint32_t commit_handles; /* of those, open .commit files; fs->lock */
   ckpt_save_ops_t save_ops;
 };
 
@@ -475,6 +479,9 @@ void ckpt__view_read(fuse_req_t req, ckpt_node_t *n,
  * or at once (async, req replied by the caller). Returns 0 or -errno. */
 int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
                      fuse_req_t req, size_t reply_size);
+/* What the save of job waits for (dist's waiting op): shown by .status. */
+void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
+                        double until);
 extern const ckpt_save_ops_t ckpt__save_ops;
 
 /* ------------------------------------------------------------------------

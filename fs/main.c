@@ -6,12 +6,17 @@
  * Start-up: options (exit 2 when malformed, nothing mounted) -> the world
  * (dist) -> BACKING_DIR (cleanup of unfinished saves, committed
  * checkpoints loaded) -> mount -> daemonize (world of one, no -f) -> the
- * worker threads -> the multithreaded FUSE loop. On fusermount3 -u or
- * SIGTERM the loop ends; queued saves run to their end, then the mount goes
- * and the process exits 0.
+ * worker threads -> the multithreaded FUSE loop. On fusermount3 -u the
+ * loop ends; queued saves run to their end, then the process exits 0. On
+ * SIGTERM, SIGINT or SIGHUP the saves in flight finish first while the
+ * mount keeps serving, so that a writer of a sync commit gets its real
+ * outcome and can close .commit; then the mount goes and the process
+ * exits 0.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -106,6 +111,120 @@ static void start_readahead_tuning(const char *mountpoint, uint64_t bytes) {
   pthread_detach(t);
 }
 
+/* ------------------------------------------------------------------------
+ * Stopping on a signal. libfuse's handlers end the loop at once: a sync
+ * commit's writer then loses its reply or its close(2) (ENOTCONN,
+ * ECONNABORTED) although the save goes on. Here a signal only wakes the
+ * stopper thread, which stops the saves (the queued ones finish, no new
+ * one starts) while the loop keeps serving, waits a moment for .commit
+ * files to be closed, and only then ends the loop.
+ * ---------------------------------------------------------------------- */
+
+#define STOP_CLOSE_GRACE 10.0 /* seconds for writers to close .commit */
+
+static int stop_pipe[2] = {-1, -1};
+
+static void on_stop_signal(int sig) {
+  int saved = errno;
+  char c = (char)sig;
+  ssize_t r = write(stop_pipe[1], &c, 1);
+  (void)r;
+  errno = saved;
+}
+
+static void on_wake_signal(int sig) { (void)sig; } /* interrupts a wait */
+
+typedef struct {
+  ckpt_fs_t *fs;
+  pthread_t main_thread; /* runs the FUSE loop */
+  atomic_bool loop_done; /* the loop has returned */
+  pthread_t thread;
+  bool running;
+} stopper_t;
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *stopper_main(void *arg) {
+  stopper_t *st = arg;
+  ckpt_fs_t *fs = st->fs;
+  char c = 0;
+  ssize_t r;
+  do
+    r = read(stop_pipe[0], &c, 1);
+  while (r < 0 && errno == EINTR);
+  if (r != 1 || c == 0)
+    return NULL; /* the loop ended by itself */
+  ckpt__log("signal %d: stopping once the saves in flight are done", c);
+  ckpt_dist_stop(fs->dist);
+  double end = mono_now() + STOP_CLOSE_GRACE;
+  for (;;) {
+    pthread_mutex_lock(&fs->lock);
+    uint32_t open = fs->commit_handles;
+    pthread_mutex_unlock(&fs->lock);
+    if (open == 0 || mono_now() >= end || atomic_load(&st->loop_done))
+      break;
+    struct timespec ts = {0, 10000000L};
+    nanosleep(&ts, NULL);
+  }
+  fuse_session_exit(fs->se);
+  /* The loop's thread waits on a semaphore: interrupt it until it sees
+   * the exit (a signal just before its wait would be lost). */
+  while (!atomic_load(&st->loop_done)) {
+    pthread_kill(st->main_thread, SIGUSR2);
+    struct timespec ts = {0, 20000000L};
+    nanosleep(&ts, NULL);
+  }
+  return NULL;
+}
+
+static int stop_signals_set(void) {
+  if (pipe2(stop_pipe, O_CLOEXEC))
+    return -1;
+  struct sigaction sa = {0};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  if (sigaction(SIGTERM, &sa, NULL) || sigaction(SIGINT, &sa, NULL) ||
+      sigaction(SIGHUP, &sa, NULL))
+    return -1;
+  sa.sa_handler = on_wake_signal; /* no SA_RESTART: the wait returns */
+  if (sigaction(SIGUSR2, &sa, NULL))
+    return -1;
+  sa.sa_handler = SIG_IGN;
+  return sigaction(SIGPIPE, &sa, NULL);
+}
+
+static void stop_signals_reset(void) {
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGHUP, SIG_DFL);
+}
+
+static int stopper_start(stopper_t *st, ckpt_fs_t *fs) {
+  st->fs = fs;
+  st->main_thread = pthread_self();
+  atomic_store(&st->loop_done, false);
+  if (pthread_create(&st->thread, NULL, stopper_main, st))
+    return -1;
+  st->running = true;
+  return 0;
+}
+
+/* The loop returned: let the stopper go (it may still be stopping). */
+static void stopper_join(stopper_t *st) {
+  if (!st->running)
+    return;
+  atomic_store(&st->loop_done, true);
+  char c = 0;
+  ssize_t r = write(stop_pipe[1], &c, 1);
+  (void)r;
+  pthread_join(st->thread, NULL);
+  st->running = false;
+}
+
 /* MOUNTPOINT must be a directory (FUSE would also mount over a file);
  * say what to do when it is not. */
 static int check_mountpoint(const char *mp) {
@@ -156,6 +275,7 @@ int main(int argc, char **argv) {
   struct fuse_loop_config *loop = NULL;
   int status = EXIT_FAILURE;
   bool mounted = false, handlers = false;
+  stopper_t stopper = {0};
 
   if (ckpt__opts_parse(&args, &fs.opts, &err)) {
     fprintf(stderr, "ckptfs: %s\n", err);
@@ -215,8 +335,11 @@ int main(int argc, char **argv) {
     goto out;
   }
   fs.se = se;
-  if (fuse_set_signal_handlers(se))
+  if (stop_signals_set()) {
+    fprintf(stderr, "ckptfs: cannot set signal handlers: %s\n",
+            strerror(errno));
     goto out;
+  }
   handlers = true;
   if (check_mountpoint(mountpoint) || fuse_session_mount(se, mountpoint)) {
     fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
@@ -229,7 +352,8 @@ int main(int argc, char **argv) {
 
   /* Threads only after daemonizing: fork keeps none. */
   if (ckpt__pool_new(fs.opts.io_threads, &fs.pool) ||
-      ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout)) {
+      ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout) ||
+      stopper_start(&stopper, &fs)) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
     goto out;
   }
@@ -240,7 +364,7 @@ int main(int argc, char **argv) {
   fuse_loop_cfg_set_clone_fd(loop, 0);
   start_readahead_tuning(mountpoint, fs.opts.readahead);
   int rc = fuse_session_loop_mt(se, loop);
-  /* rc > 0 is the signal that stopped us (SIGTERM): a clean stop. */
+  stopper_join(&stopper);
   status = rc < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 
 out:
@@ -250,8 +374,9 @@ out:
     ckpt_dist_stop(fs.dist);
   if (mounted)
     fuse_session_unmount(se);
+  stopper_join(&stopper);
   if (handlers)
-    fuse_remove_signal_handlers(se);
+    stop_signals_reset();
   if (se)
     fuse_session_destroy(se);
   if (loop)

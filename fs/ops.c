@@ -193,11 +193,21 @@ static char *status_text(const ckpt_ckpt_t *ck) {
   switch (ck->state) {
   case CKPT_STAGING:
     return strdup("staging\n");
-  case CKPT_COMMITTING:
+  case CKPT_COMMITTING: {
+    char left[48] = "";
+    if (ck->waiting && ck->waiting_until > 0) {
+      struct timespec ts;
+      clock_gettime(CLOCK_MONOTONIC, &ts);
+      double s = ck->waiting_until - ((double)ts.tv_sec + ts.tv_nsec * 1e-9);
+      snprintf(left, sizeof(left), ", %.0f s left", s > 0 ? s : 0);
+    }
     return ckpt__strdup_printf(
-        "committing\nbytes %llu of %llu\n",
+        "committing\nbytes %llu of %llu\n%s%s%s%s",
         (unsigned long long)atomic_load(&ck->bytes_done),
-        (unsigned long long)atomic_load(&ck->bytes_total));
+        (unsigned long long)atomic_load(&ck->bytes_total),
+        ck->waiting ? "waiting for " : "", ck->waiting ? ck->waiting : "",
+        left, ck->waiting ? "\n" : "");
+  }
   case CKPT_COMMITTED:
     if (ck->removing) /* the first line stays one of the four states */
       return strdup("committed\nremoving: an entry inside was removed, so "
@@ -689,6 +699,7 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
 
 /* Put h on fs->handles. fs->lock held. */
 static void track_handle(ckpt_fs_t *fs, handle_t *h) {
+  fs->commit_handles += h->node->kind == CKPT_NODE_COMMIT;
   h->prev = NULL;
   h->next = fs->handles;
   if (h->next)
@@ -698,6 +709,7 @@ static void track_handle(ckpt_fs_t *fs, handle_t *h) {
 
 /* Take h off fs->handles and drop its node. fs->lock held. */
 static void untrack_handle(ckpt_fs_t *fs, handle_t *h) {
+  fs->commit_handles -= h->node->kind == CKPT_NODE_COMMIT;
   if (h->prev)
     h->prev->next = h->next;
   else

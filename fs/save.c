@@ -143,6 +143,10 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
       ckpt__streams_freeze(ck->streams, true);
     free(ck->reason);
     ck->reason = NULL;
+    free(ck->waiting);
+    ck->waiting = strdup("its turn (a mount runs its saves one after the "
+                         "other)");
+    ck->waiting_until = 0;
     atomic_store(&ck->bytes_total, 0);
     atomic_store(&ck->bytes_done, 0);
     ck->save = s;
@@ -161,8 +165,21 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
     free(s);
     return rc;
   }
-  ckpt_dist_submit(fs->dist, &s->job);
-  return 0;
+  if (ckpt_dist_submit(fs->dist, &s->job) == 0)
+    return 0;
+  /* The daemon stops (SIGTERM, unmount): no save starts any more. */
+  pthread_mutex_lock(&fs->lock);
+  ck->state = CKPT_FAILED;
+  free(ck->waiting);
+  ck->waiting = NULL;
+  ck->reason = strdup("the mount is stopping (SIGTERM or unmount): no new "
+                      "save can start; commit again after it is mounted "
+                      "again");
+  pthread_mutex_unlock(&fs->lock);
+  if (ck->streams)
+    ckpt__streams_freeze(ck->streams, false);
+  save_free(fs, s);
+  return -EIO;
 }
 
 /* ------------------------------------------------------------------------
@@ -252,6 +269,7 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
   ckpt_local_plan_t lp;
+  ckpt__save_waiting(fs, job, NULL, 0);
   ckpt_local_plan_init(&lp, fs->rank);
   s->checksums = calloc(s->nfiles ? s->nfiles : 1, sizeof(*s->checksums));
   int rc = s->checksums ? 0 : -ENOMEM;
@@ -424,8 +442,41 @@ typedef struct {
   int niov;
   uint64_t batch_off;   /* file offset of iov[0] */
   uint64_t batch_len;
+  uint64_t counted;     /* bytes added to ck->bytes_done */
   int err;              /* errno of a failed write */
 } writer_t;
+
+/* Progress of .status: n more bytes of w's file are done. */
+static void count_done(writer_t *w, uint64_t n) {
+  w->counted += n;
+  atomic_fetch_add(&w->s->ck->bytes_done, n);
+}
+
+/* A stream file already holds most of its bytes: they are done once they
+ * are on disk. Sync it in steps so that .status moves meanwhile (the
+ * fsync after it then has little left to do), or count them at once
+ * without sync_files. */
+#define STREAM_SYNC_STEP (64ULL << 20)
+static int settle_stream(writer_t *w, uint64_t size, bool sync) {
+  for (uint64_t off = 0; off < size; off += STREAM_SYNC_STEP) {
+    uint64_t len = size - off < STREAM_SYNC_STEP ? size - off : STREAM_SYNC_STEP;
+    if (sync && sync_file_range(w->fd, (off_t)off, (off_t)len,
+                                SYNC_FILE_RANGE_WAIT_BEFORE |
+                                    SYNC_FILE_RANGE_WRITE |
+                                    SYNC_FILE_RANGE_WAIT_AFTER) &&
+        errno != ENOSYS && errno != EINVAL && errno != ESPIPE) {
+      w->err = errno;
+      return -errno;
+    }
+    if (!sync)
+      len = size;
+    uint64_t left = size > w->counted ? size - w->counted : 0;
+    count_done(w, len < left ? len : left);
+    if (!sync)
+      break;
+  }
+  return 0;
+}
 
 static int flush_batch(writer_t *w) {
   uint64_t off = w->batch_off;
@@ -444,7 +495,7 @@ static int flush_batch(writer_t *w) {
       return -EIO;
     }
     off += (uint64_t)r;
-    atomic_fetch_add(&w->s->ck->bytes_done, (uint64_t)r);
+    count_done(w, (uint64_t)r);
     ckpt_failpoint("write_data");
     while (niov > 0 && (size_t)r >= iov->iov_len) {
       r -= (ssize_t)iov->iov_len;
@@ -484,7 +535,7 @@ static int add_zeros(writer_t *w, size_t n) {
     if (rc)
       return rc;
     w->batch_off += n;
-    atomic_fetch_add(&w->s->ck->bytes_done, (uint64_t)n);
+    count_done(w, n);
     return 0;
   }
   for (size_t k; n > 0; n -= k) {
@@ -545,6 +596,8 @@ static int write_file(void *arg, uint32_t k) {
     rc = flush_batch(w);
   if (rc == 0 && ftruncate(w->fd, (off_t)s->rp.file_bytes[k]))
     rc = -(w->err = errno);
+  if (rc == 0 && streamed)
+    rc = settle_stream(w, s->rp.file_bytes[k], fs->opts.sync_files);
   if (rc == 0 && fs->opts.sync_files && fsync(w->fd))
     rc = -(w->err = errno);
   if (w->fd >= 0 && close(w->fd) && rc == 0)
@@ -757,6 +810,18 @@ static void keep_last(ckpt_fs_t *fs, const char *name) {
   ckpt__catalog_free(&cat);
 }
 
+void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
+                        double until) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  char *copy = what ? strdup(what) : NULL;
+  pthread_mutex_lock(&fs->lock);
+  free(s->ck->waiting);
+  s->ck->waiting = copy;
+  s->ck->waiting_until = copy ? until : 0;
+  pthread_mutex_unlock(&fs->lock);
+}
+
 static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                       const char *reason) {
   ckpt_fs_t *fs = ctx;
@@ -782,6 +847,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     free(err);
   } else {
     pthread_mutex_lock(&fs->lock);
+    free(ck->waiting);
+    ck->waiting = NULL;
     ck->state = CKPT_FAILED;
     ck->reason = strdup(reason ? reason : "unknown error");
     pthread_mutex_unlock(&fs->lock);
@@ -810,4 +877,5 @@ const ckpt_save_ops_t ckpt__save_ops = {
     .finish_step = finish_step,
     .discard_step = discard_step,
     .done = save_done,
+    .waiting = ckpt__save_waiting,
 };

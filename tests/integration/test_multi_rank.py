@@ -1001,6 +1001,45 @@ class TimingTcp2(TimeoutMixin, WorldTestCase):
         self.assertCommitted(commit_all(self.world, "d-a"))
         self.verify(self.world, "d-a", items, 2, partial=False)
 
+    def test_status_says_what_a_commit_waits_for(self):
+        """.status of a commit names the ranks it waits for (coordinator)
+        and whom a client waits for, with the time left; issue 12 #8."""
+        items = self.small()
+        stage(self.world, "wait-a", items)
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            commit_all(self.world, "wait-a", ranks=[0], timeout=60)), daemon=True)
+        t.start()
+        st = ""
+        deadline = time.monotonic() + 10
+        while "waiting for" not in st and time.monotonic() < deadline:
+            st = status(self.ck(0, "wait-a"))
+            time.sleep(0.02)
+        self.assertEqual(st.split("\n", 1)[0], "committing", st)
+        self.assertRegex(st, r"waiting for rank 1 to commit this checkpoint "
+                             r"\(commit_timeout\), [0-3] s left", st)
+        self.assertNotIn("rank 0 ", st.split("waiting for", 1)[1])
+        t.join(60)
+        self.assertEqual(out[0][0].errno, errno.EIO)
+        # a client alone: it waits for the coordinator
+        stage(self.world, "wait-b", items)
+        t = threading.Thread(target=lambda: out.update(
+            commit_all(self.world, "wait-b", ranks=[1], timeout=60)), daemon=True)
+        t.start()
+        st = ""
+        deadline = time.monotonic() + 10
+        while "waiting for" not in st and time.monotonic() < deadline:
+            st = status(self.ck(1, "wait-b"))
+            time.sleep(0.02)
+        self.assertIn("waiting for rank 0 (the coordinator)", st)
+        self.assertRegex(st, r", \d+ s left")
+        t.join(60)
+        self.assertEqual(out[1][0].errno, errno.EIO)
+        st = status(self.ck(1, "wait-b"))
+        self.assertEqual(st.split("\n", 1)[0], "failed", st)
+        self.assertNotIn("waiting for", st)
+        self.assertCommitted(commit_all(self.world, "wait-b"))
+
     def test_replica_warn(self):
         name = "r-warn"
         t = Tensor("rep/w", "float32", [6], {0: None}, seed=1)
@@ -1109,6 +1148,40 @@ class StopOneRankTcp3(WorldTestCase):
                 self.assertIn("stopped", st)
                 self.assertNamesRank(st, 0)
             self.assertFalse(os.path.exists(self.bk(name, ".metadata")))
+        self.assertEqual(w.stop(), 0)
+
+    def test_sigterm_during_sync_commit(self):
+        """SIGTERM to a rank's daemon while sync commits are being written:
+        the save finishes and every writer gets its real outcome (committed),
+        not ENOTCONN; issue 12 #7."""
+        n = self.N
+        w = self.new_world(n, "tcp", "commit_timeout=30", "sigsync")
+        w.start()
+        for victim in (2, 0):
+            name = f"sig{victim}"
+            big = Tensor("model/big", "float32", [n * 1024, 4096],
+                         {r: ([1024 * r, 0], [1024, 4096]) for r in range(n)})
+            stage(w, name, [big])
+            out = {}
+            t = threading.Thread(target=lambda: out.update(commit_all(w, name, timeout=200)),
+                                 daemon=True)
+            t.start()
+            deadline = time.monotonic() + 30
+            while (time.monotonic() < deadline and
+                   status(self.ck(victim, name, world=w)).split("\n", 1)[0] == "staging"):
+                time.sleep(0.005)
+            pid = rank_pid(w, victim)
+            self.assertIsNotNone(pid)
+            os.kill(pid, signal.SIGTERM)
+            t.join(200)
+            self.assertEqual(sorted(out), list(range(n)))
+            for r in range(n):
+                self.assertIsNone(out[r][0], f"{name}: rank {r}: {out[r]!r}")
+            self.assertTrue(os.path.exists(self.bk(name, ".metadata")))
+            self.assertEqual(w.stop(), 0)
+            w = self.new_world(n, "tcp", "commit_timeout=30", f"sigsync{victim}")
+            w.start()
+            self.verify(w, name, [big], n, partial=False)
         self.assertEqual(w.stop(), 0)
 
     def assertNothingPublished(self, name):
