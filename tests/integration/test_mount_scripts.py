@@ -7,6 +7,7 @@ that cannot mount, a busy mount, a MOUNTROOT in use).
     python3 tests/integration/test_mount_scripts.py --bin build/bin/ckptfs
 """
 
+import errno
 import os
 import shutil
 import signal
@@ -251,6 +252,44 @@ class MountScripts(unittest.TestCase):
         u = self.umount_ok()
         self.assertIn("unmounting the ranks on every host", u.stderr)
         self.assert_nothing_left()
+
+    def test_world_killed_then_umount_and_mount_again(self):
+        """SIGKILL of one rank's daemon ends the world (mpirun's default),
+        leaving dead mounts (ENOTCONN). ckpt-umount removes every one of
+        them; a ckpt-mount straight after a killed world (no ckpt-umount)
+        detaches them itself instead of failing with ENOTCONN (issue 12 #6)."""
+        hf = os.path.join(self.dir, "hosts")
+        with open(hf, "w") as f:
+            f.write("localhost slots=2\n")
+        for umount_first in (True, False):
+            with self.subTest(umount_first=umount_first):
+                r = self.ckpt_mount("--hostfile", hf)
+                self.assertEqual(r.returncode, 0, r.stderr)
+                mnts = r.stdout.splitlines()
+                launcher = self.launcher_pid()
+                victim = [p for p in processes_naming(os.path.realpath(self.root) + "/rank%r")
+                          if p != launcher and b"OMPI_COMM_WORLD_RANK=1" in
+                          open(f"/proc/{p}/environ", "rb").read().split(b"\0")]
+                self.assertEqual(len(victim), 1, victim)
+                os.kill(victim[0], signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while alive(launcher) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                self.assertFalse(alive(launcher), "mpirun outlived a killed rank")
+                self.assertTrue(mounts_under(self.root), "no dead mount to clean up")
+                with self.assertRaises(OSError) as e:
+                    os.stat(mnts[1])
+                self.assertEqual(e.exception.errno, errno.ENOTCONN)
+                if umount_first:
+                    u = self.ckpt_umount()
+                    self.assertEqual(mounts_under(self.root), [], u.stderr)
+                r = self.ckpt_mount("--hostfile", hf)
+                self.assertEqual(r.returncode, 0, r.stderr)
+                if not umount_first:
+                    self.assertIn("detached a dead mount", r.stderr)
+                self.save_and_load(r.stdout.splitlines(), name=f"after-{umount_first}")
+                self.umount_ok()
+                self.assert_nothing_left()
 
     def test_bad_option_fails_cleanly(self):
         for opt, message in (("bogus_option=1", "bogus_option"),
