@@ -103,7 +103,14 @@ int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
         continue;
       return -e;
     }
-    if (flock(fd, LOCK_SH)) {
+    /* The hold tells a starting mount's cleanup (LOCK_EX|LOCK_NB) that
+     * the save is alive, on every node where the filesystem has
+     * cluster-wide flock (local filesystems, CephFS, GPFS, Lustre with
+     * -o flock, NFSv4 on files). Where a directory cannot be locked at
+     * all, the save goes on unheld: the cleanup cannot lock it either,
+     * so it never removes it (a crashed save then stays for fsck). */
+    if (flock(fd, LOCK_SH) && errno != EBADF && errno != EINVAL &&
+        errno != ENOLCK && errno != EOPNOTSUPP && errno != ENOSYS) {
       int e = errno;
       close(fd);
       close(sfd);
