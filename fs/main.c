@@ -47,11 +47,30 @@ static char *expand_mountpoint(const char *tmpl, int rank) {
   return ckpt_buf_steal(&b);
 }
 
-static int open_backing(ckpt_fs_t *fs) {
+/* BACKING_DIR as an absolute path, whether or not it exists yet. */
+static char *absolute_backing(const char *dir) {
+  char *abs = realpath(dir, NULL);
+  if (abs || dir[0] == '/')
+    return abs ? abs : strdup(dir);
+  char *cwd = getcwd(NULL, 0);
+  char *out = cwd ? ckpt__strdup_printf("%s/%s", cwd, dir) : NULL;
+  free(cwd);
+  return out;
+}
+
+/* Open BACKING_DIR, creating it (not its parents: a typo in the path is
+ * then an error, not an empty store) when it is missing; *created says
+ * so. */
+static int open_backing(ckpt_fs_t *fs, bool *created) {
   const char *dir = fs->opts.backing_dir;
-  if (mkdir(dir, 0700) && errno != EEXIST) {
-    fprintf(stderr, "ckptfs: cannot create BACKING_DIR %s: %s\n", dir,
-            strerror(errno));
+  *created = false;
+  if (mkdir(dir, 0700) == 0) {
+    *created = true;
+    ckpt__log("created BACKING_DIR %s (it did not exist)", dir);
+  } else if (errno != EEXIST) {
+    fprintf(stderr, "ckptfs: cannot create BACKING_DIR %s: %s%s\n", dir,
+            strerror(errno),
+            errno == ENOENT ? " (its parent directory does not exist)" : "");
     return -1;
   }
   fs->backing_path = realpath(dir, NULL);
@@ -276,6 +295,7 @@ int main(int argc, char **argv) {
   int status = EXIT_FAILURE;
   bool mounted = false, handlers = false;
   stopper_t stopper = {0};
+  bool backing_created = false;
 
   if (ckpt__opts_parse(&args, &fs.opts, &err)) {
     fprintf(stderr, "ckptfs: %s\n", err);
@@ -317,15 +337,18 @@ int main(int argc, char **argv) {
       mountpoint = abs;
     }
   }
-  if (!mountpoint || open_backing(&fs) || ckpt__fs_init(&fs))
+  if (!mountpoint)
     goto out;
-  ckpt_store_cleanup(fs.backing_fd);
-  ckpt__fs_load(&fs);
 
+  /* Everything that can refuse the mount comes before BACKING_DIR is
+   * touched: a refused mount leaves nothing behind. */
   char max_read[32];
   snprintf(max_read, sizeof(max_read), "-omax_read=%u",
            (unsigned)CKPT_MAX_READ);
-  if (fuse_opt_add_arg(&args, max_read) || name_mount(&args, fs.backing_path))
+  char *abs_backing = absolute_backing(fs.opts.backing_dir);
+  int named = abs_backing ? name_mount(&args, abs_backing) : -1;
+  free(abs_backing);
+  if (named || fuse_opt_add_arg(&args, max_read))
     goto out;
   se = fuse_session_new(&args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops), &fs);
   if (!se) {
@@ -334,6 +357,16 @@ int main(int argc, char **argv) {
     status = EXIT_USAGE;
     goto out;
   }
+  bool created = false;
+  if (check_mountpoint(mountpoint) || open_backing(&fs, &created) ||
+      ckpt__fs_init(&fs)) {
+    if (created && fs.backing_path)
+      rmdir(fs.backing_path);
+    goto out;
+  }
+  backing_created = created;
+  ckpt_store_cleanup(fs.backing_fd);
+  ckpt__fs_load(&fs);
   fs.se = se;
   if (stop_signals_set()) {
     fprintf(stderr, "ckptfs: cannot set signal handlers: %s\n",
@@ -341,8 +374,10 @@ int main(int argc, char **argv) {
     goto out;
   }
   handlers = true;
-  if (check_mountpoint(mountpoint) || fuse_session_mount(se, mountpoint)) {
+  if (fuse_session_mount(se, mountpoint)) {
     fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
+    if (backing_created)
+      rmdir(fs.backing_path); /* only if still empty */
     goto out;
   }
   mounted = true;

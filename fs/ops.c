@@ -10,6 +10,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -502,6 +503,13 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   ckpt_fs_t *fs = fs_of(req);
   struct fuse_entry_param e;
   int rc = 0;
+  /* FUSE passes names up to 1024 bytes; no file here has a longer one
+   * than NAME_MAX. Every call on a path looks its names up first, so this
+   * is what stat, open, mkdir, unlink, rename... return for one. */
+  if (strlen(name) > NAME_MAX) {
+    fuse_reply_err(req, ENAMETOOLONG);
+    return;
+  }
   presence_t pr = {false, false, {0}, 0};
   bool root = parent == FUSE_ROOT_ID;
   if (root)

@@ -336,6 +336,38 @@ class Options(CkptfsTestCase):
         self.assertIn(bad, r.stderr)
         self.assertFalse(mountinfo_has(self.mnt))
 
+    def test_refused_mount_leaves_nothing(self):
+        """A mount refused for a bad option or a missing MOUNTPOINT does not
+        create BACKING_DIR; a BACKING_DIR whose parent is missing is an
+        error (a typo), not an empty store; one created says so (issue 13)."""
+        fresh = os.path.join(self.dir, "fresh-backing")
+        r = self.run_bin("-f", "-o", "bogus_option=1", fresh, self.mnt)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertFalse(os.path.exists(fresh), "a refused option created BACKING_DIR")
+        r = self.run_bin("-f", fresh, os.path.join(self.dir, "no-such-mountpoint"))
+        self.assertNotEqual(r.returncode, 0)
+        self.assertFalse(os.path.exists(fresh), "a missing MOUNTPOINT created BACKING_DIR")
+        typo = os.path.join(self.dir, "no-such-parent", "backing")
+        r = self.run_bin("-f", typo, self.mnt)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("parent directory does not exist", r.stderr)
+        self.assertFalse(os.path.exists(os.path.dirname(typo)))
+        self.assertFalse(mountinfo_has(self.mnt))
+
+    def test_name_too_long(self):
+        """Names over 255 bytes: ENAMETOOLONG in every call, not ENOENT."""
+        self.mount()
+        os.mkdir(self.ck("n"))
+        long = "x" * 256
+        for call in (lambda p: os.stat(p), lambda p: os.open(p, os.O_RDONLY),
+                     lambda p: os.open(p, os.O_WRONLY | os.O_CREAT, 0o644),
+                     lambda p: os.mkdir(p), lambda p: os.unlink(p), lambda p: os.rmdir(p),
+                     lambda p: os.rename(self.ck("n"), p)):
+            for where in (os.path.join(self.mnt, long), self.ck("n", long)):
+                with self.assertRaises(OSError) as e:
+                    call(where)
+                self.assertEqual(e.exception.errno, errno.ENAMETOOLONG, where[-20:])
+
     def test_good_options(self):
         self.mount("staging_mem=64M,commit_timeout=30,io_threads=2,sync_files=1,replica_check=warn,"
                    "allow_other,default_permissions")
