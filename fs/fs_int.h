@@ -299,6 +299,8 @@ struct ckpt_node {
   gid_t gid;
   struct timespec mtime;
   struct timespec ctime;
+  struct timespec atime;
+  uint32_t nsubdirs;      /* directory: child directories (st_nlink - 2) */
   union {
     ckpt_sfile_t *sf;     /* SFILE */
     uint32_t tensor;      /* CTENSOR, VNPY: index into ck->meta->tensors */

@@ -98,7 +98,15 @@ static void hash_grow(ckpt_fs_t *fs) {
   fs->hash_size = size;
 }
 
+/* A directory's entries changed: its mtime and ctime move (POSIX). */
+static void dir_changed(ckpt_node_t *d) {
+  clock_gettime(CLOCK_REALTIME, &d->mtime);
+  d->ctime = d->mtime;
+}
+
 static void link_child(ckpt_node_t *parent, ckpt_node_t *n) {
+  parent->nsubdirs += S_ISDIR(n->mode) ? 1 : 0;
+  dir_changed(parent);
   n->parent = parent;
   n->prev = NULL;
   n->next = parent->children;
@@ -108,6 +116,8 @@ static void link_child(ckpt_node_t *parent, ckpt_node_t *n) {
 }
 
 static void unlink_child(ckpt_node_t *n) {
+  n->parent->nsubdirs -= S_ISDIR(n->mode) && n->parent->nsubdirs ? 1 : 0;
+  dir_changed(n->parent);
   if (n->prev)
     n->prev->next = n->next;
   else
@@ -136,7 +146,7 @@ ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
   n->uid = getuid();
   n->gid = getgid();
   clock_gettime(CLOCK_REALTIME, &n->mtime);
-  n->ctime = n->mtime;
+  n->ctime = n->atime = n->mtime;
   n->ck = ck;
   if (ck)
     ck->refs++;

@@ -229,18 +229,29 @@ static char *status_text(const ckpt_ckpt_t *ck) {
  * Attributes and entries.
  * ---------------------------------------------------------------------- */
 
+/* A staged file's data changed: mtime and ctime move (POSIX). */
+static void touch_data(ckpt_fs_t *fs, ckpt_node_t *n) {
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  pthread_mutex_lock(&fs->lock);
+  n->mtime = n->ctime = now;
+  pthread_mutex_unlock(&fs->lock);
+}
+
 /* fs->lock held. */
 static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   (void)fs;
   memset(st, 0, sizeof(*st));
   st->st_ino = n->ino;
   st->st_mode = n->mode;
-  st->st_nlink = S_ISDIR(n->mode) ? 2 : 1;
+  /* A directory: itself, its "." and each child directory's ".."; a file
+   * unlinked while open: no name left. */
+  st->st_nlink = S_ISDIR(n->mode) ? 2 + n->nsubdirs : n->attached ? 1 : 0;
   st->st_uid = n->uid;
   st->st_gid = n->gid;
   st->st_blksize = (blksize_t)CKPT_SEG_SIZE;
   st->st_mtim = n->mtime;
-  st->st_atim = n->mtime;
+  st->st_atim = n->atime;
   st->st_ctim = n->ctime;
   switch (n->kind) {
   case CKPT_NODE_SFILE:
@@ -604,6 +615,10 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
         n->mtime = attr->st_mtim;
       if (to_set & (FUSE_SET_ATTR_MTIME_NOW | FUSE_SET_ATTR_SIZE))
         clock_gettime(CLOCK_REALTIME, &n->mtime);
+      if (to_set & FUSE_SET_ATTR_ATIME)
+        n->atime = attr->st_atim;
+      if (to_set & FUSE_SET_ATTR_ATIME_NOW)
+        clock_gettime(CLOCK_REALTIME, &n->atime);
       clock_gettime(CLOCK_REALTIME, &n->ctime);
       pthread_mutex_unlock(&fs->lock);
     }
@@ -1028,8 +1043,11 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
                     !ckpt__is_view_kind(n->kind); /* views: mmap works */
   } else if (writing) { /* a staged file */
     if ((rc = staged_change_begin(fs, n->ck)) == 0) {
-      if (fi->flags & O_TRUNC)
+      if (fi->flags & O_TRUNC) {
         rc = ckpt__sfile_truncate(n->u.sf, 0);
+        if (rc == 0)
+          touch_data(fs, n);
+      }
       staged_change_end(n->ck);
     }
     h->writer = true;
@@ -1227,6 +1245,8 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   }
   if ((rc = staged_change_begin(fs, n->ck)) == 0) {
     rc = ckpt__sfile_write(n->u.sf, buf, size, (uint64_t)off);
+    if (rc > 0)
+      touch_data(fs, n);
     staged_change_end(n->ck);
   }
   if (rc < 0)

@@ -368,6 +368,66 @@ class Options(CkptfsTestCase):
                     call(where)
                 self.assertEqual(e.exception.errno, errno.ENAMETOOLONG, where[-20:])
 
+    def test_staged_times_and_links(self):
+        """Staged files and directories keep POSIX times and link counts:
+        a write, a truncate and O_TRUNC move mtime and ctime; entries
+        created, removed or renamed move their directory's; atime can be
+        set; a directory links 2 + its subdirectories; an open file that
+        was unlinked has none (issue 13)."""
+        self.mount()
+        ck = self.ck("t")
+        os.mkdir(ck)
+        f = os.path.join(ck, "f")
+        write_file(f, b"a")
+        past = 1_000_000_000
+        os.utime(f, ns=(past * 10**9, past * 10**9))
+        st = os.stat(f)
+        self.assertEqual((st.st_atime_ns, st.st_mtime_ns), (past * 10**9, past * 10**9))
+        for change in (lambda: open(f, "ab").write(b"b"),
+                       lambda: os.truncate(f, 1),
+                       lambda: open(f, "wb").close(),
+                       lambda: os.pwrite(fd, b"x", 10)):
+            os.utime(f, ns=(past * 10**9, past * 10**9))
+            before = os.stat(f)
+            fd = os.open(f, os.O_RDWR)
+            try:
+                change()
+            finally:
+                os.close(fd)
+            after = os.stat(f)
+            self.assertGreater(after.st_mtime_ns, before.st_mtime_ns)
+            self.assertGreater(after.st_ctime_ns, before.st_ctime_ns)
+            self.assertEqual(after.st_atime_ns, past * 10**9)
+        os.utime(f, ns=(past * 10**9 + 5, os.stat(f).st_mtime_ns))  # touch -a
+        self.assertEqual(os.stat(f).st_atime_ns, past * 10**9 + 5)
+        d = os.path.join(ck, "d")
+        for change, dirs in ((lambda: write_file(os.path.join(ck, "g"), b"g"), [ck]),
+                             (lambda: os.mkdir(d), [ck]),
+                             (lambda: os.rename(os.path.join(ck, "g"), os.path.join(d, "g")),
+                              [ck, d]),
+                             (lambda: os.unlink(os.path.join(d, "g")), [d]),
+                             (lambda: os.rmdir(d), [ck])):
+            for x in dirs:
+                if os.path.exists(x):
+                    os.utime(x, ns=(past * 10**9, past * 10**9))
+            change()
+            for x in dirs:
+                self.assertGreater(os.stat(x).st_mtime_ns, past * 10**9, x)
+                self.assertGreater(os.stat(x).st_ctime_ns, past * 10**9, x)
+        self.assertEqual(os.stat(ck).st_nlink, 2)
+        for d in ("d1", "d2", "d3"):
+            os.mkdir(os.path.join(ck, d))
+        os.mkdir(os.path.join(ck, "d1", "sub"))
+        self.assertEqual(os.stat(ck).st_nlink, 5)
+        self.assertEqual(os.stat(os.path.join(ck, "d1")).st_nlink, 3)
+        self.assertEqual(os.stat(f).st_nlink, 1)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.unlink(f)
+            self.assertEqual(os.fstat(fd).st_nlink, 0)
+        finally:
+            os.close(fd)
+
     def test_good_options(self):
         self.mount("staging_mem=64M,commit_timeout=30,io_threads=2,sync_files=1,replica_check=warn,"
                    "allow_other,default_permissions")
