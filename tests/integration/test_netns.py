@@ -1,0 +1,715 @@
+#!/usr/bin/env python3
+"""Multi-node worlds on one machine: nodes simulated by network, mount and
+UTS namespaces (tests/integration/netns.py), ranks started on them by
+mount-scripts/ckpt-mount --hostfile through Open MPI's rsh launcher with
+tests/integration/netns-agent, stopped by ckpt-umount, as users do on a
+cluster. BACKING_DIR is one directory every node sees (a shared
+filesystem), MOUNTROOT a tmpfs of each node's own, so a rank's mount is
+seen on its node only; the test reaches it through /proc/<node>/root.
+
+    python3 tests/integration/test_netns.py --bin build/bin/ckptfs [Class ...]
+
+Classes (one cluster each; commit_timeout small where the test waits):
+  SaveLoad          2 nodes x 2 ranks: sharded sync and async saves from
+                    every rank, read back on every rank at every shard
+                    border; then 3 nodes x 1 rank reload both bit for bit
+                    and save at their own size
+  LinkDown          3 nodes x 1 rank: node 2's cable is pulled while it
+                    writes its data in a commit: ranks 0 and 1 fail within
+                    commit_timeout naming rank 2, nothing is published
+                    (ckptfs-fsck clean, no save left once rank 2 is back);
+                    cable back, the same name commits on every rank
+  LongOutage        2 nodes x 1 rank: node 1's cable is pulled before its
+                    commit and stays out longer than the client's wait for
+                    the coordinator: both commits fail (rank 0 names rank
+                    1, rank 1 the coordinator); cable back, what was sent
+                    meanwhile arrives, and the next save (a new name) of
+                    every rank must commit
+  KilledRemoteRank  2 nodes x 1 rank: SIGKILL of rank 1's daemon on node
+                    1; once mpirun has ended the job, ckpt-umount on node 0
+                    must leave no mount under MOUNTROOT on any node, and
+                    ckpt-mount of the same MOUNTROOT must work again
+  PerNodeBacking    2 nodes x 1 rank, each node with a BACKING_DIR of its
+                    own at the same path: every rank's commit fails saying
+                    BACKING_DIR must be shared; nothing is removed from
+                    either node's directory
+
+Skipped (exit 0, with the reason) where the namespaces cannot be made: not
+root, no ip, nsenter or unshare, or the kernel refuses. Every namespace,
+mount and process a test made is gone after it, also when it fails;
+clusters of earlier runs that died are removed first. Needs mpirun
+(Open MPI) and FUSE. Python standard library only.
+"""
+
+import errno
+import glob
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util as cu  # noqa: E402
+import netns  # noqa: E402
+from mpi_world import (Blob, Tensor, cuts, errname, query, read_all,  # noqa: E402
+                       split, stage, state, status, wait_state, write_file)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CKPT_MOUNT = os.path.join(REPO, "mount-scripts", "ckpt-mount")
+CKPT_UMOUNT = os.path.join(REPO, "mount-scripts", "ckpt-umount")
+LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
+DIR_PREFIX = "/tmp/ckptfs-netns-"
+
+
+def scripts_env():
+    """The scripts' environment, so mpirun's and (through netns-agent) every
+    rank's: in the ASan build, Open MPI's never-freed allocations are
+    suppressed (lsan-openmpi.supp, full unwinding), or with
+    CKPT_MR_LEAK_CHECK=0 leaks are not checked."""
+    env = cu.daemon_env()
+
+    def with_opt(var, opt, replace=False):
+        key = opt.split("=", 1)[0]
+        parts = [p for p in env.get(var, "").split(":") if p]
+        if replace:
+            parts = [p for p in parts if p.split("=", 1)[0] != key]
+        if not any(p.split("=", 1)[0] == key for p in parts):
+            parts.append(opt)
+        env[var] = ":".join(parts)
+
+    if os.environ.get("CKPT_MR_LEAK_CHECK", "1") != "0" and os.path.exists(LSAN_SUPP):
+        with_opt("ASAN_OPTIONS", "fast_unwind_on_malloc=0")
+        with_opt("LSAN_OPTIONS", "suppressions=" + LSAN_SUPP)
+    else:
+        with_opt("ASAN_OPTIONS", "detect_leaks=0", replace=True)
+    return env
+
+
+def fsck(backing, *names):
+    exe = os.path.join(os.path.dirname(cu.BIN), "ckptfs-fsck")
+    return subprocess.run([exe, backing, *names], capture_output=True, text=True)
+
+
+def sweep_stale_dirs():
+    """Temporary directories of runs whose process is gone."""
+    for d in glob.glob(DIR_PREFIX + "*"):
+        m = re.match(re.escape(DIR_PREFIX) + r"(\d+)-", d)
+        if m and not netns.alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- a world started by ckpt-mount on the nodes ---------------------------------
+
+class NetWorld:
+    """Rank mounts started by ckpt-mount --hostfile on node 0 of a cluster:
+    slots[i] ranks on node i (block mapping, as mpirun maps a hostfile)."""
+
+    def __init__(self, case, slots, opts, backing, tag):
+        self.c = case.cluster
+        self.slots = list(slots)
+        self.n = sum(slots)
+        self.rank_node = [i for i, s in enumerate(slots) for _ in range(s)]
+        self.opts = opts
+        self.backing = backing
+        self.root = case.root
+        self.log = os.path.join(case.dir, f"{tag}.log")
+        self.hostfile = self.c.hostfile(os.path.join(case.dir, f"{tag}.hosts"), slots)
+
+    def mnt(self, rank):
+        """Rank's mount as its node shows it (for this process's file calls)."""
+        return self.c.path(self.rank_node[rank], os.path.join(self.root, f"rank{rank}"))
+
+    def local_mnt(self, rank):
+        return os.path.join(self.root, f"rank{rank}")
+
+    def mount_argv(self):
+        argv = [CKPT_MOUNT, "--hostfile", self.hostfile, "--bin", cu.BIN, "--log", self.log]
+        for a in self.c.mpi_args():
+            argv.append("--mpirun-arg=" + a)
+        if self.opts:
+            argv += ["-o", self.opts]
+        return argv + [self.backing, self.root]
+
+    def mount(self, timeout=180):
+        t0 = time.monotonic()
+        r = self.c.run(0, self.mount_argv(), env=self.c.env(scripts_env()), timeout=timeout)
+        r.seconds = time.monotonic() - t0
+        return r
+
+    def umount(self, *args, timeout=300):
+        t0 = time.monotonic()
+        r = self.c.run(0, [CKPT_UMOUNT, *args, self.root], env=self.c.env(scripts_env()),
+                       timeout=timeout)
+        r.seconds = time.monotonic() - t0
+        return r
+
+    def ckpt_mounts(self):
+        """{node: [mount points of fuse.ckptfs under MOUNTROOT]}."""
+        return {i: sorted(mp for mp, _ in self.c.mounts(i, self.root, "fuse.ckptfs"))
+                for i in range(self.c.n)}
+
+    def launcher_pid(self):
+        """mpirun's pid (ckpt-mount's pid file on node 0)."""
+        with open(self.c.path(0, os.path.join(self.root, ".ckpt-mount.pid"))) as f:
+            return int(f.read().split()[0])
+
+    def daemon_pid(self, rank):
+        """The ckptfs process of rank (on its node), or None."""
+        want = f"OMPI_COMM_WORLD_RANK={rank}".encode()
+        for p in self.c.processes(self.rank_node[rank]):
+            argv = netns.cmdline(p)
+            if not argv or os.path.basename(argv[0]) != b"ckptfs":
+                continue
+            try:
+                with open(f"/proc/{p}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        return p
+            except OSError:
+                pass
+        return None
+
+    def log_text(self):
+        return cu.read_log(self.log, limit=1 << 24)
+
+
+class Commits:
+    """Commits of one name on several ranks at once, a thread each; the
+    outcome of each rank as it comes: results[r] = (None or the OSError,
+    monotonic time it returned)."""
+
+    def __init__(self, world, name, mode="sync", ranks=None):
+        self.ranks = list(range(world.n) if ranks is None else ranks)
+        self.results = {}
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self._threads = []
+        for r in self.ranks:
+            t = threading.Thread(target=self._one, args=(world, r, name, mode), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _one(self, world, r, name, mode):
+        try:
+            cu.commit(os.path.join(world.mnt(r), name), mode)
+            out = None
+        except OSError as e:
+            out = e
+        with self._lock:
+            self.results[r] = (out, time.monotonic())
+
+    def done(self, ranks=None):
+        with self._lock:
+            return all(r in self.results for r in (self.ranks if ranks is None else ranks))
+
+    def wait(self, ranks=None, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not self.done(ranks):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+
+# ---- the test cases ---------------------------------------------------------------
+
+class NetnsCase(unittest.TestCase):
+    """A cluster of NODES simulated nodes per test, under a temporary
+    directory: BACKING (shared), MNT (each node's own MOUNTROOT)."""
+
+    NODES = 2
+    PRIVATE_BACKING = False  # a BACKING_DIR of each node's own at one path
+    _seq = itertools.count()
+
+    def setUp(self):
+        if not os.path.exists("/dev/fuse"):
+            self.fail("/dev/fuse is missing: cannot mount ckptfs")
+        if not shutil.which("mpirun"):
+            self.fail("mpirun is missing: cannot start a world")
+        netns.sweep_stale()  # first the processes of runs that died, then their files
+        sweep_stale_dirs()
+        self.dir = f"{DIR_PREFIX}{os.getpid()}-{next(self._seq)}"
+        os.makedirs(self.dir)
+        self.backing = os.path.join(self.dir, "backing")
+        self.root = os.path.join(self.dir, "mnt")
+        private = [self.root]
+        if self.PRIVATE_BACKING:
+            self.local_backing = os.path.join(self.dir, "node-backing")
+            private.append(self.local_backing)
+        self.worlds = []
+        self.cluster = netns.Cluster(self.NODES, self.dir, private_dirs=private)
+        self.addCleanup(self._cleanup)
+        try:
+            self.cluster.start()
+        except netns.Unavailable as e:
+            self.skipTest(f"cannot simulate nodes with network namespaces here: {e}")
+
+    def _cleanup(self):
+        self.cluster.destroy()  # the nodes' processes, mounts and namespaces
+        text = "".join(w.log_text() for w in self.worlds)
+        if os.environ.get("CKPT_MR_KEEP") == "1":
+            sys.stderr.write(f"\nkept {self.dir}\n")
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        bad = cu.sanitizer_report(text)
+        if bad:
+            self.fail(f"sanitizer report in the daemons' output: {bad}\n"
+                      f"{text[text.index(bad):][:6000]}")
+
+    # ---- worlds
+    def world(self, slots, opts="commit_timeout=5", backing=None, tag=None):
+        w = NetWorld(self, slots, opts, backing or self.backing,
+                     tag or f"world{len(self.worlds)}")
+        self.worlds.append(w)
+        return w
+
+    def start_world(self, slots, opts="commit_timeout=5", backing=None, tag=None):
+        """ckpt-mount --hostfile on node 0: every rank mounted on its own
+        node, on no other."""
+        w = self.world(slots, opts, backing, tag)
+        r = w.mount()
+        self.assertEqual(r.returncode, 0, f"ckpt-mount failed ({r.seconds:.1f}s):\n{r.stderr}\n"
+                                          f"--- log ---\n{w.log_text()[-4000:]}")
+        want = [w.local_mnt(k) for k in range(w.n)]
+        self.assertEqual(r.stdout.splitlines(), want)
+        got = w.ckpt_mounts()
+        for i in range(self.cluster.n):
+            self.assertEqual(got[i], [w.local_mnt(k) for k in range(w.n) if w.rank_node[k] == i],
+                             f"node {i}: rank mounts {got}")
+        return w
+
+    def umount_ok(self, w):
+        r = w.umount()
+        self.assertEqual(r.returncode, 0, f"ckpt-umount failed:\n{r.stderr}\n"
+                                          f"--- log ---\n{w.log_text()[-4000:]}")
+        self.assertIn("exited with code 0", r.stderr)
+        self.assertNoMounts(w)
+        self.assertNoDaemons()
+        return r
+
+    def assertNoMounts(self, w, msg=""):
+        left = {i: m for i, m in w.ckpt_mounts().items() if m}
+        self.assertEqual(left, {}, f"rank mounts left under {self.root} (node: mounts){msg}")
+
+    def assertNoDaemons(self, timeout=20):
+        """No ckptfs, orted or mpirun left on any node."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = []
+            for i in range(self.cluster.n):
+                for p in self.cluster.processes(i):
+                    argv = netns.cmdline(p)
+                    if argv and os.path.basename(argv[0]) in (b"ckptfs", b"orted", b"mpirun") \
+                            and netns.alive(p):
+                        left.append((i, p, b" ".join(argv).decode(errors="replace")))
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.assertEqual(left, [], "processes left on the nodes")
+
+    # ---- commits and checks
+    def assertCommitted(self, res, w, name):
+        bad = {r: errname(e) for r, (e, _) in res.items() if e is not None}
+        if bad:
+            self.fail(f"commits of {name} failed: {bad}\n" + "\n".join(
+                f"rank {r}: {status(os.path.join(w.mnt(r), name))!r}" for r in sorted(bad)))
+        self.assertEqual(sorted(res), list(range(w.n)))
+
+    def commit_all(self, w, name, mode="sync", timeout=180):
+        c = Commits(w, name, mode)
+        if not c.wait(timeout=timeout):
+            self.fail(f"commits of {name} did not return within {timeout}s: "
+                      f"{sorted(c.results)} returned")
+        return c.results
+
+    def assertNamesRank(self, text, rank, msg=None):
+        self.assertRegex(text, rf"\brank\W{{0,3}}{rank}\b", msg)
+
+    def assertFailedCommit(self, w, name, r, res):
+        e = res[0]
+        st = status(os.path.join(w.mnt(r), name))
+        self.assertIsInstance(e, OSError, f"rank {r}: the commit of {name} did not fail; "
+                                          f".status: {st!r}")
+        self.assertEqual(e.errno, errno.EIO, f"rank {r}: {e!r}")
+        self.assertEqual(st.split("\n", 1)[0].strip(), "failed", f"rank {r}: {st!r}")
+        return st
+
+    def assertNothingPublished(self, w, name, backing=None):
+        d = os.path.join(backing or self.backing, name)
+        self.assertFalse(os.path.exists(os.path.join(d, ".metadata")),
+                         f"{name} was published")
+        if os.path.isdir(d):
+            left = [f for f in os.listdir(d) if f.endswith(".distcp") or f.startswith(".metadata")]
+            self.assertEqual(left, [], f"left behind in {d}")
+        for r in range(w.n):
+            self.assertNotEqual(state(os.path.join(w.mnt(r), name)), "committed",
+                                f"rank {r} shows {name} committed")
+
+    def wait_no_saves(self, timeout=30):
+        """BACKING_DIR/.saves holds no save in flight (a failed save's files
+        are removed by every rank that wrote)."""
+        saves = os.path.join(self.backing, ".saves")
+        deadline = time.monotonic() + timeout
+        while os.path.isdir(saves) and os.listdir(saves) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(os.path.isdir(saves) and os.listdir(saves),
+                         f"files of a failed save left in {saves}: "
+                         f"{[(d, os.listdir(os.path.join(saves, d))) for d in os.listdir(saves)]}"
+                         if os.path.isdir(saves) else "")
+
+    def assertFsckClean(self, *names):
+        r = fsck(self.backing, *names)
+        self.assertEqual(r.returncode, 0, f"ckptfs-fsck {self.backing}:\n{r.stdout}{r.stderr}")
+
+    def verify(self, w, name, items, saved_n, ranks=None, borders=True):
+        """Every rank of w shows the checkpoint exactly: listing, xattrs,
+        whole files, and preads around every shard border."""
+        tensors = [it for it in items if it.kind == "tensor"]
+        blobs = [it for it in items if it.kind == "bytes"]
+        want_files = {it.path for it in items} | {".metadata"}
+        for r in (range(w.n) if ranks is None else ranks):
+            ck = os.path.join(w.mnt(r), name)
+            self.assertEqual(state(ck), "committed", f"rank {r}: {name}")
+            seen = set()
+            for dirpath, _, files in os.walk(ck):
+                for f in files:
+                    seen.add(os.path.relpath(os.path.join(dirpath, f), ck))
+            self.assertEqual(seen, want_files, f"rank {r}: listing of {name}")
+            for t in tensors:
+                p = os.path.join(ck, t.path)
+                msg = f"rank {r} (node {w.rank_node[r]}): {name}/{t.path}"
+                self.assertEqual(os.getxattr(p, "user.ckpt.dtype"), t.dtype.encode(), msg)
+                self.assertEqual(os.getxattr(p, "user.ckpt.shape"),
+                                 ",".join(map(str, t.shape)).encode(), msg)
+                got = read_all(p)
+                if got != t.data:
+                    first = next((i for i, (a, b) in enumerate(zip(got, t.data)) if a != b), None)
+                    self.fail(f"{msg}: {len(got)} bytes, {len(t.data)} expected, "
+                              f"first difference at {first}")
+                if borders:
+                    self.check_borders(p, t, msg)
+            for b in blobs:
+                self.assertEqual(read_all(os.path.join(ck, b.path)), b.data,
+                                 f"rank {r}: {name}/{b.path}")
+        kv = dict(self.query(w, 0, name, "select key, value from checkpoint"))
+        self.assertEqual(str(kv.get("world_size")), str(saved_n), f"{name}: world_size")
+
+    def query(self, w, rank, name, sql):
+        """sql on NAME/.metadata as rank's mount shows it. SQLite resolves
+        the symbolic link /proc/PID/root (to this process's root), so it
+        reads a copy."""
+        copy = os.path.join(self.dir, f"query-{name}-{rank}.db")
+        write_file(copy, read_all(os.path.join(w.mnt(rank), name, ".metadata")))
+        try:
+            return query(copy, sql)
+        finally:
+            os.unlink(copy)
+
+    def check_borders(self, p, t, msg):
+        """pread across every place where one chunk meets another, through
+        the page cache and with O_DIRECT (the daemon gets the exact
+        unaligned ranges)."""
+        size = len(t.data)
+        row = t.shape[-1] * t.isz
+        for flags in (0, os.O_DIRECT):
+            fd = os.open(p, os.O_RDONLY | flags)
+            try:
+                for b in t.boundaries():
+                    for delta in (-3, -1, 0, 1):
+                        off = min(max(0, b + delta), size)
+                        for n in (1, 7, row + 5):
+                            got = b""
+                            while len(got) < n:
+                                piece = os.pread(fd, n - len(got), off + len(got))
+                                if not piece:
+                                    break
+                                got += piece
+                            self.assertEqual(got, t.data[off:off + n],
+                                             f"{msg}: pread({n}, {off}) flags {flags:#o}")
+            finally:
+                os.close(fd)
+
+
+def sharded_items(n, seed=0):
+    """A checkpoint of a world of n: row, column and block shards across
+    the ranks (so across the nodes), a replicated tensor, bytes items."""
+    grid = {4: [cuts([2, 4]), split(9, 2)], 3: [[(0, 6)], cuts([2, 3, 4])],
+            2: [[(0, 6)], split(9, 2)], 1: [[(0, 6)], [(0, 9)]]}[n]
+    blocks = {r: ([a[0], b[0]], [a[1], b[1]]) for r, (a, b) in enumerate(itertools.product(*grid))}
+    return [
+        Tensor("model/rows.weight", "float32", [12, 10],
+               {r: ([o, 0], [s, 10]) for r, (o, s) in enumerate(split(12, n))}, seed=seed),
+        Tensor("model/cols.weight", "float64", [5, 11],
+               {r: ([0, o], [5, s]) for r, (o, s) in enumerate(split(11, n))}, seed=seed),
+        Tensor("model/grid", "int32", [6, 9], blocks, seed=seed),
+        Tensor("model/embed", "bfloat16", [1024, 96],
+               {r: ([o, 0], [s, 96]) for r, (o, s) in
+                enumerate(cuts({4: [300, 200, 400, 124], 3: [500, 300, 224],
+                                2: [700, 324], 1: [1024]}[n]))}, seed=seed),
+        Tensor("replicated/bias", "float32", [64], {r: None for r in range(n)}, seed=seed),
+        Blob("extra/config.json", {r: b'{"lr": 0.1, "seed": %d}\n' % seed for r in range(n)}),
+        *[Blob(f"rng/rank{r}.state", {r: os.urandom(100 + r)}) for r in range(n)],
+    ]
+
+
+class SaveLoad(NetnsCase):
+    NODES = 3
+
+    def test_save_load_across_nodes(self):
+        # 2 nodes x 2 ranks: ranks 0, 1 on node 0, ranks 2, 3 on node 1
+        w = self.start_world([2, 2, 0])
+        items = sharded_items(4, seed=1)
+        stage(w, "sync-1", items)
+        self.assertCommitted(self.commit_all(w, "sync-1"), w, "sync-1")
+        self.verify(w, "sync-1", items, 4)
+        items2 = sharded_items(4, seed=2)
+        stage(w, "async-1", items2)
+        self.assertCommitted(self.commit_all(w, "async-1", mode="async"), w, "async-1")
+        for r in range(w.n):
+            st = wait_state(os.path.join(w.mnt(r), "async-1"), timeout=120)
+            self.assertEqual(st.split("\n", 1)[0], "committed", f"rank {r}: {st!r}")
+        self.verify(w, "async-1", items2, 4)
+        self.umount_ok(w)
+        self.assertFsckClean()
+        # 3 nodes x 1 rank: another world size, other nodes for the ranks
+        w3 = self.start_world([1, 1, 1])
+        self.verify(w3, "sync-1", items, 4)
+        self.verify(w3, "async-1", items2, 4)
+        own = sharded_items(3, seed=3)
+        stage(w3, "resaved-3", own)
+        self.assertCommitted(self.commit_all(w3, "resaved-3"), w3, "resaved-3")
+        self.verify(w3, "resaved-3", own, 3)
+        self.umount_ok(w3)
+        self.assertFsckClean()
+
+
+BIG = 256 << 20  # rank 2's bytes in LinkDown: its writes take a while
+
+
+def big_bytes():
+    return bytes(range(256)) * (BIG // 256)
+
+
+def write_out_of_order(path, data, piece=1 << 20):
+    """The data written last piece first: not a write-behind stream (those
+    are hard-linked at the commit), so the commit writes it all."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        for off in reversed(range(0, len(data), piece)):
+            os.pwrite(fd, view[off:off + piece], off)
+    finally:
+        os.close(fd)
+
+
+class LinkDown(NetnsCase):
+    NODES = 3
+    TIMEOUT = 5
+
+    def test_link_down_while_writing(self):
+        ct = self.TIMEOUT
+        w = self.start_world([1, 1, 1], opts=f"commit_timeout={ct}")
+        # a first save: every rank's connections to the coordinator are up
+        warm = [Tensor("w", "float32", [3, 4], {r: ([r, 0], [1, 4]) for r in range(3)})]
+        stage(w, "warm", warm)
+        self.assertCommitted(self.commit_all(w, "warm"), w, "warm")
+
+        small = Tensor("model/w", "float32", [6, 8],
+                       {r: ([o, 0], [s, 8]) for r, (o, s) in enumerate(split(6, 3))})
+        stage(w, "cut", [small])
+        data = big_bytes()
+        big = os.path.join(w.mnt(2), "cut", "model", "big")
+        write_out_of_order(big, data)
+        os.setxattr(big, "user.ckpt.dtype", b"uint8")
+        os.setxattr(big, "user.ckpt.shape", str(BIG).encode())
+
+        commits = Commits(w, "cut")
+        # rank 2 got its plan and writes its data files: pull its cable
+        pattern = os.path.join(self.backing, ".saves", "*", "__2_*.distcp")
+        deadline = time.monotonic() + 60
+        while not glob.glob(pattern):
+            self.assertFalse(commits.done([2]), f"rank 2's commit returned before it wrote: "
+                                                f"{commits.results.get(2)}")
+            self.assertLess(time.monotonic(), deadline, "rank 2 never began writing")
+            time.sleep(0.002)
+        self.cluster.link(2, False)
+        t_cut = time.monotonic()
+        try:
+            self.assertTrue(commits.wait([0, 1], timeout=ct + 60),
+                            "ranks 0 and 1 still wait for rank 2")
+            for r in (0, 1):
+                e, t_end = commits.results[r]
+                if e is None:
+                    self.fail(f"rank {r}'s commit succeeded: rank 2 wrote its {BIG >> 20} MiB "
+                              f"and reported before its cable was pulled (make BIG larger)")
+                st = self.assertFailedCommit(w, "cut", r, commits.results[r])
+                self.assertNamesRank(st, 2, f"rank {r}: .status must name rank 2: {st!r}")
+                self.assertLess(t_end - t_cut, ct + 10,
+                                f"rank {r} failed {t_end - t_cut:.1f}s after the cut "
+                                f"(commit_timeout {ct}s)")
+            self.assertNothingPublished(w, "cut")
+            self.assertFsckClean()
+            self.assertNotIn("cut", os.listdir(self.backing))
+        finally:
+            self.cluster.link(2, True)
+        # rank 2 learns the outcome once its cable is back
+        t_back = time.monotonic()
+        self.assertTrue(commits.wait([2], timeout=120),
+                        "rank 2's commit did not return after its cable came back")
+        self.assertFailedCommit(w, "cut", 2, commits.results[2])
+        survivors = max(commits.results[r][1] for r in (0, 1)) - t_cut
+        sys.stderr.write(f"\n  ranks 0 and 1 failed {survivors:.1f}s after the cable was pulled "
+                         f"(commit_timeout {ct}s), rank 2 "
+                         f"{commits.results[2][1] - t_back:.1f}s after it was back\n")
+        self.wait_no_saves()
+        self.assertNothingPublished(w, "cut")
+        self.assertFsckClean()
+        # the same name again, every rank: committed
+        self.assertCommitted(self.commit_all(w, "cut"), w, "cut")
+        self.verify(w, "cut", [small] + [_BigItem()], 3, borders=False)
+        for r in range(3):
+            p = os.path.join(w.mnt(r), "cut", "model", "big")
+            for off in (0, (1 << 20) - 3, BIG // 2 + 5, BIG - 7):
+                self.assertEqual(cu.pread(p, 11, off), data[off:off + 11],
+                                 f"rank {r}: big at {off}")
+        self.assertEqual(read_all(os.path.join(w.mnt(1), "cut", "model", "big")), data)
+        self.assertFsckClean("cut")
+        self.umount_ok(w)
+
+
+class _BigItem:
+    """LinkDown's big tensor in a listing (its bytes are checked apart)."""
+    kind = "other"
+    path = "model/big"
+
+
+class LongOutage(NetnsCase):
+    NODES = 2
+    TIMEOUT = 2
+
+    def test_outage_longer_than_client_wait(self):
+        ct = self.TIMEOUT
+        # how long a client waits for the coordinator (dist.c client_wait():
+        # 2 * commit_timeout + 10 s; 3 * commit_timeout + 60 s before)
+        client_wait = 3 * ct + 60
+        w = self.start_world([1, 1], opts=f"commit_timeout={ct}")
+        warm = [Tensor("w", "float32", [2, 4], {r: ([r, 0], [1, 4]) for r in range(2)})]
+        stage(w, "warm", warm)
+        self.assertCommitted(self.commit_all(w, "warm"), w, "warm")
+
+        t = Tensor("w", "float32", [2, 4], {r: ([r, 0], [1, 4]) for r in range(2)}, seed=1)
+        stage(w, "lost", [t])
+        after = [Tensor("w", "int64", [2, 3], {r: ([r, 0], [1, 3]) for r in range(2)}, seed=2),
+                 Blob("cfg", {r: b"after" for r in range(2)})]
+        stage(w, "after", after)
+        self.cluster.link(1, False)
+        try:
+            commits = Commits(w, "lost")
+            # the coordinator's round fails: rank 1 never came
+            self.assertTrue(commits.wait([0], timeout=ct + 60), "rank 0 still waits")
+            st0 = self.assertFailedCommit(w, "lost", 0, commits.results[0])
+            self.assertNamesRank(st0, 1, f"rank 0's .status must name rank 1: {st0!r}")
+            took0 = commits.results[0][1] - commits.t0
+            self.assertLess(took0, ct + 10, f"rank 0 failed after {took0:.1f}s")
+            # rank 1 gives up waiting for the coordinator, cable still out
+            self.assertTrue(commits.wait([1], timeout=client_wait + 60),
+                            f"rank 1 still waits {client_wait + 60}s later")
+            st1 = self.assertFailedCommit(w, "lost", 1, commits.results[1])
+            self.assertNamesRank(st1, 0, f"rank 1's .status must name the coordinator: {st1!r}")
+            took1 = commits.results[1][1] - commits.t0
+            self.assertGreater(took1, ct, f"rank 1 gave up after {took1:.1f}s")
+        finally:
+            self.cluster.link(1, True)
+        # what each side sent meanwhile arrives (TCP retransmits)
+        drained = self.cluster.wait_tcp_drained()
+        self.assertNothingPublished(w, "lost")
+        # the next save of every rank commits
+        res = self.commit_all(w, "after", timeout=120)
+        self.assertCommitted(res, w, "after")
+        self.verify(w, "after", after, 2)
+        sys.stderr.write(f"\n  rank 0 failed after {took0:.1f}s, rank 1 (the client) after "
+                         f"{took1:.1f}s; the queues drained {drained:.1f}s after the cable "
+                         f"came back\n")
+        self.assertFsckClean()
+        self.umount_ok(w)
+
+
+class KilledRemoteRank(NetnsCase):
+    NODES = 2
+
+    def test_umount_after_remote_daemon_killed(self):
+        w = self.start_world([1, 1])
+        items = [Tensor("w", "float32", [2, 4], {r: ([r, 0], [1, 4]) for r in range(2)})]
+        stage(w, "before", items)
+        self.assertCommitted(self.commit_all(w, "before"), w, "before")
+        pid = w.daemon_pid(1)
+        self.assertIsNotNone(pid, "no ckptfs process of rank 1 on node 1")
+        self.assertEqual(self.cluster.node_of_pid(pid), 1)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while netns.alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.assertFalse(netns.alive(pid), "rank 1's daemon survived SIGKILL")
+        # Open MPI ends the job (the other daemon too, without unmounting);
+        # mpirun exits
+        launcher = w.launcher_pid()
+        deadline = time.monotonic() + 60
+        while netns.alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(netns.alive(launcher), "mpirun still runs 60 s after a rank died")
+        # then the user runs ckpt-umount on node 0, and ckpt-mount again
+        u = w.umount()
+        left = {i: m for i, m in w.ckpt_mounts().items() if m}
+        self.assertNoDaemons()
+        w2 = self.world([1, 1], tag="again")
+        r = w2.mount()
+        problems = []
+        if left:
+            problems.append(f"ckpt-umount (exit {u.returncode}) left mounts under "
+                            f"{self.root} (node: mounts): {left}\n{u.stderr}")
+        if r.returncode != 0:
+            problems.append(f"ckpt-mount on the same MOUNTROOT then failed "
+                            f"(exit {r.returncode}):\n{r.stderr}")
+        self.assertFalse(problems, "\n".join(problems))
+        stage(w2, "after", items)
+        self.assertCommitted(self.commit_all(w2, "after"), w2, "after")
+        self.verify(w2, "after", items, 2)
+        self.verify(w2, "before", items, 2)
+        self.umount_ok(w2)
+
+
+class PerNodeBacking(NetnsCase):
+    NODES = 2
+    PRIVATE_BACKING = True
+
+    def test_commit_refused_on_every_rank(self):
+        c = self.cluster
+        for i in range(2):
+            write_file(c.path(i, os.path.join(self.local_backing, "keep")), b"node %d" % i)
+        w = self.start_world([1, 1], backing=self.local_backing)
+        t = Tensor("w", "int32", [2, 4], {r: ([r, 0], [1, 4]) for r in range(2)})
+        stage(w, "step", [t])
+        res = self.commit_all(w, "step")
+        for r in range(2):
+            st = self.assertFailedCommit(w, "step", r, res[r])
+            self.assertIn("shared", st, f"rank {r}: .status must say why: {st!r}")
+        for i in range(2):
+            d = c.path(i, self.local_backing)
+            self.assertEqual(sorted(os.listdir(d)), ["keep"], f"node {i}: nothing left, "
+                                                              f"nothing lost")
+            self.assertEqual(read_all(os.path.join(d, "keep")), b"node %d" % i)
+            self.assertFalse(os.path.exists(os.path.join(d, "step")))
+        self.umount_ok(w)
+        for i in range(2):
+            self.assertEqual(read_all(c.path(i, os.path.join(self.local_backing, "keep"))),
+                             b"node %d" % i)
+
+
+if __name__ == "__main__":
+    cu.main()
