@@ -10,6 +10,7 @@ pkgs=(
   libxxhash-dev                           # XXH3-64 checksums
   libcmocka-dev                           # unit tests
   python3 attr                            # integration tests, getfattr
+  iproute2                                # multi-node tests: ip, ss (netns)
   clang libclang-rt-dev                    # libFuzzer and sanitizer runtimes
   python3-torch python3-numpy             # Python client and PyTorch example tests
 )
