@@ -61,6 +61,8 @@ typedef struct {
   bool show_version;          /* -V / --version */
   char *backing_dir;          /* owned */
   char *mountpoint;           /* owned, %r not yet replaced */
+  char *log_file;             /* owned, -o log=FILE (%r not replaced), or
+                                 NULL */
 } ckpt_opts_t;
 
 /* Parse the command line. Our options are removed from args; what stays is

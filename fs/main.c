@@ -32,7 +32,7 @@
 
 #define EXIT_USAGE 2
 
-/* MOUNTPOINT with every %r replaced by the rank. */
+/* MOUNTPOINT (or the log file) with every %r replaced by the rank. */
 static char *expand_mountpoint(const char *tmpl, int rank) {
   ckpt_buf_t b;
   ckpt_buf_init(&b);
@@ -327,6 +327,17 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ckptfs: %s\n", why);
     goto out;
   }
+  if (fs.opts.log_file) {
+    char *path = expand_mountpoint(fs.opts.log_file, fs.rank);
+    int lrc = path ? ckpt__log_to(path, false, fs.rank) : -ENOMEM;
+    if (lrc) {
+      fprintf(stderr, "ckptfs: cannot open the log %s: %s\n",
+              path ? path : fs.opts.log_file, strerror(-lrc));
+      free(path);
+      goto out;
+    }
+    free(path);
+  }
   mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
   if (mountpoint) {
     /* Absolute, like other FUSE filesystems: a daemon works in / and
@@ -381,9 +392,13 @@ int main(int argc, char **argv) {
     goto out;
   }
   mounted = true;
-  if (!fs.opts.foreground && !ckpt_dist_launched(fs.dist) &&
-      fuse_daemonize(0))
-    goto out;
+  if (!fs.opts.foreground && !ckpt_dist_launched(fs.dist)) {
+    if (fuse_daemonize(0))
+      goto out;
+    /* stderr is /dev/null now: without -o log, the log goes to syslog */
+    if (!fs.opts.log_file)
+      ckpt__log_to(NULL, true, -1);
+  }
 
   /* Threads only after daemonizing: fork keeps none. */
   if (ckpt__pool_new(fs.opts.io_threads, &fs.pool) ||

@@ -438,6 +438,10 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
     while (fs->root->children) {
       ckpt_node_t *d = fs->root->children;
       ckpt_ckpt_t *ck = d->ck;
+      if (ck && (ck->state == CKPT_STAGING || ck->state == CKPT_FAILED))
+        ckpt__log("unmounted with checkpoint %s staged but not committed%s: "
+                  "its staged data is discarded", ck->name,
+                  ck->state == CKPT_FAILED ? " (its last commit failed)" : "");
       ckpt__node_detach(fs, d);
       ckpt__ckpt_unref(fs, ck);
     }

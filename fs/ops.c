@@ -1229,6 +1229,10 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   if (n->kind == CKPT_NODE_COMMIT) {
     bool sync;
     rc = parse_commit(buf, size, &sync);
+    if (rc)
+      ckpt__log("%s/.commit: refused the write of %zu byte(s) \"%.*s\": write "
+                "\"sync\" or \"async\" (a trailing newline is fine)",
+                n->ck->name, size, (int)(size < 32 ? size : 32), buf);
     if (rc == 0)
       rc = ckpt__save_begin(fs, n->ck, sync, sync ? req : NULL, size);
     if (rc == 0 && sync)
@@ -1383,6 +1387,31 @@ static void reply_xattr_value(fuse_req_t req, const char *v, size_t len,
     fuse_reply_buf(req, v, len);
 }
 
+/* Say why a user.ckpt.* value was refused, with the valid forms. */
+static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
+                              const char *value, size_t size) {
+  pthread_mutex_lock(&fs->lock);
+  char *path = ckpt__node_path(n);
+  pthread_mutex_unlock(&fs->lock);
+  const char *want;
+  char dtypes[512] = "";
+  if (strcmp(name, "user.ckpt.dtype") == 0) {
+    size_t off = 0;
+    for (int d = 0; d < CKPT_DTYPE_COUNT && off < sizeof(dtypes); d++)
+      off += (size_t)snprintf(dtypes + off, sizeof(dtypes) - off, "%s%s",
+                              d ? ", " : "", ckpt_dtype_name((ckpt_dtype_t)d));
+    want = dtypes;
+  } else {
+    want = "comma-separated whole numbers (4096,1024; empty for a scalar), "
+           "as many as the shape's, with offsets + sizes within the shape";
+  }
+  bool printable = size <= 64 && !memchr(value, '\0', size);
+  ckpt__log("%s/%s: refused %s=\"%.*s\"%s: valid: %s", n->ck->name,
+            path ? path : "?", name, printable ? (int)size : 0,
+            printable ? value : "", printable ? "" : " (long or binary)", want);
+  free(path);
+}
+
 static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         const char *value, size_t size, int flags) {
   if (!may_change(req)) {
@@ -1405,6 +1434,8 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
       rc = ckpt__sfile_setxattr(n->u.sf, name, value, size, flags);
       staged_change_end(n->ck);
     }
+    if (rc == -EINVAL)
+      log_refused_xattr(fs, n, name, value, size);
   }
   put_node(fs, n);
   fuse_reply_err(req, -rc);

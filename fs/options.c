@@ -27,6 +27,7 @@ enum {
   KEY_REPLICA_CHECK,
   KEY_KEEP_LAST,
   KEY_SAFETENSORS_SHARD,
+  KEY_LOG,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -43,6 +44,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
     FUSE_OPT_KEY("safetensors_shard=", KEY_SAFETENSORS_SHARD),
+    FUSE_OPT_KEY("log=", KEY_LOG),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -95,6 +97,10 @@ void ckpt__opts_help(void) {
       "K/M/G suffixes\n"
       "                          (default: 5000000000, save_pretrained's "
       "5GB)\n"
+      "  -o log=FILE             append the daemon's log lines to FILE "
+      "(%%r: the rank);\n"
+      "                          default: stderr, or syslog once "
+      "daemonized\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
@@ -195,6 +201,12 @@ static int opt_proc(void *data, const char *arg, int key,
     if (ckpt__parse_size(val, &v) || v == 0)
       return bad(ps, "staging_mem", val, "a size like 512M or 4G");
     o->staging_mem = v;
+    return 0;
+  case KEY_LOG:
+    if (!*val)
+      return bad(ps, "log", val, "a file name");
+    free(o->log_file);
+    o->log_file = strdup(val);
     return 0;
   case KEY_COMMIT_TIMEOUT: {
     char *end;
@@ -309,5 +321,6 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
 void ckpt__opts_free(ckpt_opts_t *o) {
   free(o->backing_dir);
   free(o->mountpoint);
-  o->backing_dir = o->mountpoint = NULL;
+  free(o->log_file);
+  o->backing_dir = o->mountpoint = o->log_file = NULL;
 }

@@ -829,6 +829,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   ckpt_ckpt_t *ck = s->ck;
   char *err = NULL;
   if (rc == 0) {
+    ckpt__log("%s: committed (this rank wrote %llu bytes)", job->name,
+              (unsigned long long)atomic_load(&ck->bytes_done));
     /* Every rank shows the global checkpoint, from the shared metadata. */
     if (s->dirfd >= 0)
       flock(s->dirfd, LOCK_UN);

@@ -45,8 +45,15 @@
  * ---------------------------------------------------------------------- */
 char *ckpt__strdup_printf(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));
-/* One line "ckptfs: ..." on stderr. */
+/* One line "ckptfs: ..." to the log: stderr, unless ckpt__log_to said
+ * otherwise. Lines are written whole (one write each). */
 void ckpt__log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Where ckpt__log goes from now on: the file path (appended to, created
+ * 0600; each line then starts with the UTC time and the pid, and "rank R"
+ * when rank >= 0), or syslog (daemon facility) when path is NULL and
+ * use_syslog, else stderr. Returns 0 or -errno (the log stays where it
+ * was). Call before threads log. */
+int ckpt__log_to(const char *path, bool use_syslog, int rank);
 /* Read exactly n bytes at off: 0, -EIO when the file ends first, -errno. */
 int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends

@@ -520,6 +520,57 @@ class Options(CkptfsTestCase):
         self.assertLess(time.monotonic() - t0, 60)
         self.assertTrue(os.path.exists(self.bk("bg", ".metadata")))
 
+    def test_daemonized_log_file(self):
+        """-o log=FILE on a daemonized mount (stderr is /dev/null there):
+        a commit's outcome, a refused xattr (with the valid forms), a
+        refused .commit word and a staged checkpoint discarded at unmount
+        each leave a line (issue 13)."""
+        logfile = os.path.join(self.dir, "daemon.log")
+        r = subprocess.run([ckptfs_util.BIN, "-o", "log=" + logfile, self.backing, self.mnt],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env=ckptfs_util.daemon_env(self.background_env()))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        pid = ckptfs_util.find_daemon(self.mnt)
+        self.assertIsNotNone(pid)
+        os.mkdir(self.ck("good"))
+        write_file(self.ck("good", "f"), b"x" * 100)
+        commit(self.ck("good"))
+        os.mkdir(self.ck("bad"))
+        write_file(self.ck("bad", "w"), b"\0" * 16)
+        with self.assertRaises(OSError) as e:
+            os.setxattr(self.ck("bad", "w"), "user.ckpt.dtype", b"float33")
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        with self.assertRaises(OSError):
+            os.setxattr(self.ck("bad", "w"), "user.ckpt.shape", b"4,x")
+        fd = os.open(self.ck("bad", ".commit"), os.O_WRONLY)
+        try:
+            with self.assertRaises(OSError):
+                os.write(fd, b"commit please")
+        finally:
+            os.close(fd)
+        os.setxattr(self.ck("bad", "w"), "user.ckpt.dtype", b"float32")
+        os.setxattr(self.ck("bad", "w"), "user.ckpt.shape", b"8")  # 32 bytes, 16 written
+        with self.assertRaises(OSError) as e:
+            commit(self.ck("bad"))
+        self.assertEqual(e.exception.errno, errno.EIO)
+        os.mkdir(self.ck("left"))
+        write_file(self.ck("left", "f"), b"never committed")
+        r = subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(logfile) as f:
+            log = f.read()
+        self.assertRegex(log, r"(?m)^\d{4}-\d\d-\d\dT[\d:.]+Z ckptfs\[\d+\] rank 0: good: committed")
+        self.assertRegex(log, r'bad/w: refused user.ckpt.dtype="float33": valid: .*bfloat16.*float32')
+        self.assertRegex(log, r'bad/w: refused user.ckpt.shape="4,x": valid: comma-separated')
+        self.assertRegex(log, r'bad/.commit: refused .*"commit please".*"sync" or "async"')
+        self.assertRegex(log, r"bad: commit failed: .*w")
+        self.assertRegex(log, r"unmounted with checkpoint left staged but not committed")
+        self.assertRegex(log, r"unmounted with checkpoint bad staged but not committed "
+                              r"\(its last commit failed\)")
+
     def test_daemonize_relative_paths(self):
         # relative BACKING_DIR and MOUNTPOINT, daemon stopped by SIGTERM
         cwd = os.getcwd()
