@@ -1568,6 +1568,12 @@ static void fs_init(void *userdata, struct fuse_conn_info *conn) {
   /* Replies of committed data may be spliced from the data files. */
   if (conn->capable & FUSE_CAP_SPLICE_WRITE)
     conn->want |= FUSE_CAP_SPLICE_WRITE;
+#ifdef FUSE_CAP_DIRECT_IO_ALLOW_MMAP
+  /* libfuse 3.16+: shared read-only mmap of direct_reads files (np.memmap
+   * mode "r"); older ones refuse it (ENODEV), private mmap works. */
+  if (conn->capable & FUSE_CAP_DIRECT_IO_ALLOW_MMAP)
+    conn->want |= FUSE_CAP_DIRECT_IO_ALLOW_MMAP;
+#endif
 }
 
 const struct fuse_lowlevel_ops ckpt__fuse_ops = {

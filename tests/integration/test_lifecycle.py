@@ -571,6 +571,32 @@ class Options(CkptfsTestCase):
         self.assertRegex(log, r"unmounted with checkpoint bad staged but not committed "
                               r"\(its last commit failed\)")
 
+    def test_mmap_of_committed_tensor(self):
+        """The README's np.memmap(mode="c"): a private mapping of a committed
+        tensor reads its bytes with the default direct_reads=1; a shared
+        one works where libfuse has FUSE_CAP_DIRECT_IO_ALLOW_MMAP, else it
+        fails ENODEV (issue 13)."""
+        import mmap
+        self.mount()
+        os.mkdir(self.ck("mm"))
+        data = os.urandom(3 * 4096 + 100)
+        write_file(self.ck("mm", "t"), data)
+        commit(self.ck("mm"))
+        fd = os.open(self.ck("mm", "t"), os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, len(data), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+            self.assertEqual(m[:], data)
+            m.close()
+            try:
+                m = mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except OSError as e:
+                self.assertEqual(e.errno, errno.ENODEV)
+            else:
+                self.assertEqual(m[:], data)
+                m.close()
+        finally:
+            os.close(fd)
+
     def test_daemonize_relative_paths(self):
         # relative BACKING_DIR and MOUNTPOINT, daemon stopped by SIGTERM
         cwd = os.getcwd()
