@@ -153,6 +153,27 @@ class Base(CkptfsTestCase):
 
 class Commands(Base):
 
+    def test_ls_sort(self):
+        """ls lists in creation order by default; --sort name orders numbers
+        in names by value, --sort size largest first (issue 13)."""
+        self.mount()
+        order = ["step-8", "step-100", "step-4", "step-10"]
+        sizes = {"step-8": 300, "step-100": 100, "step-4": 400, "step-10": 200}
+        for name in order:
+            self.save(name, blobs=[("b", b"x" * sizes[name])])
+            time.sleep(0.01)  # distinct .metadata mtimes within one second
+        os.makedirs(self.bk("step-0"))  # an unfinished save: after the committed
+        names = lambda *args: [c["name"] for c in ctl_json(self, "ls", *args, self.backing)["checkpoints"]]
+        self.assertEqual(names(), order + ["step-0"])
+        self.assertEqual(names("--sort", "time"), order + ["step-0"])
+        self.assertEqual(names("--sort", "name"), ["step-0", "step-4", "step-8", "step-10", "step-100"])
+        self.assertEqual(names("--sort", "size")[:4], ["step-4", "step-8", "step-10", "step-100"])
+        text = ctl("ls", self.backing).stdout.splitlines()
+        self.assertEqual([line.split()[0] for line in text[1:]], order + ["step-0"])
+        r = ctl("ls", "--sort", "age", self.backing)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("expected time, name or size", r.stderr)
+
     def test_ls_text_and_json(self):
         self.mount()
         self.save("a", [("model/w", "float32", [4, 3], 1), ("model/b", "int64", [5], 2)],

@@ -31,6 +31,7 @@ typedef struct {
   long long keep;      /* -1: not given */
   bool dry_run;
   bool content;        /* diff: compare differently chunked tensors */
+  enum { SORT_TIME, SORT_NAME, SORT_SIZE } sort; /* ls */
   double timeout;      /* seconds; 0: none */
   double interval;     /* seconds */
   char *pos[4];        /* positional arguments */

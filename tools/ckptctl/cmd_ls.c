@@ -3,8 +3,10 @@
  * backing directory, committed, unfinished or damaged (catalog.c), as a
  * table or one JSON document.
  */
+#include <ctype.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "catalog.h"
@@ -93,6 +95,70 @@ static void ls_text(const char *backing, const ckpt_catalog_t *cat) {
   }
 }
 
+/* Names with numbers in them by the numbers' values: step-8 < step-10. */
+static int natural_cmp(const char *x, const char *y) {
+  while (*x && *y) {
+    if (isdigit((unsigned char)*x) && isdigit((unsigned char)*y)) {
+      while (*x == '0' && isdigit((unsigned char)x[1]))
+        x++;
+      while (*y == '0' && isdigit((unsigned char)y[1]))
+        y++;
+      size_t nx = 0, ny = 0;
+      while (isdigit((unsigned char)x[nx]))
+        nx++;
+      while (isdigit((unsigned char)y[ny]))
+        ny++;
+      if (nx != ny)
+        return nx < ny ? -1 : 1;
+      int c = strncmp(x, y, nx);
+      if (c)
+        return c;
+      x += nx, y += ny;
+      continue;
+    }
+    if (*x != *y)
+      return (unsigned char)*x < (unsigned char)*y ? -1 : 1;
+    x++, y++;
+  }
+  return *x ? 1 : *y ? -1 : 0;
+}
+
+static int by_name(const void *pa, const void *pb) {
+  const ckpt_cat_entry_t *a = pa, *b = pb;
+  int c = natural_cmp(a->name, b->name);
+  return c ? c : strcmp(a->name, b->name);
+}
+
+/* Committed ones by creation (created_at, then .metadata's mtime), then
+ * the others by name. */
+static int by_time(const void *pa, const void *pb) {
+  const ckpt_cat_entry_t *a = pa, *b = pb;
+  bool ca = a->state == CKPT_CAT_COMMITTED, cb = b->state == CKPT_CAT_COMMITTED;
+  if (ca != cb)
+    return ca ? -1 : 1;
+  if (ca) {
+    if (a->meta.created_at != b->meta.created_at)
+      return a->meta.created_at < b->meta.created_at ? -1 : 1;
+    if (a->mtime.tv_sec != b->mtime.tv_sec)
+      return a->mtime.tv_sec < b->mtime.tv_sec ? -1 : 1;
+    if (a->mtime.tv_nsec != b->mtime.tv_nsec)
+      return a->mtime.tv_nsec < b->mtime.tv_nsec ? -1 : 1;
+  }
+  return by_name(pa, pb);
+}
+
+static uint64_t entry_bytes(const ckpt_cat_entry_t *e) {
+  return e->state == CKPT_CAT_COMMITTED ? stored_bytes(&e->meta)
+                                        : e->disk_bytes;
+}
+
+static int by_size(const void *pa, const void *pb) {
+  uint64_t x = entry_bytes(pa), y = entry_bytes(pb);
+  if (x != y)
+    return x > y ? -1 : 1;
+  return by_time(pa, pb);
+}
+
 int cmd_ls(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_catalog_t cat;
@@ -101,6 +167,11 @@ int cmd_ls(const args_t *a, int bfd) {
     fail("cannot list %s: %s", backing, strerror(-rc));
     return EXIT_NO;
   }
+  if (cat.n > 1)
+    qsort(cat.e, cat.n, sizeof(cat.e[0]),
+          a->sort == SORT_NAME   ? by_name
+          : a->sort == SORT_SIZE ? by_size
+                                 : by_time);
   if (a->json)
     ls_json(backing, &cat);
   else

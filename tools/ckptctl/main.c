@@ -39,7 +39,7 @@ const char *const prog = "ckptctl";
  * ---------------------------------------------------------------------- */
 
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
-       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT };
+       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT };
 #define OPTBIT(o) (1u << ((o) - OPT_JSON))
 
 /* Every option of every command; each command takes --json, --help and
@@ -53,6 +53,7 @@ static const struct option all_options[] = {
     {"timeout", required_argument, NULL, OPT_TIMEOUT},
     {"interval", required_argument, NULL, OPT_INTERVAL},
     {"content", no_argument, NULL, OPT_CONTENT},
+    {"sort", required_argument, NULL, OPT_SORT},
     {0, 0, 0, 0}};
 
 typedef struct {
@@ -116,6 +117,16 @@ static int parse_option(int c, char **argv, args_t *a) {
   case OPT_CONTENT:
     a->content = true;
     break;
+  case OPT_SORT:
+    if (!strcmp(optarg, "time"))
+      a->sort = SORT_TIME;
+    else if (!strcmp(optarg, "name"))
+      a->sort = SORT_NAME;
+    else if (!strcmp(optarg, "size"))
+      a->sort = SORT_SIZE;
+    else
+      return usage_error("--sort '%s': expected time, name or size", optarg);
+    break;
   case OPT_TIMEOUT:
   case OPT_INTERVAL: {
     errno = 0;
@@ -171,9 +182,9 @@ static int parse_args(int argc, char **argv, args_t *a) {
  * ---------------------------------------------------------------------- */
 
 static const command_t commands[] = {
-    {"ls", cmd_ls, 1, true, EXIT_NO, 0, 0,
+    {"ls", cmd_ls, 1, true, EXIT_NO, OPTBIT(OPT_SORT), 0,
      "list the checkpoints of BACKING_DIR",
-     "usage: ckptctl ls [--json] BACKING_DIR\n"
+     "usage: ckptctl ls [--json] [--sort time|name|size] BACKING_DIR\n"
      "\n"
      "List every checkpoint directory of BACKING_DIR: name, state\n"
      "(committed; unfinished: no .metadata, a save in flight or\n"
@@ -181,6 +192,9 @@ static const command_t commands[] = {
      "8601, UTC), world size, tensors, blobs, stored bytes.\n"
      "\n"
      "options:\n"
+     "  --sort KEY   time: oldest committed first, then the others by name;\n"
+     "               name: by name, numbers in names by value (step-8 before\n"
+     "               step-10); size: largest first (default: time)\n"
      "  --json       one JSON document instead of the table (default: off)\n"
      "  -h, --help   this help\n"},
     {"show", cmd_show, 2, true, EXIT_NO, 0, 0,
