@@ -335,7 +335,15 @@ struct ckpt_ckpt {
                              BACKING_DIR (for every mount); this mount keeps
                              the rest until rmdir NAME; fs->lock */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
+  /* COMMITTED: the read-only permission bits of files and directories
+   * that belong to no single staged entry (.metadata, the views): what
+   * every staged file and the checkpoint directory allowed */
+  mode_t shared_fmode, shared_dmode;
 };
+
+/* A committed node n of ck (a view, .metadata): the shared permissions
+ * and the checkpoint directory's owner. fs->lock held. */
+void ckpt__committed_shared(ckpt_ckpt_t *ck, ckpt_node_t *n);
 
 /* Where BACKING_DIR/NAME stands, looked up without fs->lock (ops.c). */
 typedef struct {

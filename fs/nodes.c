@@ -323,11 +323,66 @@ static bool component_ok(const char *s, size_t len) {
 }
 
 /* Create (or find) the directories of path and the file node at its end. */
+/* What the staged entry at path (its first len bytes) was, read-only:
+ * committed node n keeps its permissions (write bits cleared), owner and
+ * time; without an entry (a checkpoint saved before they were kept), the
+ * old read-only defaults and the creation time. */
+static void apply_entry(const ckpt_metadata_t *meta, ckpt_node_t *n,
+                        const char *path, size_t len, struct timespec when) {
+  char buf[4096];
+  const ckpt_entry_attr_t *e = NULL;
+  if (len < sizeof(buf)) {
+    memcpy(buf, path, len);
+    buf[len] = '\0';
+    e = ckpt_metadata_entry(meta, buf);
+  }
+  bool dir = S_ISDIR(n->mode);
+  if (e && S_ISDIR(e->mode) == dir) {
+    n->mode = (dir ? S_IFDIR : S_IFREG) | (e->mode & 0555);
+    n->uid = e->uid;
+    n->gid = e->gid;
+    n->mtime.tv_sec = e->mtime_ns / 1000000000;
+    n->mtime.tv_nsec = e->mtime_ns % 1000000000;
+    if (n->mtime.tv_nsec < 0)
+      n->mtime.tv_sec--, n->mtime.tv_nsec += 1000000000;
+  } else {
+    n->mtime = when;
+  }
+  n->ctime = n->atime = n->mtime;
+}
+
+void ckpt__committed_shared(ckpt_ckpt_t *ck, ckpt_node_t *n) {
+  n->mode = S_ISDIR(n->mode) ? S_IFDIR | ck->shared_dmode
+                             : S_IFREG | ck->shared_fmode;
+  n->uid = ck->dir->uid;
+  n->gid = ck->dir->gid;
+}
+
+/* The permissions .metadata and the views may give: no more than the
+ * checkpoint directory and every staged file allowed (a view holds the
+ * bytes of every tensor). */
+static void shared_modes(ckpt_ckpt_t *ck, const ckpt_metadata_t *meta) {
+  mode_t f = 0444, d = 0555;
+  const ckpt_entry_attr_t *top = ckpt_metadata_entry(meta, "");
+  if (top) {
+    f &= (mode_t)top->mode & 0444;
+    d &= (mode_t)top->mode & 0555;
+  }
+  for (uint32_t i = 0; i < meta->n_entries; i++)
+    if (S_ISREG(meta->entries[i].mode)) {
+      f &= (mode_t)meta->entries[i].mode & 0444;
+      d &= ((mode_t)meta->entries[i].mode & 0444) | 0111;
+    }
+  ck->shared_fmode = f;
+  ck->shared_dmode = d;
+}
+
 static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                                        const char *path,
                                        ckpt_node_kind_t kind) {
   ckpt_node_t *dir = ck->dir;
   const char *p = path;
+  struct timespec when = {.tv_sec = ck->meta->created_at};
   for (;;) {
     const char *slash = strchr(p, '/');
     size_t len = slash ? (size_t)(slash - p) : strlen(p);
@@ -340,13 +395,19 @@ static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     if (!slash) {
       if (child)
         return NULL; /* two items at one path */
-      return ckpt__node_new(fs, dir, name, kind, S_IFREG | 0444, ck);
+      child = ckpt__node_new(fs, dir, name, kind, S_IFREG | 0444, ck);
+      if (child)
+        apply_entry(ck->meta, child, path, strlen(path), when);
+      return child;
     }
     if (child && child->kind != CKPT_NODE_CDIR)
       return NULL; /* a file where a directory is needed */
-    if (!child)
+    if (!child) {
       child = ckpt__node_new(fs, dir, name, CKPT_NODE_CDIR, S_IFDIR | 0555,
                              ck);
+      if (child)
+        apply_entry(ck->meta, child, path, (size_t)(slash - path), when);
+    }
     if (!child)
       return NULL;
     dir = child;
@@ -376,6 +437,9 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   }
   ck->meta = meta;
   struct timespec when = {.tv_sec = meta->created_at};
+  ck->dir->mode = S_IFDIR | 0555;
+  apply_entry(meta, ck->dir, "", 0, when);
+  shared_modes(ck, meta);
   for (uint32_t i = 0; i < meta->n_tensors + meta->n_blobs; i++) {
     bool tensor = i < meta->n_tensors;
     const char *path = tensor ? meta->tensors[i].path
@@ -391,14 +455,13 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       n->u.tensor = i;
     else
       n->u.blob = i - meta->n_tensors;
-    n->mtime = n->ctime = when;
   }
   ckpt_node_t *md = ckpt__node_new(fs, ck->dir, CKPT_METADATA_FILE,
                                    CKPT_NODE_METADATA, S_IFREG | 0444, ck);
-  if (md)
-    md->mtime = md->ctime = when;
-  ck->dir->mode = S_IFDIR | 0555;
-  ck->dir->mtime = ck->dir->ctime = when;
+  if (md) {
+    ckpt__committed_shared(ck, md);
+    md->mtime = md->ctime = md->atime = when;
+  }
   ck->state = CKPT_COMMITTED;
   if (ckpt__views_attach(fs, ck) < 0) /* the checkpoint is whole without */
     ckpt__log("%s: no .npy and .safetensors views (out of memory)", ck->name);

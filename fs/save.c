@@ -45,6 +45,9 @@ typedef struct ckpt_save {
   uint32_t nfiles;
   ckpt_node_t **files;   /* the frozen staged files, referenced */
   char **paths;          /* their paths in the checkpoint */
+  ckpt_entry_attr_t *attrs; /* modes, owners, times of the staged files and
+                              directories (the checkpoint's own: "") */
+  uint32_t n_attrs, cap_attrs;
   uint64_t *checksums;   /* XXH3-64 of each file */
   ckpt_global_plan_t gp; /* coordinator: the global plan */
   bool have_gp;
@@ -67,6 +70,9 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
     free(s->paths[i]);
   free(s->paths);
   free(s->files);
+  for (uint32_t i = 0; i < s->n_attrs; i++)
+    free(s->attrs[i].path);
+  free(s->attrs);
   free(s->checksums);
   free(s->stream_used);
   if (s->have_gp)
@@ -78,11 +84,39 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
   free(s);
 }
 
-/* Collect the staged files below dir (depth first). fs->lock held. */
+/* Remember what n is (its path: path, owned by the save from now). */
+static int keep_attr(ckpt_save_t *s, const ckpt_node_t *n, char *path) {
+  if (!path)
+    return -ENOMEM;
+  if (s->n_attrs == s->cap_attrs) {
+    uint32_t cap = s->cap_attrs ? 2 * s->cap_attrs : 64;
+    ckpt_entry_attr_t *a = realloc(s->attrs, cap * sizeof(*a));
+    if (!a) {
+      free(path);
+      return -ENOMEM;
+    }
+    s->attrs = a;
+    s->cap_attrs = cap;
+  }
+  s->attrs[s->n_attrs++] = (ckpt_entry_attr_t){
+      path, (uint32_t)n->mode, (uint32_t)n->uid, (uint32_t)n->gid,
+      (int64_t)n->mtime.tv_sec * 1000000000 + n->mtime.tv_nsec};
+  return 0;
+}
+
+/* Collect the staged files below dir (depth first), and what every file
+ * and directory is. fs->lock held. */
 static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
+  if (dir->kind == CKPT_NODE_CKPT) {
+    int rc = keep_attr(s, dir, strdup(""));
+    if (rc)
+      return rc;
+  }
   for (ckpt_node_t *c = dir->children; c; c = c->next) {
     if (c->kind == CKPT_NODE_SDIR) {
-      int rc = collect_files(s, c, cap);
+      int rc = keep_attr(s, c, ckpt__node_path(c));
+      if (rc == 0)
+        rc = collect_files(s, c, cap);
       if (rc)
         return rc;
       continue;
@@ -104,6 +138,11 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
     s->paths[s->nfiles] = ckpt__node_path(c);
     if (!s->paths[s->nfiles])
       return -ENOMEM;
+    int rc = keep_attr(s, c, strdup(s->paths[s->nfiles]));
+    if (rc) {
+      free(s->paths[s->nfiles]);
+      return rc;
+    }
     ckpt__node_ref(c);
     s->files[s->nfiles++] = c;
   }
@@ -162,6 +201,9 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
       free(s->paths[i]);
     free(s->paths);
     free(s->files);
+    for (uint32_t i = 0; i < s->n_attrs; i++)
+      free(s->attrs[i].path);
+    free(s->attrs);
     free(s);
     return rc;
   }
@@ -298,6 +340,12 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
   for (uint32_t k = 0; rc == 0 && k < nstreams; k++)
     if (s->stream_used[k])
       rc = ckpt_local_plan_reserve(&lp, k, s->stream_used[k]);
+  /* What the staged files and directories are: the commit keeps it. */
+  for (uint32_t i = 0; rc == 0 && i < s->n_attrs; i++) {
+    const ckpt_entry_attr_t *a = &s->attrs[i];
+    rc = ckpt_local_plan_add_attr(&lp, a->path, a->mode, a->uid, a->gid,
+                                  a->mtime_ns);
+  }
   if (rc == 0)
     rc = ckpt_msg_encode_local_plan(&lp, out);
   if (rc)

@@ -65,6 +65,7 @@ int ckpt__views_attach(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
                                     S_IFDIR | 0555, ck);
     if (d == NULL)
       return -ENOMEM;
+    ckpt__committed_shared(ck, d);
     d->mtime = d->ctime = when;
   }
   return 0;
@@ -99,6 +100,7 @@ static int npy_add(ckpt_fs_t *fs, ckpt_node_t *root, uint32_t i,
       c = ckpt__node_new(fs, dir, name, CKPT_NODE_VNPY, S_IFREG | 0444, ck);
       if (c == NULL)
         return -ENOMEM;
+      ckpt__committed_shared(ck, c);
       c->u.tensor = i;
       c->mtime = c->ctime = when;
       return 0;
@@ -109,6 +111,7 @@ static int npy_add(ckpt_fs_t *fs, ckpt_node_t *root, uint32_t i,
       c = ckpt__node_new(fs, dir, name, CKPT_NODE_VDIR, S_IFDIR | 0555, ck);
       if (c == NULL)
         return -ENOMEM;
+      ckpt__committed_shared(ck, c);
       c->mtime = c->ctime = when;
     }
     dir = c;
@@ -181,6 +184,7 @@ static int st_add(ckpt_fs_t *fs, ckpt_node_t *root, struct timespec when) {
         ckpt__node_new(fs, root, name, CKPT_NODE_VST, S_IFREG | 0444, ck);
     if (c == NULL)
       return -ENOMEM;
+    ckpt__committed_shared(ck, c);
     c->u.shard = k;
     c->mtime = c->ctime = when;
   }
@@ -190,6 +194,7 @@ static int st_add(ckpt_fs_t *fs, ckpt_node_t *root, struct timespec when) {
                        ck);
     if (c == NULL)
       return -ENOMEM;
+    ckpt__committed_shared(ck, c);
     c->mtime = c->ctime = when;
   }
   return 0;

@@ -157,6 +157,17 @@ static inline const int64_t *ckpt_item_sizes(const ckpt_write_item_t *it) {
   return it->ndim > 0 ? it->dims + 2 * it->ndim : it->dims;
 }
 
+/* The owner, permissions and time of one staged file or directory of a
+ * checkpoint: committed, it keeps them (read-only). path is relative to
+ * the checkpoint ("" is the checkpoint directory itself). */
+typedef struct {
+  char *path;       /* owned */
+  uint32_t mode;    /* S_IFREG or S_IFDIR | permission bits (07777) */
+  uint32_t uid;
+  uint32_t gid;
+  int64_t mtime_ns; /* since the epoch */
+} ckpt_entry_attr_t;
+
 /* The local plan of one rank: every staged item, plus the problems the
  * rank found while building it (e.g. a missing required xattr). */
 typedef struct {
@@ -171,6 +182,9 @@ typedef struct {
    * K >= n_reserved have nothing reserved. */
   uint32_t n_reserved;
   uint64_t *reserved;       /* owned, n_reserved entries */
+  uint32_t n_attrs;         /* its staged files' and directories' */
+  uint32_t cap_attrs;
+  ckpt_entry_attr_t *attrs; /* owned */
 } ckpt_local_plan_t;
 
 void ckpt_local_plan_init(ckpt_local_plan_t *lp, int32_t rank);
@@ -196,6 +210,12 @@ int ckpt_local_plan_pin(ckpt_local_plan_t *lp, uint32_t index, uint32_t file,
  * -EINVAL for file == CKPT_NO_PIN, -ENOMEM. */
 int ckpt_local_plan_reserve(ckpt_local_plan_t *lp, uint32_t file,
                             uint64_t bytes);
+/* Record the attributes of a staged file or directory (path is copied).
+ * -EINVAL for a path over 4095 bytes or a mode that is neither a regular
+ * file nor a directory; -ENOMEM. */
+int ckpt_local_plan_add_attr(ckpt_local_plan_t *lp, const char *path,
+                             uint32_t mode, uint32_t uid, uint32_t gid,
+                             int64_t mtime_ns);
 /* Record a problem found locally (appended to lp->errors). */
 int ckpt_local_plan_add_error(ckpt_local_plan_t *lp, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -270,7 +290,21 @@ typedef struct {
                                   sorted by offsets (row-major order) */
   uint32_t n_blobs;
   ckpt_blob_meta_t *blobs;     /* owned, sorted by fqn */
+  uint32_t n_entries;
+  ckpt_entry_attr_t *entries;  /* owned, sorted by path (strcmp), unique:
+                                  what the staged files and directories
+                                  were (empty for a checkpoint saved
+                                  before this was kept) */
 } ckpt_metadata_t;
+
+/* The entry of path in m->entries, or NULL. */
+const ckpt_entry_attr_t *ckpt_metadata_entry(const ckpt_metadata_t *m,
+                                             const char *path);
+/* Sort entries by path and merge duplicates (the same path staged on
+ * several ranks): the permission bits all of them allow, the owner of the
+ * first, the latest time. Entries whose types differ keep the first.
+ * Frees what it merges away. */
+void ckpt_entries_merge(ckpt_entry_attr_t *e, uint32_t *n);
 
 void ckpt_metadata_free(ckpt_metadata_t *m);
 

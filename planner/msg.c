@@ -7,7 +7,8 @@
  * and that many bytes, none of them NUL. Each message starts with a 4-byte
  * magic and a u32 version (CKPT_MSG_VERSION), and must end exactly where its
  * last field does. Version 2 added the write-behind fields of the local
- * plan (reservations, pins); version 1 messages are rejected.
+ * plan (reservations, pins), version 3 the staged entries' attributes;
+ * other versions are rejected.
  *
  *   local plan   "CKLP" version  i32 rank  u8 has_errors [str errors]
  *                u32 n_reserved  u64 reserved[n_reserved]
@@ -17,6 +18,8 @@
  *                  u64 length  u64 checksum  u32 local_id
  *                  u32 pin_file  [u64 pin_offset unless CKPT_NO_PIN]
  *                  str path
+ *                u32 n_attrs, then per staged file or directory:
+ *                  str path  u32 mode  u32 uid  u32 gid  i64 mtime_ns
  *                (the FQN is derived from the path on decoding; pins and
  *                reservations are validated by the global plan, not here)
  *   rank plan    "CKRP" version  i32 rank  u32 n_files  u64 file_bytes[n_files]
@@ -37,7 +40,7 @@
 
 #include "planner_int.h"
 
-#define CKPT_MSG_VERSION 2u
+#define CKPT_MSG_VERSION 3u
 
 static const char magic_local_plan[4] = {'C', 'K', 'L', 'P'};
 static const char magic_rank_plan[4] = {'C', 'K', 'R', 'P'};
@@ -212,6 +215,15 @@ int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
       put_u64(&w, it->pin_offset);
     put_str(&w, it->path);
   }
+  put_u32(&w, lp->n_attrs);
+  for (uint32_t i = 0; i < lp->n_attrs; i++) {
+    const ckpt_entry_attr_t *a = &lp->attrs[i];
+    put_str(&w, a->path);
+    put_u32(&w, a->mode);
+    put_u32(&w, a->uid);
+    put_u32(&w, a->gid);
+    put_i64(&w, a->mtime_ns);
+  }
   return finish(&w, start);
 }
 
@@ -270,6 +282,24 @@ int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
     fail(&r);
   for (uint32_t i = 0; i < n_items && r.rc == 0; i++)
     get_item(&r, lp);
+  uint32_t n_attrs = get_u32(&r);
+  if (n_attrs > r.left / 24) /* path length, mode, uid, gid, mtime */
+    fail(&r);
+  for (uint32_t i = 0; i < n_attrs && r.rc == 0; i++) {
+    size_t len;
+    const char *path = get_str(&r, &len);
+    uint32_t mode = get_u32(&r), uid = get_u32(&r), gid = get_u32(&r);
+    int64_t mtime = get_i64(&r);
+    if (r.rc < 0)
+      break;
+    char *copy = len <= 4095 ? strndup(path, len) : NULL;
+    if (!copy) {
+      r.rc = len <= 4095 ? -ENOMEM : -EINVAL;
+      break;
+    }
+    r.rc = ckpt_local_plan_add_attr(lp, copy, mode, uid, gid, mtime);
+    free(copy);
+  }
   int rc = get_end(&r);
   if (rc < 0)
     ckpt_local_plan_free(lp);

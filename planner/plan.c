@@ -69,7 +69,66 @@ void ckpt_metadata_free(ckpt_metadata_t *m) {
     free(m->blobs[i].path);
   }
   free(m->blobs);
+  for (uint32_t i = 0; i < m->n_entries; i++)
+    free(m->entries[i].path);
+  free(m->entries);
   memset(m, 0, sizeof(*m));
+}
+
+static int entry_cmp(const void *a, const void *b) {
+  const ckpt_entry_attr_t *x = a, *y = b;
+  return strcmp(x->path, y->path);
+}
+
+const ckpt_entry_attr_t *ckpt_metadata_entry(const ckpt_metadata_t *m,
+                                             const char *path) {
+  if (!m || m->n_entries == 0)
+    return NULL;
+  ckpt_entry_attr_t key = {.path = (char *)path};
+  return bsearch(&key, m->entries, m->n_entries, sizeof(key), entry_cmp);
+}
+
+/* qsort with ties kept in their order: sort (entry, position) pairs. */
+typedef struct {
+  ckpt_entry_attr_t e;
+  uint32_t pos;
+} entry_pos_t;
+
+static int entry_pos_cmp(const void *a, const void *b) {
+  const entry_pos_t *x = a, *y = b;
+  int c = strcmp(x->e.path, y->e.path);
+  return c ? c : x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+void ckpt_entries_merge(ckpt_entry_attr_t *e, uint32_t *n) {
+  if (*n < 2)
+    return;
+  entry_pos_t *t = malloc(*n * sizeof(*t));
+  if (t) {
+    for (uint32_t i = 0; i < *n; i++)
+      t[i] = (entry_pos_t){e[i], i};
+    qsort(t, *n, sizeof(*t), entry_pos_cmp);
+    for (uint32_t i = 0; i < *n; i++)
+      e[i] = t[i].e;
+    free(t);
+  } else {
+    qsort(e, *n, sizeof(*e), entry_cmp); /* the owner then of any of them */
+  }
+  uint32_t out = 0;
+  for (uint32_t i = 0; i < *n; i++) {
+    if (out > 0 && strcmp(e[out - 1].path, e[i].path) == 0) {
+      ckpt_entry_attr_t *k = &e[out - 1];
+      if ((k->mode & 0170000) == (e[i].mode & 0170000)) {
+        k->mode &= (e[i].mode | 0170000);
+        if (e[i].mtime_ns > k->mtime_ns)
+          k->mtime_ns = e[i].mtime_ns;
+      }
+      free(e[i].path);
+      continue;
+    }
+    e[out++] = e[i];
+  }
+  *n = out;
 }
 
 void ckpt_rank_plan_free(ckpt_rank_plan_t *rp) {
@@ -98,7 +157,34 @@ void ckpt_local_plan_free(ckpt_local_plan_t *lp) {
   free(lp->items);
   free(lp->errors);
   free(lp->reserved);
+  for (uint32_t i = 0; i < lp->n_attrs; i++)
+    free(lp->attrs[i].path);
+  free(lp->attrs);
   ckpt_local_plan_init(lp, lp->rank);
+}
+
+int ckpt_local_plan_add_attr(ckpt_local_plan_t *lp, const char *path,
+                             uint32_t mode, uint32_t uid, uint32_t gid,
+                             int64_t mtime_ns) {
+  assert(lp != NULL && path != NULL);
+  uint32_t type = mode & 0170000;
+  if (strlen(path) > 4095 || (type != 0100000 && type != 0040000) ||
+      (mode & ~(0170000u | 07777u)))
+    return -EINVAL;
+  if (lp->n_attrs == lp->cap_attrs) {
+    uint32_t cap = lp->cap_attrs ? 2 * lp->cap_attrs : 16;
+    ckpt_entry_attr_t *a = realloc(lp->attrs, cap * sizeof(*a));
+    if (!a)
+      return -ENOMEM;
+    lp->attrs = a;
+    lp->cap_attrs = cap;
+  }
+  char *copy = strdup(path);
+  if (!copy)
+    return -ENOMEM;
+  lp->attrs[lp->n_attrs++] = (ckpt_entry_attr_t){copy, mode, uid, gid,
+                                                 mtime_ns};
+  return 0;
 }
 
 int ckpt_local_plan_pin(ckpt_local_plan_t *lp, uint32_t index, uint32_t file,
@@ -1632,6 +1718,31 @@ static int finish_report(report_t *r, char **out) {
   return rc;
 }
 
+/* The staged files' and directories' attributes of every rank, merged
+ * (ckpt_entries_merge: rank order decides the owner). */
+static int build_entries(const ckpt_local_plan_t *locals, int32_t n,
+                         ckpt_metadata_t *m) {
+  uint64_t total = 0;
+  for (int32_t r = 0; r < n; r++)
+    total += locals[r].n_attrs;
+  if (total == 0)
+    return 0;
+  if (total > UINT32_MAX)
+    return -EINVAL;
+  m->entries = calloc((size_t)total, sizeof(*m->entries));
+  if (!m->entries)
+    return -ENOMEM;
+  for (int32_t r = 0; r < n; r++)
+    for (uint32_t i = 0; i < locals[r].n_attrs; i++) {
+      ckpt_entry_attr_t a = locals[r].attrs[i];
+      if (!(a.path = strdup(a.path)))
+        return -ENOMEM; /* the entries so far are freed with m */
+      m->entries[m->n_entries++] = a;
+    }
+  ckpt_entries_merge(m->entries, &m->n_entries);
+  return 0;
+}
+
 int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
                      const ckpt_plan_opts_t *opts, ckpt_global_plan_t *out) {
   assert(out != NULL);
@@ -1672,7 +1783,8 @@ int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
   if (p.keeper == NULL || p.set_file == NULL || p.set_off == NULL)
     goto out;
   if ((rc = dedup(&p)) < 0 || (rc = assign_files(&p, out->ranks)) < 0 ||
-      (rc = build_meta(&p, &out->meta)) < 0)
+      (rc = build_meta(&p, &out->meta)) < 0 ||
+      (rc = build_entries(locals, n, &out->meta)) < 0)
     goto out;
 out:
   plan_free(&p);

@@ -2033,6 +2033,67 @@ static void patch(ckpt_buf_t *msg, size_t off, uint64_t v, size_t size) {
     msg->data[off + i] = (uint8_t)(v >> (8 * i));
 }
 
+/* Staged entries' attributes: carried by the local plan, merged by the
+ * global plan (permissions every rank allows, the lowest rank's owner,
+ * the latest time), refused when neither a file nor a directory. */
+static void test_entry_attrs(void **state) {
+  (void)state;
+  ckpt_local_plan_t lp[2], back;
+  ckpt_buf_t msg;
+  ckpt_buf_init(&msg);
+  for (int r = 0; r < 2; r++) {
+    ckpt_local_plan_init(&lp[r], r);
+    assert_int_equal(ckpt_local_plan_add_tensor(&lp[r], "m/w",
+                                                CKPT_DTYPE_FLOAT32, 1, DIMS(4),
+                                                r ? DIMS(2) : DIMS(0),
+                                                DIMS(2), 8, 1, 0),
+                     0);
+    assert_int_equal(ckpt_local_plan_add_attr(&lp[r], "", 040750, 10 + r,
+                                              20 + r, 100 + r), 0);
+    assert_int_equal(ckpt_local_plan_add_attr(&lp[r], "m", 040700 | (r ? 0 : 055),
+                                              10 + r, 20 + r, 7), 0);
+    assert_int_equal(ckpt_local_plan_add_attr(&lp[r], "m/w",
+                                              r ? 0100640 : 0100604, 10 + r,
+                                              20 + r, r ? 5 : 9), 0);
+  }
+  assert_int_equal(ckpt_local_plan_add_attr(&lp[0], "x", 0120777, 0, 0, 0),
+                   -EINVAL); /* a symlink */
+  assert_int_equal(ckpt_local_plan_add_attr(&lp[0], "x", 0104755, 0, 0, 0),
+                   0); /* setuid bits are kept here, dropped at commit */
+  lp[0].n_attrs--; /* not part of the rest */
+  free(lp[0].attrs[lp[0].n_attrs].path);
+  assert_int_equal(ckpt_msg_encode_local_plan(&lp[1], &msg), 0);
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back), 0);
+  assert_int_equal(back.n_attrs, 3);
+  assert_string_equal(back.attrs[2].path, "m/w");
+  assert_int_equal(back.attrs[2].mode, 0100640);
+  assert_int_equal(back.attrs[2].uid, 11);
+  assert_int_equal(back.attrs[2].gid, 21);
+  assert_int_equal(back.attrs[2].mtime_ns, 5);
+  ckpt_local_plan_free(&back);
+
+  ckpt_global_plan_t gp;
+  ckpt_plan_opts_t opts = {.io_threads = 1};
+  assert_int_equal(ckpt_plan_global(lp, 2, &opts, &gp), 0);
+  assert_null(gp.errors);
+  assert_int_equal(gp.meta.n_entries, 3);
+  const ckpt_entry_attr_t *e = ckpt_metadata_entry(&gp.meta, "m/w");
+  assert_non_null(e);
+  assert_int_equal(e->mode, 0100600); /* 0604 & 0640 */
+  assert_int_equal(e->uid, 10);       /* rank 0's */
+  assert_int_equal(e->mtime_ns, 9);   /* the latest */
+  e = ckpt_metadata_entry(&gp.meta, "m");
+  assert_int_equal(e->mode, 040700);
+  e = ckpt_metadata_entry(&gp.meta, "");
+  assert_int_equal(e->mode, 040750);
+  assert_int_equal(e->mtime_ns, 101);
+  assert_null(ckpt_metadata_entry(&gp.meta, "nothing"));
+  ckpt_global_plan_free(&gp);
+  for (int r = 0; r < 2; r++)
+    ckpt_local_plan_free(&lp[r]);
+  ckpt_buf_free(&msg);
+}
+
 static void test_msg_local_plan_invalid(void **state) {
   (void)state;
   ckpt_local_plan_t lp, back;
@@ -2045,15 +2106,16 @@ static void test_msg_local_plan_invalid(void **state) {
   assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
   /* layout: magic 0, version 4, rank 8, has_errors 12, n_reserved 13,
    * n_items 17, kind 21, dtype 22, ndim 23, dims 24.., length 48,
-   * checksum 56, id 64, pin_file 68, path 72 */
-  assert_int_equal(msg.len, 72 + 4 + 1);
+   * checksum 56, id 64, pin_file 68, path 72, n_attrs 77 */
+  assert_int_equal(msg.len, 72 + 4 + 1 + 4);
   static const struct {
     size_t off, size;
     uint64_t v;
   } bad[] = {
       {0, 1, 'X'},           /* magic */
       {4, 4, 1},             /* version 1 (no write-behind fields) */
-      {4, 4, 3},             /* a future version */
+      {4, 4, 2},             /* version 2 (no entry attributes) */
+      {4, 4, 4},             /* a future version */
       {8, 4, UINT32_MAX},    /* negative rank */
       {12, 1, 2},            /* has_errors not 0/1 */
       {13, 4, 1},            /* reservations beyond the message */
@@ -2069,6 +2131,8 @@ static void test_msg_local_plan_invalid(void **state) {
       {68, 4, 0},            /* pinned: offset, then path beyond the end */
       {72, 4, 2},            /* path beyond the message */
       {76, 1, 0},            /* NUL in the path */
+      {77, 4, 1},            /* an attribute beyond the message */
+      {77, 4, UINT32_MAX},   /* absurd count */
   };
   for (size_t i = 0; i < N_OF(bad); i++) {
     ckpt_buf_t copy;
@@ -2243,6 +2307,7 @@ int main(void) {
       cmocka_unit_test(test_plan_pins_dedup),
       cmocka_unit_test(test_plan_pins_invalid),
       cmocka_unit_test(test_msg_local_plan),
+      cmocka_unit_test(test_entry_attrs),
       cmocka_unit_test(test_msg_local_plan_invalid),
       cmocka_unit_test(test_msg_rank_plan),
       cmocka_unit_test(test_msg_write_result),

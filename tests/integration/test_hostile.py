@@ -802,6 +802,60 @@ class Access(HostileCase):
         self.assertEqual(os.listdir(self.mnt), ["good"])
         self.alive("allow_other")
 
+    def test_commit_keeps_modes_and_owners(self):
+        """A file staged 0600 in a 0700 directory stays unreadable by other
+        users once committed (0400 in 0500, still the owner's), also after
+        a remount, through .metadata and the views too; a 0644 one stays
+        readable (0444). Committed files keep their staged times. Modes are
+        kept without default_permissions as well (issue 13)."""
+        self.assertEqual(self.m.stop(), 0)
+        self.m = self.mount("allow_other,default_permissions")
+        priv, pub = self.ck("priv"), self.ck("pub")
+        os.mkdir(priv, 0o700)
+        os.chmod(priv, 0o700)
+        secret = os.path.join(priv, "secret")
+        write_file(secret, b"secret")
+        os.chmod(secret, 0o600)
+        os.chown(secret, 12345, 23456)
+        past = 1_500_000_000 * 10**9
+        os.utime(secret, ns=(past, past))
+        os.mkdir(pub, 0o755)
+        os.chmod(pub, 0o755)
+        write_file(os.path.join(pub, "open"), b"open")
+        os.chmod(os.path.join(pub, "open"), 0o644)
+        before = self.as_other([["read", secret], ["listdir", priv]])
+        self.assertEqual(before, ["EACCES", "EACCES"])
+        commit(priv)
+        commit(pub)
+
+        def check(default_permissions):
+            st = os.stat(secret)
+            self.assertEqual((oct(st.st_mode), st.st_uid, st.st_gid),
+                             (oct(0o100400), 12345, 23456))
+            self.assertEqual(st.st_mtime_ns, past)
+            self.assertEqual(oct(os.stat(priv).st_mode), oct(0o40500))
+            self.assertEqual(oct(os.stat(os.path.join(pub, "open")).st_mode), oct(0o100444))
+            self.assertEqual(oct(os.stat(pub).st_mode), oct(0o40555))
+            md = os.stat(os.path.join(priv, ".metadata"))
+            self.assertEqual(md.st_mode & 0o077, 0, oct(md.st_mode))
+            if not default_permissions:
+                return
+            got = self.as_other([["read", secret], ["listdir", priv],
+                                 ["read", os.path.join(priv, ".metadata")],
+                                 ["read", os.path.join(priv, ".npy", "secret.npy")],
+                                 ["read", os.path.join(pub, "open")]])
+            self.assertEqual(got, ["EACCES"] * 4 + [b"open".hex()])
+
+        check(True)
+        self.assertEqual(read_all(secret), b"secret")  # root still reads it
+        self.assertEqual(self.m.stop(), 0)
+        self.m = self.mount("allow_other,default_permissions")
+        check(True)
+        self.assertEqual(self.m.stop(), 0)
+        self.m = self.mount("allow_other")
+        check(False)
+        self.alive("modes kept")
+
     def test_backing_modes(self):
         # even with umask 0 nothing in BACKING_DIR is readable by group or others
         self.assertEqual(self.m.stop(), 0)
