@@ -235,6 +235,9 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
 int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out);
 /* Validate and set one user.ckpt.* xattr (EINVAL on bad values, checked
  * against the other xattrs already set); -ENOTSUP for other names. */
+/* Zero bytes [off, off+len) of the file (not past its end): whole
+ * segments become holes again. 0 or -errno. */
+int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags);
 /* Copy the value into buf (size 0: only the length). -ENODATA if unset. */

@@ -1412,6 +1412,44 @@ static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
   free(path);
 }
 
+/* fallocate(2) of a staged file: allocation is a no-op here (RAM and the
+ * spill file are used as bytes are written), but its effects on the
+ * bytes are kept: mode 0 and ZERO_RANGE extend the file unless
+ * KEEP_SIZE, PUNCH_HOLE and ZERO_RANGE make the range read as zeros. */
+static void fs_fallocate(fuse_req_t req, fuse_ino_t ino, int mode,
+                         off_t offset, off_t length,
+                         struct fuse_file_info *fi) {
+  (void)ino;
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_node_t *n = handle_of(fi)->node;
+  int rc = 0;
+  const int known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE |
+                    FALLOC_FL_ZERO_RANGE;
+  if (n->kind != CKPT_NODE_SFILE)
+    rc = is_committed_kind(n->kind) ? -EROFS : -EBADF;
+  else if (mode & ~known)
+    rc = -EOPNOTSUPP; /* COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE */
+  else if ((mode & FALLOC_FL_PUNCH_HOLE) &&
+           (!(mode & FALLOC_FL_KEEP_SIZE) || (mode & FALLOC_FL_ZERO_RANGE)))
+    rc = -EINVAL; /* as the kernel requires */
+  else if (offset < 0 || length <= 0)
+    rc = -EINVAL;
+  else if ((uint64_t)offset + (uint64_t)length > ((uint64_t)1 << 40))
+    rc = -EFBIG;
+  if (rc == 0 && (rc = staged_change_begin(fs, n->ck)) == 0) {
+    uint64_t end = (uint64_t)offset + (uint64_t)length;
+    if (mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE))
+      rc = ckpt__sfile_zero(n->u.sf, (uint64_t)offset, (uint64_t)length);
+    if (rc == 0 && !(mode & FALLOC_FL_KEEP_SIZE) &&
+        end > ckpt__sfile_size(n->u.sf))
+      rc = ckpt__sfile_truncate(n->u.sf, end);
+    if (rc == 0)
+      touch_data(fs, n);
+    staged_change_end(n->ck);
+  }
+  fuse_reply_err(req, -rc);
+}
+
 static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         const char *value, size_t size, int flags) {
   if (!may_change(req)) {
@@ -1591,6 +1629,7 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .release = fs_release,
     .read = fs_read,
     .write = fs_write,
+    .fallocate = fs_fallocate,
     .opendir = fs_opendir,
     .readdir = fs_readdir,
     .releasedir = fs_release,

@@ -586,6 +586,39 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
   return rc;
 }
 
+int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len) {
+  pthread_mutex_lock(&sf->lock);
+  int rc = 0;
+  uint64_t end = off + len < sf->size ? off + len : sf->size;
+  if (off >= end)
+    goto out;
+  if (sf->stream >= 0 && (rc = unstream(sf)) != 0)
+    goto out;
+  for (uint64_t pos = off; pos < end && rc == 0;) {
+    uint32_t i = (uint32_t)(pos >> CKPT_SEG_SHIFT);
+    uint64_t in = pos & (CKPT_SEG_SIZE - 1);
+    uint64_t n = end - pos < CKPT_SEG_SIZE - in ? end - pos : CKPT_SEG_SIZE - in;
+    uint64_t have = seg_have(sf, i);
+    if (in == 0 && n == CKPT_SEG_SIZE && i < sf->nsegs) {
+      drop_segment(sf, i); /* a whole segment: a hole again */
+    } else if (in < have) {
+      uint64_t m = have - in < n ? have - in : n;
+      if (sf->segs[i].mem)
+        memset(sf->segs[i].mem + in, 0, (size_t)m);
+      else if (fallocate(sf->budget->spill_fd,
+                         FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                         sf->segs[i].spill + (off_t)in, (off_t)m))
+        rc = -errno;
+    }
+    pos += n;
+  }
+  if (off < sf->hashed)
+    sf->hash_broken = true;
+out:
+  pthread_mutex_unlock(&sf->lock);
+  return rc;
+}
+
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
   pthread_mutex_lock(&sf->lock);
   uint64_t s = sf->size;

@@ -571,6 +571,50 @@ class Options(CkptfsTestCase):
         self.assertRegex(log, r"unmounted with checkpoint bad staged but not committed "
                               r"\(its last commit failed\)")
 
+    def test_fallocate_staged_file(self):
+        """fallocate(2) on a staged file, each mode with its effect on the
+        stored bytes: 0 extends with zeros, KEEP_SIZE changes nothing,
+        PUNCH_HOLE and ZERO_RANGE zero the range (the latter may extend);
+        COLLAPSE_RANGE is refused; the commit stores the result (issue 13)."""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+        def falloc(fd, mode, off, length):
+            if libc.fallocate(fd, mode, off, length) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, os.strerror(e))
+        KEEP, PUNCH, COLLAPSE, ZERO = 0x01, 0x02, 0x08, 0x10
+        self.mount()
+        os.mkdir(self.ck("fa"))
+        path = self.ck("fa", "f")
+        data = bytearray(os.urandom(3 * MiB + 123))
+        write_file(path, bytes(data))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            falloc(fd, 0, 0, 1000)                       # inside: nothing changes
+            falloc(fd, KEEP, len(data), 5 * MiB)         # beyond, size kept
+            self.assertEqual(os.fstat(fd).st_size, len(data))
+            falloc(fd, PUNCH | KEEP, 100, 2 * MiB)       # across segments
+            data[100:100 + 2 * MiB] = bytes(2 * MiB)
+            falloc(fd, ZERO, len(data) - 10, 30)         # zeroes the tail, extends by 20
+            data[len(data) - 10:] = bytes(10)
+            data += bytes(20)
+            falloc(fd, 0, len(data), 4096)               # extends with zeros
+            data += bytes(4096)
+            self.assertEqual(os.fstat(fd).st_size, len(data))
+            with self.assertRaises(OSError) as e:
+                falloc(fd, COLLAPSE, 0, 4096)
+            self.assertEqual(e.exception.errno, errno.EOPNOTSUPP)
+            with self.assertRaises(OSError) as e:
+                falloc(fd, PUNCH, 0, 10)                 # PUNCH needs KEEP_SIZE
+            self.assertEqual(e.exception.errno, errno.EOPNOTSUPP)  # the kernel's check
+        finally:
+            os.close(fd)
+        self.assertEqual(read_all(path), bytes(data))
+        commit(self.ck("fa"))
+        self.assertEqual(read_all(path), bytes(data))
+
     def test_mmap_of_committed_tensor(self):
         """The README's np.memmap(mode="c"): a private mapping of a committed
         tensor reads its bytes with the default direct_reads=1; a shared
