@@ -160,6 +160,61 @@ int ckpt__catalog_scan(int backing_fd, bool full,
   return 0;
 }
 
+int ckpt__catalog_saves(int backing_fd, ckpt_catalog_t *c) {
+  int sfd = openat(backing_fd, CKPT_SAVES_DIR,
+                   O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (sfd < 0)
+    return errno == ENOENT ? 0 : -errno;
+  int lfd = openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d) {
+    int e = errno;
+    if (lfd >= 0)
+      close(lfd);
+    close(sfd);
+    return -e;
+  }
+  int rc = 0;
+  struct dirent *e;
+  while (rc == 0 && (e = readdir(d)) != NULL) {
+    if (!ckpt_save_id_valid(e->d_name))
+      continue;
+    int dfd = openat(sfd, e->d_name,
+                     O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0)
+      continue; /* gone meanwhile, or not a directory */
+    ckpt_cat_entry_t *grown = realloc(c->e, (c->n + 1) * sizeof(*grown));
+    if (!grown) {
+      close(dfd);
+      rc = -ENOMEM;
+      break;
+    }
+    c->e = grown;
+    ckpt_cat_entry_t *en = &c->e[c->n];
+    memset(en, 0, sizeof(*en));
+    if (!(en->name = ckpt__strdup_printf("%s/%s", CKPT_SAVES_DIR,
+                                         e->d_name))) {
+      close(dfd);
+      rc = -ENOMEM;
+      break;
+    }
+    c->n++;
+    en->state = CKPT_CAT_UNFINISHED;
+    struct stat st;
+    if (fstat(dfd, &st) == 0)
+      en->mtime = st.st_mtim;
+    en->disk_bytes = dir_bytes(dfd);
+    if (flock(dfd, LOCK_EX | LOCK_NB))
+      en->held = errno == EWOULDBLOCK;
+    else
+      flock(dfd, LOCK_UN);
+    close(dfd);
+  }
+  closedir(d);
+  close(sfd);
+  return rc;
+}
+
 void ckpt__catalog_free(ckpt_catalog_t *c) {
   for (size_t i = 0; i < c->n; i++) {
     free(c->e[i].name);

@@ -54,6 +54,11 @@ int ckpt__catalog_scan(int backing_fd, bool full,
                        ckpt_catalog_t *out);
 void ckpt__catalog_free(ckpt_catalog_t *c);
 
+/* The saves in flight or interrupted in BACKING_DIR/.saves, appended to
+ * c as UNFINISHED entries named ".saves/SAVE_ID" (held: a save in flight,
+ * that is committing; disk_bytes: what it wrote so far). 0 or -errno. */
+int ckpt__catalog_saves(int backing_fd, ckpt_catalog_t *c);
+
 /* Which committed entries lie beyond the keep newest (created_at, then
  * .metadata's mtime, then name): remove[i] set for those. The entry named
  * keep_name (NULL: none) is always kept and counts as one of the keep.

@@ -174,6 +174,27 @@ class Commands(Base):
         self.assertEqual(r.returncode, 2)
         self.assertIn("expected time, name or size", r.stderr)
 
+    def test_ls_shows_saves_being_committed(self):
+        """A save being written (.saves/ID, held by its writer's flock) is
+        listed as committing with the bytes written so far; an unheld one
+        as unfinished (issue 13)."""
+        self.mount()
+        self.save("done", blobs=[("b", b"x")])
+        live, dead = "a" * 32, "b" * 32
+        for sid, size in ((live, 5000), (dead, 10)):
+            os.makedirs(self.bk(".saves", sid))
+            write_file(self.bk(".saves", sid, "__0_0.distcp"), b"y" * size)
+        fd = os.open(self.bk(".saves", live), os.O_RDONLY | os.O_DIRECTORY)
+        self.addCleanup(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        doc = ctl_json(self, "ls", self.backing)
+        got = {c["name"]: (c["state"], c["disk_bytes"], c["held"]) for c in doc["checkpoints"]}
+        self.assertEqual(got[f".saves/{live}"], ("committing", 5000, True))
+        self.assertEqual(got[f".saves/{dead}"], ("unfinished", 10, False))
+        self.assertEqual(got["done"][0], "committed")
+        text = ctl("ls", self.backing).stdout
+        self.assertRegex(text, rf"\.saves/{live}\s+committing .*a save being written")
+
     def test_ls_text_and_json(self):
         self.mount()
         self.save("a", [("model/w", "float32", [4, 3], 1), ("model/b", "int64", [5], 2)],

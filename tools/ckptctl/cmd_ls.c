@@ -13,10 +13,18 @@
 #include "ckptctl.h"
 #include "json.h"
 
-static const char *state_name(ckpt_cat_state_t s) {
-  return s == CKPT_CAT_COMMITTED    ? "committed"
-         : s == CKPT_CAT_UNFINISHED ? "unfinished"
-                                    : "damaged";
+/* A save in flight in .saves is committing: its name is known only once
+ * it is published. */
+static bool is_save(const ckpt_cat_entry_t *e) {
+  return strncmp(e->name, ".saves/", 7) == 0;
+}
+
+static const char *state_name(const ckpt_cat_entry_t *e) {
+  if (e->state == CKPT_CAT_UNFINISHED && is_save(e) && e->held)
+    return "committing";
+  return e->state == CKPT_CAT_COMMITTED    ? "committed"
+         : e->state == CKPT_CAT_UNFINISHED ? "unfinished"
+                                           : "damaged";
 }
 
 /* One checkpoint as a JSON object: what .metadata says is null unless it
@@ -27,7 +35,7 @@ static void ls_entry_json(json_t *j, const ckpt_cat_entry_t *e) {
   char t[64];
   j_open(j, '{');
   j_key(j, "name"), j_str(j, e->name);
-  j_key(j, "state"), j_str(j, state_name(e->state));
+  j_key(j, "state"), j_str(j, state_name(e));
   j_key(j, "created_at");
   ok ? j_str(j, iso_time(m->created_at, t, sizeof(t))) : j_null(j);
   j_key(j, "created_at_unix");
@@ -86,9 +94,11 @@ static void ls_text(const char *backing, const ckpt_catalog_t *cat) {
              human_bytes(stored_bytes(m), b, sizeof(b)));
     } else {
       printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  %s\n", w, e->name,
-             state_name(e->state), "-", "-", "-", "-",
+             state_name(e), "-", "-", "-", "-",
              human_bytes(e->disk_bytes, b, sizeof(b)),
              e->state == CKPT_CAT_DAMAGED ? e->error
+             : e->held && is_save(e)
+                 ? "(a save being written; named at its commit)"
              : e->held ? "(a save in flight holds it)"
                        : "(interrupted save: the next mount removes it)");
     }
@@ -163,6 +173,8 @@ int cmd_ls(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_catalog_t cat;
   int rc = ckpt__catalog_scan(bfd, true, &cat);
+  if (rc == 0 && (rc = ckpt__catalog_saves(bfd, &cat)) != 0)
+    ckpt__catalog_free(&cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
     return EXIT_NO;
