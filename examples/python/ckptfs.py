@@ -10,7 +10,7 @@ rank mount, with plain file calls and extended attributes only.
 The core is the Python standard library; numpy and torch are imported
 only when a state dict holds their objects (or a load builds them).
 
-Layout of a save (the ckptfs contract, README "Saving a checkpoint"):
+Layout of a save (the ckptfs contract, docs/saving.md):
 
 - Nested dicts become directories: the item at keys ("model",
   "layer0.weight") is the file MOUNT/NAME/model/layer0.weight, FQN

@@ -299,10 +299,10 @@ class Errors(CkptfsTestCase):
                 names.add(name.group(1))
                 self.assertIn("(default: ", e, f"no default for {name.group(1)}: {e}")
         # every -o option of the README's table is there
-        with open(os.path.join(REPO, "README.md")) as f:
+        with open(os.path.join(REPO, "docs", "mounting.md")) as f:
             readme = f.read()
         table = set(re.findall(r"(?m)^\| `(\w+)=[^`]*` \|", readme))
-        self.assertTrue(table, "no option table in README.md")
+        self.assertTrue(table, "no option table in docs/mounting.md")
         self.assertEqual(table - names, set(), "README options missing from --help")
         self.assertIn("fuse.ckptfs", r.stdout)
 
