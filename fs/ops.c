@@ -1412,6 +1412,65 @@ static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
   free(path);
 }
 
+/* A checkpoint is a tree of tensors and bytes items: no symbolic or hard
+ * links, device nodes, FIFOs or sockets. EPERM is what POSIX says for a
+ * filesystem that does not support the kind of node (the kernel's answer
+ * for an operation the daemon lacks, ENOSYS, reads as a bug). */
+static void fs_symlink(fuse_req_t req, const char *link, fuse_ino_t parent,
+                       const char *name) {
+  (void)link, (void)parent, (void)name;
+  fuse_reply_err(req, EPERM);
+}
+
+static void fs_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,
+                    const char *newname) {
+  (void)ino, (void)newparent, (void)newname;
+  fuse_reply_err(req, EPERM);
+}
+
+/* mknod(2) of a regular file makes an empty staged file (as creat would);
+ * other kinds of node are refused. */
+static void fs_mknod(fuse_req_t req, fuse_ino_t parent, const char *name,
+                     mode_t mode, dev_t rdev) {
+  (void)rdev;
+  if (!S_ISREG(mode)) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  if (!may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  ckpt_fs_t *fs = fs_of(req);
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  struct fuse_entry_param e;
+  int rc;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  if (!p) {
+    rc = -ESTALE;
+  } else if ((rc = can_add(fs, p, name)) == 0) {
+    ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging, p->ck->streams);
+    ckpt_node_t *n = sf ? ckpt__node_new(fs, p, name, CKPT_NODE_SFILE,
+                                         S_IFREG | (mode & 07777), p->ck)
+                        : NULL;
+    if (n) {
+      n->u.sf = sf;
+      n->uid = ctx->uid;
+      n->gid = ctx->gid;
+      fill_entry(fs, n, &e); /* as mkdir: nodes live while attached */
+    } else {
+      ckpt__sfile_free(sf);
+      rc = -ENOMEM;
+    }
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    fuse_reply_entry(req, &e);
+}
+
 /* fallocate(2) of a staged file: allocation is a no-op here (RAM and the
  * spill file are used as bytes are written), but its effects on the
  * bytes are kept: mode 0 and ZERO_RANGE extend the file unless
@@ -1630,6 +1689,9 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .read = fs_read,
     .write = fs_write,
     .fallocate = fs_fallocate,
+    .symlink = fs_symlink,
+    .link = fs_link,
+    .mknod = fs_mknod,
     .opendir = fs_opendir,
     .readdir = fs_readdir,
     .releasedir = fs_release,

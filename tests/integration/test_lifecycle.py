@@ -615,6 +615,33 @@ class Options(CkptfsTestCase):
         commit(self.ck("fa"))
         self.assertEqual(read_all(path), bytes(data))
 
+    def test_unsupported_nodes_say_eperm(self):
+        """Links, symlinks, FIFOs, device nodes and sockets: EPERM (not
+        supported by this filesystem), not ENOSYS; mknod of a regular file
+        makes an empty staged file (issue 13)."""
+        import socket
+        import stat as st
+        self.mount()
+        ck = self.ck("n")
+        os.mkdir(ck)
+        write_file(os.path.join(ck, "a"), b"a")
+        for what, call in (("link", lambda: os.link(os.path.join(ck, "a"), os.path.join(ck, "b"))),
+                           ("symlink", lambda: os.symlink("a", os.path.join(ck, "c"))),
+                           ("fifo", lambda: os.mkfifo(os.path.join(ck, "d"))),
+                           ("chardev", lambda: os.mknod(os.path.join(ck, "e"), 0o600 | st.S_IFCHR,
+                                                        os.makedev(1, 3))),
+                           ("socket", lambda: socket.socket(socket.AF_UNIX).bind(os.path.join(ck, "f")))):
+            with self.assertRaises(OSError, msg=what) as e:
+                call()
+            self.assertEqual(e.exception.errno, errno.EPERM, what)
+        os.mknod(os.path.join(ck, "reg"), 0o640 | st.S_IFREG)
+        self.assertEqual(oct(os.stat(os.path.join(ck, "reg")).st_mode), oct(0o100640))
+        with open(os.path.join(ck, "reg"), "ab") as f:
+            f.write(b"r")
+        commit(ck)
+        self.assertEqual(sorted(os.listdir(ck)), [".metadata", "a", "reg"])
+        self.assertEqual(read_all(os.path.join(ck, "reg")), b"r")
+
     def test_mmap_of_committed_tensor(self):
         """The README's np.memmap(mode="c"): a private mapping of a committed
         tensor reads its bytes with the default direct_reads=1; a shared
