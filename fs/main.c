@@ -369,8 +369,11 @@ int main(int argc, char **argv) {
     goto out;
   }
   bool created = false;
-  if (check_mountpoint(mountpoint) || open_backing(&fs, &created) ||
-      ckpt__fs_init(&fs)) {
+  if (check_mountpoint(mountpoint)) {
+    fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
+    goto out;
+  }
+  if (open_backing(&fs, &created) || ckpt__fs_init(&fs)) {
     if (created && fs.backing_path)
       rmdir(fs.backing_path);
     goto out;

@@ -267,9 +267,11 @@ class MountScripts(unittest.TestCase):
                 self.assertEqual(r.returncode, 0, r.stderr)
                 mnts = r.stdout.splitlines()
                 launcher = self.launcher_pid()
+                def environ(pid):
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        return f.read().split(b"\0")
                 victim = [p for p in processes_naming(os.path.realpath(self.root) + "/rank%r")
-                          if p != launcher and b"OMPI_COMM_WORLD_RANK=1" in
-                          open(f"/proc/{p}/environ", "rb").read().split(b"\0")]
+                          if p != launcher and b"OMPI_COMM_WORLD_RANK=1" in environ(p)]
                 self.assertEqual(len(victim), 1, victim)
                 os.kill(victim[0], signal.SIGKILL)
                 deadline = time.monotonic() + 60
