@@ -189,11 +189,29 @@ static bool may_change(fuse_req_t req) {
  * .status
  * ---------------------------------------------------------------------- */
 
+/* Staged files below dir and their bytes. fs->lock held. */
+static void count_staged(const ckpt_node_t *dir, uint64_t *files,
+                         uint64_t *bytes) {
+  for (const ckpt_node_t *c = dir->children; c; c = c->next) {
+    if (c->kind == CKPT_NODE_SDIR) {
+      count_staged(c, files, bytes);
+    } else if (c->kind == CKPT_NODE_SFILE) {
+      (*files)++;
+      *bytes += ckpt__sfile_size(c->u.sf);
+    }
+  }
+}
+
 /* The .status text of ck. fs->lock held. */
 static char *status_text(const ckpt_ckpt_t *ck) {
   switch (ck->state) {
-  case CKPT_STAGING:
-    return strdup("staging\n");
+  case CKPT_STAGING: {
+    uint64_t files = 0, bytes = 0;
+    count_staged(ck->dir, &files, &bytes);
+    return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n",
+                               (unsigned long long)files,
+                               (unsigned long long)bytes);
+  }
   case CKPT_COMMITTING: {
     char left[48] = "";
     if (ck->waiting && ck->waiting_until > 0) {

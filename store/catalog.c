@@ -219,6 +219,8 @@ void ckpt__catalog_free(ckpt_catalog_t *c) {
   for (size_t i = 0; i < c->n; i++) {
     free(c->e[i].name);
     free(c->e[i].error);
+    free(c->e[i].mount);
+    free(c->e[i].mount_state);
     ckpt_metadata_free(&c->e[i].meta);
   }
   free(c->e);

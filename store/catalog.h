@@ -35,6 +35,9 @@ typedef struct {
   ckpt_metadata_t meta;   /* committed: the header (name, save_id,
                              world_size, created_at), or all of it when
                              scanned with full */
+  char *mount;            /* not in BACKING_DIR yet: the local mount that
+                             stages it (ckptctl ls), or NULL; owned */
+  char *mount_state;      /* then the first line of its .status; owned */
 } ckpt_cat_entry_t;
 
 typedef struct {

@@ -195,6 +195,30 @@ class Commands(Base):
         text = ctl("ls", self.backing).stdout
         self.assertRegex(text, rf"\.saves/{live}\s+committing .*a save being written")
 
+    def test_ls_shows_what_local_mounts_stage(self):
+        """Checkpoints staged or failed on a mount of this host over
+        BACKING_DIR are listed with their state, staged bytes and mount
+        (issue 13)."""
+        self.mount()
+        self.save("done", blobs=[("b", b"x")])
+        os.mkdir(self.ck("wip"))
+        write_file(self.ck("wip", "a"), b"a" * 1000)
+        write_file(self.ck("wip", "b"), b"b" * 24)
+        os.mkdir(self.ck("bad"))
+        write_tensor(self.ck("bad", "w"), "float32", [8], b"\0" * 16)  # 16 of 32 bytes
+        with self.assertRaises(OSError):
+            commit(self.ck("bad"))
+        doc = ctl_json(self, "ls", self.backing)
+        got = {c["name"]: c for c in doc["checkpoints"]}
+        self.assertEqual((got["wip"]["state"], got["wip"]["disk_bytes"], got["wip"]["mount"]),
+                         ("staging", 1024, self.mnt))
+        self.assertEqual(got["bad"]["state"], "failed")
+        self.assertIn("expected", got["bad"]["error"])
+        self.assertEqual((got["done"]["state"], got["done"]["mount"]), ("committed", None))
+        self.assertEqual([c["name"] for c in doc["checkpoints"]].count("done"), 1)
+        with open(self.ck("wip", ".status")) as f:
+            self.assertEqual(f.read(), "staging\nfiles 2\nbytes 1024\n")
+
     def test_ls_text_and_json(self):
         self.mount()
         self.save("a", [("model/w", "float32", [4, 3], 1), ("model/b", "int64", [5], 2)],
@@ -217,7 +241,7 @@ class Commands(Base):
         self.assertEqual(sorted(byname), ["a", "b", "bad", "busy", "gone"])
         self.assertEqual([c["name"] for c in doc["checkpoints"]], sorted(byname))
         keys = {"name", "state", "created_at", "created_at_unix", "save_id", "world_size",
-                "tensors", "chunks", "blobs", "bytes", "disk_bytes", "held", "error"}
+                "tensors", "chunks", "blobs", "bytes", "disk_bytes", "held", "error", "mount"}
         for c in doc["checkpoints"]:
             self.assertEqual(set(c), keys, c["name"])
         for name in ("a", "b"):

@@ -227,7 +227,7 @@ class Shell(CkptfsTestCase):
         r = self.sh("mkdir step-1 && mkdir -p step-1/model/l0 && printf 'abc' > step-1/model/l0/b "
                     "&& echo hello > step-1/notes.txt && cat step-1/.status")
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(r.stdout, "staging\n")
+        self.assertEqual(r.stdout, "staging\nfiles 2\nbytes 9\n")
         r = self.sh("echo sync > step-1/.commit && head -1 step-1/.status && cat step-1/notes.txt "
                     "&& ls -a step-1")
         self.assertEqual(r.returncode, 0, r.stderr)

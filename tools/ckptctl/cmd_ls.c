@@ -4,7 +4,10 @@
  * table or one JSON document.
  */
 #include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +23,8 @@ static bool is_save(const ckpt_cat_entry_t *e) {
 }
 
 static const char *state_name(const ckpt_cat_entry_t *e) {
+  if (e->mount_state)
+    return e->mount_state;
   if (e->state == CKPT_CAT_UNFINISHED && is_save(e) && e->held)
     return "committing";
   return e->state == CKPT_CAT_COMMITTED    ? "committed"
@@ -54,6 +59,7 @@ static void ls_entry_json(json_t *j, const ckpt_cat_entry_t *e) {
   j_key(j, "disk_bytes"), j_u64(j, e->disk_bytes);
   j_key(j, "held"), j_bool(j, e->held);
   j_key(j, "error"), j_str(j, e->error);
+  j_key(j, "mount"), j_str(j, e->mount);
   j_close(j, '}');
 }
 
@@ -92,6 +98,11 @@ static void ls_text(const char *backing, const ckpt_catalog_t *cat) {
              "committed", iso_time(m->created_at, t, sizeof(t)),
              m->world_size, m->n_tensors, m->n_blobs,
              human_bytes(stored_bytes(m), b, sizeof(b)));
+    } else if (e->mount) {
+      printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  (on %s%s%s)\n", w,
+             e->name, state_name(e), "-", "-", "-", "-",
+             human_bytes(e->disk_bytes, b, sizeof(b)), e->mount,
+             e->error ? ": " : "", e->error ? e->error : "");
     } else {
       printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  %s\n", w, e->name,
              state_name(e), "-", "-", "-", "-",
@@ -169,11 +180,128 @@ static int by_size(const void *pa, const void *pb) {
   return by_time(pa, pb);
 }
 
+/* One mountinfo field, unescaped (\040 and the like), in place. */
+static char *unescape(char *s) {
+  char *o = s;
+  for (char *p = s; *p; p++) {
+    if (p[0] == '\\' && p[1] >= '0' && p[1] <= '3' && p[2] >= '0' &&
+        p[2] <= '7' && p[3] >= '0' && p[3] <= '7') {
+      *o++ = (char)((p[1] - '0') * 64 + (p[2] - '0') * 8 + (p[3] - '0'));
+      p += 3;
+    } else {
+      *o++ = *p;
+    }
+  }
+  *o = '\0';
+  return s;
+}
+
+static bool committed_in(const ckpt_catalog_t *cat, size_t n, const char *name) {
+  for (size_t i = 0; i < n; i++)
+    if (cat->e[i].state == CKPT_CAT_COMMITTED && !strcmp(cat->e[i].name, name))
+      return true;
+  return false;
+}
+
+/* Add what mount mp stages (or commits) that BACKING_DIR has not yet:
+ * each NAME with its .status state, bytes and (failed) reason. */
+static int add_mount(ckpt_catalog_t *cat, size_t ncommitted, const char *mp) {
+  DIR *d = opendir(mp);
+  if (!d)
+    return 0; /* not ours to read, or gone */
+  int rc = 0;
+  struct dirent *de;
+  while (rc == 0 && (de = readdir(d)) != NULL) {
+    if (de->d_name[0] == '.' || committed_in(cat, ncommitted, de->d_name))
+      continue;
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/%s/.status", mp, de->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+      continue;
+    char line[512], state[32] = "", reason[512] = "";
+    unsigned long long bytes = 0, v;
+    for (int k = 0; fgets(line, sizeof(line), f); k++) {
+      line[strcspn(line, "\n")] = '\0';
+      if (k == 0)
+        snprintf(state, sizeof(state), "%.31s", line);
+      else if (sscanf(line, "bytes %llu", &v) == 1)
+        bytes = v;
+      else if (k == 1 && !strcmp(state, "failed"))
+        snprintf(reason, sizeof(reason), "%.511s", line);
+    }
+    fclose(f);
+    if (strcmp(state, "staging") && strcmp(state, "committing") &&
+        strcmp(state, "failed"))
+      continue;
+    ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
+    if (!g) {
+      rc = -ENOMEM;
+      break;
+    }
+    cat->e = g;
+    ckpt_cat_entry_t *en = &cat->e[cat->n];
+    memset(en, 0, sizeof(*en));
+    en->state = CKPT_CAT_UNFINISHED;
+    en->name = strdup(de->d_name);
+    en->mount = strdup(mp);
+    en->mount_state = strdup(state);
+    en->error = reason[0] ? strdup(reason) : NULL;
+    en->disk_bytes = bytes;
+    cat->n++;
+    if (!en->name || !en->mount || !en->mount_state)
+      rc = -ENOMEM;
+  }
+  closedir(d);
+  return rc;
+}
+
+/* Checkpoints staged or being committed through the ckptfs mounts of
+ * this host over BACKING_DIR (mountinfo: type fuse.ckptfs, source
+ * BACKING_DIR): they are in no file of BACKING_DIR yet. */
+static int add_local_mounts(const char *backing, ckpt_catalog_t *cat) {
+  char *real = realpath(backing, NULL);
+  FILE *f = real ? fopen("/proc/self/mountinfo", "r") : NULL;
+  if (!f) {
+    free(real);
+    return 0;
+  }
+  size_t ncommitted = cat->n;
+  int rc = 0;
+  char *line = NULL;
+  size_t cap = 0;
+  while (rc == 0 && getline(&line, &cap, f) > 0) {
+    /* ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - TYPE SOURCE */
+    char *save = NULL, *mp = NULL, *type = NULL, *source = NULL;
+    bool dash = false;
+    int field = 0;
+    for (char *t = strtok_r(line, " \n", &save); t;
+         t = strtok_r(NULL, " \n", &save), field++) {
+      if (field == 4)
+        mp = t;
+      else if (dash && !type)
+        type = t;
+      else if (dash && !source)
+        source = t;
+      else if (field > 5 && !strcmp(t, "-"))
+        dash = true;
+    }
+    if (mp && type && source && !strcmp(type, "fuse.ckptfs") &&
+        !strcmp(unescape(source), real))
+      rc = add_mount(cat, ncommitted, unescape(mp));
+  }
+  free(line);
+  fclose(f);
+  free(real);
+  return rc;
+}
+
 int cmd_ls(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_catalog_t cat;
   int rc = ckpt__catalog_scan(bfd, true, &cat);
-  if (rc == 0 && (rc = ckpt__catalog_saves(bfd, &cat)) != 0)
+  if (rc == 0 && ((rc = ckpt__catalog_saves(bfd, &cat)) != 0 ||
+                  (rc = add_local_mounts(backing, &cat)) != 0))
     ckpt__catalog_free(&cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
