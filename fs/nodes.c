@@ -98,8 +98,15 @@ static void hash_grow(ckpt_fs_t *fs) {
   fs->hash_size = size;
 }
 
-/* A directory's entries changed: its mtime and ctime move (POSIX). */
+/* A directory's entries changed: its mtime and ctime move (POSIX). Only
+ * where entries change by file calls: the root, and staged directories
+ * (a committed tree is built once, with the times it was staged with). */
 static void dir_changed(ckpt_node_t *d) {
+  bool staged = d->kind == CKPT_NODE_ROOT || d->kind == CKPT_NODE_SDIR ||
+                (d->kind == CKPT_NODE_CKPT && d->ck &&
+                 (d->ck->state == CKPT_STAGING || d->ck->state == CKPT_FAILED));
+  if (!staged)
+    return;
   clock_gettime(CLOCK_REALTIME, &d->mtime);
   d->ctime = d->mtime;
 }
@@ -358,23 +365,32 @@ void ckpt__committed_shared(ckpt_ckpt_t *ck, ckpt_node_t *n) {
   n->gid = ck->dir->gid;
 }
 
-/* The permissions .metadata and the views may give: no more than the
- * checkpoint directory and every staged file allowed (a view holds the
- * bytes of every tensor). */
+/* Which classes of a node owned by uid:gid could reach entry e's bytes:
+ * read a file, or search a directory (list the checkpoint directory), as
+ * 0444 read bits. A class the entry's owner or group is not gets only what
+ * the entry gives others. */
+static mode_t reach(const ckpt_entry_attr_t *e, uid_t uid, gid_t gid,
+                    bool top) {
+  mode_t p = (mode_t)e->mode & 0777;
+  mode_t want = S_ISDIR(e->mode) ? (top ? 0555 : 0111) : 0444;
+  bool other = (p & want & 0007) == (want & 0007);
+  bool group = e->gid == gid ? (p & want & 0070) == (want & 0070) : other;
+  bool user = e->uid == uid ? (p & want & 0700) == (want & 0700) : other;
+  return (mode_t)((user ? 0400 : 0) | (group ? 0040 : 0) | (other ? 0004 : 0));
+}
+
+/* The permissions .metadata and the views (owned by the checkpoint
+ * directory's owner) may give: no class gets more than it could reach in
+ * the staged tree, through every directory and every file (a view holds
+ * the bytes of every tensor). */
 static void shared_modes(ckpt_ckpt_t *ck, const ckpt_metadata_t *meta) {
-  mode_t f = 0444, d = 0555;
-  const ckpt_entry_attr_t *top = ckpt_metadata_entry(meta, "");
-  if (top) {
-    f &= (mode_t)top->mode & 0444;
-    d &= (mode_t)top->mode & 0555;
+  mode_t f = 0444;
+  for (uint32_t i = 0; i < meta->n_entries; i++) {
+    const ckpt_entry_attr_t *e = &meta->entries[i];
+    f &= reach(e, ck->dir->uid, ck->dir->gid, e->path[0] == '\0');
   }
-  for (uint32_t i = 0; i < meta->n_entries; i++)
-    if (S_ISREG(meta->entries[i].mode)) {
-      f &= (mode_t)meta->entries[i].mode & 0444;
-      d &= ((mode_t)meta->entries[i].mode & 0444) | 0111;
-    }
   ck->shared_fmode = f;
-  ck->shared_dmode = d;
+  ck->shared_dmode = f | (f >> 2); /* read and search where read */
 }
 
 static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
@@ -436,6 +452,9 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       ckpt__node_detach(fs, c);
   }
   ck->meta = meta;
+  /* Committed from here on: building its tree leaves the times it was
+   * staged with (dir_changed). */
+  ck->state = CKPT_COMMITTED;
   struct timespec when = {.tv_sec = meta->created_at};
   ck->dir->mode = S_IFDIR | 0555;
   apply_entry(meta, ck->dir, "", 0, when);
@@ -462,7 +481,6 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     ckpt__committed_shared(ck, md);
     md->mtime = md->ctime = md->atime = when;
   }
-  ck->state = CKPT_COMMITTED;
   if (ckpt__views_attach(fs, ck) < 0) /* the checkpoint is whole without */
     ckpt__log("%s: no .npy and .safetensors views (out of memory)", ck->name);
   return 0;

@@ -823,6 +823,14 @@ class Access(HostileCase):
         os.chmod(pub, 0o755)
         write_file(os.path.join(pub, "open"), b"open")
         os.chmod(os.path.join(pub, "open"), 0o644)
+        # a 0644 tensor inside a 0700 directory: its bytes must not leak
+        # through the views either
+        hidden = os.path.join(pub, "hidden")
+        os.mkdir(hidden, 0o700)
+        os.chmod(hidden, 0o700)
+        write_tensor(os.path.join(hidden, "t"), "float32", [4], tensor_bytes("float32", [4], seed=3))
+        os.chmod(os.path.join(hidden, "t"), 0o644)
+        os.utime(hidden, ns=(past, past))
         before = self.as_other([["read", secret], ["listdir", priv]])
         self.assertEqual(before, ["EACCES", "EACCES"])
         commit(priv)
@@ -836,6 +844,10 @@ class Access(HostileCase):
             self.assertEqual(oct(os.stat(priv).st_mode), oct(0o40500))
             self.assertEqual(oct(os.stat(os.path.join(pub, "open")).st_mode), oct(0o100444))
             self.assertEqual(oct(os.stat(pub).st_mode), oct(0o40555))
+            self.assertEqual(oct(os.stat(hidden).st_mode), oct(0o40500))
+            self.assertEqual(os.stat(hidden).st_mtime_ns, past)  # the staged time
+            npy = os.path.join(pub, ".npy", "hidden", "t.npy")
+            self.assertEqual(os.stat(npy).st_mode & 0o077, 0, oct(os.stat(npy).st_mode))
             md = os.stat(os.path.join(priv, ".metadata"))
             self.assertEqual(md.st_mode & 0o077, 0, oct(md.st_mode))
             if not default_permissions:
@@ -843,8 +855,10 @@ class Access(HostileCase):
             got = self.as_other([["read", secret], ["listdir", priv],
                                  ["read", os.path.join(priv, ".metadata")],
                                  ["read", os.path.join(priv, ".npy", "secret.npy")],
+                                 ["read", os.path.join(pub, ".npy", "hidden", "t.npy")],
+                                 ["read", os.path.join(hidden, "t")],
                                  ["read", os.path.join(pub, "open")]])
-            self.assertEqual(got, ["EACCES"] * 4 + [b"open".hex()])
+            self.assertEqual(got, ["EACCES"] * 6 + [b"open".hex()])
 
         check(True)
         self.assertEqual(read_all(secret), b"secret")  # root still reads it
