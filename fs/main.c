@@ -133,23 +133,19 @@ static void start_readahead_tuning(const char *mountpoint, uint64_t bytes) {
 /* ------------------------------------------------------------------------
  * Stopping on a signal. libfuse's handlers end the loop at once: a sync
  * commit's writer then loses its reply or its close(2) (ENOTCONN,
- * ECONNABORTED) although the save goes on. Here a signal only wakes the
- * stopper thread, which stops the saves (the queued ones finish, no new
+ * ECONNABORTED) although the save goes on. Here the stopper thread takes
+ * the signal (sigwait), stops the saves (the queued ones finish, no new
  * one starts) while the loop keeps serving, waits a moment for .commit
- * files to be closed, and only then ends the loop.
+ * files to be closed, and only then ends the loop. A signal that comes
+ * while the daemon starts waits until it serves (then it stops at once).
  * ---------------------------------------------------------------------- */
 
 #define STOP_CLOSE_GRACE 10.0 /* seconds for writers to close .commit */
 
-static int stop_pipe[2] = {-1, -1};
-
-static void on_stop_signal(int sig) {
-  int saved = errno;
-  char c = (char)sig;
-  ssize_t r = write(stop_pipe[1], &c, 1);
-  (void)r;
-  errno = saved;
-}
+/* SIGTERM, SIGINT and SIGHUP are blocked in every thread (from the start
+ * of main, so every thread inherits it): no system call of a save is
+ * interrupted by one, and the stopper takes them with sigwait. */
+static sigset_t stop_set;
 
 static void on_wake_signal(int sig) { (void)sig; } /* interrupts a wait */
 
@@ -170,14 +166,12 @@ static double mono_now(void) {
 static void *stopper_main(void *arg) {
   stopper_t *st = arg;
   ckpt_fs_t *fs = st->fs;
-  char c = 0;
-  ssize_t r;
-  do
-    r = read(stop_pipe[0], &c, 1);
-  while (r < 0 && errno == EINTR);
-  if (r != 1 || c == 0)
-    return NULL; /* the loop ended by itself */
-  ckpt__log("signal %d: stopping once the saves in flight are done", c);
+  int sig = 0;
+  while (sigwait(&stop_set, &sig) != 0)
+    ;
+  if (atomic_load(&st->loop_done))
+    return NULL; /* the loop ended by itself (stopper_join's wake-up) */
+  ckpt__log("signal %d: stopping once the saves in flight are done", sig);
   ckpt_dist_stop(fs->dist);
   double end = mono_now() + STOP_CLOSE_GRACE;
   for (;;) {
@@ -200,26 +194,23 @@ static void *stopper_main(void *arg) {
   return NULL;
 }
 
+/* First thing in main: block the stop signals for every thread to come. */
+static void stop_signals_block(void) {
+  sigemptyset(&stop_set);
+  sigaddset(&stop_set, SIGTERM);
+  sigaddset(&stop_set, SIGINT);
+  sigaddset(&stop_set, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &stop_set, NULL);
+}
+
 static int stop_signals_set(void) {
-  if (pipe2(stop_pipe, O_CLOEXEC))
-    return -1;
   struct sigaction sa = {0};
-  sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
-  if (sigaction(SIGTERM, &sa, NULL) || sigaction(SIGINT, &sa, NULL) ||
-      sigaction(SIGHUP, &sa, NULL))
-    return -1;
   sa.sa_handler = on_wake_signal; /* no SA_RESTART: the wait returns */
   if (sigaction(SIGUSR2, &sa, NULL))
     return -1;
   sa.sa_handler = SIG_IGN;
   return sigaction(SIGPIPE, &sa, NULL);
-}
-
-static void stop_signals_reset(void) {
-  signal(SIGTERM, SIG_DFL);
-  signal(SIGINT, SIG_DFL);
-  signal(SIGHUP, SIG_DFL);
 }
 
 static int stopper_start(stopper_t *st, ckpt_fs_t *fs) {
@@ -237,9 +228,7 @@ static void stopper_join(stopper_t *st) {
   if (!st->running)
     return;
   atomic_store(&st->loop_done, true);
-  char c = 0;
-  ssize_t r = write(stop_pipe[1], &c, 1);
-  (void)r;
+  pthread_kill(st->thread, SIGHUP); /* ends its sigwait if it is there */
   pthread_join(st->thread, NULL);
   st->running = false;
 }
@@ -286,6 +275,7 @@ static int name_mount(struct fuse_args *args, const char *backing) {
 }
 
 int main(int argc, char **argv) {
+  stop_signals_block();
   struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
   ckpt_fs_t fs = {.backing_fd = -1};
   char *err = NULL;
@@ -428,8 +418,7 @@ out:
   if (mounted)
     fuse_session_unmount(se);
   stopper_join(&stopper);
-  if (handlers)
-    stop_signals_reset();
+  (void)handlers;
   if (se)
     fuse_session_destroy(se);
   if (loop)
