@@ -85,7 +85,8 @@ int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
                     double commit_timeout);
 /* Seconds a client rank waits for the coordinator's answer to its plan
  * before giving up: the coordinator waits commit_timeout for every rank,
- * and may first finish the discard of a failed save (commit_timeout). */
+ * may first finish the discard of a failed save (commit_timeout), and
+ * plans (its own checksums, the global plan: the 30 s). */
 double ckpt_dist_client_wait(double commit_timeout);
 /* Queue a save; it runs after every save queued before it. Returns 0, or
  * -ESHUTDOWN once ckpt_dist_stop was called (the job is not queued). */

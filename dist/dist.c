@@ -56,7 +56,7 @@ static void pause_poll(unsigned *spins) {
 }
 
 double ckpt_dist_client_wait(double commit_timeout) {
-  return 2 * commit_timeout + 10;
+  return 2 * commit_timeout + 30;
 }
 
 /* How long a client waits for the coordinator before giving up. */

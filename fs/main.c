@@ -50,11 +50,29 @@ static char *expand_mountpoint(const char *tmpl, int rank) {
 /* BACKING_DIR as an absolute path, whether or not it exists yet. */
 static char *absolute_backing(const char *dir) {
   char *abs = realpath(dir, NULL);
-  if (abs || dir[0] == '/')
-    return abs ? abs : strdup(dir);
-  char *cwd = getcwd(NULL, 0);
-  char *out = cwd ? ckpt__strdup_printf("%s/%s", cwd, dir) : NULL;
-  free(cwd);
+  if (abs)
+    return abs;
+  /* not there yet: its parent resolved (as realpath will give it once it
+   * is made), then its last component */
+  char *copy = strdup(dir);
+  if (!copy)
+    return NULL;
+  size_t n = strlen(copy);
+  while (n > 1 && copy[n - 1] == '/')
+    copy[--n] = '\0';
+  char *slash = strrchr(copy, '/');
+  const char *base = slash ? slash + 1 : copy;
+  char *parent = slash ? (slash == copy ? strdup("/") : (*slash = '\0', realpath(copy, NULL)))
+                       : getcwd(NULL, 0);
+  char *out = NULL;
+  if (parent)
+    out = ckpt__strdup_printf("%s%s%s", parent,
+                              parent[strlen(parent) - 1] == '/' ? "" : "/",
+                              base);
+  else if (dir[0] == '/')
+    out = strdup(dir);
+  free(parent);
+  free(copy);
   return out;
 }
 

@@ -185,6 +185,22 @@ static bool may_change(fuse_req_t req) {
   return ctx->uid == 0 || ctx->uid == getuid();
 }
 
+/* At most the first 64 bytes of p[0..n) for a log line: bytes that are
+ * not printable ASCII as \xHH (a value could forge lines), "..." when cut. */
+static void log_text(char *out, size_t cap, const char *p, size_t n) {
+  size_t o = 0;
+  for (size_t i = 0; i < n && i < 64 && o + 5 < cap; i++) {
+    unsigned char c = (unsigned char)p[i];
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '"')
+      out[o++] = (char)c;
+    else
+      o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
+  }
+  if (n > 64 && o + 4 < cap)
+    memcpy(out + o, "...", 3), o += 3;
+  out[o] = '\0';
+}
+
 /* ------------------------------------------------------------------------
  * .status
  * ---------------------------------------------------------------------- */
@@ -719,8 +735,9 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   if (!p)
     rc = -ESTALE;
-  else if (p->kind == CKPT_NODE_ROOT)
-    rc = mkdir_checkpoint(fs, name, &pr, &n);
+  else if (p->kind == CKPT_NODE_ROOT &&
+           (rc = mkdir_checkpoint(fs, name, &pr, &n)) == 0)
+    n->mode = S_IFDIR | (mode & 07777); /* the commit keeps it */
   else if ((rc = can_add(fs, p, name)) == 0)
     rc = (n = ckpt__node_new(fs, p, name, CKPT_NODE_SDIR,
                              S_IFDIR | (mode & 07777), p->ck))
@@ -1247,10 +1264,13 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   if (n->kind == CKPT_NODE_COMMIT) {
     bool sync;
     rc = parse_commit(buf, size, &sync);
-    if (rc)
-      ckpt__log("%s/.commit: refused the write of %zu byte(s) \"%.*s\": write "
+    if (rc) {
+      char shown[300];
+      log_text(shown, sizeof(shown), buf, size);
+      ckpt__log("%s/.commit: refused the write of %zu byte(s) \"%s\": write "
                 "\"sync\" or \"async\" (a trailing newline is fine)",
-                n->ck->name, size, (int)(size < 32 ? size : 32), buf);
+                n->ck->name, size, shown);
+    }
     if (rc == 0)
       rc = ckpt__save_begin(fs, n->ck, sync, sync ? req : NULL, size);
     if (rc == 0 && sync)
@@ -1423,10 +1443,10 @@ static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
     want = "comma-separated whole numbers (4096,1024; empty for a scalar), "
            "as many as the shape's, with offsets + sizes within the shape";
   }
-  bool printable = size <= 64 && !memchr(value, '\0', size);
-  ckpt__log("%s/%s: refused %s=\"%.*s\"%s: valid: %s", n->ck->name,
-            path ? path : "?", name, printable ? (int)size : 0,
-            printable ? value : "", printable ? "" : " (long or binary)", want);
+  char shown[300];
+  log_text(shown, sizeof(shown), value, size);
+  ckpt__log("%s/%s: refused %s=\"%s\": valid: %s", n->ck->name,
+            path ? path : "?", name, shown, want);
   free(path);
 }
 

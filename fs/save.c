@@ -98,9 +98,14 @@ static int keep_attr(ckpt_save_t *s, const ckpt_node_t *n, char *path) {
     s->attrs = a;
     s->cap_attrs = cap;
   }
+  /* nanoseconds since the epoch, within what int64 holds (years
+   * 1677..2262: utimensat may set times far beyond) */
+  int64_t sec = (int64_t)n->mtime.tv_sec;
+  int64_t lim = INT64_MAX / 1000000000 - 1;
+  sec = sec > lim ? lim : sec < -lim ? -lim : sec;
   s->attrs[s->n_attrs++] = (ckpt_entry_attr_t){
       path, (uint32_t)n->mode, (uint32_t)n->uid, (uint32_t)n->gid,
-      (int64_t)n->mtime.tv_sec * 1000000000 + n->mtime.tv_nsec};
+      sec * 1000000000 + n->mtime.tv_nsec};
   return 0;
 }
 

@@ -29,7 +29,9 @@ static int log_rank = -1;
 
 int ckpt__log_to(const char *path, bool use_syslog, int rank) {
   if (path) {
-    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY,
+    int fd = open(path,
+                  O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY |
+                      O_NOFOLLOW,
                   0600);
     if (fd < 0)
       return -errno;

@@ -596,7 +596,7 @@ class LongOutage(NetnsCase):
     def test_outage_longer_than_client_wait(self):
         ct = self.TIMEOUT
         # how long a client waits for the coordinator (dist.c client_wait():
-        # 2 * commit_timeout + 10 s; 3 * commit_timeout + 60 s before)
+        # 2 * commit_timeout + 30 s; 3 * commit_timeout + 60 s before)
         client_wait = 3 * ct + 60
         w = self.start_world([1, 1], opts=f"commit_timeout={ct}")
         warm = [Tensor("w", "float32", [2, 4], {r: ([r, 0], [1, 4]) for r in range(2)})]
