@@ -735,10 +735,10 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   if (!p)
     rc = -ESTALE;
-  else if (p->kind == CKPT_NODE_ROOT &&
-           (rc = mkdir_checkpoint(fs, name, &pr, &n)) == 0)
-    n->mode = S_IFDIR | (mode & 07777); /* the commit keeps it */
-  else if ((rc = can_add(fs, p, name)) == 0)
+  else if (p->kind == CKPT_NODE_ROOT) {
+    if ((rc = mkdir_checkpoint(fs, name, &pr, &n)) == 0)
+      n->mode = S_IFDIR | (mode & 07777); /* the commit keeps it */
+  } else if ((rc = can_add(fs, p, name)) == 0)
     rc = (n = ckpt__node_new(fs, p, name, CKPT_NODE_SDIR,
                              S_IFDIR | (mode & 07777), p->ck))
              ? 0
