@@ -187,6 +187,8 @@ typedef struct ckpt_sfile {
   pthread_mutex_t lock;  /* protects everything below */
   ckpt_staging_t *budget;
   uint64_t size;         /* file size in bytes */
+  _Atomic uint64_t size_seen; /* the same, for readers that must not wait
+                                 for sf->lock (.status under fs->lock) */
   ckpt_seg_t *segs;      /* segment i holds bytes [i << SHIFT, ...) */
   uint32_t nsegs;        /* entries in segs */
   uint32_t seg0_cap;     /* bytes allocated for segs[0].mem (small files
@@ -238,6 +240,11 @@ int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out);
 /* Zero bytes [off, off+len) of the file (not past its end): whole
  * segments become holes again. 0 or -errno. */
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
+/* The size without waiting for sf->lock (a write may hold it while the
+ * page cache throttles it): as of the last change. */
+static inline uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf) {
+  return atomic_load_explicit(&sf->size_seen, memory_order_relaxed);
+}
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags);
 /* Copy the value into buf (size 0: only the length). -ENODATA if unset. */

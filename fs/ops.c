@@ -213,7 +213,7 @@ static void count_staged(const ckpt_node_t *dir, uint64_t *files,
       count_staged(c, files, bytes);
     } else if (c->kind == CKPT_NODE_SFILE) {
       (*files)++;
-      *bytes += ckpt__sfile_size(c->u.sf);
+      *bytes += ckpt__sfile_size_seen(c->u.sf);
     }
   }
 }

@@ -399,8 +399,10 @@ static ssize_t write_segments(ckpt_sfile_t *sf, const void *buf, size_t n,
     }
     done += chunk;
   }
-  if (off + done > sf->size)
+  if (off + done > sf->size) {
     sf->size = off + done;
+    atomic_store_explicit(&sf->size_seen, sf->size, memory_order_relaxed);
+  }
   return done ? (ssize_t)done : rc;
 }
 
@@ -439,6 +441,7 @@ static int unstream(ckpt_sfile_t *sf) {
   }
   ckpt__stream_drop(sf);
   sf->size = size;
+  atomic_store_explicit(&sf->size_seen, sf->size, memory_order_relaxed);
   return 0;
 }
 
@@ -468,6 +471,7 @@ static ssize_t stream_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   }
   if (done == n) {
     sf->size = off + done;
+    atomic_store_explicit(&sf->size_seen, sf->size, memory_order_relaxed);
     return (ssize_t)done;
   }
   /* The backing filesystem is full or failing: staging goes on in RAM
@@ -549,6 +553,7 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     if (!sf->stream_owner || atomic_load(&sf->streams->committed))
       ckpt__stream_drop(sf);
     sf->size = 0;
+    atomic_store_explicit(&sf->size_seen, sf->size, memory_order_relaxed);
   } else if (sf->stream >= 0 && (rc = unstream(sf)) != 0) {
     pthread_mutex_unlock(&sf->lock);
     return rc;
@@ -582,6 +587,7 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     sf->hash_broken = true;
   }
   sf->size = size;
+  atomic_store_explicit(&sf->size_seen, sf->size, memory_order_relaxed);
   pthread_mutex_unlock(&sf->lock);
   return rc;
 }
