@@ -8,7 +8,8 @@
  *
  * Input: either a raw SQLite file (it starts with "SQLite format 3"), or
  * rows to insert into a database with the real schema, one per line:
- * a table letter (c checkpoint, t tensors, k chunks, b blobs) and its
+ * a table letter (c checkpoint, t tensors, k chunks, b blobs, e entries)
+ * and its
  * columns separated by tabs; a column that is a decimal integer is bound
  * as INTEGER, "~" as NULL, anything else as TEXT. A line "s" followed by
  * SQL changes the schema (a view, a trigger, another table, a generated
@@ -41,7 +42,9 @@ static const char schema[] =
     "file TEXT, file_offset INTEGER, length INTEGER, checksum TEXT);"
     "CREATE INDEX chunks_fqn ON chunks(fqn);"
     "CREATE TABLE blobs(fqn TEXT PRIMARY KEY, path TEXT, rank INTEGER, "
-    "file TEXT, file_offset INTEGER, length INTEGER, checksum TEXT);";
+    "file TEXT, file_offset INTEGER, length INTEGER, checksum TEXT);"
+    "CREATE TABLE entries(path TEXT PRIMARY KEY, mode INTEGER, uid INTEGER, "
+    "gid INTEGER, mtime_ns INTEGER);";
 
 static void bind_field(sqlite3_stmt *st, int col, const char *f, size_t n) {
   char *end;
@@ -85,6 +88,7 @@ static int build_db(const char *path, const char *in, size_t size) {
       {'t', 4, "INSERT OR REPLACE INTO tensors VALUES(?,?,?,?)"},
       {'k', 8, "INSERT INTO chunks VALUES(?,?,?,?,?,?,?,?)"},
       {'b', 7, "INSERT OR REPLACE INTO blobs VALUES(?,?,?,?,?,?,?)"},
+      {'e', 5, "INSERT OR REPLACE INTO entries VALUES(?,?,?,?,?)"},
   };
   const char *p = in, *end = in + size;
   sqlite3_progress_handler(db, 1000, too_long, NULL);
