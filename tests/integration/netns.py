@@ -241,6 +241,9 @@ class Cluster:
         raise Unavailable(f"the namespace holder {role} did not start in 10 s")
 
     def _ns_run(self, pid, flags, argv, what):
+        # entering a mount namespace resets the root to the namespace's:
+        # -r keeps the holder's (this test may run in a chroot)
+        flags = [*flags, "-r", "--wd=/"] if "-m" in flags else list(flags)
         r = subprocess.run(["nsenter", "-t", str(pid), *flags, "--", *argv],
                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
         self.log.append(f"{what}: {' '.join(argv)} -> {r.returncode}")
@@ -330,7 +333,7 @@ class Cluster:
 
     # ---- use
     def nsenter(self, i):
-        return ["nsenter", "-t", str(self.node_pids[i]), "-n", "-m", "-u", "--"]
+        return ["nsenter", "-t", str(self.node_pids[i]), "-n", "-m", "-u", "-r", "--wd=/", "--"]
 
     def run(self, i, argv, **kw):
         """subprocess.run of argv inside node i (its network, mount and UTS
