@@ -813,6 +813,29 @@ static bool writes_direct(const ckpt_node_t *n,
   return n->kind == CKPT_NODE_SFILE && (fi->flags & O_ACCMODE) == O_WRONLY;
 }
 
+/* A new empty staged file name in staged directory p, owned by the caller
+ * (create, mknod). fs->lock held. */
+static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,
+                           mode_t mode, const struct fuse_ctx *ctx,
+                           ckpt_node_t **out) {
+  int rc = can_add(fs, p, name);
+  if (rc)
+    return rc;
+  ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging, p->ck->streams);
+  ckpt_node_t *n = sf ? ckpt__node_new(fs, p, name, CKPT_NODE_SFILE,
+                                       S_IFREG | (mode & 07777), p->ck)
+                      : NULL;
+  if (!n) {
+    ckpt__sfile_free(sf);
+    return -ENOMEM;
+  }
+  n->u.sf = sf;
+  n->uid = ctx->uid;
+  n->gid = ctx->gid;
+  *out = n;
+  return 0;
+}
+
 static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
                       mode_t mode, struct fuse_file_info *fi) {
   if (!may_change(req)) {
@@ -832,19 +855,8 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
   } else if (p->kind == CKPT_NODE_CKPT && strcmp(name, ".commit") == 0) {
     n = ckpt__node_child(fs, p, name); /* `echo sync > .commit` */
     rc = n ? 0 : -ENOENT;
-  } else if ((rc = can_add(fs, p, name)) == 0) {
-    ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging, p->ck->streams);
-    n = sf ? ckpt__node_new(fs, p, name, CKPT_NODE_SFILE,
-                            S_IFREG | (mode & 07777), p->ck)
-           : NULL;
-    if (n) {
-      n->u.sf = sf;
-      n->uid = ctx->uid;
-      n->gid = ctx->gid;
-    } else {
-      ckpt__sfile_free(sf);
-      rc = -ENOMEM;
-    }
+  } else {
+    rc = new_staged_file(fs, p, name, mode, ctx, &n);
   }
   if (rc == 0 && !(h = new_handle(n)))
     rc = -ENOMEM;
@@ -1485,23 +1497,11 @@ static void fs_mknod(fuse_req_t req, fuse_ino_t parent, const char *name,
   int rc;
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
-  if (!p) {
+  ckpt_node_t *n = NULL;
+  if (!p)
     rc = -ESTALE;
-  } else if ((rc = can_add(fs, p, name)) == 0) {
-    ckpt_sfile_t *sf = ckpt__sfile_new(&fs->staging, p->ck->streams);
-    ckpt_node_t *n = sf ? ckpt__node_new(fs, p, name, CKPT_NODE_SFILE,
-                                         S_IFREG | (mode & 07777), p->ck)
-                        : NULL;
-    if (n) {
-      n->u.sf = sf;
-      n->uid = ctx->uid;
-      n->gid = ctx->gid;
-      fill_entry(fs, n, &e); /* as mkdir: nodes live while attached */
-    } else {
-      ckpt__sfile_free(sf);
-      rc = -ENOMEM;
-    }
-  }
+  else if ((rc = new_staged_file(fs, p, name, mode, ctx, &n)) == 0)
+    fill_entry(fs, n, &e); /* as mkdir: nodes live while attached */
   pthread_mutex_unlock(&fs->lock);
   if (rc)
     fuse_reply_err(req, -rc);

@@ -54,6 +54,9 @@ int cmd_wait(const args_t *a, int backing_fd);
 /* "ckptctl: MESSAGE\n" on stderr. */
 void fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* mountinfo's octal escapes (\040 for a space) undone in place; s. */
+char *mountinfo_unescape(char *s);
+
 /* "2026-12-02T17:40:00Z" */
 const char *iso_time(int64_t t, char *buf, size_t cap);
 /* "512 B", "1.5 KiB", "3.0 GiB" */

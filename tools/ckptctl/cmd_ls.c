@@ -180,22 +180,6 @@ static int by_size(const void *pa, const void *pb) {
   return by_time(pa, pb);
 }
 
-/* One mountinfo field, unescaped (\040 and the like), in place. */
-static char *unescape(char *s) {
-  char *o = s;
-  for (char *p = s; *p; p++) {
-    if (p[0] == '\\' && p[1] >= '0' && p[1] <= '3' && p[2] >= '0' &&
-        p[2] <= '7' && p[3] >= '0' && p[3] <= '7') {
-      *o++ = (char)((p[1] - '0') * 64 + (p[2] - '0') * 8 + (p[3] - '0'));
-      p += 3;
-    } else {
-      *o++ = *p;
-    }
-  }
-  *o = '\0';
-  return s;
-}
-
 static bool committed_in(const ckpt_catalog_t *cat, size_t n, const char *name) {
   for (size_t i = 0; i < n; i++)
     if (cat->e[i].state == CKPT_CAT_COMMITTED && !strcmp(cat->e[i].name, name))
@@ -287,8 +271,8 @@ static int add_local_mounts(const char *backing, ckpt_catalog_t *cat) {
         dash = true;
     }
     if (mp && type && source && !strcmp(type, "fuse.ckptfs") &&
-        !strcmp(unescape(source), real))
-      rc = add_mount(cat, ncommitted, unescape(mp));
+        !strcmp(mountinfo_unescape(source), real))
+      rc = add_mount(cat, ncommitted, mountinfo_unescape(mp));
   }
   free(line);
   fclose(f);

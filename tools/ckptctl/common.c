@@ -69,8 +69,7 @@ const char *dims_text(const int64_t *d, int n, char *buf, size_t cap) {
  * Loading checkpoints.
  * ---------------------------------------------------------------------- */
 
-/* mountinfo's octal escapes (\040 for a space) undone in place. */
-static void unescape(char *s) {
+char *mountinfo_unescape(char *s) {
   char *o = s;
   for (char *p = s; *p; p++) {
     if (p[0] == '\\' && p[1] >= '0' && p[1] <= '3' && p[2] >= '0' &&
@@ -82,6 +81,7 @@ static void unescape(char *s) {
     }
   }
   *o = '\0';
+  return s;
 }
 
 /* Is path itself a ckptfs mount? Then *source (malloc'd) is what it
@@ -103,9 +103,9 @@ static bool is_ckptfs_mount(const char *path, char **source) {
     char *src = type ? strtok_r(NULL, " \n", &save) : NULL;
     if (!mp || !type || !src || strcmp(type, "fuse.ckptfs"))
       continue;
-    unescape(mp);
+    mountinfo_unescape(mp);
     if (!strcmp(mp, real)) {
-      unescape(src);
+      mountinfo_unescape(src);
       *source = strdup(src);
       found = true;
     }
