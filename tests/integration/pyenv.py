@@ -1,11 +1,13 @@
 """The Python interpreter the torch/numpy parts of the integration tests
 run with, and how they run code in it.
 
-ctest runs the tests with CMake's Python3_EXECUTABLE, which may lack torch
-and numpy (a pyenv Python); Debian's python3-torch and python3-numpy are
-installed for /usr/bin/python3. torch_python() tries sys.executable, then
-/usr/bin/python3. Without one that has both, the test fails, unless the
-environment sets CKPT_ALLOW_NO_TORCH=1: then it is skipped.
+scripts/install-deps.sh makes the virtual environment .venv (torch 2.13.0,
+numpy, safetensors; the ckptfs package from python/ installed editable).
+torch_python() tries $CKPT_PYTHON, .venv/bin/python, then
+sys.executable. Without one that has torch and numpy, the test fails,
+unless the environment sets CKPT_ALLOW_NO_TORCH=1: then it is skipped.
+Code run by run_py finds the package (python/) and examples/python on
+sys.path, so the tests use this checkout's sources.
 """
 
 import os
@@ -15,7 +17,10 @@ import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples", "python")
-CANDIDATES = (sys.executable, "/usr/bin/python3")
+PACKAGE = os.path.join(REPO, "python")
+VENV_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
+CANDIDATES = tuple(p for p in (os.environ.get("CKPT_PYTHON"), VENV_PYTHON,
+                               sys.executable) if p)
 _found = {}
 
 
@@ -38,7 +43,7 @@ def require_torch(test):
     if py:
         return py
     why = (f"no Python with torch and numpy (tried {', '.join(CANDIDATES)}): "
-           "apt-get install --no-install-recommends python3-torch python3-numpy")
+           "run scripts/install-deps.sh (it makes .venv with torch 2.13.0)")
     if os.environ.get("CKPT_ALLOW_NO_TORCH") == "1":
         raise unittest.SkipTest(why + " (skipped: CKPT_ALLOW_NO_TORCH=1)")
     test.fail(why + "; set CKPT_ALLOW_NO_TORCH=1 to skip instead")
@@ -48,7 +53,7 @@ def run_py(test, py, code, *args, timeout=600, env=None):
     """Run code in interpreter py with examples/python on sys.path; fail
     test with its output unless it exits 0; return its stdout."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = EXAMPLES + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = os.pathsep.join([PACKAGE, EXAMPLES, e.get("PYTHONPATH", "")])
     e.setdefault("OMP_NUM_THREADS", "1")
     if env:
         e.update(env)

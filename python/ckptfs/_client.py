@@ -1,5 +1,5 @@
-"""ckptfs.py - save and load PyTorch / NumPy state dicts through a ckptfs
-rank mount, with plain file calls and extended attributes only.
+"""ckptfs._client - save and load PyTorch / NumPy state dicts through a
+ckptfs rank mount, with plain file calls and extended attributes only.
 
     import ckptfs
     ckptfs.save({"model": model.state_dict(), "optim": opt.state_dict(),
@@ -83,6 +83,7 @@ class CommitError(CkptfsError):
     def __init__(self, name, status_text, path=None):
         self.name = name
         self.status = status_text
+        self.path = path
         lines = [ln for ln in status_text.splitlines() if ln.strip()]
         reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
         where = f" ({path})" if path else ""
@@ -91,6 +92,11 @@ class CommitError(CkptfsError):
             "was published; the checkpoint stays staged on every rank: fix "
             "what the reason names and save again with exist_ok=True, or "
             "discard it with rm -r.")
+
+    def __reduce__(self):
+        # DCP pickles a rank's exception to send it to the coordinator: keep
+        # the constructor's arguments, not the formatted message.
+        return (type(self), (self.name, self.status, self.path))
 
 
 class Shard:

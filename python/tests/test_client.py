@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""examples/python/ckptfs.py, the Python client: save and load round trips
+"""The Python client (python/ckptfs, `import ckptfs`): save and load round trips
 through a real mount (numpy dtypes, torch dtypes with bfloat16, 0-d, empty
 and non-contiguous tensors, nested dicts with int keys, bytes, pickled and
 JSON objects), a sharded save from a world of 2 ranks loaded at 1 rank
@@ -9,7 +9,7 @@ the errors a user gets.
 What the client wrote is checked independently of it: the committed files'
 bytes, the xattrs, and .metadata's tensors and chunks tables.
 
-    python3 tests/integration/test_python_client.py --bin build/bin/ckptfs
+    python3 python/tests/test_client.py --bin build/bin/ckptfs
 
 The torch and numpy parts run in an interpreter that has them
 (tests/integration/pyenv.py); the standard-library core runs in this one.
@@ -25,14 +25,15 @@ import sys
 import threading
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 import ckptfs_util  # noqa: E402
 from ckptfs_util import CkptfsTestCase, main, read_all, state  # noqa: E402
 from mpi_world import World  # noqa: E402
 import pyenv  # noqa: E402
-from pyenv import EXAMPLES, require_torch, run_py  # noqa: E402
+from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
 
-sys.path.insert(0, EXAMPLES)
+sys.path.insert(0, PACKAGE)
 import ckptfs  # noqa: E402  (the client under test)
 
 
@@ -236,7 +237,7 @@ class Client(CkptfsTestCase):
                             "assert 'numpy' not in sys.modules and 'torch' not in sys.modules"
                             ", sorted(sys.modules)", self.mnt],
                            capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=EXAMPLES))
+                           env=dict(os.environ, PYTHONPATH=PACKAGE))
         self.assertEqual(r.returncode, 0, r.stderr)
 
     def test_foreign_checkpoint(self):

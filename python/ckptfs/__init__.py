@@ -1,0 +1,24 @@
+"""ckptfs: save and load state dicts through a ckptfs rank mount.
+
+    import ckptfs
+    ckptfs.save({"model": model.state_dict(), "step": step},
+                "/mnt/ckpt/rank0", "step-100", rank=0)
+    sd = ckptfs.load(None, "/mnt/ckpt/rank0", "step-100")
+
+and, for torch.distributed.checkpoint (DCP) users, a storage backend:
+
+    import torch.distributed.checkpoint as dcp
+    import ckptfs.dcp
+    dcp.save(sd, checkpoint_id="step-100",
+             storage_writer=ckptfs.dcp.Writer("/mnt/ckpt/rank%r"))
+
+The core needs only the standard library; numpy and torch are imported
+when a state dict holds their objects. ckptfs.dcp needs torch 2.x.
+"""
+
+from ._client import (DTYPES, CkptfsError, CommitError, Shard, commit, load,
+                      save, status, wait)
+
+__version__ = "0.3.0"
+__all__ = ["save", "load", "wait", "status", "commit", "Shard", "CommitError",
+           "CkptfsError", "DTYPES"]

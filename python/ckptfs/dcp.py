@@ -1,0 +1,1009 @@
+"""ckptfs.dcp - a torch.distributed.checkpoint (DCP) storage backend.
+
+    import torch.distributed.checkpoint as dcp
+    import ckptfs.dcp
+    dcp.save(state_dict, checkpoint_id="step-100",
+             storage_writer=ckptfs.dcp.Writer("/mnt/ckpt/rank%r"))
+    dcp.async_save(state_dict, checkpoint_id="step-200",
+                   storage_writer=ckptfs.dcp.Writer("/mnt/ckpt/rank%r"))
+    dcp.load(state_dict, checkpoint_id="step-100",
+             storage_reader=ckptfs.dcp.Reader("/mnt/ckpt/rank%r"))
+
+One mount per rank (`%r` is the rank: torch.distributed's when a process
+group is up, else the launcher's OMPI_COMM_WORLD_RANK / RANK / PMI_RANK /
+SLURM_PROCID, else 0). The checkpoint_id is the checkpoint's NAME in the
+mount ([A-Za-z0-9_.-]+), or a path MOUNT/NAME.
+
+Saving: every rank writes every item of its local plan into its mount,
+replicated ones too (DCP's planner keeps one copy of a replica; ckptfs
+keeps them all, compares them (replica_check) and stores one), then commits
+NAME collectively (`sync` written to NAME/.commit): the checkpoint is
+durable and committed for every rank when write_data returns, and the
+future of dcp.async_save completes then. A rank that fails before it
+commits makes the commit fail on every rank at once (it commits an item
+ckptfs refuses, `_ckptfs_abort`), so every rank raises, never hangs; the
+staged checkpoint is then discarded on every rank, so the same id can be
+saved again.
+
+Paths: an FQN whose dot-separated parts are path-safe (non-empty, no '/',
+not starting with '.', at most 255 bytes) is saved at the path of its parts
+(`model.layer0.weight` at model/layer0/weight), as every ckptfs tool
+expects. Any other FQN, or one whose path another FQN needs as a
+directory, is saved under `_fqn/<sha1 of the FQN>` with the FQN in the
+user.ckpt.fqn xattr; `.metadata` keeps every FQN exactly. Several chunks of
+one tensor on one rank (DTensors with several local shards) are several
+files carrying one user.ckpt.fqn.
+
+Loading reads `.metadata` and each tensor's committed file, which holds the
+whole global tensor: a shard of any layout is one pread when it is a
+contiguous byte range, else one read of a block file (`.NAME[a:b,c:d]`,
+docs/committed.md), so loads work at any world size.
+"""
+
+import dataclasses
+import sys
+import hashlib
+import io
+import os
+import re
+import sqlite3
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
+                                                   ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex,
+                                                   StorageMeta,
+                                                   TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan,
+                                                  LoadPlanner, SavePlan,
+                                                  SavePlanner, WriteItemType)
+from torch.distributed.checkpoint.storage import (StorageReader,
+                                                  StorageWriter, WriteResult)
+from torch.futures import Future
+
+from ._client import CkptfsError, CommitError
+
+__all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
+           "fqn_paths", "CkptfsError", "CommitError"]
+
+IO_STEP = 64 << 20          # bytes per read/write call
+ABORT_ITEM = "_ckptfs_abort"
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+
+# ckptfs dtype name <-> torch dtype
+_TORCH = {
+    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,
+    "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float64": torch.float64,
+    "complex64": torch.complex64, "complex128": torch.complex128,
+}
+for _n in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _n):
+        _TORCH[_n] = getattr(torch, _n)
+_CKPT = {v: k for k, v in _TORCH.items()}
+
+
+def _dtype_name(dt, fqn):
+    try:
+        return _CKPT[dt]
+    except KeyError:
+        raise CkptfsError(f"{fqn}: dtype {dt} has no ckptfs equivalent (ckptfs "
+                          f"stores {', '.join(sorted(_TORCH))})") from None
+
+
+# ---- where things go ---------------------------------------------------------
+
+def default_rank():
+    """This process's rank: torch.distributed's, else the launcher's."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for var in ("OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK", "SLURM_PROCID"):
+        v = os.environ.get(var)
+        if v is not None and v.isdigit():
+            return int(v)
+    return 0
+
+
+def rank_mount(mount, rank):
+    """mount with %r replaced by rank (%% is a literal %)."""
+    return re.sub(r"%[r%]", lambda m: str(rank) if m.group(0) == "%r" else "%",
+                  os.fspath(mount))
+
+
+def checkpoint_name(checkpoint_id, mount=None):
+    """The checkpoint NAME of a DCP checkpoint_id: NAME itself, or a path
+    MOUNT/NAME. ValueError when it is neither."""
+    if checkpoint_id is None:
+        raise ValueError("ckptfs.dcp needs a checkpoint_id: the checkpoint's "
+                         "name in the mount, e.g. checkpoint_id=\"step-100\"")
+    s = os.fspath(checkpoint_id)
+    if isinstance(s, bytes):
+        s = os.fsdecode(s)
+    if "/" in s.rstrip("/"):
+        s = s.rstrip("/")
+        parent, base = os.path.split(s)
+        if mount is not None and os.path.realpath(parent) != os.path.realpath(mount):
+            raise ValueError(f"checkpoint_id {s!r} is not in the mount {mount!r}: "
+                             "give the checkpoint's name, or MOUNT/NAME")
+        s = base
+    s = s.rstrip("/")
+    if not NAME_RE.fullmatch(s) or s.startswith(".") or len(s.encode()) > 255:
+        raise ValueError(f"checkpoint_id {checkpoint_id!r}: a ckptfs checkpoint name "
+                         "is [A-Za-z0-9_.-]+, at most 255 bytes, not starting with '.'")
+    return s
+
+
+def _safe_parts(fqn):
+    parts = fqn.split(".")
+    for p in parts:
+        b = p.encode("utf-8", "surrogateescape")
+        if not p or p.startswith(".") or "/" in p or "\0" in p or len(b) > 255:
+            return None
+    return parts
+
+
+def fqn_paths(fqns):
+    """{fqn: path relative to the checkpoint} for a set of FQNs, the same on
+    every rank: the FQN's parts as directories where that is possible,
+    else _fqn/<sha1> (see the module's docstring)."""
+    fqns = sorted(set(fqns))
+    safe = {f: _safe_parts(f) for f in fqns}
+    dirs = set()
+    for parts in safe.values():
+        if parts:
+            for i in range(1, len(parts)):
+                dirs.add("/".join(parts[:i]))
+    tops = {parts[0] for parts in safe.values() if parts}
+    prefix = "_fqn"
+    k = 0
+    while prefix in tops:
+        k += 1
+        prefix = f"_fqn{k}"
+    out = {}
+    for f in fqns:
+        parts = safe[f]
+        path = "/".join(parts) if parts else None
+        if path is None or path in dirs:
+            digest = hashlib.sha1(f.encode("utf-8", "surrogateescape")).hexdigest()
+            path = f"{prefix}/{digest}"
+        out[f] = path
+    return out
+
+
+def _path_fqn(path):
+    return path.replace("/", ".")
+
+
+# ---- file I/O ------------------------------------------------------------------
+
+def _u8(t):
+    """A writable uint8 memoryview of contiguous CPU tensor t's bytes."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _write_all(fd, mv, path):
+    off = 0
+    n = len(mv)
+    while off < n:
+        try:
+            w = os.write(fd, mv[off:off + IO_STEP])
+        except OSError as e:
+            raise CkptfsError(f"writing {path}: {e.strerror}") from e
+        off += w
+
+
+def _pread_into(fd, mv, offset, path):
+    got = 0
+    n = len(mv)
+    while got < n:
+        try:
+            r = os.preadv(fd, [mv[got:got + IO_STEP]], offset + got)
+        except OSError as e:
+            raise CkptfsError(f"reading {path} at offset {offset + got}: "
+                              f"{e.strerror}") from e
+        if r == 0:
+            raise CkptfsError(f"reading {path}: {n - got} bytes missing at offset "
+                              f"{offset + got} (file shorter than its tensor)")
+        got += r
+
+
+def _read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _status(ckdir):
+    try:
+        with open(os.path.join(ckdir, ".status")) as f:
+            text = f.read()
+    except OSError:
+        return "", ""
+    return (text.splitlines() or [""])[0].strip(), text
+
+
+def _commit(ckdir, name, mode="sync"):
+    """Write mode to NAME/.commit; CommitError with .status's reason when
+    the commit fails."""
+    try:
+        fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
+    except OSError as e:
+        raise CkptfsError(f"cannot open {ckdir}/.commit: {e.strerror} (is the "
+                          "mount a ckptfs mount?)") from e
+    try:
+        os.write(fd, mode.encode() + b"\n")
+    except OSError as e:
+        st, text = _status(ckdir)
+        if st == "failed":
+            raise CommitError(name, text, ckdir) from None
+        raise CkptfsError(f"commit of {name!r} failed: {e.strerror}"
+                          + (f"; .status: {text.strip()}" if text else "")) from e
+    finally:
+        os.close(fd)
+
+
+def _discard(ckdir):
+    """rm -r of a staged, never committed checkpoint (this rank only)."""
+    for root, dirs, files in os.walk(ckdir, topdown=False):
+        for f in files:
+            os.unlink(os.path.join(root, f))
+        for d in dirs:
+            os.rmdir(os.path.join(root, d))
+    os.rmdir(ckdir)
+
+
+def _makedirs_for(ckdir, rel, made):
+    d = os.path.dirname(rel)
+    if d and d not in made:
+        os.makedirs(os.path.join(ckdir, d), exist_ok=True)
+        made.add(d)
+
+
+def _csv(xs):
+    return ",".join(str(int(x)) for x in xs)
+
+
+def _write_tensor_file(ckdir, rel, t, fqn, global_shape, offsets, explicit_fqn, made):
+    """Stage contiguous CPU tensor t (a chunk at offsets of a tensor of
+    global_shape) at ckdir/rel."""
+    _makedirs_for(ckdir, rel, made)
+    path = os.path.join(ckdir, rel)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.setxattr(fd, "user.ckpt.dtype", _dtype_name(t.dtype, fqn).encode())
+        os.setxattr(fd, "user.ckpt.shape", _csv(global_shape).encode())
+        if any(offsets) or tuple(t.shape) != tuple(global_shape):
+            os.setxattr(fd, "user.ckpt.offsets", _csv(offsets).encode())
+            os.setxattr(fd, "user.ckpt.sizes", _csv(t.shape).encode())
+        if explicit_fqn:
+            os.setxattr(fd, "user.ckpt.fqn", fqn.encode("utf-8", "surrogateescape"))
+        mv = _u8(t)
+        _write_all(fd, mv, path)
+        return len(mv)
+    except OSError as e:
+        raise CkptfsError(f"{fqn}: staging {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+
+
+def _write_bytes_file(ckdir, rel, data, fqn, explicit_fqn, made):
+    _makedirs_for(ckdir, rel, made)
+    path = os.path.join(ckdir, rel)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if explicit_fqn:
+            os.setxattr(fd, "user.ckpt.fqn", fqn.encode("utf-8", "surrogateescape"))
+        mv = memoryview(data).cast("B")
+        _write_all(fd, mv, path)
+        return len(mv)
+    except OSError as e:
+        raise CkptfsError(f"{fqn}: staging {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+
+
+def _cpu_contiguous(t):
+    if hasattr(t, "to_local"):  # a DTensor: its local shard
+        t = t.to_local()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+# ---- the writer ----------------------------------------------------------------
+
+class Writer(StorageWriter):
+    """DCP StorageWriter over ckptfs rank mounts.
+
+    mount: the rank's mount, "%r" replaced by the rank ("/mnt/ckpt/rank%r").
+    commit: "sync" (the default: write_data returns once the checkpoint is
+    committed and durable on every rank) or "async" (it returns once this
+    rank's data is frozen; ckptfs finishes the save in the background and
+    NAME/.status follows it; wait with ckptfs.wait(mount, name)).
+    """
+
+    def __init__(self, mount, *, commit="sync", checkpoint_id=None):
+        super().__init__()
+        if commit not in ("sync", "async"):
+            raise ValueError(f"commit={commit!r}: use 'sync' or 'async'")
+        self.mount_spec = os.fspath(mount)
+        self.commit_mode = commit
+        self.rank = None
+        self.mount = None
+        self.is_coordinator = False
+        self.name = None
+        self.save_id = None
+        self._local_items = None
+        self.checkpoint_id = None
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    # -- the protocol
+    def reset(self, checkpoint_id=None):
+        self.checkpoint_id = checkpoint_id
+        self.name = None if checkpoint_id is None else checkpoint_name(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._local_items = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        try:
+            checkpoint_name(checkpoint_id)
+            return True
+        except (ValueError, TypeError):
+            return False
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = default_rank() if rank is None else int(rank)
+        self.mount = rank_mount(self.mount_spec, self.rank)
+        if self.name is None:
+            raise ValueError("ckptfs.dcp.Writer: pass checkpoint_id=NAME to "
+                             "dcp.save (the checkpoint's name in the mount)")
+        if not os.path.isdir(self.mount):
+            raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
+                              "(is the rank's ckptfs mounted there?)")
+
+    def storage_meta(self):
+        return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # DCP's planner keeps one copy of each replica; ckptfs keeps them
+        # all and checks them, so write_data writes this whole local plan.
+        self._local_items = list(plan.items)
+        return plan
+
+    def prepare_global_plan(self, plans):
+        fqns = {it.index.fqn for p in plans for it in p.items}
+        paths = fqn_paths(fqns)
+        return [dataclasses.replace(p, storage_data=paths) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        fut = Future()
+        try:
+            fut.set_result(self._write(plan, planner))
+        except BaseException as e:  # noqa: B036  (DCP gathers it)
+            fut.set_exception(e)
+        return fut
+
+    def finish(self, metadata, results):
+        # The commit in write_data published the checkpoint: .metadata is
+        # ckptfs's own, written by the daemons.
+        return None
+
+    # -- the work
+    def _write(self, plan, planner):
+        items = self._local_items if self._local_items is not None else list(plan.items)
+        paths = plan.storage_data if isinstance(plan.storage_data, dict) else None
+        if paths is None or any(it.index.fqn not in paths for it in items):
+            paths = fqn_paths({it.index.fqn for it in items})
+        ckdir = os.path.join(self.mount, self.name)
+        self._make_checkpoint_dir(ckdir)
+        committed = False
+        try:
+            sizes = self._stage(ckdir, items, paths, planner)
+            _commit(ckdir, self.name, self.commit_mode)
+            committed = True
+        except BaseException as e:
+            if not isinstance(e, CommitError):
+                self._abort(ckdir)
+            try:
+                if os.path.isdir(ckdir) and _status(ckdir)[0] in ("staging", "failed"):
+                    _discard(ckdir)
+            except OSError:
+                pass
+            if isinstance(e, CommitError) and ABORT_ITEM in e.status:
+                raise CommitError(self.name, e.status + "\nanother rank failed while "
+                                  "writing its items: its own error says why",
+                                  ckdir) from None
+            raise
+        assert committed
+        return [WriteResult(index=it.index, size_in_bytes=sizes.get(it.index, 0),
+                            storage_data=paths.get(it.index.fqn)) for it in plan.items]
+
+    def _make_checkpoint_dir(self, ckdir):
+        try:
+            os.mkdir(ckdir)
+            return
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise CkptfsError(f"rank {self.rank}: cannot create {ckdir}: "
+                              f"{e.strerror}") from e
+        st, text = _status(ckdir)
+        if st == "failed":
+            # Our own earlier attempt that failed: it stays staged; start over.
+            _discard(ckdir)
+            os.mkdir(ckdir)
+            return
+        raise CkptfsError(f"rank {self.rank}: checkpoint {self.name!r} already exists "
+                          f"in {self.mount} ({st or 'unknown state'}): pick another "
+                          "checkpoint_id, or remove it first")
+
+    def _stage(self, ckdir, items, paths, planner):
+        made = set()
+        sizes = {}
+        by_fqn = {}
+        for it in items:
+            by_fqn.setdefault(it.index.fqn, []).append(it)
+        for fqn, group in by_fqn.items():
+            base = paths[fqn]
+            explicit = _path_fqn(base) != fqn or len(group) > 1
+            if group[0].type == WriteItemType.BYTE_IO:
+                if len(group) > 1:
+                    raise CkptfsError(f"{fqn}: {len(group)} bytes items under one FQN")
+                data = planner.resolve_data(group[0])
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
+                sizes[group[0].index] = _write_bytes_file(ckdir, base, buf, fqn,
+                                                          explicit, made)
+                continue
+            group.sort(key=lambda it: tuple(it.tensor_data.chunk.offsets))
+            for k, it in enumerate(group):
+                td = it.tensor_data
+                offsets = tuple(td.chunk.offsets)
+                rel = base if k == 0 else f"{base}@{'_'.join(str(o) for o in offsets)}"
+                t = _cpu_contiguous(planner.resolve_data(it))
+                if tuple(t.shape) != tuple(td.chunk.sizes):
+                    raise CkptfsError(f"{fqn}: the planner gave a chunk of shape "
+                                      f"{tuple(t.shape)}, its plan says "
+                                      f"{tuple(td.chunk.sizes)}")
+                sizes[it.index] = _write_tensor_file(ckdir, rel, t, fqn, td.size,
+                                                     offsets, explicit, made)
+        return sizes
+
+    def _abort(self, ckdir):
+        """Fail this save on every rank now rather than at commit_timeout:
+        commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes)."""
+        try:
+            if not os.path.isdir(ckdir) or _status(ckdir)[0] != "staging":
+                return
+            path = os.path.join(ckdir, ABORT_ITEM)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.setxattr(fd, "user.ckpt.dtype", b"float32")
+                os.setxattr(fd, "user.ckpt.shape", b"1")
+            finally:
+                os.close(fd)
+            try:
+                _commit(ckdir, self.name, "sync")
+            except (CkptfsError, OSError):
+                pass
+        except OSError:
+            pass
+
+
+# ---- the reader ----------------------------------------------------------------
+
+def _open_metadata(ckdir):
+    path = os.path.join(ckdir, ".metadata")
+    if not os.path.exists(path):
+        st, text = _status(ckdir)
+        raise CkptfsError(f"{ckdir}: no committed checkpoint there"
+                          + (f" (.status: {st})" if st else ""))
+    return sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+
+
+def _dims(text):
+    text = (text or "").strip()
+    if text in ("", "[]"):
+        return ()
+    return tuple(int(x) for x in text.strip("[]").split(",") if x.strip() != "")
+
+
+def read_catalog(ckdir):
+    """(tensors {fqn: (path, dtype name, shape)}, blobs {fqn: path}) of a
+    committed checkpoint, from its .metadata."""
+    con = _open_metadata(ckdir)
+    try:
+        tensors = {f: (p, dt, _dims(sh)) for f, p, dt, sh in
+                   con.execute("SELECT fqn, path, dtype, shape FROM tensors")}
+        blobs = dict(con.execute("SELECT fqn, path FROM blobs"))
+    finally:
+        con.close()
+    return tensors, blobs
+
+
+def _strides(shape):
+    st = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        st[i] = st[i + 1] * shape[i + 1]
+    return st
+
+
+def _contiguous_start(shape, offsets, lengths):
+    """Element index where block (offsets, lengths) starts when it is one
+    contiguous run of the row-major tensor, else None."""
+    n = len(shape)
+    d = 0
+    while d < n and lengths[d] == 1:
+        d += 1
+    # dims after d must be whole
+    for j in range(d + 1, n):
+        if lengths[j] != shape[j] or offsets[j] != 0:
+            return None
+    st = _strides(shape)
+    return sum(o * s for o, s in zip(offsets, st))
+
+
+def _block_name(base, shape, offsets, lengths):
+    sl = ",".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
+    return f".{base}[{sl}]"
+
+
+def read_block(path, dtype, shape, offsets, lengths, out=None):
+    """The block [offsets, offsets+lengths) of the committed tensor at path
+    (dtype torch dtype, shape its global shape), as a contiguous tensor
+    (into out when given: contiguous, that dtype and shape)."""
+    shape, offsets, lengths = tuple(shape), tuple(offsets), tuple(lengths)
+    if out is None:
+        out = torch.empty(lengths, dtype=dtype)
+    mv = _u8(out)
+    if len(mv) == 0:
+        return out
+    isz = out.element_size()
+    start = _contiguous_start(shape, offsets, lengths)
+    if start is not None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _pread_into(fd, mv, start * isz, path)
+        finally:
+            os.close(fd)
+        return out
+    d, base = os.path.split(path)
+    bpath = os.path.join(d, _block_name(base, shape, offsets, lengths))
+    try:
+        fd = os.open(bpath, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    if fd is not None:
+        try:
+            _pread_into(fd, mv, 0, bpath)
+        finally:
+            os.close(fd)
+        return out
+    # A ckptfs without block files: read rows of the outermost dimension
+    # in groups, each group one contiguous span, and copy the block out.
+    st = _strides(shape)
+    row = st[0] * isz
+    span_rows = max(1, IO_STEP // max(row, 1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        r = 0
+        while r < lengths[0]:
+            n = min(span_rows, lengths[0] - r)
+            buf = torch.empty((n,) + shape[1:], dtype=dtype)
+            _pread_into(fd, _u8(buf), (offsets[0] + r) * row, path)
+            part = buf
+            for k in range(1, len(shape)):
+                part = part.narrow(k, offsets[k], lengths[k])
+            out.narrow(0, r, n).copy_(part)
+            r += n
+    finally:
+        os.close(fd)
+    return out
+
+
+class Reader(StorageReader):
+    """DCP StorageReader over ckptfs rank mounts (any world size: every
+    mount shows the whole committed checkpoint).
+
+    mount: the rank's mount, "%r" replaced by the rank. threads: how many
+    reads run at once (FUSE serves them in parallel)."""
+
+    def __init__(self, mount, *, threads=4, checkpoint_id=None):
+        super().__init__()
+        self.mount_spec = os.fspath(mount)
+        self.threads = max(1, int(threads))
+        self.rank = None
+        self.name = None
+        self.checkpoint_id = None
+        self._tensors = None
+        self._blobs = None
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    def reset(self, checkpoint_id=None):
+        self.checkpoint_id = checkpoint_id
+        self.name = None if checkpoint_id is None else checkpoint_name(checkpoint_id)
+        self._tensors = self._blobs = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return Writer.validate_checkpoint_id(checkpoint_id)
+
+    def _ckdir(self, rank=None):
+        if self.rank is None or rank is not None:
+            self.rank = default_rank() if rank is None else int(rank)
+        if self.name is None:
+            raise ValueError("ckptfs.dcp.Reader: pass checkpoint_id=NAME to dcp.load")
+        return os.path.join(rank_mount(self.mount_spec, self.rank), self.name)
+
+    def read_metadata(self, *args, **kwargs):
+        ckdir = self._ckdir(kwargs.get("rank"))
+        self._tensors, self._blobs = read_catalog(ckdir)
+        md = {}
+        storage = {}
+        for fqn, (path, dt, shape) in self._tensors.items():
+            if dt not in _TORCH:
+                raise CkptfsError(f"{fqn}: dtype {dt} is not available in this torch")
+            size = torch.Size(shape)
+            zeros = torch.Size([0] * len(shape))
+            md[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_TORCH[dt]), size=size,
+                chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)])
+            storage[MetadataIndex(fqn, zeros)] = path
+        for fqn, path in self._blobs.items():
+            md[fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn)] = path
+        return Metadata(state_dict_metadata=md,
+                        planner_data={f: (f,) for f in md},
+                        storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=self.name,
+                                                 load_id=uuid.uuid4().hex))
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        rank = kwargs.get("rank")
+        if rank is not None:
+            self.rank = int(rank)
+        if self._tensors is None:
+            self._tensors, self._blobs = read_catalog(self._ckdir())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        fut = Future()
+        try:
+            self._read(plan, planner)
+            fut.set_result(None)
+        except BaseException as e:  # noqa: B036
+            fut.set_exception(e)
+        return fut
+
+    def _read(self, plan, planner):
+        ckdir = self._ckdir(self.rank)
+        lock = threading.Lock()
+        tensors = []
+        for ri in plan.items:
+            fqn = ri.storage_index.fqn
+            if ri.type == LoadItemType.BYTE_IO:
+                if fqn not in self._blobs:
+                    raise CkptfsError(f"{fqn}: not a bytes item of {ckdir}")
+                data = _read_file(os.path.join(ckdir, self._blobs[fqn]))
+                planner.load_bytes(ri, io.BytesIO(data))
+            else:
+                if fqn not in self._tensors:
+                    raise CkptfsError(f"{fqn}: not a tensor of {ckdir}")
+                tensors.append(ri)
+
+        def one(ri):
+            fqn = ri.storage_index.fqn
+            path, dt, shape = self._tensors[fqn]
+            dtype = _TORCH[dt]
+            with lock:
+                target = planner.resolve_tensor(ri).detach()
+            lengths = tuple(ri.lengths)
+            if tuple(target.shape) != lengths:
+                raise CkptfsError(f"{fqn}: the load plan wants {lengths}, its "
+                                  f"target is {tuple(target.shape)}")
+            if (target.dtype == dtype and target.device.type == "cpu"
+                    and target.is_contiguous()):
+                read_block(os.path.join(ckdir, path), dtype, shape,
+                           ri.storage_offsets, lengths, out=target)
+            else:
+                blk = read_block(os.path.join(ckdir, path), dtype, shape,
+                                 ri.storage_offsets, lengths)
+                target.copy_(blk)
+            with lock:
+                planner.commit_tensor(ri, target)
+
+        if self.threads == 1 or len(tensors) <= 1:
+            for ri in tensors:
+                one(ri)
+        else:
+            with ThreadPoolExecutor(min(self.threads, len(tensors))) as ex:
+                for f in [ex.submit(one, ri) for ri in tensors]:
+                    f.result()
+
+
+# ---- moving checkpoints between ckptfs and stock DCP directories ----------
+
+def _mountinfo():
+    out = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            out[mp] = (fields[sep + 1], fields[sep + 2])
+    return out
+
+
+def _is_ckptfs_mount(path):
+    info = _mountinfo().get(os.path.realpath(path))
+    return info is not None and info[0] == "fuse.ckptfs"
+
+
+def _binary(binary=None):
+    import shutil
+    cand = binary or os.environ.get("CKPTFS_BIN") or shutil.which("ckptfs")
+    if not cand or not os.access(cand, os.X_OK):
+        raise CkptfsError("no ckptfs binary to mount BACKING_DIR with: pass binary=, "
+                          "set CKPTFS_BIN, or put ckptfs on PATH")
+    return cand
+
+
+class _Mounted:
+    """target itself when it is a ckptfs mount (it must be a world of one
+    rank: the commit is collective), else a one-rank mount of target (a
+    BACKING_DIR) on a temporary directory for the duration."""
+
+    def __init__(self, target, binary=None, timeout=60):
+        self.target = os.fspath(target)
+        self.binary = binary
+        self.timeout = timeout
+        self.proc = None
+        self.tmp = None
+
+    def __enter__(self):
+        import subprocess
+        import tempfile
+        import time
+        if _is_ckptfs_mount(self.target):
+            return self.target
+        if not os.path.isdir(self.target):
+            raise CkptfsError(f"{self.target}: neither a ckptfs mount nor a BACKING_DIR")
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-dcp-")
+        self.log = open(os.path.join(self.tmp + ".log"), "w+b")
+        mnt = os.path.join(self.tmp, "mnt")
+        os.mkdir(mnt)
+        self.proc = subprocess.Popen([_binary(self.binary), "-f", self.target, mnt],
+                                     stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while not _is_ckptfs_mount(mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._close()
+                raise CkptfsError(f"cannot mount {self.target}: {self._log_text()}")
+            time.sleep(0.02)
+        self.mnt = mnt
+        return mnt
+
+    def _log_text(self):
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-2000:]
+
+    def _close(self):
+        import shutil
+        import subprocess
+        if self.proc is not None:
+            mnt = os.path.join(self.tmp, "mnt")
+            for _ in range(100):
+                if not _is_ckptfs_mount(mnt):
+                    break
+                if subprocess.run(["fusermount3", "-u", mnt],
+                                  capture_output=True).returncode == 0:
+                    break
+                import time
+                time.sleep(0.1)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self.tmp:
+            self.log.close()
+            os.unlink(self.tmp + ".log")
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def __exit__(self, *exc):
+        self._close()
+        return False
+
+
+def import_checkpoint(dcp_dir, target, name, *, binary=None, batch_bytes=1 << 30):
+    """Bring the checkpoint that stock DCP (dcp.save with FileSystemWriter)
+    wrote to dcp_dir into ckptfs as NAME, bit for bit: every tensor whole
+    (assembled by DCP's own reader from torch.save'd chunks of any stride),
+    every bytes/object item with its stored bytes unchanged. target: a
+    one-rank ckptfs mount, or a BACKING_DIR (mounted for the import).
+    Tensors are read batch_bytes at a time."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    name = checkpoint_name(name)
+    md = FileSystemReader(dcp_dir).read_metadata()
+    sdm = md.state_dict_metadata
+    paths = fqn_paths(sdm)
+    with _Mounted(target, binary) as mnt:
+        ckdir = os.path.join(mnt, name)
+        try:
+            os.mkdir(ckdir)
+        except FileExistsError:
+            raise CkptfsError(f"{name}: a checkpoint of that name exists in {mnt}") from None
+        made = set()
+        try:
+            for fqn, m in sdm.items():
+                if isinstance(m, BytesStorageMetadata):
+                    info = md.storage_data[MetadataIndex(fqn)]
+                    if getattr(info, "transform_descriptors", None):
+                        raise CkptfsError(f"{fqn}: stored with transforms "
+                                          f"{info.transform_descriptors}: not supported")
+                    with open(os.path.join(dcp_dir, info.relative_path), "rb") as f:
+                        f.seek(info.offset)
+                        data = f.read(info.length)
+                    if len(data) != info.length:
+                        raise CkptfsError(f"{fqn}: {info.relative_path} is truncated")
+                    _write_bytes_file(ckdir, paths[fqn], data, fqn,
+                                      _path_fqn(paths[fqn]) != fqn, made)
+            batch, size = {}, 0
+            tensors = [(f, m) for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)]
+            for i, (fqn, m) in enumerate(tensors):
+                t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                batch[fqn] = t
+                size += t.numel() * t.element_size()
+                if size >= batch_bytes or i == len(tensors) - 1:
+                    dcp_load(batch, storage_reader=FileSystemReader(dcp_dir),
+                             planner=DefaultLoadPlanner(allow_partial_load=True),
+                             no_dist=True)
+                    for f, bt in batch.items():
+                        m_ = sdm[f]
+                        _write_tensor_file(ckdir, paths[f], bt, f, tuple(m_.size),
+                                           (0,) * len(m_.size),
+                                           _path_fqn(paths[f]) != f, made)
+                    batch, size = {}, 0
+            _commit(ckdir, name, "sync")
+        except BaseException:
+            try:
+                if _status(ckdir)[0] in ("staging", "failed"):
+                    _discard(ckdir)
+            except OSError:
+                pass
+            raise
+    return name
+
+
+def export_checkpoint(source, name, dcp_dir, *, binary=None):
+    """Write committed checkpoint NAME (source: a ckptfs mount, or a
+    BACKING_DIR, mounted for the export) to dcp_dir as stock DCP does
+    (one __0_0.distcp of torch.save'd tensors and the bytes items, and a
+    pickled .metadata), so dcp.load(checkpoint_id=dcp_dir) reads it at any
+    world size. Bytes items that are not torch.save output (files written
+    by other tools) are stored as a torch.save'd bytes object."""
+    import pickle
+    from torch.distributed.checkpoint._version import _derived_version
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    name = checkpoint_name(name)
+    os.makedirs(dcp_dir, exist_ok=True)
+    if os.path.exists(os.path.join(dcp_dir, ".metadata")):
+        raise CkptfsError(f"{dcp_dir} already holds a DCP checkpoint (.metadata)")
+    data_name = "__0_0.distcp"
+    md = {}
+    storage = {}
+    with _Mounted(source, binary) as mnt:
+        ckdir = os.path.join(mnt, name)
+        tensors, blobs = read_catalog(ckdir)
+        tmp = os.path.join(dcp_dir, data_name + ".tmp")
+        with open(tmp, "wb") as out:
+            for fqn, (path, dt, shape) in sorted(tensors.items()):
+                if dt not in _TORCH:
+                    raise CkptfsError(f"{fqn}: dtype {dt} is not available in this torch")
+                t = read_block(os.path.join(ckdir, path), _TORCH[dt], shape,
+                               (0,) * len(shape), shape)
+                buf = io.BytesIO()
+                torch.save(t, buf)
+                off = out.tell()
+                out.write(buf.getbuffer())
+                size = torch.Size(shape)
+                zeros = torch.Size([0] * len(shape))
+                md[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=_TORCH[dt]), size=size,
+                    chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)])
+                storage[MetadataIndex(fqn, zeros)] = _StorageInfo(data_name, off,
+                                                                  len(buf.getbuffer()))
+            for fqn, path in sorted(blobs.items()):
+                data = _read_file(os.path.join(ckdir, path))
+                if not data.startswith(b"PK\x03\x04"):
+                    b = io.BytesIO()
+                    torch.save(data, b)
+                    data = b.getvalue()
+                off = out.tell()
+                out.write(data)
+                md[fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(fqn)] = _StorageInfo(data_name, off, len(data))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, os.path.join(dcp_dir, data_name))
+    meta = Metadata(state_dict_metadata=md,
+                    planner_data={f: tuple(f.split(".")) for f in md},
+                    storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=dcp_dir, save_id=uuid.uuid4().hex))
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+        meta.version = CURRENT_DCP_VERSION
+    except ImportError:
+        meta.version = _derived_version
+    tmp = os.path.join(dcp_dir, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(dcp_dir, ".metadata"))
+    return dcp_dir
+
+
+def main(argv=None):
+    """ckptfs-dcp import DCP_DIR TARGET NAME | export SOURCE NAME DCP_DIR"""
+    import argparse
+    ap = argparse.ArgumentParser(prog="ckptfs-dcp", description=(
+        "Move checkpoints between ckptfs and stock torch.distributed.checkpoint "
+        "directories. TARGET/SOURCE: a one-rank ckptfs mount, or a BACKING_DIR "
+        "(mounted for the duration with the ckptfs binary: --bin, $CKPTFS_BIN "
+        "or PATH)."))
+    ap.add_argument("--bin", default=None, help="the ckptfs binary")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("import", help="a stock DCP directory into ckptfs as NAME")
+    i.add_argument("dcp_dir")
+    i.add_argument("target")
+    i.add_argument("name")
+    e = sub.add_parser("export", help="committed NAME to a stock DCP directory")
+    e.add_argument("source")
+    e.add_argument("name")
+    e.add_argument("dcp_dir")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "import":
+            import_checkpoint(a.dcp_dir, a.target, a.name, binary=a.bin)
+            print(f"{a.name}: imported from {a.dcp_dir} into {a.target}")
+        else:
+            export_checkpoint(a.source, a.name, a.dcp_dir, binary=a.bin)
+            print(f"{a.name}: exported to {a.dcp_dir} (stock DCP format)")
+    except (CkptfsError, ValueError, OSError) as err:
+        print(f"ckptfs-dcp: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

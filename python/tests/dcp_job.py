@@ -1,0 +1,280 @@
+"""One rank of a DCP job over ckptfs rank mounts, started by test_dcp.py
+under mpirun (gloo on 127.0.0.1:$MASTER_PORT):
+
+    dcp_job.py SCENARIO MOUNT NAME [ARGS]
+
+Every tensor's content follows from its name (make()), so a loader at any
+world size knows what it must read, bit for bit. Each rank prints one JSON
+line "RESULT {...}" on success; any mismatch raises (non-zero exit).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import ckptfs
+import ckptfs.dcp
+
+RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+WS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+
+# Not path-safe FQNs (user.ckpt.fqn): an empty part, a '/', a 300-byte part,
+# a part starting with '.', and a file whose path another FQN needs as a
+# directory.
+ODD_KEYS = ["a..b", "x/y", "p" * 300, "q..hidden", "dir", "dir.leaf"]
+
+
+def make(name, shape, dtype=torch.float32):
+    """The tensor called name: the same in every process."""
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point or dtype.is_complex:
+        t = torch.randn(shape, generator=g, dtype=torch.float64)
+        if dtype.is_complex:
+            t = torch.complex(t, torch.randn(shape, generator=g, dtype=torch.float64))
+        return t.to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(-1000, 1000, shape, generator=g).to(dtype)
+
+
+# name -> (global shape, dtype, placements on a 1-D mesh)
+DTENSORS = {
+    "dt.row": ((10, 6), torch.float32, [Shard(0)]),     # uneven at 4 ranks
+    "dt.col": ((6, 10), torch.float64, [Shard(1)]),
+    "dt.rep": ((4, 4), torch.int64, [Replicate()]),
+    "dt.big": ((256, 128), torch.bfloat16, [Shard(1)]),
+}
+PLAIN = {
+    "rep.w": ((8, 6), torch.float32),
+    "rep.bf": ((5,), torch.bfloat16),
+    "rep.scalar": ((), torch.float64),
+    "rep.empty": ((0, 3), torch.float32),
+    "rep.flags": ((7,), torch.bool),
+}
+OBJECTS = {"obj.step": 1234, "obj.cfg": {"lr": 0.25, "name": "run-7", "betas": (0.9, 0.99)}}
+
+
+def mesh1():
+    return init_device_mesh("cpu", (WS,))
+
+
+def mesh2():
+    return init_device_mesh("cpu", (2, WS // 2), mesh_dim_names=("dp", "tp"))
+
+
+def build_state(zero, odd=False, two_d=None):
+    """The state dict every rank saves (zero: the same structure with
+    zeros, to load into). two_d: add 2-D-mesh DTensors (WS even)."""
+    sd = {}
+    m = mesh1()
+    for name, (shape, dt, pl) in DTENSORS.items():
+        full = torch.zeros(shape, dtype=dt) if zero else make(name, shape, dt)
+        sd[name] = distribute_tensor(full, m, pl)
+    if two_d:
+        m2 = mesh2()
+        for name, pl in (("dt2.ss", [Shard(0), Shard(1)]), ("dt2.rs", [Replicate(), Shard(0)])):
+            full = torch.zeros(8, 12) if zero else make(name, (8, 12))
+            sd[name] = distribute_tensor(full, m2, pl)
+    for name, (shape, dt) in PLAIN.items():
+        sd[name] = torch.zeros(shape, dtype=dt) if zero else make(name, shape, dt)
+    for name, v in OBJECTS.items():
+        sd[name] = None if zero else v
+    if odd:
+        for k in ODD_KEYS:
+            sd[k] = torch.zeros(3, 5) if zero else make(k, (3, 5))
+    return sd
+
+
+def check_state(sd, odd=False, two_d=None, unique_ranks=()):
+    for name, (shape, dt, _pl) in DTENSORS.items():
+        t = sd[name]
+        assert isinstance(t, DTensor), name
+        want = make(name, shape, dt)
+        got = t.full_tensor()
+        assert got.dtype == dt and torch.equal(got, want), f"{name} differs"
+    if two_d:
+        for name in ("dt2.ss", "dt2.rs"):
+            assert torch.equal(sd[name].full_tensor(), make(name, (8, 12))), name
+    for name, (shape, dt) in PLAIN.items():
+        assert sd[name].dtype == dt and torch.equal(sd[name], make(name, shape, dt)), name
+    for name, v in OBJECTS.items():
+        assert sd[name] == v, f"{name}: {sd[name]!r} != {v!r}"
+    if odd:
+        for k in ODD_KEYS:
+            assert torch.equal(sd[k], make(k, (3, 5))), k
+    for r in unique_ranks:
+        k = f"unique.rank{r}"
+        assert torch.equal(sd[k], make(k, (3, 2 + r))), k
+
+
+def mount_of(spec):
+    return ckptfs.dcp.rank_mount(spec, RANK)
+
+
+def result(**kw):
+    kw["rank"] = RANK
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+# ---- scenarios -------------------------------------------------------------------
+
+def save(mount, name, *flags):
+    odd = "odd" in flags
+    two_d = "2d" in flags
+    sd = build_state(False, odd=odd, two_d=two_d)
+    sd[f"unique.rank{RANK}"] = make(f"unique.rank{RANK}", (3, 2 + RANK))
+    t0 = time.monotonic()
+    dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+    st = open(os.path.join(mount_of(mount), name, ".status")).read().split("\n")[0]
+    assert st == "committed", st
+    result(seconds=time.monotonic() - t0)
+
+
+def load(mount, name, saved_ws, *flags):
+    odd = "odd" in flags
+    two_d = "2d" in flags and WS % 2 == 0
+    sd = build_state(True, odd=odd, two_d=two_d)
+    uniques = range(int(saved_ws))
+    for r in uniques:
+        sd[f"unique.rank{r}"] = torch.zeros(3, 2 + r)
+    dcp.load(sd, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(mount))
+    check_state(sd, odd=odd, two_d=two_d, unique_ranks=uniques)
+    # each rank's local shards too
+    for nm, (shape, dt, pl) in DTENSORS.items():
+        want = distribute_tensor(make(nm, shape, dt), mesh1(), pl).to_local()
+        assert torch.equal(sd[nm].to_local(), want), f"{nm}: local shard differs"
+    result(fqns=len(sd))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 8))
+
+
+def _digest(model, optim):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, optim)
+    h = hashlib.sha256()
+    for k in sorted(msd):
+        v = msd[k]
+        v = v.full_tensor() if isinstance(v, DTensor) else v
+        h.update(k.encode() + v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for pk in sorted(osd["state"]):
+        for sk in sorted(osd["state"][pk]):
+            v = osd["state"][pk][sk]
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            if isinstance(v, torch.Tensor):
+                h.update(f"{pk}.{sk}".encode()
+                         + v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fsdp(model):
+    """fully_shard the model on a CPU mesh where this torch can; else keep
+    it replicated (DDP-like)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, mesh=mesh1())
+        return "fully_shard"
+    except Exception as e:  # noqa: BLE001
+        print(f"fully_shard unavailable on CPU: {e!r}", file=sys.stderr)
+        return "replicated"
+
+
+def _step(model, optim, k):
+    g = torch.Generator().manual_seed(100 + k)
+    x = torch.randn(4 * WS, 16, generator=g)[RANK * 4:(RANK + 1) * 4]
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def optim_save(mount, name, async_name):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = _model()
+    how = _fsdp(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for k in range(3):
+        _step(model, optim, k)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=name,
+             storage_writer=ckptfs.dcp.Writer(mount))
+    digest = _digest(model, optim)
+    # async_save, then a training step while it runs
+    msd, osd = get_state_dict(model, optim)
+    t0 = time.monotonic()
+    fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=async_name,
+                         storage_writer=ckptfs.dcp.Writer(mount))
+    stall = time.monotonic() - t0
+    _step(model, optim, 3)  # overlaps the save; changes every parameter
+    overlapped = not fut.done()
+    fut.result()
+    st = open(os.path.join(mount_of(mount), async_name, ".status")).read().split("\n")[0]
+    assert st == "committed", st
+    result(how=how, digest=digest, after_step=_digest(model, optim), stall=stall,
+           overlapped=overlapped)
+
+
+def optim_load(mount, name):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = _model()
+    how = _fsdp(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    _step(model, optim, 99)  # something else, to be overwritten
+    msd, osd = get_state_dict(model, optim)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(mount))
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    result(how=how, digest=_digest(model, optim))
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError(f"rank {RANK}: this object refuses to be saved")
+
+
+def fail_one(mount, name, bad_rank):
+    sd = build_state(False)
+    if RANK == int(bad_rank):
+        sd["obj.bad"] = Unpicklable()
+    else:
+        sd["obj.bad"] = 1
+    t0 = time.monotonic()
+    try:
+        dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+    except Exception as e:  # noqa: BLE001
+        elapsed = time.monotonic() - t0
+        left = os.path.exists(os.path.join(mount_of(mount), name))
+        result(raised=type(e).__name__, message=str(e)[-2000:], seconds=elapsed,
+               staged_left=left)
+        # the same id saves fine afterwards
+        sd["obj.bad"] = 1
+        dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+        return
+    raise AssertionError("dcp.save did not raise")
+
+
+def main():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=RANK, world_size=WS)
+    try:
+        scenario, args = sys.argv[1], sys.argv[2:]
+        globals()[scenario](*args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""ckptfs.dcp, the torch.distributed.checkpoint storage backend, with torch
+2.13.0 under mpirun + gloo over real rank mounts (tests/integration/
+mpi_world.py): DCP save at 2 ranks loaded at 1 and 4, at 4 ranks (2-D
+mesh) loaded at 2; DTensors Shard(0) (uneven), Shard(1), Replicate(),
+2-D meshes; rank-unique and replicated plain tensors; object items; FQNs
+that are not path-safe; model and Adam state of a fully_shard'ed model
+(get_state_dict) loaded at another world size; async_save overlapping a
+training step; an error on one rank raised on every rank; the
+safetensors package reading the .safetensors view; import of a stock DCP
+checkpoint and export to one stock DCP loads. All compared bit for bit.
+The jobs are python/tests/dcp_job.py.
+
+    python3 python/tests/test_dcp.py --bin build/bin/ckptfs
+"""
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import unittest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import CkptfsTestCase, main  # noqa: E402
+from mpi_world import MPIRUN, World, query  # noqa: E402
+from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_job.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DcpCase(CkptfsTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.py = require_torch(self)
+        self.worlds = []
+        self.addCleanup(self._stop_worlds)
+
+    def _stop_worlds(self):
+        for w in self.worlds:
+            w.stop()
+
+    def world(self, n, opts="commit_timeout=120"):
+        root = os.path.join(self.dir, f"w{len(self.worlds)}")
+        log = os.path.join(self.dir, f"world{len(self.worlds)}.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, n, self.backing, root, log, opts=opts)
+        self.worlds.append(w)
+        return w.start()
+
+    def stop(self, w):
+        rc = w.stop()
+        self.assertEqual(rc, 0, f"world of {w.n} exited with {rc}")
+
+    def job(self, n, scenario, mount, *args, timeout=900, expect_ok=True):
+        """Run dcp_job.py SCENARIO under mpirun -np n; {rank: RESULT dict}."""
+        env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                   PYTHONPATH=PACKAGE, PYTHONWARNINGS="ignore")
+        cmd = MPIRUN + ["-np", str(n), "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS",
+                        "-x", "PYTHONPATH", "-x", "PYTHONWARNINGS",
+                        self.py, JOB, scenario, mount] + [str(a) for a in args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=env, stdin=subprocess.DEVNULL)
+        out = {}
+        for line in r.stdout.splitlines():
+            if line.startswith("RESULT "):
+                d = json.loads(line[7:])
+                out[d["rank"]] = d
+        if expect_ok:
+            self.assertEqual(r.returncode, 0, f"{scenario} at {n} ranks:\n"
+                             f"{r.stdout[-5000:]}\n{r.stderr[-8000:]}")
+            self.assertEqual(sorted(out), list(range(n)), r.stdout[-3000:])
+        return out
+
+    def spec(self, w):
+        return os.path.join(w.root, "rank%r")
+
+
+class SaveLoad(DcpCase):
+
+    def test_save_2_load_1_and_4(self):
+        w2 = self.world(2)
+        self.job(2, "save", self.spec(w2), "s2", "odd")
+        # what ckptfs holds: each DTensor once, every FQN exactly
+        db = os.path.join(w2.mnt(0), "s2", ".metadata")
+        fqns = {r[0] for r in query(db, "SELECT fqn FROM tensors")}
+        for f in ("dt.row", "dt.col", "dt.rep", "dt.big", "rep.w", "unique.rank0",
+                  "unique.rank1", "a..b", "x/y", "p" * 300, "q..hidden", "dir", "dir.leaf"):
+            self.assertIn(f, fqns)
+        blobs = {r[0] for r in query(db, "SELECT fqn FROM blobs")}
+        self.assertLessEqual({"obj.step", "obj.cfg.lr", "obj.cfg.name", "obj.cfg.betas"},
+                             blobs)
+        # dt.col (Shard(1)) was saved as two column chunks
+        chunks = query(db, "SELECT offsets, sizes FROM chunks WHERE fqn='dt.col' ORDER BY offsets")
+        self.assertEqual(chunks, [("[0,0]", "[6,5]"), ("[0,5]", "[6,5]")])
+        self.stop(w2)
+        w4 = self.world(4)
+        self.job(4, "load", self.spec(w4), "s2", 2, "odd")
+        self.stop(w4)
+        w1 = self.world(1)
+        self.job(1, "load", self.spec(w1), "s2", 2, "odd")
+
+    def test_save_4_two_d_mesh_load_2(self):
+        w4 = self.world(4)
+        self.job(4, "save", self.spec(w4), "s4", "2d")
+        self.stop(w4)
+        w2 = self.world(2)
+        self.job(2, "load", self.spec(w2), "s4", 4, "2d")
+
+
+class Optimizer(DcpCase):
+
+    def test_fully_sharded_adam_state_and_async_save(self):
+        w2 = self.world(2)
+        out = self.job(2, "optim_save", self.spec(w2), "opt", "opt-async")
+        digest = out[0]["digest"]
+        self.assertEqual(out[1]["digest"], digest)
+        self.assertNotEqual(out[0]["after_step"], digest, "the step changed nothing")
+        print(f"optimizer: {out[0]['how']}, async_save stall {out[0]['stall']:.3f} s, "
+              f"overlapped a step: {out[0]['overlapped']}", file=sys.stderr)
+        self.stop(w2)
+        w1 = self.world(1)
+        for name in ("opt", "opt-async"):
+            got = self.job(1, "optim_load", self.spec(w1), name)
+            self.assertEqual(got[0]["digest"], digest, f"{name} at 1 rank")
+        self.stop(w1)
+        w4 = self.world(4)
+        got = self.job(4, "optim_load", self.spec(w4), "opt-async")
+        self.assertEqual({d["digest"] for d in got.values()}, {digest})
+
+
+class Errors(DcpCase):
+
+    def test_error_on_one_rank_raises_on_every_rank(self):
+        w2 = self.world(2, opts="commit_timeout=60")
+        out = self.job(2, "fail_one", self.spec(w2), "bad", 1)
+        for r in (0, 1):
+            self.assertEqual(out[r]["raised"], "CheckpointException", out[r])
+            self.assertLess(out[r]["seconds"], 60, out[r])
+            self.assertFalse(out[r]["staged_left"], out[r])
+        self.assertIn("refuses to be saved", out[1]["message"])
+        self.assertIn("another rank failed", out[0]["message"] + out[1]["message"])
+        # the retry committed
+        self.assertTrue(os.path.exists(os.path.join(w2.mnt(0), "bad", ".metadata")))
+
+    def test_commit_error_pickles(self):
+        code = r'''
+import pickle, ckptfs
+e = ckptfs.CommitError("step-1", "failed\nw: rank 1 wrote 4 bytes, 8 expected", "/m/step-1")
+f = pickle.loads(pickle.dumps(e))
+assert type(f) is ckptfs.CommitError and str(f) == str(e) and f.status == e.status, (f, e)
+assert f.name == "step-1" and f.path == "/m/step-1"
+'''
+        run_py(self, sys.executable, code)
+
+
+class Paths(unittest.TestCase):
+
+    def test_fqn_paths(self):
+        sys.path.insert(0, PACKAGE)
+        py = require_torch(self)
+        code = r'''
+from ckptfs.dcp import fqn_paths
+p = fqn_paths(["model.l0.w", "a..b", "x/y", "dir", "dir.leaf", ".h", "_fqn.z", "e" * 256])
+assert p["model.l0.w"] == "model/l0/w", p
+assert p["dir.leaf"] == "dir/leaf" and p["_fqn.z"] == "_fqn/z", p
+for k in ("a..b", "x/y", "dir", ".h", "e" * 256):
+    assert p[k].startswith("_fqn1/") and len(p[k]) == 6 + 40, (k, p[k])
+assert len(set(p.values())) == len(p)
+assert fqn_paths(["b", "a"]) == fqn_paths(["a", "b"])
+'''
+        run_py(self, py, code)
+
+
+class Formats(DcpCase):
+
+    def test_safetensors_package_reads_the_view(self):
+        w1 = self.world(1)
+        self.job(1, "save", self.spec(w1), "st")
+        view = os.path.join(w1.mnt(0), "st", ".safetensors", "model.safetensors")
+        code = r'''
+import sys, torch, numpy as np
+sys.path.insert(0, sys.argv[2])
+from dcp_job import make, DTENSORS, PLAIN
+from safetensors import safe_open
+from safetensors.torch import load_file
+from safetensors.numpy import load_file as load_np
+path = sys.argv[1]
+want = {n: make(n, s, d) for n, (s, d, _p) in DTENSORS.items()}
+want.update({n: make(n, s, d) for n, (s, d) in PLAIN.items()})
+sd = load_file(path)
+for n, t in want.items():
+    assert n in sd, (n, sorted(sd))
+    assert sd[n].dtype == t.dtype and torch.equal(sd[n], t), n
+with safe_open(path, "pt") as f:
+    sl = f.get_slice("dt.big")
+    assert torch.equal(sl[100:200, 64:128], want["dt.big"][100:200, 64:128])
+    assert torch.equal(f.get_tensor("rep.w"), want["rep.w"])
+npd = load_np(path)
+assert np.array_equal(npd["dt.col"], want["dt.col"].numpy())
+print("ok", len(sd))
+'''
+        out = run_py(self, self.py, code, view, os.path.dirname(JOB))
+        self.assertTrue(out.startswith("ok"), out)
+
+    def test_import_stock_dcp_and_export_to_it(self):
+        stock = os.path.join(self.dir, "stock")
+        out = os.path.join(self.dir, "exported")
+        # a stock checkpoint written by dcp.save at 2 ranks (FileSystemWriter),
+        # with non-contiguous chunks (transposed and strided views)
+        code_save = r'''
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+sys.path.insert(0, sys.argv[2])
+from dcp_job import make
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"]); ws = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+dist.init_process_group("gloo", rank=rank, world_size=ws)
+m = init_device_mesh("cpu", (ws,))
+sd = {"w": distribute_tensor(make("w", (12, 7)), m, [Shard(0)]),
+      "wt": make("wt", (9, 4)).t(),                      # a transposed view
+      "strided": make("strided", (10, 6), torch.float64)[::2, 1::2],
+      "bf": make("bf", (33,), torch.bfloat16),
+      "nested": {"i": make("i", (5,), torch.int32), "obj": {"k": [1, 2]}}}
+dcp.save(sd, checkpoint_id=sys.argv[1])
+dist.destroy_process_group()
+'''
+        env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                   PYTHONPATH=PACKAGE, PYTHONWARNINGS="ignore")
+        r = subprocess.run(MPIRUN + ["-np", "2", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
+                                     "-x", "OMP_NUM_THREADS", "-x", "PYTHONWARNINGS",
+                                     self.py, "-c", code_save, stock, os.path.dirname(JOB)],
+                           capture_output=True, text=True, timeout=600, env=env)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        # import into BACKING_DIR (the package mounts it for the import)
+        code_imp = r'''
+import sys, ckptfs.dcp
+ckptfs.dcp.import_checkpoint(sys.argv[1], sys.argv[2], "imported", binary=sys.argv[3])
+'''
+        run_py(self, self.py, code_imp, stock, self.backing, ckptfs_util.BIN)
+        self.assertTrue(os.path.exists(os.path.join(self.backing, "imported", ".metadata")))
+        m = self.mount()
+        code_chk = r'''
+import sys, torch, numpy as np
+sys.path.insert(0, sys.argv[2])
+from dcp_job import make
+ck = sys.argv[1]
+def t(rel, dt, shape):
+    return torch.frombuffer(bytearray(open(f"{ck}/{rel}", "rb").read()), dtype=dt).reshape(shape)
+assert torch.equal(t("w", torch.float32, (12, 7)), make("w", (12, 7)))
+assert torch.equal(t("wt", torch.float32, (4, 9)), make("wt", (9, 4)).t())
+assert torch.equal(t("strided", torch.float64, (5, 3)), make("strided", (10, 6), torch.float64)[::2, 1::2])
+assert torch.equal(t("bf", torch.bfloat16, (33,)), make("bf", (33,), torch.bfloat16))
+assert torch.equal(t("nested/i", torch.int32, (5,)), make("i", (5,), torch.int32))
+import io
+assert torch.load(io.BytesIO(open(f"{ck}/nested/obj/k", "rb").read()), weights_only=False) == [1, 2]
+print("ok")
+'''
+        run_py(self, self.py, code_chk, os.path.join(m.mnt, "imported"), os.path.dirname(JOB))
+        # export the imported checkpoint back to a stock DCP directory
+        code_exp = r'''
+import sys, ckptfs.dcp
+ckptfs.dcp.export_checkpoint(sys.argv[1], "imported", sys.argv[2])
+'''
+        run_py(self, self.py, code_exp, m.mnt, out)
+        code_load = r'''
+import sys, torch, torch.distributed.checkpoint as dcp
+sys.path.insert(0, sys.argv[3])
+from dcp_job import make
+for d in (sys.argv[1], sys.argv[2]):
+    sd = {"w": torch.zeros(12, 7), "wt": torch.zeros(4, 9), "strided": torch.zeros(5, 3, dtype=torch.float64),
+          "bf": torch.zeros(33, dtype=torch.bfloat16), "nested": {"i": torch.zeros(5, dtype=torch.int32), "obj": {"k": None}}}
+    dcp.load(sd, checkpoint_id=d)
+    assert torch.equal(sd["w"], make("w", (12, 7))), d
+    assert torch.equal(sd["wt"], make("wt", (9, 4)).t()), d
+    assert torch.equal(sd["strided"], make("strided", (10, 6), torch.float64)[::2, 1::2]), d
+    assert torch.equal(sd["bf"], make("bf", (33,), torch.bfloat16)), d
+    assert torch.equal(sd["nested"]["i"], make("i", (5,), torch.int32)), d
+    assert sd["nested"]["obj"]["k"] == [1, 2], d
+print("ok")
+'''
+        run_py(self, self.py, code_load, stock, out, os.path.dirname(JOB),
+               env={"PYTHONWARNINGS": "ignore"})
+
+
+if __name__ == "__main__":
+    main()
