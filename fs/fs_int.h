@@ -277,6 +277,9 @@ typedef enum {
   CKPT_NODE_VNPY,     /* NAME/.npy/PATH.npy of a tensor */
   CKPT_NODE_VST,      /* a file of NAME/.safetensors */
   CKPT_NODE_VINDEX,   /* NAME/.safetensors/model.safetensors.index.json */
+  CKPT_NODE_CBLOCK,   /* DIR/.N[a:b,...]: a block of committed tensor N
+                         (blocks.c); made at lookup, not listed, freed
+                         when the kernel forgets it */
 } ckpt_node_kind_t;
 
 typedef enum {
@@ -313,11 +316,14 @@ struct ckpt_node {
   struct timespec ctime;
   struct timespec atime;
   uint32_t nsubdirs;      /* directory: child directories (st_nlink - 2) */
+  uint64_t nlookup;       /* CBLOCK: lookups the kernel has not forgotten;
+                             fs->lock */
   union {
     ckpt_sfile_t *sf;     /* SFILE */
     uint32_t tensor;      /* CTENSOR, VNPY: index into ck->meta->tensors */
     uint32_t shard;       /* VST: the safetensors file */
     uint32_t blob;        /* CBLOB: index into ck->meta->blobs */
+    struct ckpt_block *block; /* CBLOCK (owned) */
   } u;
 };
 
@@ -493,6 +499,32 @@ uint64_t ckpt__view_size(const ckpt_node_t *n);
 /* Serve a read of view file n (replies to req). */
 void ckpt__view_read(fuse_req_t req, ckpt_node_t *n,
                      size_t size, uint64_t off);
+
+/* ------------------------------------------------------------------------
+ * Block files of a committed checkpoint (blocks.c): DIR/.N[a0:b0,...].
+ * ---------------------------------------------------------------------- */
+typedef struct ckpt_block {
+  uint32_t tensor;  /* index into ck->meta->tensors */
+  int ndim;
+  uint64_t bytes;   /* the block's size */
+  int64_t dims[];   /* lo[ndim], then sizes[ndim] */
+} ckpt_block_t;
+
+/* Is name in dir a block file name to resolve (dir a directory of a
+ * committed checkpoint, name ".N[...]")? fs->lock held. */
+bool ckpt__block_name(const ckpt_node_t *dir, const char *name);
+/* The block node of name in dir: the one made before, or a new one. 0
+ * with *out, -ENOENT (no tensor N, a 0-d one, a malformed name or bounds
+ * outside the shape) or -ENOMEM. Counts the lookup. fs->lock held. */
+int ckpt__block_lookup(ckpt_fs_t *fs, ckpt_node_t *dir, const char *name,
+                       ckpt_node_t **out);
+/* The kernel forgot nlookup lookups of n: a block node it no longer
+ * knows leaves the tree (freed once unreferenced). fs->lock held. */
+void ckpt__block_forget(ckpt_fs_t *fs, ckpt_node_t *n, uint64_t nlookup);
+void ckpt__block_free(ckpt_block_t *b);
+/* Serve a read of block file n (replies to req). */
+void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
+                      uint64_t off);
 
 /* ------------------------------------------------------------------------
  * Saves (save.c).

@@ -194,6 +194,8 @@ static void node_free(ckpt_fs_t *fs, ckpt_node_t *n) {
   hash_remove_ino(fs, n);
   if (n->kind == CKPT_NODE_SFILE)
     ckpt__sfile_free(n->u.sf);
+  if (n->kind == CKPT_NODE_CBLOCK)
+    ckpt__block_free(n->u.block);
   if (n->ck)
     ckpt__ckpt_unref(fs, n->ck);
   free(n->name);

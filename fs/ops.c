@@ -96,7 +96,7 @@ static void put_node(ckpt_fs_t *fs, ckpt_node_t *n) {
 static bool is_committed_kind(ckpt_node_kind_t k) {
   return k == CKPT_NODE_CDIR || k == CKPT_NODE_CTENSOR ||
          k == CKPT_NODE_CBLOB || k == CKPT_NODE_METADATA ||
-         ckpt__is_view_kind(k);
+         k == CKPT_NODE_CBLOCK || ckpt__is_view_kind(k);
 }
 
 /* May the staged contents of ck change? 0, -EBUSY or -EROFS. fs->lock. */
@@ -314,6 +314,9 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   case CKPT_NODE_VST:
   case CKPT_NODE_VINDEX:
     st->st_size = (off_t)ckpt__view_size(n);
+    break;
+  case CKPT_NODE_CBLOCK:
+    st->st_size = (off_t)n->u.block->bytes;
     break;
   default:
     break;
@@ -574,11 +577,13 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   }
   if (!p)
     rc = ESTALE;
+  else if ((!n || n->kind == CKPT_NODE_CBLOCK) && ckpt__block_name(p, name))
+    rc = -ckpt__block_lookup(fs, p, name, &n); /* a block file */
   else if (!n || n->hidden)
     rc = ENOENT;
   else if (n->kind == CKPT_NODE_VROOT && ckpt__views_populate(fs, n) < 0)
     rc = ENOMEM; /* a view is filled at its first lookup */
-  else
+  if (rc == 0)
     fill_entry(fs, n, &e);
   pthread_mutex_unlock(&fs->lock);
   if (rc)
@@ -917,8 +922,8 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = -EISDIR;
   else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS)
     rc = -EPERM;
-  else if (ckpt__is_view_kind(n->kind))
-    rc = -EROFS;
+  else if (ckpt__is_view_kind(n->kind) || n->kind == CKPT_NODE_CBLOCK)
+    rc = -EROFS; /* not an entry of the checkpoint */
   else if (is_committed_kind(n->kind) && (rc = start_removal(fs, n->ck)) == 0)
     n->hidden = true;
   else if ((rc = staged_writable(n->ck)) == 0)
@@ -931,7 +936,8 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
 static bool has_visible(const ckpt_node_t *dir) {
   for (const ckpt_node_t *c = dir->children; c; c = c->next)
     if (!c->hidden && c->kind != CKPT_NODE_COMMIT &&
-        c->kind != CKPT_NODE_STATUS && c->kind != CKPT_NODE_VROOT)
+        c->kind != CKPT_NODE_STATUS && c->kind != CKPT_NODE_VROOT &&
+        c->kind != CKPT_NODE_CBLOCK)
       return true;
   return false;
 }
@@ -1193,6 +1199,11 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     ckpt__view_read(req, n, size, (uint64_t)off);
     return;
   }
+  if (n->kind == CKPT_NODE_CBLOCK) {
+    HANDLE_REPLIED(h);
+    ckpt__block_read(req, n, size, (uint64_t)off);
+    return;
+  }
   if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
     const ckpt_stored_t *cs = &n->ck->stored;
     int bad = ckpt_stored_verify(cs, ckpt__node_item(n), size, (uint64_t)off);
@@ -1337,7 +1348,8 @@ static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
   for (ckpt_node_t *c = n->children, *nx; c && rc == 0; c = nx) {
     nx = c->next;
     if (c->hidden || c->kind == CKPT_NODE_COMMIT ||
-        c->kind == CKPT_NODE_STATUS || c->kind == CKPT_NODE_VROOT)
+        c->kind == CKPT_NODE_STATUS || c->kind == CKPT_NODE_VROOT ||
+        c->kind == CKPT_NODE_CBLOCK)
       continue;
     if (n->kind == CKPT_NODE_ROOT && c->ck->state == CKPT_COMMITTED) {
       presence_t pr = scan_lookup(sc, c);
@@ -1595,19 +1607,23 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     else
       fuse_reply_buf(req, buf, (size_t)rc);
     free(buf);
-  } else if (n->kind == CKPT_NODE_CTENSOR) {
-    const ckpt_tensor_meta_t *t = &n->ck->meta->tensors[n->u.tensor];
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOCK) {
+    bool blk = n->kind == CKPT_NODE_CBLOCK;
+    const ckpt_tensor_meta_t *t =
+        &n->ck->meta->tensors[blk ? n->u.block->tensor : n->u.tensor];
+    /* A block file's shape is the block's. */
+    const int64_t *shape = blk ? n->u.block->dims + t->ndim : t->shape;
     int idx = ckpt__xattr_index(name);
     if (idx == CKPT_X_DTYPE) {
       const char *v = ckpt_dtype_name(t->dtype);
       reply_xattr_value(req, v, strlen(v), size);
     } else if (idx == CKPT_X_SHAPE) {
-      int len = ckpt_dims_format(t->shape, t->ndim, CKPT_DIMS_CSV, NULL, 0);
+      int len = ckpt_dims_format(shape, t->ndim, CKPT_DIMS_CSV, NULL, 0);
       char *v = malloc((size_t)len + 1);
       if (!v) {
         fuse_reply_err(req, ENOMEM);
       } else {
-        ckpt_dims_format(t->shape, t->ndim, CKPT_DIMS_CSV, v, (size_t)len + 1);
+        ckpt_dims_format(shape, t->ndim, CKPT_DIMS_CSV, v, (size_t)len + 1);
         reply_xattr_value(req, v, (size_t)len, size);
         free(v);
       }
@@ -1638,7 +1654,7 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
     else
       fuse_reply_buf(req, buf, (size_t)rc);
     free(buf);
-  } else if (n->kind == CKPT_NODE_CTENSOR) {
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOCK) {
     static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
     reply_xattr_value(req, names, sizeof(names), size);
   } else {
@@ -1677,6 +1693,31 @@ static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
  * The mount.
  * ---------------------------------------------------------------------- */
 
+/* The kernel dropped inodes: only block files live by the kernel's
+ * lookups (every other node stays in the tree while its entry exists). */
+static void fs_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+  ckpt_fs_t *fs = fs_of(req);
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
+  if (n)
+    ckpt__block_forget(fs, n, nlookup);
+  pthread_mutex_unlock(&fs->lock);
+  fuse_reply_none(req);
+}
+
+static void fs_forget_multi(fuse_req_t req, size_t count,
+                            struct fuse_forget_data *forgets) {
+  ckpt_fs_t *fs = fs_of(req);
+  pthread_mutex_lock(&fs->lock);
+  for (size_t i = 0; i < count; i++) {
+    ckpt_node_t *n = ckpt__node_by_ino_any(fs, forgets[i].ino);
+    if (n)
+      ckpt__block_forget(fs, n, forgets[i].nlookup);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  fuse_reply_none(req);
+}
+
 static void fs_statfs(fuse_req_t req, fuse_ino_t ino) {
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
@@ -1714,6 +1755,8 @@ static void fs_init(void *userdata, struct fuse_conn_info *conn) {
 const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .init = fs_init,
     .lookup = fs_lookup,
+    .forget = fs_forget,
+    .forget_multi = fs_forget_multi,
     .getattr = fs_getattr,
     .setattr = fs_setattr,
     .mkdir = fs_mkdir,

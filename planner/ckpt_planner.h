@@ -443,6 +443,37 @@ void ckpt_layout_copy(int ndim, const int64_t *shape, const int64_t *offsets,
                       uint64_t len, const uint8_t *src, uint64_t src_base,
                       uint8_t *out);
 
+/* The inverse walk: enumerate, in increasing src order, the pieces of
+ * bytes [off, off+len) of the chunk's own row-major contents (src: byte
+ * offset in the chunk's contents, dst: where those bytes are in the global
+ * tensor). A block file's contents are such a box: its pieces are the
+ * contiguous global runs a read of it needs. One piece per run touched
+ * (consecutive runs are never adjacent globally); O(ndim + pieces). */
+int ckpt_layout_local_pieces(int ndim, const int64_t *shape,
+                             const int64_t *offsets, const int64_t *sizes,
+                             size_t itemsize, uint64_t off, uint64_t len,
+                             int (*cb)(void *arg, const ckpt_piece_t *p),
+                             void *arg);
+
+/* ------------------------------------------------------------------------
+ * Block file names (block.c): ".N[a0:b0,a1:b1,...]" names the block
+ * [a0:b0) x [a1:b1) x ... of tensor file N in the same directory.
+ * ---------------------------------------------------------------------- */
+/* Split a block file name: 0 with *base (N, not NUL-terminated), *base_len
+ * and *slices (the text from the last '[' to the closing ']' inclusive),
+ * or -EINVAL when name is not of the form ".N[...]" with N non-empty. */
+int ckpt_block_name_split(const char *name, const char **base,
+                          size_t *base_len, const char **slices);
+/* Parse slices "[a0:b0,a1:b1,...]" (len bytes, brackets included) against
+ * a tensor of ndim >= 1 dimensions of the given shape: Python slice syntax
+ * without steps, decimal digits only, no spaces; an empty start is 0, an
+ * empty stop is the dimension's size; 1..ndim slices, the dimensions not
+ * sliced are whole. Fills lo[ndim] and sizes[ndim]. 0; -EINVAL when
+ * malformed (also for ndim 0); -ERANGE when a bound is outside
+ * 0 <= a <= b <= dim. */
+int ckpt_block_parse(const char *s, size_t len, int ndim,
+                     const int64_t *shape, int64_t *lo, int64_t *sizes);
+
 /* ------------------------------------------------------------------------
  * Binary messages between ranks. Compact, little-endian, versioned, one
  * per rank per protocol step. Decoders validate every length and count

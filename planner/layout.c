@@ -224,3 +224,38 @@ void ckpt_layout_copy(int ndim, const int64_t *shape, const int64_t *offsets,
   ckpt_layout_pieces(ndim, shape, offsets, sizes, itemsize, off, len,
                      copy_piece, &c);
 }
+
+int ckpt_layout_local_pieces(int ndim, const int64_t *shape,
+                             const int64_t *offsets, const int64_t *sizes,
+                             size_t itemsize, uint64_t off, uint64_t len,
+                             int (*cb)(void *arg, const ckpt_piece_t *p),
+                             void *arg) {
+  assert(ndim >= 0 && ndim <= CKPT_MAX_NDIM && itemsize > 0 && cb);
+  if (len == 0 || chunk_empty(ndim, sizes))
+    return 0;
+  runs_t rs;
+  runs_init(&rs, ndim, shape, offsets, sizes);
+  uint64_t isz = (uint64_t)itemsize;
+  uint64_t runbytes = rs.runlen * isz;
+  /* The chunk's own bytes: runs one after another, run r at r*runbytes. */
+  uint64_t r = off / runbytes;
+  if (r >= rs.nruns)
+    return 0;
+  uint64_t total = rs.nruns * runbytes;
+  uint64_t lim = len > total - off ? total : off + len;
+  int64_t idx[CKPT_MAX_NDIM];
+  uint64_t estart = run_start(&rs, r, idx); /* elements */
+  for (;;) {
+    uint64_t local = r * runbytes;
+    uint64_t a = local > off ? local : off;
+    uint64_t b = local + runbytes < lim ? local + runbytes : lim;
+    ckpt_piece_t p = {.src = a, .dst = estart * isz + (a - local),
+                      .len = b - a};
+    int rc = cb(arg, &p);
+    if (rc != 0)
+      return rc;
+    if (++r == rs.nruns || r * runbytes >= lim)
+      return 0;
+    estart = run_next(&rs, idx, estart);
+  }
+}

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "store_int.h"
@@ -263,4 +264,175 @@ int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
       return rc;
   }
   return 0;
+}
+
+/* ----- Block reads: gathered preadv ----- */
+
+#define GATHER_IOV 1024 /* IOV_MAX on Linux */
+
+typedef struct {
+  const ckpt_stored_t *s;
+  const ckpt_tensor_meta_t *t;
+  const ckpt_chunk_meta_t *c;
+  uint32_t ci;        /* chunk index in meta->chunks */
+  uint8_t *out;       /* the caller's buffer: box byte off is out[0] */
+  uint64_t off;
+  const ckpt_piece_t *run; /* the box run being mapped (src: box byte,
+                              dst: global byte) */
+  uint8_t *scratch;   /* CKPT_GATHER_GAP bytes for the gaps */
+  ckpt_fdref_t ref;
+  bool have_fd;
+  struct iovec iov[GATHER_IOV];
+  int niov;
+  uint64_t pos, end;  /* file bytes [pos, end) of the pending batch */
+  int rc;
+} gather_t;
+
+/* Read the pending batch: preadv until all of it is in (short reads are
+ * continued; the file ending first is damage: -EIO). */
+static int gather_flush(gather_t *g) {
+  struct iovec *iov = g->iov;
+  int n = g->niov;
+  uint64_t pos = g->pos;
+  g->niov = 0;
+  while (n > 0) {
+    ssize_t r = preadv(g->ref.fd, iov, n, (off_t)pos);
+    if (r < 0) {
+      if (errno == EINTR)
+        continue;
+      return -errno;
+    }
+    if (r == 0)
+      return -EIO;
+    pos += (uint64_t)r;
+    size_t left = (size_t)r;
+    while (n > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      iov++, n--;
+    }
+    if (n > 0 && left) {
+      iov->iov_base = (uint8_t *)iov->iov_base + left;
+      iov->iov_len -= left;
+    }
+  }
+  return 0;
+}
+
+static int gather_push(gather_t *g, void *base, size_t len) {
+  g->iov[g->niov].iov_base = base;
+  g->iov[g->niov].iov_len = len;
+  g->niov++;
+  return 0;
+}
+
+/* One piece of chunk g->c (src: its stored byte, dst: global byte) that
+ * falls in box run g->run: into the batch. */
+static int gather_piece(void *arg, const ckpt_piece_t *p) {
+  gather_t *g = arg;
+  const ckpt_chunk_meta_t *c = g->c;
+  if (p->src + p->len > c->length)
+    return -EIO;
+  int rc;
+  if (!g->have_fd) {
+    if (g->s->verified &&
+        (rc = verify_stored(g->s, g->ci, g->t->fqn, c->rank, c->file,
+                            c->file_offset, c->length, c->checksum)))
+      return rc;
+    if ((rc = stored_fd(g->s, c->rank, c->file, &g->ref)))
+      return rc;
+    g->have_fd = true;
+  }
+  uint64_t at = c->file_offset + p->src;
+  uint8_t *dst = g->out + (g->run->src + (p->dst - g->run->dst) - g->off);
+  if (g->niov > 0 &&
+      (at < g->end || at - g->end > CKPT_GATHER_GAP ||
+       g->niov + 2 > GATHER_IOV)) {
+    if ((rc = gather_flush(g)))
+      return rc;
+  }
+  if (g->niov == 0) {
+    g->pos = g->end = at;
+  } else if (at > g->end) {
+    gather_push(g, g->scratch, (size_t)(at - g->end));
+    g->end = at;
+  }
+  struct iovec *last = g->niov ? &g->iov[g->niov - 1] : NULL;
+  if (last && last->iov_base != g->scratch &&
+      (uint8_t *)last->iov_base + last->iov_len == dst)
+    last->iov_len += (size_t)p->len; /* contiguous in both */
+  else
+    gather_push(g, dst, (size_t)p->len);
+  g->end += p->len;
+  return 0;
+}
+
+typedef struct {
+  ckpt_piece_t *v;
+  size_t n, cap;
+} runs_list_t;
+
+static int collect_run(void *arg, const ckpt_piece_t *p) {
+  runs_list_t *l = arg;
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 64;
+    ckpt_piece_t *v = realloc(l->v, cap * sizeof(*v));
+    if (!v)
+      return -ENOMEM;
+    l->v = v, l->cap = cap;
+  }
+  l->v[l->n++] = *p;
+  return 0;
+}
+
+ssize_t ckpt_stored_read_box(const ckpt_stored_t *s, uint32_t tensor,
+                             const int64_t *lo, const int64_t *sizes,
+                             void *buf, size_t size, uint64_t off) {
+  const ckpt_metadata_t *m = s->meta;
+  const ckpt_tensor_meta_t *t = &m->tensors[tensor];
+  size_t isz = ckpt_dtype_size(t->dtype);
+  uint64_t numel = 0;
+  ckpt_dims_numel(sizes, t->ndim, &numel);
+  uint64_t total = numel * isz;
+  if (off >= total || size == 0)
+    return 0;
+  if (size > total - off)
+    size = (size_t)(total - off);
+  /* The global runs of the request, in order. */
+  runs_list_t runs = {0};
+  int rc = ckpt_layout_local_pieces(t->ndim, t->shape, lo, sizes, isz, off,
+                                    size, collect_run, &runs);
+  gather_t *g = rc ? NULL : malloc(sizeof(*g));
+  uint8_t *scratch = g ? malloc(CKPT_GATHER_GAP) : NULL;
+  if (rc == 0 && (!g || !scratch))
+    rc = -ENOMEM;
+  uint64_t hull_lo = runs.n ? runs.v[0].dst : 0;
+  uint64_t hull_hi = runs.n ? runs.v[runs.n - 1].dst + runs.v[runs.n - 1].len
+                            : 0;
+  for (uint32_t i = 0; rc == 0 && i < t->n_chunks; i++) {
+    const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+    uint64_t first, end;
+    ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim, isz,
+                       &first, &end);
+    if (end <= hull_lo || first >= hull_hi)
+      continue;
+    memset(g, 0, sizeof(*g));
+    g->s = s, g->t = t, g->c = c, g->ci = t->first_chunk + i;
+    g->out = buf, g->off = off, g->scratch = scratch;
+    for (size_t r = 0; rc == 0 && r < runs.n; r++) {
+      const ckpt_piece_t *run = &runs.v[r];
+      if (run->dst + run->len <= first || run->dst >= end)
+        continue;
+      g->run = run;
+      rc = ckpt_layout_pieces(t->ndim, t->shape, c->dims, c->dims + t->ndim,
+                              isz, run->dst, run->len, gather_piece, g);
+    }
+    if (rc == 0 && g->niov)
+      rc = gather_flush(g);
+    if (g->have_fd)
+      ckpt_fdref_put(&g->ref);
+  }
+  free(scratch);
+  free(g);
+  free(runs.v);
+  return rc ? rc : (ssize_t)size;
 }

@@ -199,6 +199,17 @@ ssize_t ckpt_stored_read(const ckpt_stored_t *s, ckpt_item_t it, void *buf,
 int ckpt_stored_span(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
                      uint64_t off, ckpt_fdref_t *ref, uint64_t *pos,
                      size_t *len);
+/* Read bytes [off, off+size) (clipped) of the row-major contents of the
+ * box [lo, lo+sizes) of tensor `tensor` (a block file) into buf. Each
+ * chunk's part is gathered with few large reads: the stored runs of one
+ * request that lie close together (gaps up to CKPT_GATHER_GAP) are read by
+ * one preadv, straight into buf, the gaps into a scratch buffer. With
+ * verify, every chunk read from is checked first (-EIO when damaged).
+ * Bytes read or -errno (-EIO for missing or short data). */
+#define CKPT_GATHER_GAP ((size_t)16 << 10)
+ssize_t ckpt_stored_read_box(const ckpt_stored_t *s, uint32_t tensor,
+                             const int64_t *lo, const int64_t *sizes,
+                             void *buf, size_t size, uint64_t off);
 /* With verify: check the XXH3-64 of every chunk (or the blob) that
  * [off, off+size) touches, once per chunk: 0, or -EIO when one does not
  * match (logged with its FQN, rank and file). Without: 0. */
