@@ -831,12 +831,16 @@ static void check_pins(plan_t *p, const ckpt_local_plan_t *lp) {
   free(pins);
 }
 
-/* The ref with the lowest rank among n (first in local plan order). */
+/* The ref with the lowest rank among n (ties: the smallest path, then
+ * first in local plan order), so that messages do not depend on the order
+ * a rank listed its files in. */
 static const ref_t *lowest(const ref_t *refs, size_t n) {
   const ref_t *best = &refs[0];
   for (size_t i = 1; i < n; i++) {
-    if (refs[i].rank < best->rank ||
-        (refs[i].rank == best->rank && refs[i].it < best->it))
+    int c = cmp_rank(&refs[i], best);
+    if (c == 0)
+      c = strcmp(refs[i].it->path, best->it->path);
+    if (c < 0 || (c == 0 && refs[i].it < best->it))
       best = &refs[i];
   }
   return best;
@@ -890,7 +894,9 @@ static bool check_path_kind(plan_t *p, const ref_t *refs, size_t n) {
     all_explicit &= refs[i].it->fqn_explicit;
   for (size_t i = 0; i < n && !all_explicit; i++) {
     if (strcmp(refs[i].it->path, a->it->path) != 0 &&
-        (b == NULL || refs[i].rank < b->rank))
+        (b == NULL || refs[i].rank < b->rank ||
+         (refs[i].rank == b->rank &&
+          strcmp(refs[i].it->path, b->it->path) < 0)))
       b = &refs[i];
   }
   if (b != NULL) {
@@ -1062,13 +1068,20 @@ static bool check_chunks(plan_t *p, uint32_t s0, uint32_t s1) {
     /* A set's refs are in rank order: the same chunk twice on one rank
      * (explicit FQNs at two paths) is neither a replica nor a shard. */
     for (size_t i = 1; i < n; i++) {
-      if (refs[i].rank != refs[i - 1].rank || !begin(p, &p->errors, it))
+      if (refs[i].rank != refs[i - 1].rank ||
+          !begin(p, &p->errors, lowest(refs, n)->it))
         continue;
       put(p, "rank %d holds chunk offsets ", (int)refs[i].rank);
       put_dims(p, off, it->ndim);
       put(p, " sizes ");
       put_dims(p, size, it->ndim);
-      put(p, " twice: %s and %s", refs[i - 1].it->path, refs[i].it->path);
+      const char *x = refs[i - 1].it->path, *y = refs[i].it->path;
+      if (strcmp(x, y) > 0) {
+        const char *t = x;
+        x = y;
+        y = t;
+      }
+      put(p, " twice: %s and %s", x, y);
       emit(p, &p->errors);
       in_bounds = false; /* no cover check on top */
       break;
