@@ -2368,14 +2368,27 @@ static void test_plan_fqn_ranks(void **state) {
   assert_string_equal(w->gp.meta.blobs[0].path, "zz"); /* rank 1's */
   world_free(w);
 
-  /* ties on one rank: the smaller path */
+  /* ties on one rank (an empty chunk at the origin too): the smaller
+   * path, whatever the sizes */
   w = world_new(1);
-  chunk(w, 0, "b", F32, 1, DIMS(4), DIMS(0), DIMS(0));
+  chunk(w, 0, "c", F32, 1, DIMS(4), DIMS(0), DIMS(0));
   set_fqn(w, 0, "t");
-  chunk(w, 0, "c", F32, 1, DIMS(4), DIMS(0), DIMS(4));
+  chunk(w, 0, "b", F32, 1, DIMS(4), DIMS(0), DIMS(4));
   set_fqn(w, 0, "t");
   plan_ok(w);
   assert_string_equal(w->gp.meta.tensors[0].path, "b");
+  world_free(w);
+
+  /* ties between ranks: the lowest rank, whatever the path */
+  w = world_new(2);
+  chunk(w, 1, "a", F32, 1, DIMS(4), DIMS(0), DIMS(2));
+  set_fqn(w, 1, "t");
+  chunk(w, 0, "z", F32, 1, DIMS(4), DIMS(0), DIMS(2));
+  set_fqn(w, 0, "t");
+  chunk(w, 1, "b", F32, 1, DIMS(4), DIMS(2), DIMS(2));
+  set_fqn(w, 1, "t");
+  plan_ok(w);
+  assert_string_equal(w->gp.meta.tensors[0].path, "z");
   world_free(w);
 
   /* two FQNs at one committed path */
