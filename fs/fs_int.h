@@ -114,6 +114,7 @@ enum {
   CKPT_X_SHAPE,
   CKPT_X_OFFSETS,
   CKPT_X_SIZES,
+  CKPT_X_FQN, /* the item's exact FQN, overriding the path's */
   CKPT_X_COUNT
 };
 

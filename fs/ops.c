@@ -1463,6 +1463,8 @@ static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
       off += (size_t)snprintf(dtypes + off, sizeof(dtypes) - off, "%s%s",
                               d ? ", " : "", ckpt_dtype_name((ckpt_dtype_t)d));
     want = dtypes;
+  } else if (strcmp(name, "user.ckpt.fqn") == 0) {
+    want = "the item's FQN: 1 to 4096 bytes, no NUL";
   } else {
     want = "comma-separated whole numbers (4096,1024; empty for a scalar), "
            "as many as the shape's, with offsets + sizes within the shape";
@@ -1559,6 +1561,26 @@ static void fs_fallocate(fuse_req_t req, fuse_ino_t ino, int mode,
   fuse_reply_err(req, -rc);
 }
 
+/* The FQN of a committed tensor or bytes item. */
+static const char *committed_fqn(const ckpt_node_t *n) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  return n->kind == CKPT_NODE_CTENSOR ? m->tensors[n->u.tensor].fqn
+                                      : m->blobs[n->u.blob].fqn;
+}
+
+/* Is the FQN of a committed item the one its path gives ('/' -> '.')? */
+static bool committed_fqn_derived(const ckpt_node_t *n) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  const char *path = n->kind == CKPT_NODE_CTENSOR
+                         ? m->tensors[n->u.tensor].path
+                         : m->blobs[n->u.blob].path;
+  const char *fqn = committed_fqn(n);
+  for (; *path && *fqn; path++, fqn++)
+    if (*fqn != (*path == '/' ? '.' : *path))
+      return false;
+  return *path == '\0' && *fqn == '\0';
+}
+
 static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         const char *value, size_t size, int flags) {
   if (!may_change(req)) {
@@ -1607,6 +1629,10 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     else
       fuse_reply_buf(req, buf, (size_t)rc);
     free(buf);
+  } else if ((n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) &&
+             ckpt__xattr_index(name) == CKPT_X_FQN) {
+    const char *fqn = committed_fqn(n);
+    reply_xattr_value(req, fqn, strlen(fqn), size);
   } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOCK) {
     bool blk = n->kind == CKPT_NODE_CBLOCK;
     const ckpt_tensor_meta_t *t =
@@ -1654,9 +1680,20 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
     else
       fuse_reply_buf(req, buf, (size_t)rc);
     free(buf);
-  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOCK) {
+  } else if (n->kind == CKPT_NODE_CBLOCK) {
     static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
     reply_xattr_value(req, names, sizeof(names), size);
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
+    /* user.ckpt.fqn is listed where the path does not say the FQN (so
+     * that copying the tree keeps it); getxattr answers it always. */
+    static const char names[] =
+        "user.ckpt.dtype\0user.ckpt.shape\0user.ckpt.fqn";
+    const size_t fqn_at = sizeof("user.ckpt.dtype\0user.ckpt.shape");
+    bool tensor = n->kind == CKPT_NODE_CTENSOR;
+    bool fqn = !committed_fqn_derived(n);
+    size_t len = tensor ? (fqn ? sizeof(names) : fqn_at)
+                        : (fqn ? sizeof(names) - fqn_at : 0);
+    reply_xattr_value(req, tensor ? names : names + fqn_at, len, size);
   } else {
     reply_xattr_value(req, "", 0, size);
   }

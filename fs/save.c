@@ -270,7 +270,7 @@ static int describe_file(ckpt_save_t *s, uint32_t i, ckpt_local_plan_t *lp) {
   char *const *x = sf->xattr;
   uint64_t len = sf->size;
   if (!x[CKPT_X_DTYPE]) {
-    for (int k = CKPT_X_SHAPE; k < CKPT_X_COUNT; k++)
+    for (int k = CKPT_X_SHAPE; k <= CKPT_X_SIZES; k++)
       if (x[k])
         return ckpt_local_plan_add_error(
             lp, "%s: %s is set but user.ckpt.dtype is missing", path,
@@ -325,8 +325,12 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
   for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
     uint32_t before = lp.n_items;
     rc = describe_file(s, i, &lp);
-    /* Written behind already: its bytes stay where they are. */
     ckpt_sfile_t *sf = s->files[i]->u.sf;
+    /* user.ckpt.fqn: the item's exact FQN instead of the path's. */
+    const char *fqn = sf->xattr[CKPT_X_FQN];
+    if (rc == 0 && lp.n_items > before && fqn)
+      rc = ckpt_local_plan_set_fqn(&lp, before, fqn, strlen(fqn));
+    /* Written behind already: its bytes stay where they are. */
     if (rc == 0 && lp.n_items > before && sf->stream >= 0)
       rc = ckpt_local_plan_pin(&lp, before, (uint32_t)sf->stream,
                                sf->stream_base);

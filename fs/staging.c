@@ -45,6 +45,7 @@ const char *const ckpt__xattr_names[CKPT_X_COUNT] = {
     [CKPT_X_SHAPE] = "user.ckpt.shape",
     [CKPT_X_OFFSETS] = "user.ckpt.offsets",
     [CKPT_X_SIZES] = "user.ckpt.sizes",
+    [CKPT_X_FQN] = "user.ckpt.fqn",
 };
 
 /* ------------------------------------------------------------------------
@@ -706,6 +707,8 @@ static int check_consistent(ckpt_sfile_t *sf, int idx, const char *val,
   for (int i = 0; i < CKPT_X_COUNT; i++)
     v[i] = sf->xattr[i];
   v[idx] = val;
+  if (idx == CKPT_X_FQN) /* any bytes but NUL (checked by the caller) */
+    return ckpt_fqn_valid(val, len) ? 0 : -EINVAL;
   if (idx == CKPT_X_DTYPE) {
     ckpt_dtype_t dt;
     return ckpt_dtype_parse(val, len, &dt);

@@ -112,6 +112,11 @@ bool ckpt_name_valid(const char *name);
 /* FQN of a path relative to the checkpoint ("model/l0/w" -> "model.l0.w").
  * Returns a malloc'd string or NULL on ENOMEM. */
 char *ckpt_fqn_from_path(const char *path);
+/* Longest explicit FQN (user.ckpt.fqn), in bytes. */
+#define CKPT_FQN_MAX 4096
+/* An explicit FQN: 1..CKPT_FQN_MAX bytes, none of them NUL (any other
+ * byte is fine: '/', '.', empty parts, control bytes). */
+bool ckpt_fqn_valid(const char *fqn, size_t len);
 /* Name of data file K of rank R: "__R_K.distcp". snprintf semantics. */
 int ckpt_data_file_name(int32_t rank, uint32_t k, char *buf, size_t cap);
 /* Parse "__R_K.distcp"; -EINVAL if the name is not of that form. */
@@ -129,6 +134,8 @@ typedef enum {
 typedef struct {
   char *fqn;             /* owned, e.g. "model.layer0.weight" */
   char *path;            /* owned, relative path: "model/layer0/weight" */
+  bool fqn_explicit;     /* fqn was given (user.ckpt.fqn), not derived from
+                            the path ('/' -> '.') */
   ckpt_item_kind_t kind;
   ckpt_dtype_t dtype;    /* tensors only */
   int ndim;              /* tensors only */
@@ -201,6 +208,12 @@ int ckpt_local_plan_add_tensor(ckpt_local_plan_t *lp, const char *path,
 int ckpt_local_plan_add_bytes(ckpt_local_plan_t *lp, const char *path,
                               uint64_t length, uint64_t checksum,
                               uint32_t local_id);
+/* Give item lp->items[index] an explicit FQN (the user.ckpt.fqn xattr):
+ * it replaces the one derived from the path, and marks the item
+ * fqn_explicit. -EINVAL for an index out of range or a FQN that is not
+ * ckpt_fqn_valid, -ENOMEM. */
+int ckpt_local_plan_set_fqn(ckpt_local_plan_t *lp, uint32_t index,
+                            const char *fqn, size_t len);
 /* Pin item lp->items[index]: its bytes are already stored in this rank's
  * data file `file` at `offset` (file CKPT_NO_PIN unpins it). -EINVAL if
  * index is out of range. Not validated here (the global plan does). */
@@ -367,7 +380,18 @@ typedef struct {
  *     (pin_offset + length <= reserved[K]); a rank's pins do not overlap
  *     (a zero-length pin strictly inside another one overlaps it);
  *  3. items are grouped by FQN; a FQN is either bytes or tensor everywhere,
- *     has one path, one dtype and one shape;
+ *     has one dtype and one shape. Paths: when some item of the FQN has
+ *     no explicit FQN (fqn_explicit), all its items must have one path;
+ *     when all have an explicit one, paths may differ (so several chunks
+ *     of one FQN on one rank, which a mount stages as several files, need
+ *     an explicit FQN each). One rank holds at most one bytes item of a
+ *     FQN, and a chunk (offsets and sizes) at most once. The FQN's
+ *     committed path (meta's
+ *     path) is, for a tensor, that of the chunk with the smallest offsets
+ *     (lexicographic; ties: lowest rank, then path by strcmp); for a
+ *     bytes item, that of its lowest rank. Committed paths must not
+ *     clash: two FQNs at one path, or a path that is also a directory of
+ *     another one, is an error;
  *  4. each chunk: length == prod(sizes) x itemsize, inside the shape;
  *  5. identical chunks (same FQN, offsets and sizes) on several ranks are
  *     replicas: their checksums are compared (replica_check) and one copy
@@ -478,7 +502,8 @@ int ckpt_block_parse(const char *s, size_t len, int ndim,
  * Binary messages between ranks. Compact, little-endian, versioned, one
  * per rank per protocol step. Decoders validate every length and count
  * against the buffer and return -EINVAL on any malformed input. Encoders
- * append to out. A decoded item's fqn is derived from its path.
+ * append to out. A decoded item's fqn is its explicit one if it had one
+ * (fqn_explicit), else derived from its path.
  * ---------------------------------------------------------------------- */
 int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out);
 int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp);

@@ -182,6 +182,11 @@ char *ckpt_fqn_from_path(const char *path) {
   return fqn;
 }
 
+bool ckpt_fqn_valid(const char *fqn, size_t len) {
+  return fqn != NULL && len >= 1 && len <= CKPT_FQN_MAX &&
+         memchr(fqn, '\0', len) == NULL;
+}
+
 int ckpt_data_file_name(int32_t rank, uint32_t k, char *buf, size_t cap) {
   assert(rank >= 0 && (buf != NULL || cap == 0));
   return snprintf(buf, cap, "__%d_%u.distcp", (int)rank, (unsigned)k);

@@ -7,8 +7,8 @@
  * and that many bytes, none of them NUL. Each message starts with a 4-byte
  * magic and a u32 version (CKPT_MSG_VERSION), and must end exactly where its
  * last field does. Version 2 added the write-behind fields of the local
- * plan (reservations, pins), version 3 the staged entries' attributes;
- * other versions are rejected.
+ * plan (reservations, pins), version 3 the staged entries' attributes,
+ * version 4 the items' explicit FQNs; other versions are rejected.
  *
  *   local plan   "CKLP" version  i32 rank  u8 has_errors [str errors]
  *                u32 n_reserved  u64 reserved[n_reserved]
@@ -18,9 +18,11 @@
  *                  u64 length  u64 checksum  u32 local_id
  *                  u32 pin_file  [u64 pin_offset unless CKPT_NO_PIN]
  *                  str path
+ *                  u8 has_fqn [str fqn: 1..CKPT_FQN_MAX bytes]
  *                u32 n_attrs, then per staged file or directory:
  *                  str path  u32 mode  u32 uid  u32 gid  i64 mtime_ns
- *                (the FQN is derived from the path on decoding; pins and
+ *                (without has_fqn the FQN is derived from the path on
+ *                decoding, as the encoder leaves it out then; pins and
  *                reservations are validated by the global plan, not here)
  *   rank plan    "CKRP" version  i32 rank  u32 n_files  u64 file_bytes[n_files]
  *                u32 n_assign, then per assignment:
@@ -40,14 +42,14 @@
 
 #include "planner_int.h"
 
-#define CKPT_MSG_VERSION 3u
+#define CKPT_MSG_VERSION 4u
 
 static const char magic_local_plan[4] = {'C', 'K', 'L', 'P'};
 static const char magic_rank_plan[4] = {'C', 'K', 'R', 'P'};
 static const char magic_write_result[4] = {'C', 'K', 'W', 'R'};
 
 /* Bytes of the smallest encoded item / assignment (count checks). */
-#define MIN_ITEM_BYTES (3 + 8 + 8 + 4 + 4 + 4)
+#define MIN_ITEM_BYTES (3 + 8 + 8 + 4 + 4 + 4 + 1)
 #define ASSIGN_BYTES (4 + 4 + 8 + 8)
 
 /* ------------------------------------------------------------------------
@@ -214,6 +216,12 @@ int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
     if (it->pin_file != CKPT_NO_PIN)
       put_u64(&w, it->pin_offset);
     put_str(&w, it->path);
+    put_u8(&w, it->fqn_explicit);
+    if (it->fqn_explicit) {
+      if (!ckpt_fqn_valid(it->fqn, strlen(it->fqn)) && w.rc == 0)
+        w.rc = -EINVAL;
+      put_str(&w, it->fqn);
+    }
   }
   put_u32(&w, lp->n_attrs);
   for (uint32_t i = 0; i < lp->n_attrs; i++) {
@@ -250,9 +258,17 @@ static void get_item(reader_t *r, ckpt_local_plan_t *lp) {
   uint64_t pin_offset = pin_file != CKPT_NO_PIN ? get_u64(r) : 0;
   size_t len;
   const char *path = get_str(r, &len);
+  uint8_t has_fqn = get_u8(r);
+  size_t fqn_len = 0;
+  const char *fqn = has_fqn == 1 ? get_str(r, &fqn_len) : NULL;
+  if (has_fqn > 1 || (has_fqn == 1 && fqn != NULL &&
+                      !ckpt_fqn_valid(fqn, fqn_len)))
+    fail(r);
   if (r->rc == 0)
     r->rc = ckpt__local_plan_push(lp, path, len, (ckpt_item_kind_t)kind, dtype,
                                   ndim, dims, length, checksum, local_id);
+  if (r->rc == 0 && has_fqn == 1)
+    r->rc = ckpt_local_plan_set_fqn(lp, lp->n_items - 1, fqn, fqn_len);
   if (r->rc == 0 && pin_file != CKPT_NO_PIN)
     r->rc = ckpt_local_plan_pin(lp, lp->n_items - 1, pin_file, pin_offset);
 }

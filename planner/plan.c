@@ -18,9 +18,12 @@
  *     lengths, replica contents), then its kept chunks are checked for
  *     overlap and exact coverage on a grid of the distinct cut points of
  *     every dimension (a sweep along dimension 0 when that grid would be
- *     large). Problems are reported one per line (pins in rank order, the
- *     groups in FQN order), at most MAX_PROBLEM_LINES lines plus a count of
- *     the rest.
+ *     large); then the committed paths (check_paths: a tensor shows at
+ *     the path of its chunk at the smallest offsets, a bytes item at its
+ *     lowest rank's; no two FQNs at one path, no path under another).
+ *     Problems are reported one per line (pins in rank order, the
+ *     groups in FQN order, then path clashes), at most MAX_PROBLEM_LINES
+ *     lines plus a count of the rest.
  *  3. only a valid plan goes on: sets held by one rank stay there, then
  *     replicated sets, largest first, go to the holder with the fewest
  *     bytes so far (ties: lowest rank) among those that have the set
@@ -184,6 +187,20 @@ int ckpt_local_plan_add_attr(ckpt_local_plan_t *lp, const char *path,
     return -ENOMEM;
   lp->attrs[lp->n_attrs++] = (ckpt_entry_attr_t){copy, mode, uid, gid,
                                                  mtime_ns};
+  return 0;
+}
+
+int ckpt_local_plan_set_fqn(ckpt_local_plan_t *lp, uint32_t index,
+                            const char *fqn, size_t len) {
+  assert(lp != NULL);
+  if (index >= lp->n_items || !ckpt_fqn_valid(fqn, len))
+    return -EINVAL;
+  char *copy = strndup(fqn, len);
+  if (copy == NULL)
+    return -ENOMEM;
+  free(lp->items[index].fqn);
+  lp->items[index].fqn = copy;
+  lp->items[index].fqn_explicit = true;
   return 0;
 }
 
@@ -814,23 +831,72 @@ static void check_pins(plan_t *p, const ckpt_local_plan_t *lp) {
   free(pins);
 }
 
-/* The ref with the lowest rank among n (first in local plan order). */
+/* The ref with the lowest rank among n (ties: the smallest path, then
+ * first in local plan order), so that messages do not depend on the order
+ * a rank listed its files in. */
 static const ref_t *lowest(const ref_t *refs, size_t n) {
   const ref_t *best = &refs[0];
   for (size_t i = 1; i < n; i++) {
-    if (refs[i].rank < best->rank ||
-        (refs[i].rank == best->rank && refs[i].it < best->it))
+    int c = cmp_rank(&refs[i], best);
+    if (c == 0)
+      c = strcmp(refs[i].it->path, best->it->path);
+    if (c < 0 || (c == 0 && refs[i].it < best->it))
       best = &refs[i];
   }
   return best;
 }
 
-/* One path and one kind for a FQN. */
+/* By rank, then path, then local plan order. */
+static int cmp_rank_path(const void *pa, const void *pb) {
+  const ref_t *a = pa, *b = pb;
+  int c = cmp_rank(a, b);
+  if (c == 0)
+    c = strcmp(a->it->path, b->it->path);
+  return c != 0 ? c : (a->it > b->it) - (a->it < b->it);
+}
+
+/* One bytes item of a FQN per rank. (Tensor chunks of one FQN on one
+ * rank are several chunks: at one path when one of them has no explicit
+ * FQN, at any paths when all have one; the same chunk twice is found by
+ * check_chunks.) */
+static bool check_one_per_rank(plan_t *p, const ref_t *refs, size_t n) {
+  if (n < 2 || refs[0].it->kind == CKPT_ITEM_TENSOR)
+    return true;
+  ref_t *h = malloc(n * sizeof(*h));
+  if (h == NULL) {
+    p->rc = -ENOMEM;
+    return false;
+  }
+  memcpy(h, refs, n * sizeof(*h));
+  qsort(h, n, sizeof(*h), cmp_rank_path);
+  bool ok = true;
+  for (size_t i = 1; i < n && ok; i++) {
+    if (h[i].rank != h[i - 1].rank)
+      continue;
+    ok = false;
+    const ckpt_write_item_t *x = h[i - 1].it, *y = h[i].it;
+    if (want(&p->errors)) {
+      put(p, "%s: rank %d holds two bytes items for one FQN: %s and %s",
+          x->fqn, (int)h[i].rank, x->path, y->path);
+      emit(p, &p->errors);
+    }
+  }
+  free(h);
+  return ok;
+}
+
+/* One kind for a FQN; one path unless every item has an explicit FQN; one
+ * bytes item per rank. */
 static bool check_path_kind(plan_t *p, const ref_t *refs, size_t n) {
   const ref_t *a = lowest(refs, n), *b = NULL;
-  for (size_t i = 0; i < n; i++) {
+  bool all_explicit = true;
+  for (size_t i = 0; i < n; i++)
+    all_explicit &= refs[i].it->fqn_explicit;
+  for (size_t i = 0; i < n && !all_explicit; i++) {
     if (strcmp(refs[i].it->path, a->it->path) != 0 &&
-        (b == NULL || refs[i].rank < b->rank))
+        (b == NULL || refs[i].rank < b->rank ||
+         (refs[i].rank == b->rank &&
+          strcmp(refs[i].it->path, b->it->path) < 0)))
       b = &refs[i];
   }
   if (b != NULL) {
@@ -845,7 +911,7 @@ static bool check_path_kind(plan_t *p, const ref_t *refs, size_t n) {
   for (size_t i = 0; i < n; i++)
     n_tensors += refs[i].it->kind == CKPT_ITEM_TENSOR;
   if (n_tensors == 0 || n_tensors == n)
-    return true;
+    return check_one_per_rank(p, refs, n);
   if (begin(p, &p->errors, a->it)) {
     /* Split the refs by kind to name the ranks of each. */
     ref_t *split = malloc(n * sizeof(*split));
@@ -998,6 +1064,27 @@ static bool check_chunks(plan_t *p, uint32_t s0, uint32_t s1) {
       put(p, "%s x %s)", it->ndim == 0 ? "scalar" : "",
           ckpt_dtype_name(it->dtype));
       emit(p, &p->errors);
+    }
+    /* A set's refs are in rank order: the same chunk twice on one rank
+     * (explicit FQNs at two paths) is neither a replica nor a shard. */
+    for (size_t i = 1; i < n; i++) {
+      if (refs[i].rank != refs[i - 1].rank ||
+          !begin(p, &p->errors, lowest(refs, n)->it))
+        continue;
+      put(p, "rank %d holds chunk offsets ", (int)refs[i].rank);
+      put_dims(p, off, it->ndim);
+      put(p, " sizes ");
+      put_dims(p, size, it->ndim);
+      const char *x = refs[i - 1].it->path, *y = refs[i].it->path;
+      if (strcmp(x, y) > 0) {
+        const char *t = x;
+        x = y;
+        y = t;
+      }
+      put(p, " twice: %s and %s", x, y);
+      emit(p, &p->errors);
+      in_bounds = false; /* no cover check on top */
+      break;
     }
     check_replicas(p, refs, n, whole);
   }
@@ -1332,6 +1419,96 @@ static void check_group(plan_t *p, uint32_t g) {
 }
 
 /* ------------------------------------------------------------------------
+ * Step 2, continued: the committed paths.
+ * ---------------------------------------------------------------------- */
+
+/* The item whose path group g shows at once committed: for a tensor the
+ * chunk with the smallest offsets (ties: lowest rank, then path), for a
+ * bytes item its lowest rank's. */
+static const ckpt_write_item_t *shown_item(const plan_t *p, uint32_t g) {
+  const ref_t *refs = &p->refs[p->group_first[g]];
+  size_t n = p->group_first[g + 1] - p->group_first[g];
+  const ref_t *best = &refs[0];
+  for (size_t i = 1; i < n; i++) {
+    const ref_t *r = &refs[i];
+    int c = 0;
+    if (r->it->kind == CKPT_ITEM_TENSOR && best->it->kind == CKPT_ITEM_TENSOR &&
+        r->it->ndim == best->it->ndim)
+      c = cmp_dims(ckpt_item_offsets(r->it), r->it->ndim,
+                   ckpt_item_offsets(best->it), best->it->ndim);
+    if (c == 0)
+      c = cmp_rank(r, best);
+    if (c == 0)
+      c = strcmp(r->it->path, best->it->path);
+    if (c < 0)
+      best = r;
+  }
+  return best->it;
+}
+
+typedef struct {
+  const char *path;
+  const ckpt_write_item_t *it;
+} shown_t;
+
+static int cmp_shown(const void *a, const void *b) {
+  return strcmp(((const shown_t *)a)->path, ((const shown_t *)b)->path);
+}
+
+/* The committed paths of all FQNs: no path twice, and none that another
+ * one needs as a directory. */
+static void check_paths(plan_t *p) {
+  if (p->n_groups < 2)
+    return;
+  shown_t *v = malloc(p->n_groups * sizeof(*v));
+  char *prefix = NULL;
+  if (v == NULL) {
+    p->rc = -ENOMEM;
+    return;
+  }
+  for (uint32_t g = 0; g < p->n_groups; g++) {
+    const ckpt_write_item_t *it = shown_item(p, g);
+    v[g] = (shown_t){.path = it->path, .it = it};
+  }
+  qsort(v, p->n_groups, sizeof(*v), cmp_shown);
+  for (uint32_t i = 1; i < p->n_groups; i++) {
+    if (strcmp(v[i - 1].path, v[i].path) != 0 || !want(&p->errors))
+      continue;
+    put(p, "%s: two FQNs at one committed path: %s and %s", v[i].path,
+        v[i - 1].it->fqn, v[i].it->fqn);
+    emit(p, &p->errors);
+  }
+  for (uint32_t i = 0; i < p->n_groups; i++) {
+    const char *path = v[i].path;
+    for (const char *sl = strchr(path, '/'); sl; sl = strchr(sl + 1, '/')) {
+      size_t len = (size_t)(sl - path);
+      char *np = realloc(prefix, len + 1);
+      if (np == NULL) {
+        p->rc = -ENOMEM;
+        goto out;
+      }
+      prefix = np;
+      memcpy(prefix, path, len);
+      prefix[len] = '\0';
+      shown_t key = {.path = prefix};
+      const shown_t *f =
+          bsearch(&key, v, p->n_groups, sizeof(*v), cmp_shown);
+      if (f == NULL)
+        continue;
+      if (want(&p->errors)) {
+        put(p, "%s: committed path of %s is also a directory of %s (%s)",
+            f->path, f->it->fqn, path, v[i].it->fqn);
+        emit(p, &p->errors);
+      }
+      break;
+    }
+  }
+out:
+  free(prefix);
+  free(v);
+}
+
+/* ------------------------------------------------------------------------
  * Steps 3 and 4: who keeps each set, and where it goes.
  * ---------------------------------------------------------------------- */
 
@@ -1615,12 +1792,13 @@ static int build_meta(plan_t *p, ckpt_metadata_t *m) {
   for (uint32_t g = 0; g < p->n_groups; g++) {
     uint32_t s0 = p->group_set[g], s1 = p->group_set[g + 1];
     const ckpt_write_item_t *it = p->refs[p->group_first[g]].it;
+    const char *path = shown_item(p, g)->path;
     size_t nd = (size_t)it->ndim;
     if (it->kind == CKPT_ITEM_BYTES) {
       const ref_t *k = &p->refs[p->keeper[s0]];
       ckpt_blob_meta_t *b = &m->blobs[m->n_blobs++];
       *b = (ckpt_blob_meta_t){.fqn = strdup(it->fqn),
-                              .path = strdup(it->path),
+                              .path = strdup(path),
                               .rank = k->rank,
                               .file = p->set_file[s0],
                               .file_offset = p->set_off[s0],
@@ -1632,7 +1810,7 @@ static int build_meta(plan_t *p, ckpt_metadata_t *m) {
     }
     ckpt_tensor_meta_t *t = &m->tensors[m->n_tensors++];
     *t = (ckpt_tensor_meta_t){.fqn = strdup(it->fqn),
-                              .path = strdup(it->path),
+                              .path = strdup(path),
                               .dtype = it->dtype,
                               .ndim = it->ndim,
                               .first_chunk = m->n_chunks,
@@ -1770,6 +1948,7 @@ int ckpt_plan_global(const ckpt_local_plan_t *locals, int32_t n,
     check_pins(&p, &locals[r]);
   for (uint32_t g = 0; g < p.n_groups; g++)
     check_group(&p, g);
+  check_paths(&p);
   if ((rc = p.rc) < 0 || (rc = finish_report(&p.errors, &out->errors)) < 0 ||
       (rc = finish_report(&p.warnings, &out->warnings)) < 0)
     goto out;

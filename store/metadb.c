@@ -637,33 +637,18 @@ static int alloc_rows(loader_t *ld, const char *table, size_t size, void **arr,
   return rc;
 }
 
-/* Whether path is one a mount could have staged for fqn: relative, its
- * components non-empty, not starting with '.' and at most 255 bytes, and
- * its FQN ('/' replaced by '.') is fqn. The committed namespace is built
- * from these paths. */
-static bool path_of_fqn(const char *path, const char *fqn) {
-  size_t comp = 0; /* length of the current component */
-  for (size_t i = 0;; i++) {
-    char c = path[i];
-    if (c == '/' || c == '\0') {
-      if (comp == 0 || comp > 255 || fqn[i] != (c == '/' ? '.' : '\0'))
-        return false;
-      if (c == '\0')
-        return true;
-      comp = 0;
-    } else {
-      if ((comp == 0 && c == '.') || fqn[i] != c)
-        return false;
-      comp++;
-    }
-  }
-}
+static bool entry_path_ok(const char *p);
 
+/* A committed item's path: one a mount could have staged, relative, its
+ * components non-empty, not starting with '.' and at most 255 bytes. It
+ * need not spell the FQN: an item with user.ckpt.fqn sits at any path. */
 static int col_path(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
                     char **out) {
   int rc = col_strdup(ld, st, i, r, out);
-  if (rc == 0 && !path_of_fqn(*out, r->fqn))
-    rc = row_fail(ld, r, "path '%.64s' is not a path of this fqn", *out);
+  if (rc == 0 && (**out == '\0' || !entry_path_ok(*out)))
+    rc = row_fail(ld, r, "path '%.64s' is not a checkpoint path", *out);
+  else if (rc == 0 && r->fqn[0] == '\0')
+    rc = row_fail(ld, r, "fqn is empty");
   return rc;
 }
 
@@ -981,6 +966,69 @@ static int load_entries(loader_t *ld) {
   return rc;
 }
 
+typedef struct {
+  const char *path, *fqn;
+} item_path_t;
+
+static int cmp_item_path(const void *a, const void *b) {
+  return strcmp(((const item_path_t *)a)->path,
+                ((const item_path_t *)b)->path);
+}
+
+/* By path, then FQN (messages name the two items in one order). */
+static int cmp_item_path_fqn(const void *a, const void *b) {
+  int c = cmp_item_path(a, b);
+  return c ? c
+           : strcmp(((const item_path_t *)a)->fqn,
+                    ((const item_path_t *)b)->fqn);
+}
+
+/* The committed tree is built from the items' paths: no path twice, and
+ * none that another one needs as a directory (the FQNs are unique, but an
+ * item with user.ckpt.fqn may sit at any path). */
+static int check_paths(loader_t *ld) {
+  const ckpt_metadata_t *m = ld->m;
+  size_t n = (size_t)m->n_tensors + m->n_blobs;
+  if (n < 2)
+    return 0;
+  item_path_t *v = malloc(n * sizeof(*v));
+  if (!v)
+    return nomem(ld);
+  for (uint32_t i = 0; i < m->n_tensors; i++)
+    v[i] = (item_path_t){m->tensors[i].path, m->tensors[i].fqn};
+  for (uint32_t i = 0; i < m->n_blobs; i++)
+    v[m->n_tensors + i] = (item_path_t){m->blobs[i].path, m->blobs[i].fqn};
+  qsort(v, n, sizeof(*v), cmp_item_path_fqn);
+  int rc = 0;
+  for (size_t i = 1; rc == 0 && i < n; i++)
+    if (strcmp(v[i - 1].path, v[i].path) == 0)
+      rc = set_err(ld->err, -EINVAL,
+                   "%s: path '%.64s' is the path of two items (%.64s and "
+                   "%.64s)",
+                   ld->path, v[i].path, v[i - 1].fqn, v[i].fqn);
+  char buf[4096];
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    const char *path = v[i].path;
+    for (const char *sl = strchr(path, '/'); rc == 0 && sl;
+         sl = strchr(sl + 1, '/')) {
+      size_t len = (size_t)(sl - path);
+      if (len >= sizeof(buf))
+        break;
+      memcpy(buf, path, len);
+      buf[len] = '\0';
+      item_path_t key = {.path = buf};
+      const item_path_t *f = bsearch(&key, v, n, sizeof(*v), cmp_item_path);
+      if (f)
+        rc = set_err(ld->err, -EINVAL,
+                     "%s: path '%.64s' of %.64s is also a directory of "
+                     "'%.64s' (%.64s)",
+                     ld->path, f->path, f->fqn, path, v[i].fqn);
+    }
+  }
+  free(v);
+  return rc;
+}
+
 /* Row-major order of chunks: by tensor, then offsets, then sizes (which
  * only differ between empty chunks at the same place). */
 static int cmp_chunks(const void *pa, const void *pb, void *arg) {
@@ -1260,7 +1308,8 @@ static int load(loader_t *ld, ckpt_metadata_t *out) {
       (rc = load_blobs(ld)) < 0 || (rc = load_entries(ld)) < 0)
     goto cleanup;
   group_chunks(out);
-  rc = check_cover(ld);
+  if ((rc = check_paths(ld)) == 0)
+    rc = check_cover(ld);
 
 cleanup:
   rc = timed(ld, rc);

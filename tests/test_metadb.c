@@ -649,22 +649,23 @@ static void test_load_inconsistent(void **state) {
       {"UPDATE tensors SET shape='[4611686018427387904,4]' WHERE fqn='rows'",
        "shape is too large"},
       {"UPDATE tensors SET path=NULL WHERE fqn='rows'", "path is NULL"},
-      {"UPDATE tensors SET path='row' WHERE fqn='rows'",
-       "(rows): path 'row' is not a path of this fqn"},
-      {"UPDATE tensors SET path='model/layer1/weight'"
-       " WHERE fqn='model.layer0.weight'",
-       "tensors row 3 (model.layer0.weight): path 'model/layer1/weight' is"
-       " not a path"},
+      {"UPDATE tensors SET path='optim/config' WHERE fqn='rows'",
+       "path 'optim/config' is the path of two items (optim.config and "
+       "rows)"},
+      {"UPDATE tensors SET path='rng/x' WHERE fqn='rows'",
+       "path 'rng' of rng is also a directory of 'rng/x' (rows)"},
+      {"UPDATE tensors SET path='rows', fqn='' WHERE fqn='rows'",
+       "fqn is empty"},
       {"UPDATE tensors SET path='model//cube', fqn='model..cube'"
        " WHERE fqn='model.cube'",
-       "path 'model//cube' is not a path"},
+       "path 'model//cube' is not a checkpoint path"},
       {"UPDATE tensors SET path='model/.cube', fqn='model..cube'"
        " WHERE fqn='model.cube'",
-       "path 'model/.cube' is not a path"},
+       "path 'model/.cube' is not a checkpoint path"},
       {"UPDATE tensors SET path='/step', fqn='.step' WHERE fqn='step'",
-       "path '/step' is not a path"},
+       "path '/step' is not a checkpoint path"},
       {"UPDATE blobs SET path='rng/' WHERE fqn='rng'",
-       "blobs row 2 (rng): path 'rng/' is not a path"},
+       "blobs row 2 (rng): path 'rng/' is not a checkpoint path"},
       {"UPDATE chunks SET offsets='[0]' WHERE fqn='model.layer0.weight'",
        "offsets and sizes of 1 and 2 dimensions, the shape has 2"},
       {"UPDATE chunks SET sizes='[1,2,3]' WHERE fqn='step'",

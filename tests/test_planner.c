@@ -776,7 +776,8 @@ static void check_valid_plan(const world_t *w) {
     assert_int_equal(a->length, bm->length);
     const ckpt_write_item_t *it = find_item(w, bm->rank, a->local_id);
     assert_string_equal(it->fqn, bm->fqn);
-    assert_string_equal(it->path, bm->path);
+    if (!it->fqn_explicit) /* else the lowest rank's path (test_plan_fqn) */
+      assert_string_equal(it->path, bm->path);
     assert_int_equal(it->checksum, bm->checksum);
   }
 }
@@ -2106,8 +2107,8 @@ static void test_msg_local_plan_invalid(void **state) {
   assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
   /* layout: magic 0, version 4, rank 8, has_errors 12, n_reserved 13,
    * n_items 17, kind 21, dtype 22, ndim 23, dims 24.., length 48,
-   * checksum 56, id 64, pin_file 68, path 72, n_attrs 77 */
-  assert_int_equal(msg.len, 72 + 4 + 1 + 4);
+   * checksum 56, id 64, pin_file 68, path 72, has_fqn 77, n_attrs 78 */
+  assert_int_equal(msg.len, 72 + 4 + 1 + 1 + 4);
   static const struct {
     size_t off, size;
     uint64_t v;
@@ -2115,7 +2116,8 @@ static void test_msg_local_plan_invalid(void **state) {
       {0, 1, 'X'},           /* magic */
       {4, 4, 1},             /* version 1 (no write-behind fields) */
       {4, 4, 2},             /* version 2 (no entry attributes) */
-      {4, 4, 4},             /* a future version */
+      {4, 4, 3},             /* version 3 (no explicit FQNs) */
+      {4, 4, 5},             /* a future version */
       {8, 4, UINT32_MAX},    /* negative rank */
       {12, 1, 2},            /* has_errors not 0/1 */
       {13, 4, 1},            /* reservations beyond the message */
@@ -2131,8 +2133,10 @@ static void test_msg_local_plan_invalid(void **state) {
       {68, 4, 0},            /* pinned: offset, then path beyond the end */
       {72, 4, 2},            /* path beyond the message */
       {76, 1, 0},            /* NUL in the path */
-      {77, 4, 1},            /* an attribute beyond the message */
-      {77, 4, UINT32_MAX},   /* absurd count */
+      {77, 1, 2},            /* has_fqn not 0/1 */
+      {77, 1, 1},            /* an explicit FQN beyond the message */
+      {78, 4, 1},            /* an attribute beyond the message */
+      {78, 4, UINT32_MAX},   /* absurd count */
   };
   for (size_t i = 0; i < N_OF(bad); i++) {
     ckpt_buf_t copy;
@@ -2151,6 +2155,366 @@ static void test_msg_local_plan_invalid(void **state) {
                    -EINVAL);
   ckpt_buf_free(&msg);
   ckpt_local_plan_free(&lp);
+}
+
+/* ------------------------------------------------------------------------
+ * Explicit FQNs (user.ckpt.fqn).
+ * ---------------------------------------------------------------------- */
+
+/* Give the last item added to rank r the explicit FQN fqn. */
+static void set_fqn(world_t *w, int32_t r, const char *fqn) {
+  ckpt_local_plan_t *lp = &w->lp[r];
+  assert_int_equal(
+      ckpt_local_plan_set_fqn(lp, lp->n_items - 1, fqn, strlen(fqn)), 0);
+}
+
+/* Each local plan through the message encoder and decoder. */
+static void world_roundtrip(world_t *w) {
+  for (int32_t r = 0; r < w->n; r++) {
+    ckpt_buf_t msg;
+    ckpt_local_plan_t back;
+    ckpt_buf_init(&msg);
+    assert_int_equal(ckpt_msg_encode_local_plan(&w->lp[r], &msg), 0);
+    assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back), 0);
+    assert_int_equal(back.n_items, w->lp[r].n_items);
+    for (uint32_t i = 0; i < back.n_items; i++) {
+      assert_string_equal(back.items[i].fqn, w->lp[r].items[i].fqn);
+      assert_string_equal(back.items[i].path, w->lp[r].items[i].path);
+      assert_int_equal(back.items[i].fqn_explicit,
+                       w->lp[r].items[i].fqn_explicit);
+    }
+    ckpt_local_plan_free(&w->lp[r]);
+    w->lp[r] = back;
+    ckpt_buf_free(&msg);
+  }
+}
+
+static const ckpt_tensor_meta_t *tensor_of(const world_t *w, const char *fqn) {
+  for (uint32_t t = 0; t < w->gp.meta.n_tensors; t++)
+    if (strcmp(w->gp.meta.tensors[t].fqn, fqn) == 0)
+      return &w->gp.meta.tensors[t];
+  return NULL;
+}
+
+static void test_fqn_valid(void **state) {
+  (void)state;
+  char big[CKPT_FQN_MAX + 2];
+  memset(big, 'x', sizeof(big));
+  assert_true(ckpt_fqn_valid("a..b", 4));
+  assert_true(ckpt_fqn_valid("x/y", 3));
+  assert_true(ckpt_fqn_valid(".hidden", 7));
+  assert_true(ckpt_fqn_valid("\n\"\\", 3));
+  assert_true(ckpt_fqn_valid(big, CKPT_FQN_MAX));
+  assert_false(ckpt_fqn_valid(big, CKPT_FQN_MAX + 1));
+  assert_false(ckpt_fqn_valid("", 0));
+  assert_false(ckpt_fqn_valid("a\0b", 3));
+  ckpt_local_plan_t lp;
+  ckpt_local_plan_init(&lp, 0);
+  assert_int_equal(ckpt_local_plan_set_fqn(&lp, 0, "a", 1), -EINVAL);
+  assert_int_equal(ckpt_local_plan_add_bytes(&lp, "p", 1, 2, 3), 0);
+  assert_int_equal(ckpt_local_plan_set_fqn(&lp, 0, "", 0), -EINVAL);
+  assert_int_equal(ckpt_local_plan_set_fqn(&lp, 0, big, CKPT_FQN_MAX + 1),
+                   -EINVAL);
+  assert_string_equal(lp.items[0].fqn, "p");
+  assert_false(lp.items[0].fqn_explicit);
+  assert_int_equal(ckpt_local_plan_set_fqn(&lp, 0, "a/b", 3), 0);
+  assert_string_equal(lp.items[0].fqn, "a/b");
+  assert_true(lp.items[0].fqn_explicit);
+  ckpt_local_plan_free(&lp);
+}
+
+/* Several chunks of one FQN on one rank, each with an explicit FQN: a
+ * valid cover commits, through the messages; the tensor shows at the
+ * path of its chunk at the origin. */
+static void test_plan_fqn_one_rank_chunks(void **state) {
+  (void)state;
+  world_t *w = world_new(1);
+  w->opts.io_threads = 2;
+  chunk(w, 0, "w.2", F32, 2, DIMS(6, 4), DIMS(4, 0), DIMS(2, 4));
+  set_fqn(w, 0, "model.w");
+  chunk(w, 0, "w.0", F32, 2, DIMS(6, 4), DIMS(0, 0), DIMS(2, 4));
+  set_fqn(w, 0, "model.w");
+  chunk(w, 0, "w.1", F32, 2, DIMS(6, 4), DIMS(2, 0), DIMS(2, 4));
+  set_fqn(w, 0, "model.w");
+  blob(w, 0, "cfg", 10, 7);
+  set_fqn(w, 0, "a..b");
+  world_roundtrip(w);
+  plan_ok(w);
+  const ckpt_metadata_t *m = &w->gp.meta;
+  assert_int_equal(m->n_tensors, 1);
+  assert_string_equal(m->tensors[0].fqn, "model.w");
+  assert_string_equal(m->tensors[0].path, "w.0");
+  assert_int_equal(m->tensors[0].n_chunks, 3);
+  assert_int_equal(m->n_chunks, 3);
+  for (uint32_t c = 0; c < 3; c++) {
+    assert_int_equal(m->chunks[c].rank, 0);
+    assert_int_equal(m->chunks[c].dims[0], 2 * c);
+  }
+  assert_int_equal(m->n_blobs, 1);
+  assert_string_equal(m->blobs[0].fqn, "a..b");
+  assert_string_equal(m->blobs[0].path, "cfg");
+  assert_int_equal(w->gp.ranks[0].n_assign, 4);
+
+  /* overlapping chunks of one rank are refused */
+  chunk(w, 0, "w.3", F32, 2, DIMS(6, 4), DIMS(1, 0), DIMS(2, 4));
+  set_fqn(w, 0, "model.w");
+  PLAN_FAILS(w, "model.w (w.0): chunks overlap: rank 0 offsets [0,0] sizes "
+                "[2,4] and rank 0 offsets [1,0] sizes [2,4]");
+  world_free(w);
+
+  /* the same chunk twice on one rank */
+  w = world_new(1);
+  chunk(w, 0, "a", F32, 1, DIMS(4), DIMS(0), DIMS(4));
+  set_fqn(w, 0, "t");
+  chunk(w, 0, "b", F32, 1, DIMS(4), DIMS(0), DIMS(4));
+  set_fqn(w, 0, "t");
+  PLAN_FAILS(w, "t (a): rank 0 holds chunk offsets [0] sizes [4] twice: a "
+                "and b");
+  world_free(w);
+  /* the same in the other local plan order: the same message */
+  w = world_new(1);
+  chunk(w, 0, "b", F32, 1, DIMS(4), DIMS(0), DIMS(4));
+  set_fqn(w, 0, "t");
+  chunk(w, 0, "a", F32, 1, DIMS(4), DIMS(0), DIMS(4));
+  set_fqn(w, 0, "t");
+  PLAN_FAILS(w, "t (a): rank 0 holds chunk offsets [0] sizes [4] twice: a "
+                "and b");
+  world_free(w);
+
+  /* a gap between one rank's chunks */
+  w = world_new(1);
+  chunk(w, 0, "a", F32, 1, DIMS(6), DIMS(0), DIMS(2));
+  set_fqn(w, 0, "t");
+  chunk(w, 0, "b", F32, 1, DIMS(6), DIMS(4), DIMS(2));
+  set_fqn(w, 0, "t");
+  PLAN_FAILS(w, "t (a): chunks cover 4 of 6 elements (gap at offsets [2] "
+                "sizes [2])");
+  world_free(w);
+}
+
+/* Without an explicit FQN on each, the old rules hold: one path per FQN;
+ * bytes items are one per rank. */
+static void test_plan_fqn_duplicates(void **state) {
+  (void)state;
+  /* implicit: two paths for one FQN */
+  world_t *w = world_new(1);
+  chunk(w, 0, "a/b", F32, 1, DIMS(4), DIMS(0), DIMS(2));
+  chunk(w, 0, "a.b", F32, 1, DIMS(4), DIMS(2), DIMS(2));
+  PLAN_FAILS(w, "a.b: two paths for one FQN: a.b (rank 0) and a/b (rank 0)");
+  world_free(w);
+
+  /* one explicit, one implicit: still two paths */
+  w = world_new(2);
+  chunk(w, 0, "x", F32, 1, DIMS(4), DIMS(0), DIMS(2));
+  set_fqn(w, 0, "a.b");
+  chunk(w, 1, "a/b", F32, 1, DIMS(4), DIMS(2), DIMS(2));
+  PLAN_FAILS(w, "a.b: two paths for one FQN: x (rank 0) and a/b (rank 1)");
+  world_free(w);
+
+  /* bytes: two on one rank, explicit or not */
+  w = world_new(1);
+  blob(w, 0, "p", 3, 1);
+  set_fqn(w, 0, "cfg");
+  blob(w, 0, "q", 3, 1);
+  set_fqn(w, 0, "cfg");
+  PLAN_FAILS(w, "cfg: rank 0 holds two bytes items for one FQN: p and q");
+  world_free(w);
+  w = world_new(1);
+  blob(w, 0, "p", 3, 1);
+  blob(w, 0, "p", 3, 1);
+  PLAN_FAILS(w, "p: rank 0 holds two bytes items for one FQN: p and p");
+  world_free(w);
+
+  /* a FQN that is a tensor on one rank and bytes on another */
+  w = world_new(2);
+  chunk(w, 0, "x", F32, 1, DIMS(4), NULL, NULL);
+  set_fqn(w, 0, "k");
+  blob(w, 1, "y", 3, 1);
+  set_fqn(w, 1, "k");
+  PLAN_FAILS(w, "tensor on rank 0 but bytes item on rank 1");
+  world_free(w);
+}
+
+/* Across ranks: chunks of one FQN at different paths, replicas deduped,
+ * the committed path of the origin chunk (ties: lowest rank, then path),
+ * a replicated bytes item at its lowest rank's path; clashing committed
+ * paths refused. */
+static void test_plan_fqn_ranks(void **state) {
+  (void)state;
+  world_t *w = world_new(3);
+  /* rank 0: [2,4) and [4,6) at paths p/1 p/2; rank 1: the origin [0,2) at
+   * z; rank 2: a replica of [2,4) at q and of the origin at a */
+  chunk(w, 0, "p/1", F32, 1, DIMS(6), DIMS(2), DIMS(2));
+  set_fqn(w, 0, "x/y");
+  chunk(w, 0, "p/2", F32, 1, DIMS(6), DIMS(4), DIMS(2));
+  set_fqn(w, 0, "x/y");
+  chunk(w, 1, "z", F32, 1, DIMS(6), DIMS(0), DIMS(2));
+  set_fqn(w, 1, "x/y");
+  chunk(w, 2, "q", F32, 1, DIMS(6), DIMS(2), DIMS(2));
+  set_fqn(w, 2, "x/y");
+  chunk(w, 2, "a", F32, 1, DIMS(6), DIMS(0), DIMS(2));
+  set_fqn(w, 2, "x/y");
+  blob(w, 2, "r2", 5, 9);
+  set_fqn(w, 2, "rng");
+  blob(w, 1, "zz", 5, 9);
+  set_fqn(w, 1, "rng");
+  world_roundtrip(w);
+  plan_ok(w);
+  const ckpt_tensor_meta_t *t = tensor_of(w, "x/y");
+  assert_non_null(t);
+  assert_string_equal(t->path, "z"); /* origin: ranks 1 and 2, lowest */
+  assert_int_equal(t->n_chunks, 3);  /* replicas kept once */
+  assert_int_equal(w->gp.meta.n_blobs, 1);
+  assert_string_equal(w->gp.meta.blobs[0].path, "zz"); /* rank 1's */
+  world_free(w);
+
+  /* ties on one rank (an empty chunk at the origin too): the smaller
+   * path, whatever the sizes */
+  w = world_new(1);
+  chunk(w, 0, "c", F32, 1, DIMS(4), DIMS(0), DIMS(0));
+  set_fqn(w, 0, "t");
+  chunk(w, 0, "b", F32, 1, DIMS(4), DIMS(0), DIMS(4));
+  set_fqn(w, 0, "t");
+  plan_ok(w);
+  assert_string_equal(w->gp.meta.tensors[0].path, "b");
+  world_free(w);
+
+  /* ties between ranks: the lowest rank, whatever the path */
+  w = world_new(2);
+  chunk(w, 1, "a", F32, 1, DIMS(4), DIMS(0), DIMS(2));
+  set_fqn(w, 1, "t");
+  chunk(w, 0, "z", F32, 1, DIMS(4), DIMS(0), DIMS(2));
+  set_fqn(w, 0, "t");
+  chunk(w, 1, "b", F32, 1, DIMS(4), DIMS(2), DIMS(2));
+  set_fqn(w, 1, "t");
+  plan_ok(w);
+  assert_string_equal(w->gp.meta.tensors[0].path, "z");
+  world_free(w);
+
+  /* two FQNs at one committed path */
+  w = world_new(2);
+  chunk(w, 0, "x", F32, 1, DIMS(4), NULL, NULL);
+  set_fqn(w, 0, "p");
+  blob(w, 1, "x", 3, 1);
+  set_fqn(w, 1, "q");
+  PLAN_FAILS(w, "x: two FQNs at one committed path: p and q");
+  world_free(w);
+
+  /* a committed path that another one needs as a directory */
+  w = world_new(2);
+  blob(w, 0, "a", 3, 1);
+  blob(w, 1, "a/b", 3, 1);
+  PLAN_FAILS(w, "a: committed path of a is also a directory of a/b (a.b)");
+  world_free(w);
+  w = world_new(1);
+  chunk(w, 0, "m/w", F32, 1, DIMS(4), NULL, NULL);
+  set_fqn(w, 0, "mm");
+  blob(w, 0, "m", 3, 1);
+  set_fqn(w, 0, "other");
+  PLAN_FAILS(w, "m: committed path of other is also a directory of m/w (mm)");
+  world_free(w);
+}
+
+/* Write-behind: pinned chunks of one FQN on one rank stay where they are. */
+static void test_plan_fqn_pins(void **state) {
+  (void)state;
+  world_t *w = world_new(2);
+  w->opts.io_threads = 2;
+  reserve(w, 0, 0, 64);
+  chunk(w, 0, "w.0", F32, 1, DIMS(12), DIMS(0), DIMS(4));
+  set_fqn(w, 0, "w");
+  pin_last(w, 0, 0, 0);
+  chunk(w, 0, "w.1", F32, 1, DIMS(12), DIMS(4), DIMS(4));
+  set_fqn(w, 0, "w");
+  pin_last(w, 0, 0, 16);
+  chunk(w, 1, "w.2", F32, 1, DIMS(12), DIMS(8), DIMS(4));
+  set_fqn(w, 1, "w");
+  /* a replica of rank 0's pinned chunk: rank 0 keeps it */
+  chunk(w, 1, "w.1", F32, 1, DIMS(12), DIMS(4), DIMS(4));
+  set_fqn(w, 1, "w");
+  world_roundtrip(w);
+  plan_ok(w);
+  const ckpt_metadata_t *m = &w->gp.meta;
+  assert_int_equal(m->n_chunks, 3);
+  assert_int_equal(m->chunks[0].rank, 0);
+  assert_int_equal(m->chunks[0].file_offset, 0);
+  assert_int_equal(m->chunks[1].rank, 0);
+  assert_int_equal(m->chunks[1].file_offset, 16);
+  assert_int_equal(m->chunks[2].rank, 1);
+  assert_string_equal(m->tensors[0].path, "w.0");
+  world_free(w);
+}
+
+/* Explicit FQNs through the local plan message: any bytes but NUL. */
+static void test_msg_local_plan_fqn(void **state) {
+  (void)state;
+  ckpt_local_plan_t lp, back;
+  ckpt_buf_t msg;
+  ckpt_buf_init(&msg);
+  ckpt_local_plan_init(&lp, 0);
+  char big[301];
+  memset(big, 'p', 300);
+  big[300] = '\0';
+  const char *fqns[] = {"a..b", "x/y", ".hidden.part", "q\"\\\n\x01\x7f\xff",
+                        big};
+  for (size_t i = 0; i < N_OF(fqns); i++) {
+    char path[16];
+    snprintf(path, sizeof(path), "f%zu", i);
+    assert_int_equal(ckpt_local_plan_add_bytes(&lp, path, i, i, (uint32_t)i),
+                     0);
+    assert_int_equal(ckpt_local_plan_set_fqn(&lp, (uint32_t)i, fqns[i],
+                                             strlen(fqns[i])),
+                     0);
+  }
+  assert_int_equal(ckpt_local_plan_add_bytes(&lp, "plain/x", 1, 1, 9), 0);
+  assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back), 0);
+  assert_int_equal(back.n_items, N_OF(fqns) + 1);
+  for (size_t i = 0; i < N_OF(fqns); i++) {
+    assert_string_equal(back.items[i].fqn, fqns[i]);
+    assert_true(back.items[i].fqn_explicit);
+  }
+  assert_string_equal(back.items[N_OF(fqns)].fqn, "plain.x");
+  assert_false(back.items[N_OF(fqns)].fqn_explicit);
+  /* encodes back to the same bytes */
+  ckpt_buf_t again;
+  ckpt_buf_init(&again);
+  assert_int_equal(ckpt_msg_encode_local_plan(&back, &again), 0);
+  assert_int_equal(again.len, msg.len);
+  assert_memory_equal(again.data, msg.data, msg.len);
+  ckpt_buf_free(&again);
+  ckpt_local_plan_free(&back);
+  /* every truncation fails cleanly */
+  for (size_t n = 0; n < msg.len; n++)
+    assert_int_equal(ckpt_msg_decode_local_plan(msg.data, n, &back), -EINVAL);
+  ckpt_local_plan_free(&lp);
+
+  /* an empty explicit FQN and one with a NUL are refused */
+  ckpt_local_plan_init(&lp, 0);
+  assert_int_equal(ckpt_local_plan_add_bytes(&lp, "f", 0, 0, 0), 0);
+  assert_int_equal(ckpt_local_plan_set_fqn(&lp, 0, "ab", 2), 0);
+  msg.len = 0;
+  assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
+  /* ... path "f" (4 + 1 bytes), has_fqn, u32 2, "ab", u32 n_attrs */
+  size_t fqn_len_at = msg.len - 4 - 2 - 4;
+  assert_int_equal(msg.data[fqn_len_at - 1], 1);
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back), 0);
+  assert_string_equal(back.items[0].fqn, "ab");
+  ckpt_local_plan_free(&back);
+  msg.data[fqn_len_at + 4] = '\0'; /* "\0b" */
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back),
+                   -EINVAL);
+  /* length 0, the two bytes then count as n_attrs and more: refused */
+  ckpt_buf_t empty;
+  ckpt_buf_init(&empty);
+  assert_int_equal(ckpt_buf_append(&empty, msg.data, fqn_len_at), 0);
+  uint8_t rest[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* fqn length 0, n_attrs 0 */
+  assert_int_equal(ckpt_buf_append(&empty, rest, 8), 0);
+  assert_int_equal(ckpt_msg_decode_local_plan(empty.data, empty.len, &back),
+                   -EINVAL);
+  ckpt_buf_free(&empty);
+  ckpt_local_plan_free(&lp);
+  ckpt_buf_free(&msg);
 }
 
 static void test_msg_rank_plan(void **state) {
@@ -2286,6 +2650,12 @@ int main(void) {
       cmocka_unit_test(test_plan_row_shards_and_blob),
       cmocka_unit_test(test_plan_scalar),
       cmocka_unit_test(test_plan_zero_size),
+      cmocka_unit_test(test_fqn_valid),
+      cmocka_unit_test(test_plan_fqn_one_rank_chunks),
+      cmocka_unit_test(test_plan_fqn_duplicates),
+      cmocka_unit_test(test_plan_fqn_ranks),
+      cmocka_unit_test(test_plan_fqn_pins),
+      cmocka_unit_test(test_msg_local_plan_fqn),
       cmocka_unit_test(test_plan_grids),
       cmocka_unit_test(test_plan_bricks),
       cmocka_unit_test(test_plan_large_grid),
