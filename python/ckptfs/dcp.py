@@ -789,7 +789,10 @@ class _Mounted:
         if _is_ckptfs_mount(self.target):
             return self.target
         if not os.path.isdir(self.target):
-            raise CkptfsError(f"{self.target}: neither a ckptfs mount nor a BACKING_DIR")
+            if not os.path.isdir(os.path.dirname(os.path.abspath(self.target))):
+                raise CkptfsError(f"{self.target}: neither a ckptfs mount nor a "
+                                  "BACKING_DIR (nor in an existing directory)")
+            os.mkdir(self.target)
         self.tmp = tempfile.mkdtemp(prefix="ckptfs-dcp-")
         self.log = open(os.path.join(self.tmp + ".log"), "w+b")
         mnt = os.path.join(self.tmp, "mnt")

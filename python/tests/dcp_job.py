@@ -4,8 +4,9 @@ under mpirun (gloo on 127.0.0.1:$MASTER_PORT):
     dcp_job.py SCENARIO MOUNT NAME [ARGS]
 
 Every tensor's content follows from its name (make()), so a loader at any
-world size knows what it must read, bit for bit. Each rank prints one JSON
-line "RESULT {...}" on success; any mismatch raises (non-zero exit).
+world size knows what it must read, bit for bit. Each rank writes its
+result to $CKPT_RESULT_DIR/rankR.json on success; any mismatch raises
+(non-zero exit).
 """
 
 import hashlib
@@ -87,7 +88,8 @@ def build_state(zero, odd=False, two_d=None):
     for name, (shape, dt) in PLAIN.items():
         sd[name] = torch.zeros(shape, dtype=dt) if zero else make(name, shape, dt)
     for name, v in OBJECTS.items():
-        sd[name] = None if zero else v
+        # a loader gives the same structure (DCP flattens nested dicts)
+        sd[name] = ({k: None for k in v} if isinstance(v, dict) else None) if zero else v
     if odd:
         for k in ODD_KEYS:
             sd[k] = torch.zeros(3, 5) if zero else make(k, (3, 5))
@@ -121,8 +123,13 @@ def mount_of(spec):
 
 
 def result(**kw):
+    """This rank's result, as a JSON file in $CKPT_RESULT_DIR (mpirun may
+    interleave the ranks' stdout lines)."""
     kw["rank"] = RANK
-    print("RESULT " + json.dumps(kw), flush=True)
+    d = os.environ["CKPT_RESULT_DIR"]
+    with open(os.path.join(d, f".rank{RANK}.tmp"), "w") as f:
+        json.dump(kw, f)
+    os.replace(os.path.join(d, f".rank{RANK}.tmp"), os.path.join(d, f"rank{RANK}.json"))
 
 
 # ---- scenarios -------------------------------------------------------------------
@@ -213,9 +220,13 @@ def optim_save(mount, name, async_name):
     digest = _digest(model, optim)
     # async_save, then a training step while it runs
     msd, osd = get_state_dict(model, optim)
+    # The save's collectives run in a background thread while the training
+    # step runs its own: they need a process group of their own (as DCP's
+    # documentation says), else the two interleave on one and deadlock.
+    ckpt_pg = dist.new_group(backend="gloo")
     t0 = time.monotonic()
     fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=async_name,
-                         storage_writer=ckptfs.dcp.Writer(mount))
+                         storage_writer=ckptfs.dcp.Writer(mount), process_group=ckpt_pg)
     stall = time.monotonic() - t0
     _step(model, optim, 3)  # overlaps the save; changes every parameter
     overlapped = not fut.done()
@@ -253,10 +264,10 @@ def fail_one(mount, name, bad_rank):
     t0 = time.monotonic()
     try:
         dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException is one)
         elapsed = time.monotonic() - t0
         left = os.path.exists(os.path.join(mount_of(mount), name))
-        result(raised=type(e).__name__, message=str(e)[-2000:], seconds=elapsed,
+        result(raised=type(e).__name__, message=str(e), seconds=elapsed,
                staged_left=left)
         # the same id saves fine afterwards
         sd["obj.bad"] = 1
