@@ -64,6 +64,53 @@ PLAIN = {
 OBJECTS = {"obj.step": 1234, "obj.cfg": {"lr": 0.25, "name": "run-7", "betas": (0.9, 0.99)}}
 
 
+class Strided:
+    """A tensor of which this rank holds every WS-th block of 2 rows
+    (blocks RANK, RANK+WS, ...): several chunks of one FQN on one rank,
+    given to DCP through its tensor-like protocol (__create_write_items__,
+    __get_tensor_shard__), as sharding schemes beyond DTensor's do."""
+
+    ROWS, COLS, BLOCK = 16, 3, 2
+
+    def __init__(self, name):
+        self.full = make(name, (self.ROWS, self.COLS), torch.float64)
+
+    def _mine(self):
+        return [b * self.BLOCK for b in range(RANK, self.ROWS // self.BLOCK, WS)]
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata, MetadataIndex, TensorProperties)
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData, WriteItem, WriteItemType)
+        items = []
+        for r0 in self._mine():
+            off = torch.Size([r0, 0])
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=off,
+                                               sizes=torch.Size([self.BLOCK, self.COLS])),
+                    properties=TensorProperties(dtype=torch.float64),
+                    size=torch.Size([self.ROWS, self.COLS]))))
+        return items
+
+    def __get_tensor_shard__(self, index):
+        r0 = index.offset[0]
+        return self.full[r0:r0 + self.BLOCK]
+
+
+class ShardPlanner(dcp.DefaultSavePlanner):
+    """DCP's default planner, which also looks chunks of Strided up by
+    offset (DCP's own lookup does that for torch.Tensor subclasses only)."""
+
+    def lookup_object(self, index):
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, Strided):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
 def mesh1():
     return init_device_mesh("cpu", (WS,))
 
@@ -139,8 +186,10 @@ def save(mount, name, *flags):
     two_d = "2d" in flags
     sd = build_state(False, odd=odd, two_d=two_d)
     sd[f"unique.rank{RANK}"] = make(f"unique.rank{RANK}", (3, 2 + RANK))
+    sd["strided.w"] = Strided("strided.w")
     t0 = time.monotonic()
-    dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+    dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount),
+             planner=ShardPlanner())
     st = open(os.path.join(mount_of(mount), name, ".status")).read().split("\n")[0]
     assert st == "committed", st
     result(seconds=time.monotonic() - t0)
@@ -153,8 +202,10 @@ def load(mount, name, saved_ws, *flags):
     uniques = range(int(saved_ws))
     for r in uniques:
         sd[f"unique.rank{r}"] = torch.zeros(3, 2 + r)
+    sd["strided.w"] = torch.zeros(Strided.ROWS, Strided.COLS, dtype=torch.float64)
     dcp.load(sd, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(mount))
     check_state(sd, odd=odd, two_d=two_d, unique_ranks=uniques)
+    assert torch.equal(sd["strided.w"], Strided("strided.w").full), "strided.w"
     # each rank's local shards too
     for nm, (shape, dt, pl) in DTENSORS.items():
         want = distribute_tensor(make(nm, shape, dt), mesh1(), pl).to_local()

@@ -108,6 +108,13 @@ class SaveLoad(DcpCase):
         # dt.col (Shard(1)) was saved as two column chunks
         chunks = query(db, "SELECT offsets, sizes FROM chunks WHERE fqn='dt.col' ORDER BY offsets")
         self.assertEqual(chunks, [("[0,0]", "[6,5]"), ("[0,5]", "[6,5]")])
+        # strided.w: 8 chunks of 2 rows, 4 from each rank
+        ranks = query(db, "SELECT rank, count(*) FROM chunks WHERE fqn='strided.w' GROUP BY rank")
+        self.assertEqual(sorted(ranks), [(0, 4), (1, 4)])
+        # the committed tensor shows once, at the path of its first chunk
+        self.assertEqual(query(db, "SELECT path FROM tensors WHERE fqn='strided.w'"),
+                         [("strided/w",)])
+        self.assertEqual(sorted(os.listdir(os.path.join(w2.mnt(1), "s2", "strided"))), ["w"])
         self.stop(w2)
         w4 = self.world(4)
         self.job(4, "load", self.spec(w4), "s2", 2, "odd")
