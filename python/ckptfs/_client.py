@@ -516,10 +516,33 @@ def _runs(global_shape, offsets, sizes):
             return
 
 
+def block_file(path, offsets, sizes):
+    """The block file of a committed tensor at path: the block (offsets,
+    sizes) as one file, `.NAME[a:b,c:d]` beside it (docs/committed.md)."""
+    d, base = os.path.split(path)
+    sl = ",".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes))
+    return os.path.join(d, f".{base}[{sl}]")
+
+
 def _read_block(path, dtype, global_shape, offsets, sizes, mv):
     """Read block (offsets, sizes) of the global tensor at path into mv
-    (the block's bytes, row-major) with one pread per contiguous run."""
+    (the block's bytes, row-major): one pread when it is one contiguous
+    run, else one read of its block file; one pread per run where the
+    mount has no block files."""
     item = DTYPES[dtype]
+    runs = _runs(global_shape, offsets, sizes)
+    first = next(runs, None)
+    if first is not None and next(runs, None) is not None:
+        try:
+            fd = os.open(block_file(path, offsets, sizes), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None
+        if fd is not None:
+            try:
+                _pread_into(fd, mv, 0, path)
+            finally:
+                os.close(fd)
+            return
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         pos = 0

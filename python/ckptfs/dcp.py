@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from ._client import CkptfsError, CommitError
+from ._client import CkptfsError, CommitError, block_file
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
@@ -559,11 +559,6 @@ def _contiguous_start(shape, offsets, lengths):
     return sum(o * s for o, s in zip(offsets, st))
 
 
-def _block_name(base, shape, offsets, lengths):
-    sl = ",".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
-    return f".{base}[{sl}]"
-
-
 def read_block(path, dtype, shape, offsets, lengths, out=None):
     """The block [offsets, offsets+lengths) of the committed tensor at path
     (dtype torch dtype, shape its global shape), as a contiguous tensor
@@ -583,8 +578,7 @@ def read_block(path, dtype, shape, offsets, lengths, out=None):
         finally:
             os.close(fd)
         return out
-    d, base = os.path.split(path)
-    bpath = os.path.join(d, _block_name(base, shape, offsets, lengths))
+    bpath = block_file(path, offsets, lengths)
     try:
         fd = os.open(bpath, os.O_RDONLY)
     except FileNotFoundError:

@@ -403,16 +403,16 @@ print("ok")
 
     def test_shard_runs(self):
         """The byte ranges a Shard reads: one pread per contiguous run."""
-        runs = list(ckptfs._runs((6, 4), (2, 0), (2, 4)))
+        runs = list(ckptfs._client._runs((6, 4), (2, 0), (2, 4)))
         self.assertEqual(runs, [(8, 8)])  # whole rows: one run
-        runs = list(ckptfs._runs((4, 10), (1, 4), (2, 3)))
+        runs = list(ckptfs._client._runs((4, 10), (1, 4), (2, 3)))
         self.assertEqual(runs, [(14, 3), (24, 3)])
-        runs = list(ckptfs._runs((2, 3, 4), (1, 1, 0), (1, 2, 4)))
+        runs = list(ckptfs._client._runs((2, 3, 4), (1, 1, 0), (1, 2, 4)))
         self.assertEqual(runs, [(16, 8)])
-        runs = list(ckptfs._runs((2, 3, 4), (0, 1, 1), (2, 1, 2)))
+        runs = list(ckptfs._client._runs((2, 3, 4), (0, 1, 1), (2, 1, 2)))
         self.assertEqual(runs, [(5, 2), (17, 2)])
-        self.assertEqual(list(ckptfs._runs((), (), ())), [(0, 1)])
-        self.assertEqual(list(ckptfs._runs((3, 0), (0, 0), (3, 0))), [])
+        self.assertEqual(list(ckptfs._client._runs((), (), ())), [(0, 1)])
+        self.assertEqual(list(ckptfs._client._runs((3, 0), (0, 0), (3, 0))), [])
 
 
 class Interpreter(unittest.TestCase):
