@@ -10,7 +10,7 @@ tensors, plus small replicated ones), at each --ranks world size.
 
 Run with the .venv's python (torch 2.13.0): it starts the ckptfs world
 with mpirun and the DCP jobs with mpirun on the same interpreter. Prints a
-table of seconds per step and the ratio ckptfs / stock (below 1: ckptfs
+table of median seconds per step over --repeat rounds and the ratio ckptfs / stock (below 1: ckptfs
 is faster). --dir on tmpfs measures the software's overheads; on a disk,
 durability (both fsync: FileSystemWriter's sync_files, ckptfs sync_files=1).
 """
@@ -53,36 +53,40 @@ def make_sd(zero):
     sd["step"] = 100
     sd["bias"] = torch.ones(1024)
     return sd
-if kind == "stock":
-    W = lambda: dcp.FileSystemWriter(os.path.join(where, tag), sync_files=True)
-    R = lambda: dcp.FileSystemReader(os.path.join(where, tag))
-    cid = os.path.join(where, tag)
-else:
-    W = lambda: ckptfs.dcp.Writer(where)
-    R = lambda: ckptfs.dcp.Reader(where)
-    cid = tag
+cid = os.path.join(where, tag) if kind == "stock" else tag
 sd = make_sd(False)
-out = {}
-dist.barrier(); t = time.monotonic()
-dcp.save(sd, checkpoint_id=cid, storage_writer=W())
-dist.barrier(); out["save"] = time.monotonic() - t
-cid2 = cid + "-async"
-if kind == "stock":
-    W2 = lambda: dcp.FileSystemWriter(cid2, sync_files=True)
-else:
-    W2 = lambda: ckptfs.dcp.Writer(where)
-dist.barrier(); t = time.monotonic()
-fut = dcp.async_save(sd, checkpoint_id=cid2, storage_writer=W2())
-out["async_stall"] = time.monotonic() - t
-fut.result()
-dist.barrier(); out["async_total"] = time.monotonic() - t
-tgt = make_sd(True)
-dist.barrier(); t = time.monotonic()
-dcp.load(tgt, checkpoint_id=cid, storage_reader=R())
-dist.barrier(); out["load"] = time.monotonic() - t
-for k, v in sd.items():
-    if hasattr(v, "to_local"):
-        assert torch.equal(tgt[k].to_local(), v.to_local()), k
+reps = int(sys.argv[5])
+res = {"save": [], "async_stall": [], "async_total": [], "load": []}
+for rep in range(reps):
+    c1, c2 = f"{cid}{rep}", f"{cid}{rep}-async"
+    if kind == "stock":
+        W1 = dcp.FileSystemWriter(c1, sync_files=True); W2 = dcp.FileSystemWriter(c2, sync_files=True)
+        R1 = dcp.FileSystemReader(c1)
+    else:
+        W1, W2, R1 = ckptfs.dcp.Writer(where), ckptfs.dcp.Writer(where), ckptfs.dcp.Reader(where)
+    dist.barrier(); t = time.monotonic()
+    dcp.save(sd, checkpoint_id=c1, storage_writer=W1)
+    dist.barrier(); res["save"].append(time.monotonic() - t)
+    dist.barrier(); t = time.monotonic()
+    fut = dcp.async_save(sd, checkpoint_id=c2, storage_writer=W2)
+    res["async_stall"].append(time.monotonic() - t)
+    fut.result()
+    dist.barrier(); res["async_total"].append(time.monotonic() - t)
+    tgt = make_sd(True)
+    dist.barrier(); t = time.monotonic()
+    dcp.load(tgt, checkpoint_id=c1, storage_reader=R1)
+    dist.barrier(); res["load"].append(time.monotonic() - t)
+    for k, v in sd.items():
+        if hasattr(v, "to_local"):
+            assert torch.equal(tgt[k].to_local(), v.to_local()), k
+    del tgt
+    dist.barrier()
+    if rank == 0:  # keep memory (tmpfs) for the next round
+        import shutil
+        for c in (c1, c2):
+            shutil.rmtree(c if kind == "stock" else os.path.join(ckptfs.dcp.rank_mount(where, 0), c))
+    dist.barrier()
+out = {k: sorted(v)[len(v) // 2] for k, v in res.items()}  # medians
 out["bytes"] = sum(v.to_local().numel() * 4 for v in sd.values() if hasattr(v, "to_local")) * 1
 if rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
@@ -107,12 +111,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def job(n, kind, where, size, tag):
+def job(n, kind, where, size, tag, reps):
     env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.path.join(REPO, "python"), PYTHONWARNINGS="ignore")
     r = subprocess.run(MPIRUN + ["-np", str(n), "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS",
                                  "-x", "PYTHONPATH", "-x", "PYTHONWARNINGS",
-                                 sys.executable, "-c", JOB, kind, where, str(size), tag],
+                                 sys.executable, "-c", JOB, kind, where, str(size), tag, str(reps)],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"{kind} job at {n} ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
@@ -129,6 +133,7 @@ def main():
     ap.add_argument("--size", default="1G")
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--opts", default="", help="extra ckptfs -o options")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are printed")
     a = ap.parse_args()
     size = parse_size(a.size)
     rows = []
@@ -152,8 +157,8 @@ def main():
                 if world.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"ckptfs world of {n} did not mount; see {log.name}")
                 time.sleep(0.05)
-            stock = job(n, "stock", plain, size, "s")
-            ck = job(n, "ckptfs", os.path.join(root, "rank%r"), size, "s")
+            stock = job(n, "stock", plain, size, "s", a.repeat)
+            ck = job(n, "ckptfs", os.path.join(root, "rank%r"), size, "s", a.repeat)
         finally:
             for r in range(n):
                 subprocess.run(["fusermount3", "-u", os.path.join(root, f"rank{r}")],

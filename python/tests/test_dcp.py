@@ -197,6 +197,8 @@ assert fqn_paths(["b", "a"]) == fqn_paths(["a", "b"])
 class Formats(DcpCase):
 
     def test_safetensors_package_reads_the_view(self):
+        """safetensors' load_file, safe_open with slices (torch and numpy),
+        and torch's HuggingFaceStorageReader, on the .safetensors view."""
         w1 = self.world(1)
         self.job(1, "save", self.spec(w1), "st")
         view = os.path.join(w1.mnt(0), "st", ".safetensors", "model.safetensors")
@@ -219,6 +221,14 @@ with safe_open(path, "pt") as f:
     assert torch.equal(f.get_tensor("rep.w"), want["rep.w"])
 with safe_open(path, "np") as f:  # numpy has no bfloat16: float64 here
     assert np.array_equal(f.get_tensor("dt.col"), want["dt.col"].numpy())
+# torch's own Hugging Face reader, on the view's directory
+import os, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+names = ["dt.big", "dt.col", "rep.w", "rep.bf", "dt.rep"]
+tgt = {n: torch.zeros_like(want[n]) for n in names}
+dcp.load(tgt, storage_reader=HuggingFaceStorageReader(path=os.path.dirname(path)), no_dist=True)
+for n in names:
+    assert torch.equal(tgt[n], want[n]), n
 print("ok", len(sd))
 '''
         out = run_py(self, self.py, code, view, os.path.dirname(JOB))
