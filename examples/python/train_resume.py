@@ -6,14 +6,14 @@ Train (one process per rank mount, under mpirun; ROOT/rank%r is each
 process's mount, %r its rank):
 
     mount-scripts/ckpt-mount -n 2 /var/tmp/ckpt-backing /tmp/ckpt
-    mpirun -np 2 --allow-run-as-root /usr/bin/python3 examples/python/train_resume.py \
+    mpirun -np 2 --allow-run-as-root .venv/bin/python examples/python/train_resume.py \
         --mount /tmp/ckpt/rank%r --steps 10 --save-every 4 --ref /tmp/ref.json
     mount-scripts/ckpt-umount /tmp/ckpt
 
 Resume (one process, on a 1-rank mount of the same backing directory):
 
     build/bin/ckptfs /var/tmp/ckpt-backing /tmp/ckpt1
-    /usr/bin/python3 examples/python/train_resume.py --mount /tmp/ckpt1 --resume --ref /tmp/ref.json
+    .venv/bin/python examples/python/train_resume.py --mount /tmp/ckpt1 --resume --ref /tmp/ref.json
     fusermount3 -u /tmp/ckpt1
 
 The model is a 2-layer MLP on synthetic regression data with Adam. Each
@@ -30,8 +30,11 @@ optimizer state tensor at each saved step, and at the last step, in --ref.
 optimizer, checks every tensor against --ref bit for bit (exit 1 if any
 differs), then trains on to --steps alone, computing both halves of each
 batch itself in the same order, and checks the final parameters against
-the 2-rank run's too. Needs torch (Debian: python3-torch) and the client
-examples/python/ckptfs.py beside this file.
+the 2-rank run's too. This is the plain client (ckptfs.save / load); for
+torch.distributed.checkpoint see train_dcp.py. Needs torch (tested: 2.13.0
+in .venv, made by scripts/install-deps.sh; Debian's python3-torch 1.13
+works too) and the ckptfs package (pip install ./python; without it, the
+checkout's python/ directory is used).
 """
 
 import argparse
@@ -41,8 +44,12 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs  # noqa: E402
+try:
+    import ckptfs  # the package: pip install ./python (.venv has it, editable)
+except ImportError:  # a checkout without it installed: <repo>/python
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "python"))
+    import ckptfs  # noqa: E402
 
 import torch  # noqa: E402
 

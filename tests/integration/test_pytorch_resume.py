@@ -6,7 +6,10 @@ every 4 steps), ckpt-umount; then a 1-rank mount of the same backing
 directory and --resume: the newest checkpoint must be bit-identical to the
 2-rank run at that step, and training on from it in 1 process must reach
 the 2-rank run's final parameters bit for bit. A reference with one digest
-changed must make --resume fail.
+changed must make --resume fail. The interpreter is pyenv.torch_python()
+(.venv/bin/python, torch 2.13.0, with the ckptfs package installed
+editable); train_dcp.py, over torch.distributed.checkpoint, is tested by
+test_pytorch_dcp.py.
 
     python3 tests/integration/test_pytorch_resume.py --bin build/bin/ckptfs
 """
