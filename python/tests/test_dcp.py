@@ -313,6 +313,27 @@ print("ok")
 '''
         run_py(self, self.py, code_load, stock, out, os.path.dirname(JOB),
                env={"PYTHONWARNINGS": "ignore"})
+        # the same through ckptctl (which runs the package's converter)
+        ckptctl = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptctl")
+        env = dict(os.environ, CKPTFS_PYTHON=self.py, PYTHONPATH=PACKAGE,
+                   PYTHONWARNINGS="ignore")
+        backing2 = os.path.join(self.dir, "backing2")
+        r = subprocess.run([ckptctl, "import-dcp", stock, backing2, "viactl"],
+                           capture_output=True, text=True, env=env, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        out2 = os.path.join(self.dir, "exported2")
+        r = subprocess.run([ckptctl, "export", backing2, "viactl", "--dcp", out2],
+                           capture_output=True, text=True, env=env, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        run_py(self, self.py, code_load, stock, out2, os.path.dirname(JOB),
+               env={"PYTHONWARNINGS": "ignore"})
+        # a converter that cannot run: a clear error, nothing imported
+        r = subprocess.run([ckptctl, "import-dcp", stock, backing2, "nopy"],
+                           capture_output=True, text=True, timeout=60,
+                           env=dict(env, CKPTFS_PYTHON="/nonexistent/python"))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("needs a Python with the ckptfs package", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(backing2, "nopy")))
 
 
 if __name__ == "__main__":

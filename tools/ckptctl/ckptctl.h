@@ -28,6 +28,7 @@ extern const char *const prog; /* "ckptctl", for messages */
 typedef struct {
   bool json;
   const char *safetensors;
+  const char *dcp;     /* export --dcp DIR */
   long long keep;      /* -1: not given */
   bool dry_run;
   bool content;        /* diff: compare differently chunked tensors */
@@ -46,6 +47,9 @@ int cmd_diff(const args_t *a, int backing_fd);
 int cmd_export(const args_t *a, int backing_fd);
 int cmd_prune(const args_t *a, int backing_fd);
 int cmd_wait(const args_t *a, int backing_fd);
+int cmd_import_dcp(const args_t *a, int backing_fd);
+/* export --dcp (cmd_dcp.c): run by cmd_export. */
+int export_dcp(const args_t *a);
 
 /* ------------------------------------------------------------------------
  * Messages, times, sizes (common.c).

@@ -200,6 +200,10 @@ int cmd_export(const args_t *a, int bfd) {
   ckpt_metadata_t m;
   if (load_named(bfd, backing, name, &m))
     return EXIT_NO;
+  if (a->dcp) {
+    ckpt_metadata_free(&m);
+    return export_dcp(a);
+  }
   int status = EXIT_NO;
   data_files_t df = {.backing = backing, .name = name};
   window_t w = {.win = malloc(EXPORT_WINDOW), .src = malloc(EXPORT_WINDOW)};

@@ -39,7 +39,7 @@ const char *const prog = "ckptctl";
  * ---------------------------------------------------------------------- */
 
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
-       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT };
+       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT, OPT_DCP };
 #define OPTBIT(o) (1u << ((o) - OPT_JSON))
 
 /* Every option of every command; each command takes --json, --help and
@@ -54,6 +54,7 @@ static const struct option all_options[] = {
     {"interval", required_argument, NULL, OPT_INTERVAL},
     {"content", no_argument, NULL, OPT_CONTENT},
     {"sort", required_argument, NULL, OPT_SORT},
+    {"dcp", required_argument, NULL, OPT_DCP},
     {0, 0, 0, 0}};
 
 typedef struct {
@@ -101,6 +102,9 @@ static int parse_option(int c, char **argv, args_t *a) {
     break;
   case OPT_SAFETENSORS:
     a->safetensors = optarg;
+    break;
+  case OPT_DCP:
+    a->dcp = optarg;
     break;
   case OPT_KEEP:
     errno = 0;
@@ -168,9 +172,11 @@ static int parse_args(int argc, char **argv, args_t *a) {
   }
   if (a->npos < current->npos)
     return usage_error("missing arguments");
-  if ((current->required & OPTBIT(OPT_SAFETENSORS)) && !a->safetensors)
-    return usage_error("--safetensors FILE is required (the only format so "
-                       "far)");
+  if ((current->required & OPTBIT(OPT_SAFETENSORS)) && !a->safetensors &&
+      !a->dcp)
+    return usage_error("--safetensors FILE or --dcp DIR is required");
+  if (a->safetensors && a->dcp)
+    return usage_error("--safetensors and --dcp: one format at a time");
   if ((current->required & OPTBIT(OPT_KEEP)) && a->keep < 0)
     return usage_error("--keep N is required: how many of the newest "
                        "committed checkpoints to keep");
@@ -225,10 +231,11 @@ static const command_t commands[] = {
      "               compared: data or unchanged (default: off)\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
-    {"export", cmd_export, 2, true, EXIT_NO, OPTBIT(OPT_SAFETENSORS),
-     OPTBIT(OPT_SAFETENSORS),
-     "write a checkpoint as one safetensors file",
+    {"export", cmd_export, 2, true, EXIT_NO,
+     OPTBIT(OPT_SAFETENSORS) | OPTBIT(OPT_DCP), OPTBIT(OPT_SAFETENSORS),
+     "write a checkpoint as one safetensors file or a DCP directory",
      "usage: ckptctl export [--json] BACKING_DIR NAME --safetensors FILE\n"
+     "       ckptctl export BACKING_DIR NAME --dcp DIR\n"
      "\n"
      "Write committed checkpoint NAME as one consolidated safetensors file:\n"
      "every tensor whole, assembled from its chunks, each chunk's checksum\n"
@@ -237,10 +244,33 @@ static const command_t commands[] = {
      "it). Blobs and tensors safetensors cannot hold (complex128, names\n"
      "that are not UTF-8) are left out and listed.\n"
      "\n"
+     "--dcp DIR writes it as stock PyTorch DCP does (one __0_0.distcp of\n"
+     "torch.save'd tensors and bytes items, a pickled .metadata), so that\n"
+     "torch.distributed.checkpoint.load(checkpoint_id=DIR) reads it; it runs\n"
+     "the ckptfs Python package (python -m ckptfs.dcp) in $CKPTFS_PYTHON\n"
+     "(default python3), which needs torch 2.x (docs/pytorch.md).\n"
+     "\n"
      "options:\n"
-     "  --safetensors FILE  the file to write (required)\n"
+     "  --safetensors FILE  the safetensors file to write\n"
+     "  --dcp DIR           the DCP directory to write\n"
      "  --json              one JSON document (default: off)\n"
      "  -h, --help          this help\n"},
+    {"import-dcp", cmd_import_dcp, 3, false, EXIT_NO, 0, 0,
+     "bring a stock PyTorch DCP checkpoint into BACKING_DIR",
+     "usage: ckptctl import-dcp DCP_DIR BACKING_DIR NAME\n"
+     "\n"
+     "Import the checkpoint that torch.distributed.checkpoint.save wrote\n"
+     "to DCP_DIR (FileSystemWriter) as committed checkpoint NAME of\n"
+     "BACKING_DIR, bit for bit: every tensor whole, assembled by DCP's own\n"
+     "reader (chunks of any stride, from any number of ranks), every\n"
+     "bytes/object item's stored bytes unchanged. BACKING_DIR is mounted\n"
+     "for the duration (one rank) with the ckptfs beside ckptctl\n"
+     "($CKPTFS_BIN). Runs the ckptfs Python package (python -m ckptfs.dcp)\n"
+     "in $CKPTFS_PYTHON (default python3), which needs torch 2.x\n"
+     "(docs/pytorch.md).\n"
+     "\n"
+     "options:\n"
+     "  -h, --help   this help\n"},
     {"prune", cmd_prune, 1, true, EXIT_NO,
      OPTBIT(OPT_KEEP) | OPTBIT(OPT_DRY_RUN), OPTBIT(OPT_KEEP),
      "remove all but the newest committed checkpoints",
@@ -286,7 +316,7 @@ static void usage(FILE *to) {
           "\n"
           "commands:\n");
   for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-    fprintf(to, "  %-8s %s\n", commands[i].name, commands[i].summary);
+    fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].summary);
   fprintf(to,
           "\n"
           "options of every command:\n"

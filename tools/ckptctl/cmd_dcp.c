@@ -1,0 +1,92 @@
+/*
+ * cmd_dcp.c - `ckptctl import-dcp DCP_DIR BACKING_DIR NAME` and
+ * `ckptctl export BACKING_DIR NAME --dcp DIR`: checkpoints of PyTorch's
+ * torch.distributed.checkpoint (DCP) in and out.
+ *
+ * DCP's directory format is pickled Python objects and torch.save'd
+ * tensors, which only torch reads and writes faithfully, so both commands
+ * run the ckptfs Python package's converter (python -m ckptfs.dcp, see
+ * docs/pytorch.md) in the interpreter $CKPTFS_PYTHON (default python3),
+ * with the ckptfs binary installed beside this ckptctl ($CKPTFS_BIN unless
+ * set) to mount BACKING_DIR for the duration. ckptctl itself links only
+ * the store.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ckptctl.h"
+
+/* Set CKPTFS_BIN to the ckptfs beside /proc/self/exe, unless set. */
+static void find_ckptfs(void) {
+  char self[PATH_MAX];
+  if (getenv("CKPTFS_BIN"))
+    return;
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0)
+    return;
+  self[n] = '\0';
+  char *slash = strrchr(self, '/');
+  if (!slash || (size_t)(slash - self) + sizeof("/ckptfs") > sizeof(self))
+    return;
+  strcpy(slash, "/ckptfs");
+  if (access(self, X_OK) == 0)
+    setenv("CKPTFS_BIN", self, 0);
+}
+
+/* Run python -m ckptfs.dcp ARGS...; its exit status (EXIT_NO when it
+ * cannot be run). */
+static int run_converter(const char *what, char *const args[], int nargs) {
+  const char *py = getenv("CKPTFS_PYTHON");
+  if (!py || !*py)
+    py = "python3";
+  char *argv[8];
+  int k = 0;
+  argv[k++] = (char *)py;
+  argv[k++] = "-m";
+  argv[k++] = "ckptfs.dcp";
+  for (int i = 0; i < nargs && k < 7; i++)
+    argv[k++] = args[i];
+  argv[k] = NULL;
+  find_ckptfs();
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid < 0) {
+    fail("%s: fork: %s", what, strerror(errno));
+    return EXIT_NO;
+  }
+  if (pid == 0) {
+    execvp(py, argv);
+    fprintf(stderr, "%s: %s: cannot run %s: %s\n", prog, what, py,
+            strerror(errno));
+    _exit(127);
+  }
+  int st;
+  while (waitpid(pid, &st, 0) < 0)
+    if (errno != EINTR) {
+      fail("%s: waitpid: %s", what, strerror(errno));
+      return EXIT_NO;
+    }
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
+    return 0;
+  fail("%s failed: it needs a Python with the ckptfs package and torch 2.x "
+       "(pip install torch ./python from a ckptfs checkout; CKPTFS_PYTHON "
+       "names the interpreter, now %s)",
+       what, py);
+  return EXIT_NO;
+}
+
+int cmd_import_dcp(const args_t *a, int backing_fd) {
+  (void)backing_fd;
+  char *args[] = {"import", a->pos[0], a->pos[1], a->pos[2]};
+  return run_converter("import-dcp", args, 4);
+}
+
+int export_dcp(const args_t *a) {
+  char *args[] = {"export", a->pos[0], a->pos[1], (char *)a->dcp};
+  return run_converter("export --dcp", args, 4);
+}
