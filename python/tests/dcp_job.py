@@ -195,6 +195,19 @@ def save(mount, name, *flags):
     result(seconds=time.monotonic() - t0)
 
 
+def save_commit_async(mount, name):
+    """Writer(commit="async"): dcp.save returns once the data is frozen;
+    ckptfs.wait follows the commit to its end."""
+    sd = build_state(False)
+    dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount, commit="async"))
+    text = ckptfs.wait(mount_of(mount), name, timeout=300)
+    assert text.startswith("committed"), text
+    tgt = build_state(True)
+    dcp.load(tgt, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(mount))
+    check_state(tgt)
+    result()
+
+
 def load(mount, name, saved_ws, *flags):
     odd = "odd" in flags
     two_d = "2d" in flags and WS % 2 == 0

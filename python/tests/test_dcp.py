@@ -130,6 +130,11 @@ class SaveLoad(DcpCase):
         self.job(2, "load", self.spec(w2), "s4", 4, "2d")
 
 
+    def test_writer_commit_async(self):
+        w2 = self.world(2)
+        self.job(2, "save_commit_async", self.spec(w2), "sa")
+
+
 class Optimizer(DcpCase):
 
     def test_fully_sharded_adam_state_and_async_save(self):
