@@ -272,8 +272,22 @@ def _check_key(k, where):
     return s
 
 
+def _dtensor_as_shard(x):
+    """A torch DTensor as the Shard of this rank's local part (offsets from
+    its device mesh and placements; a replicated one is its whole tensor,
+    the same on every rank: a replica). Other values unchanged. Loading
+    into the Shard reads into the DTensor's local tensor in place."""
+    if not _is_torch(x) or type(x).__name__ != "DTensor":
+        return x
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _shape, offsets = compute_local_shape_and_global_offset(
+        x.shape, x.device_mesh, x.placements)
+    return Shard(x.to_local(), offsets, tuple(x.shape))
+
+
 def _flatten(obj, keys, out):
-    """(key path, value) of every leaf: dicts recurse, everything else is a leaf."""
+    """(key path, value) of every leaf: dicts recurse, everything else is a
+    leaf (a DTensor becomes the Shard of its local part)."""
     for k, v in obj.items():
         where = "/".join(str(x) for x in keys)
         _check_key(k, where)
@@ -287,7 +301,7 @@ def _flatten(obj, keys, out):
             else:
                 _flatten(v, path, out)
         else:
-            out.append((path, v))
+            out.append((path, _dtensor_as_shard(v)))
     return out
 
 

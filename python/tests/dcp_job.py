@@ -195,6 +195,37 @@ def save(mount, name, *flags):
     result(seconds=time.monotonic() - t0)
 
 
+def client_save(mount, name, *flags):
+    """The package's own save (ckptfs.save) of the same DTensors and
+    tensors: every rank saves its local shards."""
+    two_d = "2d" in flags
+    sd = build_state(False, two_d=two_d)
+    for k in OBJECTS:
+        del sd[k]
+    ckptfs.save(sd, mount_of(mount), name, rank=RANK)
+    result()
+
+
+def client_load(mount, name, *flags):
+    """ckptfs.load into DTensors of this world size (in place)."""
+    two_d = "2d" in flags and WS % 2 == 0
+    sd = build_state(True, two_d=two_d)
+    for k in OBJECTS:
+        del sd[k]
+    out = ckptfs.load(sd, mount_of(mount), name)
+    for nm, (shape, dt, pl) in DTENSORS.items():
+        assert out[nm] is sd[nm]
+        want = distribute_tensor(make(nm, shape, dt), mesh1(), pl).to_local()
+        assert torch.equal(sd[nm].to_local(), want), f"{nm}: local shard differs"
+        assert torch.equal(sd[nm].full_tensor(), make(nm, shape, dt)), nm
+    if two_d:
+        for nm in ("dt2.ss", "dt2.rs"):
+            assert torch.equal(sd[nm].full_tensor(), make(nm, (8, 12))), nm
+    for nm, (shape, dt) in PLAIN.items():
+        assert torch.equal(sd[nm], make(nm, shape, dt)), nm
+    result()
+
+
 def save_commit_async(mount, name):
     """Writer(commit="async"): dcp.save returns once the data is frozen;
     ckptfs.wait follows the commit to its end."""

@@ -135,6 +135,25 @@ class SaveLoad(DcpCase):
         self.job(2, "save_commit_async", self.spec(w2), "sa")
 
 
+class Client(DcpCase):
+    """The package's own save/load (not DCP) of DTensors, across world sizes."""
+
+    def test_dtensors_saved_at_4_loaded_at_2_and_1(self):
+        w4 = self.world(4)
+        self.job(4, "client_save", self.spec(w4), "c4", "2d")
+        db = os.path.join(w4.mnt(0), "c4", ".metadata")
+        # dt.rep (Replicate) is one chunk; dt2.rs ([Replicate, Shard(0)])
+        # has 2 distinct chunks held by 2 ranks each: stored once each
+        self.assertEqual(query(db, "SELECT count(*) FROM chunks WHERE fqn='dt.rep'"), [(1,)])
+        self.assertEqual(query(db, "SELECT count(*) FROM chunks WHERE fqn='dt2.rs'"), [(2,)])
+        self.stop(w4)
+        w2 = self.world(2)
+        self.job(2, "client_load", self.spec(w2), "c4", "2d")
+        self.stop(w2)
+        w1 = self.world(1)
+        self.job(1, "client_load", self.spec(w1), "c4")
+
+
 class Optimizer(DcpCase):
 
     def test_fully_sharded_adam_state_and_async_save(self):
