@@ -586,10 +586,17 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   if (rc == 0)
     fill_entry(fs, n, &e);
   pthread_mutex_unlock(&fs->lock);
-  if (rc)
+  if (rc) {
     fuse_reply_err(req, rc);
-  else
-    fuse_reply_entry(req, &e);
+  } else if (fuse_reply_entry(req, &e) != 0) {
+    /* The kernel never saw this lookup (interrupted): it will never
+     * forget it either. Only block files count lookups. */
+    pthread_mutex_lock(&fs->lock);
+    ckpt_node_t *b = ckpt__node_by_ino_any(fs, e.ino);
+    if (b)
+      ckpt__block_forget(fs, b, 1);
+    pthread_mutex_unlock(&fs->lock);
+  }
 }
 
 static void fs_getattr(fuse_req_t req, fuse_ino_t ino,

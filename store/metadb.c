@@ -478,7 +478,7 @@ static int row_fail(loader_t *ld, const row_t *r, const char *fmt, ...) {
   vsnprintf(msg, sizeof(msg), fmt, ap);
   va_end(ap);
   if (r->fqn != NULL)
-    return set_err(ld->err, -EINVAL, "%s: %s row %" PRIu64 " (%s): %s",
+    return set_err(ld->err, -EINVAL, "%s: %s row %" PRIu64 " (%.200s): %s",
                    ld->path, r->table, r->n, r->fqn, msg);
   return set_err(ld->err, -EINVAL, "%s: %s row %" PRIu64 ": %s", ld->path,
                  r->table, r->n, msg);
@@ -510,8 +510,13 @@ static const char *col_text(loader_t *ld, sqlite3_stmt *st, int i,
     nomem(ld);
     return NULL;
   }
+  size_t n = (size_t)sqlite3_column_bytes(st, i);
+  if (strlen(s) != n) { /* a NUL inside would cut the text short */
+    row_fail(ld, r, "%s holds a NUL byte", sqlite3_column_name(st, i));
+    return NULL;
+  }
   if (len != NULL)
-    *len = (size_t)sqlite3_column_bytes(st, i);
+    *len = n;
   return s;
 }
 
@@ -649,6 +654,8 @@ static int col_path(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
     rc = row_fail(ld, r, "path '%.64s' is not a checkpoint path", *out);
   else if (rc == 0 && r->fqn[0] == '\0')
     rc = row_fail(ld, r, "fqn is empty");
+  else if (rc == 0 && strlen(r->fqn) > CKPT_FQN_MAX)
+    rc = row_fail(ld, r, "fqn is longer than %d bytes", CKPT_FQN_MAX);
   return rc;
 }
 

@@ -70,14 +70,21 @@ static int stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
                                                                     : -EIO;
 }
 
-/* Does chunk c of tensor t hold any byte of [off, off+size)? */
+/* Does chunk c of tensor t hold any byte of [off, off+size)? Not merely
+ * "does its extent overlap": the column chunks of a tensor interleave, and
+ * a range inside one of them must not need (or verify) the others. */
 static bool chunk_touches(const ckpt_tensor_meta_t *t,
                           const ckpt_chunk_meta_t *c, uint64_t off,
                           size_t size) {
-  uint64_t first, end;
-  ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim,
-                     ckpt_dtype_size(t->dtype), &first, &end);
-  return end > off && first < off + size;
+  uint64_t first, end, lo, hi;
+  size_t isz = ckpt_dtype_size(t->dtype);
+  ckpt_layout_extent(t->ndim, t->shape, c->dims, c->dims + t->ndim, isz,
+                     &first, &end);
+  if (!(end > off && first < off + size))
+    return false;
+  ckpt_layout_span(t->ndim, t->shape, c->dims, c->dims + t->ndim, isz, off,
+                   size, &lo, &hi);
+  return lo < hi;
 }
 
 /* Read the part of one chunk that falls in [off, off+size). */
@@ -415,13 +422,24 @@ ssize_t ckpt_stored_read_box(const ckpt_stored_t *s, uint32_t tensor,
                        &first, &end);
     if (end <= hull_lo || first >= hull_hi)
       continue;
-    memset(g, 0, sizeof(*g));
+    /* The runs are in increasing global order: the first one ending after
+     * the chunk's first byte, by bisection, then on while they start
+     * before its end (O(log runs + its runs) per chunk, not O(runs)). */
+    size_t r0 = 0, r1 = runs.n;
+    while (r0 < r1) {
+      size_t mid = r0 + (r1 - r0) / 2;
+      if (runs.v[mid].dst + runs.v[mid].len <= first)
+        r0 = mid + 1;
+      else
+        r1 = mid;
+    }
+    if (r0 == runs.n || runs.v[r0].dst >= end)
+      continue;
     g->s = s, g->t = t, g->c = c, g->ci = t->first_chunk + i;
     g->out = buf, g->off = off, g->scratch = scratch;
-    for (size_t r = 0; rc == 0 && r < runs.n; r++) {
+    g->niov = 0, g->have_fd = false, g->pos = g->end = 0, g->rc = 0;
+    for (size_t r = r0; rc == 0 && r < runs.n && runs.v[r].dst < end; r++) {
       const ckpt_piece_t *run = &runs.v[r];
-      if (run->dst + run->len <= first || run->dst >= end)
-        continue;
       g->run = run;
       rc = ckpt_layout_pieces(t->ndim, t->shape, c->dims, c->dims + t->ndim,
                               isz, run->dst, run->len, gather_piece, g);

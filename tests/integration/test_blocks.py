@@ -322,6 +322,48 @@ class World2(unittest.TestCase):
         self.assertErrno(errno.EIO, one_pread, os.path.join(ck, "m/dmg"), 1 << 20)
         self.assertIn("m.dmg", read_log(self.world.log, limit=1 << 24))
 
+    def test_damage_in_an_interleaved_chunk(self):
+        """Column chunks interleave in the file's byte order: a block all in
+        the good chunk reads, though its byte range spans the damaged
+        one's extent (verify checks only chunks that hold its bytes)."""
+        import struct
+        vals = list(range(16))  # 4 x 4 float32, row-major
+        for r in range(self.N):
+            os.mkdir(os.path.join(self.world.mnt(r), "cols"))
+        ck0 = os.path.join(self.world.mnt(0), "cols")
+        for k, c0 in enumerate((0, 2)):
+            p = os.path.join(ck0, f"c.{k}")
+            data = b"".join(struct.pack("<f", vals[i * 4 + j])
+                            for i in range(4) for j in (c0, c0 + 1))
+            with open(p, "wb") as f:
+                f.write(data)
+            mpi_world.set_xattrs(p, "float32", (4, 4), (0, c0), (4, 2))
+            os.setxattr(p, "user.ckpt.fqn", b"c")
+        res = mpi_world.commit_all(self.world, "cols")
+        self.assertTrue(all(e is None for e, _ in res.values()), res)
+        db = os.path.join(self.backing, "cols", ".metadata")
+        (f, off, ln), = mpi_world.query(
+            db, "SELECT file, file_offset, length FROM chunks WHERE fqn='c' AND offsets='[0,2]'")
+        with open(os.path.join(self.backing, "cols", f), "r+b") as fh:
+            fh.seek(off)
+            b = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        ck = os.path.join(self.world.mnt(1), "cols")
+        want = b"".join(struct.pack("<f", vals[4 + j]) for j in (0, 1))
+        self.assertEqual(one_pread(block_name(os.path.join(ck, "c.0"), "1:2,0:2"), 64), want)
+        self.assertEqual(one_pread(block_name(os.path.join(ck, "c.0"), "0:4,0:2"), 64),
+                         b"".join(struct.pack("<f", vals[i * 4 + j])
+                                  for i in range(4) for j in (0, 1)))
+        self.assertErrno(errno.EIO, one_pread,
+                         block_name(os.path.join(ck, "c.0"), "1:2,2:4"), 64)
+        # the tensor file: a row segment inside the good chunk reads too
+        fd = os.open(os.path.join(ck, "c.0"), os.O_RDONLY)
+        try:
+            self.assertEqual(os.pread(fd, 8, 16), want)
+        finally:
+            os.close(fd)
+
 
 if __name__ == "__main__":
     ckptfs_util.main()
