@@ -549,7 +549,9 @@ def _read_block(path, dtype, global_shape, offsets, sizes, mv):
     if first is not None and next(runs, None) is not None:
         try:
             fd = os.open(block_file(path, offsets, sizes), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        except OSError as e:  # no block files here, or a name too long for one
+            if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):
+                raise
             fd = None
         if fd is not None:
             try:

@@ -41,6 +41,7 @@ docs/committed.md), so loads work at any world size.
 """
 
 import dataclasses
+import errno
 import sys
 import hashlib
 import io
@@ -183,7 +184,11 @@ def _path_fqn(path):
 # ---- file I/O ------------------------------------------------------------------
 
 def _u8(t):
-    """A writable uint8 memoryview of contiguous CPU tensor t's bytes."""
+    """A writable uint8 memoryview of contiguous CPU tensor t's bytes
+    (little-endian: ckptfs stores little-endian, and moves host bytes)."""
+    if sys.byteorder != "little":
+        raise CkptfsError("ckptfs.dcp moves tensors as raw host bytes, and this "
+                          "host is big-endian; ckptfs stores little-endian")
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -328,19 +333,29 @@ def _cpu_contiguous(t):
 class Writer(StorageWriter):
     """DCP StorageWriter over ckptfs rank mounts.
 
-    mount: the rank's mount, "%r" replaced by the rank ("/mnt/ckpt/rank%r").
+    mount: the rank's mount, "%r" replaced by the rank ("/mnt/ckpt/rank%r";
+    the global rank, whatever process group the save runs on).
+    replicas: "check" (the default: every rank writes its copy of a
+    replicated item, ckptfs compares them, replica_check, and stores one)
+    or "dedup" (only the rank DCP's planner picked writes it, as stock DCP
+    does: for replicas that legitimately differ in their bytes, e.g.
+    pickles of sets of strings under per-process hash seeds).
     commit: "sync" (the default: write_data returns once the checkpoint is
     committed and durable on every rank) or "async" (it returns once this
     rank's data is frozen; ckptfs finishes the save in the background and
     NAME/.status follows it; wait with ckptfs.wait(mount, name)).
     """
 
-    def __init__(self, mount, *, commit="sync", checkpoint_id=None):
+    def __init__(self, mount, *, commit="sync", replicas="check",
+                 checkpoint_id=None):
         super().__init__()
         if commit not in ("sync", "async"):
             raise ValueError(f"commit={commit!r}: use 'sync' or 'async'")
+        if replicas not in ("check", "dedup"):
+            raise ValueError(f"replicas={replicas!r}: use 'check' or 'dedup'")
         self.mount_spec = os.fspath(mount)
         self.commit_mode = commit
+        self.replicas = replicas
         self.rank = None
         self.mount = None
         self.is_coordinator = False
@@ -367,13 +382,15 @@ class Writer(StorageWriter):
             return False
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        # DCP passes rank=, its rank in the save's process group (0 without
+        # one); a mount belongs to a global rank (see default_rank).
         self.is_coordinator = is_coordinator
-        rank = kwargs.get("rank")
-        self.rank = default_rank() if rank is None else int(rank)
+        self.rank = default_rank()
         self.mount = rank_mount(self.mount_spec, self.rank)
         if self.name is None:
             raise ValueError("ckptfs.dcp.Writer: pass checkpoint_id=NAME to "
                              "dcp.save (the checkpoint's name in the mount)")
+        checkpoint_name(self.checkpoint_id, self.mount)  # a path elsewhere: refused
         if not os.path.isdir(self.mount):
             raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
                               "(is the rank's ckptfs mounted there?)")
@@ -384,7 +401,12 @@ class Writer(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # DCP's planner keeps one copy of each replica; ckptfs keeps them
         # all and checks them, so write_data writes this whole local plan.
-        self._local_items = list(plan.items)
+        # A cached plan (enable_plan_caching: usable=False, no items) says
+        # nothing new: write_data then writes the final plan it gets.
+        if self.replicas == "check" and getattr(plan, "usable", True) and plan.items:
+            self._local_items = list(plan.items)
+        else:
+            self._local_items = None
         return plan
 
     def prepare_global_plan(self, plans):
@@ -412,7 +434,14 @@ class Writer(StorageWriter):
         if paths is None or any(it.index.fqn not in paths for it in items):
             paths = fqn_paths({it.index.fqn for it in items})
         ckdir = os.path.join(self.mount, self.name)
-        self._make_checkpoint_dir(ckdir)
+        try:
+            self._make_checkpoint_dir(ckdir)
+        except CkptfsError:
+            # Another save's staged checkpoint of this name, left on this
+            # rank: fail this save on every rank now (the others wait for
+            # this rank's commit), and leave that checkpoint as it is.
+            self._abort(ckdir)
+            raise
         committed = False
         try:
             sizes = self._stage(ckdir, items, paths, planner)
@@ -462,7 +491,10 @@ class Writer(StorageWriter):
             by_fqn.setdefault(it.index.fqn, []).append(it)
         for fqn, group in by_fqn.items():
             base = paths[fqn]
-            explicit = _path_fqn(base) != fqn or len(group) > 1
+            # Tensor chunks always carry user.ckpt.fqn: another rank may hold
+            # several chunks of this FQN at several paths, which ckptfs
+            # accepts only when every chunk names its FQN.
+            explicit = _path_fqn(base) != fqn
             if group[0].type == WriteItemType.BYTE_IO:
                 if len(group) > 1:
                     raise CkptfsError(f"{fqn}: {len(group)} bytes items under one FQN")
@@ -471,11 +503,18 @@ class Writer(StorageWriter):
                 sizes[group[0].index] = _write_bytes_file(ckdir, base, buf, fqn,
                                                           explicit, made)
                 continue
+            explicit = True
             group.sort(key=lambda it: tuple(it.tensor_data.chunk.offsets))
             for k, it in enumerate(group):
                 td = it.tensor_data
                 offsets = tuple(td.chunk.offsets)
-                rel = base if k == 0 else f"{base}@{'_'.join(str(o) for o in offsets)}"
+                rel = base
+                if k > 0:
+                    rel = f"{base}@{'_'.join(str(o) for o in offsets)}"
+                    if len(os.path.basename(rel).encode()) > 255:
+                        digest = hashlib.sha1(fqn.encode("utf-8", "surrogateescape"))
+                        rel = os.path.join(os.path.dirname(base),
+                                           f"@{digest.hexdigest()[:16]}_{k}")
                 t = _cpu_contiguous(planner.resolve_data(it))
                 if tuple(t.shape) != tuple(td.chunk.sizes):
                     raise CkptfsError(f"{fqn}: the planner gave a chunk of shape "
@@ -581,7 +620,9 @@ def read_block(path, dtype, shape, offsets, lengths, out=None):
     bpath = block_file(path, offsets, lengths)
     try:
         fd = os.open(bpath, os.O_RDONLY)
-    except FileNotFoundError:
+    except OSError as e:  # no block files here, or a name too long for one
+        if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):
+            raise
         fd = None
     if fd is not None:
         try:
@@ -639,15 +680,17 @@ class Reader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id):
         return Writer.validate_checkpoint_id(checkpoint_id)
 
-    def _ckdir(self, rank=None):
-        if self.rank is None or rank is not None:
-            self.rank = default_rank() if rank is None else int(rank)
+    def _ckdir(self):
+        if self.rank is None:
+            self.rank = default_rank()  # the global rank, as the Writer
         if self.name is None:
             raise ValueError("ckptfs.dcp.Reader: pass checkpoint_id=NAME to dcp.load")
-        return os.path.join(rank_mount(self.mount_spec, self.rank), self.name)
+        mount = rank_mount(self.mount_spec, self.rank)
+        checkpoint_name(self.checkpoint_id, mount)  # a path elsewhere: refused
+        return os.path.join(mount, self.name)
 
     def read_metadata(self, *args, **kwargs):
-        ckdir = self._ckdir(kwargs.get("rank"))
+        ckdir = self._ckdir()
         self._tensors, self._blobs = read_catalog(ckdir)
         md = {}
         storage = {}
@@ -664,15 +707,12 @@ class Reader(StorageReader):
             md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = path
         return Metadata(state_dict_metadata=md,
-                        planner_data={f: (f,) for f in md},
+                        planner_data={f: tuple(f.split(".")) for f in md},
                         storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=self.name,
                                                  load_id=uuid.uuid4().hex))
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
-        rank = kwargs.get("rank")
-        if rank is not None:
-            self.rank = int(rank)
         if self._tensors is None:
             self._tensors, self._blobs = read_catalog(self._ckdir())
 
@@ -692,7 +732,7 @@ class Reader(StorageReader):
         return fut
 
     def _read(self, plan, planner):
-        ckdir = self._ckdir(self.rank)
+        ckdir = self._ckdir()
         lock = threading.Lock()
         tensors = []
         for ri in plan.items:

@@ -70,7 +70,7 @@ class Strided:
     given to DCP through its tensor-like protocol (__create_write_items__,
     __get_tensor_shard__), as sharding schemes beyond DTensor's do."""
 
-    ROWS, COLS, BLOCK = 16, 3, 2
+    ROWS, COLS, BLOCK = 18, 3, 2  # 9 blocks: ranks hold different counts
 
     def __init__(self, name):
         self.full = make(name, (self.ROWS, self.COLS), torch.float64)
@@ -237,6 +237,59 @@ def save_commit_async(mount, name):
     dcp.load(tgt, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(mount))
     check_state(tgt)
     result()
+
+
+def cached_plans(mount, name):
+    """DCP's plan caching: the second save of an unchanged state dict sends
+    empty, unusable local plans; the Writer must still write everything."""
+    planner = lambda: dcp.DefaultSavePlanner(enable_plan_caching=True)  # noqa: E731
+    for k in range(3):
+        sd = build_state(False)
+        dcp.save(sd, checkpoint_id=f"{name}{k}", storage_writer=ckptfs.dcp.Writer(mount),
+                 planner=planner())
+    for k in range(3):
+        tgt = build_state(True)
+        dcp.load(tgt, checkpoint_id=f"{name}{k}", storage_reader=ckptfs.dcp.Reader(mount))
+        check_state(tgt)
+    result()
+
+
+def leftover(mount, name):
+    """Rank 1 has a staged checkpoint NAME left by an earlier trainer: the
+    save fails on every rank at once; a retry saves."""
+    if RANK == 1:
+        os.mkdir(os.path.join(mount_of(mount), name))
+    dist.barrier()
+    sd = build_state(False)
+    t0 = time.monotonic()
+    try:
+        dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+        raise AssertionError("dcp.save did not raise")
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException is one)
+        if isinstance(e, AssertionError):
+            raise
+        elapsed, msg = time.monotonic() - t0, str(e)
+    dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+    result(seconds=elapsed, message=msg)
+
+
+def replicas(mount, name):
+    """A replicated item whose bytes differ between ranks: refused with
+    replicas="check" (ckptfs compares them), saved with "dedup"."""
+    sd = {"w": make("w", (4, 4)), "tag": f"rank {RANK}"}
+    try:
+        dcp.save(sd, checkpoint_id=name + "-check", storage_writer=ckptfs.dcp.Writer(mount))
+        raise AssertionError("dcp.save did not raise")
+    except BaseException as e:  # noqa: B036
+        if isinstance(e, AssertionError):
+            raise
+        msg = str(e)
+    dcp.save(sd, checkpoint_id=name + "-dedup",
+             storage_writer=ckptfs.dcp.Writer(mount, replicas="dedup"))
+    tgt = {"w": torch.zeros(4, 4), "tag": None}
+    dcp.load(tgt, checkpoint_id=name + "-dedup", storage_reader=ckptfs.dcp.Reader(mount))
+    assert torch.equal(tgt["w"], sd["w"]) and tgt["tag"].startswith("rank "), tgt
+    result(message=msg, tag=tgt["tag"])
 
 
 def load(mount, name, saved_ws, *flags):

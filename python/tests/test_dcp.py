@@ -108,9 +108,9 @@ class SaveLoad(DcpCase):
         # dt.col (Shard(1)) was saved as two column chunks
         chunks = query(db, "SELECT offsets, sizes FROM chunks WHERE fqn='dt.col' ORDER BY offsets")
         self.assertEqual(chunks, [("[0,0]", "[6,5]"), ("[0,5]", "[6,5]")])
-        # strided.w: 8 chunks of 2 rows, 4 from each rank
+        # strided.w: 9 chunks of 2 rows, 5 from rank 0 and 4 from rank 1
         ranks = query(db, "SELECT rank, count(*) FROM chunks WHERE fqn='strided.w' GROUP BY rank")
-        self.assertEqual(sorted(ranks), [(0, 4), (1, 4)])
+        self.assertEqual(sorted(ranks), [(0, 5), (1, 4)])
         # the committed tensor shows once, at the path of its first chunk
         self.assertEqual(query(db, "SELECT path FROM tensors WHERE fqn='strided.w'"),
                          [("strided/w",)])
@@ -133,6 +133,18 @@ class SaveLoad(DcpCase):
     def test_writer_commit_async(self):
         w2 = self.world(2)
         self.job(2, "save_commit_async", self.spec(w2), "sa")
+
+    def test_cached_plans_and_replicas(self):
+        """DCP's plan caching (later saves send empty local plans); a
+        replica whose bytes differ: refused by default, saved with
+        replicas="dedup"."""
+        w2 = self.world(2)
+        self.job(2, "cached_plans", self.spec(w2), "cp")
+        out = self.job(2, "replicas", self.spec(w2), "rp")
+        for r in (0, 1):
+            self.assertIn("tag", out[r]["message"])
+            self.assertIn("differ", out[r]["message"])
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "rp-check")))
 
 
 class Client(DcpCase):
@@ -188,6 +200,15 @@ class Errors(DcpCase):
         self.assertIn("another rank failed", out[0]["message"] + out[1]["message"])
         # the retry committed
         self.assertTrue(os.path.exists(os.path.join(w2.mnt(0), "bad", ".metadata")))
+
+    def test_leftover_staged_checkpoint_on_one_rank(self):
+        w2 = self.world(2, opts="commit_timeout=60")
+        out = self.job(2, "leftover", self.spec(w2), "left")
+        for r in (0, 1):
+            self.assertLess(out[r]["seconds"], 30, out[r])
+        self.assertIn("already exists", out[1]["message"])
+        self.assertIn("another rank failed", out[0]["message"])
+        self.assertTrue(os.path.exists(os.path.join(self.backing, "left", ".metadata")))
 
     def test_commit_error_pickles(self):
         code = r'''
