@@ -31,7 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util  # noqa: E402
 from ckptfs_util import CkptfsTestCase, main, mountinfo_has, read_all  # noqa: E402
-from pyenv import EXAMPLES, REPO  # noqa: E402
+from pyenv import PACKAGE, REPO  # noqa: E402
 
 UNIT = os.path.join(REPO, "mount-scripts", "ckptfs@.service")
 FSTAB_NOISE = ("rw,nodev,nosuid,noatime,noauto,nofail,_netdev,users,"
@@ -43,9 +43,9 @@ FSTAB_NOISE = ("rw,nodev,nosuid,noatime,noauto,nofail,_netdev,users,"
 # daemon to exit. Prints what it saw as JSON lines.
 INNER = r'''
 import json, os, subprocess, sys, time
-sbin, mnt, backing, examples = sys.argv[1:5]
+sbin, mnt, backing, package = sys.argv[1:5]
 cmd = sys.argv[5:]
-sys.path.insert(0, examples)
+sys.path.insert(0, package)
 import ckptfs
 
 def say(**kw):
@@ -148,7 +148,7 @@ class Fstab(CkptfsTestCase):
             # bind over the helper's PATH directory for this run only
             ns, env["CKPT_FSTAB_NO_NS"] = [], "1"
         r = subprocess.run(ns + [sys.executable, "-c", INNER, self.sbin, self.mnt,
-                                 self.backing, EXAMPLES, *cmd],
+                                 self.backing, PACKAGE, *cmd],
                            capture_output=True, text=True, timeout=300, env=env)
         self.assertEqual(r.returncode, 0, f"inner:\n{r.stdout}\n{r.stderr}")
         out = {}
