@@ -367,9 +367,11 @@ print("ok")
                            capture_output=True, text=True, env=env, timeout=600)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         out2 = os.path.join(self.dir, "exported2")
-        r = subprocess.run([ckptctl, "export", backing2, "viactl", "--dcp", out2],
+        r = subprocess.run([ckptctl, "export", "--json", backing2, "viactl", "--dcp", out2],
                            capture_output=True, text=True, env=env, timeout=600)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertEqual(json.loads(r.stdout), {"name": "viactl", "from": backing2,
+                                                "to": out2, "format": "dcp"})
         run_py(self, self.py, code_load, stock, out2, os.path.dirname(JOB),
                env={"PYTHONWARNINGS": "ignore"})
         # a converter that cannot run: a clear error, nothing imported

@@ -588,7 +588,7 @@ class Commands(Base):
             (["ls", "--frob", self.backing], "unknown option '--frob'"),
             (["show", self.backing], "missing arguments"),
             (["diff", self.backing, "a"], "missing arguments"),
-            (["export", self.backing, "a"], "--safetensors FILE is required"),
+            (["export", self.backing, "a"], "--safetensors FILE or --dcp DIR is required"),
             (["export", self.backing, "a", "--safetensors"], "needs a value"),
             (["prune", self.backing], "--keep N is required"),
             (["prune", self.backing, "--keep", "0"], "at least 1"),

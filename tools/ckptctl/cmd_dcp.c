@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "ckptctl.h"
+#include "json.h"
 
 /* Set CKPTFS_BIN to the ckptfs beside /proc/self/exe, unless set. */
 static void find_ckptfs(void) {
@@ -39,8 +40,10 @@ static void find_ckptfs(void) {
 }
 
 /* Run python -m ckptfs.dcp ARGS...; its exit status (EXIT_NO when it
- * cannot be run). */
-static int run_converter(const char *what, char *const args[], int nargs) {
+ * cannot be run). quiet: its stdout goes to stderr (--json prints one
+ * document of its own). */
+static int run_converter(const char *what, char *const args[], int nargs,
+                         bool quiet) {
   const char *py = getenv("CKPTFS_PYTHON");
   if (!py || !*py)
     py = "python3";
@@ -60,6 +63,8 @@ static int run_converter(const char *what, char *const args[], int nargs) {
     return EXIT_NO;
   }
   if (pid == 0) {
+    if (quiet)
+      dup2(STDERR_FILENO, STDOUT_FILENO);
     execvp(py, argv);
     fprintf(stderr, "%s: %s: cannot run %s: %s\n", prog, what, py,
             strerror(errno));
@@ -80,13 +85,32 @@ static int run_converter(const char *what, char *const args[], int nargs) {
   return EXIT_NO;
 }
 
+/* {"name", "from", "to", "format": "dcp"} */
+static void report_json(const char *name, const char *from, const char *to) {
+  json_t j;
+  j_begin(&j);
+  j_open(&j, '{');
+  j_key(&j, "name"), j_str(&j, name);
+  j_key(&j, "from"), j_str(&j, from);
+  j_key(&j, "to"), j_str(&j, to);
+  j_key(&j, "format"), j_str(&j, "dcp");
+  j_close(&j, '}');
+  j_end(&j);
+}
+
 int cmd_import_dcp(const args_t *a, int backing_fd) {
   (void)backing_fd;
   char *args[] = {"import", a->pos[0], a->pos[1], a->pos[2]};
-  return run_converter("import-dcp", args, 4);
+  int rc = run_converter("import-dcp", args, 4, a->json);
+  if (rc == 0 && a->json)
+    report_json(a->pos[2], a->pos[0], a->pos[1]);
+  return rc;
 }
 
 int export_dcp(const args_t *a) {
   char *args[] = {"export", a->pos[0], a->pos[1], (char *)a->dcp};
-  return run_converter("export --dcp", args, 4);
+  int rc = run_converter("export --dcp", args, 4, a->json);
+  if (rc == 0 && a->json)
+    report_json(a->pos[1], a->pos[0], a->dcp);
+  return rc;
 }

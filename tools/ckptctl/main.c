@@ -251,13 +251,14 @@ static const command_t commands[] = {
      "(default python3), which needs torch 2.x (docs/pytorch.md).\n"
      "\n"
      "options:\n"
-     "  --safetensors FILE  the safetensors file to write\n"
-     "  --dcp DIR           the DCP directory to write\n"
+     "  --safetensors FILE  the safetensors file to write (default: none;\n"
+     "                      this or --dcp is required)\n"
+     "  --dcp DIR           the DCP directory to write (default: none)\n"
      "  --json              one JSON document (default: off)\n"
      "  -h, --help          this help\n"},
     {"import-dcp", cmd_import_dcp, 3, false, EXIT_NO, 0, 0,
      "bring a stock PyTorch DCP checkpoint into BACKING_DIR",
-     "usage: ckptctl import-dcp DCP_DIR BACKING_DIR NAME\n"
+     "usage: ckptctl import-dcp [--json] DCP_DIR BACKING_DIR NAME\n"
      "\n"
      "Import the checkpoint that torch.distributed.checkpoint.save wrote\n"
      "to DCP_DIR (FileSystemWriter) as committed checkpoint NAME of\n"
@@ -270,6 +271,8 @@ static const command_t commands[] = {
      "(docs/pytorch.md).\n"
      "\n"
      "options:\n"
+     "  --json       one JSON document: name, from, to, format (default: "
+     "off)\n"
      "  -h, --help   this help\n"},
     {"prune", cmd_prune, 1, true, EXIT_NO,
      OPTBIT(OPT_KEEP) | OPTBIT(OPT_DRY_RUN), OPTBIT(OPT_KEEP),
