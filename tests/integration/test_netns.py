@@ -129,18 +129,55 @@ class NetWorld:
         return os.path.join(self.root, f"rank{rank}")
 
     def mount_argv(self):
-        argv = [CKPT_MOUNT, "--hostfile", self.hostfile, "--bin", cu.BIN, "--log", self.log]
+        argv = [CKPT_MOUNT, "--hostfile", self.hostfile, "--bin", cu.BIN, "--log", self.log,
+                "--timeout", str(self.MOUNT_WAIT)]
         for a in self.c.mpi_args():
             argv.append("--mpirun-arg=" + a)
         if self.opts:
             argv += ["-o", self.opts]
         return argv + [self.backing, self.root]
 
+    MOUNT_WAIT = 60  # ckpt-mount's own --timeout (its default)
+
     def mount(self, timeout=180):
+        """ckpt-mount on node 0. Should it still wait 10 s before its
+        --timeout, every node's processes are noted (r.snapshot): where a
+        launch that never started a daemon was stuck."""
         t0 = time.monotonic()
-        r = self.c.run(0, self.mount_argv(), env=self.c.env(scripts_env()), timeout=timeout)
+        snap = []
+        timer = threading.Timer(self.MOUNT_WAIT - 10, lambda: snap.append(self.node_ps()))
+        timer.daemon = True
+        timer.start()
+        try:
+            r = self.c.run(0, self.mount_argv(), env=self.c.env(scripts_env()),
+                           timeout=timeout)
+        finally:
+            timer.cancel()
         r.seconds = time.monotonic() - t0
+        r.snapshot = snap[0] if snap else ""
         return r
+
+    def node_ps(self):
+        """Every node's processes: pid, state, kernel wait channel, argv."""
+        out = []
+        for i in range(self.c.n):
+            out.append(f"node {i}:")
+            for p in self.c.processes(i):
+                try:
+                    with open(f"/proc/{p}/stat") as f:
+                        st = f.read().rsplit(")", 1)[1].split()[0]
+                    with open(f"/proc/{p}/wchan") as f:
+                        wchan = f.read().strip()
+                    argv = b" ".join(netns.cmdline(p) or []).decode(errors="replace")
+                except OSError:
+                    continue
+                out.append(f"  {p} {st} {wchan or '-'} {argv[:200]}")
+        return "\n".join(out)
+
+    def daemon_lines(self):
+        """Lines the daemons (not ckpt-mount, not mpirun's command line)
+        wrote to the log."""
+        return [ln for ln in self.log_text().splitlines() if ln.startswith("ckptfs")]
 
     def umount(self, *args, timeout=300):
         t0 = time.monotonic()
@@ -273,8 +310,19 @@ class NetnsCase(unittest.TestCase):
         node, on no other."""
         w = self.world(slots, opts, backing, tag)
         r = w.mount()
+        if r.returncode != 0 and not w.daemon_lines():
+            # No daemon wrote a line: Open MPI's launch over the simulated
+            # nodes stalled before any rank ran our code (seen once in a
+            # CI run, never here in hundreds). Launched once more, loudly,
+            # with where every process was.
+            sys.stderr.write(f"\nnote: ckpt-mount failed ({r.seconds:.1f}s) before any daemon "
+                             f"wrote a line; launching once more\n{r.stderr}\n"
+                             f"processes 10 s before it gave up:\n{r.snapshot}\n")
+            r = w.mount()
         self.assertEqual(r.returncode, 0, f"ckpt-mount failed ({r.seconds:.1f}s):\n{r.stderr}\n"
-                                          f"--- log ---\n{w.log_text()[-4000:]}")
+                                          f"--- log ---\n{w.log_text()[-4000:]}\n"
+                                          f"--- processes 10 s before it gave up ---\n"
+                                          f"{r.snapshot}")
         want = [w.local_mnt(k) for k in range(w.n)]
         self.assertEqual(r.stdout.splitlines(), want)
         got = w.ckpt_mounts()
