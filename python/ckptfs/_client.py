@@ -215,13 +215,21 @@ def _tensor_info(x):
 
 # ---- file calls -----------------------------------------------------------------
 
+def _write_fd(fd, mv, path):
+    """Write all of memoryview mv to fd, IO_STEP bytes per call."""
+    pos = 0
+    while pos < len(mv):
+        try:
+            pos += os.write(fd, mv[pos:pos + IO_STEP])
+        except OSError as e:
+            raise CkptfsError(f"writing {path}: {e.strerror}") from e
+
+
 def _write_all(path, buf):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
-        pos = 0
-        while pos < len(mv):
-            pos += os.write(fd, mv[pos:pos + IO_STEP])
+        _write_fd(fd, memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf,
+                  path)
     finally:
         os.close(fd)
 
@@ -230,7 +238,11 @@ def _pread_into(fd, mv, offset, path):
     """Fill memoryview mv from offset of fd."""
     pos = 0
     while pos < len(mv):
-        n = os.preadv(fd, [mv[pos:pos + IO_STEP]], offset + pos)
+        try:
+            n = os.preadv(fd, [mv[pos:pos + IO_STEP]], offset + pos)
+        except OSError as e:
+            raise CkptfsError(f"reading {path} at offset {offset + pos}: "
+                              f"{e.strerror}") from e
         if n == 0:
             raise CkptfsError(f"{path}: file ends at byte {offset + pos}, "
                               f"{offset + len(mv)} expected")
@@ -255,6 +267,15 @@ def status(mount, name):
     """(state, text) of checkpoint name: state is the first line of
     NAME/.status (staging, committing, committed, failed)."""
     text = _read_text(os.path.join(mount, name, ".status"))
+    return text.split("\n", 1)[0].strip(), text
+
+
+def _status_of(ckdir):
+    """status() of the checkpoint directory ckdir; ("", "") if unreadable."""
+    try:
+        text = _read_text(os.path.join(ckdir, ".status"))
+    except OSError:
+        return "", ""
     return text.split("\n", 1)[0].strip(), text
 
 
@@ -416,19 +437,21 @@ def _discard_staged(ckdir):
 
 def commit(mount, name, mode="sync"):
     """Write mode to NAME/.commit (what save() does last)."""
-    ckdir = os.path.join(mount, name)
+    _commit_dir(os.path.join(mount, name), name, mode)
+
+
+def _commit_dir(ckdir, name, mode="sync"):
+    """Write mode to ckdir/.commit; CommitError with .status's reason when
+    the commit fails."""
     try:
         fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
     except OSError as e:
-        raise CkptfsError(f"cannot open {ckdir}/.commit: {e.strerror} (is {mount} "
-                          "a ckptfs mount?)") from e
+        raise CkptfsError(f"cannot open {ckdir}/.commit: {e.strerror} (is "
+                          f"{os.path.dirname(ckdir)} a ckptfs mount?)") from e
     try:
         os.write(fd, mode.encode() + b"\n")
     except OSError as e:
-        try:
-            st, text = status(mount, name)
-        except OSError:
-            st, text = "", ""
+        st, text = _status_of(ckdir)
         if st == "failed":
             raise CommitError(name, text, ckdir) from e
         raise CkptfsError(f"commit of {name!r} failed: {e.strerror}"

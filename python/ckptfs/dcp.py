@@ -67,7 +67,9 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from ._client import CkptfsError, CommitError, block_file
+from ._client import (CkptfsError, CommitError, _commit_dir as _commit,
+                      _discard_staged as _discard, _pread_into, _status_of as _status,
+                      _write_fd as _write_all, block_file)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
@@ -195,74 +197,9 @@ def _u8(t):
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def _write_all(fd, mv, path):
-    off = 0
-    n = len(mv)
-    while off < n:
-        try:
-            w = os.write(fd, mv[off:off + IO_STEP])
-        except OSError as e:
-            raise CkptfsError(f"writing {path}: {e.strerror}") from e
-        off += w
-
-
-def _pread_into(fd, mv, offset, path):
-    got = 0
-    n = len(mv)
-    while got < n:
-        try:
-            r = os.preadv(fd, [mv[got:got + IO_STEP]], offset + got)
-        except OSError as e:
-            raise CkptfsError(f"reading {path} at offset {offset + got}: "
-                              f"{e.strerror}") from e
-        if r == 0:
-            raise CkptfsError(f"reading {path}: {n - got} bytes missing at offset "
-                              f"{offset + got} (file shorter than its tensor)")
-        got += r
-
-
 def _read_file(path):
     with open(path, "rb") as f:
         return f.read()
-
-
-def _status(ckdir):
-    try:
-        with open(os.path.join(ckdir, ".status")) as f:
-            text = f.read()
-    except OSError:
-        return "", ""
-    return (text.splitlines() or [""])[0].strip(), text
-
-
-def _commit(ckdir, name, mode="sync"):
-    """Write mode to NAME/.commit; CommitError with .status's reason when
-    the commit fails."""
-    try:
-        fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
-    except OSError as e:
-        raise CkptfsError(f"cannot open {ckdir}/.commit: {e.strerror} (is the "
-                          "mount a ckptfs mount?)") from e
-    try:
-        os.write(fd, mode.encode() + b"\n")
-    except OSError as e:
-        st, text = _status(ckdir)
-        if st == "failed":
-            raise CommitError(name, text, ckdir) from None
-        raise CkptfsError(f"commit of {name!r} failed: {e.strerror}"
-                          + (f"; .status: {text.strip()}" if text else "")) from e
-    finally:
-        os.close(fd)
-
-
-def _discard(ckdir):
-    """rm -r of a staged, never committed checkpoint (this rank only)."""
-    for root, dirs, files in os.walk(ckdir, topdown=False):
-        for f in files:
-            os.unlink(os.path.join(root, f))
-        for d in dirs:
-            os.rmdir(os.path.join(root, d))
-    os.rmdir(ckdir)
 
 
 def _makedirs_for(ckdir, rel, made):

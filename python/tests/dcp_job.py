@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+import traceback
 import time
 
 import torch
@@ -427,12 +428,22 @@ def fail_one(mount, name, bad_rank):
 def main():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=RANK, world_size=WS)
+    code = 1
     try:
         scenario, args = sys.argv[1], sys.argv[2:]
         globals()[scenario](*args)
         dist.barrier()
+        code = 0
+    except BaseException:  # noqa: B036
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
+        # Every rank's result is written (and past the barrier when it
+        # passed): the process ends here, without torch's teardown. Its
+        # gloo threads once aborted a finished job at exit ("terminate
+        # called without an active exception", seen once).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
