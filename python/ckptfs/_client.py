@@ -51,6 +51,7 @@ import os
 import pickle
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["save", "load", "wait", "status", "commit", "Shard", "CommitError",
            "CkptfsError", "DTYPES"]
@@ -249,6 +250,49 @@ def _pread_into(fd, mv, offset, path):
         pos += n
 
 
+class _Stager:
+    """Runs staging writes on `threads` threads (write(2) releases the GIL,
+    and the daemon serves each file on its own thread and stream: one
+    writer leaves the mount's daemon waiting between requests). The first
+    error is raised by done(), after every started write has ended."""
+
+    def __init__(self, threads):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.futures = []
+
+    def submit(self, fn, *args):
+        if self.pool is None:
+            return fn(*args)
+        self.futures.append(self.pool.submit(fn, *args))
+        return None
+
+    def done(self):
+        """Results of the submitted calls, in order."""
+        if self.pool is None:
+            return []
+        try:
+            err = None
+            out = []
+            for f in self.futures:
+                try:
+                    out.append(f.result())
+                except BaseException as e:  # noqa: B036 (re-raised below)
+                    err = err or e
+                    out.append(None)
+            if err is not None:
+                raise err
+            return out
+        finally:
+            self.pool.shutdown()
+
+    def abandon(self):
+        """After an error in the caller: wait for what was started."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _csv(xs):
     return ",".join(str(int(v)) for v in xs).encode()
 
@@ -339,7 +383,7 @@ def _encode_object(v, objects):
 
 
 def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
-         exist_ok=False):
+         exist_ok=False, threads=4):
     """Write state_dict into MOUNT/NAME and commit it.
 
     mount: this rank's ckptfs mount; name: the checkpoint name
@@ -350,7 +394,9 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     objects: "pickle" or "json" for values that are neither tensors nor bytes;
     exist_ok: when this rank already staged name and did not commit it (e.g.
     the commit failed), discard what is staged and save again; a committed
-    name is never replaced. Raises CommitError when the commit fails.
+    name is never replaced; threads: files written at once (the mount's
+    io_threads streams take that many in parallel). Raises CommitError
+    when the commit fails.
     """
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
@@ -361,6 +407,7 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     if not os.path.isdir(mount):
         raise CkptfsError(f"{mount} is not a directory (is the ckptfs rank mount "
                           "there? mount it with ckptfs or mount-scripts/ckpt-mount)")
+    stager = _Stager(threads)
     leaves = _flatten(state_dict, [], [])
     ckdir = os.path.join(mount, name)
     try:
@@ -388,6 +435,30 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
 
     manifest = {}
     made = set()
+    try:
+        _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager)
+    except BaseException:
+        stager.abandon()
+        raise
+    stager.done()
+    mpath = os.path.join(ckdir, MANIFEST_DIR, f"rank{int(rank)}.json")
+    os.makedirs(os.path.dirname(mpath), exist_ok=True)
+    _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
+                                  "items": manifest}, sort_keys=True).encode())
+    commit(mount, name, mode)
+
+
+def _stage_tensor(path, buf, rel, name, xattrs):
+    try:
+        _write_all(path, buf)
+        for k, v in xattrs:
+            os.setxattr(path, k, v)
+    except OSError as e:
+        raise CkptfsError(f"cannot stage {rel} of checkpoint {name!r}: "
+                          f"{e.strerror} ({path})") from e
+
+
+def _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager):
     for keys, v in leaves:
         rel = "/".join(str(k) for k in keys)
         path = os.path.join(ckdir, rel)
@@ -400,28 +471,23 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
             if _is_tensor(v):
                 shard = v if isinstance(v, Shard) else None
                 dtype, shape, buf, kind = _tensor_info(shard.tensor if shard else v)
-                _write_all(path, buf)
-                os.setxattr(path, "user.ckpt.dtype", dtype.encode())
+                xattrs = [("user.ckpt.dtype", dtype.encode())]
                 if shard:
-                    os.setxattr(path, "user.ckpt.shape", _csv(shard.global_shape))
-                    os.setxattr(path, "user.ckpt.offsets", _csv(shard.offsets))
-                    os.setxattr(path, "user.ckpt.sizes", _csv(shape))
+                    xattrs += [("user.ckpt.shape", _csv(shard.global_shape)),
+                               ("user.ckpt.offsets", _csv(shard.offsets)),
+                               ("user.ckpt.sizes", _csv(shape))]
                 else:
-                    os.setxattr(path, "user.ckpt.shape", _csv(shape))
+                    xattrs.append(("user.ckpt.shape", _csv(shape)))
+                stager.submit(_stage_tensor, path, buf, rel, name, xattrs)
                 entry["kind"] = kind
             else:
                 data, kind = _encode_object(v, objects)
-                _write_all(path, data)
+                stager.submit(_stage_tensor, path, data, rel, name, [])
                 entry["kind"] = kind
         except OSError as e:
             raise CkptfsError(f"cannot stage {rel} of checkpoint {name!r}: "
                               f"{e.strerror} ({path})") from e
         manifest[rel] = entry
-    mpath = os.path.join(ckdir, MANIFEST_DIR, f"rank{int(rank)}.json")
-    os.makedirs(os.path.dirname(mpath), exist_ok=True)
-    _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
-                                  "items": manifest}, sort_keys=True).encode())
-    commit(mount, name, mode)
 
 
 def _discard_staged(ckdir):

@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from ._client import (CkptfsError, CommitError, _commit_dir as _commit,
+from ._client import (CkptfsError, CommitError, _commit_dir as _commit, _Stager,
                       _discard_staged as _discard, _pread_into, _status_of as _status,
                       _write_fd as _write_all, block_file)
 
@@ -281,13 +281,17 @@ class Writer(StorageWriter):
     committed and durable on every rank) or "async" (it returns once this
     rank's data is frozen; ckptfs finishes the save in the background and
     NAME/.status follows it; wait with ckptfs.wait(mount, name)).
+    threads: files staged at once (4, the mount's default io_threads).
     """
 
-    def __init__(self, mount, *, commit="sync", replicas="check",
+    def __init__(self, mount, *, commit="sync", replicas="check", threads=4,
                  checkpoint_id=None):
         super().__init__()
         if commit not in ("sync", "async"):
             raise ValueError(f"commit={commit!r}: use 'sync' or 'async'")
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads={threads!r}: use an int >= 1")
+        self.threads = threads
         if replicas not in ("check", "dedup"):
             raise ValueError(f"replicas={replicas!r}: use 'check' or 'dedup'")
         self.mount_spec = os.fspath(mount)
@@ -421,6 +425,18 @@ class Writer(StorageWriter):
                           "checkpoint_id, or remove it first")
 
     def _stage(self, ckdir, items, paths, planner):
+        stager = _Stager(self.threads)
+        try:
+            sizes = self._stage_items(ckdir, items, paths, planner, stager)
+        except BaseException:
+            stager.abandon()
+            raise
+        stager.done()
+        return sizes
+
+    def _stage_items(self, ckdir, items, paths, planner, stager):
+        """Stage the items, their writes on stager's threads; {index: bytes
+        stored}. The planner's calls stay on this thread."""
         made = set()
         sizes = {}
         by_fqn = {}
@@ -437,8 +453,9 @@ class Writer(StorageWriter):
                     raise CkptfsError(f"{fqn}: {len(group)} bytes items under one FQN")
                 data = planner.resolve_data(group[0])
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
-                sizes[group[0].index] = _write_bytes_file(ckdir, base, buf, fqn,
-                                                          explicit, made)
+                _makedirs_for(ckdir, base, made)
+                sizes[group[0].index] = len(memoryview(buf).cast("B"))
+                stager.submit(_write_bytes_file, ckdir, base, buf, fqn, explicit, made)
                 continue
             explicit = True
             group.sort(key=lambda it: tuple(it.tensor_data.chunk.offsets))
@@ -457,8 +474,10 @@ class Writer(StorageWriter):
                     raise CkptfsError(f"{fqn}: the planner gave a chunk of shape "
                                       f"{tuple(t.shape)}, its plan says "
                                       f"{tuple(td.chunk.sizes)}")
-                sizes[it.index] = _write_tensor_file(ckdir, rel, t, fqn, td.size,
-                                                     offsets, explicit, made)
+                _makedirs_for(ckdir, rel, made)
+                sizes[it.index] = t.numel() * t.element_size()
+                stager.submit(_write_tensor_file, ckdir, rel, t, fqn, td.size,
+                              offsets, explicit, made)
         return sizes
 
     def _abort(self, ckdir):

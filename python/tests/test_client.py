@@ -285,7 +285,7 @@ assert not os.path.exists(os.path.join(sys.argv[2], "gap", ".metadata"))  # noth
 expect(lambda: ckptfs.save({"w": torch.ones(4, 3)}, mnt, "gap"), "already staged (failed)",
        "exist_ok=True")
 # fixed and saved again over the failed one: the stale shard xattrs go too
-ckptfs.save({"w": torch.full((4, 3), 2.0)}, mnt, "gap", exist_ok=True)
+ckptfs.save({"w": torch.full((4, 3), 2.0)}, mnt, "gap", exist_ok=True, threads=1)
 assert torch.equal(ckptfs.load(None, mnt, "gap")["w"], torch.full((4, 3), 2.0))
 ckptfs.save({"w": torch.ones(4, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}, mnt, "good")
 expect(lambda: ckptfs.save({"w": torch.ones(1)}, mnt, "good"), "already committed", "rm -r")
@@ -299,6 +299,12 @@ expect(lambda: ckptfs.save({"_ckptfs": 1}, mnt, "k3"), "reserved")
 expect(lambda: ckptfs.save({"u": np.zeros(2, np.uint32)}, mnt, "k4"), "uint32", "no ckptfs dtype")
 expect(lambda: ckptfs.save({"x": 1}, mnt + "/nowhere", "k5"), "is not a directory")
 expect(lambda: ckptfs.save({"x": 1}, mnt, "k6", mode="later"), "mode must be")
+expect(lambda: ckptfs.save({"x": 1}, mnt, "k7", threads=0), "threads must be")
+assert not os.path.exists(os.path.join(mnt, "k7"))
+# a write that fails on one of the staging threads is raised, with its file
+expect(lambda: ckptfs.save({"a": torch.ones(3), "b" * 300: torch.ones(3), "c": torch.ones(3)},
+                           mnt, "k8", threads=3),
+       "cannot stage " + "b" * 300, "File name too long")
 expect(lambda: ckptfs.Shard(torch.ones(3, 3), (2, 0), (4, 3)), "outside the global shape")
 expect(lambda: ckptfs.load(None, mnt, "nope"), "no checkpoint 'nope'", "good")
 expect(lambda: ckptfs.load({"zz": torch.ones(1)}, mnt, "good"), "has no item zz")

@@ -235,6 +235,15 @@ for k in ("a..b", "x/y", "dir", ".h", "e" * 256):
     assert p[k].startswith("_fqn1/") and len(p[k]) == 6 + 40, (k, p[k])
 assert len(set(p.values())) == len(p)
 assert fqn_paths(["b", "a"]) == fqn_paths(["a", "b"])
+import ckptfs.dcp
+for bad in (0, -1, 1.5):
+    try:
+        ckptfs.dcp.Writer("/mnt/rank%r", threads=bad)
+    except ValueError as e:
+        assert "threads=" in str(e), e
+    else:
+        raise AssertionError(f"threads={bad} accepted")
+assert ckptfs.dcp.Writer("/mnt/rank%r", threads=1).threads == 1
 '''
         run_py(self, py, code)
 
