@@ -2,12 +2,20 @@
 """ckptfs end-to-end benchmark: save and load one state dict through rank
 mounts, next to the limit of the same machine and to PyTorch DCP.
 
-    /usr/bin/python3 bench/bench.py --bin build/bin/ckptfs --backing /var/tmp/ckbench \\
-        --size 4G [--ranks 4,1] [--staging-mem 1G] [--opts io_threads=4] [--repeat 3] \\
-        [--no-dcp] [--json out.json]
+    python3 bench/bench.py --bin build/bin/ckptfs --backing /var/tmp/ckbench,/dev/shm/ckbench \\
+        --size 1G,4G [--ranks 4,1] [--staging-mem 1G] [--opts io_threads=4] [--repeat 3] \\
+        [--dcp-threads 1,2,4] [--no-dcp] [--no-dcp-backend] [--no-venv] [--json out.json]
 
-Run as root (it drops the page cache). DCP needs `import torch` to work in
-the interpreter that runs this (Debian's python3-torch: /usr/bin/python3).
+Run as root (it drops the page cache). It re-runs itself under the project
+venv's python (.venv/bin/python of this tree, else /work/main/.venv/bin/python:
+torch 2.x) unless --no-venv; DCP needs `import torch` to work in the
+interpreter that runs it (torch 1.13 still works: Debian's /usr/bin/python3).
+Several --backing directories and --size values: every combination is one
+configuration, run at every --ranks world size; each configuration prints
+its detailed table, and the end one Markdown table of issue 15's figures
+(figure, fs, size, ranks, ckptfs, limit, ratio, goal, met?), every limit
+measured in the same run (--json: all of it, the table's rows under
+"summary").
 
 The state dict (deterministic for a --seed): tensors of log-uniform sizes
 from 4 KiB to min(256 MiB, SIZE/8), float32 (60%), bfloat16 (30%), int64
@@ -24,6 +32,8 @@ For each world size (one process per rank, multiprocessing, fork):
  1. limit: every rank's stored bytes (its shards, its own bytes items and
     its share of the replicated items, balanced by bytes) written straight
     into BACKING/limit/rankR.bin with 8 MiB writes, fsync, fsync of the dir.
+ 1b. one-copy floor: the same writes without any fsync (the limit of the
+    async stall: the trainers' bytes copied once into the backing fs).
  2. sync save: each trainer mkdirs NAME in its rank mount, writes every
     local item (replicas too) with 1 MiB writes, sets user.ckpt.dtype,
     shape, offsets, sizes, waits for the other trainers (a barrier), then
@@ -39,6 +49,12 @@ For each world size (one process per rank, multiprocessing, fork):
     byte for byte afterwards (untimed). Reference: each rank reads its
     data files BACKING/NAME/__R_K.distcp directly, 16 MiB reads, cold and
     warm.
+ 4b. column shards: for the sharded 2-d tensors of >= 1 MiB whose rows and
+    columns divide by m = max(N, 2), rank r reads pieces r, r+N, ... of m:
+    the column block [:, p*cols/m, (p+1)*cols/m) through the committed
+    block file NAME/dir/.T[:,a:b] (docs/committed.md), and, as its limit,
+    the row range [p*rows/m, (p+1)*rows/m) of NAME/dir/T (same bytes);
+    cold and warm, 16 MiB preads; blocks checked.
  5. DCP (when torch imports): torch.distributed.checkpoint.save/load, or
     on torch 1.13 torch.distributed._shard.checkpoint.save_state_dict /
     load_state_dict, with FileSystemWriter(single_file_per_rank=True,
@@ -49,7 +65,16 @@ For each world size (one process per rank, multiprocessing, fork):
     items from the coordinator, so at N ranks every rank holds every bytes
     item (rank 0 writes them all; they are a few KiB). Load into
     preallocated tensors of the same layout, cold and warm, checked.
- 6. peak RSS: VmHWM of every ckptfs daemon, read just before unmounting.
+ 5b. (torch 2.x) DCP through ckptfs's backend, ckptfs.dcp.Writer/Reader on
+    the rank mounts (the same state dict; as bench/dcp_bench.py), save and
+    load cold and warm. Stock DCP saves once per --dcp-threads value
+    (FileSystemWriter thread_count; the first is the default, 1); the
+    table compares the best and the default. At N ranks torch 2.x shards
+    are DTensor Shard(0) (rows split torch.chunk-wise).
+ 6. peak RSS: VmHWM of every ckptfs daemon, read just before unmounting
+    (limit staging_mem + 64 MiB); daemon CPU: utime + stime of every
+    daemon (/proc/PID/stat) before and after each save (async: until
+    committed), summed over ranks, per GiB of state dict.
 
 Ratios are throughput relative to the reference (reference_time / time),
 except the async stall: stall_time / limit_time. Page caches are dropped
@@ -668,9 +693,17 @@ TORCH_DT = {"float32": "float32", "bfloat16": "bfloat16", "int64": "int64", "uin
 SAME_SIZE_INT = {"float32": "int32", "bfloat16": "int16", "int64": "int64", "uint8": "uint8"}
 
 
-def w_dcp(ctx, pool, items, path, port, threads=(1,)):
+def w_dcp(ctx, pool, items, path, port, threads=(1,), ckmount=None):
+    """Stock DCP into path, or (ckmount: the rank mounts' pattern, .../rank%r)
+    DCP through ckptfs's backend ckptfs.dcp.Writer/Reader, checkpoint
+    bench-dcp."""
     rank, n = ctx.rank, ctx.n
+    import warnings
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     torch, dcp, api = import_dcp()
+    if ckmount:
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import ckptfs.dcp as ckdcp
     import torch.distributed as dist
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     if n > 1:
@@ -729,6 +762,10 @@ def w_dcp(ctx, pool, items, path, port, threads=(1,)):
             dist.barrier()
 
     def save(sd, t):
+        if ckmount:
+            dcp.save(sd, checkpoint_id="bench-dcp", storage_writer=ckdcp.Writer(ckmount),
+                     no_dist=(n == 1))
+            return
         w = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=t)
         if api == "old":
             dcp.save_state_dict(sd, w, no_dist=(n == 1))
@@ -736,6 +773,10 @@ def w_dcp(ctx, pool, items, path, port, threads=(1,)):
             dcp.save(sd, storage_writer=w, no_dist=(n == 1))
 
     def load(sd):
+        if ckmount:
+            dcp.load(sd, checkpoint_id="bench-dcp", storage_reader=ckdcp.Reader(ckmount),
+                     no_dist=(n == 1))
+            return
         if api == "old":
             dcp.load_state_dict(sd, dcp.FileSystemReader(path), no_dist=(n == 1))
         else:
@@ -745,8 +786,16 @@ def w_dcp(ctx, pool, items, path, port, threads=(1,)):
     out = {"api": api, "torch": torch.__version__}
     for t in threads:
         barrier()
-        if rank == 0:
+        if rank == 0 and not ckmount:
             shutil.rmtree(path, ignore_errors=True)
+        if ckmount:    # a committed checkpoint goes at the first mount, a staged one per rank
+            p = os.path.join(ckdcp.rank_mount(ckmount, 0), "bench-dcp")
+            if rank == 0 and os.path.lexists(p):
+                subprocess.run(["rm", "-rf", p], check=True)
+            barrier()
+            p = os.path.join(ckdcp.rank_mount(ckmount, rank), "bench-dcp")
+            if os.path.lexists(p):
+                subprocess.run(["rm", "-rf", p], check=True)
         barrier()
         ctx.pause()                               # parent: sync + drop caches
         barrier()
@@ -1037,6 +1086,27 @@ def bench_world(args, n, items, pool, dcp_ok):
             fail(f"peak RSS ({n} ranks): found {len(rss)} ckptfs processes, expected {n}")
         if rss:
             R["rss_max"], R["rss_sum"], R["rss"] = max(rss), sum(rss), rss
+
+        # 5b. DCP through ckptfs's backend (after the RSS reading: torch's
+        # pickled items are not part of the figures above)
+        if dcp_ok and args.dcp_backend:
+            acts = [pre("ckdcp_save"), pre("ckdcp_load_cold"), pre("ckdcp_load_warm", False)]
+            res, errs = run_workers(n, w_dcp, actions=acts, pool=pool, items=items, path=None,
+                                    port=free_port(), threads=(1,),
+                                    ckmount=os.path.join(world.root, "rank%r"))
+            others.stop()
+            if errs:
+                fail(f"DCP via ckptfs.dcp ({n} ranks): " + "; ".join(errs))
+                log("  DCP via ckptfs.dcp FAILED: " + "; ".join(errs))
+            else:
+                R["ckdcp_save"] = span({r: {"a": v["save_t1"][0], "b": v["save_t1"][1]}
+                                        for r, v in res.items()}, "a", "b")
+                for k in ("load_cold", "load_warm"):
+                    R[f"ckdcp_{k}"] = max(r[k][1] for r in res.values()) - min(r[k][0] for r in res.values())
+                log(f"  DCP via ckptfs.dcp: save {R['ckdcp_save']:.3f} s, load cold "
+                    f"{R['ckdcp_load_cold']:.3f} s, warm {R['ckdcp_load_warm']:.3f} s")
+            for e in world.remove("bench-dcp"):
+                fail(f"rm -r bench-dcp ({n} ranks): {e}")
     finally:
         daemon_log = world.tail()
         rc = world.stop()
@@ -1243,6 +1313,13 @@ def summary_rows(args, configs):
                 row("load warm vs DCP load warm", *thr("load_mount_warm", "dcp_load_warm"),
                     ">= 1.5x", lambda x: x >= 1.5, lim_label="DCP")
             v, lim = W.get("rss_max"), c["staging"] + 64 * MiB
+            if "ckdcp_save" in W:
+                row("DCP via ckptfs.dcp save vs stock DCP save, best", *thr("ckdcp_save", "dcp_save"),
+                    ">= 1.5x", lambda x: x >= 1.5, lim_label=f"DCP thread_count={W.get('dcp_best_threads')}")
+                for temp in ("cold", "warm"):
+                    row(f"DCP via ckptfs.dcp load {temp} vs stock DCP", *thr(f"ckdcp_load_{temp}",
+                                                                            f"dcp_load_{temp}"),
+                        ">= 1.5x", lambda x: x >= 1.5, lim_label="DCP")
             row("daemon peak RSS (VmHWM, max of ranks)", v / MiB if v else None, lim / MiB,
                 v / lim if v else None, "<= 1.0x", lambda x: x <= 1.0, unit="MiB",
                 lim_label="staging_mem + 64 MiB")
@@ -1287,6 +1364,8 @@ def main():
     ap.add_argument("--dcp-threads", default="1,2,4",
                     help="FileSystemWriter thread_count values DCP saves with (the first is the "
                          "default one; the best is compared)")
+    ap.add_argument("--no-dcp-backend", dest="dcp_backend", action="store_false",
+                    help="skip DCP through ckptfs's backend (ckptfs.dcp.Writer/Reader)")
     ap.add_argument("--no-venv", action="store_true",
                     help="run with this interpreter (default: re-run under the project .venv's "
                          "python, torch 2.x, when there is one)")
