@@ -1352,6 +1352,16 @@ def summary(args, configs):
               "DCP = torch.distributed.checkpoint save (FileSystemWriter sync_files=True) / load "
               "into the same filesystem. CPU s/GiB: the daemons' CPU time during the save (until "
               "committed) per GiB of state dict."]
+    for c in configs:
+        for W in c["worlds"]:
+            o = W.get("others_cpus", {})
+            if o and max(o.values()) > 0.1:
+                ph = max(o, key=o.get)
+                lines.append(f"WARNING: {c['fstype']} {fmt_size(c['size'])} {W['ranks']} rank(s): other "
+                             f"processes used up to {o[ph]:.2f} CPUs during a timed phase ({ph}): "
+                             "figures skewed")
+    fails = [f for c in configs for W in c["worlds"] for f in W["failures"]]
+    lines += [f"FAILED: {f}" for f in fails]
     return "\n".join(lines)
 
 
