@@ -1425,8 +1425,10 @@ def main():
     print()
     print(summary(args, configs))
     if args.json:
-        out = {"configs": [c["json"] for c in configs], "dcp": dcp_ok,
-               "summary": summary_rows(args, configs)}
+        # one configuration: its figures at the top level, as before
+        out = dict(configs[0]["json"]) if len(configs) == 1 else {}
+        out.update({"configs": [c["json"] for c in configs], "dcp": dcp_ok,
+                    "summary": summary_rows(args, configs)})
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 1 if fails else 0
