@@ -23,6 +23,7 @@ import fcntl
 import json
 import math
 import os
+import signal
 import pty
 import re
 import select
@@ -218,6 +219,32 @@ class Commands(Base):
         self.assertEqual([c["name"] for c in doc["checkpoints"]].count("done"), 1)
         with open(self.ck("wip", ".status")) as f:
             self.assertEqual(f.read(), "staging\nfiles 2\nbytes 1024\n")
+
+    def test_ls_does_not_hang_on_a_stopped_daemon(self):
+        """A mount over BACKING_DIR whose daemon is stopped (SIGSTOP) does
+        not answer: ls waits for it a bounded time, says which mount it
+        skipped, and lists the rest; once the daemon runs again, its
+        staged checkpoint is listed."""
+        m = self.mount()
+        self.save("done", blobs=[("b", b"x")])
+        os.mkdir(self.ck("wip"))
+        write_file(self.ck("wip", "a"), b"a" * 100)
+        pid = m.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = ctl("ls", "--json", self.backing, timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertLess(took, 20)
+        self.assertIn(f"{self.mnt} does not answer", r.stderr)
+        names = [c["name"] for c in json.loads(r.stdout)["checkpoints"]]
+        self.assertEqual(names, ["done"])
+        doc = ctl_json(self, "ls", self.backing)
+        got = {c["name"]: c["state"] for c in doc["checkpoints"]}
+        self.assertEqual(got, {"done": "committed", "wip": "staging"})
 
     def test_ls_text_and_json(self):
         self.mount()

@@ -8,9 +8,13 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "catalog.h"
 #include "ckptctl.h"
@@ -240,6 +244,104 @@ static int add_mount(ckpt_catalog_t *cat, size_t ncommitted, const char *mp) {
   return rc;
 }
 
+/* How long ls waits for one mount to answer: a daemon that is stopped
+ * (SIGSTOP, a debugger) or hung blocks every file call on its mount. */
+#define MOUNT_WAIT_S 5
+
+/* One mount read on a thread of its own: ls leaves it behind when it does
+ * not answer in time (a blocked FUSE call cannot be interrupted; the
+ * thread ends with the process, or frees the job if it ever returns). */
+typedef struct {
+  pthread_mutex_t lock;
+  pthread_cond_t done_cv;
+  bool done, abandoned;
+  char *mp;
+  ckpt_catalog_t found; /* what it stages, before filtering */
+  int rc;
+} mount_job_t;
+
+/* A reader was left blocked in a mount. */
+static atomic_bool left_behind;
+
+static void job_free(mount_job_t *j) {
+  ckpt__catalog_free(&j->found);
+  pthread_cond_destroy(&j->done_cv);
+  pthread_mutex_destroy(&j->lock);
+  free(j->mp);
+  free(j);
+}
+
+static void *mount_reader(void *arg) {
+  mount_job_t *j = arg;
+  ckpt_catalog_t found = {0};
+  int rc = add_mount(&found, 0, j->mp);
+  pthread_mutex_lock(&j->lock);
+  j->found = found;
+  j->rc = rc;
+  j->done = true;
+  bool abandoned = j->abandoned;
+  pthread_cond_signal(&j->done_cv);
+  pthread_mutex_unlock(&j->lock);
+  if (abandoned)
+    job_free(j);
+  return NULL;
+}
+
+/* add_mount within MOUNT_WAIT_S: 0, -errno, or 1 when the mount did not
+ * answer (said on stderr; nothing of it is added). */
+static int add_mount_bounded(ckpt_catalog_t *cat, size_t ncommitted,
+                             const char *mp) {
+  mount_job_t *j = calloc(1, sizeof(*j));
+  if (!j || !(j->mp = strdup(mp))) {
+    free(j);
+    return -ENOMEM;
+  }
+  pthread_mutex_init(&j->lock, NULL);
+  pthread_cond_init(&j->done_cv, NULL);
+  pthread_t th;
+  int rc = pthread_create(&th, NULL, mount_reader, j);
+  if (rc) {
+    job_free(j);
+    return -rc;
+  }
+  pthread_detach(th);
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += MOUNT_WAIT_S;
+  pthread_mutex_lock(&j->lock);
+  while (!j->done &&
+         pthread_cond_timedwait(&j->done_cv, &j->lock, &until) != ETIMEDOUT)
+    ;
+  if (!j->done) {
+    j->abandoned = true;
+    atomic_store(&left_behind, true);
+    pthread_mutex_unlock(&j->lock);
+    fprintf(stderr,
+            "ckptctl: ls: %s does not answer within %d s (its daemon is "
+            "stopped or hung?): what it stages is not listed\n",
+            mp, MOUNT_WAIT_S);
+    return 1;
+  }
+  pthread_mutex_unlock(&j->lock);
+  rc = j->rc;
+  /* Keep what BACKING_DIR has not committed yet; move it into cat. */
+  for (size_t i = 0; rc == 0 && i < j->found.n; i++) {
+    ckpt_cat_entry_t *en = &j->found.e[i];
+    if (committed_in(cat, ncommitted, en->name))
+      continue;
+    ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
+    if (!g) {
+      rc = -ENOMEM;
+      break;
+    }
+    cat->e = g;
+    cat->e[cat->n++] = *en;
+    memset(en, 0, sizeof(*en)); /* moved: freed with cat */
+  }
+  job_free(j);
+  return rc;
+}
+
 /* Checkpoints staged or being committed through the ckptfs mounts of
  * this host over BACKING_DIR (mountinfo: type fuse.ckptfs, source
  * BACKING_DIR): they are in no file of BACKING_DIR yet. */
@@ -271,8 +373,10 @@ static int add_local_mounts(const char *backing, ckpt_catalog_t *cat) {
         dash = true;
     }
     if (mp && type && source && !strcmp(type, "fuse.ckptfs") &&
-        !strcmp(mountinfo_unescape(source), real))
-      rc = add_mount(cat, ncommitted, mountinfo_unescape(mp));
+        !strcmp(mountinfo_unescape(source), real)) {
+      int r = add_mount_bounded(cat, ncommitted, mountinfo_unescape(mp));
+      rc = r < 0 ? r : 0; /* 1: skipped, said why */
+    }
   }
   free(line);
   fclose(f);
@@ -301,5 +405,13 @@ int cmd_ls(const args_t *a, int bfd) {
   else
     ls_text(backing, &cat);
   ckpt__catalog_free(&cat);
+  if (atomic_load(&left_behind)) {
+    /* A reader still blocked in a mount that does not answer: end here,
+     * without exit handlers (LeakSanitizer's would wait for ever to stop
+     * that thread; exit_group ends it). */
+    fflush(stdout);
+    fflush(stderr);
+    _exit(0);
+  }
   return 0;
 }
