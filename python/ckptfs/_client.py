@@ -50,6 +50,7 @@ import math
 import os
 import pickle
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -253,19 +254,34 @@ def _pread_into(fd, mv, offset, path):
 class _Stager:
     """Runs staging writes on `threads` threads (write(2) releases the GIL,
     and the daemon serves each file on its own thread and stream: one
-    writer leaves the mount's daemon waiting between requests). The first
-    error is raised by done(), after every started write has ended."""
+    writer leaves the mount's daemon waiting between requests). At most
+    2 x threads writes are queued or running: submit waits for room, so
+    that buffers made for them (copies of GPU or strided tensors) are not
+    all held at once. The first error is raised by done(), after every
+    started write has ended."""
 
     def __init__(self, threads):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, not {threads!r}")
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.room = threading.BoundedSemaphore(2 * threads)
         self.futures = []
+
+    def _run(self, fn, args):
+        try:
+            return fn(*args)
+        finally:
+            self.room.release()
 
     def submit(self, fn, *args):
         if self.pool is None:
             return fn(*args)
-        self.futures.append(self.pool.submit(fn, *args))
+        self.room.acquire()
+        try:
+            self.futures.append(self.pool.submit(self._run, fn, args))
+        except BaseException:
+            self.room.release()
+            raise
         return None
 
     def done(self):

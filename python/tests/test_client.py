@@ -421,6 +421,49 @@ print("ok")
         self.assertEqual(list(ckptfs._client._runs((3, 0), (0, 0), (3, 0))), [])
 
 
+class Stager(unittest.TestCase):
+    """The staging threads of save() and the DCP Writer."""
+
+    def test_bounded_in_flight_and_first_error(self):
+        st = ckptfs._client._Stager(2)
+        gate = threading.Event()
+        started = []
+        submitted = []
+
+        def job(k):
+            started.append(k)
+            gate.wait(30)
+            if k == 2:
+                raise OSError(5, "boom")
+            return k
+
+        def feed():
+            for k in range(8):
+                st.submit(job, k)
+                submitted.append(k)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        t.join(0.5)
+        # 2 x threads = 4 writes queued or running; the 5th waits for room
+        self.assertEqual(submitted, [0, 1, 2, 3])
+        self.assertTrue(t.is_alive())
+        gate.set()
+        t.join(30)
+        self.assertEqual(submitted, list(range(8)))
+        with self.assertRaises(OSError) as cm:
+            st.done()
+        self.assertEqual(cm.exception.strerror, "boom")
+        self.assertEqual(sorted(started), list(range(8)))  # every write ran
+
+    def test_one_thread_runs_inline(self):
+        st = ckptfs._client._Stager(1)
+        self.assertEqual(st.submit(lambda: 7), 7)
+        self.assertEqual(st.done(), [])
+        with self.assertRaises(ValueError):
+            ckptfs._client._Stager(0)
+
+
 class Interpreter(unittest.TestCase):
     def test_no_torch_fails_unless_allowed(self):
         """Without an interpreter that has torch, the torch tests fail, and
