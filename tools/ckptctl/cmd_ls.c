@@ -6,13 +6,14 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
-#include <pthread.h>
-#include <stdatomic.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -245,100 +246,146 @@ static int add_mount(ckpt_catalog_t *cat, size_t ncommitted, const char *mp) {
 }
 
 /* How long ls waits for one mount to answer: a daemon that is stopped
- * (SIGSTOP, a debugger) or hung blocks every file call on its mount. */
+ * (SIGSTOP, a debugger) or hung blocks every file call on its mount, and a
+ * call the daemon has read cannot even be killed until it answers. */
 #define MOUNT_WAIT_S 5
 
-/* One mount read on a thread of its own: ls leaves it behind when it does
- * not answer in time (a blocked FUSE call cannot be interrupted; the
- * thread ends with the process, or frees the job if it ever returns). */
-typedef struct {
-  pthread_mutex_t lock;
-  pthread_cond_t done_cv;
-  bool done, abandoned;
-  char *mp;
-  ckpt_catalog_t found; /* what it stages, before filtering */
-  int rc;
-} mount_job_t;
-
-/* A reader was left blocked in a mount. */
-static atomic_bool left_behind;
-
-static void job_free(mount_job_t *j) {
-  ckpt__catalog_free(&j->found);
-  pthread_cond_destroy(&j->done_cv);
-  pthread_mutex_destroy(&j->lock);
-  free(j->mp);
-  free(j);
-}
-
-static void *mount_reader(void *arg) {
-  mount_job_t *j = arg;
+/* Child: read mount mp and write what it stages to fd, one entry as
+ * NAME\0STATE\0BYTES\0REASON\0. Never returns. */
+static void mount_reader(const char *mp, int fd) {
+  /* The caller's output must not wait for this process, which may stay
+   * blocked in the mount after ls has ended. */
+  int null = open("/dev/null", O_RDWR);
+  if (null >= 0) {
+    dup2(null, STDIN_FILENO);
+    dup2(null, STDOUT_FILENO);
+    dup2(null, STDERR_FILENO);
+  }
   ckpt_catalog_t found = {0};
-  int rc = add_mount(&found, 0, j->mp);
-  pthread_mutex_lock(&j->lock);
-  j->found = found;
-  j->rc = rc;
-  j->done = true;
-  bool abandoned = j->abandoned;
-  pthread_cond_signal(&j->done_cv);
-  pthread_mutex_unlock(&j->lock);
-  if (abandoned)
-    job_free(j);
-  return NULL;
+  int rc = add_mount(&found, 0, mp);
+  FILE *f = rc == 0 ? fdopen(fd, "w") : NULL;
+  for (size_t i = 0; f && i < found.n; i++) {
+    const ckpt_cat_entry_t *en = &found.e[i];
+    fprintf(f, "%s%c%s%c%llu%c%s%c", en->name, 0, en->mount_state, 0,
+            (unsigned long long)en->disk_bytes, 0, en->error ? en->error : "",
+            0);
+  }
+  _exit(f && fflush(f) == 0 ? 0 : 1);
 }
 
-/* add_mount within MOUNT_WAIT_S: 0, -errno, or 1 when the mount did not
- * answer (said on stderr; nothing of it is added). */
+/* The next NUL-terminated field of buf[*pos, len), or NULL. */
+static const char *next_field(const char *buf, size_t len, size_t *pos) {
+  const char *p = buf + *pos;
+  const char *z = *pos < len ? memchr(p, 0, len - *pos) : NULL;
+  if (!z)
+    return NULL;
+  *pos = (size_t)(z - buf) + 1;
+  return p;
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* add_mount in a child process, waited for MOUNT_WAIT_S: 0, -errno, or 1
+ * when the mount did not answer (said on stderr; nothing of it is added,
+ * and the child is left to end when the daemon answers, if ever). */
 static int add_mount_bounded(ckpt_catalog_t *cat, size_t ncommitted,
                              const char *mp) {
-  mount_job_t *j = calloc(1, sizeof(*j));
-  if (!j || !(j->mp = strdup(mp))) {
-    free(j);
-    return -ENOMEM;
+  int p[2];
+  if (pipe2(p, O_CLOEXEC))
+    return -errno;
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid < 0) {
+    int e = errno;
+    close(p[0]);
+    close(p[1]);
+    return -e;
   }
-  pthread_mutex_init(&j->lock, NULL);
-  pthread_cond_init(&j->done_cv, NULL);
-  pthread_t th;
-  int rc = pthread_create(&th, NULL, mount_reader, j);
-  if (rc) {
-    job_free(j);
-    return -rc;
+  if (pid == 0) {
+    close(p[0]);
+    mount_reader(mp, p[1]);
   }
-  pthread_detach(th);
-  struct timespec until;
-  clock_gettime(CLOCK_REALTIME, &until);
-  until.tv_sec += MOUNT_WAIT_S;
-  pthread_mutex_lock(&j->lock);
-  while (!j->done &&
-         pthread_cond_timedwait(&j->done_cv, &j->lock, &until) != ETIMEDOUT)
-    ;
-  if (!j->done) {
-    j->abandoned = true;
-    atomic_store(&left_behind, true);
-    pthread_mutex_unlock(&j->lock);
-    fprintf(stderr,
-            "ckptctl: ls: %s does not answer within %d s (its daemon is "
-            "stopped or hung?): what it stages is not listed\n",
-            mp, MOUNT_WAIT_S);
-    return 1;
-  }
-  pthread_mutex_unlock(&j->lock);
-  rc = j->rc;
-  /* Keep what BACKING_DIR has not committed yet; move it into cat. */
-  for (size_t i = 0; rc == 0 && i < j->found.n; i++) {
-    ckpt_cat_entry_t *en = &j->found.e[i];
-    if (committed_in(cat, ncommitted, en->name))
+  close(p[1]);
+  char *buf = NULL;
+  size_t len = 0, cap = 0;
+  int rc = 0;
+  bool answered = false;
+  double deadline = now_s() + MOUNT_WAIT_S;
+  while (rc == 0) {
+    double left = deadline - now_s();
+    struct pollfd pf = {.fd = p[0], .events = POLLIN};
+    int n = left > 0 ? poll(&pf, 1, (int)(left * 1000) + 1) : 0;
+    if (n < 0 && errno == EINTR)
       continue;
-    ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
-    if (!g) {
-      rc = -ENOMEM;
+    if (n <= 0)
+      break; /* the deadline, or poll failed: not answered */
+    if (len == cap) {
+      char *g = realloc(buf, cap ? cap * 2 : 4096);
+      if (!g) {
+        rc = -ENOMEM;
+        break;
+      }
+      buf = g;
+      cap = cap ? cap * 2 : 4096;
+    }
+    ssize_t r = read(p[0], buf + len, cap - len);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0) {
+      answered = r == 0;
       break;
     }
-    cat->e = g;
-    cat->e[cat->n++] = *en;
-    memset(en, 0, sizeof(*en)); /* moved: freed with cat */
+    len += (size_t)r;
   }
-  job_free(j);
+  close(p[0]);
+  int status = 0;
+  if (answered && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+      WEXITSTATUS(status) == 0) {
+    /* What BACKING_DIR has not committed yet. */
+    size_t pos = 0;
+    const char *name, *state, *bytes, *reason;
+    while (rc == 0 && (name = next_field(buf, len, &pos)) &&
+           (state = next_field(buf, len, &pos)) &&
+           (bytes = next_field(buf, len, &pos)) &&
+           (reason = next_field(buf, len, &pos))) {
+      if (committed_in(cat, ncommitted, name))
+        continue;
+      ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
+      if (!g) {
+        rc = -ENOMEM;
+        break;
+      }
+      cat->e = g;
+      ckpt_cat_entry_t *en = &cat->e[cat->n];
+      memset(en, 0, sizeof(*en));
+      en->state = CKPT_CAT_UNFINISHED;
+      en->name = strdup(name);
+      en->mount = strdup(mp);
+      en->mount_state = strdup(state);
+      en->error = reason[0] ? strdup(reason) : NULL;
+      en->disk_bytes = strtoull(bytes, NULL, 10);
+      cat->n++;
+      if (!en->name || !en->mount || !en->mount_state)
+        rc = -ENOMEM;
+    }
+  } else if (rc == 0) {
+    if (answered)
+      fprintf(stderr, "ckptctl: ls: cannot read %s: what it stages is not "
+                      "listed\n", mp);
+    else
+      fprintf(stderr,
+              "ckptctl: ls: %s does not answer within %d s (its daemon is "
+              "stopped or hung?): what it stages is not listed\n",
+              mp, MOUNT_WAIT_S);
+    rc = 1;
+  }
+  /* Not answered: not waited for (it may never end); reaped with ls. */
+  free(buf);
   return rc;
 }
 
@@ -405,13 +452,5 @@ int cmd_ls(const args_t *a, int bfd) {
   else
     ls_text(backing, &cat);
   ckpt__catalog_free(&cat);
-  if (atomic_load(&left_behind)) {
-    /* A reader still blocked in a mount that does not answer: end here,
-     * without exit handlers (LeakSanitizer's would wait for ever to stop
-     * that thread; exit_group ends it). */
-    fflush(stdout);
-    fflush(stderr);
-    _exit(0);
-  }
   return 0;
 }
