@@ -79,6 +79,11 @@ class CkptfsError(Exception):
     """A ckptfs save or load that cannot go on; the message says why."""
 
 
+class CkptfsIOError(CkptfsError, OSError):
+    """A read or write of a ckptfs file failed: an OSError too (errno
+    kept, e.g. EIO for a damaged chunk), with the file in the message."""
+
+
 class CommitError(CkptfsError):
     """A commit failed; .status holds the reason ckptfs gave."""
 
@@ -224,7 +229,7 @@ def _write_fd(fd, mv, path):
         try:
             pos += os.write(fd, mv[pos:pos + IO_STEP])
         except OSError as e:
-            raise CkptfsError(f"writing {path}: {e.strerror}") from e
+            raise CkptfsIOError(e.errno, f"writing {path}: {e.strerror}") from e
 
 
 def _write_all(path, buf):
@@ -243,8 +248,8 @@ def _pread_into(fd, mv, offset, path):
         try:
             n = os.preadv(fd, [mv[pos:pos + IO_STEP]], offset + pos)
         except OSError as e:
-            raise CkptfsError(f"reading {path} at offset {offset + pos}: "
-                              f"{e.strerror}") from e
+            raise CkptfsIOError(e.errno, f"reading {path} at offset {offset + pos}: "
+                                f"{e.strerror}") from e
         if n == 0:
             raise CkptfsError(f"{path}: file ends at byte {offset + pos}, "
                               f"{offset + len(mv)} expected")
@@ -266,17 +271,27 @@ class _Stager:
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.room = threading.BoundedSemaphore(2 * threads)
         self.futures = []
+        self.failed = None  # the first error of a write, once one failed
 
     def _run(self, fn, args):
         try:
             return fn(*args)
+        except BaseException as e:  # noqa: B036 (kept, and re-raised)
+            if self.failed is None:
+                self.failed = e
+            raise
         finally:
             self.room.release()
 
     def submit(self, fn, *args):
+        """Run fn(*args) on a staging thread; raises the first failed
+        write's error instead once one failed (staging stops early)."""
         if self.pool is None:
             return fn(*args)
         self.room.acquire()
+        if self.failed is not None:
+            self.room.release()
+            raise self.failed
         try:
             self.futures.append(self.pool.submit(self._run, fn, args))
         except BaseException:

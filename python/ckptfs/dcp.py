@@ -74,7 +74,7 @@ from ._client import (CkptfsError, CommitError, _commit_dir as _commit, _Stager,
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
 
-IO_STEP = 64 << 20          # bytes per read/write call
+IO_STEP = 64 << 20          # bytes of rows per gather of a strided block
 ABORT_ITEM = "_ckptfs_abort"
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 

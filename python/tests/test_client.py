@@ -15,6 +15,7 @@ The torch and numpy parts run in an interpreter that has them
 (tests/integration/pyenv.py); the standard-library core runs in this one.
 """
 
+import errno
 import json
 import os
 import pickle
@@ -427,20 +428,21 @@ class Stager(unittest.TestCase):
     def test_bounded_in_flight_and_first_error(self):
         st = ckptfs._client._Stager(2)
         gate = threading.Event()
-        started = []
-        submitted = []
+        submitted, feed_err = [], []
 
         def job(k):
-            started.append(k)
             gate.wait(30)
             if k == 2:
                 raise OSError(5, "boom")
             return k
 
         def feed():
-            for k in range(8):
-                st.submit(job, k)
-                submitted.append(k)
+            try:
+                for k in range(8):
+                    st.submit(job, k)
+                    submitted.append(k)
+            except OSError as e:
+                feed_err.append(e)
 
         t = threading.Thread(target=feed, daemon=True)
         t.start()
@@ -450,11 +452,39 @@ class Stager(unittest.TestCase):
         self.assertTrue(t.is_alive())
         gate.set()
         t.join(30)
-        self.assertEqual(submitted, list(range(8)))
+        self.assertFalse(t.is_alive())
         with self.assertRaises(OSError) as cm:
             st.done()
         self.assertEqual(cm.exception.strerror, "boom")
-        self.assertEqual(sorted(started), list(range(8)))  # every write ran
+        for e in feed_err:  # staging stopped early, with that error
+            self.assertIs(e, cm.exception)
+
+    def test_a_failed_write_stops_staging(self):
+        st = ckptfs._client._Stager(2)
+
+        def bad():
+            raise OSError(28, "full")
+
+        st.submit(bad)
+        st.futures[0].exception(30)  # it has run and failed
+        ran = []
+        with self.assertRaises(OSError) as cm:
+            st.submit(ran.append, 1)
+        self.assertEqual(cm.exception.strerror, "full")
+        with self.assertRaises(OSError):
+            st.done()
+        self.assertEqual(ran, [])
+
+    def test_read_errors_stay_oserrors(self):
+        fd = os.open(os.path.dirname(os.path.abspath(__file__)), os.O_RDONLY)
+        try:
+            with self.assertRaises(OSError) as cm:  # EISDIR
+                ckptfs._client._pread_into(fd, memoryview(bytearray(4)), 0, "dir")
+        finally:
+            os.close(fd)
+        self.assertIsInstance(cm.exception, ckptfs.CkptfsError)
+        self.assertEqual(cm.exception.errno, errno.EISDIR)
+        self.assertIn("reading dir at offset 0", str(cm.exception))
 
     def test_one_thread_runs_inline(self):
         st = ckptfs._client._Stager(1)

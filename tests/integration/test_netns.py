@@ -153,6 +153,7 @@ class NetWorld:
                            timeout=timeout)
         finally:
             timer.cancel()
+            timer.join()  # a snapshot being taken is finished first
         r.seconds = time.monotonic() - t0
         r.snapshot = snap[0] if snap else ""
         return r
@@ -310,11 +311,12 @@ class NetnsCase(unittest.TestCase):
         node, on no other."""
         w = self.world(slots, opts, backing, tag)
         r = w.mount()
-        if r.returncode != 0 and not w.daemon_lines():
-            # No daemon wrote a line: Open MPI's launch over the simulated
-            # nodes stalled before any rank ran our code (seen once in a
-            # CI run, never here in hundreds). Launched once more, loudly,
-            # with where every process was.
+        if r.returncode != 0 and "not mounted within" in r.stderr and not w.daemon_lines():
+            # ckpt-mount waited its whole --timeout and no daemon wrote a
+            # line (not even a start error): Open MPI's launch over the
+            # simulated nodes stalled (seen once in a CI run, with an
+            # empty log; never here). Launched once more, loudly, with
+            # where every process was. Any other failure fails at once.
             sys.stderr.write(f"\nnote: ckpt-mount failed ({r.seconds:.1f}s) before any daemon "
                              f"wrote a line; launching once more\n{r.stderr}\n"
                              f"processes 10 s before it gave up:\n{r.snapshot}\n")
