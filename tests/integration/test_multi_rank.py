@@ -1012,7 +1012,9 @@ class TimingTcp2(TimeoutMixin, WorldTestCase):
         t.start()
         st = ""
         deadline = time.monotonic() + 10
-        while "waiting for" not in st and time.monotonic() < deadline:
+        # "waiting for its turn" may come first (the mount still ends an
+        # earlier test's save): wait for the commit's own wait
+        while "waiting for rank" not in st and time.monotonic() < deadline:
             st = status(self.ck(0, "wait-a"))
             time.sleep(0.02)
         self.assertEqual(st.split("\n", 1)[0], "committing", st)
@@ -1028,7 +1030,7 @@ class TimingTcp2(TimeoutMixin, WorldTestCase):
         t.start()
         st = ""
         deadline = time.monotonic() + 10
-        while "waiting for" not in st and time.monotonic() < deadline:
+        while "waiting for rank" not in st and time.monotonic() < deadline:
             st = status(self.ck(1, "wait-b"))
             time.sleep(0.02)
         self.assertIn("waiting for rank 0 (the coordinator)", st)
