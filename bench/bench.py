@@ -579,7 +579,16 @@ def w_load(ctx, pool, items, mnts, name, backing, verify):
     buf = bytearray(max(boff, doff))
     touch(buf)
     out = {"mount_bytes": boff, "direct_bytes": doff, "direct_files": len(files)}
-    for kind, reads in (("mount", [r[:4] for r in mreads]), ("direct", dreads)):
+    _timed_reads(ctx, (("mount", [r[:4] for r in mreads]), ("direct", dreads)), buf, out,
+                 lambda kind: kind == "mount" and verify and check(buf, pool, mreads))
+    return out
+
+
+def _timed_reads(ctx, kinds, buf, out, after):
+    """For each (kind, reads), cold then warm: the parent's pause (sync and
+    drop caches before cold), the timed reads into buf as out[KIND_TEMP] =
+    (start, end), then after(kind) (untimed checks)."""
+    for kind, reads in kinds:
         for temp in ("cold", "warm"):
             ctx.pause()                           # parent: sync + drop caches (cold)
             t0 = time.perf_counter()
@@ -588,9 +597,7 @@ def w_load(ctx, pool, items, mnts, name, backing, verify):
             except OSError as e:
                 raise OSError(e.errno, f"{kind} {temp}: {e.strerror}") from None
             out[f"{kind}_{temp}"] = (t0, time.perf_counter())
-            if kind == "mount" and verify:
-                check(buf, pool, mreads)
-    return out
+            after(kind)
 
 
 def check(buf, pool, mreads):
@@ -634,22 +641,17 @@ def w_cols(ctx, pool, items, mnts, name, verify):
     buf = bytearray(boff)
     touch(buf)
     out = {"bytes": boff, "tensors": len(want)}
-    for kind, reads in (("col", col), ("row", row)):
-        for temp in ("cold", "warm"):
-            ctx.pause()                           # parent: sync + drop caches (cold)
-            t0 = time.perf_counter()
-            try:
-                _read_all(reads, buf)
-            except OSError as e:
-                raise OSError(e.errno, f"{kind} {temp}: {e.strerror}") from None
-            out[f"{kind}_{temp}"] = (t0, time.perf_counter())
-            if kind == "col" and verify:
-                mv, pv = memoryview(buf), memoryview(pool)
-                for it, c0, cl, rb, bo, rows in want:
-                    for r in range(rows):
-                        s0 = it.base + r * rb + c0
-                        if mv[bo + r * cl: bo + (r + 1) * cl] != pv[s0:s0 + cl]:
-                            raise ValueError(f"column block of {it.path} differs at row {r}")
+    def check_cols(kind):
+        if kind != "col" or not verify:
+            return
+        mv, pv = memoryview(buf), memoryview(pool)
+        for it, c0, cl, rb, bo, rows in want:
+            for r in range(rows):
+                s0 = it.base + r * rb + c0
+                if mv[bo + r * cl: bo + (r + 1) * cl] != pv[s0:s0 + cl]:
+                    raise ValueError(f"column block of {it.path} differs at row {r}")
+
+    _timed_reads(ctx, (("col", col), ("row", row)), buf, out, check_cols)
     return out
 
 

@@ -300,21 +300,14 @@ class _Stager:
         return None
 
     def done(self):
-        """Results of the submitted calls, in order."""
+        """Wait for every submitted write; raise the first error."""
         if self.pool is None:
-            return []
+            return
         try:
-            err = None
-            out = []
             for f in self.futures:
-                try:
-                    out.append(f.result())
-                except BaseException as e:  # noqa: B036 (re-raised below)
-                    err = err or e
-                    out.append(None)
-            if err is not None:
-                raise err
-            return out
+                f.exception()  # waits
+            if self.failed is not None:
+                raise self.failed
         finally:
             self.pool.shutdown()
 

@@ -192,6 +192,24 @@ static bool committed_in(const ckpt_catalog_t *cat, size_t n, const char *name) 
   return false;
 }
 
+/* Append an entry staged on mount mp: 0 or -ENOMEM. */
+static int add_staged(ckpt_catalog_t *cat, const char *name, const char *mp,
+                      const char *state, const char *reason, uint64_t bytes) {
+  ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
+  if (!g)
+    return -ENOMEM;
+  cat->e = g;
+  ckpt_cat_entry_t *en = &cat->e[cat->n++];
+  memset(en, 0, sizeof(*en));
+  en->state = CKPT_CAT_UNFINISHED;
+  en->name = strdup(name);
+  en->mount = strdup(mp);
+  en->mount_state = strdup(state);
+  en->error = reason[0] ? strdup(reason) : NULL;
+  en->disk_bytes = bytes;
+  return en->name && en->mount && en->mount_state ? 0 : -ENOMEM;
+}
+
 /* Add what mount mp stages (or commits) that BACKING_DIR has not yet:
  * each NAME with its .status state, bytes and (failed) reason. */
 static int add_mount(ckpt_catalog_t *cat, size_t ncommitted, const char *mp) {
@@ -223,23 +241,7 @@ static int add_mount(ckpt_catalog_t *cat, size_t ncommitted, const char *mp) {
     if (strcmp(state, "staging") && strcmp(state, "committing") &&
         strcmp(state, "failed"))
       continue;
-    ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
-    if (!g) {
-      rc = -ENOMEM;
-      break;
-    }
-    cat->e = g;
-    ckpt_cat_entry_t *en = &cat->e[cat->n];
-    memset(en, 0, sizeof(*en));
-    en->state = CKPT_CAT_UNFINISHED;
-    en->name = strdup(de->d_name);
-    en->mount = strdup(mp);
-    en->mount_state = strdup(state);
-    en->error = reason[0] ? strdup(reason) : NULL;
-    en->disk_bytes = bytes;
-    cat->n++;
-    if (!en->name || !en->mount || !en->mount_state)
-      rc = -ENOMEM;
+    rc = add_staged(cat, de->d_name, mp, state, reason, bytes);
   }
   closedir(d);
   return rc;
@@ -353,25 +355,9 @@ static int add_mount_bounded(ckpt_catalog_t *cat, size_t ncommitted,
            (state = next_field(buf, len, &pos)) &&
            (bytes = next_field(buf, len, &pos)) &&
            (reason = next_field(buf, len, &pos))) {
-      if (committed_in(cat, ncommitted, name))
-        continue;
-      ckpt_cat_entry_t *g = realloc(cat->e, (cat->n + 1) * sizeof(*g));
-      if (!g) {
-        rc = -ENOMEM;
-        break;
-      }
-      cat->e = g;
-      ckpt_cat_entry_t *en = &cat->e[cat->n];
-      memset(en, 0, sizeof(*en));
-      en->state = CKPT_CAT_UNFINISHED;
-      en->name = strdup(name);
-      en->mount = strdup(mp);
-      en->mount_state = strdup(state);
-      en->error = reason[0] ? strdup(reason) : NULL;
-      en->disk_bytes = strtoull(bytes, NULL, 10);
-      cat->n++;
-      if (!en->name || !en->mount || !en->mount_state)
-        rc = -ENOMEM;
+      if (!committed_in(cat, ncommitted, name))
+        rc = add_staged(cat, name, mp, state, reason,
+                        strtoull(bytes, NULL, 10));
     }
   } else if (rc == 0) {
     if (answered)
