@@ -309,7 +309,11 @@ sd = {"w": distribute_tensor(make("w", (12, 7)), m, [Shard(0)]),
       "bf": make("bf", (33,), torch.bfloat16),
       "nested": {"i": make("i", (5,), torch.int32), "obj": {"k": [1, 2]}}}
 dcp.save(sd, checkpoint_id=sys.argv[1])
-dist.destroy_process_group()
+dist.barrier()
+# saved on every rank: end without torch's teardown (its gloo threads
+# sometimes abort a finished job there, see dcp_job.main)
+sys.stdout.flush()
+os._exit(0)
 '''
         env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                    PYTHONPATH=PACKAGE, PYTHONWARNINGS="ignore")
