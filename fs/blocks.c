@@ -149,6 +149,7 @@ void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
       bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
       bv.buf[0].fd = ref.fd;
       bv.buf[0].pos = (off_t)pos;
+      CKPT_SPLICED(n->ck);
       fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
       ckpt_fdref_put(&ref);
       return;

@@ -38,6 +38,30 @@
 #include <sys/types.h>
 
 #include "ckpt_dist.h"
+
+/* The kernel sends the RELEASE of a handle only once it has the replies to
+ * every request made on it, so a release may free what the handle's reads
+ * used. ThreadSanitizer sees that order through the writes of the replies
+ * to /dev/fuse, but not through a reply spliced from a data file (splice
+ * is not intercepted): there we tell it, on the checkpoint the node
+ * belongs to (freed last): CKPT_SPLICED(ck) just before such a reply,
+ * CKPT_RELEASING(ck) in RELEASE before anything is freed. Nothing in other
+ * builds. */
+#if defined(__SANITIZE_THREAD__)
+#define CKPT_UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define CKPT_UNDER_TSAN 1
+#endif
+#endif
+#ifdef CKPT_UNDER_TSAN
+#include <sanitizer/tsan_interface.h>
+#define CKPT_SPLICED(ck) __tsan_release(ck)
+#define CKPT_RELEASING(ck) __tsan_acquire(ck)
+#else
+#define CKPT_SPLICED(ck) ((void)(ck))
+#define CKPT_RELEASING(ck) ((void)(ck))
+#endif
 #include "ckpt_planner.h"
 #include "metadb.h"
 #include "store.h"
@@ -333,7 +357,7 @@ struct ckpt_ckpt {
   ckpt_state_t state;     /* protected by fs->lock */
   pthread_rwlock_t freeze; /* see the lock order above */
   uint32_t refs;          /* 1 while listed + 1 per live node; fs->lock */
-  ckpt_node_t *dir;       /* the NAME directory node */
+  ckpt_node_t *dir;       /* the NAME directory node; NULL once removed */
   char *reason;           /* FAILED: why; fs->lock */
   _Atomic uint64_t bytes_total; /* COMMITTING: bytes this rank writes */
   _Atomic uint64_t bytes_done;

@@ -216,6 +216,10 @@ static void detach_one(ckpt_fs_t *fs, ckpt_node_t *n) {
     unlink_child(n);
   n->parent = NULL;
   n->attached = false;
+  /* A removed checkpoint's directory: its .status and .commit may still be
+   * open (and fstat'ed or written), and must not reach the node freed here. */
+  if (n->kind == CKPT_NODE_CKPT && n->ck && n->ck->dir == n)
+    n->ck->dir = NULL;
   fs->nnodes--;
   if (n->refs == 0)
     node_free(fs, n);

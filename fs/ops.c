@@ -45,28 +45,6 @@ static handle_t *handle_of(struct fuse_file_info *fi) {
   return (handle_t *)(uintptr_t)fi->fh;
 }
 
-/* The kernel sends the RELEASE of a handle only once it has the replies to
- * every request made on it, so fs_release frees a handle after its last
- * use. ThreadSanitizer sees that order through the writes of the replies
- * to /dev/fuse, but not through a reply spliced from a data file (splice
- * is not intercepted): there we tell it (HANDLE_REPLIED before the reply,
- * HANDLE_RELEASED before the free). Nothing in other builds. */
-#if defined(__SANITIZE_THREAD__)
-#define CKPT_UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define CKPT_UNDER_TSAN 1
-#endif
-#endif
-#ifdef CKPT_UNDER_TSAN
-#include <sanitizer/tsan_interface.h>
-#define HANDLE_REPLIED(h) __tsan_release(h)
-#define HANDLE_RELEASED(h) __tsan_acquire(h)
-#else
-#define HANDLE_REPLIED(h) ((void)(h))
-#define HANDLE_RELEASED(h) ((void)(h))
-#endif
-
 /* Resolve and reference ino; NULL if it is gone. */
 static ckpt_node_t *get_node(ckpt_fs_t *fs, fuse_ino_t ino) {
   pthread_mutex_lock(&fs->lock);
@@ -223,7 +201,8 @@ static char *status_text(const ckpt_ckpt_t *ck) {
   switch (ck->state) {
   case CKPT_STAGING: {
     uint64_t files = 0, bytes = 0;
-    count_staged(ck->dir, &files, &bytes);
+    if (ck->dir) /* NULL: removed (rmdir), while .status was open */
+      count_staged(ck->dir, &files, &bytes);
     return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n",
                                (unsigned long long)files,
                                (unsigned long long)bytes);
@@ -1159,10 +1138,11 @@ static void fs_release(fuse_req_t req, fuse_ino_t ino,
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
   handle_t *h = handle_of(fi);
+  if (h->node->ck)
+    CKPT_RELEASING(h->node->ck);
   pthread_mutex_lock(&fs->lock);
   untrack_handle(fs, h);
   pthread_mutex_unlock(&fs->lock);
-  HANDLE_RELEASED(h);
   free_handle(h);
   fuse_reply_err(req, 0);
 }
@@ -1202,12 +1182,10 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     return;
   }
   if (ckpt__is_view_kind(n->kind)) {
-    HANDLE_REPLIED(h);
     ckpt__view_read(req, n, size, (uint64_t)off);
     return;
   }
   if (n->kind == CKPT_NODE_CBLOCK) {
-    HANDLE_REPLIED(h);
     ckpt__block_read(req, n, size, (uint64_t)off);
     return;
   }
@@ -1236,7 +1214,7 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
       bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
       bv.buf[0].fd = ref.fd;
       bv.buf[0].pos = (off_t)pos;
-      HANDLE_REPLIED(h);
+      CKPT_SPLICED(n->ck);
       fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
       ckpt_fdref_put(&ref); /* the reply has been written */
       return;

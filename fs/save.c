@@ -179,6 +179,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
     rc = -EBUSY;
   else if (ck->state == CKPT_COMMITTED)
     rc = -EROFS;
+  else if (!ck->dir)
+    rc = -ENOENT; /* removed (rmdir) while its .commit was open */
   else
     rc = collect_files(s, ck->dir, &cap);
   if (rc == 0) {

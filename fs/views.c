@@ -317,6 +317,7 @@ static bool reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, uint32_t i,
   bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
   bv.buf[0].fd = fd;
   bv.buf[0].pos = (off_t)pos;
+  CKPT_SPLICED(ck);
   fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
   ckpt_fdref_put(&ref);
   return true;

@@ -242,7 +242,8 @@ class CkptfsTestCase(unittest.TestCase):
         shutil.rmtree(self.dir, ignore_errors=True)
         bad = sanitizer_report(text)
         if bad:
-            self.fail(f"sanitizer report in the daemon's output: {bad}\n{text[-8000:]}")
+            at = text.index(bad)
+            self.fail(f"sanitizer report in the daemon's output: {bad}\n{text[at:at + 12000]}")
 
     def mount(self, opts=None, mnt=None, foreground=True, env=None, start=True):
         m = Mount(self.backing, mnt or self.mnt, self.log, opts=opts,

@@ -147,6 +147,30 @@ class Removal(CkptfsTestCase):
         os.mkdir(self.ck("s"))  # a new, empty one
         self.assertEqual(os.listdir(self.ck("s")), [])
 
+    def test_rmdir_with_status_and_commit_open(self):
+        """A staged checkpoint removed while its .status and .commit are
+        open: fstat of .status and a write of .commit must not reach the
+        freed directory (a heap-use-after-free CI's TSan run found, with
+        fstat racing rm -r in test_stress)."""
+        self.mount()
+        os.mkdir(self.ck("s"))
+        st = os.open(self.ck("s", ".status"), os.O_RDONLY)
+        cm = os.open(self.ck("s", ".commit"), os.O_WRONLY)
+        try:
+            os.rmdir(self.ck("s"))
+            self.assertEqual(os.fstat(st).st_size, len(b"staging\nfiles 0\nbytes 0\n"))
+            self.assertErrno(errno.ENOENT, os.write, cm, b"sync")
+            self.assertErrno(errno.ENOENT, os.write, cm, b"async")
+        finally:
+            os.close(st)
+            os.close(cm)
+        self.assertEqual(os.listdir(self.mnt), [])
+        os.mkdir(self.ck("s"))  # the name is free again, and commits
+        write_file(self.ck("s", "blob"), b"b")
+        commit(self.ck("s"))
+        self.assertEqual(read_all(self.ck("s", "blob")), b"b")
+        self.assertEqual(self.mounts[0].stop(), 0)
+
     def test_rm_committed(self):
         self.mount()
         for n in ("keep", "x"):
