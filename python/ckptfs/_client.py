@@ -52,10 +52,10 @@ import pickle
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["save", "load", "wait", "status", "commit", "Shard", "CommitError",
-           "CkptfsError", "DTYPES"]
+__all__ = ["save", "async_save", "load", "wait", "status", "commit", "Shard",
+           "CommitError", "CkptfsError", "DTYPES"]
 
 MANIFEST_DIR = "_ckptfs"
 FORMAT = 1
@@ -394,7 +394,17 @@ def _flatten(obj, keys, out):
     return out
 
 
+class _Encoded:
+    """A bytes item already encoded (by async_save's snapshot)."""
+    __slots__ = ("data", "kind")
+
+    def __init__(self, data, kind):
+        self.data, self.kind = data, kind
+
+
 def _encode_object(v, objects):
+    if isinstance(v, _Encoded):
+        return v.data, v.kind
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v) if isinstance(v, memoryview) else v, "bytes"
     if objects == "json":
@@ -470,6 +480,76 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
                                   "items": manifest}, sort_keys=True).encode())
     commit(mount, name, mode)
+
+
+def _snapshot_tensor(t):
+    """A private contiguous CPU copy of tensor (or array) t: one copy."""
+    if _is_torch(t):
+        t = t.detach()
+        out = _torch_module().empty(t.shape, dtype=t.dtype, device="cpu")
+        out.copy_(t)
+        return out
+    np = _numpy_module()
+    return np.array(t, copy=True, order="C")
+
+
+def _snapshot(obj, objects):
+    """A copy of state dict obj that later changes to obj do not reach:
+    tensors (a DTensor as the Shard of its local part) copied into private
+    CPU memory, other values encoded now (pickle or JSON), dicts rebuilt."""
+    out = {}
+    for k, v in obj.items():
+        if isinstance(v, dict) and v:
+            out[k] = _snapshot(v, objects)
+            continue
+        v = _dtensor_as_shard(v)
+        if isinstance(v, Shard):
+            out[k] = Shard(_snapshot_tensor(v.tensor), v.offsets, v.global_shape)
+        elif _is_tensor(v):
+            out[k] = _snapshot_tensor(v)
+        elif isinstance(v, (bytearray, memoryview)):
+            out[k] = _Encoded(bytes(v), "bytes")   # a copy: they may change
+        else:
+            out[k] = _Encoded(*_encode_object(v, objects))
+    return out
+
+
+def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
+               exist_ok=False, threads=4):
+    """Save in the background: the caller waits only while state_dict is
+    copied (tensors into private CPU memory, other values encoded); the
+    writes into MOUNT/NAME and the commit run on a thread of their own.
+    Returns a concurrent.futures.Future whose result() is None once the
+    checkpoint is committed and durable everywhere (commit="sync"; with
+    "async": once the staged data is frozen) and which raises what save()
+    would (CommitError, CkptfsError). The copy is held until then: one
+    more state dict of host memory per save in flight. Like DCP's
+    async_save, every rank calls it with the same name; later changes to
+    the tensors do not reach the checkpoint. Other arguments as save()."""
+    if commit not in ("sync", "async"):
+        raise ValueError(f"commit must be 'sync' or 'async', not {commit!r}")
+    if objects not in ("pickle", "json"):
+        raise ValueError(f"objects must be 'pickle' or 'json', not {objects!r}")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+    _flatten(state_dict, [], [])   # bad keys raise here, not in the future
+    snap = _snapshot(state_dict, objects)
+    fut = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run():
+        try:
+            save(snap, mount, name, rank=rank, mode=commit, objects=objects,
+                 exist_ok=exist_ok, threads=threads)
+        except BaseException as e:  # noqa: B036 (the future raises it)
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+
+    threading.Thread(target=run, name=f"ckptfs-save-{name}").start()
+    return fut
 
 
 def _stage_tensor(path, buf, rel, name, xattrs):

@@ -140,6 +140,45 @@ print("ok")
 '''
 
 
+# async_save of torch tensors (a transposed view, bfloat16, a Parameter),
+# numpy arrays and a Shard, with the writes held back until the tensors
+# have changed in place: the checkpoint holds the values at the call.
+ASYNC_TENSORS = r"""
+import sys, threading
+import numpy as np, torch
+import ckptfs
+mnt = sys.argv[1]
+g = torch.Generator().manual_seed(3)
+w = torch.randn(6, 4, generator=g)
+sd = {"t": w.t(), "bf": torch.randn(5, generator=g).to(torch.bfloat16),
+      "p": torch.nn.Parameter(torch.ones(3)), "a": np.arange(12, dtype=np.int32).reshape(3, 4),
+      "shard": ckptfs.Shard(torch.arange(8.0), [0], [8]), "step": 7}
+want = {k: (v.tensor.clone() if isinstance(v, ckptfs.Shard) else
+            v.detach().clone() if torch.is_tensor(v) else v.copy() if isinstance(v, np.ndarray) else v)
+        for k, v in sd.items()}
+real, gate = ckptfs._client.save, threading.Event()
+def held(*a, **kw):
+    gate.wait(60)
+    return real(*a, **kw)
+ckptfs._client.save = held
+fut = ckptfs.async_save(sd, mnt, "bgt")
+with torch.no_grad():
+    w.add_(1); sd["bf"].add_(1); sd["p"].add_(1); sd["shard"].tensor.add_(1)
+sd["a"] += 1
+gate.set()
+fut.result(120)
+ckptfs._client.save = real
+out = ckptfs.load(None, mnt, "bgt")
+assert torch.equal(out["t"], want["t"]) and torch.equal(out["bf"], want["bf"])
+assert torch.equal(out["p"], want["p"]) and np.array_equal(out["a"], want["a"])
+assert out["step"] == 7
+part = torch.zeros(4)
+ckptfs.load({"shard": ckptfs.Shard(part, [4], [8])}, mnt, "bgt")
+assert torch.equal(part, want["shard"][4:]), part
+print("ok")
+"""
+
+
 class Client(CkptfsTestCase):
 
     def committed_files(self, name):
@@ -199,6 +238,58 @@ class Client(CkptfsTestCase):
         self.assertEqual(text.split("\n", 1)[0], "committed")
         self.assertEqual(ckptfs.status(self.mnt, "b")[0], "committed")
         self.assertEqual(read_all(self.ck("b", "x")), b"123")
+
+    def test_async_save_in_background(self):
+        """async_save copies the state dict before it returns: changes made
+        while its writes are held back do not reach the checkpoint."""
+        self.mount()
+        real_save, gate, started = ckptfs._client.save, threading.Event(), threading.Event()
+
+        def held_save(*a, **kw):
+            started.set()
+            self.assertTrue(gate.wait(60))
+            return real_save(*a, **kw)
+
+        ba, cfg = bytearray(b"abc"), {"lr": 0.1, "layers": [1, 2]}
+        ckptfs._client.save = held_save
+        try:
+            fut = ckptfs.async_save({"ba": ba, "cfg": cfg, "empty": {}}, self.mnt, "bg")
+            self.assertTrue(started.wait(60))
+            self.assertFalse(fut.done())
+            ba[0:1] = b"X"
+            cfg["lr"] = 9.0
+            cfg["layers"].append(3)
+            gate.set()
+            self.assertIsNone(fut.result(120))
+        finally:
+            ckptfs._client.save = real_save
+            gate.set()
+        self.assertEqual(state(self.ck("bg")), "committed")
+        self.assertEqual(ckptfs.load(None, self.mnt, "bg"),
+                         {"ba": b"abc", "cfg": {"lr": 0.1, "layers": [1, 2]}, "empty": {}})
+        # JSON objects are encoded at the call too; commit="async" completes
+        # once frozen, and the checkpoint then commits
+        fut = ckptfs.async_save({"cfg": {"sizes": (1, 2)}}, self.mnt, "bgj",
+                                objects="json", commit="async")
+        self.assertIsNone(fut.result(120))
+        ckptfs.wait(self.mnt, "bgj", timeout=120)
+        self.assertEqual(ckptfs.load(None, self.mnt, "bgj"), {"cfg": {"sizes": [1, 2]}})
+        # errors: bad arguments and keys at the call, the save's own in the future
+        with self.assertRaises(ValueError):
+            ckptfs.async_save({"x": b""}, self.mnt, "e1", commit="later")
+        with self.assertRaises(ValueError):
+            ckptfs.async_save({"x": b""}, self.mnt, "e1", threads=0)
+        with self.assertRaisesRegex(ckptfs.CkptfsError, "cannot be a file name"):
+            ckptfs.async_save({".hidden": b""}, self.mnt, "e1")
+        fut = ckptfs.async_save({"x": b"again"}, self.mnt, "bg")
+        with self.assertRaisesRegex(ckptfs.CkptfsError, "already committed"):
+            fut.result(120)
+        self.assertFalse(os.path.exists(self.ck("e1")))
+
+    def test_async_save_tensors(self):
+        py = require_torch(self)
+        self.mount()
+        self.assertEqual(run_py(self, py, ASYNC_TENSORS, self.mnt).strip(), "ok")
 
     def test_objects_standard_library_only(self):
         self.mount()
