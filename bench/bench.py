@@ -696,10 +696,12 @@ TORCH_DT = {"float32": "float32", "bfloat16": "bfloat16", "int64": "int64", "uin
 SAME_SIZE_INT = {"float32": "int32", "bfloat16": "int16", "int64": "int64", "uint8": "uint8"}
 
 
-def w_dcp(ctx, pool, items, path, port, threads=(1,), ckmount=None):
+def w_dcp(ctx, pool, items, path, port, threads=(1,), ckmount=None, async_phase=False):
     """Stock DCP into path, or (ckmount: the rank mounts' pattern, .../rank%r)
     DCP through ckptfs's backend ckptfs.dcp.Writer/Reader, checkpoint
-    bench-dcp."""
+    bench-dcp. async_phase (torch 2.x): then dcp.async_save of the same
+    state dict (stall: until it returns; total: until its future is done),
+    and with ckmount also the package's ckptfs.async_save of it."""
     rank, n = ctx.rank, ctx.n
     import warnings
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -827,6 +829,44 @@ def w_dcp(ctx, pool, items, path, port, threads=(1,), ckmount=None):
         for fqn, v in sd.items():
             if isinstance(v, bytes) and dst[fqn] != v:
                 raise ValueError(f"DCP load: bytes item {fqn} differs")
+    if async_phase:
+        del dst, dsrc
+        apath = path + "-async" if path else None
+        if rank == 0 and apath:
+            shutil.rmtree(apath, ignore_errors=True)
+        ctx.pause()                               # parent: sync + drop caches
+        barrier()
+        t0 = time.perf_counter()
+        if ckmount:
+            fut = dcp.async_save(sd, checkpoint_id="bench-dcp-async",
+                                 storage_writer=ckdcp.Writer(ckmount), no_dist=(n == 1))
+        else:
+            kw = {"thread_count": threads[0]} if has_threads else {}
+            fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(
+                apath, single_file_per_rank=True, sync_files=True, **kw), no_dist=(n == 1))
+        t1 = time.perf_counter()
+        fut.result()
+        out["async"] = (t0, t1, time.perf_counter())
+        barrier()
+        if apath and rank == 0:
+            shutil.rmtree(apath, ignore_errors=True)
+        if ckmount:
+            import ckptfs
+            pkg = {}                               # FQN a/b/c -> nested dicts
+            for fqn, v in sd.items():
+                d, parts = pkg, fqn.split("/")
+                for part in parts[:-1]:
+                    d = d.setdefault(part, {})
+                d[parts[-1]] = v
+            ctx.pause()                           # parent: sync + drop caches
+            barrier()
+            t0 = time.perf_counter()
+            fut = ckptfs.async_save(pkg, ckdcp.rank_mount(ckmount, rank), "bench-pkg",
+                                    rank=rank)
+            t1 = time.perf_counter()
+            fut.result()
+            out["pkg_async"] = (t0, t1, time.perf_counter())
+            barrier()
     barrier()
     if n > 1:
         dist.destroy_process_group()
@@ -1099,10 +1139,11 @@ def bench_world(args, n, items, pool, dcp_ok):
         # 5b. DCP through ckptfs's backend (after the RSS reading: torch's
         # pickled items are not part of the figures above)
         if dcp_ok and args.dcp_backend:
-            acts = [pre("ckdcp_save"), pre("ckdcp_load_cold"), pre("ckdcp_load_warm", False)]
+            acts = [pre("ckdcp_save"), pre("ckdcp_load_cold"), pre("ckdcp_load_warm", False),
+                    pre("ckdcp_async"), pre("pkg_async")]
             res, errs = run_workers(n, w_dcp, actions=acts, pool=pool, items=items, path=None,
                                     port=free_port(), threads=(1,),
-                                    ckmount=os.path.join(world.root, "rank%r"))
+                                    ckmount=os.path.join(world.root, "rank%r"), async_phase=True)
             others.stop()
             if errs:
                 fail(f"DCP via ckptfs.dcp ({n} ranks): " + "; ".join(errs))
@@ -1112,10 +1153,17 @@ def bench_world(args, n, items, pool, dcp_ok):
                                         for r, v in res.items()}, "a", "b")
                 for k in ("load_cold", "load_warm"):
                     R[f"ckdcp_{k}"] = max(r[k][1] for r in res.values()) - min(r[k][0] for r in res.values())
+                for k, key in (("async", "ckdcp_async"), ("pkg_async", "pkg_async")):
+                    R[f"{key}_stall"] = max(r[k][1] for r in res.values()) - min(r[k][0] for r in res.values())
+                    R[f"{key}_total"] = max(r[k][2] for r in res.values()) - min(r[k][0] for r in res.values())
                 log(f"  DCP via ckptfs.dcp: save {R['ckdcp_save']:.3f} s, load cold "
-                    f"{R['ckdcp_load_cold']:.3f} s, warm {R['ckdcp_load_warm']:.3f} s")
-            for e in world.remove("bench-dcp"):
-                fail(f"rm -r bench-dcp ({n} ranks): {e}")
+                    f"{R['ckdcp_load_cold']:.3f} s, warm {R['ckdcp_load_warm']:.3f} s; async_save "
+                    f"stall {R['ckdcp_async_stall']:.3f} s (done {R['ckdcp_async_total']:.3f} s); "
+                    f"ckptfs.async_save stall {R['pkg_async_stall']:.3f} s "
+                    f"(done {R['pkg_async_total']:.3f} s)")
+            for ck in ("bench-dcp", "bench-dcp-async", "bench-pkg"):
+                for e in world.remove(ck):
+                    fail(f"rm -r {ck} ({n} ranks): {e}")
     finally:
         daemon_log = world.tail()
         rc = world.stop()
@@ -1132,8 +1180,11 @@ def bench_world(args, n, items, pool, dcp_ok):
         shutil.rmtree(path, ignore_errors=True)
         threads = args.dcp_threads
         acts = [pre(f"dcp_save_t{t}") for t in threads] + [pre("dcp_load_cold"), pre("dcp_load_warm", False)]
+        if args.torch2:
+            acts.append(pre("dcp_async"))
         res, errs = run_workers(n, w_dcp, actions=acts, pool=pool,
-                                items=items, path=path, port=free_port(), threads=threads)
+                                items=items, path=path, port=free_port(), threads=threads,
+                                async_phase=args.torch2)
         others.stop()
         if not errs:
             R["dcp_bytes_on_disk"] = sum(os.path.getsize(os.path.join(path, f))
@@ -1153,9 +1204,16 @@ def bench_world(args, n, items, pool, dcp_ok):
             R["dcp_save_default"] = R[f"dcp_save_t{threads[0]}"]
             best = min(threads, key=lambda t: R[f"dcp_save_t{t}"])
             R["dcp_save"], R["dcp_best_threads"] = R[f"dcp_save_t{best}"], best
+            if "async" in r0:
+                R["dcp_async_stall"] = max(r["async"][1] for r in res.values()) - \
+                    min(r["async"][0] for r in res.values())
+                R["dcp_async_total"] = max(r["async"][2] for r in res.values()) - \
+                    min(r["async"][0] for r in res.values())
             log(f"  DCP: save " + ", ".join(f"{R[f'dcp_save_t{t}']:.3f} s (thread_count={t})"
                                             for t in threads) + f", load cold {R['dcp_load_cold']:.3f} s, "
-                f"warm {R['dcp_load_warm']:.3f} s")
+                f"warm {R['dcp_load_warm']:.3f} s" + (
+                    f"; async_save stall {R['dcp_async_stall']:.3f} s (done "
+                    f"{R['dcp_async_total']:.3f} s)" if "dcp_async_stall" in R else ""))
     return R
 
 
@@ -1323,6 +1381,12 @@ def summary_rows(args, configs):
                     ">= 1.5x", lambda x: x >= 1.5, lim_label="DCP")
                 row("load warm vs DCP load warm", *thr("load_mount_warm", "dcp_load_warm"),
                     ">= 1.5x", lambda x: x >= 1.5, lim_label="DCP")
+            for key, what in (("pkg_async_stall", "ckptfs.async_save"),
+                              ("ckdcp_async_stall", "dcp.async_save via ckptfs.dcp")):
+                t, r = W.get(key), W.get("dcp_async_stall")
+                if t is not None and r is not None:
+                    row(f"async stall: {what} vs stock dcp.async_save", t, r, t / r,
+                        "<= 1.0x", lambda x: x <= 1.0, lim_label="stock dcp.async_save stall")
             v, lim = W.get("rss_max"), c["staging"] + 64 * MiB
             if "ckdcp_save" in W:
                 row("DCP via ckptfs.dcp save vs stock DCP save, best", *thr("ckdcp_save", "dcp_save"),
@@ -1452,6 +1516,7 @@ def main():
     if not os.access(args.bin, os.X_OK):
         sys.exit(f"bench: {args.bin} is not an executable (build it, or pass --bin)")
     dcp_ok, dcp_why = False, "--no-dcp"
+    args.torch2 = False
     if not args.no_dcp:
         r = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
                            capture_output=True, text=True)
@@ -1460,6 +1525,8 @@ def main():
                 dcp_ok and int(r.stdout.strip().split(".")[0]) < 2:
             args.dcp_backend = False   # ckptfs.dcp needs torch 2.x
             log(f"bench: torch {r.stdout.strip()}: no DCP through ckptfs.dcp (it needs torch 2.x)")
+        else:
+            args.torch2 = dcp_ok       # dcp.async_save
         dcp_why = "" if dcp_ok else f"`import torch` fails under {sys.executable} " \
             "(the .venv has torch 2.x; Debian's python3-torch is for /usr/bin/python3)"
     configs, fails = [], 0

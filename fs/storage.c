@@ -161,6 +161,12 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
     rc = -EEXIST; /* already shown */
   else
     rc = ckpt__ckpt_set_committed(fs, ck, meta, dfd, err);
+  if (rc && rc != -EEXIST && ck && !dir) {
+    /* Made here for it: not shown at all (an empty staging checkpoint of
+     * that name would hide it; the next lookup tries again). */
+    ckpt__node_detach(fs, ck->dir);
+    ckpt__ckpt_unref(fs, ck);
+  }
   pthread_mutex_unlock(&fs->lock);
   close(dfd);
   if (rc) {

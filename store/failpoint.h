@@ -23,6 +23,8 @@
  *   metadata_synced  coordinator: published and synced, ranks not told
  *   committed        the committed view is shown, the writer not answered
  *   discard          a failed save is about to remove what it wrote
+ *   reader_init      (error point) setting up the reader of a committed
+ *                    checkpoint this mount shows (at start or a lookup)
  */
 #ifndef CKPT_FAILPOINT_H
 #define CKPT_FAILPOINT_H

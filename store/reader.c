@@ -19,12 +19,16 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "failpoint.h"
 #include "store_int.h"
 
 int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
                      const char *name, int dirfd, const ckpt_metadata_t *meta,
                      bool verify) {
   memset(s, 0, sizeof(*s));
+  int fp = ckpt_failpoint_error("reader_init");
+  if (fp)
+    return fp;
   struct stat st;
   if (fstat(dirfd, &st))
     return -errno;

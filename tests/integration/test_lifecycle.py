@@ -304,6 +304,22 @@ class MountStart(CkptfsTestCase):
         commit(self.ck("half"))
         self.assertEqual(read_all(self.ck("half", "f")), b"new")
 
+    def test_failed_load_leaves_no_empty_checkpoint(self):
+        """A committed checkpoint whose reader cannot be set up at the
+        mount's start is not shown (logged), and the next lookup loads it:
+        it was left as an empty staging checkpoint of that name, hiding the
+        committed one until the next mount."""
+        self.mount()
+        os.mkdir(self.ck("c"))
+        write_file(self.ck("c", "blob"), b"data")
+        commit(self.ck("c"))
+        self.assertEqual(self.mounts[0].stop(), 0)
+        self.mount(env={"CKPTFS_FAILPOINT": "reader_init=EIO"})
+        self.assertIn("not showing checkpoint c", self.daemon_log())
+        self.assertEqual(state(self.ck("c")), "committed")
+        self.assertEqual(read_all(self.ck("c", "blob")), b"data")
+        self.assertEqual(os.listdir(self.mnt), ["c"])
+
     def test_unrelated_files_in_backing_kept(self):
         os.makedirs(self.backing)
         write_file(self.bk("README"), b"not a checkpoint")
