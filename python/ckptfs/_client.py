@@ -416,6 +416,19 @@ def _encode_object(v, objects):
     return pickle.dumps(v, protocol=4), "pickle"
 
 
+def _check_save_args(state_dict, mount, mode_arg, mode, objects):
+    """The checks save() and async_save() make before anything is staged."""
+    if mode not in ("sync", "async"):
+        raise ValueError(f"{mode_arg} must be 'sync' or 'async', not {mode!r}")
+    if objects not in ("pickle", "json"):
+        raise ValueError(f"objects must be 'pickle' or 'json', not {objects!r}")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    if not os.path.isdir(mount):
+        raise CkptfsError(f"{mount} is not a directory (is the ckptfs rank mount "
+                          "there? mount it with ckptfs or mount-scripts/ckpt-mount)")
+
+
 def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
          exist_ok=False, threads=4):
     """Write state_dict into MOUNT/NAME and commit it.
@@ -432,15 +445,7 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     io_threads streams take that many in parallel). Raises CommitError
     when the commit fails.
     """
-    if mode not in ("sync", "async"):
-        raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
-    if objects not in ("pickle", "json"):
-        raise ValueError(f"objects must be 'pickle' or 'json', not {objects!r}")
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    if not os.path.isdir(mount):
-        raise CkptfsError(f"{mount} is not a directory (is the ckptfs rank mount "
-                          "there? mount it with ckptfs or mount-scripts/ckpt-mount)")
+    _check_save_args(state_dict, mount, "mode", mode, objects)
     stager = _Stager(threads)
     leaves = _flatten(state_dict, [], [])
     ckdir = os.path.join(mount, name)
@@ -526,12 +531,7 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     more state dict of host memory per save in flight. Like DCP's
     async_save, every rank calls it with the same name; later changes to
     the tensors do not reach the checkpoint. Other arguments as save()."""
-    if commit not in ("sync", "async"):
-        raise ValueError(f"commit must be 'sync' or 'async', not {commit!r}")
-    if objects not in ("pickle", "json"):
-        raise ValueError(f"objects must be 'pickle' or 'json', not {objects!r}")
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    _check_save_args(state_dict, mount, "commit", commit, objects)
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, not {threads!r}")
     _flatten(state_dict, [], [])   # bad keys raise here, not in the future

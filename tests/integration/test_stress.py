@@ -761,7 +761,9 @@ class RemovedWhileOpen(CkptfsTestCase):
                         got = os.pread(fds[k], 1 << 20, 0)
                     except OSError:
                         continue  # removed under it: failing is fine
-                    if want[k] is not None and got and got != want[k]:
+                    if k.endswith(".npy"):  # a header, then the tensor's bytes
+                        got = got[-len(data):] if len(got) > len(data) else got
+                    if got and got != (want[k] or data):
                         errors.append(f"{k}: {len(got)} wrong bytes")
                         return
 
