@@ -16,9 +16,10 @@ The core needs only the standard library; numpy and torch are imported
 when a state dict holds their objects. ckptfs.dcp needs torch 2.x.
 """
 
-from ._client import (DTYPES, CkptfsError, CommitError, Shard, async_save,
-                      commit, load, save, status, wait)
+from ._client import (DTYPES, CkptfsError, CommitError, Shard, StagingBuffers,
+                      async_save, commit, load, save, status, wait)
 
 __version__ = "0.3.0"
-__all__ = ["save", "async_save", "load", "wait", "status", "commit", "Shard",
+__all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
+           "commit", "Shard",
            "CommitError", "CkptfsError", "DTYPES"]

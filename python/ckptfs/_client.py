@@ -487,31 +487,84 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     commit(mount, name, mode)
 
 
-def _snapshot_tensor(t):
-    """A private contiguous CPU copy of tensor (or array) t: one copy."""
+class StagingBuffers:
+    """Host memory for async_save's copies, kept from one save to the next.
+
+    Pass the same object to every async_save of a training run:
+    async_save(sd, mount, name, buffers=bufs). A save copies each tensor
+    into the buffer its key had in an earlier save (same shape and dtype)
+    instead of fresh memory, so the caller's stall is a plain copy with no
+    page faults; the buffers come back when the save's future is done. A
+    key whose buffer is still in use by a save in flight, or whose shape or
+    dtype changed, gets fresh memory (which is kept in its place after).
+    It holds at most one buffer per key: about one state dict of host
+    memory while idle; clear() gives it back."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free = {}
+
+    def _take(self, key, t):
+        with self._lock:
+            b = self._free.pop(key, None)
+        if (b is not None and type(b) is type(t) and b.shape == t.shape
+                and b.dtype == t.dtype):
+            return b
+        return None
+
+    def _give(self, used):
+        with self._lock:
+            self._free.update(used)
+
+    def clear(self):
+        """Drop the kept buffers (their memory is freed when unreferenced)."""
+        with self._lock:
+            self._free.clear()
+
+    def __len__(self):
+        with self._lock:
+            return len(self._free)
+
+
+def _snapshot_tensor(t, key=None, buffers=None, used=None):
+    """A private contiguous CPU copy of tensor (or array) t: one copy, into
+    buffers' earlier buffer for key when it fits."""
     if _is_torch(t):
         t = t.detach()
-        out = _torch_module().empty(t.shape, dtype=t.dtype, device="cpu")
+        out = buffers._take(key, t) if buffers is not None else None
+        if out is None or out.device.type != "cpu" or not out.is_contiguous():
+            out = _torch_module().empty(t.shape, dtype=t.dtype, device="cpu")
         out.copy_(t)
-        return out
-    np = _numpy_module()
-    return np.array(t, copy=True, order="C")
+    else:
+        np = _numpy_module()
+        out = buffers._take(key, t) if buffers is not None else None
+        if out is None or not out.flags.c_contiguous or not out.flags.writeable:
+            out = np.array(t, copy=True, order="C")
+        else:
+            np.copyto(out, t)
+    if used is not None:
+        used[key] = out
+    return out
 
 
-def _snapshot(obj, objects):
+def _snapshot(obj, objects, buffers=None, used=None, prefix=()):
     """A copy of state dict obj that later changes to obj do not reach:
     tensors (a DTensor as the Shard of its local part) copied into private
-    CPU memory, other values encoded now (pickle or JSON), dicts rebuilt."""
+    CPU memory (buffers' kept memory when given; each buffer used is put
+    in used under its key path), other values encoded now (pickle or
+    JSON), dicts rebuilt."""
     out = {}
     for k, v in obj.items():
+        key = prefix + (k,)
         if isinstance(v, dict) and v:
-            out[k] = _snapshot(v, objects)
+            out[k] = _snapshot(v, objects, buffers, used, key)
             continue
         v = _dtensor_as_shard(v)
         if isinstance(v, Shard):
-            out[k] = Shard(_snapshot_tensor(v.tensor), v.offsets, v.global_shape)
+            out[k] = Shard(_snapshot_tensor(v.tensor, key, buffers, used), v.offsets,
+                           v.global_shape)
         elif _is_tensor(v):
-            out[k] = _snapshot_tensor(v)
+            out[k] = _snapshot_tensor(v, key, buffers, used)
         elif isinstance(v, (bytearray, memoryview)):
             out[k] = _Encoded(bytes(v), "bytes")   # a copy: they may change
         else:
@@ -520,7 +573,7 @@ def _snapshot(obj, objects):
 
 
 def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
-               exist_ok=False, threads=4):
+               exist_ok=False, threads=4, buffers=None):
     """Save in the background: the caller waits only while state_dict is
     copied (tensors into private CPU memory, other values encoded); the
     writes into MOUNT/NAME and the commit run on a thread of their own.
@@ -530,12 +583,18 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     would (CommitError, CkptfsError). The copy is held until then: one
     more state dict of host memory per save in flight. Like DCP's
     async_save, every rank calls it with the same name; later changes to
-    the tensors do not reach the checkpoint. Other arguments as save()."""
+    the tensors do not reach the checkpoint. buffers: a StagingBuffers
+    kept across saves, so that the copy reuses the last save's memory.
+    Other arguments as save()."""
     _check_save_args(state_dict, mount, "commit", commit, objects)
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+    if buffers is not None and not isinstance(buffers, StagingBuffers):
+        raise TypeError(f"buffers must be a ckptfs.StagingBuffers, not "
+                        f"{type(buffers).__name__}")
     _flatten(state_dict, [], [])   # bad keys raise here, not in the future
-    snap = _snapshot(state_dict, objects)
+    used = {} if buffers is not None else None
+    snap = _snapshot(state_dict, objects, buffers, used)
     fut = Future()
     fut.set_running_or_notify_cancel()
 
@@ -544,9 +603,16 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
             save(snap, mount, name, rank=rank, mode=commit, objects=objects,
                  exist_ok=exist_ok, threads=threads)
         except BaseException as e:  # noqa: B036 (the future raises it)
-            fut.set_exception(e)
+            err = e
         else:
+            err = None
+        if buffers is not None:
+            snap.clear()          # the daemon has the bytes: the copies are free
+            buffers._give(used)
+        if err is None:
             fut.set_result(None)
+        else:
+            fut.set_exception(err)
 
     threading.Thread(target=run, name=f"ckptfs-save-{name}").start()
     return fut

@@ -178,6 +178,61 @@ assert torch.equal(part, want["shard"][4:]), part
 print("ok")
 """
 
+ASYNC_BUFFERS = r"""
+import sys, threading
+import numpy as np, torch
+import ckptfs
+mnt = sys.argv[1]
+bufs = ckptfs.StagingBuffers()
+sd = {"w": torch.arange(12.0).reshape(3, 4), "m": {"a": np.arange(5, dtype=np.int64)},
+      "v": torch.zeros(2, 3).t(), "step": 1}
+try:
+    ckptfs.async_save(sd, mnt, "bad", buffers={})
+    raise SystemExit("a dict was taken for buffers")
+except TypeError as e:
+    assert "StagingBuffers" in str(e), e
+assert not __import__("os").path.exists(mnt + "/bad")
+ckptfs.async_save(sd, mnt, "b0", buffers=bufs).result(120)
+assert len(bufs) == 3, len(bufs)
+kept = dict(bufs._free)
+# The next save copies into the same buffers; values are this save's.
+with torch.no_grad():
+    sd["w"].add_(100)
+sd["m"]["a"] *= 7
+sd["step"] = 2
+ckptfs.async_save(sd, mnt, "b1", buffers=bufs).result(120)
+assert all(bufs._free[k] is kept[k] for k in kept), (kept.keys(), bufs._free.keys())
+# Held back: while b2 holds them, b3 gets fresh memory; a changed shape too.
+real, gate = ckptfs._client.save, threading.Event()
+def held(*a, **kw):
+    gate.wait(60)
+    return real(*a, **kw)
+ckptfs._client.save = held
+f2 = ckptfs.async_save(sd, mnt, "b2", buffers=bufs)
+assert len(bufs) == 0
+sd3 = dict(sd, w=torch.ones(5), v=sd["v"] + 1)
+f3 = ckptfs.async_save(sd3, mnt, "b3", buffers=bufs)
+with torch.no_grad():
+    sd["w"].add_(1000)         # after the calls: reaches neither checkpoint
+gate.set()
+f2.result(120); f3.result(120)
+ckptfs._client.save = real
+o = {n: ckptfs.load(None, mnt, n) for n in ("b0", "b1", "b2", "b3")}
+w0 = torch.arange(12.0).reshape(3, 4)
+assert torch.equal(o["b0"]["w"], w0) and o["b0"]["step"] == 1, o["b0"]
+assert np.array_equal(o["b0"]["m"]["a"], np.arange(5)), o["b0"]
+for n in ("b1", "b2"):
+    assert torch.equal(o[n]["w"], w0 + 100), (n, o[n]["w"])
+    assert np.array_equal(o[n]["m"]["a"], np.arange(5) * 7) and o[n]["step"] == 2
+    assert torch.equal(o[n]["v"], torch.zeros(3, 2)), (n, o[n]["v"])
+assert torch.equal(o["b3"]["w"], torch.ones(5)) and torch.equal(o["b3"]["v"], torch.ones(3, 2))
+assert np.array_equal(o["b3"]["m"]["a"], np.arange(5) * 7)
+assert len(bufs) == 3
+bufs.clear()
+assert len(bufs) == 0
+print("ok")
+"""
+
 
 class Client(CkptfsTestCase):
 
@@ -290,6 +345,14 @@ class Client(CkptfsTestCase):
         py = require_torch(self)
         self.mount()
         self.assertEqual(run_py(self, py, ASYNC_TENSORS, self.mnt).strip(), "ok")
+
+    def test_async_save_staging_buffers(self):
+        """StagingBuffers: a save copies into the last save's memory, a save
+        while those are in use or with a changed shape gets fresh memory,
+        and every checkpoint holds the values at its call."""
+        py = require_torch(self)
+        self.mount()
+        self.assertEqual(run_py(self, py, ASYNC_BUFFERS, self.mnt).strip(), "ok")
 
     def test_objects_standard_library_only(self):
         self.mount()
