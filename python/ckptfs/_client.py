@@ -52,10 +52,11 @@ import pickle
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["save", "async_save", "load", "wait", "status", "commit", "Shard",
-           "CommitError", "CkptfsError", "DTYPES"]
+__all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
+           "commit", "Shard", "CommitError", "CkptfsError", "DTYPES"]
 
 MANIFEST_DIR = "_ckptfs"
 FORMAT = 1
@@ -216,8 +217,9 @@ def _tensor_info(x):
     np = sys.modules["numpy"]
     arr = np.asarray(x)
     name = _numpy_dtype_name(arr.dtype)
+    shape = tuple(arr.shape)   # ascontiguousarray makes a 0-d array 1-d
     arr = np.ascontiguousarray(arr, dtype=np.dtype(NUMPY_NAMES[name]))
-    return name, tuple(arr.shape), memoryview(arr.reshape(-1)).cast("B"), "numpy"
+    return name, shape, memoryview(arr.reshape(-1)).cast("B"), "numpy"
 
 
 # ---- file calls -----------------------------------------------------------------
@@ -517,7 +519,8 @@ class StagingBuffers:
             self._free.update(used)
 
     def clear(self):
-        """Drop the kept buffers (their memory is freed when unreferenced)."""
+        """Drop the kept buffers (their memory is freed when unreferenced).
+        A save in flight still gives its buffers back when it ends."""
         with self._lock:
             self._free.clear()
 
@@ -594,7 +597,12 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
                         f"{type(buffers).__name__}")
     _flatten(state_dict, [], [])   # bad keys raise here, not in the future
     used = {} if buffers is not None else None
-    snap = _snapshot(state_dict, objects, buffers, used)
+    try:
+        snap = _snapshot(state_dict, objects, buffers, used)
+    except BaseException:
+        if buffers is not None:
+            buffers._give(used)   # nothing writes from them: keep them
+        raise
     fut = Future()
     fut.set_running_or_notify_cancel()
 
@@ -608,13 +616,20 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
             err = None
         if buffers is not None:
             snap.clear()          # the daemon has the bytes: the copies are free
+            if err is not None:   # its frames would hold views of the buffers
+                traceback.clear_frames(err.__traceback__)
             buffers._give(used)
         if err is None:
             fut.set_result(None)
         else:
             fut.set_exception(err)
 
-    threading.Thread(target=run, name=f"ckptfs-save-{name}").start()
+    try:
+        threading.Thread(target=run, name=f"ckptfs-save-{name}").start()
+    except BaseException:
+        if buffers is not None:
+            buffers._give(used)
+        raise
     return fut
 
 

@@ -228,6 +228,29 @@ for n in ("b1", "b2"):
 assert torch.equal(o["b3"]["w"], torch.ones(5)) and torch.equal(o["b3"]["v"], torch.ones(3, 2))
 assert np.array_equal(o["b3"]["m"]["a"], np.arange(5) * 7)
 assert len(bufs) == 3
+# A changed shape while the pool holds the old buffer: fresh memory.
+old = dict(bufs._free)
+sd4 = {"w": torch.full((2, 2), 9.0), "m": {"a": np.arange(5) * 3}, "v": torch.zeros(3, 2)}
+ckptfs.async_save(sd4, mnt, "b4", buffers=bufs).result(120)
+o4 = ckptfs.load(None, mnt, "b4")
+assert bufs._free[("w",)] is not old[("w",)] and bufs._free[("w",)].shape == (2, 2)
+assert bufs._free[("m", "a")] is old[("m", "a")] and bufs._free[("v",)] is old[("v",)]
+assert torch.equal(o4["w"], torch.full((2, 2), 9.0)) and np.array_equal(o4["m"]["a"], np.arange(5) * 3)
+# A snapshot that fails at the call keeps the buffers it had taken.
+class Bad:
+    def __reduce__(self):
+        raise RuntimeError("no pickling")
+try:
+    ckptfs.async_save({"w": torch.zeros(2, 2), "z": Bad()}, mnt, "b5", buffers=bufs)
+    raise SystemExit("an unpicklable value was taken")
+except RuntimeError:
+    pass
+assert len(bufs) == 3, len(bufs)
+# numpy 0-d arrays and scalars keep their shape ()
+ckptfs.save({"s": np.float32(3.5), "z": np.array(7, dtype=np.int64)}, mnt, "zd")
+oz = ckptfs.load(None, mnt, "zd")
+assert oz["s"].shape == () and oz["s"] == np.float32(3.5), oz
+assert oz["z"].shape == () and oz["z"] == 7, oz
 bufs.clear()
 assert len(bufs) == 0
 print("ok")
