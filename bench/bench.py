@@ -858,27 +858,22 @@ def w_dcp(ctx, pool, items, path, port, threads=(1,), ckmount=None, async_phase=
                 for part in parts[:-1]:
                     d = d.setdefault(part, {})
                 d[parts[-1]] = v
-            bufs = ckptfs.StagingBuffers()        # empty: this save copies into fresh memory
-            ctx.pause()                           # parent: sync + drop caches
-            barrier()
-            t0 = time.perf_counter()
-            fut = ckptfs.async_save(pkg, ckdcp.rank_mount(ckmount, rank), "bench-pkg",
-                                    rank=rank, buffers=bufs)
-            t1 = time.perf_counter()
-            fut.result()
-            out["pkg_async"] = (t0, t1, time.perf_counter())
-            barrier()
+            bufs = ckptfs.StagingBuffers()        # empty: the first save copies into fresh memory
+
+            def timed_pkg_save(ck):
+                ctx.pause()                       # parent: sync + drop caches
+                barrier()
+                t0 = time.perf_counter()
+                fut = ckptfs.async_save(pkg, ckdcp.rank_mount(ckmount, rank), ck,
+                                        rank=rank, buffers=bufs)
+                t1 = time.perf_counter()
+                fut.result()
+                barrier()
+                return (t0, t1, time.perf_counter())
+            out["pkg_async"] = timed_pkg_save("bench-pkg")
             # the next save of a training run: into the buffers the last one left
-            ctx.pause()
-            barrier()
-            t0 = time.perf_counter()
-            fut = ckptfs.async_save(pkg, ckdcp.rank_mount(ckmount, rank), "bench-pkg-kept",
-                                    rank=rank, buffers=bufs)
-            t1 = time.perf_counter()
-            fut.result()
-            out["pkg_kept"] = (t0, t1, time.perf_counter())
+            out["pkg_kept"] = timed_pkg_save("bench-pkg-kept")
             bufs.clear()
-            barrier()
     barrier()
     if n > 1:
         dist.destroy_process_group()

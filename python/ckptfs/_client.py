@@ -535,13 +535,13 @@ def _snapshot_tensor(t, key=None, buffers=None, used=None):
     if _is_torch(t):
         t = t.detach()
         out = buffers._take(key, t) if buffers is not None else None
-        if out is None or out.device.type != "cpu" or not out.is_contiguous():
+        if out is None:   # (kept buffers are this function's CPU copies)
             out = _torch_module().empty(t.shape, dtype=t.dtype, device="cpu")
         out.copy_(t)
     else:
         np = _numpy_module()
         out = buffers._take(key, t) if buffers is not None else None
-        if out is None or not out.flags.c_contiguous or not out.flags.writeable:
+        if out is None:
             out = np.array(t, copy=True, order="C")
         else:
             np.copyto(out, t)

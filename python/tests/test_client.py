@@ -246,11 +246,6 @@ try:
 except RuntimeError:
     pass
 assert len(bufs) == 3, len(bufs)
-# numpy 0-d arrays and scalars keep their shape ()
-ckptfs.save({"s": np.float32(3.5), "z": np.array(7, dtype=np.int64)}, mnt, "zd")
-oz = ckptfs.load(None, mnt, "zd")
-assert oz["s"].shape == () and oz["s"] == np.float32(3.5), oz
-assert oz["z"].shape == () and oz["z"] == 7, oz
 bufs.clear()
 assert len(bufs) == 0
 print("ok")
@@ -376,6 +371,21 @@ class Client(CkptfsTestCase):
         py = require_torch(self)
         self.mount()
         self.assertEqual(run_py(self, py, ASYNC_BUFFERS, self.mnt).strip(), "ok")
+
+    def test_numpy_zero_d_keeps_its_shape(self):
+        """A numpy 0-d array or scalar is saved with shape (), not (1,)."""
+        py = require_torch(self)
+        self.mount()
+        out = run_py(self, py, r'''
+import sys, numpy as np, ckptfs
+mnt = sys.argv[1]
+ckptfs.save({"s": np.float32(3.5), "z": np.array(7, dtype=np.int64)}, mnt, "zd")
+oz = ckptfs.load(None, mnt, "zd")
+assert oz["s"].shape == () and oz["s"] == np.float32(3.5), oz
+assert oz["z"].shape == () and oz["z"] == 7, oz
+print("ok")
+''', self.mnt)
+        self.assertEqual(out.strip(), "ok")
 
     def test_objects_standard_library_only(self):
         self.mount()
