@@ -76,6 +76,7 @@ typedef struct {
   uint64_t readahead;         /* the mount's kernel readahead, bytes; 0: as is */
   bool sync_files;            /* fsync data and metadata at commit */
   bool direct_reads;          /* committed tensors bypass the mount's cache */
+  bool passthrough;           /* staged files written by FUSE passthrough */
   bool verify;                /* check each chunk's XXH3 before serving it */
   uint64_t safetensors_shard; /* tensor bytes per NAME/.safetensors shard */
   ckpt_replica_check_t replica_check;
@@ -227,6 +228,15 @@ typedef struct ckpt_sfile {
                                 is written front to back, or NULL */
   uint64_t hashed;
   bool hash_broken;      /* written out of order: hash at commit */
+  /* FUSE passthrough (passthrough=1): the kernel writes the file's bytes
+   * straight into pt_fd, a memfd the daemon never copies them through. */
+  _Atomic int pt_fd;     /* the memfd holding all its bytes, or -1 (set
+                            under lock; read without it by size_seen) */
+  int32_t pt_id;         /* its backing id while the file is open, or 0 */
+  uint32_t pt_opens;     /* open handles passed through */
+  bool pt_sealed;        /* frozen by a commit: F_SEAL_WRITE|SHRINK|GROW */
+  void *pt_map;          /* read-only mapping of a sealed pt_fd, or NULL */
+  size_t pt_map_len;
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
 } ckpt_sfile_t;
 
@@ -234,6 +244,22 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
                               ckpt_streams_t *streams);
 /* The file was closed after writing: it stops appending to its stream. */
 void ckpt__sfile_end_stream(ckpt_sfile_t *sf);
+/* Passthrough: give the new empty file a memfd of its own (0, -errno). */
+int ckpt__sfile_pt_start(ckpt_sfile_t *sf);
+/* Undo pt_start when the kernel refused the backing file. */
+void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf);
+/* A commit freezes the file: the memfd is sealed against writes (a
+ * handle still open gets EPERM) and the size read. 0, or -EBUSY when a
+ * writable shared mapping prevents the seal. */
+int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf);
+/* The file may change again (a failed commit): a sealed memfd is
+ * replaced by a copy of its first `keep` bytes. sf->lock held; -EBUSY
+ * while a handle still uses the sealed one. */
+int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep);
+/* A passthrough file's mtime is its memfd's (the kernel's writes set
+ * it): *t becomes that; setting it sets the memfd's. No-ops otherwise. */
+void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t);
+void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t);
 void ckpt__sfile_free(ckpt_sfile_t *sf);
 /* Copy buf into the file at off; -ENOSPC beyond staging_mem, -EFBIG beyond
  * the largest offset. Returns bytes written or a negative errno. */
@@ -268,6 +294,10 @@ int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
 /* The size without waiting for sf->lock (a write may hold it while the
  * page cache throttles it): as of the last change. */
 static inline uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf) {
+  struct stat st; /* passed through: the kernel wrote it, not us */
+  int fd = atomic_load(&sf->pt_fd);
+  if (fd >= 0 && fstat(fd, &st) == 0)
+    return (uint64_t)st.st_size;
   return atomic_load_explicit(&sf->size_seen, memory_order_relaxed);
 }
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
@@ -445,6 +475,7 @@ struct ckpt_fs {
                                   fs->lock */
   uint32_t commit_handles; /* of those, open .commit files; fs->lock */
   ckpt_save_ops_t save_ops;
+  bool passthrough;        /* passthrough=1 and the kernel granted it */
 };
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */

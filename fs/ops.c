@@ -35,6 +35,7 @@ typedef struct ckpt_handle {
   char *text;        /* STATUS text, or the readdir buffer */
   size_t len;
   bool writer;       /* a staged file opened for writing */
+  bool pt;           /* a staged file passed through (sf->pt_opens) */
   _Atomic uint64_t advised; /* committed node: readahead asked up to here */
   struct ckpt_handle *prev, *next; /* fs->handles; fs->lock */
 } handle_t;
@@ -269,6 +270,7 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   switch (n->kind) {
   case CKPT_NODE_SFILE:
     st->st_size = (off_t)ckpt__sfile_size(n->u.sf);
+    ckpt__sfile_pt_mtime(n->u.sf, &st->st_mtim); /* written by the kernel */
     break;
   case CKPT_NODE_CTENSOR:
   case CKPT_NODE_CBLOB:
@@ -640,6 +642,10 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
         n->mtime = attr->st_mtim;
       if (to_set & (FUSE_SET_ATTR_MTIME_NOW | FUSE_SET_ATTR_SIZE))
         clock_gettime(CLOCK_REALTIME, &n->mtime);
+      if (n->kind == CKPT_NODE_SFILE &&
+          (to_set & (FUSE_SET_ATTR_MTIME | FUSE_SET_ATTR_MTIME_NOW |
+                     FUSE_SET_ATTR_SIZE)))
+        ckpt__sfile_pt_set_mtime(n->u.sf, &n->mtime);
       if (to_set & FUSE_SET_ATTR_ATIME)
         n->atime = attr->st_atim;
       if (to_set & FUSE_SET_ATTR_ATIME_NOW)
@@ -827,6 +833,64 @@ static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,
   return 0;
 }
 
+/* Pass an open of staged file n through to its memfd (fi->backing_id):
+ * every open of a passthrough file must be, with one backing id while any
+ * is open. A new empty file opened write-only (create) gets its memfd
+ * here. 0, or -errno for an open of a passthrough file that cannot be
+ * passed through (a file that never was one stays on the daemon's path). */
+static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
+                   struct fuse_file_info *fi, bool start) {
+#ifdef FUSE_CAP_PASSTHROUGH
+  ckpt_fs_t *fs = fs_of(req);
+  ckpt_sfile_t *sf = n->u.sf;
+  if (!fs->passthrough || n->kind != CKPT_NODE_SFILE)
+    return 0;
+  if (sf->pt_fd < 0 && (!start || ckpt__sfile_pt_start(sf) != 0))
+    return 0;
+  int rc = 0;
+  pthread_mutex_lock(&sf->lock);
+  if (sf->pt_opens == 0) {
+    int id = fuse_passthrough_open(req, sf->pt_fd);
+    if (id > 0)
+      sf->pt_id = id;
+    else
+      rc = -EIO;
+  }
+  if (rc == 0) {
+    sf->pt_opens++;
+    fi->backing_id = sf->pt_id;
+    fi->direct_io = 0;
+    fi->keep_cache = 0;
+    h->pt = true;
+  }
+  pthread_mutex_unlock(&sf->lock);
+  if (rc && start) { /* the kernel refused: this file stays on our path */
+    ckpt__sfile_pt_abandon(sf);
+    rc = 0;
+  }
+  return rc;
+#else
+  (void)req, (void)n, (void)h, (void)fi, (void)start;
+  return 0;
+#endif
+}
+
+static void pt_release(fuse_req_t req, handle_t *h) {
+#ifdef FUSE_CAP_PASSTHROUGH
+  if (!h->pt)
+    return;
+  ckpt_sfile_t *sf = h->node->u.sf;
+  pthread_mutex_lock(&sf->lock);
+  if (--sf->pt_opens == 0 && sf->pt_id > 0) {
+    fuse_passthrough_close(req, sf->pt_id);
+    sf->pt_id = 0;
+  }
+  pthread_mutex_unlock(&sf->lock);
+#else
+  (void)req, (void)h;
+#endif
+}
+
 static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
                       mode_t mode, struct fuse_file_info *fi) {
   if (!may_change(req)) {
@@ -855,15 +919,17 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     ckpt__node_ref(n);
     track_handle(fs, h);
     h->writer = n->kind == CKPT_NODE_SFILE;
-    fill_entry(fs, n, &e);
     fi->fh = (uintptr_t)h;
     fi->direct_io = n->kind == CKPT_NODE_COMMIT || writes_direct(n, fi);
+    if (writes_direct(n, fi))
+      pt_open(req, n, h, fi, true); /* else the daemon's path, as always */
+    fill_entry(fs, n, &e);
   }
   pthread_mutex_unlock(&fs->lock);
   if (rc)
     fuse_reply_err(req, -rc);
-  else
-    fuse_reply_create(req, &e, fi);
+  else if (fuse_reply_create(req, &e, fi) && h->pt)
+    pt_release(req, h); /* the opener is gone: no release will come */
 }
 
 /* An entry inside committed ck is removed: the whole checkpoint goes, for
@@ -1092,6 +1158,18 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     h->writer = true;
     fi->direct_io = writes_direct(n, fi);
   }
+  if (rc == 0 && n->kind == CKPT_NODE_SFILE && n->u.sf->pt_fd >= 0) {
+    /* A passthrough file: every open is. Writing a file a failed commit
+     * sealed needs a fresh memfd first (none open on the sealed one). */
+    if (writing && (rc = staged_change_begin(fs, n->ck)) == 0) {
+      pthread_mutex_lock(&n->u.sf->lock);
+      rc = ckpt__sfile_pt_thaw(n->u.sf, UINT64_MAX);
+      pthread_mutex_unlock(&n->u.sf->lock);
+      staged_change_end(n->ck);
+    }
+    if (rc == 0)
+      rc = pt_open(req, n, h, fi, false);
+  }
   if (rc) {
     free(h ? h->text : NULL);
     free(h);
@@ -1103,7 +1181,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
   track_handle(fs, h); /* the node reference moves into the handle */
   pthread_mutex_unlock(&fs->lock);
   fi->fh = (uintptr_t)h;
-  fuse_reply_open(req, fi);
+  if (fuse_reply_open(req, fi) && h->pt)
+    pt_release(req, h); /* the opener is gone: no release will come */
 }
 
 /* Reply with a copy of handle memory: once the reply is written, the
@@ -1140,6 +1219,7 @@ static void fs_release(fuse_req_t req, fuse_ino_t ino,
   handle_t *h = handle_of(fi);
   if (h->node->ck)
     CKPT_RELEASING(h->node->ck);
+  pt_release(req, h);
   pthread_mutex_lock(&fs->lock);
   untrack_handle(fs, h);
   pthread_mutex_unlock(&fs->lock);
@@ -1751,7 +1831,7 @@ static void fs_statfs(fuse_req_t req, fuse_ino_t ino) {
 }
 
 static void fs_init(void *userdata, struct fuse_conn_info *conn) {
-  (void)userdata;
+  ckpt_fs_t *fs = userdata;
   /* Large requests: 1 MiB writes, ~1 MiB reads, and enough readahead requests
    * in flight for the loop's threads to serve a sequential load in
    * parallel (main.c raises the readahead window itself). */
@@ -1772,6 +1852,18 @@ static void fs_init(void *userdata, struct fuse_conn_info *conn) {
   if (conn->capable & FUSE_CAP_DIRECT_IO_ALLOW_MMAP)
     conn->want |= FUSE_CAP_DIRECT_IO_ALLOW_MMAP;
 #endif
+#ifdef FUSE_CAP_PASSTHROUGH
+  /* libfuse 3.16+, kernel 6.9+ and CAP_SYS_ADMIN: staged files written
+   * straight into their memfds (staging.c). */
+  if (fs->opts.passthrough && (conn->capable & FUSE_CAP_PASSTHROUGH)) {
+    conn->want |= FUSE_CAP_PASSTHROUGH;
+    fs->passthrough = true;
+  }
+#endif
+  if (fs->opts.passthrough && !fs->passthrough)
+    ckpt__log("passthrough=1: FUSE passthrough is not available (libfuse "
+              "%s, needs >= 3.16, and a kernel >= 6.9): staged files go "
+              "through the daemon", fuse_pkgversion());
 }
 
 const struct fuse_lowlevel_ops ckpt__fuse_ops = {

@@ -23,6 +23,7 @@ enum {
   KEY_READAHEAD,
   KEY_SYNC_FILES,
   KEY_DIRECT_READS,
+  KEY_PASSTHROUGH,
   KEY_VERIFY,
   KEY_REPLICA_CHECK,
   KEY_KEEP_LAST,
@@ -40,6 +41,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("readahead=", KEY_READAHEAD),
     FUSE_OPT_KEY("sync_files=", KEY_SYNC_FILES),
     FUSE_OPT_KEY("direct_reads=", KEY_DIRECT_READS),
+    FUSE_OPT_KEY("passthrough=", KEY_PASSTHROUGH),
     FUSE_OPT_KEY("verify=", KEY_VERIFY),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
@@ -82,6 +84,11 @@ void ckpt__opts_help(void) {
       "data files'\n"
       "                          cache, not cached twice; 0 allows shared "
       "mmap (default: 1)\n"
+      "  -o passthrough=0|1      staged files written and read by FUSE "
+      "passthrough\n"
+      "                          (kernel >= 6.9, libfuse >= 3.16; needs root): "
+      "their bytes\n"
+      "                          never pass through the daemon (default: 0)\n"
       "  -o verify=0|1           check each chunk's XXH3-64 before a read "
       "serves it;\n"
       "                          EIO on a mismatch (default: 0)\n"
@@ -229,13 +236,16 @@ static int opt_proc(void *data, const char *arg, int key,
     return 0;
   case KEY_SYNC_FILES:
   case KEY_DIRECT_READS:
+  case KEY_PASSTHROUGH:
   case KEY_VERIFY: {
     bool *flag = key == KEY_SYNC_FILES     ? &o->sync_files
                  : key == KEY_DIRECT_READS ? &o->direct_reads
+                 : key == KEY_PASSTHROUGH  ? &o->passthrough
                                            : &o->verify;
     if (strcmp(val, "0") && strcmp(val, "1"))
       return bad(ps, key == KEY_SYNC_FILES     ? "sync_files"
                      : key == KEY_DIRECT_READS ? "direct_reads"
+                     : key == KEY_PASSTHROUGH  ? "passthrough"
                                                : "verify",
                  val, "0 or 1");
     *flag = val[0] == '1';

@@ -128,6 +128,14 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
     }
     if (c->kind != CKPT_NODE_SFILE)
       continue;
+    if (c->u.sf->pt_fd >= 0) {
+      /* Passed through: sealed now, so that a handle still open cannot
+       * change what is saved (its writes fail with EPERM). */
+      int rc = ckpt__sfile_pt_freeze(c->u.sf);
+      if (rc)
+        return rc;
+      ckpt__sfile_pt_mtime(c->u.sf, &c->mtime);
+    }
     if (s->nfiles == *cap) {
       uint32_t ncap = *cap ? *cap * 2 : 64;
       ckpt_node_t **f = realloc(s->files, ncap * sizeof(*f));

@@ -21,6 +21,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -213,7 +214,131 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
   sf->budget = budget;
   sf->streams = streams;
   sf->stream = -1;
+  sf->pt_fd = -1;
   return sf;
+}
+
+/* ------------------------------------------------------------------------
+ * FUSE passthrough: the file's bytes live in a memfd that the kernel
+ * writes and reads directly (fi->backing_id); the daemon sees no data
+ * request. Its size and contents are read from the memfd when needed,
+ * and hashed at the commit.
+ * ---------------------------------------------------------------------- */
+
+#define PT_SEALS (F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW)
+
+int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
+  int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return -errno;
+  pthread_mutex_lock(&sf->lock);
+  sf->pt_fd = fd;
+  sf->hash_broken = true; /* the bytes are hashed at the commit */
+  pthread_mutex_unlock(&sf->lock);
+  return 0;
+}
+
+void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf) {
+  pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0 && sf->size == 0) {
+    close(sf->pt_fd);
+    sf->pt_fd = -1;
+    sf->hash_broken = false;
+  }
+  pthread_mutex_unlock(&sf->lock);
+}
+
+/* The size as the kernel left it. sf->lock held. */
+static int pt_refresh(ckpt_sfile_t *sf) {
+  struct stat st;
+  if (fstat(sf->pt_fd, &st))
+    return -errno;
+  sf->size = (uint64_t)st.st_size;
+  atomic_store_explicit(&sf->size_seen, sf->size, memory_order_relaxed);
+  return 0;
+}
+
+static void pt_unmap(ckpt_sfile_t *sf) {
+  if (sf->pt_map)
+    munmap(sf->pt_map, sf->pt_map_len);
+  sf->pt_map = NULL;
+  sf->pt_map_len = 0;
+}
+
+int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
+  pthread_mutex_lock(&sf->lock);
+  int rc = 0;
+  if (sf->pt_fd >= 0 && !sf->pt_sealed) {
+    if (fcntl(sf->pt_fd, F_ADD_SEALS, PT_SEALS))
+      rc = -errno;
+    else
+      sf->pt_sealed = true;
+  }
+  if (sf->pt_fd >= 0 && rc == 0)
+    rc = pt_refresh(sf);
+  pthread_mutex_unlock(&sf->lock);
+  return rc;
+}
+
+int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep) {
+  if (sf->pt_fd < 0 || !sf->pt_sealed)
+    return 0;
+  if (sf->pt_opens > 0)
+    return -EBUSY;
+  int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return -errno;
+  int rc = pt_refresh(sf);
+  loff_t in = 0, out = 0;
+  if (keep > sf->size)
+    keep = sf->size;
+  while (rc == 0 && (uint64_t)in < keep) {
+    ssize_t n = copy_file_range(sf->pt_fd, &in, fd, &out,
+                                (size_t)(keep - (uint64_t)in), 0);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      rc = n < 0 ? -errno : -EIO;
+  }
+  if (rc == 0 && ftruncate(fd, (off_t)keep))
+    rc = -errno;
+  if (rc) {
+    close(fd);
+    return rc;
+  }
+  struct stat st; /* a copy, not a change: the same mtime */
+  if (fstat(sf->pt_fd, &st) == 0)
+    futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, st.st_mtim});
+  pt_unmap(sf);
+  close(sf->pt_fd);
+  sf->pt_fd = fd;
+  sf->pt_sealed = false;
+  return pt_refresh(sf);
+}
+
+void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t) {
+  struct stat st;
+  int fd = atomic_load(&sf->pt_fd);
+  if (fd >= 0 && fstat(fd, &st) == 0)
+    *t = st.st_mtim;
+}
+
+void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t) {
+  int fd = atomic_load(&sf->pt_fd);
+  if (fd >= 0)
+    futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, *t});
+}
+
+/* A sealed file's bytes, mapped for the commit to read. sf->lock held. */
+static int pt_map(ckpt_sfile_t *sf) {
+  if (sf->pt_map || sf->size == 0)
+    return 0;
+  void *p = mmap(NULL, (size_t)sf->size, PROT_READ, MAP_SHARED, sf->pt_fd, 0);
+  if (p == MAP_FAILED)
+    return -errno;
+  sf->pt_map = p;
+  sf->pt_map_len = (size_t)sf->size;
+  return 0;
 }
 
 void ckpt__sfile_end_stream(ckpt_sfile_t *sf) {
@@ -264,6 +389,9 @@ void ckpt__sfile_free(ckpt_sfile_t *sf) {
     return;
   ckpt__stream_drop(sf);
   drop_segments(sf, 0);
+  pt_unmap(sf);
+  if (sf->pt_fd >= 0)
+    close(sf->pt_fd);
   free(sf->segs);
   XXH3_freeState(sf->hash);
   for (int i = 0; i < CKPT_X_COUNT; i++)
@@ -489,6 +617,15 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   if (off > CKPT_MAX_FILE || n > CKPT_MAX_FILE - off)
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0) { /* not passed through: a copy_file_range, say */
+    ssize_t r = ckpt__sfile_pt_thaw(sf, UINT64_MAX);
+    if (r == 0 && (r = pwrite(sf->pt_fd, buf, n, (off_t)off)) < 0)
+      r = -errno;
+    if (r >= 0)
+      pt_refresh(sf);
+    pthread_mutex_unlock(&sf->lock);
+    return r;
+  }
   ssize_t r = stream_write(sf, buf, n, off);
   if (r == 0)
     r = write_segments(sf, buf, n, off);
@@ -519,6 +656,11 @@ static int seg_copy_out(ckpt_sfile_t *sf, uint32_t i, uint64_t in, size_t n,
 
 ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off) {
   pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0) {
+    ssize_t r = pread(sf->pt_fd, buf, n, (off_t)off);
+    pthread_mutex_unlock(&sf->lock);
+    return r < 0 ? -errno : r;
+  }
   size_t total = 0;
   int rc = 0;
   if (off < sf->size) {
@@ -548,6 +690,15 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
+  if (sf->pt_fd >= 0) {
+    if ((rc = ckpt__sfile_pt_thaw(sf, size)) == 0 &&
+        ftruncate(sf->pt_fd, (off_t)size))
+      rc = -errno;
+    if (rc == 0)
+      rc = pt_refresh(sf);
+    pthread_mutex_unlock(&sf->lock);
+    return rc;
+  }
   if (sf->stream >= 0 && size == 0) {
     /* Written again from the start: in the same place while it owns the
      * stream, else it may claim a stream anew. */
@@ -596,7 +747,18 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len) {
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
+  if (sf->pt_fd >= 0 && (rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX)) == 0)
+    rc = pt_refresh(sf);
+  if (rc)
+    goto out;
   uint64_t end = off + len < sf->size ? off + len : sf->size;
+  if (sf->pt_fd >= 0) {
+    if (off < end && fallocate(sf->pt_fd,
+                               FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                               (off_t)off, (off_t)(end - off)))
+      rc = -errno;
+    goto out;
+  }
   if (off >= end)
     goto out;
   if (sf->stream >= 0 && (rc = unstream(sf)) != 0)
@@ -628,6 +790,8 @@ out:
 
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
   pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0)
+    pt_refresh(sf);
   uint64_t s = sf->size;
   pthread_mutex_unlock(&sf->lock);
   return s;
@@ -647,6 +811,14 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
   uint8_t *bounce = NULL;
   uint64_t pos = 0;
   int rc = 0;
+  if (sf->pt_fd >= 0) { /* frozen: sealed, its size read at the freeze */
+    pthread_mutex_lock(&sf->lock);
+    rc = pt_map(sf);
+    pthread_mutex_unlock(&sf->lock);
+    if (rc == 0 && sf->size > 0)
+      rc = fn(arg, sf->pt_map, (size_t)sf->size, CKPT_WALK_KEPT);
+    return rc;
+  }
   while (sf->stream >= 0 && pos < sf->size && rc == 0) {
     if (!bounce && !(bounce = malloc(CKPT_SEG_SIZE)))
       return -ENOMEM;

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""-o passthrough=1: a staged file created write-only is written and read
+by FUSE passthrough into a memfd of its own (the daemon sees no data
+request); the commit seals the memfd, hashes it and writes it into the
+data files. Checks that the bytes, sizes and times are right staged and
+committed (verified by checksum), that a handle left open across a commit
+cannot change what was saved, and that a failed commit leaves the files
+writable again.
+
+Skipped only when the binary's libfuse has no passthrough API (< 3.16) or
+the kernel is older than 6.9; where both have it, passthrough must be
+granted (else the test fails)."""
+
+import ctypes
+import errno
+import mmap
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
+                         set_tensor_xattrs, state, wait_state, write_file,
+                         write_tensor)
+
+MiB = 1 << 20
+
+
+def memfds(pid):
+    """{inode: size} of the daemon's staged memfds, seen through /proc."""
+    out = {}
+    fds = os.path.join("/proc", str(pid), "fd")
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(os.path.join(fds, fd)).startswith("/memfd:ckptfs-staged"):
+                st = os.stat(os.path.join(fds, fd))
+                out[st.st_ino] = st.st_size
+        except OSError:
+            pass
+    return out
+
+
+def version(text):
+    m = re.search(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def punch(fd, off, length):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, 0x01 | 0x02, off, length):  # KEEP_SIZE | PUNCH_HOLE
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+class Passthrough(CkptfsTestCase):
+    def setUp(self):
+        super().setUp()
+        out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
+                             text=True).stdout
+        fuse = version(out.split("FUSE", 1)[1]) if "FUSE" in out else (0, 0)
+        if fuse < (3, 16):
+            self.skipTest(f"libfuse {fuse} has no passthrough API (>= 3.16)")
+        if version(os.uname().release) < (6, 9):
+            self.skipTest("kernel older than 6.9: no FUSE passthrough")
+
+    def mount_pt(self, extra=""):
+        m = self.mount("passthrough=1" + ("," + extra if extra else ""))
+        self.assertNotIn("not available", self.daemon_log())
+        return m
+
+    def test_bytes_sizes_and_times_staged_and_committed(self):
+        m = self.mount_pt()
+        os.mkdir(self.ck("c"))
+        big = os.urandom(3 * MiB + 4)                  # 786433 float32
+        write_tensor(self.ck("c", "w"), "float32", [len(big) // 4], big)
+        odd = os.urandom(12345)
+        write_file(self.ck("c", "blob"), odd, chunk=1000)
+        write_file(self.ck("c", "empty"), b"")
+        fds = memfds(m.proc.pid)
+        self.assertEqual(sorted(fds.values()), [0, len(odd), len(big)],
+                         "each file written into a memfd of its own")
+        self.assertEqual(os.stat(self.ck("c", "w")).st_size, len(big))
+        self.assertEqual(os.stat(self.ck("c", "blob")).st_size, len(odd))
+        self.assertEqual(read_all(self.ck("c", "w")), big)   # read passed through
+        with open(self.ck("c", "blob"), "rb") as f:           # and mapped
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                self.assertEqual(mm[:], odd)
+        os.utime(self.ck("c", "blob"), ns=(10**18, 10**18))
+        self.assertEqual(os.stat(self.ck("c", "blob")).st_mtime_ns, 10**18)
+        # a second handle, read-write, while the first still writes
+        fd = os.open(self.ck("c", "blob"), os.O_WRONLY | os.O_APPEND)
+        fd2 = os.open(self.ck("c", "blob"), os.O_RDWR)
+        os.write(fd, b"tail")
+        self.assertEqual(os.pread(fd2, 4, len(odd)), b"tail")
+        os.pwrite(fd2, b"HEAD", 0)
+        os.close(fd)
+        os.close(fd2)
+        odd = b"HEAD" + odd[4:] + b"tail"
+        self.assertGreater(os.stat(self.ck("c", "blob")).st_mtime_ns, 10**18 - 1)
+        self.assertNotEqual(os.stat(self.ck("c", "blob")).st_mtime_ns, 10**18,
+                            "the kernel's writes move the mtime")
+        os.utime(self.ck("c", "blob"), ns=(10**18, 10**18))
+        commit(self.ck("c"))
+        self.assertEqual(state(self.ck("c")), "committed")
+        self.assertEqual(read_all(self.ck("c", "w")), big)
+        self.assertEqual(read_all(self.ck("c", "blob")), odd)
+        self.assertEqual(read_all(self.ck("c", "empty")), b"")
+        self.assertEqual(os.stat(self.ck("c", "blob")).st_mtime_ns, 10**18)
+        self.assertEqual(memfds(m.proc.pid), {}, "the memfds go with the commit")
+        m.stop()
+        self.mount("verify=1")                               # every checksum right
+        self.assertEqual(read_all(self.ck("c", "w")), big)
+        self.assertEqual(read_all(self.ck("c", "blob")), odd)
+
+    def test_handle_open_across_a_commit_cannot_change_it(self):
+        self.mount_pt()
+        for mode in ("sync", "async"):
+            name = "h" + mode
+            os.mkdir(self.ck(name))
+            data = os.urandom(2 * MiB)
+            fd = os.open(self.ck(name, "t"), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, data)
+            set_tensor_xattrs(self.ck(name, "t"), "uint8", [len(data)])
+            commit(self.ck(name), mode)
+            self.assertErrno(errno.EPERM, os.pwrite, fd, b"x" * 4096, 0)
+            self.assertErrno(errno.EPERM, os.write, fd, b"more")
+            with self.assertRaises(OSError) as cm:
+                os.ftruncate(fd, 1)
+            self.assertIn(cm.exception.errno, (errno.EPERM, errno.EROFS, errno.EBUSY))
+            os.close(fd)
+            self.assertEqual(wait_state(self.ck(name)).split("\n")[0], "committed")
+            self.assertEqual(read_all(self.ck(name, "t")), data)
+
+    def test_failed_commit_leaves_the_files_writable(self):
+        self.mount_pt()
+        os.mkdir(self.ck("f"))
+        good = os.urandom(8000)
+        write_tensor(self.ck("f", "w"), "float64", [1000], good[:7992])  # 1 short
+        keep = os.open(self.ck("f", "w"), os.O_RDONLY)
+        commit(self.ck("f"), "async")
+        st = wait_state(self.ck("f"))
+        self.assertEqual(st.split("\n")[0], "failed")
+        self.assertIn("7992", st)
+        # the memfd is sealed and a handle still uses it: no new writer yet
+        self.assertErrno(errno.EBUSY, os.open, self.ck("f", "w"), os.O_WRONLY)
+        os.close(keep)
+        fd = os.open(self.ck("f", "w"), os.O_WRONLY)         # a fresh copy
+        os.pwrite(fd, good[7992:], 7992)
+        os.close(fd)
+        self.assertEqual(read_all(self.ck("f", "w")), good)
+        punch_at = os.open(self.ck("f", "w"), os.O_WRONLY)
+        punch(punch_at, 4096, 2048)
+        os.close(punch_at)
+        want = good[:4096] + b"\0" * 2048 + good[6144:]
+        self.assertEqual(read_all(self.ck("f", "w")), want)
+        os.truncate(self.ck("f", "w"), 9000)
+        os.truncate(self.ck("f", "w"), 8000)
+        self.assertEqual(read_all(self.ck("f", "w")), want)
+        commit(self.ck("f"))
+        self.assertEqual(read_all(self.ck("f", "w")), want)
+
+    def test_many_files_through_the_client_and_discard(self):
+        m = self.mount_pt()
+        os.mkdir(self.ck("d"))
+        datas = [os.urandom(1000 + 997 * i) for i in range(40)]
+        for i, d in enumerate(datas):
+            write_file(self.ck("d", f"b{i}"), d)
+        self.assertEqual(len(memfds(m.proc.pid)), 40)
+        for i in range(0, 40, 2):
+            os.unlink(self.ck("d", f"b{i}"))
+        os.rename(self.ck("d", "b1"), self.ck("d", "r1"))
+        self.assertEqual(len(memfds(m.proc.pid)), 20)
+        commit(self.ck("d"))
+        self.assertEqual(read_all(self.ck("d", "r1")), datas[1])
+        for i in range(3, 40, 2):
+            self.assertEqual(read_all(self.ck("d", f"b{i}")), datas[i])
+        os.mkdir(self.ck("gone"))
+        write_file(self.ck("gone", "x"), b"y" * 5000)
+        self.assertEqual(len(memfds(m.proc.pid)), 1)
+        subprocess.run(["rm", "-rf", self.ck("gone")], check=True)
+        self.assertEqual(memfds(m.proc.pid), {})
+
+    def test_unavailable_is_said_and_harmless(self):
+        """passthrough=0 (the default) never makes a memfd."""
+        m = self.mount()
+        os.mkdir(self.ck("n"))
+        write_file(self.ck("n", "x"), os.urandom(2 * MiB))
+        self.assertEqual(memfds(m.proc.pid), {})
+
+
+if __name__ == "__main__":
+    main()
