@@ -202,6 +202,10 @@ void ckpt__stream_release(struct ckpt_sfile *sf);
  * (sf->lock held; sf->stream is -1 after). */
 void ckpt__stream_drop(struct ckpt_sfile *sf);
 int ckpt__stream_fd(const struct ckpt_sfile *sf);
+/* sf gives up the stream it claimed without using it: the next file
+ * starts where it did; its first len bytes there are punched out
+ * (sf->lock held; sf->stream is -1 after). */
+void ckpt__stream_abandon(struct ckpt_sfile *sf, uint64_t len);
 
 /* One 1 MiB segment of a staged file: in RAM, spilled, or a hole. */
 typedef struct {
@@ -235,6 +239,8 @@ typedef struct ckpt_sfile {
   int32_t pt_id;         /* its backing id while the file is open, or 0 */
   uint32_t pt_opens;     /* open handles passed through */
   bool pt_sealed;        /* frozen by a commit: F_SEAL_WRITE|SHRINK|GROW */
+  uint64_t pt_gen;       /* counts passthrough opens and changes made by
+                            the daemon (a drain in progress gives up) */
   void *pt_map;          /* read-only mapping of a sealed pt_fd, or NULL */
   size_t pt_map_len;
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
@@ -256,6 +262,10 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf);
  * replaced by a copy of its first `keep` bytes. sf->lock held; -EBUSY
  * while a handle still uses the sealed one. */
 int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep);
+/* The file's bytes are somewhere else now: close the memfd (sf->lock). */
+void ckpt__sfile_pt_close(ckpt_sfile_t *sf);
+/* Closed passthrough files of at least this size are drained (drain.c). */
+#define CKPT_PT_DRAIN_MIN (64u << 10)
 /* A passthrough file's mtime is its memfd's (the kernel's writes set
  * it): *t becomes that; setting it sets the memfd's. No-ops otherwise. */
 void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t);
@@ -476,7 +486,16 @@ struct ckpt_fs {
   uint32_t commit_handles; /* of those, open .commit files; fs->lock */
   ckpt_save_ops_t save_ops;
   bool passthrough;        /* passthrough=1 and the kernel granted it */
+  struct ckpt_drain *drain; /* passthrough=1: the drain thread (drain.c) */
 };
+
+/* The drain thread: closed passthrough files into write-behind streams. */
+typedef struct ckpt_drain ckpt_drain_t;
+int ckpt__drain_start(ckpt_fs_t *fs, ckpt_drain_t **out);
+/* Stop it (before the nodes go): queued files stay in their memfds. */
+void ckpt__drain_stop(ckpt_drain_t *d);
+/* Drain n (a staged file whose last passthrough handle was closed). */
+void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);

@@ -414,7 +414,8 @@ int main(int argc, char **argv) {
   /* Threads only after daemonizing: fork keeps none. */
   if (ckpt__pool_new(fs.opts.io_threads, &fs.pool) ||
       ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout) ||
-      stopper_start(&stopper, &fs)) {
+      stopper_start(&stopper, &fs) ||
+      (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain))) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
     goto out;
   }
@@ -433,6 +434,7 @@ out:
    * reply while the mount is there. */
   if (fs.dist)
     ckpt_dist_stop(fs.dist);
+  ckpt__drain_stop(fs.drain); /* before the nodes it holds go */
   if (mounted)
     fuse_session_unmount(se);
   stopper_join(&stopper);

@@ -858,6 +858,7 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   }
   if (rc == 0) {
     sf->pt_opens++;
+    sf->pt_gen++;
     fi->backing_id = sf->pt_id;
     fi->direct_io = 0;
     fi->keep_cache = 0;
@@ -881,11 +882,15 @@ static void pt_release(fuse_req_t req, handle_t *h) {
     return;
   ckpt_sfile_t *sf = h->node->u.sf;
   pthread_mutex_lock(&sf->lock);
-  if (--sf->pt_opens == 0 && sf->pt_id > 0) {
+  bool last = --sf->pt_opens == 0;
+  if (last && sf->pt_id > 0) {
     fuse_passthrough_close(req, sf->pt_id);
     sf->pt_id = 0;
   }
+  last = last && !sf->pt_sealed && sf->pt_fd >= 0;
   pthread_mutex_unlock(&sf->lock);
+  if (last) /* closed: copied into a stream while the trainer goes on */
+    ckpt__drain_add(fs_of(req)->drain, h->node);
 #else
   (void)req, (void)h;
 #endif

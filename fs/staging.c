@@ -329,6 +329,14 @@ void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t) {
     futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, *t});
 }
 
+void ckpt__sfile_pt_close(ckpt_sfile_t *sf) {
+  pt_unmap(sf);
+  if (sf->pt_fd >= 0)
+    close(sf->pt_fd);
+  sf->pt_fd = -1;
+  sf->pt_sealed = false;
+}
+
 /* A sealed file's bytes, mapped for the commit to read. sf->lock held. */
 static int pt_map(ckpt_sfile_t *sf) {
   if (sf->pt_map || sf->size == 0)
@@ -618,6 +626,7 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   if (sf->pt_fd >= 0) { /* not passed through: a copy_file_range, say */
+    sf->pt_gen++;
     ssize_t r = ckpt__sfile_pt_thaw(sf, UINT64_MAX);
     if (r == 0 && (r = pwrite(sf->pt_fd, buf, n, (off_t)off)) < 0)
       r = -errno;
@@ -691,6 +700,7 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
   if (sf->pt_fd >= 0) {
+    sf->pt_gen++;
     if ((rc = ckpt__sfile_pt_thaw(sf, size)) == 0 &&
         ftruncate(sf->pt_fd, (off_t)size))
       rc = -errno;
@@ -747,8 +757,10 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len) {
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
-  if (sf->pt_fd >= 0 && (rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX)) == 0)
+  if (sf->pt_fd >= 0 && (rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX)) == 0) {
+    sf->pt_gen++;
     rc = pt_refresh(sf);
+  }
   if (rc)
     goto out;
   uint64_t end = off + len < sf->size ? off + len : sf->size;
@@ -790,7 +802,8 @@ out:
 
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
   pthread_mutex_lock(&sf->lock);
-  if (sf->pt_fd >= 0)
+  if (sf->pt_fd >= 0 && !sf->pt_sealed) /* sealed: read at the freeze; a
+                                           commit reads it unlocked */
     pt_refresh(sf);
   uint64_t s = sf->size;
   pthread_mutex_unlock(&sf->lock);

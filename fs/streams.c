@@ -241,6 +241,22 @@ void ckpt__stream_drop(ckpt_sfile_t *sf) {
   sf->stream = -1;
 }
 
+void ckpt__stream_abandon(ckpt_sfile_t *sf, uint64_t len) {
+  if (sf->stream < 0)
+    return;
+  ckpt_streams_t *st = sf->streams;
+  pthread_mutex_lock(&st->lock);
+  struct ckpt_stream *s = &st->s[sf->stream];
+  if (s->owner == sf)
+    s->owner = NULL; /* s->end stays: the next file writes over it */
+  if (!atomic_load(&st->committed) && len > 0)
+    fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+              (off_t)sf->stream_base, (off_t)len);
+  pthread_mutex_unlock(&st->lock);
+  sf->stream = -1;
+  sf->stream_owner = false;
+}
+
 int ckpt__stream_fd(const ckpt_sfile_t *sf) {
   return sf->streams->s[sf->stream].fd;
 }

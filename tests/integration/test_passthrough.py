@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util  # noqa: E402
@@ -37,6 +38,19 @@ def memfds(pid):
             if os.readlink(os.path.join(fds, fd)).startswith("/memfd:ckptfs-staged"):
                 st = os.stat(os.path.join(fds, fd))
                 out[st.st_ino] = st.st_size
+        except OSError:
+            pass
+    return out
+
+
+def tmpfiles(pid):
+    """Sizes of the daemon's unnamed files in BACKING/.staging (streams)."""
+    out = []
+    fds = os.path.join("/proc", str(pid), "fd")
+    for fd in os.listdir(fds):
+        try:
+            if "/.staging/#" in os.readlink(os.path.join(fds, fd)):
+                out.append(os.stat(os.path.join(fds, fd)).st_size)
         except OSError:
             pass
     return out
@@ -71,17 +85,31 @@ class Passthrough(CkptfsTestCase):
         self.assertNotIn("not available", self.daemon_log())
         return m
 
+    def wait_memfds(self, pid, want, timeout=20):
+        """The drain copies closed files of 64 KiB or more into streams:
+        wait until the daemon's memfd sizes are `want`."""
+        deadline = time.monotonic() + timeout
+        while sorted(memfds(pid).values()) != sorted(want):
+            if time.monotonic() > deadline:
+                self.fail(f"memfds {sorted(memfds(pid).values())}, expected {sorted(want)}")
+            time.sleep(0.02)
+
     def test_bytes_sizes_and_times_staged_and_committed(self):
         m = self.mount_pt()
         os.mkdir(self.ck("c"))
         big = os.urandom(3 * MiB + 4)                  # 786433 float32
-        write_tensor(self.ck("c", "w"), "float32", [len(big) // 4], big)
+        fd = os.open(self.ck("c", "w"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, big[:MiB])
+        self.assertEqual(sorted(memfds(m.proc.pid).values()), [MiB],
+                         "the open file is written into a memfd of its own")
+        os.write(fd, big[MiB:])
+        os.close(fd)
+        set_tensor_xattrs(self.ck("c", "w"), "float32", [len(big) // 4])
         odd = os.urandom(12345)
         write_file(self.ck("c", "blob"), odd, chunk=1000)
         write_file(self.ck("c", "empty"), b"")
-        fds = memfds(m.proc.pid)
-        self.assertEqual(sorted(fds.values()), [0, len(odd), len(big)],
-                         "each file written into a memfd of its own")
+        self.wait_memfds(m.proc.pid, [0, len(odd)])   # the big one drained
+        self.assertTrue(tmpfiles(m.proc.pid), "drained into a stream")
         self.assertEqual(os.stat(self.ck("c", "w")).st_size, len(big))
         self.assertEqual(os.stat(self.ck("c", "blob")).st_size, len(odd))
         self.assertEqual(read_all(self.ck("c", "w")), big)   # read passed through
@@ -162,17 +190,21 @@ class Passthrough(CkptfsTestCase):
         commit(self.ck("f"))
         self.assertEqual(read_all(self.ck("f", "w")), want)
 
-    def test_many_files_through_the_client_and_discard(self):
+    def test_many_files_drained_renamed_and_discarded(self):
         m = self.mount_pt()
         os.mkdir(self.ck("d"))
-        datas = [os.urandom(1000 + 997 * i) for i in range(40)]
+        datas = [os.urandom(1000 + 9973 * i) for i in range(40)]
         for i, d in enumerate(datas):
             write_file(self.ck("d", f"b{i}"), d)
-        self.assertEqual(len(memfds(m.proc.pid)), 40)
+        small = [len(d) for d in datas if len(d) < 64 * 1024]
+        self.wait_memfds(m.proc.pid, small)
         for i in range(0, 40, 2):
             os.unlink(self.ck("d", f"b{i}"))
         os.rename(self.ck("d", "b1"), self.ck("d", "r1"))
-        self.assertEqual(len(memfds(m.proc.pid)), 20)
+        self.wait_memfds(m.proc.pid, [len(datas[i]) for i in range(1, 40, 2)
+                                      if len(datas[i]) < 64 * 1024])
+        for i in range(3, 40, 2):
+            self.assertEqual(read_all(self.ck("d", f"b{i}")), datas[i])
         commit(self.ck("d"))
         self.assertEqual(read_all(self.ck("d", "r1")), datas[1])
         for i in range(3, 40, 2):
@@ -182,6 +214,43 @@ class Passthrough(CkptfsTestCase):
         self.assertEqual(len(memfds(m.proc.pid)), 1)
         subprocess.run(["rm", "-rf", self.ck("gone")], check=True)
         self.assertEqual(memfds(m.proc.pid), {})
+        m.stop()
+        self.mount("verify=1")
+        for i in range(3, 40, 2):
+            self.assertEqual(read_all(self.ck("d", f"b{i}")), datas[i])
+
+    def test_reopened_while_draining(self):
+        """A file written again right after its close, while the drain may
+        be copying it: the drain gives up or the write goes to the stream
+        copy; either way the last bytes written are what is saved."""
+        m = self.mount_pt()
+        os.mkdir(self.ck("r"))
+        want = {}
+        for i in range(12):
+            p = self.ck("r", f"t{i}")
+            d = bytearray(os.urandom(4 * MiB))
+            write_file(p, bytes(d))
+            for k in range(6):                       # at once, then later
+                patch = os.urandom(4096)
+                off = (k * 700001) % (len(d) - 4096)
+                fd = os.open(p, os.O_WRONLY)
+                os.pwrite(fd, patch, off)
+                os.close(fd)
+                d[off:off + 4096] = patch
+                if k == 3:
+                    time.sleep(0.01 * (i % 4))
+            set_tensor_xattrs(p, "uint8", [len(d)])
+            want[p] = bytes(d)
+        for p, d in want.items():
+            self.assertEqual(read_all(p), d)
+        self.wait_memfds(m.proc.pid, [])
+        commit(self.ck("r"))
+        for p, d in want.items():
+            self.assertEqual(read_all(p), d)
+        m.stop()
+        self.mount("verify=1")
+        for p, d in want.items():
+            self.assertEqual(read_all(p), d)
 
     def test_unavailable_is_said_and_harmless(self):
         """passthrough=0 (the default) never makes a memfd."""

@@ -632,11 +632,12 @@ class OneMount(CkptfsTestCase):
     N_PROCS = 2
     N_READERS = 2
     TEAM = ("team-0", "team-1")
+    OPTS = "staging_mem=8M,io_threads=3,verify=1,commit_timeout=300"
 
     def test_stress(self):
         t0 = time.monotonic()
         seed = new_seed()
-        m = self.mount(opts="staging_mem=8M,io_threads=3,verify=1,commit_timeout=300")
+        m = self.mount(opts=self.OPTS)
         mnt, backing = self.mnt, self.backing
         parts = [f"t{i}" for i in range(self.N_THREADS)] + [f"c{i}" for i in range(self.N_PROCS)]
         for t in self.TEAM:
@@ -707,7 +708,7 @@ class OneMount(CkptfsTestCase):
         self.assertGreaterEqual(stats.c.get("team_committed", 0), 2)
         self.assertGreater(stats.c.get("async_commits", 0), 0)
         self.assertGreater(stats.c.get("reader_verified", 0), 0)
-        report(f"OneMount (seed {seed})", stats, t0)
+        report(f"{type(self).__name__} (seed {seed})", stats, t0)
 
     def final_check(self, mnt, backing, parts, seed):
         """Everything left is committed, whole, and in the backing directory."""
@@ -721,6 +722,14 @@ class OneMount(CkptfsTestCase):
             verify_committed(ck, expected(name, 1, parts), rng, thorough=True)
         stored = sorted(x for x in os.listdir(backing) if not x.startswith("."))
         self.assertEqual(stored, names, "backing directory and mount disagree")
+
+
+class OneMountPassthrough(OneMount):
+    """The same with -o passthrough=1 (where libfuse and the kernel have
+    it): files created write-only go to memfds through the kernel, the
+    drain thread copies closed ones into streams while writers reopen,
+    rewrite, truncate and remove them and readers read them."""
+    OPTS = OneMount.OPTS + ",passthrough=1"
 
 
 class RemovedWhileOpen(CkptfsTestCase):
