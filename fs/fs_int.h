@@ -302,14 +302,9 @@ int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out);
  * segments become holes again. 0 or -errno. */
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
 /* The size without waiting for sf->lock (a write may hold it while the
- * page cache throttles it): as of the last change. */
-static inline uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf) {
-  struct stat st; /* passed through: the kernel wrote it, not us */
-  int fd = atomic_load(&sf->pt_fd);
-  if (fd >= 0 && fstat(fd, &st) == 0)
-    return (uint64_t)st.st_size;
-  return atomic_load_explicit(&sf->size_seen, memory_order_relaxed);
-}
+ * page cache throttles it): as of the last change. A passthrough file's
+ * is its memfd's (its lock is only ever held briefly). */
+uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf);
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags);
 /* Copy the value into buf (size 0: only the length). -ENODATA if unset. */
@@ -485,7 +480,8 @@ struct ckpt_fs {
                                   fs->lock */
   uint32_t commit_handles; /* of those, open .commit files; fs->lock */
   ckpt_save_ops_t save_ops;
-  bool passthrough;        /* passthrough=1 and the kernel granted it */
+  _Atomic bool passthrough; /* passthrough=1 and the kernel granted it
+                              (cleared when it refuses a backing file) */
   struct ckpt_drain *drain; /* passthrough=1: the drain thread (drain.c) */
 };
 

@@ -868,6 +868,11 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   if (rc && start) { /* the kernel refused: this file stays on our path */
     ckpt__sfile_pt_abandon(sf);
     rc = 0;
+    /* Without CAP_SYS_ADMIN every backing file is refused: say it once. */
+    bool was = true;
+    if (atomic_compare_exchange_strong(&fs->passthrough, &was, false))
+      ckpt__log("passthrough=1: the kernel refused a backing file (needs "
+                "CAP_SYS_ADMIN): staged files go through the daemon");
   }
   return rc;
 #else
@@ -894,6 +899,16 @@ static void pt_release(fuse_req_t req, handle_t *h) {
 #else
   (void)req, (void)h;
 #endif
+}
+
+/* A handle whose open reply could not be sent: released here. */
+static void drop_handle(fuse_req_t req, handle_t *h) {
+  ckpt_fs_t *fs = fs_of(req);
+  pt_release(req, h);
+  pthread_mutex_lock(&fs->lock);
+  untrack_handle(fs, h);
+  pthread_mutex_unlock(&fs->lock);
+  free_handle(h);
 }
 
 static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
@@ -933,8 +948,8 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
   pthread_mutex_unlock(&fs->lock);
   if (rc)
     fuse_reply_err(req, -rc);
-  else if (fuse_reply_create(req, &e, fi) && h->pt)
-    pt_release(req, h); /* the opener is gone: no release will come */
+  else if (fuse_reply_create(req, &e, fi))
+    drop_handle(req, h); /* the opener is gone: no release will come */
 }
 
 /* An entry inside committed ck is removed: the whole checkpoint goes, for
@@ -1186,8 +1201,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
   track_handle(fs, h); /* the node reference moves into the handle */
   pthread_mutex_unlock(&fs->lock);
   fi->fh = (uintptr_t)h;
-  if (fuse_reply_open(req, fi) && h->pt)
-    pt_release(req, h); /* the opener is gone: no release will come */
+  if (fuse_reply_open(req, fi))
+    drop_handle(req, h); /* the opener is gone: no release will come */
 }
 
 /* Reply with a copy of handle memory: once the reply is written, the

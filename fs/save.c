@@ -128,14 +128,7 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
     }
     if (c->kind != CKPT_NODE_SFILE)
       continue;
-    if (c->u.sf->pt_fd >= 0) {
-      /* Passed through: sealed now, so that a handle still open cannot
-       * change what is saved (its writes fail with EPERM). */
-      int rc = ckpt__sfile_pt_freeze(c->u.sf);
-      if (rc)
-        return rc;
-      ckpt__sfile_pt_mtime(c->u.sf, &c->mtime);
-    }
+    ckpt__sfile_pt_mtime(c->u.sf, &c->mtime); /* the kernel's writes' */
     if (s->nfiles == *cap) {
       uint32_t ncap = *cap ? *cap * 2 : 64;
       ckpt_node_t **f = realloc(s->files, ncap * sizeof(*f));
@@ -191,6 +184,24 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
     rc = -ENOENT; /* removed (rmdir) while its .commit was open */
   else
     rc = collect_files(s, ck->dir, &cap);
+  /* Passthrough files are sealed now, so that a handle still open cannot
+   * change what is saved (its writes fail with EPERM). A writable shared
+   * mapping prevents it: the commit fails, saying which file. */
+  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
+    int e = ckpt__sfile_pt_freeze(s->files[i]->u.sf);
+    if (e == 0)
+      continue;
+    ck->state = CKPT_FAILED; /* sealed ones thaw when written again */
+    free(ck->reason);
+    ck->reason = ckpt__strdup_printf(
+        "rank %d: %s: cannot freeze it for the commit: %s%s", fs->rank,
+        s->paths[i], strerror(-e),
+        e == -EBUSY ? " (a writable shared mapping of it is still there: "
+                      "unmap it, then commit again)"
+                    : "");
+    ckpt__log("%s: %s", ck->name, ck->reason);
+    rc = e;
+  }
   if (rc == 0) {
     ck->state = CKPT_COMMITTING;
     if (ck->streams)

@@ -281,52 +281,91 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
 }
 
 int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep) {
-  if (sf->pt_fd < 0 || !sf->pt_sealed)
-    return 0;
-  if (sf->pt_opens > 0)
-    return -EBUSY;
-  int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0)
-    return -errno;
-  int rc = pt_refresh(sf);
-  loff_t in = 0, out = 0;
-  if (keep > sf->size)
-    keep = sf->size;
-  while (rc == 0 && (uint64_t)in < keep) {
-    ssize_t n = copy_file_range(sf->pt_fd, &in, fd, &out,
-                                (size_t)(keep - (uint64_t)in), 0);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      rc = n < 0 ? -errno : -EIO;
+  for (;;) {
+    if (sf->pt_fd < 0 || !sf->pt_sealed)
+      return 0;
+    if (sf->pt_opens > 0)
+      return -EBUSY;
+    /* The sealed memfd cannot change: copy it without the lock (a stat
+     * of the file meanwhile must not wait for a copy of gigabytes). */
+    struct stat st;
+    int src = dup(sf->pt_fd);
+    if (src < 0)
+      return -errno;
+    if (fstat(src, &st)) {
+      close(src);
+      return -errno;
+    }
+    uint64_t n = keep < (uint64_t)st.st_size ? keep : (uint64_t)st.st_size;
+    pthread_mutex_unlock(&sf->lock);
+    int rc = 0;
+    int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+      rc = -errno;
+    loff_t in = 0, out = 0;
+    while (rc == 0 && (uint64_t)in < n) {
+      ssize_t w = copy_file_range(src, &in, fd, &out,
+                                  (size_t)(n - (uint64_t)in), 0);
+      if (w < 0 && errno == EINTR)
+        continue;
+      if (w <= 0)
+        rc = w < 0 ? -errno : -EIO;
+    }
+    if (rc == 0 && ftruncate(fd, (off_t)n))
+      rc = -errno;
+    if (rc == 0) /* a copy, not a change: the same mtime */
+      futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, st.st_mtim});
+    close(src);
+    pthread_mutex_lock(&sf->lock);
+    struct stat now;
+    if (rc == 0 && sf->pt_fd >= 0 && sf->pt_sealed && sf->pt_opens == 0 &&
+        fstat(sf->pt_fd, &now) == 0 && now.st_ino == st.st_ino) {
+      pt_unmap(sf);
+      close(sf->pt_fd);
+      sf->pt_fd = fd;
+      sf->pt_sealed = false;
+      return pt_refresh(sf);
+    }
+    if (fd >= 0)
+      close(fd);
+    if (rc)
+      return rc;
+    /* changed meanwhile (thawed, or opened again): look again */
   }
-  if (rc == 0 && ftruncate(fd, (off_t)keep))
-    rc = -errno;
-  if (rc) {
-    close(fd);
-    return rc;
-  }
-  struct stat st; /* a copy, not a change: the same mtime */
-  if (fstat(sf->pt_fd, &st) == 0)
-    futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, st.st_mtim});
-  pt_unmap(sf);
-  close(sf->pt_fd);
-  sf->pt_fd = fd;
-  sf->pt_sealed = false;
-  return pt_refresh(sf);
 }
 
 void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t) {
-  struct stat st;
-  int fd = atomic_load(&sf->pt_fd);
-  if (fd >= 0 && fstat(fd, &st) == 0)
+  if (atomic_load(&sf->pt_fd) < 0)
+    return;
+  struct stat st; /* under the lock: a thaw may close the descriptor */
+  pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0)
     *t = st.st_mtim;
+  pthread_mutex_unlock(&sf->lock);
 }
 
 void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t) {
-  int fd = atomic_load(&sf->pt_fd);
-  if (fd >= 0)
-    futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, *t});
+  if (atomic_load(&sf->pt_fd) < 0)
+    return;
+  pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0)
+    futimens(sf->pt_fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, *t});
+  pthread_mutex_unlock(&sf->lock);
+}
+
+uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf) {
+  if (atomic_load(&sf->pt_fd) >= 0) {
+    /* Passed through: the kernel wrote it. Its lock is never held for
+     * long (no data request takes it), unlike a streamed file's. */
+    struct stat st;
+    pthread_mutex_lock(&sf->lock);
+    uint64_t n = sf->size;
+    if (sf->pt_fd >= 0 && !sf->pt_sealed && fstat(sf->pt_fd, &st) == 0)
+      n = (uint64_t)st.st_size;
+    pthread_mutex_unlock(&sf->lock);
+    return n;
+  }
+  return atomic_load_explicit(&sf->size_seen, memory_order_relaxed);
 }
 
 void ckpt__sfile_pt_close(ckpt_sfile_t *sf) {

@@ -56,6 +56,16 @@ def tmpfiles(pid):
     return out
 
 
+def rchar(pid):
+    """Bytes the daemon has read by read(2) and friends: every FUSE request
+    it serves, a write's data included."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise AssertionError("no rchar")
+
+
 def version(text):
     m = re.search(r"(\d+)\.(\d+)", text)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -99,10 +109,13 @@ class Passthrough(CkptfsTestCase):
         os.mkdir(self.ck("c"))
         big = os.urandom(3 * MiB + 4)                  # 786433 float32
         fd = os.open(self.ck("c", "w"), os.O_WRONLY | os.O_CREAT, 0o644)
+        before = rchar(m.proc.pid)
         os.write(fd, big[:MiB])
         self.assertEqual(sorted(memfds(m.proc.pid).values()), [MiB],
                          "the open file is written into a memfd of its own")
         os.write(fd, big[MiB:])
+        self.assertLess(rchar(m.proc.pid) - before, MiB // 4,
+                        "the written bytes went through the daemon")
         os.close(fd)
         set_tensor_xattrs(self.ck("c", "w"), "float32", [len(big) // 4])
         odd = os.urandom(12345)
@@ -251,6 +264,52 @@ class Passthrough(CkptfsTestCase):
         self.mount("verify=1")
         for p, d in want.items():
             self.assertEqual(read_all(p), d)
+
+    def test_writable_mapping_fails_the_commit_with_a_reason(self):
+        self.mount_pt()
+        os.mkdir(self.ck("m"))
+        a, b = os.urandom(40000), os.urandom(8192)
+        write_tensor(self.ck("m", "a"), "uint8", [len(a)], a)
+        write_tensor(self.ck("m", "b"), "uint8", [len(b)], b)
+        fd = os.open(self.ck("m", "b"), os.O_RDWR)
+        mm = mmap.mmap(fd, 0)                  # shared, writable
+        mm[:4] = b"MMAP"
+        b = b"MMAP" + b[4:]
+        with self.assertRaises(OSError):
+            commit(self.ck("m"))
+        st = wait_state(self.ck("m"))
+        self.assertEqual(st.split("\n")[0], "failed")
+        self.assertIn("b: cannot freeze", st)
+        self.assertIn("mapping", st)
+        mm.close()
+        os.close(fd)
+        with open(self.ck("m", "a"), "r+b") as f:  # sealed by the try: thawed
+            f.write(b"A")
+        a = b"A" + a[1:]
+        commit(self.ck("m"))
+        self.assertEqual(read_all(self.ck("m", "a")), a)
+        self.assertEqual(read_all(self.ck("m", "b")), b)
+
+    def test_read_write_creates_and_readers_while_committing(self):
+        m = self.mount_pt()
+        os.mkdir(self.ck("k"))
+        rw = os.urandom(MiB)
+        with open(self.ck("k", "rw"), "w+b") as f:   # O_RDWR: the daemon's path
+            f.write(rw)
+        self.assertEqual(memfds(m.proc.pid), {})
+        big = os.urandom(64 * MiB)
+        fd = os.open(self.ck("k", "big"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, big)
+        r = os.open(self.ck("k", "big"), os.O_RDONLY)  # keeps it undrained
+        os.close(fd)
+        commit(self.ck("k"), "async")
+        # readers during the commit: of the sealed memfd, passed through
+        self.assertEqual(os.pread(r, 4096, 12345), big[12345:12345 + 4096])
+        self.assertEqual(read_all(self.ck("k", "big"))[:MiB], big[:MiB])
+        os.close(r)
+        self.assertEqual(wait_state(self.ck("k")).split("\n")[0], "committed")
+        self.assertEqual(read_all(self.ck("k", "big")), big)
+        self.assertEqual(read_all(self.ck("k", "rw")), rw)
 
     def test_unavailable_is_said_and_harmless(self):
         """passthrough=0 (the default) never makes a memfd."""
