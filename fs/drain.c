@@ -137,17 +137,20 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n) {
   void *p = MAP_FAILED;
   if (rc == 0 && (!h || XXH3_64bits_reset(h) != XXH_OK))
     rc = -ENOMEM;
-  if (rc == 0 && (p = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, out,
-                           (off_t)base)) == MAP_FAILED)
+  /* mmap's offset is in pages (4 KiB stream alignment may be less) */
+  uint64_t skew = base % (uint64_t)sysconf(_SC_PAGESIZE);
+  if (rc == 0 && (p = mmap(NULL, (size_t)(size + skew), PROT_READ, MAP_SHARED,
+                           out, (off_t)(base - skew))) == MAP_FAILED)
     rc = -errno;
   if (rc == 0)
-    XXH3_64bits_update(h, p, (size_t)size);
+    XXH3_64bits_update(h, (const char *)p + skew, (size_t)size);
   if (p != MAP_FAILED)
-    munmap(p, (size_t)size);
+    munmap(p, (size_t)(size + skew));
 
+  int memfd = -1;
   pthread_mutex_lock(&fs->lock);
   pthread_mutex_lock(&sf->lock);
-  if (rc == 0 && sf->pt_gen == gen && sf->pt_opens == 0 && !sf->pt_sealed &&
+  if (rc == 0 && n->attached && sf->pt_gen == gen && sf->pt_opens == 0 && !sf->pt_sealed &&
       fstat(atomic_load(&sf->pt_fd), &st) == 0 &&
       (uint64_t)st.st_size == size) {
     XXH3_freeState(sf->hash);
@@ -159,12 +162,14 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n) {
     atomic_store_explicit(&sf->size_seen, size, memory_order_relaxed);
     ckpt__stream_release(sf); /* the stream goes on after it */
     n->mtime = st.st_mtim;    /* the kernel's writes set the memfd's */
-    ckpt__sfile_pt_close(sf);
+    memfd = ckpt__sfile_pt_detach(sf);
   } else {
     ckpt__stream_abandon(sf, size);
   }
   pthread_mutex_unlock(&sf->lock);
   pthread_mutex_unlock(&fs->lock);
+  if (memfd >= 0)
+    close(memfd);
   XXH3_freeState(h);
   pthread_rwlock_unlock(&n->ck->freeze);
 }

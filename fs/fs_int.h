@@ -262,8 +262,12 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf);
  * replaced by a copy of its first `keep` bytes. sf->lock held; -EBUSY
  * while a handle still uses the sealed one. */
 int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep);
-/* The file's bytes are somewhere else now: close the memfd (sf->lock). */
-void ckpt__sfile_pt_close(ckpt_sfile_t *sf);
+/* The file's bytes are somewhere else now: it stops being a passthrough
+ * file (sf->lock held). Returns the memfd, for the caller to close once
+ * it holds no lock (freeing gigabytes of pages takes a while). */
+int ckpt__sfile_pt_detach(ckpt_sfile_t *sf);
+/* A passthrough file with open handles? */
+bool ckpt__sfile_pt_open(ckpt_sfile_t *sf);
 /* Closed passthrough files of at least this size are drained (drain.c). */
 #define CKPT_PT_DRAIN_MIN (64u << 10)
 /* A passthrough file's mtime is its memfd's (the kernel's writes set

@@ -849,6 +849,10 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
     return 0;
   int rc = 0;
   pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd < 0) { /* drained meanwhile: the daemon's path from now */
+    pthread_mutex_unlock(&sf->lock);
+    return 0;
+  }
   if (sf->pt_opens == 0) {
     int id = fuse_passthrough_open(req, sf->pt_fd);
     if (id > 0)

@@ -187,11 +187,19 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
   /* Passthrough files are sealed now, so that a handle still open cannot
    * change what is saved (its writes fail with EPERM). A writable shared
    * mapping prevents it: the commit fails, saying which file. */
-  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
-    int e = ckpt__sfile_pt_freeze(s->files[i]->u.sf);
+  for (uint32_t k = 0; rc == 0 && k < 2 * s->nfiles; k++) {
+    /* Files with open handles first: only they can refuse (a mapping
+     * holds its file open), before any idle file is sealed. */
+    uint32_t i = k % s->nfiles;
+    ckpt_sfile_t *sf = s->files[i]->u.sf;
+    if ((k < s->nfiles) != ckpt__sfile_pt_open(sf))
+      continue;
+    int e = ckpt__sfile_pt_freeze(sf);
     if (e == 0)
       continue;
-    ck->state = CKPT_FAILED; /* sealed ones thaw when written again */
+    /* Failed: files sealed already thaw when written again (one still
+     * open stays read-only until its handles are closed). */
+    ck->state = CKPT_FAILED;
     free(ck->reason);
     ck->reason = ckpt__strdup_printf(
         "rank %d: %s: cannot freeze it for the commit: %s%s", fs->rank,

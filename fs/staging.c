@@ -368,12 +368,21 @@ uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf) {
   return atomic_load_explicit(&sf->size_seen, memory_order_relaxed);
 }
 
-void ckpt__sfile_pt_close(ckpt_sfile_t *sf) {
+bool ckpt__sfile_pt_open(ckpt_sfile_t *sf) {
+  if (atomic_load(&sf->pt_fd) < 0)
+    return false;
+  pthread_mutex_lock(&sf->lock);
+  bool open = sf->pt_fd >= 0 && sf->pt_opens > 0;
+  pthread_mutex_unlock(&sf->lock);
+  return open;
+}
+
+int ckpt__sfile_pt_detach(ckpt_sfile_t *sf) {
   pt_unmap(sf);
-  if (sf->pt_fd >= 0)
-    close(sf->pt_fd);
+  int fd = sf->pt_fd;
   sf->pt_fd = -1;
   sf->pt_sealed = false;
+  return fd;
 }
 
 /* A sealed file's bytes, mapped for the commit to read. sf->lock held. */
@@ -664,9 +673,12 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   if (off > CKPT_MAX_FILE || n > CKPT_MAX_FILE - off)
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
-  if (sf->pt_fd >= 0) { /* not passed through: a copy_file_range, say */
-    sf->pt_gen++;
-    ssize_t r = ckpt__sfile_pt_thaw(sf, UINT64_MAX);
+  /* Not passed through (a copy_file_range, say). A thaw drops the lock:
+   * the drain may have made it a streamed file meanwhile. */
+  int e = sf->pt_fd >= 0 ? ckpt__sfile_pt_thaw(sf, UINT64_MAX) : 0;
+  if (e || sf->pt_fd >= 0) {
+    ssize_t r = e;
+    sf->pt_gen++; /* after the thaw: a drain that began meanwhile sees it */
     if (r == 0 && (r = pwrite(sf->pt_fd, buf, n, (off_t)off)) < 0)
       r = -errno;
     if (r >= 0)
@@ -738,10 +750,11 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
-  if (sf->pt_fd >= 0) {
+  if (sf->pt_fd >= 0)
+    rc = ckpt__sfile_pt_thaw(sf, size); /* may drop the lock: see write */
+  if (rc || sf->pt_fd >= 0) {
     sf->pt_gen++;
-    if ((rc = ckpt__sfile_pt_thaw(sf, size)) == 0 &&
-        ftruncate(sf->pt_fd, (off_t)size))
+    if (rc == 0 && ftruncate(sf->pt_fd, (off_t)size))
       rc = -errno;
     if (rc == 0)
       rc = pt_refresh(sf);
@@ -796,7 +809,9 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len) {
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
-  if (sf->pt_fd >= 0 && (rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX)) == 0) {
+  if (sf->pt_fd >= 0)
+    rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX); /* may drop the lock */
+  if (rc == 0 && sf->pt_fd >= 0) {
     sf->pt_gen++;
     rc = pt_refresh(sf);
   }

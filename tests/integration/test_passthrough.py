@@ -15,6 +15,7 @@ import ctypes
 import errno
 import mmap
 import os
+import random
 import re
 import subprocess
 import sys
@@ -264,6 +265,29 @@ class Passthrough(CkptfsTestCase):
         self.mount("verify=1")
         for p, d in want.items():
             self.assertEqual(read_all(p), d)
+
+    def test_opens_racing_the_drain_never_fail(self):
+        """Open right after close, again and again: an open that meets the
+        drain converting the file takes the daemon's path, never EIO."""
+        self.mount_pt()
+        os.mkdir(self.ck("o"))
+        d = os.urandom(256 * 1024)
+        rng = random.Random(7)
+        t0, i = time.monotonic(), 0
+        while time.monotonic() - t0 < 5:
+            p = self.ck("o", f"f{i}")
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, d)
+            os.close(fd)
+            time.sleep(rng.uniform(0, 0.002))
+            r = os.open(p, os.O_RDONLY)
+            self.assertEqual(os.pread(r, 4096, 4096 * (i % 60)),
+                             d[4096 * (i % 60):4096 * (i % 60 + 1)])
+            os.close(r)
+            if i >= 40:
+                os.unlink(self.ck("o", f"f{i - 40}"))
+            i += 1
+        self.assertGreater(i, 100)
 
     def test_writable_mapping_fails_the_commit_with_a_reason(self):
         self.mount_pt()
