@@ -52,56 +52,6 @@ static bool begin_change(ckpt_fs_t *fs, ckpt_node_t *n) {
   return ok;
 }
 
-/* Copy [0, size) of in to out at base: the kernel's copy where it can
- * (copy_file_range: a memfd to a tmpfs stream), else through a buffer
- * (another filesystem: EXDEV). A short read (truncated meanwhile) gives
- * -ESTALE. */
-static int copy_range(int in, int out, uint64_t base, uint64_t size) {
-  loff_t from = 0, at = (loff_t)base;
-  while ((uint64_t)from < size) {
-    ssize_t w = copy_file_range(in, &from, out, &at,
-                                (size_t)(size - (uint64_t)from), 0);
-    if (w < 0 && errno == EINTR)
-      continue;
-    if (w == 0)
-      return -ESTALE;
-    if (w < 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS ||
-                  errno == EOPNOTSUPP))
-      break;
-    if (w < 0)
-      return -errno;
-  }
-  size_t cap = (size_t)1 << 20;
-  char *buf = (uint64_t)from < size ? malloc(cap) : NULL;
-  if ((uint64_t)from < size && !buf)
-    return -ENOMEM;
-  int rc = 0;
-  while (rc == 0 && (uint64_t)from < size) {
-    size_t want = size - (uint64_t)from < cap ? (size_t)(size - (uint64_t)from)
-                                               : cap;
-    ssize_t r = pread(in, buf, want, from);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0) {
-      rc = r < 0 ? -errno : -ESTALE;
-      break;
-    }
-    for (ssize_t done = 0; rc == 0 && done < r;) {
-      ssize_t w = pwrite(out, buf + done, (size_t)(r - done),
-                         (off_t)(base + (uint64_t)from + (uint64_t)done));
-      if (w < 0 && errno == EINTR)
-        continue;
-      if (w <= 0)
-        rc = w < 0 ? -errno : -EIO;
-      else
-        done += w;
-    }
-    from += r;
-  }
-  free(buf);
-  return rc;
-}
-
 /* Copy and hash a closed passthrough file into a stream. */
 static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n) {
   ckpt_sfile_t *sf = n->u.sf;
@@ -131,7 +81,7 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n) {
    * meanwhile (then pt_gen moves and this copy is dropped). So the copy
    * is the kernel's (a short one stops it), and the hash reads the copy:
    * the stream, which only this file writes while it owns it. */
-  int rc = copy_range(fd, out, base, size);
+  int rc = ckpt__copy_range(fd, out, base, size);
   close(fd);
   XXH3_state_t *h = rc ? NULL : XXH3_createState();
   void *p = MAP_FAILED;

@@ -202,6 +202,9 @@ void ckpt__stream_release(struct ckpt_sfile *sf);
  * (sf->lock held; sf->stream is -1 after). */
 void ckpt__stream_drop(struct ckpt_sfile *sf);
 int ckpt__stream_fd(const struct ckpt_sfile *sf);
+/* Copy [0, size) of in to out at base (copy_file_range, else through a
+ * buffer); -ESTALE when in ends first. 0 or -errno. */
+int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size);
 /* sf gives up the stream it claimed without using it: the next file
  * starts where it did; its first len bytes there are punched out
  * (sf->lock held; sf->stream is -1 after). */

@@ -302,15 +302,8 @@ int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep) {
     int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
       rc = -errno;
-    loff_t in = 0, out = 0;
-    while (rc == 0 && (uint64_t)in < n) {
-      ssize_t w = copy_file_range(src, &in, fd, &out,
-                                  (size_t)(n - (uint64_t)in), 0);
-      if (w < 0 && errno == EINTR)
-        continue;
-      if (w <= 0)
-        rc = w < 0 ? -errno : -EIO;
-    }
+    if (rc == 0)
+      rc = ckpt__copy_range(src, fd, 0, n);
     if (rc == 0 && ftruncate(fd, (off_t)n))
       rc = -errno;
     if (rc == 0) /* a copy, not a change: the same mtime */

@@ -111,23 +111,62 @@ static uint64_t align_up(uint64_t v) {
   return (v + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
 }
 
+/* Copy [0, size) of in to out at base: the kernel's copy where it can
+ * (copy_file_range: a memfd to a tmpfs stream), else through a buffer
+ * (another filesystem: EXDEV). A short read (truncated meanwhile) gives
+ * -ESTALE. */
+int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
+  loff_t from = 0, at = (loff_t)base;
+  while ((uint64_t)from < size) {
+    ssize_t w = copy_file_range(in, &from, out, &at,
+                                (size_t)(size - (uint64_t)from), 0);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w == 0)
+      return -ESTALE;
+    if (w < 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS ||
+                  errno == EOPNOTSUPP))
+      break;
+    if (w < 0)
+      return -errno;
+  }
+  size_t cap = (size_t)1 << 20;
+  char *buf = (uint64_t)from < size ? malloc(cap) : NULL;
+  if ((uint64_t)from < size && !buf)
+    return -ENOMEM;
+  int rc = 0;
+  while (rc == 0 && (uint64_t)from < size) {
+    size_t want = size - (uint64_t)from < cap ? (size_t)(size - (uint64_t)from)
+                                               : cap;
+    ssize_t r = pread(in, buf, want, from);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0) {
+      rc = r < 0 ? -errno : -ESTALE;
+      break;
+    }
+    for (ssize_t done = 0; rc == 0 && done < r;) {
+      ssize_t w = pwrite(out, buf + done, (size_t)(r - done),
+                         (off_t)(base + (uint64_t)from + (uint64_t)done));
+      if (w < 0 && errno == EINTR)
+        continue;
+      if (w <= 0)
+        rc = w < 0 ? -errno : -EIO;
+      else
+        done += w;
+    }
+    from += r;
+  }
+  free(buf);
+  return rc;
+}
+
 /* Copy the first len bytes of stream fd into a new file dirfd/to. */
 static int copy_stream(int fd, uint64_t len, int dirfd, const char *to) {
   int out = openat(dirfd, to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (out < 0)
     return -errno;
-  loff_t in_off = 0, out_off = 0;
-  int rc = 0;
-  while ((uint64_t)in_off < len) {
-    ssize_t n = copy_file_range(fd, &in_off, out, &out_off,
-                                (size_t)(len - (uint64_t)in_off), 0);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      rc = n < 0 ? -errno : -EIO;
-      break;
-    }
-  }
+  int rc = ckpt__copy_range(fd, out, 0, len);
   if (close(out) && rc == 0)
     rc = -errno;
   if (rc)

@@ -26,6 +26,7 @@ import ckptfs_util  # noqa: E402
 from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
                          set_tensor_xattrs, state, wait_state, write_file,
                          write_tensor)
+from test_streams import tmpfiles  # noqa: E402
 
 MiB = 1 << 20
 
@@ -39,19 +40,6 @@ def memfds(pid):
             if os.readlink(os.path.join(fds, fd)).startswith("/memfd:ckptfs-staged"):
                 st = os.stat(os.path.join(fds, fd))
                 out[st.st_ino] = st.st_size
-        except OSError:
-            pass
-    return out
-
-
-def tmpfiles(pid):
-    """Sizes of the daemon's unnamed files in BACKING/.staging (streams)."""
-    out = []
-    fds = os.path.join("/proc", str(pid), "fd")
-    for fd in os.listdir(fds):
-        try:
-            if "/.staging/#" in os.readlink(os.path.join(fds, fd)):
-                out.append(os.stat(os.path.join(fds, fd)).st_size)
         except OSError:
             pass
     return out
@@ -335,7 +323,7 @@ class Passthrough(CkptfsTestCase):
         self.assertEqual(read_all(self.ck("k", "big")), big)
         self.assertEqual(read_all(self.ck("k", "rw")), rw)
 
-    def test_unavailable_is_said_and_harmless(self):
+    def test_off_by_default_makes_no_memfd(self):
         """passthrough=0 (the default) never makes a memfd."""
         m = self.mount()
         os.mkdir(self.ck("n"))
