@@ -56,14 +56,28 @@ static ckpt_node_t *get_node(ckpt_fs_t *fs, fuse_ino_t ino) {
   return n;
 }
 
-/* The node of a request that may come with an open handle (fstat,
- * ftruncate): the handle's node, which lives on after unlink or commit
- * detached it from the tree, else the node of ino. fs->lock held. */
+/* Also a node detached while something still holds it: the kernel sends
+ * no handle with fchmod, fchown, futimens and the f*xattr calls, so an
+ * open file that was unlinked (or a removed directory still open) is
+ * found by its inode alone, as getattr finds it. */
+static ckpt_node_t *get_node_any(ckpt_fs_t *fs, fuse_ino_t ino) {
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
+  if (n)
+    ckpt__node_ref(n);
+  pthread_mutex_unlock(&fs->lock);
+  return n;
+}
+
+/* The node of a setattr, which may come with an open handle (ftruncate):
+ * the handle's node, which lives on after unlink or commit detached it
+ * from the tree, else the node of ino, detached ones included (fchmod
+ * and futimens come without a handle). fs->lock held. */
 static ckpt_node_t *node_of(ckpt_fs_t *fs, fuse_ino_t ino,
                             struct fuse_file_info *fi) {
   if (fi && fi->fh)
     return handle_of(fi)->node;
-  return ckpt__node_by_ino(fs, ino);
+  return ckpt__node_by_ino_any(fs, ino);
 }
 
 static void put_node(ckpt_fs_t *fs, ckpt_node_t *n) {
@@ -1677,7 +1691,7 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     return;
   }
   ckpt_fs_t *fs = fs_of(req);
-  ckpt_node_t *n = get_node(fs, ino);
+  ckpt_node_t *n = get_node_any(fs, ino);
   if (!n) {
     fuse_reply_err(req, ESTALE);
     return;
@@ -1702,7 +1716,7 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
 static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         size_t size) {
   ckpt_fs_t *fs = fs_of(req);
-  ckpt_node_t *n = get_node(fs, ino);
+  ckpt_node_t *n = get_node_any(fs, ino);
   if (!n) {
     fuse_reply_err(req, ESTALE);
     return;
@@ -1753,7 +1767,7 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
 
 static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
   ckpt_fs_t *fs = fs_of(req);
-  ckpt_node_t *n = get_node(fs, ino);
+  ckpt_node_t *n = get_node_any(fs, ino);
   if (!n) {
     fuse_reply_err(req, ESTALE);
     return;
@@ -1795,7 +1809,7 @@ static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
     return;
   }
   ckpt_fs_t *fs = fs_of(req);
-  ckpt_node_t *n = get_node(fs, ino);
+  ckpt_node_t *n = get_node_any(fs, ino);
   if (!n) {
     fuse_reply_err(req, ESTALE);
     return;
@@ -1842,6 +1856,54 @@ static void fs_forget_multi(fuse_req_t req, size_t count,
   }
   pthread_mutex_unlock(&fs->lock);
   fuse_reply_none(req);
+}
+
+/* Is the caller of req in group gid (primary or supplementary)? */
+static bool in_group(fuse_req_t req, gid_t gid) {
+  if (fuse_req_ctx(req)->gid == gid)
+    return true;
+  gid_t groups[64];
+  int n = fuse_req_getgroups(req, 64, groups);
+  for (int i = 0; i < n && i < 64; i++)
+    if (groups[i] == gid)
+      return true;
+  return false;
+}
+
+/* access(2) without -o default_permissions (with it the kernel checks the
+ * modes itself and never asks). Reading is open to every caller and
+ * changes to the mounting user and root (may_change), as the requests
+ * themselves are; what the kernel cannot know is the execute bit: as in
+ * the kernel's generic_permission, a file with no execute bit is not
+ * executable even by root, and another caller needs the bit of its class.
+ * Committed data and .status cannot be opened for writing (EROFS). */
+static void fs_access(fuse_req_t req, fuse_ino_t ino, int mask) {
+  ckpt_fs_t *fs = fs_of(req);
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
+  mode_t mode = n ? n->mode : 0;
+  uid_t uid = n ? n->uid : 0;
+  gid_t gid = n ? n->gid : 0;
+  bool read_only = n && !S_ISDIR(mode) &&
+                   (is_committed_kind(n->kind) || n->kind == CKPT_NODE_STATUS);
+  pthread_mutex_unlock(&fs->lock);
+  int rc = 0;
+  if (!n) {
+    rc = ESTALE;
+  } else if ((mask & W_OK) && !may_change(req)) {
+    rc = EACCES;
+  } else if ((mask & W_OK) && read_only) {
+    rc = EROFS;
+  } else if ((mask & X_OK) && !S_ISDIR(mode)) {
+    mode_t bit = ctx->uid == 0    ? (S_IXUSR | S_IXGRP | S_IXOTH)
+                 : ctx->uid == uid ? S_IXUSR
+                 : in_group(req, gid) ? S_IXGRP
+                                      : S_IXOTH;
+    if (!(mode & bit))
+      rc = EACCES;
+  }
+  fuse_reply_err(req, rc);
 }
 
 static void fs_statfs(fuse_req_t req, fuse_ino_t ino) {
@@ -1919,4 +1981,5 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .listxattr = fs_listxattr,
     .removexattr = fs_removexattr,
     .statfs = fs_statfs,
+    .access = fs_access,
 };

@@ -6,6 +6,7 @@ spilling beyond staging_mem) and that the committed content is what was staged."
 import errno
 import os
 import shutil
+import subprocess
 import sys
 import threading
 
@@ -224,6 +225,67 @@ class StagingOps(CkptfsTestCase):
         write_file(self.ck("s", "kept"), b"k")
         commit(self.ck("s"))
         self.assertEqual(sorted(os.listdir(self.ck("s"))), [".metadata", "kept"])
+
+    def test_metadata_calls_on_unlinked_open_file(self):
+        # fchmod, fchown, futimens and the f*xattr calls send the kernel's
+        # inode, not the handle: the node of an unlinked file must still be
+        # found (ext4 answers all of them; stress-ng's chown stressor).
+        p = self.ck("s", "gone")
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"abc")
+            os.unlink(p)
+            os.fchmod(fd, 0o600)
+            self.assertEqual(os.fstat(fd).st_mode & 0o777, 0o600)
+            os.fchown(fd, 1234, 5678)
+            st = os.fstat(fd)
+            self.assertEqual((st.st_uid, st.st_gid), (1234, 5678))
+            os.utime(fd, ns=(2_000_000_000 * 10**9, 1_000_000_000 * 10**9))
+            self.assertEqual(os.fstat(fd).st_mtime_ns, 1_000_000_000 * 10**9)
+            os.setxattr(fd, "user.ckpt.dtype", b"uint8")
+            self.assertEqual(os.getxattr(fd, "user.ckpt.dtype"), b"uint8")
+            self.assertIn("user.ckpt.dtype", os.listxattr(fd))
+            os.removexattr(fd, "user.ckpt.dtype")
+            self.assertNotIn("user.ckpt.dtype", os.listxattr(fd))
+            self.assertEqual(os.pread(fd, 3, 0), b"abc")
+        finally:
+            os.close(fd)
+        # a removed directory, through a descriptor opened before
+        d = self.ck("s", "dir")
+        os.mkdir(d)
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.rmdir(d)
+            os.fchmod(dfd, 0o700)
+            self.assertEqual(os.fstat(dfd).st_mode & 0o777, 0o700)
+            os.utime(dfd, ns=(10**18, 10**18))
+            self.assertEqual(os.fstat(dfd).st_mtime_ns, 10**18)
+        finally:
+            os.close(dfd)
+        write_file(self.ck("s", "kept"), b"k")
+        commit(self.ck("s"))
+        self.assertEqual(sorted(os.listdir(self.ck("s"))), [".metadata", "kept"])
+
+    def test_access_execute_needs_an_execute_bit(self):
+        # access(X_OK) is true for root only where some execute bit is set
+        # (generic_permission); directories are always searchable by root.
+        p = self.ck("s", "plain")
+        write_file(p, b"#!/bin/sh\n")
+        for mode, want in ((0o600, False), (0o644, False), (0o700, True),
+                           (0o610, True), (0o601, True)):
+            os.chmod(p, mode)
+            self.assertEqual(os.access(p, os.X_OK), want, oct(mode))
+            self.assertTrue(os.access(p, os.R_OK | os.W_OK), oct(mode))
+        self.assertTrue(os.access(self.ck("s"), os.X_OK))
+        os.chmod(p, 0o600)
+        r = subprocess.run(["test", "-x", p])
+        self.assertEqual(r.returncode, 1)
+        commit(self.ck("s"))
+        self.assertFalse(os.access(p, os.X_OK))
+        self.assertTrue(os.access(p, os.R_OK))
+        self.assertTrue(os.access(self.ck("s"), os.X_OK))
+        self.assertTrue(os.access(self.ck("s", ".metadata"), os.R_OK))
+        self.assertFalse(os.access(self.ck("s", ".metadata"), os.X_OK))
 
     def test_many_open_files_interleaved(self):
         n = 40
