@@ -330,9 +330,10 @@ ckpt_node_t *ckpt__ckpt_lookup(ckpt_fs_t *fs, const char *name) {
   return n && n->kind == CKPT_NODE_CKPT ? n : NULL;
 }
 
-/* A component of a stored path that may appear in the tree. */
-static bool component_ok(const char *s, size_t len) {
-  return len > 0 && len <= 255 && s[0] != '.' && !memchr(s, '\0', len);
+/* A component of a stored path that may appear in the tree: a name a
+ * staged entry could have had there (top: directly under the checkpoint). */
+static bool component_ok(const char *s, size_t len, bool top) {
+  return ckpt_entry_name_check(s, len, top) == 0;
 }
 
 /* Create (or find) the directories of path and the file node at its end. */
@@ -399,6 +400,8 @@ static void shared_modes(ckpt_ckpt_t *ck, const ckpt_metadata_t *meta) {
   ck->shared_dmode = f | (f >> 2); /* read and search where read */
 }
 
+/* The node of an item at path (kind CTENSOR or CBLOB), or of a directory
+ * (kind CDIR: found if there already), with the directories above it. */
 static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                                        const char *path,
                                        ckpt_node_kind_t kind) {
@@ -408,16 +411,21 @@ static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   for (;;) {
     const char *slash = strchr(p, '/');
     size_t len = slash ? (size_t)(slash - p) : strlen(p);
-    if (!component_ok(p, len))
+    if (!component_ok(p, len, dir == ck->dir))
       return NULL;
     char name[256];
     memcpy(name, p, len);
     name[len] = '\0';
     ckpt_node_t *child = ckpt__node_child(fs, dir, name);
+    if (!slash && kind == CKPT_NODE_CDIR && child)
+      return child->kind == CKPT_NODE_CDIR ? child : NULL;
     if (!slash) {
       if (child)
         return NULL; /* two items at one path */
-      child = ckpt__node_new(fs, dir, name, kind, S_IFREG | 0444, ck);
+      child = ckpt__node_new(fs, dir, name, kind,
+                             kind == CKPT_NODE_CDIR ? S_IFDIR | 0555
+                                                    : S_IFREG | 0444,
+                             ck);
       if (child)
         apply_entry(ck->meta, child, path, strlen(path), when);
       return child;
@@ -480,6 +488,14 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       n->u.tensor = i;
     else
       n->u.blob = i - meta->n_tensors;
+  }
+  /* Directories that hold no item (staged empty) are kept too. */
+  for (uint32_t i = 0; i < meta->n_entries; i++) {
+    const ckpt_entry_attr_t *e = &meta->entries[i];
+    if (S_ISDIR(e->mode) && e->path[0] != '\0' &&
+        !add_committed_path(fs, ck, e->path, CKPT_NODE_CDIR))
+      ckpt__log("%s: cannot show directory %s (bad or conflicting path)",
+                ck->name, e->path);
   }
   ckpt_node_t *md = ckpt__node_new(fs, ck->dir, CKPT_METADATA_FILE,
                                    CKPT_NODE_METADATA, S_IFREG | 0444, ck);

@@ -123,15 +123,6 @@ static void staged_change_end(ckpt_ckpt_t *ck) {
   pthread_rwlock_unlock(&ck->freeze);
 }
 
-/* A new name inside a checkpoint: 0, -EPERM (reserved) or -ENAMETOOLONG. */
-static int check_name(const char *name) {
-  if (name[0] == '.')
-    return -EPERM;
-  if (strlen(name) > 255)
-    return -ENAMETOOLONG;
-  return 0;
-}
-
 /* The longest path inside a checkpoint ("model/layer0/weight"), as the
  * longest path Linux takes: it bounds the depth of a staged tree (walked
  * recursively at commit) and the length of an FQN. */
@@ -686,6 +677,24 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
  * Namespace changes.
  * ---------------------------------------------------------------------- */
 
+/* A new name in staged directory p: any file name (dot-files too), but
+ * directly under the checkpoint not one ckptfs serves there itself:
+ * 0, -EPERM (reserved, logged), -EINVAL or -ENAMETOOLONG. */
+static int check_name(const ckpt_node_t *p, const char *name) {
+  int rc = ckpt_entry_name_check(name, strlen(name),
+                                 p->kind == CKPT_NODE_CKPT);
+  if (rc == -EPERM) {
+    char shown[300];
+    log_text(shown, sizeof(shown), name, strlen(name));
+    ckpt__log("%s/%s: refused: reserved name (ckptfs serves .commit, "
+              ".status, .metadata, .npy, .safetensors and block files "
+              ".NAME[...] directly under a checkpoint; any other name is "
+              "allowed, and these are inside its directories)",
+              p->ck->name, shown);
+  }
+  return rc;
+}
+
 /* Checks for a new entry `name` in directory p (fs->lock held). */
 static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
   if (p->kind == CKPT_NODE_ROOT)
@@ -695,7 +704,7 @@ static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
   int rc = staged_writable(p->ck);
   if (rc)
     return rc;
-  if ((rc = check_name(name)) != 0)
+  if ((rc = check_name(p, name)) != 0)
     return rc;
   if (new_path_len(p, name) > CKPT_PATH_MAX)
     return -ENAMETOOLONG;
@@ -1088,6 +1097,44 @@ static bool is_ancestor(const ckpt_node_t *a, const ckpt_node_t *n) {
   return false;
 }
 
+/* Rename staged checkpoint dir to the free name newname (the Hugging Face
+ * Trainer's `tmp-checkpoint-N` -> `checkpoint-N`). Only this mount's
+ * staged checkpoint changes its name: nothing of it is in BACKING_DIR yet
+ * (spilled and streamed data is unnamed there). A committed checkpoint
+ * keeps its name (EPERM), one being committed too (EBUSY). fs->lock held;
+ * pr: presence of newname in BACKING_DIR, read before. */
+static int rename_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir,
+                             const char *newname, const presence_t *pr,
+                             unsigned int flags) {
+  ckpt_ckpt_t *ck = dir->ck;
+  if (flags & ~(unsigned)RENAME_NOREPLACE)
+    return -EINVAL;
+  if (ck->state == CKPT_COMMITTED)
+    return -EPERM;
+  if (ck->state == CKPT_COMMITTING)
+    return -EBUSY;
+  if (strcmp(dir->name, newname) == 0)
+    return 0;
+  if (newname[0] == '.')
+    return -EPERM;
+  if (strlen(newname) > 255)
+    return -ENAMETOOLONG;
+  if (!ckpt_name_valid(newname))
+    return -EINVAL;
+  /* Never over another checkpoint, staged or committed, here or by
+   * another mount (rename(2) could replace only an empty directory). */
+  if (ckpt__node_child(fs, fs->root, newname) || pr->committed || pr->not_dir)
+    return -EEXIST;
+  char old[sizeof(ck->name)];
+  snprintf(old, sizeof(old), "%s", ck->name);
+  ckpt__node_move(fs, dir, fs->root, newname);
+  if (strcmp(dir->name, newname) != 0)
+    return -ENOMEM; /* node_move kept the old name */
+  snprintf(ck->name, sizeof(ck->name), "%s", newname);
+  ckpt__log("%s: staged checkpoint renamed to %s", old, newname);
+  return 0;
+}
+
 static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
                       fuse_ino_t newparent, const char *newname,
                       unsigned int flags) {
@@ -1097,6 +1144,9 @@ static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
   }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
+  presence_t pr = {false, false, {0}, 0};
+  if (parent == FUSE_ROOT_ID && newparent == FUSE_ROOT_ID)
+    pr = presence(fs, newname);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   ckpt_node_t *np = ckpt__node_by_ino(fs, newparent);
@@ -1106,8 +1156,25 @@ static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
     rc = -ESTALE;
   else if (!n || n->hidden)
     rc = -ENOENT;
-  else if (p->kind == CKPT_NODE_ROOT || np->kind == CKPT_NODE_ROOT)
-    rc = -EPERM; /* checkpoints keep their names */
+  else if (p->kind == CKPT_NODE_ROOT && np->kind == CKPT_NODE_ROOT &&
+           n->kind == CKPT_NODE_CKPT) {
+    /* The freeze lock first (the lock order), so that no commit begins
+     * meanwhile; n's reference keeps its checkpoint. */
+    ckpt_ckpt_t *ck = n->ck;
+    ckpt__node_ref(n);
+    pthread_mutex_unlock(&fs->lock);
+    pthread_rwlock_wrlock(&ck->freeze);
+    pthread_mutex_lock(&fs->lock);
+    rc = ck->dir == n && n->attached
+             ? rename_checkpoint(fs, n, newname, &pr, flags)
+             : -ENOENT;
+    pthread_mutex_unlock(&fs->lock);
+    pthread_rwlock_unlock(&ck->freeze);
+    put_node(fs, n);
+    fuse_reply_err(req, -rc);
+    return;
+  } else if (p->kind == CKPT_NODE_ROOT || np->kind == CKPT_NODE_ROOT)
+    rc = -EPERM; /* a checkpoint into a checkpoint, a file to the root */
   else if (is_committed_kind(n->kind) || is_committed_kind(np->kind))
     rc = -EROFS;
   else if (n->ck != np->ck)
@@ -1116,7 +1183,7 @@ static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
     rc = -EPERM;
   else if (flags & ~(unsigned)RENAME_NOREPLACE)
     rc = -EINVAL;
-  else if ((rc = staged_writable(n->ck)) != 0 || (rc = check_name(newname)))
+  else if ((rc = staged_writable(n->ck)) != 0 || (rc = check_name(np, newname)))
     ;
   else if (is_ancestor(n, np))
     rc = -EINVAL;

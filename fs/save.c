@@ -168,12 +168,13 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
   s->dirfd = -1;
   s->failed_file = -1;
   s->job.user = s;
-  snprintf(s->job.name, sizeof(s->job.name), "%s", ck->name);
 
   /* Freeze: no data change of this checkpoint is in progress once we hold
    * the freeze lock, and none starts after the state change. */
   pthread_rwlock_wrlock(&ck->freeze);
   pthread_mutex_lock(&fs->lock);
+  /* under the freeze lock: a staged checkpoint may be renamed until now */
+  snprintf(s->job.name, sizeof(s->job.name), "%s", ck->name);
   int rc = 0;
   uint32_t cap = 0;
   if (ck->state == CKPT_COMMITTING)

@@ -106,9 +106,15 @@ int ckpt_dims_numel(const int64_t *d, int ndim, uint64_t *out);
 /* ------------------------------------------------------------------------
  * Names and FQNs.
  * ---------------------------------------------------------------------- */
-/* A checkpoint name: [A-Za-z0-9_.-]+, not starting with '.', at most 255
- * bytes. */
+/* A checkpoint name: any file name (1-255 bytes, no '/') not starting
+ * with '.' (`epoch=0-step=100`, `a b`, UTF-8). */
 bool ckpt_name_valid(const char *name);
+/* May a staged entry (file or directory) be named name[0..len)? Any file
+ * name: 0; "", ".", "..", a '/' or NUL: -EINVAL; beyond 255 bytes:
+ * -ENAMETOOLONG; directly under the checkpoint (top), a name ckptfs serves
+ * there itself (.commit, .status, .metadata, .npy, .safetensors, a block
+ * file's ".NAME[...]"): -EPERM. */
+int ckpt_entry_name_check(const char *name, size_t len, bool top);
 /* FQN of a path relative to the checkpoint ("model/l0/w" -> "model.l0.w").
  * Returns a malloc'd string or NULL on ENOMEM. */
 char *ckpt_fqn_from_path(const char *path);

@@ -146,18 +146,30 @@ int ckpt_dims_numel(const int64_t *d, int ndim, uint64_t *out) {
 
 bool ckpt_name_valid(const char *name) {
   assert(name != NULL);
-  size_t n = 0;
-  if (name[0] == '.')
-    return false;
-  for (; name[n] != '\0'; n++) {
-    char c = name[n];
-    if (n == 255)
-      return false;
-    if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || is_digit(c) ||
-          c == '_' || c == '.' || c == '-'))
-      return false;
-  }
-  return n > 0;
+  size_t n = strnlen(name, 256);
+  return n > 0 && n <= 255 && name[0] != '.' && !memchr(name, '/', n);
+}
+
+/* The names ckptfs serves directly under a checkpoint itself. */
+static const char *const reserved_top[] = {".commit", ".status", ".metadata",
+                                           ".npy", ".safetensors"};
+
+int ckpt_entry_name_check(const char *name, size_t len, bool top) {
+  assert(name != NULL);
+  if (len == 0 || memchr(name, '/', len) || memchr(name, '\0', len) ||
+      (len == 1 && name[0] == '.') ||
+      (len == 2 && name[0] == '.' && name[1] == '.'))
+    return -EINVAL;
+  if (len > 255)
+    return -ENAMETOOLONG;
+  if (!top || name[0] != '.')
+    return 0;
+  for (size_t i = 0; i < sizeof(reserved_top) / sizeof(*reserved_top); i++)
+    if (strlen(reserved_top[i]) == len && memcmp(reserved_top[i], name, len) == 0)
+      return -EPERM;
+  if (name[len - 1] == ']') /* a block file's name: ".w[0:2]" */
+    return -EPERM;
+  return 0;
 }
 
 bool ckpt_save_id_valid(const char *id) {

@@ -645,7 +645,7 @@ static int alloc_rows(loader_t *ld, const char *table, size_t size, void **arr,
 static bool entry_path_ok(const char *p);
 
 /* A committed item's path: one a mount could have staged, relative, its
- * components non-empty, not starting with '.' and at most 255 bytes. It
+ * components names a staged entry could have had (entry_path_ok). It
  * need not spell the FQN: an item with user.ckpt.fqn sits at any path. */
 static int col_path(loader_t *ld, sqlite3_stmt *st, int i, const row_t *r,
                     char **out) {
@@ -907,23 +907,20 @@ static int load_blobs(loader_t *ld) {
 }
 
 /* A relative path of a checkpoint's namespace ("" is the checkpoint
- * itself): components non-empty, not starting with '.', at most 255 bytes. */
+ * itself): each component a name a staged entry could have had there
+ * (ckpt_entry_name_check: not "." or "..", at most 255 bytes, and not a
+ * name ckptfs serves directly under the checkpoint). */
 static bool entry_path_ok(const char *p) {
   if (*p == '\0')
     return true;
-  size_t comp = 0;
-  for (;; p++) {
-    if (*p == '/' || *p == '\0') {
-      if (comp == 0 || comp > 255)
-        return false;
-      if (*p == '\0')
-        return true;
-      comp = 0;
-    } else {
-      if (comp == 0 && *p == '.')
-        return false;
-      comp++;
-    }
+  for (bool top = true;; top = false) {
+    const char *slash = strchr(p, '/');
+    size_t len = slash ? (size_t)(slash - p) : strlen(p);
+    if (ckpt_entry_name_check(p, len, top) != 0)
+      return false;
+    if (!slash)
+      return true;
+    p = slash + 1;
   }
 }
 

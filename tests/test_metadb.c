@@ -659,9 +659,12 @@ static void test_load_inconsistent(void **state) {
       {"UPDATE tensors SET path='model//cube', fqn='model..cube'"
        " WHERE fqn='model.cube'",
        "path 'model//cube' is not a checkpoint path"},
-      {"UPDATE tensors SET path='model/.cube', fqn='model..cube'"
+      {"UPDATE tensors SET path='model/../cube', fqn='model...cube'"
        " WHERE fqn='model.cube'",
-       "path 'model/.cube' is not a checkpoint path"},
+       "path 'model/../cube' is not a checkpoint path"},
+      {"UPDATE tensors SET path='.metadata/cube', fqn='.metadata.cube'"
+       " WHERE fqn='model.cube'",
+       "path '.metadata/cube' is not a checkpoint path"},
       {"UPDATE tensors SET path='/step', fqn='.step' WHERE fqn='step'",
        "path '/step' is not a checkpoint path"},
       {"UPDATE blobs SET path=CAST(X'726E670078' AS TEXT) WHERE fqn='rng'",

@@ -382,14 +382,54 @@ static void test_names(void **state) {
   long_name[256] = '\0';
   assert_false(ckpt_name_valid(long_name));
 
-  static const char *good[] = {"a",       "step-100", "ckpt_1.0",
-                               "A.b-c_9", "a.",       "0"};
+  static const char *good[] = {"a",        "step-100", "ckpt_1.0",
+                               "A.b-c_9",  "a.",       "0",
+                               "epoch=0-step=100",     "a b",
+                               "a\nb",     "\xc3\xa9", "a*", "-\t", "~x", "a:b"};
   for (size_t i = 0; i < N_OF(good); i++)
     assert_true(ckpt_name_valid(good[i]));
-  static const char *bad[] = {"",     ".hidden", ".",  "..",  "a/b", "a b",
-                              "a\nb", "é",       "a*", "-\t", "~x",  "a:b"};
+  static const char *bad[] = {"", ".hidden", ".", "..", "a/b", "/", "a/"};
   for (size_t i = 0; i < N_OF(bad); i++)
     assert_false(ckpt_name_valid(bad[i]));
+}
+
+static void test_entry_name_check(void **state) {
+  (void)state;
+  static const struct {
+    const char *name;
+    int top, inside;
+  } cases[] = {
+      {"w", 0, 0},
+      {".tmp0ENsvo", 0, 0},
+      {".hidden", 0, 0},
+      {"a b=c", 0, 0},
+      {".commit", -EPERM, 0},
+      {".status", -EPERM, 0},
+      {".metadata", -EPERM, 0},
+      {".metadata.tmp", 0, 0},
+      {".npy", -EPERM, 0},
+      {".safetensors", -EPERM, 0},
+      {".w[0:2]", -EPERM, 0},
+      {"w[0:2]", 0, 0},
+      {".", -EINVAL, -EINVAL},
+      {"..", -EINVAL, -EINVAL},
+      {"...", 0, 0},
+      {"", -EINVAL, -EINVAL},
+      {"a/b", -EINVAL, -EINVAL},
+  };
+  for (size_t i = 0; i < N_OF(cases); i++) {
+    size_t len = strlen(cases[i].name);
+    assert_int_equal(ckpt_entry_name_check(cases[i].name, len, true),
+                     cases[i].top);
+    assert_int_equal(ckpt_entry_name_check(cases[i].name, len, false),
+                     cases[i].inside);
+  }
+  char name[257];
+  memset(name, 'x', 256);
+  name[256] = '\0';
+  assert_int_equal(ckpt_entry_name_check(name, 255, true), 0);
+  assert_int_equal(ckpt_entry_name_check(name, 256, true), -ENAMETOOLONG);
+  assert_int_equal(ckpt_entry_name_check("a\0b", 3, false), -EINVAL);
 }
 
 static void test_fqn(void **state) {
@@ -2642,6 +2682,7 @@ int main(void) {
       cmocka_unit_test(test_dims_format),
       cmocka_unit_test(test_dims_numel),
       cmocka_unit_test(test_names),
+      cmocka_unit_test(test_entry_name_check),
       cmocka_unit_test(test_fqn),
       cmocka_unit_test(test_data_file_names),
       cmocka_unit_test(test_local_plan),

@@ -136,8 +136,8 @@ int open_backing(const char *path) {
 int load_named(int backing_fd, const char *backing, const char *name,
                ckpt_metadata_t *m) {
   if (!ckpt_name_valid(name)) {
-    fail("'%s' is not a checkpoint name ([A-Za-z0-9_.-]+, not starting "
-         "with '.'); `%s ls %s` lists them",
+    fail("'%s' is not a checkpoint name (1-255 bytes, no '/', not "
+         "starting with '.'); `%s ls %s` lists them",
          name, prog, backing);
     return -1;
   }
