@@ -503,6 +503,9 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);
 
+/* Staged files below directory dir and their bytes. fs->lock held. */
+void ckpt__count_staged(const ckpt_node_t *dir, uint64_t *files,
+                        uint64_t *bytes);
 /* Create the root; fs->opts and backing_fd must be set. */
 int ckpt__fs_init(ckpt_fs_t *fs);
 void ckpt__fs_destroy(ckpt_fs_t *fs);

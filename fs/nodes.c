@@ -536,15 +536,33 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
   return fs->root ? 0 : -ENOMEM;
 }
 
+void ckpt__count_staged(const ckpt_node_t *dir, uint64_t *files,
+                        uint64_t *bytes) {
+  for (const ckpt_node_t *c = dir->children; c; c = c->next) {
+    if (c->kind == CKPT_NODE_SDIR) {
+      ckpt__count_staged(c, files, bytes);
+    } else if (c->kind == CKPT_NODE_SFILE) {
+      (*files)++;
+      *bytes += ckpt__sfile_size_seen(c->u.sf);
+    }
+  }
+}
+
 void ckpt__fs_destroy(ckpt_fs_t *fs) {
   if (fs->root) {
     while (fs->root->children) {
       ckpt_node_t *d = fs->root->children;
       ckpt_ckpt_t *ck = d->ck;
-      if (ck && (ck->state == CKPT_STAGING || ck->state == CKPT_FAILED))
-        ckpt__log("unmounted with checkpoint %s staged but not committed%s: "
-                  "its staged data is discarded", ck->name,
+      if (ck && (ck->state == CKPT_STAGING || ck->state == CKPT_FAILED)) {
+        uint64_t files = 0, bytes = 0;
+        ckpt__count_staged(d, &files, &bytes);
+        ckpt__log("warning: unmounted with checkpoint %s staged but not "
+                  "committed (%llu file%s, %llu bytes)%s: its staged data is "
+                  "discarded",
+                  ck->name, (unsigned long long)files, files == 1 ? "" : "s",
+                  (unsigned long long)bytes,
                   ck->state == CKPT_FAILED ? " (its last commit failed)" : "");
+      }
       ckpt__node_detach(fs, d);
       ckpt__ckpt_unref(fs, ck);
     }

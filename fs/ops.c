@@ -189,26 +189,13 @@ static void log_text(char *out, size_t cap, const char *p, size_t n) {
  * .status
  * ---------------------------------------------------------------------- */
 
-/* Staged files below dir and their bytes. fs->lock held. */
-static void count_staged(const ckpt_node_t *dir, uint64_t *files,
-                         uint64_t *bytes) {
-  for (const ckpt_node_t *c = dir->children; c; c = c->next) {
-    if (c->kind == CKPT_NODE_SDIR) {
-      count_staged(c, files, bytes);
-    } else if (c->kind == CKPT_NODE_SFILE) {
-      (*files)++;
-      *bytes += ckpt__sfile_size_seen(c->u.sf);
-    }
-  }
-}
-
 /* The .status text of ck. fs->lock held. */
 static char *status_text(const ckpt_ckpt_t *ck) {
   switch (ck->state) {
   case CKPT_STAGING: {
     uint64_t files = 0, bytes = 0;
     if (ck->dir) /* NULL: removed (rmdir), while .status was open */
-      count_staged(ck->dir, &files, &bytes);
+      ckpt__count_staged(ck->dir, &files, &bytes);
     return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n",
                                (unsigned long long)files,
                                (unsigned long long)bytes);

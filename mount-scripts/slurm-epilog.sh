@@ -22,8 +22,11 @@ root=$base/$job
 
 [[ -d $root ]] || exit 0
 
-# Unmount on this node only: the other nodes run their own epilog.
-if ! "$scripts/ckpt-umount" --local --quiet --busy-timeout 5 --timeout 30 "$root"; then
+# Unmount on this node only: the other nodes run their own epilog. The job
+# is over, so staged data that was never committed is discarded: ckpt-umount
+# names each such checkpoint ("discarding ...") on stderr, the slurmd log
+# (a daemon still alive to be asked; a killed one lost it with the job).
+if ! "$scripts/ckpt-umount" --local --discard --quiet --busy-timeout 5 --timeout 30 "$root"; then
   echo "ckptfs epilog: job $job: ckpt-umount $root reported problems" >&2
 fi
 

@@ -608,8 +608,8 @@ class Options(CkptfsTestCase):
         self.assertRegex(log, r'bad/.commit: refused .*"commit please".*"sync" or "async"')
         self.assertRegex(log, r"bad: commit failed: .*w")
         self.assertRegex(log, r"unmounted with checkpoint left staged but not committed")
-        self.assertRegex(log, r"unmounted with checkpoint bad staged but not committed "
-                              r"\(its last commit failed\)")
+        self.assertRegex(log, r"warning: unmounted with checkpoint bad staged but not committed "
+                              r"\(\d+ files?, \d+ bytes\) \(its last commit failed\)")
 
     def test_fallocate_staged_file(self):
         """fallocate(2) on a staged file, each mode with its effect on the

@@ -348,6 +348,40 @@ class MountScripts(unittest.TestCase):
         self.assertIn("exited with code 0", r.stderr)
         self.assert_nothing_left()
 
+    def test_umount_refuses_staged_data(self):
+        """Staged, uncommitted data is never discarded silently: ckpt-umount
+        refuses (exit 1, naming each staged checkpoint with its files and
+        bytes, nothing unmounted) unless --discard; committed ones are no
+        reason to refuse."""
+        mnts, _ = self.mount_ok(2)
+        self.save_and_load(mnts, "done")
+        os.mkdir(os.path.join(mnts[0], "lost"))
+        write_file(os.path.join(mnts[0], "lost", "f"), b"data\n")
+        os.makedirs(os.path.join(mnts[1], "also lost", "sub"))
+        write_file(os.path.join(mnts[1], "also lost", "sub", "a"), b"x" * 1000)
+        write_file(os.path.join(mnts[1], "also lost", "b"), b"y" * 24)
+        os.mkdir(os.path.join(mnts[1], "empty"))
+        r = self.ckpt_umount()
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(f"{mnts[0]}/lost: staging, 1 file, 5 bytes", r.stderr)
+        self.assertIn(f"{mnts[1]}/also lost: staging, 2 files, 1024 bytes", r.stderr)
+        self.assertIn(f"{mnts[1]}/empty: staging, 0 files, 0 bytes", r.stderr)
+        self.assertNotIn("/done", r.stderr)
+        self.assertIn("--discard", r.stderr)
+        for p in mnts:
+            self.assertTrue(mountinfo_has(p), f"{p} was unmounted")
+        self.assertEqual(read_all(os.path.join(mnts[0], "lost", "f")), b"data\n")
+        # committed, the refusal is gone
+        os.unlink(os.path.join(mnts[1], "also lost", "b"))
+        r = self.ckpt_umount("--discard")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(f"discarding {mnts[0]}/lost: staging, 1 file, 5 bytes", r.stderr)
+        self.assertIn(f"discarding {mnts[1]}/also lost: staging, 1 file, 1000 bytes", r.stderr)
+        self.assertEqual(mounts_under(self.root), [])
+        log = read_log(os.path.join(self.root, ".ckpt-mount.log"))
+        self.assertRegex(log, r"warning: unmounted with checkpoint lost staged but not "
+                              r"committed \(1 file, 5 bytes\): its staged data is discarded")
+
     def test_umount_nothing(self):
         os.makedirs(self.root)
         r = self.ckpt_umount()
@@ -359,7 +393,8 @@ class MountScripts(unittest.TestCase):
                 (CKPT_MOUNT, ["--nranks", "--hostfile", "--multi-node", "--local", "-o",
                               "--bin", "--mpirun", "--mpirun-arg", "--no-oversubscribe",
                               "--timeout", "--log", "--dry-run", "--verbose", "--help"]),
-                (CKPT_UMOUNT, ["--timeout", "--busy-timeout", "--local", "--quiet", "--help"])):
+                (CKPT_UMOUNT, ["--timeout", "--busy-timeout", "--local", "--discard", "--quiet",
+                               "--help"])):
             for flag in ("-h", "--help"):
                 r = self.run_script([script, flag])
                 self.assertEqual(r.returncode, 0)

@@ -121,8 +121,14 @@ class SlurmScripts(CkptfsTestCase):
         self.prolog()
         self.job()
         self.assertEqual(len(mounts_under(self.root)), 2)
+        # a checkpoint the job staged and never committed: discarded, named
+        os.mkdir(os.path.join(self.root, "rank1", "unsaved"))
+        with open(os.path.join(self.root, "rank1", "unsaved", "f"), "wb") as f:
+            f.write(b"12345")
         r = self.run_script(EPILOG, self.slurm_env())
         self.assert_cleared(r)
+        self.assertIn("discarding " + os.path.join(os.path.realpath(self.root), "rank1", "unsaved")
+                      + ": staging, 1 file, 5 bytes", r.stderr)
         # and the checkpoint reads back through a fresh mount
         self.mount()
         self.assertEqual(read_all(self.ck("s", "x")), b"replica")
