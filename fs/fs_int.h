@@ -169,6 +169,11 @@ typedef struct ckpt_streams {
                              written or punched again */
 } ckpt_streams_t;
 
+/* BACKING_DIR/.staging, created when missing, opened O_PATH beneath
+ * BACKING_DIR without following a symlink (ckpt_open_beneath): fd or
+ * -errno. Anything else than a directory found there (a symlink put by a
+ * user who can write BACKING_DIR) is logged, removed and replaced. */
+int ckpt__staging_dir(int backing_fd);
 /* An unnamed file (O_TMPFILE) in BACKING_DIR/.staging: fd or -errno. */
 int ckpt__staging_tmpfile(int backing_fd);
 /* Remove BACKING_DIR/.staging (holding only unnamed files, it is always

@@ -18,7 +18,8 @@
  * size in free space a second time: after ENOSPC, that is what is
  * missing.) Being unnamed until then, a stream never collides with
  * another daemon's, and a crash leaves nothing behind that the next
- * mount's cleanup of .staging does not remove.
+ * mount's cleanup of .staging does not remove. .staging is always opened
+ * beneath BACKING_DIR without following a symlink (ckpt__staging_dir).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -52,11 +53,18 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
   return st;
 }
 
-/* The name stream k is kept under after a failed commit. */
+/* The name in .staging stream k is kept under after a failed commit. */
 static void keep_name(const ckpt_streams_t *st, uint32_t k, char *buf,
                       size_t cap) {
-  snprintf(buf, cap, "%s/.keep-%ld-%lx-%u", CKPT_STAGING_DIR, (long)getpid(),
+  snprintf(buf, cap, ".keep-%ld-%lx-%u", (long)getpid(),
            (unsigned long)(uintptr_t)st, k);
+}
+
+/* BACKING_DIR/.staging as it is (O_PATH), or -1. */
+static int staging_fd(const ckpt_streams_t *st) {
+  int fd = ckpt_open_beneath(st->backing_fd, CKPT_STAGING_DIR,
+                             O_PATH | O_DIRECTORY, 0);
+  return fd >= 0 ? fd : -1;
 }
 
 /* Is dirfd/name the file of descriptor fd? */
@@ -70,14 +78,20 @@ void ckpt__streams_drop_kept(ckpt_streams_t *st) {
   if (!st)
     return;
   pthread_mutex_lock(&st->lock);
+  int sfd = -1;
   for (uint32_t k = 0; k < st->n; k++) {
     if (st->s[k].kept) {
       char kept[128];
       keep_name(st, k, kept, sizeof(kept));
-      unlinkat(st->backing_fd, kept, 0);
+      if (sfd < 0)
+        sfd = staging_fd(st);
+      if (sfd >= 0 && same_file(sfd, kept, st->s[k].fd))
+        unlinkat(sfd, kept, 0);
       st->s[k].kept = false;
     }
   }
+  if (sfd >= 0)
+    close(sfd);
   pthread_mutex_unlock(&st->lock);
 }
 
@@ -163,9 +177,9 @@ int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
 
 /* Copy the first len bytes of stream fd into a new file dirfd/to. */
 static int copy_stream(int fd, uint64_t len, int dirfd, const char *to) {
-  int out = openat(dirfd, to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  int out = ckpt_open_beneath(dirfd, to, O_WRONLY | O_CREAT | O_EXCL, 0600);
   if (out < 0)
-    return -errno;
+    return out;
   int rc = ckpt__copy_range(fd, out, 0, len);
   if (close(out) && rc == 0)
     rc = -errno;
@@ -176,7 +190,7 @@ static int copy_stream(int fd, uint64_t len, int dirfd, const char *to) {
 
 int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
                        char **err) {
-  int rc = 0;
+  int rc = 0, sfd = -1;
   uint32_t k;
   for (k = 0; k < st->n && rc == 0; k++) {
     if (used[k] == 0)
@@ -187,8 +201,10 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
     unlinkat(dirfd, to, 0);
     /* Kept aside by a failed commit: moved back, not copied. */
     keep_name(st, k, kept, sizeof(kept));
-    if (st->s[k].kept && same_file(st->backing_fd, kept, st->s[k].fd) &&
-        renameat(st->backing_fd, kept, dirfd, to) == 0) {
+    if (st->s[k].kept && sfd < 0)
+      sfd = staging_fd(st);
+    if (st->s[k].kept && sfd >= 0 && same_file(sfd, kept, st->s[k].fd) &&
+        renameat(sfd, kept, dirfd, to) == 0) {
       st->s[k].kept = false;
       continue;
     }
@@ -206,12 +222,15 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
                                  "%u as %s: %s", st->rank, k, to,
                                  strerror(-rc));
   }
+  if (sfd >= 0)
+    close(sfd);
   if (rc) /* undo: the staged data stays in the streams */
     ckpt__streams_unlink(st, dirfd);
   return rc;
 }
 
 void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
+  int sfd = -1;
   for (uint32_t k = 0; k < st->n; k++) {
     if (st->s[k].fd < 0)
       continue;
@@ -220,11 +239,15 @@ void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
     if (!same_file(dirfd, to, st->s[k].fd))
       continue; /* not linked (or someone else's file): not ours */
     keep_name(st, k, kept, sizeof(kept));
-    if (renameat(dirfd, to, st->backing_fd, kept) == 0)
+    if (sfd < 0)
+      sfd = ckpt__staging_dir(st->backing_fd);
+    if (sfd >= 0 && renameat(dirfd, to, sfd, kept) == 0)
       st->s[k].kept = true;
     else
       unlinkat(dirfd, to, 0);
   }
+  if (sfd >= 0)
+    close(sfd);
 }
 
 int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""The daemon's own paths under BACKING_DIR (.staging, its kept links)
+against a user who can write BACKING_DIR, and against other mounts of it
+(issue 23, case 2).
+
+    python3 tests/integration/test_backing_paths.py --bin build/bin/ckptfs [Class ...]
+
+Classes:
+  StagingSymlink   .staging replaced by a symlink to a directory elsewhere
+                   after the mount started: the spill file and the
+                   write-behind streams of a file larger than staging_mem
+                   are never created there (no daemon descriptor resolves
+                   into it, nothing is named there); the refusal is logged
+                   and the commit succeeds, bit-exact
+Needs root (tmpfs mounts, a directory in /dev/shm). Python standard library
+only.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util as cu  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, commit, read_all, status,  # noqa: E402
+                         write_file, write_tensor)
+
+MiB = 1 << 20
+
+
+def run(*argv):
+    return subprocess.run(list(argv), capture_output=True, text=True)
+
+
+def fds_into(pid, where):
+    """The targets of pid's descriptors that lie in directory where."""
+    out = []
+    fds = os.path.join("/proc", str(pid), "fd")
+    for fd in os.listdir(fds):
+        try:
+            target = os.readlink(os.path.join(fds, fd))
+        except OSError:
+            continue
+        if target == where or target.startswith(where + "/"):
+            out.append(target)
+    return out
+
+
+def sizes_of(pid, where):
+    """{target: size} of pid's descriptors of files in directory where."""
+    out = {}
+    fds = os.path.join("/proc", str(pid), "fd")
+    for fd in os.listdir(fds):
+        try:
+            target = os.readlink(os.path.join(fds, fd))
+            if target.startswith(where + "/"):
+                out[target] = os.stat(os.path.join(fds, fd)).st_size
+        except OSError:
+            continue
+    return out
+
+
+class BackingCase(CkptfsTestCase):
+
+    def setUp(self):
+        if os.geteuid() != 0:
+            self.skipTest("needs root (tmpfs mounts, the daemon as root)")
+        super().setUp()
+
+    def assertReadsBack(self, name, data):
+        for path, want in data.items():
+            got = read_all(self.ck(name, path))
+            self.assertTrue(got == want, f"{name}/{path}: {len(got)} bytes, "
+                            f"expected {len(want)}, differ")
+
+
+# ---- 2. .staging replaced by a symlink -----------------------------------------
+
+class StagingSymlink(BackingCase):
+
+    def test_spill_and_streams_never_leave_backing(self):
+        # elsewhere: another filesystem (a commit linking from there fails
+        # with EXDEV), where an attacker would want the daemon's bytes
+        outside = tempfile.mkdtemp(prefix="ckptfs-outside-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, outside, ignore_errors=True)
+        m = self.mount("staging_mem=16M,io_threads=2")
+        os.mkdir(self.ck("s"))
+        write_file(self.ck("s", "warm"), os.urandom(4096))  # mount is serving
+        # the attack, after the mount started (its start-up cleanup is past)
+        if os.path.isdir(self.bk(".staging")) and not os.path.islink(self.bk(".staging")):
+            os.rmdir(self.bk(".staging"))  # holds only unnamed files
+        os.symlink(outside, self.bk(".staging"))
+        data = {}
+        # larger than staging_mem: streamed front to back, and spilled
+        for k in range(2):
+            data[f"t{k}"] = write_tensor(self.ck("s", f"t{k}"), "uint8", [32 * MiB],
+                                         os.urandom(32 * MiB))
+        # a file not written from offset 0 (a hole first) streams not: its
+        # segments go to RAM, then to the spill file
+        tail = os.urandom(24 * MiB)
+        with open(self.ck("s", "spilled"), "wb") as f:
+            f.seek(MiB)
+            f.write(tail)
+        data["spilled"] = bytes(MiB) + tail
+        inside = sizes_of(m.proc.pid, self.bk(".staging"))
+        escaped = fds_into(m.proc.pid, outside)
+        named = os.listdir(outside)
+        try:
+            commit(self.ck("s"))
+            err = None
+        except OSError as e:
+            err = f"{e!r}: {status(self.ck('s'))}"
+        escaped += fds_into(m.proc.pid, outside)
+        named += os.listdir(outside)
+        self.assertEqual(escaped, [], "the daemon created files through the "
+                         ".staging symlink, outside BACKING_DIR")
+        self.assertEqual(named, [], "files named outside BACKING_DIR")
+        # in BACKING_DIR/.staging: the stream (the tensors were written one
+        # after the other: one stream serves both) and the spill file
+        self.assertEqual(len(inside), 2, inside)
+        self.assertGreaterEqual(max(inside.values()), 64 * MiB, inside)
+        self.assertGreaterEqual(min(inside.values()), 8 * MiB, inside)
+        self.assertIsNone(err, "the commit must succeed")
+        self.assertEqual(status(self.ck("s")).split("\n")[0], "committed")
+        data["warm"] = read_all(self.ck("s", "warm"))
+        self.assertReadsBack("s", data)
+        self.assertFalse(os.path.islink(self.bk(".staging")),
+                         "the symlink is still there")
+        self.assertIn(".staging is a symbolic link", self.daemon_log())
+        self.assertEqual(m.stop(), 0)
+        self.mount()
+        self.assertReadsBack("s", data)
+
+
+if __name__ == "__main__":
+    cu.main()
