@@ -156,6 +156,8 @@ typedef struct ckpt_streams {
   pthread_mutex_t lock;   /* protects everything below but committed */
   int backing_fd;
   int rank;
+  char id[33];            /* 128 random bits in hex: unique on every node
+                             and in every PID namespace (keep names) */
   char name[256];         /* the checkpoint */
   uint32_t n;             /* streams: io_threads */
   struct ckpt_stream {

@@ -12,13 +12,18 @@
  * (linkat through /proc/self/fd) and every streamed file is pinned in the
  * plan where it is, so its bytes are written to disk once, while the
  * trainer was still writing. A failed commit moves the links aside, to
- * BACKING_DIR/.staging/.keep-PID-ID-K: the staged data stays in the open
- * streams, and the retry moves them back. (A stream once linked cannot be
- * linked again after its last name is gone, and copying it would need its
- * size in free space a second time: after ENOSPC, that is what is
- * missing.) Being unnamed until then, a stream never collides with
- * another daemon's, and a crash leaves nothing behind that the next
- * mount's cleanup of .staging does not remove. .staging is always opened
+ * BACKING_DIR/.staging/.keep-ID-K (ID: 128 random bits of these streams,
+ * so that no other daemon, on any node or in any PID namespace, picks the
+ * same name): the staged data stays in the open streams, and the retry
+ * moves them back. (A stream once linked cannot be linked again after its
+ * last name is gone, and copying it would need its size in free space a
+ * second time: after ENOSPC, that is what is missing.)
+ *
+ * Every stream is held with a shared flock for as long as it is open, so
+ * that a starting mount's cleanup of .staging, which removes only the
+ * files it can lock exclusively, leaves a live mount's kept links alone
+ * and removes those of a daemon that is gone (a crash leaves nothing else
+ * behind: the streams are unnamed until then). .staging is always opened
  * beneath BACKING_DIR without following a symlink (ckpt__staging_dir).
  */
 #include <errno.h>
@@ -26,12 +31,34 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fs_int.h"
 
 #define STREAM_ALIGN 4096u
+
+/* 128 bits for the keep names: from getrandom, else (no entropy yet, a
+ * kernel before 3.17) the time, the pid and an address, which still
+ * differ between the daemons of one node. */
+static void new_id(char out[33]) {
+  uint64_t r[2] = {0, 0};
+  ssize_t got;
+  do
+    got = getrandom(r, sizeof(r), GRND_NONBLOCK);
+  while (got < 0 && errno == EINTR);
+  if (got != (ssize_t)sizeof(r)) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    r[0] ^= (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    r[1] ^= ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)out;
+  }
+  snprintf(out, 33, "%016llx%016llx", (unsigned long long)r[0],
+           (unsigned long long)r[1]);
+}
 
 ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
                                   uint32_t n) {
@@ -47,6 +74,7 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
   st->backing_fd = backing_fd;
   st->rank = rank;
   snprintf(st->name, sizeof(st->name), "%s", name);
+  new_id(st->id);
   st->n = n;
   for (uint32_t k = 0; k < n; k++)
     st->s[k].fd = -1;
@@ -56,8 +84,7 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
 /* The name in .staging stream k is kept under after a failed commit. */
 static void keep_name(const ckpt_streams_t *st, uint32_t k, char *buf,
                       size_t cap) {
-  snprintf(buf, cap, ".keep-%ld-%lx-%u", (long)getpid(),
-           (unsigned long)(uintptr_t)st, k);
+  snprintf(buf, cap, ".keep-%s-%u", st->id, k);
 }
 
 /* BACKING_DIR/.staging as it is (O_PATH), or -1. */
@@ -260,6 +287,10 @@ int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
       int fd = ckpt__staging_tmpfile(st->backing_fd);
       if (fd < 0)
         break;
+      /* Held while open: the cleanup of a starting mount leaves its keep
+       * name alone (where flock works; elsewhere it cannot lock it
+       * either, and leaves every kept link). */
+      flock(fd, LOCK_SH);
       st->s[k].fd = fd;
     }
     st->s[k].owner = sf;

@@ -251,6 +251,58 @@ int ckpt__remove_tree(int parent_fd, const char *name) {
   return rc;
 }
 
+/* Remove what no live daemon holds in .staging: its unnamed files leave
+ * nothing there, but the links a failed commit keeps aside for its retry
+ * (fs/streams.c) must outlive other mounts' starts. Their daemon holds a
+ * shared flock on each for as long as it lives: a file that cannot be
+ * locked exclusively is left (also where flock is refused altogether), and
+ * so is .staging with it. */
+static void cleanup_staging(int backing_fd) {
+  int sfd = ckpt_open_beneath(backing_fd, CKPT_STAGING_DIR,
+                              O_RDONLY | O_DIRECTORY, 0);
+  if (sfd == -ELOOP || sfd == -ENOTDIR) {
+    ckpt__log("BACKING_DIR/%s is not a directory (a symbolic link?): "
+              "removed, never followed", CKPT_STAGING_DIR);
+    unlinkat(backing_fd, CKPT_STAGING_DIR, 0);
+    return;
+  }
+  int lfd = sfd >= 0 ? openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+                     : -1;
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d) {
+    if (lfd >= 0)
+      close(lfd);
+    if (sfd >= 0)
+      close(sfd);
+    return;
+  }
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+      continue;
+    struct stat st, opened;
+    if (fstatat(sfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW))
+      continue;
+    if (!S_ISREG(st.st_mode)) { /* never made by a daemon */
+      ckpt__remove_tree(sfd, e->d_name);
+      continue;
+    }
+    /* O_NONBLOCK, O_NOCTTY: should the entry change meanwhile (into a
+     * FIFO, a terminal), opening it neither hangs nor does anything. */
+    int fd = ckpt_open_beneath(sfd, e->d_name,
+                               O_RDONLY | O_NONBLOCK | O_NOCTTY, 0);
+    if (fd < 0)
+      continue;
+    if (fstat(fd, &opened) == 0 && S_ISREG(opened.st_mode) &&
+        opened.st_ino == st.st_ino && flock(fd, LOCK_EX | LOCK_NB) == 0)
+      unlinkat(sfd, e->d_name, 0);
+    close(fd);
+  }
+  closedir(d);
+  close(sfd);
+  unlinkat(backing_fd, CKPT_STAGING_DIR, AT_REMOVEDIR); /* when empty */
+}
+
 void ckpt_store_cleanup(int backing_fd) {
   /* Our own open: a dup of backing_fd would share its position. */
   int fd = openat(backing_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -281,5 +333,5 @@ void ckpt_store_cleanup(int backing_fd) {
   }
   closedir(d);
   cleanup_saves(backing_fd);
-  ckpt__remove_tree(backing_fd, CKPT_STAGING_DIR);
+  cleanup_staging(backing_fd);
 }

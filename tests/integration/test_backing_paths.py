@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The daemon's own paths under BACKING_DIR (.staging, its kept links)
 against a user who can write BACKING_DIR, and against other mounts of it
-(issue 23, case 2).
+(issue 23, cases 2 and 8).
 
     python3 tests/integration/test_backing_paths.py --bin build/bin/ckptfs [Class ...]
 
@@ -12,10 +12,16 @@ Classes:
                    are never created there (no daemon descriptor resolves
                    into it, nothing is named there); the refusal is logged
                    and the commit succeeds, bit-exact
+  KeptLinksSurvive A commit that failed with ENOSPC keeps its streams aside
+                   in .staging; another mount of the same BACKING_DIR that
+                   starts and stops meanwhile leaves them: once the space
+                   is freed the retry commits (no second copy of the
+                   streams needed), bit-exact
 Needs root (tmpfs mounts, a directory in /dev/shm). Python standard library
 only.
 """
 
+import errno
 import os
 import shutil
 import subprocess
@@ -132,6 +138,81 @@ class StagingSymlink(BackingCase):
         self.assertEqual(m.stop(), 0)
         self.mount()
         self.assertReadsBack("s", data)
+
+
+# ---- 8. a starting mount and a live mount's kept links ---------------------------
+
+class KeptLinksSurvive(BackingCase):
+
+    def fill(self, path):
+        """Write path until the filesystem is full."""
+        chunk = b"\xa5" * MiB
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            while True:
+                try:
+                    os.write(fd, chunk)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+        finally:
+            os.close(fd)
+
+    def kept(self):
+        d = self.bk(".staging")
+        return sorted(f for f in os.listdir(d) if f.startswith(".keep-")) \
+            if os.path.isdir(d) else []
+
+    def test_retry_after_another_mount_started(self):
+        os.makedirs(self.backing)
+        r = run("mount", "-t", "tmpfs", "-o", "size=200m", "ckptfs-keep", self.backing)
+        if r.returncode:
+            self.skipTest(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        self.addCleanup(run, "umount", "-l", self.backing)  # after the ckptfs mounts
+        self.mount("io_threads=2")
+        os.mkdir(self.ck("big"))
+        data = {}
+        for k in range(4):  # 120 MiB, streamed into .staging as written
+            data[f"t{k}"] = write_tensor(self.ck("big", f"t{k}"), "uint8", [30 * MiB],
+                                         os.urandom(30 * MiB))
+        data["small"] = os.urandom(100)
+        write_file(self.ck("big", "small"), data["small"])
+        filler = self.bk("filler")  # not a checkpoint: no mount touches it
+        self.fill(filler)
+        with self.assertRaises(OSError, msg="a full backing filesystem") as cm:
+            commit(self.ck("big"))
+        self.assertEqual(cm.exception.errno, errno.EIO)
+        st = status(self.ck("big"))
+        self.assertEqual(st.split("\n")[0], "failed", st)
+        self.assertIn(os.strerror(errno.ENOSPC), st)
+        kept = self.kept()
+        self.assertTrue(kept, "the failed commit kept no stream aside")
+        os.unlink(filler)
+        # another mount of the same BACKING_DIR starts (its cleanup) and stops
+        mnt2 = os.path.join(self.dir, "mnt2")
+        m2 = self.mount(mnt=mnt2)
+        self.assertEqual(m2.stop(), 0)
+        left = self.kept()
+        try:
+            commit(self.ck("big"))
+            err = None
+        except OSError as e:
+            err = f"{e!r}: {status(self.ck('big'))}\n{run('df', '-h', self.backing).stdout}"
+        self.assertIsNone(err, "after the space was freed the retry must commit")
+        self.assertEqual(left, kept, "the second mount removed the live mount's kept links")
+        self.assertEqual(status(self.ck("big")).split("\n")[0], "committed")
+        self.assertReadsBack("big", data)
+        self.assertEqual(self.kept(), [], "kept links left after the commit")
+
+    def test_cleanup_removes_kept_links_of_a_gone_daemon(self):
+        # a daemon that died left a kept link: nobody holds it, it goes
+        os.makedirs(self.bk(".staging"))
+        write_file(self.bk(".staging", ".keep-0123456789abcdef0123456789abcdef-0"),
+                   b"x" * 4096)
+        self.mount()
+        self.assertFalse(os.path.exists(self.bk(".staging")),
+                         os.listdir(self.bk(".staging")) if os.path.isdir(self.bk(".staging")) else "")
 
 
 if __name__ == "__main__":
