@@ -11,7 +11,8 @@ Classes:
                    write-behind streams of a file larger than staging_mem
                    are never created there (no daemon descriptor resolves
                    into it, nothing is named there); the refusal is logged
-                   and the commit succeeds, bit-exact
+                   and the commit succeeds, bit-exact. The same with a
+                   failed commit's streams kept aside for its retry
   KeptLinksSurvive A commit that failed with ENOSPC keeps its streams aside
                    in .staging; another mount of the same BACKING_DIR that
                    starts and stops meanwhile leaves them: once the space
@@ -138,6 +139,35 @@ class StagingSymlink(BackingCase):
         self.assertEqual(m.stop(), 0)
         self.mount()
         self.assertReadsBack("s", data)
+
+    def test_kept_streams_never_leave_backing(self):
+        # a failed commit keeps its streams aside in .staging: with
+        # .staging a symlink to a directory on the same filesystem (where a
+        # rename through it would succeed), they must stay in BACKING_DIR
+        outside = os.path.join(self.dir, "outside")
+        os.mkdir(outside)
+        self.mount("io_threads=2", env={"CKPTFS_FAILPOINT": "write_open=ENOSPC"})
+        os.mkdir(self.ck("s"))
+        data = {f"t{k}": write_tensor(self.ck("s", f"t{k}"), "uint8", [8 * MiB],
+                                      os.urandom(8 * MiB)) for k in range(2)}
+        if os.path.isdir(self.bk(".staging")) and not os.path.islink(self.bk(".staging")):
+            os.rmdir(self.bk(".staging"))  # holds only unnamed files
+        os.symlink(outside, self.bk(".staging"))
+        with self.assertRaises(OSError, msg="the first data file open fails") as cm:
+            commit(self.ck("s"))
+        self.assertEqual(cm.exception.errno, errno.EIO)
+        named = os.listdir(outside)
+        try:
+            commit(self.ck("s"))
+            err = None
+        except OSError as e:
+            err = f"{e!r}: {status(self.ck('s'))}"
+        self.assertEqual(named, [], "the failed commit kept its streams outside "
+                         "BACKING_DIR")
+        self.assertEqual(os.listdir(outside), [])
+        self.assertIsNone(err, "the retry must commit")
+        self.assertReadsBack("s", data)
+        self.assertIn(".staging is a symbolic link", self.daemon_log())
 
 
 # ---- 8. a starting mount and a live mount's kept links ---------------------------
