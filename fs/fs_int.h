@@ -156,6 +156,8 @@ typedef struct ckpt_streams {
   pthread_mutex_t lock;   /* protects everything below but committed */
   int backing_fd;
   int rank;
+  char id[33];            /* 128 random bits in hex: unique on every node
+                             and in every PID namespace (keep names) */
   char name[256];         /* the checkpoint */
   uint32_t n;             /* streams: io_threads */
   struct ckpt_stream {
@@ -169,6 +171,11 @@ typedef struct ckpt_streams {
                              written or punched again */
 } ckpt_streams_t;
 
+/* BACKING_DIR/.staging, created when missing, opened O_PATH beneath
+ * BACKING_DIR without following a symlink (ckpt_open_beneath): fd or
+ * -errno. Anything else than a directory found there (a symlink put by a
+ * user who can write BACKING_DIR) is logged, removed and replaced. */
+int ckpt__staging_dir(int backing_fd);
 /* An unnamed file (O_TMPFILE) in BACKING_DIR/.staging: fd or -errno. */
 int ckpt__staging_tmpfile(int backing_fd);
 /* Remove BACKING_DIR/.staging (holding only unnamed files, it is always

@@ -660,11 +660,11 @@ static int write_file(void *arg, uint32_t k) {
   int injected = ckpt_failpoint_error("write_open");
   if (injected)
     w->fd = -1, errno = -injected;
-  else
-    w->fd = openat(s->dirfd, name,
-                 O_WRONLY | (streamed ? 0 : O_CREAT | O_EXCL) | O_NOFOLLOW |
-                     O_CLOEXEC,
-                 0600);
+  else if ((w->fd = ckpt_open_beneath(s->dirfd, name,
+                                      O_WRONLY |
+                                          (streamed ? 0 : O_CREAT | O_EXCL),
+                                      0600)) < 0)
+    errno = -w->fd, w->fd = -1;
   w->fresh = !streamed;
   int rc = w->fd < 0 ? -(w->err = errno) : 0;
   for (uint32_t a = 0; rc == 0 && a < s->rp.n_assign; a++) {
@@ -771,6 +771,19 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
  * finish_step (coordinator), discard_step, done.
  * ---------------------------------------------------------------------- */
 
+/* *err names the held directory by /proc/self/fd/N: give its path. */
+static void name_held_dir(char **err, const char *held, const char *dir) {
+  char *at;
+  while (!strstr(dir, held) && (at = strstr(*err, held)) != NULL) {
+    char *named = ckpt__strdup_printf("%.*s%s%s", (int)(at - *err), *err, dir,
+                                      at + strlen(held));
+    if (!named)
+      return;
+    free(*err);
+    *err = named;
+  }
+}
+
 static int finish_step(void *ctx, ckpt_dist_job_t *job,
                        const ckpt_buf_t *results, int n, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -797,10 +810,17 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
   /* .metadata into the save's own directory, then the directory is
    * renamed to NAME without replacing anything: of concurrent saves of
    * one NAME, from any mount, exactly one gets there (the commit point). */
-  char dir[PATH_MAX];
+  char dir[PATH_MAX], held[64];
   snprintf(dir, sizeof(dir), "%s/%s/%s", fs->backing_path, CKPT_SAVES_DIR,
            s->gp.meta.save_id);
-  int rc = ckpt_metadb_publish(dir, &s->gp.meta, fs->opts.sync_files, err);
+  /* Written through the held directory itself, not by its path: a symlink
+   * put in place of .saves must not take .metadata elsewhere. */
+  snprintf(held, sizeof(held), "/proc/self/fd/%d", s->dirfd);
+  bool via_fd = s->dirfd >= 0 && access(held, F_OK) == 0;
+  int rc = ckpt_metadb_publish(via_fd ? held : dir, &s->gp.meta,
+                               fs->opts.sync_files, err);
+  if (rc && via_fd && *err)
+    name_held_dir(err, held, dir);
   if (rc == 0) {
     rc = ckpt_store_publish(fs->backing_fd, s->gp.meta.save_id, job->name);
     if (rc == -EEXIST)
@@ -818,14 +838,17 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
     rc = -errno;
     *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
                                strerror(errno));
-    struct stat held, named;
-    char back[64];
-    snprintf(back, sizeof(back), "%s/%s", CKPT_SAVES_DIR, s->gp.meta.save_id);
-    if (s->dirfd >= 0 && fstat(s->dirfd, &held) == 0 &&
+    struct stat hst, named;
+    int sfd = -1;
+    if (s->dirfd >= 0 && fstat(s->dirfd, &hst) == 0 &&
         fstatat(fs->backing_fd, job->name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
-        held.st_dev == named.st_dev && held.st_ino == named.st_ino &&
-        (mkdirat(fs->backing_fd, CKPT_SAVES_DIR, 0700) == 0 || errno == EEXIST))
-      renameat(fs->backing_fd, job->name, fs->backing_fd, back);
+        hst.st_dev == named.st_dev && hst.st_ino == named.st_ino &&
+        (mkdirat(fs->backing_fd, CKPT_SAVES_DIR, 0700) == 0 || errno == EEXIST) &&
+        (sfd = ckpt_open_beneath(fs->backing_fd, CKPT_SAVES_DIR,
+                                 O_PATH | O_DIRECTORY, 0)) >= 0)
+      renameat(fs->backing_fd, job->name, sfd, s->gp.meta.save_id);
+    if (sfd >= 0)
+      close(sfd);
   }
   if (rc == 0)
     ckpt_failpoint("metadata_synced");

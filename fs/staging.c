@@ -115,24 +115,40 @@ static void segment_put(ckpt_staging_t *b, uint8_t *p) {
   pthread_mutex_unlock(&b->lock);
 }
 
-int ckpt__staging_tmpfile(int backing_fd) {
-  /* A starting mount may remove .staging between our mkdir and open:
-   * try again. */
+int ckpt__staging_dir(int backing_fd) {
+  /* A starting mount may remove .staging between our mkdir and open, and
+   * whoever can write BACKING_DIR may put a symlink there: try again. */
   for (int attempt = 0; attempt < 5; attempt++) {
     if (mkdirat(backing_fd, SPILL_DIR, 0700) && errno != EEXIST)
       return -errno;
-    int dfd = openat(backing_fd, SPILL_DIR, O_RDONLY | O_DIRECTORY);
-    if (dfd < 0 && errno == ENOENT)
+    int dfd = ckpt_open_beneath(backing_fd, SPILL_DIR, O_PATH | O_DIRECTORY,
+                                0);
+    if (dfd == -ENOENT)
       continue;
+    if (dfd != -ELOOP && dfd != -ENOTDIR)
+      return dfd;
+    /* Never written through: the name is ours, what is there is not. */
+    struct stat st;
+    bool link = fstatat(backing_fd, SPILL_DIR, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                S_ISLNK(st.st_mode);
+    ckpt__log("BACKING_DIR/%s is %s, not a directory: refused (nothing is "
+              "written through it); removing it and making a directory",
+              SPILL_DIR, link ? "a symbolic link" : "something else");
+    unlinkat(backing_fd, SPILL_DIR, 0);
+  }
+  return -ELOOP;
+}
+
+int ckpt__staging_tmpfile(int backing_fd) {
+  /* .staging may go between our open of it and of the file: again. */
+  for (int attempt = 0; attempt < 5; attempt++) {
+    int dfd = ckpt__staging_dir(backing_fd);
     if (dfd < 0)
-      return -errno;
-    int fd = openat(dfd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-    int e = errno;
+      return dfd;
+    int fd = ckpt_open_beneath(dfd, ".", O_TMPFILE | O_RDWR, 0600);
     close(dfd);
-    if (fd >= 0)
+    if (fd != -ENOENT)
       return fd;
-    if (e != ENOENT)
-      return -e;
   }
   return -ENOENT;
 }

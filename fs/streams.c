@@ -12,25 +12,53 @@
  * (linkat through /proc/self/fd) and every streamed file is pinned in the
  * plan where it is, so its bytes are written to disk once, while the
  * trainer was still writing. A failed commit moves the links aside, to
- * BACKING_DIR/.staging/.keep-PID-ID-K: the staged data stays in the open
- * streams, and the retry moves them back. (A stream once linked cannot be
- * linked again after its last name is gone, and copying it would need its
- * size in free space a second time: after ENOSPC, that is what is
- * missing.) Being unnamed until then, a stream never collides with
- * another daemon's, and a crash leaves nothing behind that the next
- * mount's cleanup of .staging does not remove.
+ * BACKING_DIR/.staging/.keep-ID-K (ID: 128 random bits of these streams,
+ * so that no other daemon, on any node or in any PID namespace, picks the
+ * same name): the staged data stays in the open streams, and the retry
+ * moves them back. (A stream once linked cannot be linked again after its
+ * last name is gone, and copying it would need its size in free space a
+ * second time: after ENOSPC, that is what is missing.)
+ *
+ * Every stream is held with a shared flock for as long as it is open, so
+ * that a starting mount's cleanup of .staging, which removes only the
+ * files it can lock exclusively, leaves a live mount's kept links alone
+ * and removes those of a daemon that is gone (a crash leaves nothing else
+ * behind: the streams are unnamed until then). .staging is always opened
+ * beneath BACKING_DIR without following a symlink (ckpt__staging_dir).
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fs_int.h"
 
 #define STREAM_ALIGN 4096u
+
+/* 128 bits for the keep names: from getrandom, else (no entropy yet, a
+ * kernel before 3.17) the time, the pid and an address, which still
+ * differ between the daemons of one node. */
+static void new_id(char out[33]) {
+  uint64_t r[2] = {0, 0};
+  ssize_t got;
+  do
+    got = getrandom(r, sizeof(r), GRND_NONBLOCK);
+  while (got < 0 && errno == EINTR);
+  if (got != (ssize_t)sizeof(r)) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    r[0] ^= (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    r[1] ^= ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)out;
+  }
+  snprintf(out, 33, "%016llx%016llx", (unsigned long long)r[0],
+           (unsigned long long)r[1]);
+}
 
 ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
                                   uint32_t n) {
@@ -46,17 +74,24 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
   st->backing_fd = backing_fd;
   st->rank = rank;
   snprintf(st->name, sizeof(st->name), "%s", name);
+  new_id(st->id);
   st->n = n;
   for (uint32_t k = 0; k < n; k++)
     st->s[k].fd = -1;
   return st;
 }
 
-/* The name stream k is kept under after a failed commit. */
+/* The name in .staging stream k is kept under after a failed commit. */
 static void keep_name(const ckpt_streams_t *st, uint32_t k, char *buf,
                       size_t cap) {
-  snprintf(buf, cap, "%s/.keep-%ld-%lx-%u", CKPT_STAGING_DIR, (long)getpid(),
-           (unsigned long)(uintptr_t)st, k);
+  snprintf(buf, cap, ".keep-%s-%u", st->id, k);
+}
+
+/* BACKING_DIR/.staging as it is (O_PATH), or -1. */
+static int staging_fd(const ckpt_streams_t *st) {
+  int fd = ckpt_open_beneath(st->backing_fd, CKPT_STAGING_DIR,
+                             O_PATH | O_DIRECTORY, 0);
+  return fd >= 0 ? fd : -1;
 }
 
 /* Is dirfd/name the file of descriptor fd? */
@@ -70,14 +105,20 @@ void ckpt__streams_drop_kept(ckpt_streams_t *st) {
   if (!st)
     return;
   pthread_mutex_lock(&st->lock);
+  int sfd = -1;
   for (uint32_t k = 0; k < st->n; k++) {
     if (st->s[k].kept) {
       char kept[128];
       keep_name(st, k, kept, sizeof(kept));
-      unlinkat(st->backing_fd, kept, 0);
+      if (sfd < 0)
+        sfd = staging_fd(st);
+      if (sfd >= 0 && same_file(sfd, kept, st->s[k].fd))
+        unlinkat(sfd, kept, 0);
       st->s[k].kept = false;
     }
   }
+  if (sfd >= 0)
+    close(sfd);
   pthread_mutex_unlock(&st->lock);
 }
 
@@ -163,9 +204,9 @@ int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
 
 /* Copy the first len bytes of stream fd into a new file dirfd/to. */
 static int copy_stream(int fd, uint64_t len, int dirfd, const char *to) {
-  int out = openat(dirfd, to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  int out = ckpt_open_beneath(dirfd, to, O_WRONLY | O_CREAT | O_EXCL, 0600);
   if (out < 0)
-    return -errno;
+    return out;
   int rc = ckpt__copy_range(fd, out, 0, len);
   if (close(out) && rc == 0)
     rc = -errno;
@@ -176,7 +217,7 @@ static int copy_stream(int fd, uint64_t len, int dirfd, const char *to) {
 
 int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
                        char **err) {
-  int rc = 0;
+  int rc = 0, sfd = -1;
   uint32_t k;
   for (k = 0; k < st->n && rc == 0; k++) {
     if (used[k] == 0)
@@ -187,8 +228,10 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
     unlinkat(dirfd, to, 0);
     /* Kept aside by a failed commit: moved back, not copied. */
     keep_name(st, k, kept, sizeof(kept));
-    if (st->s[k].kept && same_file(st->backing_fd, kept, st->s[k].fd) &&
-        renameat(st->backing_fd, kept, dirfd, to) == 0) {
+    if (st->s[k].kept && sfd < 0)
+      sfd = staging_fd(st);
+    if (st->s[k].kept && sfd >= 0 && same_file(sfd, kept, st->s[k].fd) &&
+        renameat(sfd, kept, dirfd, to) == 0) {
       st->s[k].kept = false;
       continue;
     }
@@ -206,12 +249,15 @@ int ckpt__streams_link(ckpt_streams_t *st, const uint64_t *used, int dirfd,
                                  "%u as %s: %s", st->rank, k, to,
                                  strerror(-rc));
   }
+  if (sfd >= 0)
+    close(sfd);
   if (rc) /* undo: the staged data stays in the streams */
     ckpt__streams_unlink(st, dirfd);
   return rc;
 }
 
 void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
+  int sfd = -1;
   for (uint32_t k = 0; k < st->n; k++) {
     if (st->s[k].fd < 0)
       continue;
@@ -220,11 +266,15 @@ void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
     if (!same_file(dirfd, to, st->s[k].fd))
       continue; /* not linked (or someone else's file): not ours */
     keep_name(st, k, kept, sizeof(kept));
-    if (renameat(dirfd, to, st->backing_fd, kept) == 0)
+    if (sfd < 0)
+      sfd = ckpt__staging_dir(st->backing_fd);
+    if (sfd >= 0 && renameat(dirfd, to, sfd, kept) == 0)
       st->s[k].kept = true;
     else
       unlinkat(dirfd, to, 0);
   }
+  if (sfd >= 0)
+    close(sfd);
 }
 
 int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
@@ -237,6 +287,10 @@ int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
       int fd = ckpt__staging_tmpfile(st->backing_fd);
       if (fd < 0)
         break;
+      /* Held while open: the cleanup of a starting mount leaves its keep
+       * name alone (where flock works; elsewhere it cannot lock it
+       * either, and leaves every kept link). */
+      flock(fd, LOCK_SH);
       st->s[k].fd = fd;
     }
     st->s[k].owner = sf;

@@ -17,16 +17,17 @@
 int ckpt_store_open_dir(int backing_fd, const char *name, int flags) {
   if (!ckpt_name_valid(name))
     return -EINVAL;
-  int fd = openat(backing_fd, name,
-                  flags | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  return fd >= 0 ? fd : -errno;
+  return ckpt_open_beneath(backing_fd, name, flags | O_DIRECTORY, 0);
 }
 
 int ckpt_store_open_file(int dirfd, const char *file) {
   /* O_NONBLOCK: a FIFO put there must not hang the opener. */
-  int fd = openat(dirfd, file, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  int fd = dirfd == AT_FDCWD
+               ? openat(dirfd, file, O_RDONLY | O_NOFOLLOW | O_CLOEXEC |
+                                         O_NONBLOCK)
+               : ckpt_open_beneath(dirfd, file, O_RDONLY | O_NONBLOCK, 0);
   if (fd < 0)
-    return -errno;
+    return dirfd == AT_FDCWD ? -errno : fd;
   struct stat st;
   if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
     int e = S_ISREG(st.st_mode) ? errno : EINVAL;
@@ -70,9 +71,8 @@ bool ckpt_store_committed(int backing_fd, const char *name, struct stat *dir) {
 static int open_saves(int backing_fd, bool create) {
   if (create && mkdirat(backing_fd, CKPT_SAVES_DIR, 0700) && errno != EEXIST)
     return -errno;
-  int fd = openat(backing_fd, CKPT_SAVES_DIR,
-                  O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  return fd >= 0 ? fd : -errno;
+  return ckpt_open_beneath(backing_fd, CKPT_SAVES_DIR, O_RDONLY | O_DIRECTORY,
+                           0);
 }
 
 int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
@@ -94,10 +94,9 @@ int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
         continue;
       return -e;
     }
-    int fd = openat(sfd, save_id,
-                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = ckpt_open_beneath(sfd, save_id, O_RDONLY | O_DIRECTORY, 0);
     if (fd < 0) {
-      int e = errno;
+      int e = -fd;
       close(sfd);
       if (e == ENOENT && create)
         continue;
@@ -133,15 +132,21 @@ int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
 int ckpt_store_publish(int backing_fd, const char *save_id, const char *name) {
   if (!ckpt_save_id_valid(save_id) || !ckpt_name_valid(name))
     return -EINVAL;
-  char from[64];
-  snprintf(from, sizeof(from), "%s/%s", CKPT_SAVES_DIR, save_id);
-  int rc = renameat2(backing_fd, from, backing_fd, name, RENAME_NOREPLACE);
+  /* From .saves as opened beneath BACKING_DIR: a symlink put in its
+   * place must not make the commit rename a directory from elsewhere. */
+  int sfd = open_saves(backing_fd, false);
+  if (sfd < 0)
+    return sfd;
+  int rc = renameat2(sfd, save_id, backing_fd, name, RENAME_NOREPLACE);
   if (rc && (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)) {
     /* No RENAME_NOREPLACE here: rename(2) of a directory replaces only
      * an empty directory or nothing. An empty NAME directory (an
      * interrupted save of an older ckptfs) holds nothing to lose. */
-    rc = renameat(backing_fd, from, backing_fd, name);
+    rc = renameat(sfd, save_id, backing_fd, name);
   }
+  int e = errno;
+  close(sfd);
+  errno = e;
   if (rc == 0) {
     unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
     return 0;
@@ -199,8 +204,7 @@ static void cleanup_saves(int backing_fd) {
   while ((e = readdir(d)) != NULL) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
       continue;
-    int fd = openat(sfd, e->d_name,
-                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = ckpt_open_beneath(sfd, e->d_name, O_RDONLY | O_DIRECTORY, 0);
     if (fd < 0) { /* not a directory: not ours either, but in our space */
       unlinkat(sfd, e->d_name, 0);
       continue;
@@ -217,12 +221,11 @@ static void cleanup_saves(int backing_fd) {
 }
 
 int ckpt__remove_tree(int parent_fd, const char *name) {
-  int fd = openat(parent_fd, name,
-                  O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  int fd = ckpt_open_beneath(parent_fd, name, O_RDONLY | O_DIRECTORY, 0);
   if (fd < 0)
-    return errno == ENOTDIR || errno == ELOOP
+    return fd == -ENOTDIR || fd == -ELOOP
                ? (unlinkat(parent_fd, name, 0) ? -errno : 0)
-               : -errno;
+               : fd;
   DIR *d = fdopendir(fd);
   if (!d) {
     int e = errno;
@@ -246,6 +249,58 @@ int ckpt__remove_tree(int parent_fd, const char *name) {
   if (unlinkat(parent_fd, name, AT_REMOVEDIR) && errno != ENOENT && !rc)
     rc = -errno;
   return rc;
+}
+
+/* Remove what no live daemon holds in .staging: its unnamed files leave
+ * nothing there, but the links a failed commit keeps aside for its retry
+ * (fs/streams.c) must outlive other mounts' starts. Their daemon holds a
+ * shared flock on each for as long as it lives: a file that cannot be
+ * locked exclusively is left (also where flock is refused altogether), and
+ * so is .staging with it. */
+static void cleanup_staging(int backing_fd) {
+  int sfd = ckpt_open_beneath(backing_fd, CKPT_STAGING_DIR,
+                              O_RDONLY | O_DIRECTORY, 0);
+  if (sfd == -ELOOP || sfd == -ENOTDIR) {
+    ckpt__log("BACKING_DIR/%s is not a directory (a symbolic link?): "
+              "removed, never followed", CKPT_STAGING_DIR);
+    unlinkat(backing_fd, CKPT_STAGING_DIR, 0);
+    return;
+  }
+  int lfd = sfd >= 0 ? openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+                     : -1;
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d) {
+    if (lfd >= 0)
+      close(lfd);
+    if (sfd >= 0)
+      close(sfd);
+    return;
+  }
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+      continue;
+    struct stat st, opened;
+    if (fstatat(sfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW))
+      continue;
+    if (!S_ISREG(st.st_mode)) { /* never made by a daemon */
+      ckpt__remove_tree(sfd, e->d_name);
+      continue;
+    }
+    /* O_NONBLOCK, O_NOCTTY: should the entry change meanwhile (into a
+     * FIFO, a terminal), opening it neither hangs nor does anything. */
+    int fd = ckpt_open_beneath(sfd, e->d_name,
+                               O_RDONLY | O_NONBLOCK | O_NOCTTY, 0);
+    if (fd < 0)
+      continue;
+    if (fstat(fd, &opened) == 0 && S_ISREG(opened.st_mode) &&
+        opened.st_ino == st.st_ino && flock(fd, LOCK_EX | LOCK_NB) == 0)
+      unlinkat(sfd, e->d_name, 0);
+    close(fd);
+  }
+  closedir(d);
+  close(sfd);
+  unlinkat(backing_fd, CKPT_STAGING_DIR, AT_REMOVEDIR); /* when empty */
 }
 
 void ckpt_store_cleanup(int backing_fd) {
@@ -278,5 +333,5 @@ void ckpt_store_cleanup(int backing_fd) {
   }
   closedir(d);
   cleanup_saves(backing_fd);
-  ckpt__remove_tree(backing_fd, CKPT_STAGING_DIR);
+  cleanup_staging(backing_fd);
 }

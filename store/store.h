@@ -54,6 +54,16 @@ void ckpt__log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
  * use_syslog, else stderr. Returns 0 or -errno (the log stays where it
  * was). Call before threads log. */
 int ckpt__log_to(const char *path, bool use_syslog, int rank);
+/* Open dirfd/relpath (flags and mode as openat(2); O_CLOEXEC always)
+ * resolving every component beneath dirfd and following no symbolic link
+ * at all, the last one included: openat2(RESOLVE_BENEATH|
+ * RESOLVE_NO_SYMLINKS), or where the kernel lacks it (before 5.6, or a
+ * seccomp filter that answers EPERM) a walk opening each component with
+ * O_NOFOLLOW. relpath: components separated by single slashes, none empty,
+ * "." or ".." (or "." alone, dirfd itself). fd, or -errno: -ELOOP (or
+ * -ENOTDIR) when a component is a symbolic link, -EINVAL for a path that
+ * would leave dirfd. Every open under BACKING_DIR goes through it. */
+int ckpt_open_beneath(int dirfd, const char *relpath, int flags, mode_t mode);
 /* Read exactly n bytes at off: 0, -EIO when the file ends first, -errno. */
 int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends

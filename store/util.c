@@ -7,11 +7,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
 #include <syslog.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "store.h"
+#include "store_int.h"
 
 char *ckpt__strdup_printf(const char *fmt, ...) {
   va_list ap;
@@ -100,4 +103,97 @@ int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off) {
     done += (size_t)r;
   }
   return 0;
+}
+
+/* openat2(2)'s argument and flags, for headers older than Linux 5.6. */
+struct ckpt_open_how {
+  uint64_t flags, mode, resolve;
+};
+#define CKPT_RESOLVE_NO_SYMLINKS 0x04
+#define CKPT_RESOLVE_BENEATH 0x08
+#ifndef SYS_openat2
+#define SYS_openat2 437 /* the same number on every architecture */
+#endif
+
+/* 0 until openat2 was found missing (ENOSYS, or EPERM from a seccomp
+ * filter that does not know it): then the walk serves every open. */
+static atomic_bool no_openat2;
+
+void ckpt__open_beneath_force_walk(bool on) { atomic_store(&no_openat2, on); }
+
+/* The walk: each component but the last opened O_PATH|O_DIRECTORY|
+ * O_NOFOLLOW from the one before, the last with flags|O_NOFOLLOW. */
+static int open_walk(int dirfd, const char *relpath, int flags, mode_t mode) {
+  char comp[256];
+  int cur = dirfd;
+  const char *p = relpath;
+  for (;;) {
+    const char *slash = strchr(p, '/');
+    size_t len = slash ? (size_t)(slash - p) : strlen(p);
+    if (len >= sizeof(comp)) {
+      if (cur != dirfd)
+        close(cur);
+      return -ENAMETOOLONG;
+    }
+    memcpy(comp, p, len);
+    comp[len] = '\0';
+    int fd = slash ? openat(cur, comp,
+                            O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                   : openat(cur, comp, flags | O_NOFOLLOW, mode);
+    int e = errno;
+    if (cur != dirfd)
+      close(cur);
+    if (fd < 0)
+      return -e;
+    if (!slash)
+      return fd;
+    cur = fd;
+    p = slash + 1;
+  }
+}
+
+int ckpt_open_beneath(int dirfd, const char *relpath, int flags, mode_t mode) {
+  /* Checked here, so that the walk needs no RESOLVE_BENEATH: no absolute
+   * path, no empty, "." or ".." component (a directory itself is "."
+   * only when it is the whole path). */
+  if (!relpath || !*relpath || relpath[0] == '/')
+    return -EINVAL;
+  if (strcmp(relpath, ".") != 0) {
+    for (const char *p = relpath; p;) {
+      const char *slash = strchr(p, '/');
+      size_t len = slash ? (size_t)(slash - p) : strlen(p);
+      if (len == 0 || (len == 1 && p[0] == '.') ||
+          (len == 2 && p[0] == '.' && p[1] == '.'))
+        return -EINVAL;
+      p = slash ? slash + 1 : NULL;
+    }
+  }
+  flags |= O_CLOEXEC;
+  if (!atomic_load(&no_openat2)) {
+    struct ckpt_open_how how = {
+        .flags = (uint64_t)(unsigned)flags,
+        /* openat2 refuses a mode without O_CREAT or O_TMPFILE. */
+        .mode = (flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE
+                    ? (uint64_t)mode
+                    : 0,
+        .resolve = CKPT_RESOLVE_BENEATH | CKPT_RESOLVE_NO_SYMLINKS,
+    };
+    long fd;
+    do
+      fd = syscall(SYS_openat2, dirfd, relpath, &how, sizeof(how));
+    while (fd < 0 && errno == EINTR);
+    if (fd >= 0)
+      return (int)fd;
+    if (errno != ENOSYS && errno != EPERM)
+      return -errno;
+    /* EPERM may also be the file's own answer (O_NOATIME, a lease): the
+     * walk then gives it again. Where the walk opens what openat2 did
+     * not, a filter refused openat2 itself. */
+    bool nosys = errno == ENOSYS;
+    int fd2 = open_walk(dirfd, relpath, flags, mode);
+    if (nosys || fd2 >= 0)
+      atomic_store(&no_openat2, true);
+    return fd2;
+  }
+  return open_walk(dirfd, relpath, flags, mode);
 }

@@ -24,6 +24,7 @@
 
 #include "metadb.h"
 #include "store.h"
+#include "store_int.h"
 
 static char *temp_backing(int *fd) {
   char tmpl[] = "/tmp/ckpt-store-XXXXXX";
@@ -295,12 +296,71 @@ static void loader_refuses_symlinks(void **state) {
   rm_backing(b, bfd);
 }
 
+/* ckpt_open_beneath, with openat2 and with the walk: no symlink anywhere
+ * in the path, nothing outside. */
+static void open_beneath_refuses_symlinks(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  char p[600], q[600];
+  snprintf(p, sizeof(p), "%s/d", b);
+  assert_int_equal(mkdir(p, 0700), 0);
+  snprintf(p, sizeof(p), "%s/d/f", b);
+  close(open(p, O_WRONLY | O_CREAT, 0600));
+  snprintf(p, sizeof(p), "%s/ld", b);
+  assert_int_equal(symlink("d", p), 0);
+  snprintf(p, sizeof(p), "%s/d/lf", b);
+  assert_int_equal(symlink("f", p), 0);
+  snprintf(p, sizeof(p), "%s/out", b);
+  assert_int_equal(symlink("/tmp", p), 0);
+  for (int walk = 0; walk < 2; walk++) {
+    ckpt__open_beneath_force_walk(walk);
+    int fd = ckpt_open_beneath(bfd, "d/f", O_RDONLY, 0);
+    assert_true(fd >= 0);
+    close(fd);
+    fd = ckpt_open_beneath(bfd, "d", O_PATH | O_DIRECTORY, 0);
+    assert_true(fd >= 0);
+    int fd2 = ckpt_open_beneath(fd, ".", O_TMPFILE | O_RDWR, 0600);
+    assert_true(fd2 >= 0);
+    close(fd2);
+    close(fd);
+    fd = ckpt_open_beneath(bfd, "ld/f", O_RDONLY, 0);
+    assert_true(fd == -ELOOP || fd == -ENOTDIR);
+    assert_int_equal(ckpt_open_beneath(bfd, "d/lf", O_RDONLY, 0), -ELOOP);
+    fd = ckpt_open_beneath(bfd, "ld", O_RDONLY | O_DIRECTORY, 0);
+    assert_true(fd == -ELOOP || fd == -ENOTDIR);
+    fd = ckpt_open_beneath(bfd, "out", O_TMPFILE | O_RDWR, 0600);
+    assert_true(fd == -ELOOP || fd == -ENOTDIR);
+    fd = ckpt_open_beneath(bfd, "out/x", O_WRONLY | O_CREAT | O_EXCL, 0600);
+    assert_true(fd == -ELOOP || fd == -ENOTDIR);
+    assert_int_equal(ckpt_open_beneath(bfd, "../x", O_RDONLY, 0), -EINVAL);
+    assert_int_equal(ckpt_open_beneath(bfd, "d/../d/f", O_RDONLY, 0),
+                     -EINVAL);
+    assert_int_equal(ckpt_open_beneath(bfd, "/etc/passwd", O_RDONLY, 0),
+                     -EINVAL);
+    assert_int_equal(ckpt_open_beneath(bfd, "d//f", O_RDONLY, 0), -EINVAL);
+    assert_int_equal(ckpt_open_beneath(bfd, "", O_RDONLY, 0), -EINVAL);
+    /* created beneath, mode as asked */
+    snprintf(q, sizeof(q), "new%d", walk);
+    fd = ckpt_open_beneath(bfd, q, O_WRONLY | O_CREAT | O_EXCL, 0640);
+    assert_true(fd >= 0);
+    struct stat st;
+    assert_int_equal(fstat(fd, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0640 & ~umask(022));
+    umask(022);
+    close(fd);
+  }
+  ckpt__open_beneath_force_walk(false);
+  rm_backing(b, bfd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(fdcache_is_bounded),
       cmocka_unit_test(reader_refuses_what_moved),
       cmocka_unit_test(loader_refuses_hostile_metadata),
       cmocka_unit_test(loader_refuses_symlinks),
+      cmocka_unit_test(open_beneath_refuses_symlinks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
