@@ -173,7 +173,8 @@ class StagingOps(CkptfsTestCase):
         self.assertEqual(sorted(os.listdir(self.ck("s"))), ["a", "moved"])
         self.assertEqual(os.getxattr(self.ck("s", "a/w2"), "user.ckpt.dtype"), b"float32")
         commit(self.ck("s"))
-        self.assertEqual(sorted(os.listdir(self.ck("s"))), [".metadata", "a"])  # empty dirs vanish
+        # empty directories are kept, as cp -a keeps them
+        self.assertEqual(sorted(os.listdir(self.ck("s"))), [".metadata", "a", "moved"])
         self.assertEqual(read_all(self.ck("s", "a/w2")), tensor_bytes("float32", [4]))
         self.assertEqual(read_all(self.ck("s", "a/b1")), b"second")
         self.assertEqual(read_all(self.ck("s", "a/e/f")), b"deep")
@@ -189,9 +190,11 @@ class StagingOps(CkptfsTestCase):
         self.assertErrno(errno.ENOTDIR, os.rename, self.ck("s", "emptydir"), self.ck("s", "f"))
         self.assertErrno(errno.EISDIR, os.rename, self.ck("s", "f"), self.ck("s", "emptydir"))
         self.assertErrno(errno.ENOENT, os.rename, self.ck("s", "nope"), self.ck("s", "x"))
-        # checkpoints keep their names; nothing moves to the top level
-        self.assertErrno(errno.EPERM, os.rename, self.ck("s"), self.ck("t"))
+        # nothing moves to the top level or from it into a checkpoint (a
+        # staged checkpoint's own rename is in test_names)
         self.assertErrno(errno.EPERM, os.rename, self.ck("s", "f"), self.ck("f"))
+        os.mkdir(self.ck("t"))
+        self.assertErrno(errno.EPERM, os.rename, self.ck("t"), self.ck("s", "t"))
         # RENAME_NOREPLACE through renameat2
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
