@@ -37,6 +37,8 @@ typedef struct ckpt_dist_job ckpt_dist_job_t;
 /* One save, queued by the caller; owned by the caller until done(). */
 struct ckpt_dist_job {
   char name[256];        /* checkpoint name, the same on every rank */
+  bool solo;             /* this rank alone, as a world of one: its steps
+                            run here, no message is sent or awaited */
   void *user;            /* the caller's save state */
   ckpt_dist_job_t *next; /* queue link, owned by dist */
 };

@@ -783,6 +783,37 @@ out:
   ckpt_buf_free(&m);
 }
 
+/* A solo save (`sync solo`): this rank alone is the world of one that
+ * saves, whatever its rank: the steps of a round run here, in order, and
+ * no other rank is asked or told anything. */
+static void solo_round(ckpt_dist_t *d, ckpt_dist_job_t *job) {
+  const ckpt_save_ops_t *ops = d->ops;
+  ckpt_buf_t plan, rank_plan, result;
+  ckpt_buf_init(&plan);
+  ckpt_buf_init(&rank_plan);
+  ckpt_buf_init(&result);
+  char *err = NULL;
+  int rc = ops->local_step(d->ctx, job, &plan, &err);
+  if (rc == 0)
+    rc = ops->global_step(d->ctx, job, &plan, 1, &rank_plan, &err);
+  bool wrote = false;
+  if (rc == 0) {
+    wrote = true;
+    rc = ops->write_step(d->ctx, job, &rank_plan, &result, &err);
+  }
+  if (rc == 0)
+    rc = ops->finish_step(d->ctx, job, &result, 1, &err);
+  if (rc && wrote) {
+    ops->discard_step(d->ctx, job, false);
+    ops->discard_step(d->ctx, job, true);
+  }
+  job_done(d, job, rc, err ? err : (rc ? strerror(-rc) : NULL));
+  free(err);
+  ckpt_buf_free(&plan);
+  ckpt_buf_free(&rank_plan);
+  ckpt_buf_free(&result);
+}
+
 /* The coordinator stops: tell every client, and give the messages a moment
  * to leave before MPI_Finalize cancels what is still pending. */
 static void tell_stopped(ckpt_dist_t *d) {
@@ -837,7 +868,9 @@ static void *dist_main(void *arg) {
   for (;;) {
     ckpt_dist_job_t *job = d->started ? pop_job(d) : NULL;
     if (job) {
-      if (d->rank == 0)
+      if (job->solo)
+        solo_round(d, job);
+      else if (d->rank == 0)
         coordinator_round(d, job, NULL, 0);
       else
         client_save(d, job);

@@ -186,7 +186,9 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
 /* Close the streams (a committed checkpoint keeps the data through its
  * links; otherwise it is gone). */
 void ckpt__streams_free(ckpt_streams_t *st);
-void ckpt__streams_freeze(ckpt_streams_t *st, bool frozen);
+/* frozen: a save begins (rank: the rank its data files are named for,
+ * 0 in a solo save) or ended without a commit. */
+void ckpt__streams_freeze(ckpt_streams_t *st, bool frozen, int rank);
 /* The checkpoint is committed: no new claims, nothing written or punched
  * in the streams any more. */
 void ckpt__streams_committed(ckpt_streams_t *st);
@@ -617,10 +619,13 @@ void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
 /* ------------------------------------------------------------------------
  * Saves (save.c).
  * ---------------------------------------------------------------------- */
-/* Freeze ck and queue its save. req is replied when the save ends (sync)
- * or at once (async, req replied by the caller). Returns 0 or -errno. */
-int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
-                     fuse_req_t req, size_t reply_size);
+/* Freeze ck and queue its save, as the words written to .commit say
+ * (sync or async, solo, replace=TARGET). req is replied when the save ends
+ * (sync) or at once (async, req replied by the caller). Returns 0 or
+ * -errno. */
+int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                     const ckpt_commit_words_t *words, fuse_req_t req,
+                     size_t reply_size);
 /* What the save of job waits for (dist's waiting op): shown by .status. */
 void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
                         double until);

@@ -1423,17 +1423,6 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 }
 
 /* "sync" or "async", with an optional trailing newline. */
-static int parse_commit(const char *buf, size_t size, bool *sync) {
-  if (size && buf[size - 1] == '\n')
-    size--;
-  if (size == 4 && memcmp(buf, "sync", 4) == 0)
-    *sync = true;
-  else if (size == 5 && memcmp(buf, "async", 5) == 0)
-    *sync = false;
-  else
-    return -EINVAL;
-  return 0;
-}
 
 static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
                      size_t size, off_t off, struct fuse_file_info *fi) {
@@ -1442,17 +1431,19 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   ckpt_node_t *n = handle_of(fi)->node;
   ssize_t rc;
   if (n->kind == CKPT_NODE_COMMIT) {
-    bool sync;
-    rc = parse_commit(buf, size, &sync);
+    ckpt_commit_words_t words;
+    rc = ckpt_commit_words_parse(buf, size, &words);
     if (rc) {
       char shown[300];
       log_text(shown, sizeof(shown), buf, size);
       ckpt__log("%s/.commit: refused the write of %zu byte(s) \"%s\": write "
-                "\"sync\" or \"async\" (a trailing newline is fine)",
+                "\"sync\" or \"async\", optionally followed by \"solo\" "
+                "and \"replace=TARGET\" (a trailing newline is fine)",
                 n->ck->name, size, shown);
     }
+    bool sync = words.sync;
     if (rc == 0)
-      rc = ckpt__save_begin(fs, n->ck, sync, sync ? req : NULL, size);
+      rc = ckpt__save_begin(fs, n->ck, &words, sync ? req : NULL, size);
     if (rc == 0 && sync)
       return; /* replied by the dist thread when the save ends */
     if (rc == 0)

@@ -39,6 +39,8 @@ typedef struct ckpt_save {
   ckpt_dist_job_t job;   /* first: dist hands it back */
   ckpt_fs_t *fs;
   ckpt_ckpt_t *ck;       /* referenced */
+  int rank;              /* this rank in the save's world: the mount's,
+                            0 in a solo save (a world of one) */
   bool sync;             /* a sync commit waits in req */
   fuse_req_t req;
   size_t reply_size;
@@ -155,14 +157,17 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
   return 0;
 }
 
-int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
-                     fuse_req_t req, size_t reply_size) {
+int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                     const ckpt_commit_words_t *words, fuse_req_t req,
+                     size_t reply_size) {
   ckpt_save_t *s = calloc(1, sizeof(*s));
   if (!s)
     return -ENOMEM;
   s->fs = fs;
   s->ck = ck;
-  s->sync = sync;
+  s->sync = words->sync;
+  s->rank = words->solo ? 0 : fs->rank;
+  s->job.solo = words->solo;
   s->req = req;
   s->reply_size = reply_size;
   s->dirfd = -1;
@@ -203,7 +208,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
     ck->state = CKPT_FAILED;
     free(ck->reason);
     ck->reason = ckpt__strdup_printf(
-        "rank %d: %s: cannot freeze it for the commit: %s%s", fs->rank,
+        "rank %d: %s: cannot freeze it for the commit: %s%s", s->rank,
         s->paths[i], strerror(-e),
         e == -EBUSY ? " (a writable shared mapping of it is still there: "
                       "unmap it, then commit again)"
@@ -214,7 +219,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
   if (rc == 0) {
     ck->state = CKPT_COMMITTING;
     if (ck->streams)
-      ckpt__streams_freeze(ck->streams, true);
+      ckpt__streams_freeze(ck->streams, true, s->rank);
     free(ck->reason);
     ck->reason = NULL;
     free(ck->waiting);
@@ -254,7 +259,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck, bool sync,
                       "again");
   pthread_mutex_unlock(&fs->lock);
   if (ck->streams)
-    ckpt__streams_freeze(ck->streams, false);
+    ckpt__streams_freeze(ck->streams, false, 0);
   save_free(fs, s);
   return -EIO;
 }
@@ -347,7 +352,7 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
   ckpt_save_t *s = job->user;
   ckpt_local_plan_t lp;
   ckpt__save_waiting(fs, job, NULL, 0);
-  ckpt_local_plan_init(&lp, fs->rank);
+  ckpt_local_plan_init(&lp, s->rank);
   s->checksums = calloc(s->nfiles ? s->nfiles : 1, sizeof(*s->checksums));
   int rc = s->checksums ? 0 : -ENOMEM;
   if (rc == 0)
@@ -389,7 +394,7 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
     rc = ckpt_msg_encode_local_plan(&lp, out);
   if (rc)
     *err = ckpt__strdup_printf("rank %d: building the local plan: %s",
-                               fs->rank, strerror(-rc));
+                               s->rank, strerror(-rc));
   ckpt_local_plan_free(&lp);
   ckpt_failpoint("local_plan");
   return rc;
@@ -647,7 +652,7 @@ static int write_file(void *arg, uint32_t k) {
   ckpt_save_t *s = arg;
   ckpt_fs_t *fs = s->fs;
   char name[64];
-  ckpt_data_file_name(fs->rank, k, name, sizeof(name));
+  ckpt_data_file_name(s->rank, k, name, sizeof(name));
   writer_t *w = calloc(1, sizeof(*w));
   if (!w)
     return -ENOMEM;
@@ -707,7 +712,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
   int rc = ckpt_msg_decode_rank_plan(plan->data, plan->len, &s->rp);
   if (rc) {
     *err = ckpt__strdup_printf("rank %d: malformed plan from the coordinator",
-                               fs->rank);
+                               s->rank);
     return rc;
   }
   s->have_rp = true;
@@ -715,7 +720,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     if (s->rp.assign[a].local_id >= s->nfiles ||
         s->rp.assign[a].file >= s->rp.n_files) {
       *err = ckpt__strdup_printf("rank %d: plan names an unknown item",
-                                 fs->rank);
+                                 s->rank);
       return -EINVAL;
     }
   uint64_t total = 0;
@@ -724,7 +729,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
   atomic_store(&s->ck->bytes_total, total);
 
   if (!ckpt_save_id_valid(s->rp.save_id)) {
-    *err = ckpt__strdup_printf("rank %d: the plan names no save", fs->rank);
+    *err = ckpt__strdup_printf("rank %d: the plan names no save", s->rank);
     return -EINVAL;
   }
   /* The coordinator made and holds the save's directory (global_step);
@@ -738,10 +743,10 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
           "rank %d: BACKING_DIR %s is not the coordinator's (rank 0 made "
           "%s/%s there, this rank does not see it): every rank of a world "
           "must mount one BACKING_DIR shared by all nodes; nothing was "
-          "written", fs->rank, fs->backing_path, CKPT_SAVES_DIR,
+          "written", s->rank, fs->backing_path, CKPT_SAVES_DIR,
           s->rp.save_id);
     else
-      *err = ckpt__strdup_printf("rank %d: opening %s/%s/%s: %s", fs->rank,
+      *err = ckpt__strdup_printf("rank %d: opening %s/%s/%s: %s", s->rank,
                                  fs->backing_path, CKPT_SAVES_DIR,
                                  s->rp.save_id, strerror(-rc));
     return rc == -ENOENT ? -EXDEV : rc;
@@ -756,14 +761,14 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     char name[64] = "data files";
     int k = atomic_load(&s->failed_file);
     if (k >= 0)
-      ckpt_data_file_name(fs->rank, (uint32_t)k, name, sizeof(name));
-    *err = ckpt__strdup_printf("rank %d: writing %s/%s/%s: %s", fs->rank,
+      ckpt_data_file_name(s->rank, (uint32_t)k, name, sizeof(name));
+    *err = ckpt__strdup_printf("rank %d: writing %s/%s/%s: %s", s->rank,
                                fs->backing_path, job->name, name,
                                strerror(-rc));
     return rc;
   }
   ckpt_failpoint("write_done");
-  ckpt_write_result_t wr = {.rank = fs->rank, .bytes_written = total};
+  ckpt_write_result_t wr = {.rank = s->rank, .bytes_written = total};
   return ckpt_msg_encode_write_result(&wr, out);
 }
 
@@ -865,7 +870,7 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
     for (uint32_t k = 0; s->have_rp && s->dirfd >= 0 && k < s->rp.n_files;
          k++) {
       char name[64];
-      ckpt_data_file_name(fs->rank, k, name, sizeof(name));
+      ckpt_data_file_name(s->rank, k, name, sizeof(name));
       unlinkat(s->dirfd, name, 0);
     }
     return;
@@ -965,11 +970,11 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ck->reason = strdup(reason ? reason : "unknown error");
     pthread_mutex_unlock(&fs->lock);
     if (ck->streams) /* staged again: files may stream anew */
-      ckpt__streams_freeze(ck->streams, false);
+      ckpt__streams_freeze(ck->streams, false, 0);
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
   }
   ckpt__staging_tidy(fs->backing_fd);
-  if (rc == 0 && fs->rank == 0 && fs->opts.keep_last)
+  if (rc == 0 && s->rank == 0 && fs->opts.keep_last)
     keep_last(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");

@@ -142,9 +142,11 @@ void ckpt__streams_committed(ckpt_streams_t *st) {
   pthread_mutex_unlock(&st->lock);
 }
 
-void ckpt__streams_freeze(ckpt_streams_t *st, bool frozen) {
+void ckpt__streams_freeze(ckpt_streams_t *st, bool frozen, int rank) {
   pthread_mutex_lock(&st->lock);
   st->frozen = frozen;
+  if (frozen) /* read by link and unlink, on the dist thread, after this */
+    st->rank = rank;
   pthread_mutex_unlock(&st->lock);
 }
 

@@ -115,6 +115,17 @@ bool ckpt_name_valid(const char *name);
  * there itself (.commit, .status, .metadata, .npy, .safetensors, a block
  * file's ".NAME[...]"): -EPERM. */
 int ckpt_entry_name_check(const char *name, size_t len, bool top);
+/* What was written to NAME/.commit (commit_words.c). */
+typedef struct {
+  bool sync;          /* "sync" (else "async") */
+  bool solo;          /* "solo": this rank alone, as a world of one */
+  char replace[256];  /* "replace=TARGET": TARGET, or "" */
+} ckpt_commit_words_t;
+/* Parse buf[0..len): 0, or -EINVAL for anything but "sync"/"async" then
+ * "solo" and "replace=TARGET" (each at most once, any order, spaces
+ * between; TARGET a checkpoint name without spaces) and a final newline. */
+int ckpt_commit_words_parse(const char *buf, size_t len,
+                            ckpt_commit_words_t *out);
 /* FQN of a path relative to the checkpoint ("model/l0/w" -> "model.l0.w").
  * Returns a malloc'd string or NULL on ENOMEM. */
 char *ckpt_fqn_from_path(const char *path);

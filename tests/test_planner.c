@@ -393,6 +393,41 @@ static void test_names(void **state) {
     assert_false(ckpt_name_valid(bad[i]));
 }
 
+static void test_commit_words(void **state) {
+  (void)state;
+  ckpt_commit_words_t w;
+  assert_int_equal(ckpt_commit_words_parse("sync", 4, &w), 0);
+  assert_true(w.sync);
+  assert_false(w.solo);
+  assert_string_equal(w.replace, "");
+  assert_int_equal(ckpt_commit_words_parse("async\n", 6, &w), 0);
+  assert_false(w.sync);
+  const char *s = "sync replace=step-12 solo\n";
+  assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
+  assert_true(w.sync && w.solo);
+  assert_string_equal(w.replace, "step-12");
+  s = "async  solo  replace=epoch=0-step=100";
+  assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
+  assert_true(!w.sync && w.solo);
+  assert_string_equal(w.replace, "epoch=0-step=100");
+  static const char *bad[] = {
+      "",          "\n",          "Sync",           "sync\n\n",
+      "sync now",  "solo",        "sync solo solo", "sync replace=",
+      "sync replace=.x", "sync replace=a replace=b", "sync\nsolo",
+      "sync replace=a/b", "syncsolo"};
+  for (size_t i = 0; i < N_OF(bad); i++)
+    assert_int_equal(ckpt_commit_words_parse(bad[i], strlen(bad[i]), &w),
+                     -EINVAL);
+  assert_int_equal(ckpt_commit_words_parse("sync\0", 5, &w), -EINVAL);
+  char longer[300] = "sync replace=";
+  memset(longer + 13, 'x', 256);
+  longer[269] = '\0';
+  assert_int_equal(ckpt_commit_words_parse(longer, strlen(longer), &w), -EINVAL);
+  longer[13 + 255] = '\0';
+  assert_int_equal(ckpt_commit_words_parse(longer, strlen(longer), &w), 0);
+  assert_int_equal((int)strlen(w.replace), 255);
+}
+
 static void test_entry_name_check(void **state) {
   (void)state;
   static const struct {
@@ -2683,6 +2718,7 @@ int main(void) {
       cmocka_unit_test(test_dims_numel),
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_entry_name_check),
+      cmocka_unit_test(test_commit_words),
       cmocka_unit_test(test_fqn),
       cmocka_unit_test(test_data_file_names),
       cmocka_unit_test(test_local_plan),

@@ -1,6 +1,6 @@
 /*
  * dims_fuzzer.c - fuzz the parsers of user-visible values: dimension lists,
- * dtypes, checkpoint names and data file names.
+ * dtypes, checkpoint names, data file names and the words of .commit.
  *
  * Whatever parses must format back to text that parses to the same value
  * (dims in both styles, dtypes through their canonical name, data file
@@ -48,6 +48,15 @@ static void fuzz_dtype(const char *s, size_t n) {
   CHECK(ckpt_dtype_parse(name, strlen(name), &back) == 0 && back == dt);
 }
 
+/* What .commit accepts parses to a name that is valid, once more the same. */
+static void fuzz_commit_words(const char *s, size_t n) {
+  ckpt_commit_words_t w;
+  if (ckpt_commit_words_parse(s, n, &w) < 0)
+    return;
+  CHECK(w.replace[0] == '\0' || ckpt_name_valid(w.replace));
+  CHECK(!memchr(w.replace, ' ', strlen(w.replace)));
+}
+
 /* name: NUL-terminated. */
 static void fuzz_names(const char *name) {
   char text[64];
@@ -64,6 +73,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const char *s = (const char *)data;
   fuzz_dims(s, size);
   fuzz_dtype(s, size);
+  fuzz_commit_words(s, size);
   char *name = malloc(size + 1);
   if (name == NULL)
     return 0;
