@@ -72,15 +72,15 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from ._client import (CkptfsError, CommitError, _commit_dir as _commit, _Stager,
-                      _discard_staged as _discard, _pread_into, _status_of as _status,
-                      _write_fd as _write_all, block_file)
+from ._client import (ABORT_ITEM, CkptfsError, CommitError, _abort_commit, _abort_save,
+                      _aborted_elsewhere, _commit_dir as _commit, _discard_uncommitted,
+                      _Stager, _discard_staged as _discard, _pread_into,
+                      _status_of as _status, _write_fd as _write_all, block_file)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
 
 IO_STEP = 64 << 20          # bytes of rows per gather of a strided block
-ABORT_ITEM = "_ckptfs_abort"
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 # ckptfs dtype name <-> torch dtype
@@ -386,27 +386,25 @@ class Writer(StorageWriter):
             # Another save's staged checkpoint of this name, left on this
             # rank: fail this save on every rank now (the others wait for
             # this rank's commit), and leave that checkpoint as it is.
-            self._abort(ckdir)
+            _abort_commit(ckdir, self.name)
             raise
-        committed = False
         try:
             sizes = self._stage(ckdir, items, paths, planner)
-            _commit(ckdir, self.name, self.commit_mode)
-            committed = True
-        except BaseException as e:
-            if not isinstance(e, CommitError):
-                self._abort(ckdir)
-            try:
-                if os.path.isdir(ckdir) and _status(ckdir)[0] in ("staging", "failed"):
-                    _discard(ckdir)
-            except OSError:
-                pass
-            if isinstance(e, CommitError) and ABORT_ITEM in e.status:
-                raise CommitError(self.name, e.status + "\nanother rank failed while "
-                                  "writing its items: its own error says why",
-                                  ckdir) from None
+        except BaseException:
+            _abort_save(ckdir, self.name)  # every rank fails now; discarded
             raise
-        assert committed
+        try:
+            _commit(ckdir, self.name, self.commit_mode)
+        except CommitError as e:
+            aborted = _aborted_elsewhere(e, ckdir, self.name)
+            if aborted is not None:
+                raise aborted from None
+            # a failed DCP save is discarded, so the same id can be saved again
+            discarded = _discard_uncommitted(ckdir)
+            raise CommitError(e.name, e.status, e.path, discarded=discarded) from None
+        except BaseException:
+            _abort_save(ckdir, self.name)
+            raise
         return [WriteResult(index=it.index, size_in_bytes=sizes.get(it.index, 0),
                             storage_data=paths.get(it.index.fqn)) for it in plan.items]
 
@@ -484,26 +482,6 @@ class Writer(StorageWriter):
                 stager.submit(_write_tensor_file, ckdir, rel, t, fqn, td.size,
                               offsets, explicit, made)
         return sizes
-
-    def _abort(self, ckdir):
-        """Fail this save on every rank now rather than at commit_timeout:
-        commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes)."""
-        try:
-            if not os.path.isdir(ckdir) or _status(ckdir)[0] != "staging":
-                return
-            path = os.path.join(ckdir, ABORT_ITEM)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.setxattr(fd, "user.ckpt.dtype", b"float32")
-                os.setxattr(fd, "user.ckpt.shape", b"1")
-            finally:
-                os.close(fd)
-            try:
-                _commit(ckdir, self.name, "sync")
-            except (CkptfsError, OSError):
-                pass
-        except OSError:
-            pass
 
 
 # ---- the reader ----------------------------------------------------------------
