@@ -41,7 +41,9 @@ trust, or pass allow_pickle=False (such items then raise).
 
 Errors: a failed commit raises CommitError with the reason ckptfs gives in
 NAME/.status; a missing checkpoint or item, a shape or dtype that does not
-match, or an unsupported dtype raise with a message naming the item.
+match, or an unsupported dtype raise with a message naming the item. A
+rank whose save raises before it commits aborts the save on every rank at
+once (_abort_save), and every rank discards what it staged.
 """
 
 import errno
@@ -59,6 +61,7 @@ __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
            "commit", "Shard", "CommitError", "CkptfsError", "DTYPES"]
 
 MANIFEST_DIR = "_ckptfs"
+ABORT_ITEM = "_ckptfs_abort"   # the item a rank commits to abort a save (_abort_commit)
 FORMAT = 1
 IO_STEP = 8 << 20  # bytes per write/pread call
 
@@ -86,25 +89,32 @@ class CkptfsIOError(CkptfsError, OSError):
 
 
 class CommitError(CkptfsError):
-    """A commit failed; .status holds the reason ckptfs gave."""
+    """A commit failed; .status holds the reason ckptfs gave. discarded:
+    the staged checkpoint was discarded (a save that another rank aborted,
+    or ckptfs.dcp's saves), else it stays staged for a fix and a retry."""
 
-    def __init__(self, name, status_text, path=None):
+    def __init__(self, name, status_text, path=None, discarded=False):
         self.name = name
         self.status = status_text
         self.path = path
+        self.discarded = discarded
         lines = [ln for ln in status_text.splitlines() if ln.strip()]
         reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
         where = f" ({path})" if path else ""
-        super().__init__(
-            f"commit of checkpoint {name!r} failed{where}: {reason}. Nothing "
-            "was published; the checkpoint stays staged on every rank: fix "
-            "what the reason names and save again with exist_ok=True, or "
-            "discard it with rm -r.")
+        if discarded:
+            then = ("the staged checkpoint was discarded on every rank, so the "
+                    "same name can be saved again.")
+        else:
+            then = ("the checkpoint stays staged on every rank: fix what the "
+                    "reason names and save again with exist_ok=True, or discard "
+                    "it with rm -r.")
+        super().__init__(f"commit of checkpoint {name!r} failed{where}: {reason}. "
+                         f"Nothing was published; {then}")
 
     def __reduce__(self):
         # DCP pickles a rank's exception to send it to the coordinator: keep
         # the constructor's arguments, not the formatted message.
-        return (type(self), (self.name, self.status, self.path))
+        return (type(self), (self.name, self.status, self.path, self.discarded))
 
 
 class Shard:
@@ -449,7 +459,44 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     """
     _check_save_args(state_dict, mount, "mode", mode, objects)
     stager = _Stager(threads)
-    leaves = _flatten(state_dict, [], [])
+    try:
+        leaves = _flatten(state_dict, [], [])
+    except BaseException:
+        _abort_unstaged(mount, name, exist_ok)
+        raise
+    ckdir = _make_checkpoint_dir(mount, name, exist_ok)
+    try:
+        manifest = {}
+        made = set()
+        try:
+            _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager)
+        except BaseException:
+            stager.abandon()
+            raise
+        stager.done()
+        mpath = os.path.join(ckdir, MANIFEST_DIR, f"rank{int(rank)}.json")
+        os.makedirs(os.path.dirname(mpath), exist_ok=True)
+        _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
+                                      "items": manifest}, sort_keys=True).encode())
+    except BaseException:
+        _abort_save(ckdir, name)
+        raise
+    try:
+        commit(mount, name, mode)
+    except CommitError as e:
+        aborted = _aborted_elsewhere(e, ckdir, name)
+        if aborted is None:
+            raise
+        raise aborted from None
+    except BaseException:
+        _abort_save(ckdir, name)
+        raise
+
+
+def _make_checkpoint_dir(mount, name, exist_ok):
+    """Create MOUNT/NAME for a save (see save's exist_ok); its path. A
+    staged one that exist_ok does not allow is aborted (_abort_commit: the
+    other ranks wait for this rank's commit) and left staged."""
     ckdir = os.path.join(mount, name)
     try:
         os.mkdir(ckdir)
@@ -463,30 +510,96 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
                 f"checkpoint {name!r} is already {st} in {mount}: choose another "
                 f"name (or remove it for every rank with rm -r {ckdir})") from None
         if not exist_ok:
+            _abort_commit(ckdir, name)
             raise CkptfsError(
                 f"checkpoint {name!r} is already staged ({st}) on this rank in "
                 f"{mount}: choose another name, discard it with rm -r {ckdir}, "
-                "or pass exist_ok=True to discard and restage it") from None
+                "or pass exist_ok=True to discard and restage it (this save "
+                "was aborted on every rank)") from None
         _discard_staged(ckdir)
         os.mkdir(ckdir)
     except OSError as e:
         raise CkptfsError(f"cannot create checkpoint {ckdir}: {e.strerror}"
                           + (" (names are [A-Za-z0-9_.-]+, not starting with '.')"
                              if e.errno in (errno.EINVAL, errno.EPERM) else "")) from e
+    return ckdir
 
-    manifest = {}
-    made = set()
+
+# ---- one rank's failure fails the save on every rank ----------------------------
+#
+# A commit waits for every rank's (up to commit_timeout, 600 s by default).
+# A rank that fails before it commits therefore commits anyway, with an
+# item ckptfs refuses (ABORT_ITEM): the commit fails on every rank within
+# seconds, each rank discards what it staged, and the others raise
+# CommitError saying another rank failed. ckpt.save, ckptfs.async_save and
+# ckptfs.dcp.Writer all do this.
+
+def _abort_commit(ckdir, name):
+    """Fail this save on every rank now rather than at commit_timeout:
+    commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes).
+    Returns once the commit failed (when every rank committed)."""
     try:
-        _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager)
-    except BaseException:
-        stager.abandon()
-        raise
-    stager.done()
-    mpath = os.path.join(ckdir, MANIFEST_DIR, f"rank{int(rank)}.json")
-    os.makedirs(os.path.dirname(mpath), exist_ok=True)
-    _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
-                                  "items": manifest}, sort_keys=True).encode())
-    commit(mount, name, mode)
+        if not os.path.isdir(ckdir) or _status_of(ckdir)[0] != "staging":
+            return
+        path = os.path.join(ckdir, ABORT_ITEM)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.setxattr(fd, "user.ckpt.dtype", b"float32")
+            os.setxattr(fd, "user.ckpt.shape", b"1")
+        finally:
+            os.close(fd)
+        try:
+            _commit_dir(ckdir, name, "sync")
+        except (CkptfsError, OSError):
+            pass
+    except OSError:
+        pass
+
+
+def _discard_uncommitted(ckdir):
+    """Discard ckdir on this rank if it is staged or failed (never a
+    committed one); True if it was."""
+    try:
+        if os.path.isdir(ckdir) and _status_of(ckdir)[0] in ("staging", "failed"):
+            _discard_staged(ckdir)
+            return True
+    except OSError:
+        pass
+    return False
+
+
+def _abort_save(ckdir, name):
+    """This rank's save into ckdir failed before its commit: fail it on
+    every rank now (_abort_commit), then discard what this rank staged. The
+    error being raised (sys.exc_info) gets a note saying so."""
+    _abort_commit(ckdir, name)
+    gone = _discard_uncommitted(ckdir)
+    err = sys.exc_info()[1]
+    if err is not None and hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(f"ckptfs: the save of {name!r} was aborted on every rank"
+                     + (" and this rank's staged files discarded" if gone else ""))
+
+
+def _abort_unstaged(mount, name, exist_ok):
+    """This rank failed before it staged anything (a key or value it cannot
+    encode): make NAME only to abort it, as _abort_save."""
+    try:
+        ckdir = _make_checkpoint_dir(mount, name, exist_ok)
+    except CkptfsError:
+        return  # not ours to abort, or aborted already
+    _abort_save(ckdir, name)
+
+
+def _aborted_elsewhere(err, ckdir, name):
+    """err: this rank's CommitError. When another rank aborted the save
+    (_abort_commit), discard this rank's staged files and return the
+    CommitError to raise instead; else None."""
+    if ABORT_ITEM not in err.status:
+        return None
+    _discard_uncommitted(ckdir)
+    return CommitError(name, err.status + "\nanother rank failed before its commit "
+                       "(while staging its items): its own error says why", ckdir,
+                       discarded=True)
 
 
 class StagingBuffers:
@@ -595,13 +708,15 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     if buffers is not None and not isinstance(buffers, StagingBuffers):
         raise TypeError(f"buffers must be a ckptfs.StagingBuffers, not "
                         f"{type(buffers).__name__}")
-    _flatten(state_dict, [], [])   # bad keys raise here, not in the future
     used = {} if buffers is not None else None
     try:
+        _flatten(state_dict, [], [])   # bad keys raise here, not in the future
         snap = _snapshot(state_dict, objects, buffers, used)
     except BaseException:
         if buffers is not None:
             buffers._give(used)   # nothing writes from them: keep them
+        # the other ranks' saves would wait for this rank's commit
+        _abort_unstaged(mount, name, exist_ok)
         raise
     fut = Future()
     fut.set_running_or_notify_cancel()

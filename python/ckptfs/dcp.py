@@ -46,14 +46,19 @@ import sys
 import hashlib
 import io
 import os
+import pickle
 import re
 import sqlite3
+import stat
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
                                                    ChunkStorageMetadata,
                                                    Metadata, MetadataIndex,
@@ -67,15 +72,15 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from ._client import (CkptfsError, CommitError, _commit_dir as _commit, _Stager,
-                      _discard_staged as _discard, _pread_into, _status_of as _status,
-                      _write_fd as _write_all, block_file)
+from ._client import (ABORT_ITEM, CkptfsError, CommitError, _abort_commit, _abort_save,
+                      _aborted_elsewhere, _commit_dir as _commit, _discard_uncommitted,
+                      _Stager, _discard_staged as _discard, _pread_into,
+                      _status_of as _status, _write_fd as _write_all, block_file)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
 
 IO_STEP = 64 << 20          # bytes of rows per gather of a strided block
-ABORT_ITEM = "_ckptfs_abort"
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 # ckptfs dtype name <-> torch dtype
@@ -381,27 +386,25 @@ class Writer(StorageWriter):
             # Another save's staged checkpoint of this name, left on this
             # rank: fail this save on every rank now (the others wait for
             # this rank's commit), and leave that checkpoint as it is.
-            self._abort(ckdir)
+            _abort_commit(ckdir, self.name)
             raise
-        committed = False
         try:
             sizes = self._stage(ckdir, items, paths, planner)
-            _commit(ckdir, self.name, self.commit_mode)
-            committed = True
-        except BaseException as e:
-            if not isinstance(e, CommitError):
-                self._abort(ckdir)
-            try:
-                if os.path.isdir(ckdir) and _status(ckdir)[0] in ("staging", "failed"):
-                    _discard(ckdir)
-            except OSError:
-                pass
-            if isinstance(e, CommitError) and ABORT_ITEM in e.status:
-                raise CommitError(self.name, e.status + "\nanother rank failed while "
-                                  "writing its items: its own error says why",
-                                  ckdir) from None
+        except BaseException:
+            _abort_save(ckdir, self.name)  # every rank fails now; discarded
             raise
-        assert committed
+        try:
+            _commit(ckdir, self.name, self.commit_mode)
+        except CommitError as e:
+            aborted = _aborted_elsewhere(e, ckdir, self.name)
+            if aborted is not None:
+                raise aborted from None
+            # a failed DCP save is discarded, so the same id can be saved again
+            discarded = _discard_uncommitted(ckdir)
+            raise CommitError(e.name, e.status, e.path, discarded=discarded) from None
+        except BaseException:
+            _abort_save(ckdir, self.name)
+            raise
         return [WriteResult(index=it.index, size_in_bytes=sizes.get(it.index, 0),
                             storage_data=paths.get(it.index.fqn)) for it in plan.items]
 
@@ -479,26 +482,6 @@ class Writer(StorageWriter):
                 stager.submit(_write_tensor_file, ckdir, rel, t, fqn, td.size,
                               offsets, explicit, made)
         return sizes
-
-    def _abort(self, ckdir):
-        """Fail this save on every rank now rather than at commit_timeout:
-        commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes)."""
-        try:
-            if not os.path.isdir(ckdir) or _status(ckdir)[0] != "staging":
-                return
-            path = os.path.join(ckdir, ABORT_ITEM)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.setxattr(fd, "user.ckpt.dtype", b"float32")
-                os.setxattr(fd, "user.ckpt.shape", b"1")
-            finally:
-                os.close(fd)
-            try:
-                _commit(ckdir, self.name, "sync")
-            except (CkptfsError, OSError):
-                pass
-        except OSError:
-            pass
 
 
 # ---- the reader ----------------------------------------------------------------
@@ -833,67 +816,308 @@ class _Mounted:
         return False
 
 
+# ---- reading a stock DCP directory that anyone may own -------------------------
+#
+# import-dcp runs as root on directories other users write. DCP's
+# FileSystemReader unpickles .metadata with pickle.load (any global, so any
+# code) and opens DCP_DIR/relative_path (an absolute path, '..' or a symlink
+# reads any file). The import reads .metadata with _MetadataUnpickler and
+# every item through a descriptor of DCP_DIR, by plain name, O_NOFOLLOW.
+
+# The classes of torch.distributed.checkpoint.metadata a .metadata holds.
+_DCP_METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                         "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                         "StorageMeta", "_MEM_FORMAT_ENCODING")
+_MEMORY_FORMATS = ("contiguous_format", "channels_last", "channels_last_3d",
+                   "preserve_format")
+_admitted = {}
+
+
+def _layout_by_name(name):
+    """torch.serialization._get_layout for the unpickler: a torch.layout by
+    its str(), nothing else."""
+    for v in vars(torch).values():
+        if isinstance(v, torch.layout) and str(v) == name:
+            return v
+    raise pickle.UnpicklingError(f"{name!r} is not a torch.layout")
+
+
+def _admitted_globals():
+    """{(module, name): object}: everything _MetadataUnpickler resolves.
+    Nothing is imported or looked up by the pickle's names."""
+    if _admitted:
+        return _admitted
+    import collections
+    import pathlib
+    from torch.distributed.checkpoint import filesystem, metadata
+    g = {}
+    for n in _DCP_METADATA_CLASSES:
+        if hasattr(metadata, n):
+            g[("torch.distributed.checkpoint.metadata", n)] = getattr(metadata, n)
+    g[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    g[("torch", "Size")] = torch.Size
+    for n, v in vars(torch).items():
+        if isinstance(v, (torch.dtype, torch.layout)):
+            g[("torch", n)] = v
+    # A memory_format pickles as the global "torch.NAME" of whichever
+    # loaded module pickle found holding `torch` (torch._utils in 2.13).
+    for n in _MEMORY_FORMATS:
+        g[("torch", n)] = getattr(torch, n)
+        for mod in ("torch._utils", "torch.serialization", "torch.distributed.checkpoint.metadata"):
+            g[(mod, f"torch.{n}")] = getattr(torch, n)
+    g[("torch.serialization", "_get_layout")] = _layout_by_name
+    g[("collections", "OrderedDict")] = collections.OrderedDict
+    for mod in ("pathlib", "pathlib._local"):  # checkpoint_id as a Path (3.13: _local)
+        g[(mod, "PosixPath")] = pathlib.PosixPath
+        g[(mod, "PurePosixPath")] = pathlib.PurePosixPath
+    g[("builtins", "set")] = set
+    g[("builtins", "frozenset")] = frozenset
+    _admitted.update(g)
+    return _admitted
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata admitting only the globals DCP puts there
+    (torch 2.13's dcp.save, checked with pickletools):
+
+    - torch.distributed.checkpoint.metadata: Metadata, TensorStorageMetadata,
+      BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+      MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING (TensorProperties'
+      memory format);
+    - torch.distributed.checkpoint.filesystem._StorageInfo;
+    - torch.Size; torch's dtypes and layouts (torch.float32, torch.strided,
+      ...); torch.serialization._get_layout (as a lookup of torch's layouts
+      by name only); the memory formats (torch.contiguous_format,
+      channels_last, channels_last_3d, preserve_format) as older torch
+      pickled them;
+    - collections.OrderedDict; pathlib.PosixPath and PurePosixPath (a
+      checkpoint_id given as a Path);
+    - builtins set and frozenset (dicts, lists, tuples, strings, numbers,
+      bytes, True/False/None are pickle opcodes, not globals).
+
+    Any other global, and any persistent id, raises CkptfsError naming it
+    before anything is called."""
+
+    def __init__(self, file, where):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module, name):
+        try:
+            return _admitted_globals()[(module, name)]
+        except KeyError:
+            raise CkptfsError(
+                f"{self.where}: refused global {module}.{name}: a DCP .metadata may "
+                "hold only DCP's metadata classes, torch.Size, torch dtypes, layouts "
+                "and memory formats, OrderedDict, PosixPath, set and frozenset "
+                "(docs/pytorch.md); nothing of it was run") from None
+
+    def persistent_load(self, pid):
+        raise CkptfsError(f"{self.where}: refused persistent id {pid!r}: a DCP "
+                          ".metadata has none")
+
+
+def _plain_name(rel):
+    """rel names a file directly inside the directory: not empty, not
+    . or .., no '/', no NUL, at most 255 bytes."""
+    return (isinstance(rel, str) and rel not in ("", ".", "..") and "/" not in rel
+            and "\0" not in rel and len(rel.encode("utf-8", "surrogateescape")) <= 255)
+
+
+def _open_item(dirfd, name, where):
+    """The regular file NAME directly in directory dirfd, opened for reading
+    without following a symlink (a FIFO does not block the open)."""
+    if not _plain_name(name):
+        raise CkptfsError(f"{where}: item file {name!r} refused: items must be plain "
+                          "file names inside DCP_DIR")
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dirfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CkptfsError(f"{where}: item file {name!r} refused: it is a symbolic "
+                              "link (items are read only as regular files in DCP_DIR)") from None
+        raise CkptfsError(f"{where}: item file {name!r}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CkptfsError(f"{where}: item file {name!r} refused: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_dims(xs, what):
+    if not isinstance(xs, (tuple, list)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs):
+        raise CkptfsError(f"{what}: not a list of non-negative integers: {xs!r}")
+
+
+def _check_metadata(md, dirfd, where):
+    """Refuse (CkptfsError) a .metadata that is not the DCP metadata the
+    import understands, or whose items are not regular files named plainly
+    in DCP_DIR; nothing is read from the items."""
+    if not isinstance(md, Metadata):
+        raise CkptfsError(f"{where}: not a DCP Metadata but a {type(md).__name__}")
+    sdm, storage = md.state_dict_metadata, md.storage_data
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise CkptfsError(f"{where}: state_dict_metadata and storage_data must be dicts")
+    for fqn, m in sdm.items():
+        if not isinstance(fqn, str):
+            raise CkptfsError(f"{where}: FQN {fqn!r} is not a string")
+        if isinstance(m, TensorStorageMetadata):
+            if not isinstance(getattr(m.properties, "dtype", None), torch.dtype):
+                raise CkptfsError(f"{where}: {fqn}: no torch dtype")
+            _check_dims(m.size, f"{where}: {fqn}: size")
+            for c in m.chunks:
+                _check_dims(c.offsets, f"{where}: {fqn}: chunk offsets")
+                _check_dims(c.sizes, f"{where}: {fqn}: chunk sizes")
+        elif not isinstance(m, BytesStorageMetadata):
+            raise CkptfsError(f"{where}: {fqn}: unknown item type {type(m).__name__}")
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    names = set()
+    for idx, info in storage.items():
+        what = f"{where}: {getattr(idx, 'fqn', idx)}"
+        if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CkptfsError(f"{what}: storage_data entry is not MetadataIndex -> _StorageInfo")
+        if not _plain_name(info.relative_path):
+            raise CkptfsError(f"{what}: relative_path {info.relative_path!r} refused: "
+                              "items must be plain file names inside DCP_DIR (no '/', "
+                              "no '..', not absolute, not empty)")
+        _check_dims((info.offset, info.length), f"{what}: offset, length")
+        if getattr(info, "transform_descriptors", None):
+            raise CkptfsError(f"{what}: stored with transforms "
+                              f"{info.transform_descriptors}: not supported")
+        names.add(info.relative_path)
+    for n in sorted(names):
+        try:
+            st = os.stat(n, dir_fd=dirfd, follow_symlinks=False)
+        except OSError as e:
+            raise CkptfsError(f"{where}: item file {n!r}: {e.strerror}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CkptfsError(f"{where}: item file {n!r} refused: it is a symbolic link "
+                              "(items are read only as regular files in DCP_DIR)")
+        if not stat.S_ISREG(st.st_mode):
+            raise CkptfsError(f"{where}: item file {n!r} refused: not a regular file")
+
+
+def read_dcp_metadata(dirfd, where):
+    """The checked Metadata of the stock DCP directory open at dirfd (where:
+    its path, for messages): unpickled by _MetadataUnpickler, every item a
+    regular file named plainly in the directory (_check_metadata)."""
+    with _open_item(dirfd, ".metadata", where) as f:
+        try:
+            md = _MetadataUnpickler(f, f"{where}/.metadata").load()
+        except CkptfsError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a malformed pickle, any kind)
+            raise CkptfsError(f"{where}/.metadata: not a DCP metadata pickle: "
+                              f"{type(e).__name__}: {e}") from None
+    _check_metadata(md, dirfd, where)
+    return md
+
+
+class _BeneathFS(FileSystem):
+    """DCP's FileSystem, reading only plain names in one directory through
+    its descriptor (_open_item)."""
+
+    def __init__(self, dirfd, root, where):
+        super().__init__()
+        self.dirfd, self.root, self.where = dirfd, Path(root), where
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        path = Path(path)
+        if mode != "rb" or path.parent != self.root:
+            raise CkptfsError(f"{self.where}: refused to open {str(path)!r} ({mode})")
+        with _open_item(self.dirfd, path.name, self.where) as f:
+            yield f
+
+
+class _DcpDirReader(FileSystemReader):
+    """FileSystemReader of a DCP directory with its metadata already read
+    by read_dcp_metadata, its items opened through _BeneathFS."""
+
+    def __init__(self, dcp_dir, dirfd, metadata):
+        super().__init__(dcp_dir)
+        self.fs = _BeneathFS(dirfd, self.path, dcp_dir)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self._metadata
+
+
 def import_checkpoint(dcp_dir, target, name, *, binary=None, batch_bytes=1 << 30):
     """Bring the checkpoint that stock DCP (dcp.save with FileSystemWriter)
     wrote to dcp_dir into ckptfs as NAME, bit for bit: every tensor whole
     (assembled by DCP's own reader from torch.save'd chunks of any stride),
     every bytes/object item with its stored bytes unchanged. target: a
     one-rank ckptfs mount, or a BACKING_DIR (mounted for the import).
-    Tensors are read batch_bytes at a time."""
-    from torch.distributed.checkpoint import FileSystemReader
+    Tensors are read batch_bytes at a time.
+
+    dcp_dir may belong to anyone: its .metadata is read by
+    _MetadataUnpickler (DCP's classes only, nothing run) and its items
+    only as regular files named plainly in it, never through a symlink;
+    anything else is refused before NAME is created."""
+    name = checkpoint_name(name)
+    dirfd = os.open(dcp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        md = read_dcp_metadata(dirfd, dcp_dir)
+        with _Mounted(target, binary) as mnt:
+            _import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes)
+    finally:
+        os.close(dirfd)
+    return name
+
+
+def _import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes):
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    name = checkpoint_name(name)
-    md = FileSystemReader(dcp_dir).read_metadata()
     sdm = md.state_dict_metadata
     paths = fqn_paths(sdm)
-    with _Mounted(target, binary) as mnt:
-        ckdir = os.path.join(mnt, name)
+    ckdir = os.path.join(mnt, name)
+    try:
+        os.mkdir(ckdir)
+    except FileExistsError:
+        raise CkptfsError(f"{name}: a checkpoint of that name exists in {mnt}") from None
+    made = set()
+    try:
+        for fqn, m in sdm.items():
+            if isinstance(m, BytesStorageMetadata):
+                info = md.storage_data[MetadataIndex(fqn)]
+                with _open_item(dirfd, info.relative_path, dcp_dir) as f:
+                    f.seek(info.offset)
+                    data = f.read(info.length)
+                if len(data) != info.length:
+                    raise CkptfsError(f"{fqn}: {info.relative_path} is truncated")
+                _write_bytes_file(ckdir, paths[fqn], data, fqn,
+                                  _path_fqn(paths[fqn]) != fqn, made)
+        batch, size = {}, 0
+        tensors = [(f, m) for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)]
+        for i, (fqn, m) in enumerate(tensors):
+            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            batch[fqn] = t
+            size += t.numel() * t.element_size()
+            if size >= batch_bytes or i == len(tensors) - 1:
+                dcp_load(batch, storage_reader=_DcpDirReader(dcp_dir, dirfd, md),
+                         planner=DefaultLoadPlanner(allow_partial_load=True),
+                         no_dist=True)
+                for f, bt in batch.items():
+                    m_ = sdm[f]
+                    _write_tensor_file(ckdir, paths[f], bt, f, tuple(m_.size),
+                                       (0,) * len(m_.size),
+                                       _path_fqn(paths[f]) != f, made)
+                batch, size = {}, 0
+        _commit(ckdir, name, "sync")
+    except BaseException:
         try:
-            os.mkdir(ckdir)
-        except FileExistsError:
-            raise CkptfsError(f"{name}: a checkpoint of that name exists in {mnt}") from None
-        made = set()
-        try:
-            for fqn, m in sdm.items():
-                if isinstance(m, BytesStorageMetadata):
-                    info = md.storage_data[MetadataIndex(fqn)]
-                    if getattr(info, "transform_descriptors", None):
-                        raise CkptfsError(f"{fqn}: stored with transforms "
-                                          f"{info.transform_descriptors}: not supported")
-                    with open(os.path.join(dcp_dir, info.relative_path), "rb") as f:
-                        f.seek(info.offset)
-                        data = f.read(info.length)
-                    if len(data) != info.length:
-                        raise CkptfsError(f"{fqn}: {info.relative_path} is truncated")
-                    _write_bytes_file(ckdir, paths[fqn], data, fqn,
-                                      _path_fqn(paths[fqn]) != fqn, made)
-            batch, size = {}, 0
-            tensors = [(f, m) for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)]
-            for i, (fqn, m) in enumerate(tensors):
-                t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                batch[fqn] = t
-                size += t.numel() * t.element_size()
-                if size >= batch_bytes or i == len(tensors) - 1:
-                    dcp_load(batch, storage_reader=FileSystemReader(dcp_dir),
-                             planner=DefaultLoadPlanner(allow_partial_load=True),
-                             no_dist=True)
-                    for f, bt in batch.items():
-                        m_ = sdm[f]
-                        _write_tensor_file(ckdir, paths[f], bt, f, tuple(m_.size),
-                                           (0,) * len(m_.size),
-                                           _path_fqn(paths[f]) != f, made)
-                    batch, size = {}, 0
-            _commit(ckdir, name, "sync")
-        except BaseException:
-            try:
-                if _status(ckdir)[0] in ("staging", "failed"):
-                    _discard(ckdir)
-            except OSError:
-                pass
-            raise
-    return name
+            if _status(ckdir)[0] in ("staging", "failed"):
+                _discard(ckdir)
+        except OSError:
+            pass
+        raise
 
 
 def export_checkpoint(source, name, dcp_dir, *, binary=None):
@@ -902,23 +1126,52 @@ def export_checkpoint(source, name, dcp_dir, *, binary=None):
     (one __0_0.distcp of torch.save'd tensors and the bytes items, and a
     pickled .metadata), so dcp.load(checkpoint_id=dcp_dir) reads it at any
     world size. Bytes items that are not torch.save output (files written
-    by other tools) are stored as a torch.save'd bytes object."""
-    import pickle
+    by other tools) are stored as a torch.save'd bytes object.
+
+    dcp_dir may belong to anyone: its files are created through a
+    descriptor of it, never through a symlink planted there."""
     from torch.distributed.checkpoint._version import _derived_version
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     name = checkpoint_name(name)
     os.makedirs(dcp_dir, exist_ok=True)
-    if os.path.exists(os.path.join(dcp_dir, ".metadata")):
+    dirfd = os.open(dcp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _export_into(source, name, dcp_dir, dirfd, binary)
+    finally:
+        os.close(dirfd)
+    return dcp_dir
+
+
+def _create_new(dirfd, name):
+    """A new file NAME in directory dirfd for writing (a stale one, or a
+    symlink planted under that name, is removed first, not followed)."""
+    try:
+        os.unlink(name, dir_fd=dirfd)
+    except FileNotFoundError:
+        pass
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644, dir_fd=dirfd)
+    return os.fdopen(fd, "wb")
+
+
+def _export_into(source, name, dcp_dir, dirfd, binary):
+    from torch.distributed.checkpoint._version import _derived_version
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    try:
+        os.stat(".metadata", dir_fd=dirfd, follow_symlinks=False)
         raise CkptfsError(f"{dcp_dir} already holds a DCP checkpoint (.metadata)")
+    except FileNotFoundError:
+        pass
     data_name = "__0_0.distcp"
     md = {}
     storage = {}
     with _Mounted(source, binary) as mnt:
         ckdir = os.path.join(mnt, name)
         tensors, blobs = read_catalog(ckdir)
-        tmp = os.path.join(dcp_dir, data_name + ".tmp")
-        with open(tmp, "wb") as out:
+        tmp = data_name + ".tmp"
+        with _create_new(dirfd, tmp) as out:
             for fqn, (path, dt, shape) in sorted(tensors.items()):
                 if dt not in _TORCH:
                     raise CkptfsError(f"{fqn}: dtype {dt} is not available in this torch")
@@ -947,7 +1200,7 @@ def export_checkpoint(source, name, dcp_dir, *, binary=None):
                 storage[MetadataIndex(fqn)] = _StorageInfo(data_name, off, len(data))
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, os.path.join(dcp_dir, data_name))
+        os.replace(tmp, data_name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     meta = Metadata(state_dict_metadata=md,
                     planner_data={f: tuple(f.split(".")) for f in md},
                     storage_data=storage,
@@ -957,13 +1210,15 @@ def export_checkpoint(source, name, dcp_dir, *, binary=None):
         meta.version = CURRENT_DCP_VERSION
     except ImportError:
         meta.version = _derived_version
-    tmp = os.path.join(dcp_dir, ".metadata.tmp")
-    with open(tmp, "wb") as f:
+    tmp = ".metadata.tmp"
+    with _create_new(dirfd, tmp) as f:
         pickle.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(dcp_dir, ".metadata"))
-    return dcp_dir
+    os.replace(tmp, ".metadata", src_dir_fd=dirfd, dst_dir_fd=dirfd)
+
+
+REFUSED = 3  # main's exit status when it printed its error (ckptctl says so)
 
 
 def main(argv=None):
@@ -994,7 +1249,7 @@ def main(argv=None):
             print(f"{a.name}: exported to {a.dcp_dir} (stock DCP format)")
     except (CkptfsError, ValueError, OSError) as err:
         print(f"ckptfs-dcp: {err}", file=sys.stderr)
-        return 1
+        return REFUSED
     return 0
 
 

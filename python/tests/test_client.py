@@ -595,6 +595,90 @@ print("ok")
 ''', self.mnt)
         self.assertEqual(out.strip(), "ok")
 
+    def test_one_rank_fails_while_staging(self):
+        """Issue 23 case 9: rank 1 cannot encode an item (a lambda, pickled)
+        while rank 0 stages and commits: both ranks raise within seconds,
+        not after commit_timeout (60 s here; rank 1 starts 3 s late, so
+        rank 0 is waiting in its commit), and NAME is left staged on
+        neither mount. save, then async_save (whose rank 1 raises while
+        copying the state dict, before anything is staged)."""
+        py = require_torch(self)
+        root = os.path.join(self.dir, "world")
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
+                  opts="commit_timeout=60").start()
+        try:
+            save = r'''
+import json, os, sys, time, torch, ckptfs
+mnt, rank, how, name = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+sd = {f"w{rank}": torch.arange(4096, dtype=torch.float32), "step": 3}
+if rank == 1:
+    sd["bad"] = lambda: 0     # the client cannot encode it
+    time.sleep(3)             # rank 0 is waiting in its commit by then
+t0 = time.monotonic()
+try:
+    if how == "save":
+        ckptfs.save(sd, mnt, name, rank=rank)
+    else:
+        ckptfs.async_save(sd, mnt, name, rank=rank).result()
+    err = None
+except Exception as e:
+    err = f"{type(e).__name__}: {e} " + " ".join(getattr(e, "__notes__", []))
+took = time.monotonic() - t0
+time.sleep(0.5)  # a discard in the background (async_save's rank 1)
+print(json.dumps({"took": took, "err": err, "left": os.path.exists(os.path.join(mnt, name))}))
+'''
+            for how in ("save", "async_save"):
+                with self.subTest(how=how):
+                    name = f"abort-{how}"
+                    outs = [None, None]
+
+                    def one(r):
+                        try:
+                            outs[r] = json.loads(run_py(self, py, save, w.mnt(r), r, how, name,
+                                                        timeout=300).strip().splitlines()[-1])
+                        except BaseException as e:  # noqa: B902 - reported below
+                            outs[r] = e
+                    ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+                    for t in ts:
+                        t.start()
+                    for t in ts:
+                        t.join()
+                    for r in range(2):
+                        if isinstance(outs[r], BaseException):
+                            raise outs[r]
+                    sys.stderr.write(f"\n  {how}: rank 0 raised after {outs[0]['took']:.2f} s "
+                                     f"({outs[0]['err']}), rank 1 after "
+                                     f"{outs[1]['took']:.2f} s ({outs[1]['err']})\n")
+                    self.assertIn("lambda", outs[1]["err"] or "", outs[1])
+                    self.assertIn(f"save of {name!r} was aborted on every rank", outs[1]["err"])
+                    self.assertIsNotNone(outs[0]["err"], "rank 0 committed")
+                    self.assertIn("another rank failed", outs[0]["err"], outs[0])
+                    for r in range(2):
+                        self.assertLess(outs[r]["took"], 30, f"rank {r}: {outs[r]}")
+                        self.assertFalse(outs[r]["left"], f"{name} left on rank {r}: {outs[r]}")
+                        self.assertFalse(os.path.exists(os.path.join(w.mnt(r), name)),
+                                         f"{name} left staged on rank {r}")
+                    # the name is free again: the same save without the bad item commits
+                    ok = r'''
+import sys, torch, ckptfs
+mnt, rank, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ckptfs.save({"w": torch.arange(4096, dtype=torch.float32), "step": 3}, mnt, name, rank=rank)
+print(ckptfs.status(mnt, name)[0])
+'''
+                    res = [None, None]
+                    ts = [threading.Thread(target=lambda r=r: res.__setitem__(
+                        r, run_py(self, py, ok, w.mnt(r), r, name, timeout=300)))
+                        for r in range(2)]
+                    for t in ts:
+                        t.start()
+                    for t in ts:
+                        t.join()
+                    self.assertEqual([(x or "").strip() for x in res], ["committed"] * 2)
+        finally:
+            self.assertEqual(w.stop(), 0)
+
     def test_shard_runs(self):
         """The byte ranges a Shard reads: one pread per contiguous run."""
         runs = list(ckptfs._client._runs((6, 4), (2, 0), (2, 4)))

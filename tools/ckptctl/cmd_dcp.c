@@ -10,6 +10,13 @@
  * with the ckptfs binary installed beside this ckptctl ($CKPTFS_BIN unless
  * set) to mount BACKING_DIR for the duration. ckptctl itself links only
  * the store.
+ *
+ * ckptctl often runs as root on directories other users own, so the
+ * converter runs as `python -P -s -m ckptfs.dcp` from "/": neither the
+ * current directory (a planted ckptfs/ there would run as root) nor the
+ * user's site-packages is on its sys.path; the package is found where the
+ * interpreter's own paths and PYTHONPATH say. Path arguments are made
+ * absolute first, as they were meant from the caller's directory.
  */
 #include <errno.h>
 #include <limits.h>
@@ -39,20 +46,43 @@ static void find_ckptfs(void) {
     setenv("CKPTFS_BIN", self, 0);
 }
 
-/* Run python -m ckptfs.dcp ARGS...; its exit status (EXIT_NO when it
- * cannot be run). quiet: its stdout goes to stderr (--json prints one
- * document of its own). */
+/* The converter's exit status when it ran and printed its own error
+ * (a refused DCP directory, a missing checkpoint...). */
+#define CONVERTER_REFUSED 3
+
+/* path made absolute against the current directory (malloc'd; NULL on
+ * failure, reported). */
+static char *absolute(const char *what, const char *path) {
+  if (path[0] == '/')
+    return strdup(path);
+  char cwd[PATH_MAX];
+  if (!getcwd(cwd, sizeof(cwd))) {
+    fail("%s: getcwd: %s", what, strerror(errno));
+    return NULL;
+  }
+  size_t n = strlen(cwd) + 1 + strlen(path) + 1;
+  char *out = malloc(n);
+  if (out)
+    snprintf(out, n, "%s/%s", cwd, path);
+  return out;
+}
+
+/* Run python -P -s -m ckptfs.dcp ARGS... in "/"; its exit status (EXIT_NO
+ * when it cannot be run or fails). quiet: its stdout goes to stderr
+ * (--json prints one document of its own). */
 static int run_converter(const char *what, char *const args[], int nargs,
                          bool quiet) {
   const char *py = getenv("CKPTFS_PYTHON");
   if (!py || !*py)
     py = "python3";
-  char *argv[8];
+  char *argv[10];
   int k = 0;
   argv[k++] = (char *)py;
+  argv[k++] = "-P"; /* no current directory on sys.path (Python >= 3.11) */
+  argv[k++] = "-s"; /* nor the user's site-packages */
   argv[k++] = "-m";
   argv[k++] = "ckptfs.dcp";
-  for (int i = 0; i < nargs && k < 7; i++)
+  for (int i = 0; i < nargs && k < 9; i++)
     argv[k++] = args[i];
   argv[k] = NULL;
   find_ckptfs();
@@ -65,6 +95,10 @@ static int run_converter(const char *what, char *const args[], int nargs,
   if (pid == 0) {
     if (quiet)
       dup2(STDERR_FILENO, STDOUT_FILENO);
+    if (chdir("/") != 0) {
+      fprintf(stderr, "%s: %s: chdir /: %s\n", prog, what, strerror(errno));
+      _exit(127);
+    }
     execvp(py, argv);
     fprintf(stderr, "%s: %s: cannot run %s: %s\n", prog, what, py,
             strerror(errno));
@@ -78,9 +112,13 @@ static int run_converter(const char *what, char *const args[], int nargs,
     }
   if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
     return 0;
+  if (WIFEXITED(st) && WEXITSTATUS(st) == CONVERTER_REFUSED) {
+    fail("%s failed (the converter's error above)", what);
+    return EXIT_NO;
+  }
   fail("%s failed: it needs a Python with the ckptfs package and torch 2.x "
        "(pip install torch ./python from a ckptfs checkout; CKPTFS_PYTHON "
-       "names the interpreter, now %s)",
+       "names the interpreter, Python >= 3.11, now %s)",
        what, py);
   return EXIT_NO;
 }
@@ -100,16 +138,30 @@ static void report_json(const char *name, const char *from, const char *to) {
 
 int cmd_import_dcp(const args_t *a, int backing_fd) {
   (void)backing_fd;
-  char *args[] = {"import", a->pos[0], a->pos[1], a->pos[2]};
-  int rc = run_converter("import-dcp", args, 4, a->json);
+  char *from = absolute("import-dcp", a->pos[0]);
+  char *to = absolute("import-dcp", a->pos[1]);
+  int rc = EXIT_NO;
+  if (from && to) {
+    char *args[] = {"import", from, to, a->pos[2]};
+    rc = run_converter("import-dcp", args, 4, a->json);
+  }
+  free(from);
+  free(to);
   if (rc == 0 && a->json)
     report_json(a->pos[2], a->pos[0], a->pos[1]);
   return rc;
 }
 
 int export_dcp(const args_t *a) {
-  char *args[] = {"export", a->pos[0], a->pos[1], (char *)a->dcp};
-  int rc = run_converter("export --dcp", args, 4, a->json);
+  char *from = absolute("export --dcp", a->pos[0]);
+  char *to = absolute("export --dcp", a->dcp);
+  int rc = EXIT_NO;
+  if (from && to) {
+    char *args[] = {"export", from, a->pos[1], to};
+    rc = run_converter("export --dcp", args, 4, a->json);
+  }
+  free(from);
+  free(to);
   if (rc == 0 && a->json)
     report_json(a->pos[1], a->pos[0], a->dcp);
   return rc;
