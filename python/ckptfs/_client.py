@@ -446,7 +446,7 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     """Write state_dict into MOUNT/NAME and commit it.
 
     mount: this rank's ckptfs mount; name: the checkpoint name
-    ([A-Za-z0-9_.-]+, not starting with '.'); rank: this rank (names the
+    (any file name not starting with '.'); rank: this rank (names the
     manifest; every rank of the world must call save with the same name);
     mode: "sync" (return once committed and durable everywhere) or "async"
     (return once the staged data is frozen; then wait(mount, name));
@@ -520,7 +520,7 @@ def _make_checkpoint_dir(mount, name, exist_ok):
         os.mkdir(ckdir)
     except OSError as e:
         raise CkptfsError(f"cannot create checkpoint {ckdir}: {e.strerror}"
-                          + (" (names are [A-Za-z0-9_.-]+, not starting with '.')"
+                          + (" (a name is a file name not starting with '.')"
                              if e.errno in (errno.EINVAL, errno.EPERM) else "")) from e
     return ckdir
 

@@ -12,7 +12,7 @@
 One mount per rank (`%r` is the rank: torch.distributed's when a process
 group is up, else the launcher's OMPI_COMM_WORLD_RANK / RANK / PMI_RANK /
 SLURM_PROCID, else 0). The checkpoint_id is the checkpoint's NAME in the
-mount ([A-Za-z0-9_.-]+), or a path MOUNT/NAME.
+mount (any file name not starting with '.'), or a path MOUNT/NAME.
 
 Saving: every rank writes every item of its local plan into its mount,
 replicated ones too (DCP's planner keeps one copy of a replica; ckptfs
@@ -81,7 +81,6 @@ __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
 
 IO_STEP = 64 << 20          # bytes of rows per gather of a strided block
-NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 # ckptfs dtype name <-> torch dtype
 _TORCH = {
@@ -141,9 +140,10 @@ def checkpoint_name(checkpoint_id, mount=None):
                              "give the checkpoint's name, or MOUNT/NAME")
         s = base
     s = s.rstrip("/")
-    if not NAME_RE.fullmatch(s) or s.startswith(".") or len(s.encode()) > 255:
+    b = s.encode("utf-8", "surrogateescape")
+    if not s or s.startswith(".") or "\0" in s or len(b) > 255:
         raise ValueError(f"checkpoint_id {checkpoint_id!r}: a ckptfs checkpoint name "
-                         "is [A-Za-z0-9_.-]+, at most 255 bytes, not starting with '.'")
+                         "is a file name of 1-255 bytes not starting with '.'")
     return s
 
 
