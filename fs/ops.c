@@ -668,6 +668,22 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
  * directly under the checkpoint not one ckptfs serves there itself:
  * 0, -EPERM (reserved, logged), -EINVAL or -ENAMETOOLONG. */
 static int check_name(const ckpt_node_t *p, const char *name) {
+  int32_t rank;
+  uint32_t k;
+  if (p->kind == CKPT_NODE_CKPT && ckpt_data_file_parse(name, &rank, &k) == 0) {
+    /* Stock DCP's FileSystemWriter: its .metadata, a pickle that stock
+     * dcp.load reads by that name, cannot be served where .metadata is the
+     * checkpoint's SQLite database, so it is stopped before its first
+     * data file, with nothing half-written. */
+    ckpt__log("%s/%s: refused: this is stock DCP's FileSystemWriter "
+              "(dcp.save(checkpoint_id=PATH)), whose pickled .metadata "
+              "cannot be served here; save with "
+              "storage_writer=ckptfs.dcp.Writer(mount) and load with "
+              "ckptfs.dcp.Reader(mount) (stock DCP with ckptfs's storage), "
+              "or import a DCP directory with ckptctl import-dcp",
+              p->ck->name, name);
+    return -EPERM;
+  }
   int rc = ckpt_entry_name_check(name, strlen(name),
                                  p->kind == CKPT_NODE_CKPT);
   if (rc == -EPERM) {
