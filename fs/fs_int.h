@@ -417,6 +417,9 @@ struct ckpt_ckpt {
                              checkpoint's .metadata is gone from
                              BACKING_DIR (for every mount); this mount keeps
                              the rest until rmdir NAME; fs->lock */
+  bool gone;              /* removing: BACKING_DIR/NAME was another
+                             checkpoint already (or being removed by
+                             another mount): rmdir NAME leaves it alone */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
   /* COMMITTED: the read-only permission bits of files and directories
    * that belong to no single staged entry (.metadata, the views): what
@@ -435,6 +438,14 @@ typedef struct {
   struct stat dir; /* its identity, when committed */
   uint64_t gen;    /* fs->load_gen before it was looked up: a checkpoint
                       loaded since then is newer than this look */
+  /* When committed, what tells it from a checkpoint whose directory got
+   * the inode number of a removed one: its handle (the inode's
+   * generation), or where the filesystem gives none, its save ID ("" if
+   * its .metadata does not load; id_unknown: it could not be read now,
+   * out of descriptors or memory, trust the inode). */
+  ckpt_dir_handle_t handle;
+  char save_id[CKPT_SAVE_ID_LEN + 1];
+  bool id_unknown;
 } ckpt_presence_t;
 
 /* The entries of BACKING_DIR as the root was last listed (ops.c): reused
@@ -458,6 +469,8 @@ typedef struct {
   char *name;
   dev_t dev;
   ino_t ino;
+  ckpt_dir_handle_t handle;
+  char save_id[CKPT_SAVE_ID_LEN + 1];
 } ckpt_refused_t;
 
 struct ckpt_fs {
