@@ -197,6 +197,13 @@ static void count_staged(const ckpt_node_t *dir, uint64_t *files,
   }
 }
 
+void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
+                            uint64_t *bytes) {
+  *files = *bytes = 0;
+  if (ck->dir)
+    count_staged(ck->dir, files, bytes);
+}
+
 /* The .status text of ck. fs->lock held. */
 static char *status_text(const ckpt_ckpt_t *ck) {
   switch (ck->state) {
@@ -229,9 +236,10 @@ static char *status_text(const ckpt_ckpt_t *ck) {
                     "the checkpoint is gone for every other mount; rmdir "
                     "NAME (rm -r) removes its data\n");
     return ckpt__strdup_printf(
-        "committed\ntensors %u\nblobs %u\nworld_size %d\n",
+        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s",
         ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
-        ck->meta ? ck->meta->world_size : 0);
+        ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
+        ck->lost ? ck->lost : "", ck->lost ? "\n" : "");
   case CKPT_FAILED:
     return ckpt__strdup_printf("failed\n%s\n",
                                ck->reason ? ck->reason : "unknown error");
