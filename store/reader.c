@@ -13,15 +13,30 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "failpoint.h"
 #include "metadb.h"
 #include "store_int.h"
+
+/* The save ID as compared: itself (every ckptfs save's is 32 hex digits),
+ * or one that does not fit (another tool's) by its XXH3-64, "#" first. */
+static void save_key(const char *save_id, char out[CKPT_SAVE_ID_LEN + 1]) {
+  if (!save_id)
+    save_id = "";
+  size_t len = strlen(save_id);
+  if (len <= CKPT_SAVE_ID_LEN)
+    memcpy(out, save_id, len + 1);
+  else
+    snprintf(out, CKPT_SAVE_ID_LEN + 1, "#%016llx",
+             (unsigned long long)XXH3_64bits(save_id, len));
+}
 
 int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
                      const char *name, int dirfd, const ckpt_metadata_t *meta,
@@ -35,10 +50,8 @@ int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
     return -errno;
   if (strlen(name) >= sizeof(s->name))
     return -ENAMETOOLONG;
-  if (!meta->save_id || strlen(meta->save_id) > CKPT_SAVE_ID_LEN)
-    return -EINVAL; /* the loader checked it: not reached */
   strcpy(s->name, name);
-  strcpy(s->save_id, meta->save_id);
+  save_key(meta->save_id, s->save_id);
   s->dev = st.st_dev;
   s->ino = st.st_ino;
   ckpt_store_dir_handle(dirfd, "", &s->handle);
@@ -89,10 +102,8 @@ int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
   char *err = NULL;
   memset(&m, 0, sizeof(m));
   int rc = ckpt_metadb_load_header_at(dirfd, CKPT_METADATA_FILE, &m, &err);
-  if (rc == 0 && (!m.save_id || strlen(m.save_id) > CKPT_SAVE_ID_LEN))
-    rc = -EIO;
   if (rc == 0)
-    strcpy(out, m.save_id);
+    save_key(m.save_id, out);
   free(err);
   ckpt_metadata_free(&m);
   return rc == 0 || rc == -ENOENT || rc == -ENOMEM || rc == -EMFILE ||

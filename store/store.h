@@ -167,7 +167,9 @@ typedef struct ckpt_stored {
   ino_t ino;                  /* same name but another inode is not it */
   char save_id[CKPT_SAVE_ID_LEN + 1]; /* its save: nor is one of the same
                                  inode (a filesystem reuses the number of
-                                 a removed directory) holding another save */
+                                 a removed directory) holding another save;
+                                 a save ID longer than a ckptfs one (another
+                                 tool's) as "#" and its XXH3-64 */
   ckpt_dir_handle_t handle;   /* the directory's, when loaded */
   const ckpt_metadata_t *meta; /* not owned */
   ckpt_fdcache_t *cache;      /* not owned */
@@ -188,8 +190,8 @@ int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
 void ckpt_stored_destroy(ckpt_stored_t *s);
 
 /* The save ID of the .metadata in checkpoint directory dirfd (its header
- * only: one small table) into out: 0, or -errno (-ENOENT: no .metadata;
- * -EIO: one that does not load). */
+ * only: one small table) into out, as ckpt_stored_t keeps it: 0, or
+ * -errno (-ENOENT: no .metadata; -EIO: one that does not load). */
 int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]);
 /* Is directory dirfd (opened by s's name) still the checkpoint s was
  * loaded from: the same device, inode and save ID? 0, -ESTALE when it is

@@ -12,6 +12,9 @@ Classes:
               (its listing, sizes and bytes), and a handle B opened on the
               old X before the removal never returns the new X's bytes (it
               reads the old bytes, or fails with EIO or ESTALE).
+  ForeignSaveId  a checkpoint whose save ID is longer than ckptfs's 32
+              hex digits (another tool wrote it) is shown and read like
+              any other, by a mount that was running and by a new one.
 Needs root (FUSE, a loop device). Python standard library only.
 """
 
@@ -19,6 +22,7 @@ import errno
 import fcntl
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -168,6 +172,28 @@ class InodeReuse(CkptfsTestCase):
                          f"in {len(stale)} of {ROUNDS} rounds a handle on the removed X read "
                          f"the new X's bytes; in {len(late)} b did not show the new X within "
                          "about a second")
+
+
+class ForeignSaveId(CkptfsTestCase):
+    def test_long_save_id(self):
+        a, b = os.path.join(self.dir, "a"), os.path.join(self.dir, "b")
+        self.mount(mnt=a)
+        self.mount(mnt=b)
+        ck = self.ck("g", mnt=a)
+        os.mkdir(ck)
+        with open(os.path.join(ck, "w"), "wb") as f:
+            f.write(b"foreign" * 100)
+        commit(ck)
+        copy = os.path.join(self.dir, "copy")
+        shutil.copytree(self.bk("g"), copy)
+        db = sqlite3.connect(os.path.join(copy, ".metadata"))
+        db.execute("update checkpoint set value=? where key='save_id'", ("x" * 200,))
+        db.commit()
+        db.close()
+        os.rename(copy, self.bk("f"))
+        for mnt in (b, self.mount(mnt=os.path.join(self.dir, "c")).mnt):
+            self.assertEqual(read_all(self.ck("f", "w", mnt=mnt)), b"foreign" * 100, mnt)
+        self.assertNotIn("not showing", self.daemon_log())
 
 
 if __name__ == "__main__":
