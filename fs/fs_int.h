@@ -426,12 +426,22 @@ struct ckpt_ckpt {
                              checkpoint's .metadata is gone from
                              BACKING_DIR (for every mount); this mount keeps
                              the rest until rmdir NAME; fs->lock */
+  char *lost;             /* COMMITTED: this mount's own commit of NAME
+                             lost to this checkpoint (EEXIST): what became
+                             of its staged files (.status, "lost:"); fs->lock */
+  bool gone;              /* removing: BACKING_DIR/NAME was another
+                             checkpoint already (or being removed by
+                             another mount): rmdir NAME leaves it alone */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
   /* COMMITTED: the read-only permission bits of files and directories
    * that belong to no single staged entry (.metadata, the views): what
    * every staged file and the checkpoint directory allowed */
   mode_t shared_fmode, shared_dmode;
 };
+
+/* The files staged in ck and their bytes. fs->lock held (ops.c). */
+void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
+                            uint64_t *bytes);
 
 /* A committed node n of ck (a view, .metadata): the shared permissions
  * and the checkpoint directory's owner. fs->lock held. */
@@ -444,6 +454,14 @@ typedef struct {
   struct stat dir; /* its identity, when committed */
   uint64_t gen;    /* fs->load_gen before it was looked up: a checkpoint
                       loaded since then is newer than this look */
+  /* When committed, what tells it from a checkpoint whose directory got
+   * the inode number of a removed one: its handle (the inode's
+   * generation), or where the filesystem gives none, its save ID ("" if
+   * its .metadata does not load; id_unknown: it could not be read now,
+   * out of descriptors or memory, trust the inode). */
+  ckpt_dir_handle_t handle;
+  char save_id[CKPT_SAVE_ID_LEN + 1];
+  bool id_unknown;
 } ckpt_presence_t;
 
 /* The entries of BACKING_DIR as the root was last listed (ops.c): reused
@@ -467,6 +485,8 @@ typedef struct {
   char *name;
   dev_t dev;
   ino_t ino;
+  ckpt_dir_handle_t handle;
+  char save_id[CKPT_SAVE_ID_LEN + 1];
 } ckpt_refused_t;
 
 struct ckpt_fs {
@@ -563,6 +583,14 @@ int ckpt__pool_run(ckpt_pool_t *p, uint32_t n, int (*fn)(void *arg,
 int ckpt__fs_load(ckpt_fs_t *fs);
 /* Load BACKING_DIR/name/.metadata into the tree (state COMMITTED). */
 int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err);
+/* The same, in place of staged, a staged checkpoint of that name still
+ * listed (its commit lost to this one): under one hold of fs->lock the
+ * staged one leaves the tree (as rm -r NAME would make it) and the
+ * committed one enters it, with lost (moved; NULL: none) as its .status
+ * "lost:" line, so that no lookup sees NAME as neither. -ESTALE when
+ * staged is not listed any more (left as it is). */
+int ckpt__fs_load_instead(ckpt_fs_t *fs, ckpt_ckpt_t *staged, char *lost,
+                          char **err);
 /* Delete BACKING_DIR/name: .metadata first and durably, then the data. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name);
 /* The item a committed tensor or blob node reads. */

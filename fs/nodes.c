@@ -319,6 +319,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
     ckpt_stored_destroy(&ck->stored);
   ckpt__views_free(ck->views);
   free(ck->reason);
+  free(ck->lost);
   free(ck->waiting);
   ckpt__streams_free(ck->streams);
   pthread_rwlock_destroy(&ck->freeze);

@@ -189,6 +189,13 @@ static void log_text(char *out, size_t cap, const char *p, size_t n) {
  * .status
  * ---------------------------------------------------------------------- */
 
+void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
+                            uint64_t *bytes) {
+  *files = *bytes = 0;
+  if (ck->dir)
+    ckpt__count_staged(ck->dir, files, bytes);
+}
+
 /* The .status text of ck. fs->lock held. */
 static char *status_text(const ckpt_ckpt_t *ck) {
   switch (ck->state) {
@@ -221,9 +228,10 @@ static char *status_text(const ckpt_ckpt_t *ck) {
                     "the checkpoint is gone for every other mount; rmdir "
                     "NAME (rm -r) removes its data\n");
     return ckpt__strdup_printf(
-        "committed\ntensors %u\nblobs %u\nworld_size %d\n",
+        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s",
         ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
-        ck->meta ? ck->meta->world_size : 0);
+        ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
+        ck->lost ? ck->lost : "", ck->lost ? "\n" : "");
   case CKPT_FAILED:
     return ckpt__strdup_printf("failed\n%s\n",
                                ck->reason ? ck->reason : "unknown error");
@@ -318,14 +326,9 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   int dfd = ckpt_store_open_dir(fs->backing_fd, ck->name, O_PATH);
   if (dfd < 0)
     return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
-  struct stat st;
-  int fd;
-  if (fstat(dfd, &st))
-    fd = -errno;
-  else if (!ck->has_stored || st.st_dev != ck->stored.dev ||
-           st.st_ino != ck->stored.ino)
-    fd = -ESTALE; /* replaced since it was loaded */
-  else
+  /* -ESTALE: replaced since it was loaded */
+  int fd = ck->has_stored ? ckpt_stored_same_dir(&ck->stored, dfd) : -ESTALE;
+  if (fd == 0)
     fd = ckpt_store_open_file(dfd, CKPT_METADATA_FILE);
   close(dfd);
   if (fd == -ELOOP || fd == -EINVAL) {
@@ -341,11 +344,44 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
 typedef ckpt_presence_t presence_t;
 
 static presence_t presence(ckpt_fs_t *fs, const char *name) {
-  presence_t p = {false, false, {0}, atomic_load(&fs->load_gen)};
+  presence_t p = {.gen = atomic_load(&fs->load_gen)};
   ckpt_entry_t e = ckpt_store_entry(fs->backing_fd, name, &p.dir);
   p.not_dir = e == CKPT_ENTRY_OTHER;
   p.committed = e == CKPT_ENTRY_COMMITTED;
+  if (!p.committed)
+    return p;
+  /* Its identity beyond the inode number, which a directory of a removed
+   * checkpoint may pass on: its handle, else its save ID (the inode and
+   * the save ID of one directory opened once). */
+  ckpt_store_dir_handle(fs->backing_fd, name, &p.handle);
+  if (p.handle.len)
+    return p;
+  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_PATH);
+  if (dfd < 0) {
+    p.committed = false; /* gone or replaced meanwhile */
+    p.not_dir = dfd == -ENOTDIR || dfd == -ELOOP;
+    return p;
+  }
+  int rc = fstat(dfd, &p.dir) ? -errno : ckpt_store_save_id(dfd, p.save_id);
+  close(dfd);
+  /* No .metadata any more: being removed. Unreadable: committed, with
+   * no save ID (the load says why). */
+  p.committed = rc != -ENOENT;
+  p.id_unknown = rc != 0 && rc != -ENOENT && rc != -EIO;
+  if (rc)
+    p.save_id[0] = '\0';
   return p;
+}
+
+/* Is the directory pr found the one of this identity? */
+static bool same_checkpoint(const presence_t *pr, dev_t dev, ino_t ino,
+                            const ckpt_dir_handle_t *handle,
+                            const char *save_id) {
+  if (pr->dir.st_dev != dev || pr->dir.st_ino != ino)
+    return false;
+  if (pr->handle.len)
+    return ckpt_dir_handle_same(&pr->handle, handle);
+  return pr->id_unknown || !strcmp(pr->save_id, save_id);
 }
 
 /* A committed checkpoint whose .metadata vanished from BACKING_DIR (removed
@@ -359,9 +395,9 @@ static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
    * predate the publish, it says nothing against it. */
   if (dir->ck->load_gen > pr->gen)
     return true;
+  const ckpt_stored_t *s = &dir->ck->stored;
   if (pr->committed && dir->ck->has_stored &&
-      pr->dir.st_dev == dir->ck->stored.dev &&
-      pr->dir.st_ino == dir->ck->stored.ino)
+      same_checkpoint(pr, s->dev, s->ino, &s->handle, s->save_id))
     return true;
   ckpt_ckpt_t *ck = dir->ck;
   ckpt__node_detach(fs, dir);
@@ -433,12 +469,14 @@ static void scan_put(ckpt_fs_t *fs, ckpt_scan_t *sc) {
 
 /* The presence of c's name in sc (sc NULL: not known, assume present). */
 static presence_t scan_lookup(const ckpt_scan_t *sc, ckpt_node_t *c) {
-  presence_t none = {false, false, {0}, 0};
+  presence_t none = {.committed = false};
   if (!sc) {
     none.committed = c->ck->has_stored;
     if (c->ck->has_stored) {
       none.dir.st_dev = c->ck->stored.dev;
       none.dir.st_ino = c->ck->stored.ino;
+      none.handle = c->ck->stored.handle;
+      strcpy(none.save_id, c->ck->stored.save_id);
     }
     return none;
   }
@@ -455,8 +493,9 @@ static bool refused_before(ckpt_fs_t *fs, const char *name,
                            const presence_t *pr) {
   for (size_t i = 0; i < fs->nrefused; i++)
     if (!strcmp(fs->refused[i].name, name))
-      return fs->refused[i].dev == pr->dir.st_dev &&
-             fs->refused[i].ino == pr->dir.st_ino;
+      return same_checkpoint(pr, fs->refused[i].dev, fs->refused[i].ino,
+                             &fs->refused[i].handle,
+                             fs->refused[i].save_id);
   return false;
 }
 
@@ -496,6 +535,8 @@ static void load_committed(ckpt_fs_t *fs, const char *name,
   if (i != SIZE_MAX) {
     fs->refused[i].dev = pr->dir.st_dev;
     fs->refused[i].ino = pr->dir.st_ino;
+    fs->refused[i].handle = pr->handle;
+    strcpy(fs->refused[i].save_id, pr->save_id);
   }
   pthread_mutex_unlock(&fs->scan_lock);
 }
@@ -531,7 +572,7 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
     fuse_reply_err(req, ENAMETOOLONG);
     return;
   }
-  presence_t pr = {false, false, {0}, 0};
+  presence_t pr = {.committed = false};
   bool root = parent == FUSE_ROOT_ID;
   if (root)
     pr = presence(fs, name);
@@ -751,7 +792,7 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
   struct fuse_entry_param e;
   ckpt_node_t *n = NULL;
   int rc;
-  presence_t pr = {false, false, {0}, 0};
+  presence_t pr = {.committed = false};
   if (parent == FUSE_ROOT_ID)
     pr = presence(fs, name);
   pthread_mutex_lock(&fs->lock);
@@ -992,12 +1033,13 @@ static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
     return 0;
   if (ck->state != CKPT_COMMITTED || !ck->has_stored)
     return -EROFS;
-  struct stat dir = {0};
-  dir.st_dev = ck->stored.dev;
-  dir.st_ino = ck->stored.ino;
-  int rc = ckpt_store_unpublish(fs->backing_fd, ck->name, &dir);
-  if (rc == -ESTALE)
-    rc = 0; /* replaced by another checkpoint of the name: ours is gone */
+  int rc = ckpt_store_unpublish(fs->backing_fd, &ck->stored);
+  if (rc == -ESTALE) {
+    /* Replaced by another checkpoint of the name, or being removed by
+     * another mount: ours is gone, and NAME is not ours to remove. */
+    ck->gone = true;
+    rc = 0;
+  }
   if (rc)
     return rc;
   ckpt__log("%s: an entry inside was removed: removing the checkpoint for "
@@ -1051,7 +1093,10 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
   if (has_visible(dir))
     return -ENOTEMPTY;
   if (ck->state == CKPT_COMMITTED) {
-    int rc = ckpt__storage_remove(fs, ck->name);
+    /* Only the checkpoint this mount shows: start_removal found out. */
+    int rc = start_removal(fs, ck);
+    if (rc == 0 && !ck->gone)
+      rc = ckpt__storage_remove(fs, ck->name);
     if (rc)
       return rc;
   }

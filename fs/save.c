@@ -937,6 +937,53 @@ void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
   pthread_mutex_unlock(&fs->lock);
 }
 
+/* This mount's commit of NAME lost to a save of another mount (EEXIST):
+ * NAME is that checkpoint now, here as on every other mount (SPEC: a
+ * checkpoint committed through any mount is seen by every other). Its
+ * staged files are discarded, as rm -r NAME would (keeping them under
+ * NAME would serve them as NAME, and rm -r NAME of the committed one
+ * would then remove the winner's for every mount); .status ("lost:") and
+ * the log say so. False when NAME in BACKING_DIR is not a committed
+ * checkpoint (a file, an unfinished save): then it stays staged, failed,
+ * for the trainer to commit again. */
+static bool yield_to_winner(ckpt_fs_t *fs, ckpt_ckpt_t *ck, const char *name,
+                            const char *reason) {
+  if (strcmp(ck->name, name) || !already_committed(fs, name))
+    return false;
+  uint64_t files, bytes;
+  pthread_mutex_lock(&fs->lock);
+  ckpt__ckpt_staged_size(ck, &files, &bytes);
+  pthread_mutex_unlock(&fs->lock);
+  char *note = ckpt__strdup_printf(
+      "this mount's commit of %s failed: %s; its staged files of %s (%llu "
+      "files, %llu bytes) were discarded, and %s shows that checkpoint",
+      name, reason, name, (unsigned long long)files,
+      (unsigned long long)bytes, name);
+  char *copy = note ? strdup(note) : NULL;
+  char *err = NULL;
+  int rc = ckpt__fs_load_instead(fs, ck, copy, &err);
+  pthread_mutex_lock(&fs->lock);
+  bool discarded = ck->dir == NULL; /* else it stays staged, failed */
+  if (discarded && note) { /* an open .status of it says the same */
+    free(ck->reason);
+    ck->reason = note;
+    note = NULL;
+  }
+  pthread_mutex_unlock(&fs->lock);
+  free(note);
+  if (discarded)
+    ckpt__log("%s: this mount's staged files (%llu files, %llu bytes) were "
+              "discarded: %s; %s", name, (unsigned long long)files,
+              (unsigned long long)bytes, reason,
+              rc ? "that checkpoint cannot be shown either"
+                 : "showing that checkpoint");
+  if (rc)
+    ckpt__log("%s: not showing the checkpoint committed elsewhere: %s", name,
+              err ? err : strerror(-rc));
+  free(err);
+  return discarded;
+}
+
 static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                       const char *reason) {
   ckpt_fs_t *fs = ctx;
@@ -969,9 +1016,11 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ck->state = CKPT_FAILED;
     ck->reason = strdup(reason ? reason : "unknown error");
     pthread_mutex_unlock(&fs->lock);
-    if (ck->streams) /* staged again: files may stream anew */
-      ckpt__streams_freeze(ck->streams, false, 0);
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
+    if ((rc != -EEXIST ||
+         !yield_to_winner(fs, ck, job->name, reason ? reason : "")) &&
+        ck->streams) /* staged again: files may stream anew */
+      ckpt__streams_freeze(ck->streams, false, 0);
   }
   ckpt__staging_tidy(fs->backing_fd);
   if (rc == 0 && s->rank == 0 && fs->opts.keep_last)

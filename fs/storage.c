@@ -129,9 +129,14 @@ int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
   return ckpt__checkpoint_remove(fs->backing_fd, name, false);
 }
 
-int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
+/* Show committed checkpoint name; with staged (a staged checkpoint of
+ * that name, still listed), in its place, under the same hold of
+ * fs->lock, with lost (moved) as the committed one's .status note. */
+static int load_one(ckpt_fs_t *fs, const char *name, ckpt_ckpt_t *staged,
+                    char *lost, char **err) {
   int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
   if (dfd < 0) {
+    free(lost);
     *err = ckpt__strdup_printf("opening %s: %s%s", name, strerror(-dfd),
                                dfd == -ELOOP || dfd == -ENOTDIR
                                    ? " (not a directory: refused)"
@@ -140,6 +145,7 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
   }
   ckpt_metadata_t *meta = calloc(1, sizeof(*meta));
   if (!meta) {
+    free(lost);
     close(dfd);
     *err = strdup("out of memory");
     return -ENOMEM;
@@ -148,18 +154,28 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
   snprintf(display, sizeof(display), "%s/%s", name, CKPT_METADATA_FILE);
   int rc = ckpt_metadb_load_at(dfd, display, meta, err);
   if (rc) {
+    free(lost);
     close(dfd);
     free(meta);
     return rc;
   }
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *dir = ckpt__ckpt_lookup(fs, name);
-  ckpt_ckpt_t *ck = dir ? dir->ck : ckpt__ckpt_new(fs, name);
-  if (!ck)
+  if (staged && (!staged->dir || dir != staged->dir)) {
+    rc = -ESTALE; /* removed meanwhile: not ours to replace */
+  } else if (staged) {
+    /* The staged one leaves as rm -r NAME would make it. */
+    ckpt__streams_drop_kept(staged->streams);
+    ckpt__node_detach(fs, staged->dir);
+    ckpt__ckpt_unref(fs, staged);
+    dir = NULL;
+  }
+  ckpt_ckpt_t *ck = NULL;
+  if (rc == 0 && !(ck = dir ? dir->ck : ckpt__ckpt_new(fs, name)))
     rc = -ENOMEM;
-  else if (ck->meta)
+  else if (rc == 0 && ck->meta)
     rc = -EEXIST; /* already shown */
-  else
+  else if (rc == 0)
     rc = ckpt__ckpt_set_committed(fs, ck, meta, dfd, err);
   if (rc && rc != -EEXIST && ck && !dir) {
     /* Made here for it: not shown at all (an empty staging checkpoint of
@@ -167,7 +183,12 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
     ckpt__node_detach(fs, ck->dir);
     ckpt__ckpt_unref(fs, ck);
   }
+  if (rc == 0 && lost) {
+    ck->lost = lost;
+    lost = NULL;
+  }
   pthread_mutex_unlock(&fs->lock);
+  free(lost);
   close(dfd);
   if (rc) {
     if (rc != -EEXIST && !*err)
@@ -177,6 +198,15 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
     return rc == -EEXIST ? 0 : rc;
   }
   return 0;
+}
+
+int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err) {
+  return load_one(fs, name, NULL, NULL, err);
+}
+
+int ckpt__fs_load_instead(ckpt_fs_t *fs, ckpt_ckpt_t *staged, char *lost,
+                          char **err) {
+  return load_one(fs, staged->name, staged, lost, err);
 }
 
 int ckpt__fs_load(ckpt_fs_t *fs) {

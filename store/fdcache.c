@@ -8,7 +8,9 @@
  * rank, K), at most cap of them; the least recently used one that no read
  * holds is closed to make room, and one held beyond the cap is closed when
  * released. A miss opens BACKING_DIR/NAME again, without following
- * symlinks, and checks that it is still the directory that was loaded.
+ * symlinks, and checks that it is still the checkpoint that was loaded
+ * (its inode and its save ID), so that a handle of a removed checkpoint
+ * never reads another one's bytes.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -169,15 +171,10 @@ static int open_data_file(const ckpt_stored_t *s, int backing_fd,
     ckpt__log("%s: cannot open its directory: %s", s->name, strerror(-dfd));
     return dfd;
   }
-  struct stat st;
-  int fd;
-  if (fstat(dfd, &st)) {
-    fd = -errno;
-  } else if (st.st_dev != s->dev || st.st_ino != s->ino) {
-    ckpt__log("%s: the directory was replaced since it was loaded; not "
-              "reading %s", s->name, name);
-    fd = -ESTALE;
-  } else {
+  int fd = ckpt_stored_same_dir(s, dfd);
+  if (fd == -ESTALE) {
+    ckpt__log("%s: not reading %s of another checkpoint", s->name, name);
+  } else if (fd == 0) {
     fd = ckpt_store_open_file(dfd, name);
     if (fd < 0)
       ckpt__log("%s: cannot open %s: %s", s->name, name, strerror(-fd));

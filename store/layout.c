@@ -168,20 +168,14 @@ void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
-int ckpt_store_unpublish(int backing_fd, const char *name,
-                         const struct stat *dir) {
-  int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {
+  int dfd = ckpt_store_open_dir(backing_fd, s->name, O_RDONLY);
   if (dfd < 0)
     return dfd == -ENOENT ? 0 : dfd;
-  struct stat st;
-  int rc = 0;
-  if (fstat(dfd, &st))
+  int rc = ckpt_stored_same_dir(s, dfd);
+  if (rc == 0 && unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
     rc = -errno;
-  else if (st.st_dev != dir->st_dev || st.st_ino != dir->st_ino)
-    rc = -ESTALE;
-  else if (unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
-    rc = -errno;
-  else if (fsync(dfd))
+  if (rc == 0 && fsync(dfd))
     rc = -errno;
   close(dfd);
   return rc;

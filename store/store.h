@@ -5,8 +5,9 @@
  *
  * Everything below BACKING_DIR is untrusted: another user may own it, and
  * several mounts and tools use it at once. So every open under it refuses
- * symlinks, a checkpoint directory is pinned by its device and inode when
- * it is loaded, and the reader never reads beyond what its .metadata says
+ * symlinks, a checkpoint directory is pinned by its save ID (and its
+ * device and inode) when it is loaded, and the reader never reads beyond
+ * what its .metadata says
  * (the loader, metadb.c, checks that the chunks of a tensor cover it
  * exactly).
  *
@@ -116,13 +117,14 @@ int ckpt_store_publish(int backing_fd, const char *save_id, const char *name);
 /* Remove BACKING_DIR/.saves/save_id (a failed or lost save's own files),
  * and .saves when it is empty. */
 void ckpt_store_save_dir_remove(int backing_fd, const char *save_id);
-/* Start removing committed checkpoint name for every mount: unlink its
+/* Start removing committed checkpoint s for every mount: unlink its
  * .metadata and fsync the directory (from then on it is an unfinished
- * save), if it is still the directory of identity dir. 0 (also when its
- * .metadata is already gone), -ESTALE when the directory was replaced, or
- * -errno. */
-int ckpt_store_unpublish(int backing_fd, const char *name,
-                         const struct stat *dir);
+ * save), if BACKING_DIR/NAME is still that checkpoint
+ * (ckpt_stored_same_dir). 0 (also when NAME is gone), -ESTALE when it is
+ * another checkpoint or its .metadata is gone already (removed by
+ * another mount: not this caller's to remove), or -errno. */
+struct ckpt_stored;
+int ckpt_store_unpublish(int backing_fd, const struct ckpt_stored *s);
 /* Remove every entry of directory parent_fd/name, then the directory
  * (never following symlinks). 0 or the first -errno. */
 int ckpt__remove_tree(int parent_fd, const char *name);
@@ -148,12 +150,37 @@ void ckpt_fdcache_free(ckpt_fdcache_t *c);
 /* Descriptors open now (for tests and the bench). */
 uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c);
 
+/* The kernel's file handle of a directory (name_to_handle_at): on ext4,
+ * XFS, btrfs, tmpfs, NFS... its inode number and generation, so that a
+ * directory given the number of a removed one has another handle. One
+ * system call: what listings compare, where reading the save ID of every
+ * checkpoint would cost a SQLite open each. len 0: the filesystem gives
+ * none (then the save ID is read). */
+#define CKPT_HANDLE_MAX 128
+typedef struct {
+  uint32_t len;
+  int type;
+  unsigned char b[CKPT_HANDLE_MAX];
+} ckpt_dir_handle_t;
+/* The handle of dirfd/name (name "": dirfd itself), never following a
+ * symlink; len 0 when there is none. */
+void ckpt_store_dir_handle(int dirfd, const char *name,
+                           ckpt_dir_handle_t *out);
+bool ckpt_dir_handle_same(const ckpt_dir_handle_t *a,
+                          const ckpt_dir_handle_t *b);
+
 /* A committed checkpoint as the reader knows it. */
 typedef struct ckpt_stored {
   char name[256];
   uint64_t id;                /* unique in its cache (ckpt_stored_init) */
   dev_t dev;                  /* the directory loaded: a directory of the */
   ino_t ino;                  /* same name but another inode is not it */
+  char save_id[CKPT_SAVE_ID_LEN + 1]; /* its save: nor is one of the same
+                                 inode (a filesystem reuses the number of
+                                 a removed directory) holding another save;
+                                 a save ID longer than a ckptfs one (another
+                                 tool's) as "#" and its XXH3-64 */
+  ckpt_dir_handle_t handle;   /* the directory's, when loaded */
   const ckpt_metadata_t *meta; /* not owned */
   ckpt_fdcache_t *cache;      /* not owned */
   _Atomic uint8_t *verified;  /* with verify: CKPT_CHUNK_* of each chunk,
@@ -171,6 +198,16 @@ int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
                      bool verify);
 /* Close s's descriptors and free what it owns (not meta). */
 void ckpt_stored_destroy(ckpt_stored_t *s);
+
+/* The save ID of the .metadata in checkpoint directory dirfd (its header
+ * only: one small table) into out, as ckpt_stored_t keeps it: 0, or
+ * -errno (-ENOENT: no .metadata; -EIO: one that does not load). */
+int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]);
+/* Is directory dirfd (opened by s's name) still the checkpoint s was
+ * loaded from: the same device, inode and save ID? 0, -ESTALE when it is
+ * another one (logged with what), or -errno. A directory whose .metadata
+ * is gone is not it either (-ESTALE): removed, for every mount. */
+int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd);
 
 /* A data file descriptor in use: valid until ckpt_fdref_put. */
 typedef struct {

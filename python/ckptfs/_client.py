@@ -101,6 +101,13 @@ class CommitError(CkptfsError):
         lines = [ln for ln in status_text.splitlines() if ln.strip()]
         reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
         where = f" ({path})" if path else ""
+        if status_text.startswith("committed\n"):
+            # lost to another save of the name: that one is NAME now, on
+            # this mount too (rm -r would remove it for every mount)
+            lost = [ln[len("lost: "):] for ln in lines if ln.startswith("lost: ")]
+            super().__init__(f"commit of checkpoint {name!r} failed{where}: "
+                             f"{lost[0] if lost else reason}. Save under another name.")
+            return
         if discarded:
             then = ("the staged checkpoint was discarded on every rank, so the "
                     "same name can be saved again.")
@@ -818,7 +825,7 @@ def _commit_dir(ckdir, name, mode="sync"):
         os.write(fd, mode.encode() + b"\n")
     except OSError as e:
         st, text = _status_of(ckdir)
-        if st == "failed":
+        if st == "failed" or (st == "committed" and "\nlost: " in text):
             raise CommitError(name, text, ckdir) from e
         raise CkptfsError(f"commit of {name!r} failed: {e.strerror}"
                           + (f"; .status: {text.strip()}" if text else "")) from e
@@ -828,13 +835,16 @@ def _commit_dir(ckdir, name, mode="sync"):
 
 def wait(mount, name, timeout=None, poll=0.05):
     """Wait until an async commit of name is committed (return its .status
-    text) or failed (raise CommitError); TimeoutError after timeout s."""
+    text) or failed, or lost to another mount's commit of name (raise
+    CommitError); TimeoutError after timeout s."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         st, text = status(mount, name)
-        if st == "committed":
+        # "lost:": this mount's commit lost to another save of the name,
+        # which NAME is now (its staged files were discarded)
+        if st == "committed" and "\nlost: " not in text:
             return text
-        if st == "failed":
+        if st in ("failed", "committed"):
             raise CommitError(name, text, os.path.join(mount, name))
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"checkpoint {name!r} is still {st} after "

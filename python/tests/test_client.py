@@ -387,6 +387,50 @@ print("ok")
 ''', self.mnt)
         self.assertEqual(out.strip(), "ok")
 
+    def test_lost_race_raises_and_keeps_the_winner(self):
+        """Two mounts commit one name at once (ckptfs.commit: sync, then
+        async + wait): the loser gets CommitError saying its staged files
+        were discarded, and
+        the winner's checkpoint stays, on both mounts (the client must not
+        discard the committed NAME it now shows)."""
+        mnts = [os.path.join(self.dir, f"m{i}") for i in range(2)]
+        for mnt in mnts:
+            self.mount("sync_files=0", mnt=mnt)
+        for mode in ("sync", "async"):
+            name = f"race-{mode}"
+            start = threading.Barrier(2)
+            out = [None, None]
+
+            for w, mnt in enumerate(mnts):  # staged on both before either commits
+                os.mkdir(os.path.join(mnt, name))
+                with open(os.path.join(mnt, name, "x"), "wb") as f:
+                    f.write(f"writer {w}".encode())
+
+            def go(w):
+                start.wait()
+                try:
+                    ckptfs.commit(mnts[w], name, mode)
+                    if mode == "async":
+                        ckptfs.wait(mnts[w], name, timeout=120)
+                    out[w] = "ok"
+                except ckptfs.CommitError as e:
+                    out[w] = e
+            ts = [threading.Thread(target=go, args=(w,)) for w in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            self.assertEqual(sorted(o == "ok" for o in out), [False, True], f"{mode}: {out}")
+            win = out.index("ok")
+            msg = str(out[1 - win])
+            self.assertIn("is already committed elsewhere", msg, msg)
+            self.assertIn("were discarded", msg, msg)
+            self.assertNotIn("stays staged", msg, msg)
+            for mnt in mnts:
+                self.assertEqual(ckptfs.status(mnt, name)[0], "committed", mnt)
+                self.assertEqual(read_all(os.path.join(mnt, name, "x")),
+                                 f"writer {win}".encode(), f"{mode}: through {mnt}")
+
     def test_objects_standard_library_only(self):
         self.mount()
         sd = {"raw": b"\x00\xffbytes", "ba": bytearray(b"abc"), "step": 12,

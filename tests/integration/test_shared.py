@@ -11,7 +11,13 @@ Classes:
              says the name was committed elsewhere; the published checkpoint
              is the winner's, whole (ckptfs-fsck clean, bytes exact on a
              fresh mount); nothing of the losers is left in BACKING_DIR, and
-             a loser's staged checkpoint stays staged
+             a loser's mount shows the winner's checkpoint under NAME (its
+             staged files discarded, .status saying so)
+  LoserShowsWinner  two one-rank mounts commit race0..race7 at once: right
+             after the loser's commit write fails with EEXIST, its mount
+             serves the winner's bytes under NAME, .status says
+             "committed" and, in a "lost:" line, that its staged files (N
+             files, B bytes) were discarded, and the log says so
   Visibility a checkpoint committed through one mount is seen by another at
              once by name (stat, open) and in listings within about a
              second, without a remount; one removed through one mount is
@@ -31,8 +37,9 @@ Classes:
              wins (both ranks of the world of 2 agree), every other rank
              fails with EEXIST and its .status names the winner's save and
              world size; ckptfs-fsck is clean, all 4 mounts serve the
-             winner's bytes (every shard), nothing is left in .saves or
-             .staging once the losers removed their staged copies
+             winner's bytes (every shard), the losers' with a "lost:" line
+             in .status; nothing is left in .saves or .staging (the losers'
+             staged copies were discarded)
 Needs root (FUSE). Python standard library only.
 """
 
@@ -95,7 +102,7 @@ class SameName(CkptfsTestCase):
                 commit(self.ck(name, mnt=mnts[w]), mode)
                 if mode == "async":
                     st = wait_state(self.ck(name, mnt=mnts[w]), timeout=120)
-                    out[w] = 0 if st.startswith("committed") else -1
+                    out[w] = 0 if st.startswith("committed") and "\nlost: " not in st else -1
                 else:
                     out[w] = 0
             except OSError as e:
@@ -121,9 +128,11 @@ class SameName(CkptfsTestCase):
                                                   f"with EEXIST, got {o}; .status: {st}")
             self.assertIn("committed elsewhere", st,
                           f"round {rnd}: the loser's .status must say so:\n{st}")
-            # the loser's staged data is still there
+            # the loser's mount shows the winner's checkpoint, its own
+            # staged files discarded
+            self.assertTrue(st.startswith("committed\n") and "were discarded" in st, st)
             self.assertEqual(read_all(self.ck(name, "sub", "writer", mnt=mnts[w])),
-                             str(w).encode())
+                             str(win).encode())
         r = fsck(self.backing, name)
         self.assertEqual(r.returncode, 0, f"round {rnd}: ckptfs-fsck:\n{r.stdout}{r.stderr}")
         # only the winner's files: its .metadata and rank 0's data files
@@ -146,10 +155,6 @@ class SameName(CkptfsTestCase):
             name = f"r{rnd:03d}"
             out = self.race(mnts, name, rnd, mode)
             wins[self.check_round(mnts, name, rnd, out, mode)] += 1
-            for mnt in mnts:  # the losers discard their staged copies
-                ck = self.ck(name, mnt=mnt)
-                if os.path.isdir(ck) and "committed elsewhere" in status(ck):
-                    subprocess.run(["rm", "-r", ck], check=True)
         print(f"\n  {n_mounts} mounts, {mode}: wins per mount {wins}", file=sys.stderr)
         # a fresh mount sees every winner, whole
         for m in self.mounts:
@@ -170,6 +175,71 @@ class SameName(CkptfsTestCase):
 
     def test_two_mounts_async(self):
         self.run_rounds(2, "async")
+
+
+class LoserShowsWinner(CkptfsTestCase):
+    """Two one-rank mounts commit race{i} at once (sync), each with its own
+    'small': the loser's mount shows the winner's checkpoint at once (not
+    its own staged bytes), and says what became of its staged files."""
+    ROUNDS = 8
+
+    def test_loser_mount_serves_the_winner(self):
+        mnts = [os.path.join(self.dir, f"m{i}") for i in range(2)]
+        for mnt in mnts:
+            self.mount("sync_files=0", mnt=mnt)
+        wrong = []
+        for rnd in range(self.ROUNDS):
+            name = f"race{rnd}"
+            mine = [f"round {rnd}, writer {w}\n".encode() * (w + 1) for w in range(2)]
+            for w, mnt in enumerate(mnts):
+                os.mkdir(os.path.join(mnt, name))
+                with open(os.path.join(mnt, name, "small"), "wb") as f:
+                    f.write(mine[w])
+            start = threading.Barrier(2)
+            out = [None, None]
+
+            def go(w):
+                start.wait()
+                try:
+                    commit(os.path.join(mnts[w], name))
+                    out[w] = 0
+                except OSError as e:
+                    out[w] = e.errno
+            ts = [threading.Thread(target=go, args=(w,)) for w in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            self.assertEqual(sorted(out), [0, errno.EEXIST], f"round {rnd}: outcomes {out}")
+            win, lose = out.index(0), out.index(errno.EEXIST)
+            # right after the loser's write returned: its mount shows NAME
+            # as committed, the winner's bytes
+            got = [read_all(os.path.join(mnt, name, "small")) for mnt in mnts]
+            st = status(os.path.join(mnts[lose], name))
+            if got != [mine[win], mine[win]] or not st.startswith("committed\n"):
+                wrong.append(f"round {rnd}: small on the winner's mount "
+                             f"{'ok' if got[win] == mine[win] else repr(got[win][:30])}, on the "
+                             f"loser's {'the winner' if got[lose] == mine[win] else 'its own' if got[lose] == mine[lose] else repr(got[lose][:30])}"
+                             f"; the loser's .status {st.strip()!r}")
+                continue
+            # .status and the log say what became of the loser's staged files
+            self.assertIn(f"{name} is already committed elsewhere", st, st)
+            self.assertIn(f"lost: this mount's commit of {name} failed", st, st)
+            self.assertIn(f"its staged files of {name} (1 files, {len(mine[lose])} bytes) were "
+                          "discarded", st, st)
+            self.assertIn(f"{name}: this mount's staged files (1 files, {len(mine[lose])} bytes) "
+                          "were discarded", self.daemon_log())
+            self.assertFalse(st.split("\n", 1)[0] == "failed")
+        print(f"\n  the loser's mount showed the winner's checkpoint in "
+              f"{self.ROUNDS - len(wrong)} of {self.ROUNDS} rounds", file=sys.stderr)
+        self.assertEqual(wrong, [], f"{len(wrong)} of {self.ROUNDS} rounds wrong")
+        # nothing of the losers left: no save directory, no staged stream
+        self.assertEqual(sorted(os.listdir(self.backing)),
+                         sorted([f"race{r}" for r in range(self.ROUNDS)] +
+                                [e for e in os.listdir(self.backing) if e in (".saves", ".staging")]))
+        for d in (".saves", ".staging"):
+            if os.path.isdir(self.bk(d)):
+                self.assertEqual(os.listdir(self.bk(d)), [], d)
 
 
 class Visibility(CkptfsTestCase):
@@ -425,7 +495,8 @@ class MixedWorlds(CkptfsTestCase):
         tag = f"round {rnd} ({mode}, {name})"
         def where(wi, r):
             return f"{self.writers[wi][0]} rank {r}"
-        ok = {k: e == 0 and st.split("\n", 1)[0] == "committed" for k, (e, st) in out.items()}
+        ok = {k: e == 0 and st.split("\n", 1)[0] == "committed" and "\nlost: " not in st
+              for k, (e, st) in out.items()}
         detail = "\n".join(f"  {where(*k)}: errno {errno.errorcode.get(e, e)}, .status "
                            f"{st.strip()!r}" for k, (e, st) in sorted(out.items()))
         if mode == "async":  # the commit write itself only queues the save
@@ -465,17 +536,14 @@ class MixedWorlds(CkptfsTestCase):
             if mode == "sync":
                 self.assertEqual(e, errno.EEXIST, f"{tag}: {where(wi, r)} must fail with "
                                                   f"EEXIST:\n{detail}")
-            self.assertEqual(st.split("\n", 1)[0], "failed", f"{tag}: {where(wi, r)}:\n{detail}")
+            # NAME is the winner's checkpoint on the loser's mount too: its
+            # .status says so, and what became of the loser's staged files
+            self.assertEqual(st.split("\n", 1)[0], "committed", f"{tag}: {where(wi, r)}:\n{detail}")
+            self.assertIn(f"\nlost: this mount's commit of {name} failed: ", st,
+                          f"{tag}: {where(wi, r)}:\n{detail}")
             self.assertIn(f"{name} is already committed elsewhere (save {save_id}, world size "
                           f"{wsize}, created at ", st, f"{tag}: {where(wi, r)}:\n{detail}")
-            # a loser's staged checkpoint is still there, then it discards it
-            ck = os.path.join(self.writers[wi][1][r], name)
-            self.assertEqual(read_all(os.path.join(ck, "meta", f"rank{r}")),
-                             self.blob(wi, rnd, r), f"{tag}: {where(wi, r)}'s staged copy")
-        for wi, (_, ms) in enumerate(self.writers):
-            if wi != win:
-                for mnt in ms:
-                    shutil.rmtree(os.path.join(mnt, name))
+            self.assertIn(f"its staged files of {name} (", st, f"{tag}: {where(wi, r)}:\n{detail}")
 
         # every mount serves the winner's checkpoint, every shard of it
         t, m = self.tensors(win, rnd)
@@ -485,6 +553,7 @@ class MixedWorlds(CkptfsTestCase):
             st = status(ck)
             self.assertTrue(st.startswith("committed\n") and f"world_size {wsize}\n" in st,
                             f"{at}: .status {st!r}")
+            self.assertEqual("\nlost: " in st, mnt not in self.writers[win][1], f"{at}: {st!r}")
             self.assertEqual(sorted(os.listdir(ck)), [".metadata", "meta", "model"], at)
             self.assertEqual(sorted(os.listdir(os.path.join(ck, "meta"))),
                              [f"rank{r}" for r in range(wsize)], at)
