@@ -1192,7 +1192,7 @@ static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
   }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
-  presence_t pr = {false, false, {0}, 0};
+  presence_t pr = {.committed = false};
   if (parent == FUSE_ROOT_ID && newparent == FUSE_ROOT_ID)
     pr = presence(fs, newname);
   pthread_mutex_lock(&fs->lock);
