@@ -964,9 +964,10 @@ static bool yield_to_winner(ckpt_fs_t *fs, ckpt_ckpt_t *ck, const char *name,
   int rc = ckpt__fs_load_instead(fs, ck, copy, &err);
   pthread_mutex_lock(&fs->lock);
   bool discarded = ck->dir == NULL; /* else it stays staged, failed */
-  if (discarded && note) { /* an open .status of it says the same */
+  if (discarded) { /* an open .status of it says the same */
+    ck->state = CKPT_FAILED;
     free(ck->reason);
-    ck->reason = note;
+    ck->reason = note ? note : strdup(reason);
     note = NULL;
   }
   pthread_mutex_unlock(&fs->lock);
@@ -1013,14 +1014,21 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     pthread_mutex_lock(&fs->lock);
     free(ck->waiting);
     ck->waiting = NULL;
-    ck->state = CKPT_FAILED;
-    ck->reason = strdup(reason ? reason : "unknown error");
     pthread_mutex_unlock(&fs->lock);
     ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
-    if ((rc != -EEXIST ||
-         !yield_to_winner(fs, ck, job->name, reason ? reason : "")) &&
-        ck->streams) /* staged again: files may stream anew */
-      ckpt__streams_freeze(ck->streams, false, 0);
+    /* Lost to another save of NAME: the winner is shown in its place while
+     * this one still says committing, so that .status never shows a
+     * "failed" NAME that is in fact committed (an async writer polling it
+     * would take it for its own failure). */
+    if (rc != -EEXIST ||
+        !yield_to_winner(fs, ck, job->name, reason ? reason : "")) {
+      pthread_mutex_lock(&fs->lock);
+      ck->state = CKPT_FAILED;
+      ck->reason = strdup(reason ? reason : "unknown error");
+      pthread_mutex_unlock(&fs->lock);
+      if (ck->streams) /* staged again: files may stream anew */
+        ckpt__streams_freeze(ck->streams, false, 0);
+    }
   }
   ckpt__staging_tidy(fs->backing_fd);
   if (rc == 0 && s->rank == 0 && fs->opts.keep_last)

@@ -168,19 +168,6 @@ void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
-int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {
-  int dfd = ckpt_store_open_dir(backing_fd, s->name, O_RDONLY);
-  if (dfd < 0)
-    return dfd == -ENOENT ? 0 : dfd;
-  int rc = ckpt_stored_same_dir(s, dfd);
-  if (rc == 0 && unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
-    rc = -errno;
-  if (rc == 0 && fsync(dfd))
-    rc = -errno;
-  close(dfd);
-  return rc;
-}
-
 /* Remove the save directories of .saves that no writer holds. */
 static void cleanup_saves(int backing_fd) {
   int sfd = open_saves(backing_fd, false);

@@ -11,6 +11,10 @@ uint64_t ckpt__fdcache_new_id(ckpt_fdcache_t *c);
 /* Close every unused descriptor of checkpoint id. */
 void ckpt__fdcache_forget(ckpt_fdcache_t *c, uint64_t id);
 
+/* The save ID as the identity checks compare it (identity.c): itself, or
+ * one longer than ckptfs's 32 hex digits by its XXH3-64. */
+void ckpt__save_key(const char *save_id, char out[CKPT_SAVE_ID_LEN + 1]);
+
 /* For tests: ckpt_open_beneath walks (as without openat2) when on. */
 void ckpt__open_beneath_force_walk(bool on);
 

@@ -1,0 +1,105 @@
+/*
+ * identity.c - is a directory of BACKING_DIR still the checkpoint a mount
+ * loaded? Not its inode number alone (a filesystem reuses the number of a
+ * removed directory): its kernel file handle, and the save ID in its
+ * .metadata. Used by the reader, the descriptor cache and the removal.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "metadb.h"
+#include "store_int.h"
+
+/* The save ID as compared: itself (every ckptfs save's is 32 hex digits),
+ * or one that does not fit (another tool's) by its XXH3-64, "#" first. */
+void ckpt__save_key(const char *save_id, char out[CKPT_SAVE_ID_LEN + 1]) {
+  if (!save_id)
+    save_id = "";
+  size_t len = strlen(save_id);
+  if (len <= CKPT_SAVE_ID_LEN)
+    memcpy(out, save_id, len + 1);
+  else
+    snprintf(out, CKPT_SAVE_ID_LEN + 1, "#%016llx",
+             (unsigned long long)XXH3_64bits(save_id, len));
+}
+
+void ckpt_store_dir_handle(int dirfd, const char *name,
+                           ckpt_dir_handle_t *out) {
+  union {
+    struct file_handle fh;
+    unsigned char buf[sizeof(struct file_handle) + CKPT_HANDLE_MAX];
+  } u;
+  int mount_id;
+  memset(out, 0, sizeof(*out));
+  u.fh.handle_bytes = CKPT_HANDLE_MAX;
+  if (name_to_handle_at(dirfd, name, &u.fh, &mount_id,
+                        name[0] ? 0 : AT_EMPTY_PATH) == 0 &&
+      u.fh.handle_bytes <= CKPT_HANDLE_MAX) {
+    out->len = u.fh.handle_bytes;
+    out->type = u.fh.handle_type;
+    memcpy(out->b, u.fh.f_handle, out->len);
+  }
+}
+
+bool ckpt_dir_handle_same(const ckpt_dir_handle_t *a,
+                          const ckpt_dir_handle_t *b) {
+  return a->len == b->len && a->type == b->type &&
+         !memcmp(a->b, b->b, a->len);
+}
+
+int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
+  ckpt_metadata_t m;
+  char *err = NULL;
+  memset(&m, 0, sizeof(m));
+  int rc = ckpt_metadb_load_header_at(dirfd, CKPT_METADATA_FILE, &m, &err);
+  if (rc == 0)
+    ckpt__save_key(m.save_id, out);
+  free(err);
+  ckpt_metadata_free(&m);
+  return rc == 0 || rc == -ENOENT || rc == -ENOMEM || rc == -EMFILE ||
+                 rc == -ENFILE
+             ? rc
+             : -EIO;
+}
+
+int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd) {
+  struct stat st;
+  if (fstat(dirfd, &st))
+    return -errno;
+  if (st.st_dev != s->dev || st.st_ino != s->ino) {
+    ckpt__log("%s: the directory was replaced since it was loaded",
+              s->name);
+    return -ESTALE;
+  }
+  /* The same inode number is not the same directory: a filesystem
+   * reuses the number of a removed one. Its save ID says. */
+  char id[CKPT_SAVE_ID_LEN + 1];
+  int rc = ckpt_store_save_id(dirfd, id);
+  if (rc == -ENOENT || rc == -EIO || (rc == 0 && strcmp(id, s->save_id))) {
+    ckpt__log("%s: the checkpoint was replaced since it was loaded (save "
+              "%s, now %s)", s->name, s->save_id,
+              rc == 0 ? id : rc == -ENOENT ? "none" : "unreadable");
+    return -ESTALE;
+  }
+  return rc;
+}
+
+int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {
+  int dfd = ckpt_store_open_dir(backing_fd, s->name, O_RDONLY);
+  if (dfd < 0)
+    return dfd == -ENOENT ? 0 : dfd;
+  int rc = ckpt_stored_same_dir(s, dfd);
+  if (rc == 0 && unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
+    rc = -errno;
+  if (rc == 0 && fsync(dfd))
+    rc = -errno;
+  close(dfd);
+  return rc;
+}
+
