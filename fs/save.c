@@ -41,6 +41,8 @@ typedef struct ckpt_save {
   ckpt_ckpt_t *ck;       /* referenced */
   int rank;              /* this rank in the save's world: the mount's,
                             0 in a solo save (a world of one) */
+  bool replace;          /* replace=TARGET: publish as job.name (TARGET),
+                            over a committed TARGET */
   bool sync;             /* a sync commit waits in req */
   fuse_req_t req;
   size_t reply_size;
@@ -168,6 +170,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   s->sync = words->sync;
   s->rank = words->solo ? 0 : fs->rank;
   s->job.solo = words->solo;
+  s->replace = words->replace[0] != '\0';
   s->req = req;
   s->reply_size = reply_size;
   s->dirfd = -1;
@@ -178,11 +181,22 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
    * the freeze lock, and none starts after the state change. */
   pthread_rwlock_wrlock(&ck->freeze);
   pthread_mutex_lock(&fs->lock);
-  /* under the freeze lock: a staged checkpoint may be renamed until now */
-  snprintf(s->job.name, sizeof(s->job.name), "%s", ck->name);
+  /* under the freeze lock: a staged checkpoint may be renamed until now;
+   * with replace=TARGET it is published as TARGET */
+  snprintf(s->job.name, sizeof(s->job.name), "%s",
+           s->replace ? words->replace : ck->name);
   int rc = 0;
   uint32_t cap = 0;
-  if (ck->state == CKPT_COMMITTING)
+  ckpt_node_t *target = s->replace && strcmp(words->replace, ck->name)
+                            ? ckpt__ckpt_lookup(fs, words->replace)
+                            : NULL;
+  if (target && target->ck->state != CKPT_COMMITTED) {
+    /* another checkpoint staged here under that name: not replaced */
+    ckpt__log("%s/.commit: refused replace=%s: a checkpoint of that name is "
+              "staged on this mount (commit or remove it first)", ck->name,
+              words->replace);
+    rc = -EEXIST;
+  } else if (ck->state == CKPT_COMMITTING)
     rc = -EBUSY;
   else if (ck->state == CKPT_COMMITTED)
     rc = -EROFS;
@@ -466,7 +480,7 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
                        int n, ckpt_buf_t *rank_plans, char **err) {
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
-  if (already_committed(fs, job->name)) {
+  if (!s->replace && already_committed(fs, job->name)) {
     *err = committed_elsewhere(fs, job->name);
     return -EEXIST;
   }
@@ -826,20 +840,40 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
                                fs->opts.sync_files, err);
   if (rc && via_fd && *err)
     name_held_dir(err, held, dir);
+  bool replaced = false;
   if (rc == 0) {
-    rc = ckpt_store_publish(fs->backing_fd, s->gp.meta.save_id, job->name);
+    rc = s->replace ? ckpt_store_publish_replace(fs->backing_fd,
+                                                 s->gp.meta.save_id, job->name,
+                                                 &replaced)
+                    : ckpt_store_publish(fs->backing_fd, s->gp.meta.save_id,
+                                         job->name);
     if (rc == -EEXIST)
       *err = committed_elsewhere(fs, job->name);
+    else if (rc == -EOPNOTSUPP)
+      *err = ckpt__strdup_printf(
+          "replace=%s: the filesystem of %s cannot exchange two directories "
+          "in one step (renameat2 RENAME_EXCHANGE), which an atomic replace "
+          "needs; save under a new name instead",
+          job->name, fs->backing_path);
     else if (rc)
       *err = ckpt__strdup_printf("publishing %s/%s: %s", fs->backing_path,
                                  job->name, strerror(-rc));
   }
   if (rc == 0)
     ckpt_failpoint("metadata_rename");
+  /* Replaced: both directories changed (NAME and .saves, where the old
+   * checkpoint is now); if that cannot be made durable, the two go back. */
+  if (rc == 0 && replaced && fs->opts.sync_files &&
+      (fsync(fs->backing_fd) || ckpt_store_sync_saves(fs->backing_fd))) {
+    rc = -errno;
+    *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
+                               strerror(errno));
+    ckpt_store_unreplace(fs->backing_fd, s->gp.meta.save_id, job->name);
+  }
   /* The NAME entry itself must be durable too; if it cannot be, the
    * commit fails and nothing may stay published: the directory goes back
    * to its own name (the discard removes it), if it is still ours. */
-  if (rc == 0 && fs->opts.sync_files && fsync(fs->backing_fd)) {
+  if (rc == 0 && !replaced && fs->opts.sync_files && fsync(fs->backing_fd)) {
     rc = -errno;
     *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
                                strerror(errno));
@@ -857,6 +891,14 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
   }
   if (rc == 0)
     ckpt_failpoint("metadata_synced");
+  if (rc == 0 && replaced) {
+    /* The old checkpoint, now the save's own directory: removed like an
+     * unfinished save (readers that hold its files open keep them). */
+    ckpt_failpoint("replace_remove");
+    ckpt_store_save_dir_remove(fs->backing_fd, s->gp.meta.save_id);
+    if (fs->opts.sync_files)
+      fsync(fs->backing_fd);
+  }
   return rc;
 }
 
@@ -985,6 +1027,27 @@ static bool yield_to_winner(ckpt_fs_t *fs, ckpt_ckpt_t *ck, const char *name,
   return discarded;
 }
 
+/* replace=TARGET committed: the staged checkpoint leaves this mount (its
+ * files are TARGET's now), and TARGET is shown anew, at once (an old view
+ * of it goes; handles open on it keep reading the old bytes). */
+static int show_replaced(ckpt_fs_t *fs, ckpt_ckpt_t *ck, const char *target,
+                         char **err) {
+  pthread_mutex_lock(&fs->lock);
+  ck->state = CKPT_COMMITTED;
+  if (ck->dir) {
+    ckpt__node_detach(fs, ck->dir);
+    ckpt__ckpt_unref(fs, ck);
+  }
+  ckpt_node_t *old = ckpt__ckpt_lookup(fs, target);
+  if (old && old->ck->state == CKPT_COMMITTED) {
+    ckpt_ckpt_t *ock = old->ck;
+    ckpt__node_detach(fs, old);
+    ckpt__ckpt_unref(fs, ock);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  return ckpt__fs_load_one(fs, target, err);
+}
+
 static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                       const char *reason) {
   ckpt_fs_t *fs = ctx;
@@ -999,7 +1062,12 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
       flock(s->dirfd, LOCK_UN);
     if (ck->streams) /* the data files hold the streamed bytes now */
       ckpt__streams_committed(ck->streams);
-    if (ckpt__fs_load_one(fs, job->name, &err)) {
+    if (s->replace && strcmp(ck->name, job->name))
+      ckpt__log("%s: published as %s%s", ck->name, job->name,
+                " (replace=): the staged name is gone from this mount");
+    if (s->replace && strcmp(ck->name, job->name)
+            ? show_replaced(fs, ck, job->name, &err)
+            : ckpt__fs_load_one(fs, job->name, &err)) {
       ckpt__log("%s: committed, but cannot show it: %s", job->name,
                 err ? err : "unknown error");
       pthread_mutex_lock(&fs->lock);

@@ -157,6 +157,56 @@ int ckpt_store_publish(int backing_fd, const char *save_id, const char *name) {
   return -errno;
 }
 
+int ckpt_store_publish_replace(int backing_fd, const char *save_id,
+                               const char *name, bool *replaced) {
+  *replaced = false;
+  if (!ckpt_save_id_valid(save_id) || !ckpt_name_valid(name))
+    return -EINVAL;
+  struct stat st;
+  if (fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW)) {
+    if (errno == ENOENT) /* nothing to replace */
+      return ckpt_store_publish(backing_fd, save_id, name);
+    return -errno;
+  }
+  if (!S_ISDIR(st.st_mode))
+    return -EEXIST; /* a file or a symlink: not a checkpoint, not replaced */
+  int sfd = open_saves(backing_fd, false);
+  if (sfd < 0)
+    return sfd;
+  int rc = renameat2(sfd, save_id, backing_fd, name, RENAME_EXCHANGE);
+  int e = errno;
+  close(sfd);
+  if (rc == 0) {
+    *replaced = true;
+    return 0;
+  }
+  if (e == ENOENT) /* removed meanwhile: nothing to replace any more */
+    return ckpt_store_publish(backing_fd, save_id, name);
+  if (e == EINVAL || e == ENOSYS || e == ENOTSUP)
+    return -EOPNOTSUPP;
+  return -e;
+}
+
+int ckpt_store_unreplace(int backing_fd, const char *save_id,
+                         const char *name) {
+  int sfd = open_saves(backing_fd, false);
+  if (sfd < 0)
+    return sfd;
+  int rc = renameat2(sfd, save_id, backing_fd, name, RENAME_EXCHANGE) ? -errno
+                                                                      : 0;
+  close(sfd);
+  return rc;
+}
+
+int ckpt_store_sync_saves(int backing_fd) {
+  int sfd = open_saves(backing_fd, false);
+  if (sfd < 0)
+    return sfd;
+  int rc = fsync(sfd) ? -errno : 0;
+  close(sfd);
+  return rc;
+}
+
 void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
   if (!ckpt_save_id_valid(save_id))
     return;

@@ -114,6 +114,21 @@ int ckpt_store_save_dir_hold(int backing_fd, const char *save_id, bool create,
  * checkpoint is never empty). 0, -EEXIST when name exists (committed by
  * someone else), or -errno. */
 int ckpt_store_publish(int backing_fd, const char *save_id, const char *name);
+/* The commit point of a save that replaces (`replace=NAME`): exchange
+ * BACKING_DIR/.saves/save_id and BACKING_DIR/name in one step
+ * (renameat2(RENAME_EXCHANGE)): name is the new checkpoint, and the old
+ * one is at .saves/save_id, where the caller removes it (a crash leaves it
+ * to the next mount's cleanup of unheld save directories: exactly one of
+ * the two is ever NAME, whole). Where name does not exist, a plain publish
+ * (*replaced false). 0; -EEXIST when name is a file or a symlink;
+ * -EOPNOTSUPP when the filesystem cannot exchange; or -errno. */
+int ckpt_store_publish_replace(int backing_fd, const char *save_id,
+                               const char *name, bool *replaced);
+/* Undo a replace whose durability failed: exchange the two back. */
+int ckpt_store_unreplace(int backing_fd, const char *save_id,
+                         const char *name);
+/* fsync BACKING_DIR/.saves (an exchange changed it too). */
+int ckpt_store_sync_saves(int backing_fd);
 /* Remove BACKING_DIR/.saves/save_id (a failed or lost save's own files),
  * and .saves when it is empty. */
 void ckpt_store_save_dir_remove(int backing_fd, const char *save_id);
