@@ -323,6 +323,25 @@ class Passthrough(CkptfsTestCase):
         self.assertEqual(read_all(self.ck("k", "big")), big)
         self.assertEqual(read_all(self.ck("k", "rw")), rw)
 
+    def low_fd_mount(self, soft, hard, extra=""):
+        """A passthrough mount whose daemon starts with RLIMIT_NOFILE
+        soft:hard (the default soft limit is 1024)."""
+        m = self.mount("passthrough=1" + ("," + extra if extra else ""), start=False)
+        argv = m.argv
+        m.argv = lambda: ["prlimit", f"--nofile={soft}:{hard}", "--"] + argv()
+        m.start()
+        self.assertNotIn("not available", self.daemon_log())
+        return m
+
+    def test_soft_fd_limit_raised_to_the_hard_one(self):
+        """Issue 23 case 6: the daemon raises its soft limit of open
+        files to the hard one, and says so."""
+        m = self.low_fd_mount(1024, 4096)
+        with open(f"/proc/{m.proc.pid}/limits") as f:
+            line = next(x for x in f if x.startswith("Max open files"))
+        self.assertEqual(line.split()[3:5], ["4096", "4096"], line)
+        self.assertIn("open files", self.daemon_log())
+
     def test_off_by_default_makes_no_memfd(self):
         """passthrough=0 (the default) never makes a memfd."""
         m = self.mount()
