@@ -862,7 +862,6 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   }
   if (rc == 0) {
     sf->pt_opens++;
-    sf->pt_gen++;
     fi->backing_id = sf->pt_id;
     fi->direct_io = 0;
     fi->keep_cache = 0;
@@ -896,7 +895,8 @@ static void pt_release(fuse_req_t req, handle_t *h) {
     fuse_passthrough_close(req, sf->pt_id);
     sf->pt_id = 0;
   }
-  last = last && !sf->pt_sealed && sf->pt_fd >= 0;
+  last = last && sf->pt_fd >= 0; /* sealed too: by a drain that gave up,
+                                     or a failed commit */
   pthread_mutex_unlock(&sf->lock);
   if (last) /* closed: copied into a stream while the trainer goes on */
     ckpt__drain_add(fs_of(req)->drain, h->node);
