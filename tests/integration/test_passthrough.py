@@ -470,10 +470,16 @@ class Passthrough(CkptfsTestCase):
         self.assertIn("open files", self.daemon_log())
 
     def tmpfs_backing(self, size):
+        """BACKING_DIR on a tmpfs of its own, size bytes."""
         os.makedirs(self.backing)
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
                         self.backing], check=True)
-        self.addCleanup(subprocess.run, ["umount", "-l", self.backing])
+
+        def unmount():                  # the daemons first
+            for m in self.mounts:
+                m.stop()
+            subprocess.run(["umount", self.backing], check=True)
+        self.addCleanup(unmount)
 
     def assert_sparse_copy(self, path, size, pieces):
         """path reads as zeros but for pieces {offset: bytes}."""
