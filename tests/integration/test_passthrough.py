@@ -460,6 +460,27 @@ class Passthrough(CkptfsTestCase):
             if i % 10 == 0:
                 self.assertEqual(read_all(self.ck(ck, f"f{i}")), d)
 
+    def test_files_open_at_once_beyond_the_memfd_budget(self):
+        """Issue 23 case 6: 900 staged files open at once under a 1024 fd
+        limit: half the limit hold a memfd, the others go through the
+        daemon (said once in the log); all commit."""
+        m = self.low_fd_mount(1024, 1024)
+        os.mkdir(self.ck("a"))
+        fds, datas = [], {}
+        for i in range(900):
+            p = self.ck("a", f"f{i}")
+            fds.append(os.open(p, os.O_WRONLY | os.O_CREAT, 0o644))
+            datas[p] = os.urandom(4096 + i)
+            os.write(fds[-1], datas[p])
+        self.assertEqual(len(memfds(m.proc.pid)), 512)
+        for fd in fds:
+            os.close(fd)
+        commit(self.ck("a"))
+        for p, d in datas.items():
+            self.assertEqual(read_all(p), d)
+        self.assertEqual(m.stop(), 0)
+        self.assertEqual(self.daemon_log().count("hold a memfd each"), 1)
+
     def test_soft_fd_limit_raised_to_the_hard_one(self):
         """Issue 23 case 6: the daemon raises its soft limit of open
         files to the hard one, and says so."""
