@@ -4,16 +4,21 @@
  * With passthrough=1 the kernel writes a staged file into a memfd of its
  * own (staging.c). Once its last handle is closed, the drain thread copies
  * it into a free write-behind stream (streams.c) and hashes it on the
- * way; the file is then a streamed file like any other, its memfd is
- * closed, and the commit finds its bytes where the data file needs them.
+ * way (holes stay holes, in the stream as in the hash's reads); the file
+ * is then a streamed file like any other, its memfd is closed, and the
+ * commit finds its bytes where the data file needs them. A file under
+ * CKPT_PT_DRAIN_MIN goes into segments instead, like a file the daemon
+ * wrote: a stream would align it to 4 KiB, and its memfd would hold a
+ * descriptor until the commit (thousands of small files exhausted them).
  * So the trainer's copy and this one overlap (it writes the next file
  * meanwhile), the memory of the memfds is given back as the save goes on,
  * and a sync commit has little left to do.
  *
  * A drain holds the checkpoint's freeze lock shared (a commit waits for
  * it, as for any staged change) and gives up, leaving the file in its
- * memfd, when the file is opened again meanwhile (pt_gen changes) or no
- * stream is free.
+ * memfd, when the file is open again by then, was changed meanwhile (any
+ * change thaws a copy of the sealed memfd), a writable shared mapping of
+ * it exists, or no stream is free.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -52,19 +57,93 @@ static bool begin_change(ckpt_fs_t *fs, ckpt_node_t *n) {
   return ok;
 }
 
-/* Copy and hash a closed passthrough file into a stream. */
+static const uint8_t zeros[64 * 1024];
+
+/* XXH3 of [0, size) of fd into h: its data extents read through a
+ * mapping, its holes hashed as zeros without reading them (a hole of a
+ * memfd read through a mapping would get pages). 0 or -errno. */
+static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h) {
+  uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), from, to;
+  for (uint64_t pos = 0; pos < size; pos = to) {
+    int rc = ckpt__data_extent(fd, pos, size, &from, &to);
+    if (rc)
+      return rc;
+    for (uint64_t k, n = from - pos; n > 0; n -= k) {
+      k = n < sizeof(zeros) ? n : sizeof(zeros);
+      XXH3_64bits_update(h, zeros, (size_t)k);
+    }
+    if (to == from)
+      continue;
+    uint64_t skew = from % page; /* mmap's offset is in pages */
+    void *p = mmap(NULL, (size_t)(to - from + skew), PROT_READ, MAP_SHARED,
+                   fd, (off_t)(from - skew));
+    if (p == MAP_FAILED)
+      return -errno;
+    XXH3_64bits_update(h, (const char *)p + skew, (size_t)(to - from));
+    munmap(p, (size_t)(to - from + skew));
+  }
+  return 0;
+}
+
+/* Copy and hash n's sealed memfd (size bytes) into its claimed stream.
+ * No lock held: the seal keeps the memfd as it is. */
+static int copy_to_stream(int fd, int out, uint64_t base, uint64_t size,
+                          XXH3_state_t **hp) {
+  /* The copy skips the holes: they must read as zeros in the stream too
+   * (a range of it an earlier file left may hold old bytes). */
+  struct stat st;
+  if (fstat(out, &st))
+    return -errno;
+  if ((uint64_t)st.st_size > base &&
+      fallocate(out, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)base,
+                (off_t)((uint64_t)st.st_size - base < size
+                            ? (uint64_t)st.st_size - base
+                            : size)))
+    return -errno;
+  int rc = ckpt__copy_range(fd, out, base, size);
+  XXH3_state_t *h = rc ? NULL : XXH3_createState();
+  if (rc == 0 && (!h || XXH3_64bits_reset(h) != XXH_OK))
+    rc = -ENOMEM;
+  if (rc == 0)
+    rc = hash_sparse(fd, size, h);
+  if (rc)
+    XXH3_freeState(h);
+  else
+    *hp = h;
+  return rc;
+}
+
+/* Drain a closed passthrough file: into segments when small, else copied
+ * and hashed into a stream.
+ *
+ * The memfd is sealed first. The copy then reads a file nobody can
+ * change (an open for writing meanwhile thaws a copy of its own, and the
+ * drain gives up), and the seal is refused while a writable shared
+ * mapping of the memfd exists: such a mapping outlives the file's last
+ * close (mmap, close, write through it, munmap), and writes into the
+ * memfd only, so the file must stay there. */
 static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n) {
   ckpt_sfile_t *sf = n->u.sf;
   if (!n->ck || !begin_change(fs, n))
     return;
   pthread_mutex_lock(&sf->lock);
   struct stat st;
-  int fd = atomic_load(&sf->pt_fd);
-  bool go = fd >= 0 && sf->pt_opens == 0 && !sf->pt_sealed &&
-            sf->stream < 0 && sf->streams && fstat(fd, &st) == 0 &&
-            (uint64_t)st.st_size >= CKPT_PT_DRAIN_MIN &&
-            ckpt__stream_claim(sf->streams, sf) == 0;
-  uint64_t gen = sf->pt_gen, size = go ? (uint64_t)st.st_size : 0;
+  int fd = atomic_load(&sf->pt_fd), memfd = -1;
+  bool go = fd >= 0 && sf->pt_opens == 0 && sf->stream < 0 &&
+            fstat(fd, &st) == 0;
+  ino_t ino = go ? st.st_ino : 0;
+  bool small = go && (uint64_t)st.st_size < CKPT_PT_DRAIN_MIN;
+  if (go && !small)
+    go = sf->streams && ckpt__stream_claim(sf->streams, sf) == 0;
+  if (go && ckpt__sfile_pt_seal(sf) != 0) {
+    ckpt__stream_abandon(sf, 0);
+    go = false;
+  }
+  if (go && small) {
+    memfd = ckpt__sfile_pt_absorb(sf);
+    go = false;
+  }
+  uint64_t size = sf->size;
   uint64_t base = sf->stream_base;
   int out = go ? ckpt__stream_fd(sf) : -1;
   fd = go ? dup(fd) : -1;
@@ -74,41 +153,27 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n) {
   }
   pthread_mutex_unlock(&sf->lock);
   if (!go) {
+    if (memfd >= 0)
+      close(memfd);
     pthread_rwlock_unlock(&n->ck->freeze);
     return;
   }
-  /* Outside the lock: the kernel may open, write or truncate it
-   * meanwhile (then pt_gen moves and this copy is dropped). So the copy
-   * is the kernel's (a short one stops it), and the hash reads the copy:
-   * the stream, which only this file writes while it owns it. */
-  int rc = ckpt__copy_range(fd, out, base, size);
+  XXH3_state_t *h = NULL;
+  int rc = copy_to_stream(fd, out, base, size, &h);
   close(fd);
-  XXH3_state_t *h = rc ? NULL : XXH3_createState();
-  void *p = MAP_FAILED;
-  if (rc == 0 && (!h || XXH3_64bits_reset(h) != XXH_OK))
-    rc = -ENOMEM;
-  /* mmap's offset is in pages (4 KiB stream alignment may be less) */
-  uint64_t skew = base % (uint64_t)sysconf(_SC_PAGESIZE);
-  if (rc == 0 && (p = mmap(NULL, (size_t)(size + skew), PROT_READ, MAP_SHARED,
-                           out, (off_t)(base - skew))) == MAP_FAILED)
-    rc = -errno;
-  if (rc == 0)
-    XXH3_64bits_update(h, (const char *)p + skew, (size_t)size);
-  if (p != MAP_FAILED)
-    munmap(p, (size_t)(size + skew));
 
-  int memfd = -1;
   pthread_mutex_lock(&fs->lock);
   pthread_mutex_lock(&sf->lock);
-  if (rc == 0 && n->attached && sf->pt_gen == gen && sf->pt_opens == 0 && !sf->pt_sealed &&
-      fstat(atomic_load(&sf->pt_fd), &st) == 0 &&
-      (uint64_t)st.st_size == size) {
+  /* Still the sealed memfd copied (any change thaws a fresh copy first,
+   * unsealed), not open (a reader that came and went changed nothing),
+   * still in the tree. */
+  if (rc == 0 && n->attached && sf->pt_opens == 0 && sf->pt_sealed &&
+      fstat(atomic_load(&sf->pt_fd), &st) == 0 && st.st_ino == ino) {
     XXH3_freeState(sf->hash);
     sf->hash = h;
     h = NULL;
     sf->hashed = size;
     sf->hash_broken = false;
-    sf->size = size;
     atomic_store_explicit(&sf->size_seen, size, memory_order_relaxed);
     ckpt__stream_release(sf); /* the stream goes on after it */
     n->mtime = st.st_mtim;    /* the kernel's writes set the memfd's */

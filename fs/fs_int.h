@@ -129,6 +129,12 @@ struct ckpt_staging {
   uint32_t nfree, cap_free;
   int64_t spill_end;       /* the spill file's size */
   uint64_t spill_used;     /* bytes of slots in use */
+  /* passthrough=1: staged files holding a memfd, at most pt_max (half the
+   * open files limit at start), so that a million small files cannot
+   * exhaust the daemon's descriptors; the others take the daemon's path */
+  _Atomic uint32_t pt_files;
+  uint32_t pt_max;
+  _Atomic bool pt_full_said; /* logged that pt_max was reached */
 };
 
 void ckpt__staging_init(ckpt_staging_t *st, uint64_t limit, int backing_fd);
@@ -212,7 +218,9 @@ void ckpt__stream_release(struct ckpt_sfile *sf);
 void ckpt__stream_drop(struct ckpt_sfile *sf);
 int ckpt__stream_fd(const struct ckpt_sfile *sf);
 /* Copy [0, size) of in to out at base (copy_file_range, else through a
- * buffer); -ESTALE when in ends first. 0 or -errno. */
+ * buffer), data extents only: the holes of a sparse file stay holes, so
+ * out's range must read as zeros already (a new file, a punched range).
+ * -ESTALE when in ends first. 0 or -errno. */
 int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size);
 /* sf gives up the stream it claimed without using it: the next file
  * starts where it did; its first len bytes there are punched out
@@ -250,9 +258,9 @@ typedef struct ckpt_sfile {
                             under lock; read without it by size_seen) */
   int32_t pt_id;         /* its backing id while the file is open, or 0 */
   uint32_t pt_opens;     /* open handles passed through */
-  bool pt_sealed;        /* frozen by a commit: F_SEAL_WRITE|SHRINK|GROW */
-  uint64_t pt_gen;       /* counts passthrough opens and changes made by
-                            the daemon (a drain in progress gives up) */
+  bool pt_sealed;        /* F_SEAL_WRITE|SHRINK|GROW: frozen by a commit,
+                            or by the drain for its copy; any change
+                            thaws a copy first */
   void *pt_map;          /* read-only mapping of a sealed pt_fd, or NULL */
   size_t pt_map_len;
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
@@ -266,6 +274,10 @@ void ckpt__sfile_end_stream(ckpt_sfile_t *sf);
 int ckpt__sfile_pt_start(ckpt_sfile_t *sf);
 /* Undo pt_start when the kernel refused the backing file. */
 void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf);
+/* Seal the memfd against writes and read its size (sf->lock held): 0, or
+ * -EBUSY while a writable shared mapping of it exists (which may outlive
+ * the file's last close). */
+int ckpt__sfile_pt_seal(ckpt_sfile_t *sf);
 /* A commit freezes the file: the memfd is sealed against writes (a
  * handle still open gets EPERM) and the size read. 0, or -EBUSY when a
  * writable shared mapping prevents the seal. */
@@ -278,9 +290,19 @@ int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep);
  * file (sf->lock held). Returns the memfd, for the caller to close once
  * it holds no lock (freeing gigabytes of pages takes a while). */
 int ckpt__sfile_pt_detach(ckpt_sfile_t *sf);
+/* A sealed, closed passthrough file below CKPT_PT_DRAIN_MIN: its bytes
+ * move into segments (sf->lock held). Returns the memfd, to close as
+ * above, or -errno (the file stays as it was). */
+int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf);
+/* The next data extent of fd in [pos, end): [*from, *to), *from == end
+ * when none is left (SEEK_DATA/SEEK_HOLE; where the filesystem has none,
+ * all of it). -ESTALE when fd ends before end. */
+int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
+                      uint64_t *to);
 /* A passthrough file with open handles? */
 bool ckpt__sfile_pt_open(ckpt_sfile_t *sf);
-/* Closed passthrough files of at least this size are drained (drain.c). */
+/* Closed passthrough files of at least this size are drained into a
+ * stream, smaller ones into segments (drain.c). */
 #define CKPT_PT_DRAIN_MIN (64u << 10)
 /* A passthrough file's mtime is its memfd's (the kernel's writes set
  * it): *t becomes that; setting it sets the memfd's. No-ops otherwise. */

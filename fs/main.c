@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <dlfcn.h>
 #include <stdatomic.h>
 #include <limits.h>
 #include <pthread.h>
@@ -23,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <inttypes.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -292,6 +294,31 @@ static int name_mount(struct fuse_args *args, const char *backing) {
   return rc;
 }
 
+/* Open files up to the hard limit: a save holds data files, streams and
+ * SQLite's files at once, passthrough=1 a memfd per staged file (half the
+ * limit at most), and the usual soft limit of 1024 is soon spent. */
+static void raise_fd_limit(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur == rl.rlim_max)
+    return;
+  rlim_t was = rl.rlim_cur;
+  rl.rlim_cur = rl.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+    ckpt__log("raised the limit of open files from %llu to %llu (the hard "
+              "limit)", (unsigned long long)was,
+              (unsigned long long)rl.rlim_max);
+}
+
+/* libfuse ends its worker threads with pthread_cancel, for which glibc
+ * loads libgcc_s at the first use: with every descriptor taken by then
+ * that fails and aborts the daemon before in-flight saves finish. Loaded
+ * now, it is found in memory then. */
+static void preload_unwinder(void) {
+  if (!dlopen("libgcc_s.so.1", RTLD_NOW | RTLD_NODELETE))
+    ckpt__log("cannot load libgcc_s.so.1 (%s): the unmount may fail when "
+              "no descriptor is left", dlerror());
+}
+
 int main(int argc, char **argv) {
   stop_signals_block();
   struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
@@ -346,6 +373,8 @@ int main(int argc, char **argv) {
     }
     free(path);
   }
+  raise_fd_limit();
+  preload_unwinder();
   mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
   if (mountpoint) {
     /* Absolute, like other FUSE filesystems: a daemon works in / and

@@ -903,10 +903,14 @@ static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,
 /* Pass an open of staged file n through to its memfd (fi->backing_id):
  * every open of a passthrough file must be, with one backing id while any
  * is open. A new empty file opened write-only (create) gets its memfd
- * here. 0, or -errno for an open of a passthrough file that cannot be
+ * here. An open for writing (`writing`, the freeze lock held shared)
+ * first thaws a sealed memfd (a failed commit's, or the drain's while it
+ * copies), under the same hold of sf->lock as the open is counted: the
+ * drain seals only files with no open, so a writer never gets a sealed
+ * memfd. 0, or -errno for an open of a passthrough file that cannot be
  * passed through (a file that never was one stays on the daemon's path). */
 static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
-                   struct fuse_file_info *fi, bool start) {
+                   struct fuse_file_info *fi, bool start, bool writing) {
 #ifdef FUSE_CAP_PASSTHROUGH
   ckpt_fs_t *fs = fs_of(req);
   ckpt_sfile_t *sf = n->u.sf;
@@ -914,13 +918,13 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
     return 0;
   if (sf->pt_fd < 0 && (!start || ckpt__sfile_pt_start(sf) != 0))
     return 0;
-  int rc = 0;
   pthread_mutex_lock(&sf->lock);
-  if (sf->pt_fd < 0) { /* drained meanwhile: the daemon's path from now */
+  int rc = writing ? ckpt__sfile_pt_thaw(sf, UINT64_MAX) : 0;
+  if (rc == 0 && sf->pt_fd < 0) { /* drained: the daemon's path from now */
     pthread_mutex_unlock(&sf->lock);
     return 0;
   }
-  if (sf->pt_opens == 0) {
+  if (rc == 0 && sf->pt_opens == 0) {
     int id = fuse_passthrough_open(req, sf->pt_fd);
     if (id > 0)
       sf->pt_id = id;
@@ -929,7 +933,6 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   }
   if (rc == 0) {
     sf->pt_opens++;
-    sf->pt_gen++;
     fi->backing_id = sf->pt_id;
     fi->direct_io = 0;
     fi->keep_cache = 0;
@@ -947,7 +950,7 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   }
   return rc;
 #else
-  (void)req, (void)n, (void)h, (void)fi, (void)start;
+  (void)req, (void)n, (void)h, (void)fi, (void)start, (void)writing;
   return 0;
 #endif
 }
@@ -963,7 +966,8 @@ static void pt_release(fuse_req_t req, handle_t *h) {
     fuse_passthrough_close(req, sf->pt_id);
     sf->pt_id = 0;
   }
-  last = last && !sf->pt_sealed && sf->pt_fd >= 0;
+  last = last && sf->pt_fd >= 0; /* sealed too: by a drain that gave up,
+                                     or a failed commit */
   pthread_mutex_unlock(&sf->lock);
   if (last) /* closed: copied into a stream while the trainer goes on */
     ckpt__drain_add(fs_of(req)->drain, h->node);
@@ -1013,7 +1017,7 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     fi->fh = (uintptr_t)h;
     fi->direct_io = n->kind == CKPT_NODE_COMMIT || writes_direct(n, fi);
     if (writes_direct(n, fi))
-      pt_open(req, n, h, fi, true); /* else the daemon's path, as always */
+      pt_open(req, n, h, fi, true, false); /* else the daemon's path */
     fill_entry(fs, n, &e);
   }
   pthread_mutex_unlock(&fs->lock);
@@ -1312,16 +1316,14 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     fi->direct_io = writes_direct(n, fi);
   }
   if (rc == 0 && n->kind == CKPT_NODE_SFILE && n->u.sf->pt_fd >= 0) {
-    /* A passthrough file: every open is. Writing a file a failed commit
-     * sealed needs a fresh memfd first (none open on the sealed one). */
-    if (writing && (rc = staged_change_begin(fs, n->ck)) == 0) {
-      pthread_mutex_lock(&n->u.sf->lock);
-      rc = ckpt__sfile_pt_thaw(n->u.sf, UINT64_MAX);
-      pthread_mutex_unlock(&n->u.sf->lock);
+    /* A passthrough file: every open is. Writing a sealed one needs a
+     * fresh memfd first (none open on the sealed one). */
+    if (!writing)
+      rc = pt_open(req, n, h, fi, false, false);
+    else if ((rc = staged_change_begin(fs, n->ck)) == 0) {
+      rc = pt_open(req, n, h, fi, false, true);
       staged_change_end(n->ck);
     }
-    if (rc == 0)
-      rc = pt_open(req, n, h, fi, false);
   }
   if (rc) {
     free(h ? h->text : NULL);

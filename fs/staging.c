@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -58,6 +59,12 @@ void ckpt__staging_init(ckpt_staging_t *st, uint64_t limit, int backing_fd) {
   st->limit = limit;
   st->backing_fd = backing_fd;
   st->spill_fd = -1;
+  /* Passthrough: a memfd per staged file, at most half the descriptors */
+  struct rlimit rl;
+  st->pt_max = 512;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+    st->pt_max = (uint32_t)(rl.rlim_cur / 2 < UINT32_MAX ? rl.rlim_cur / 2
+                                                          : UINT32_MAX);
   pthread_mutex_init(&st->lock, NULL);
 }
 
@@ -243,10 +250,31 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
 
 #define PT_SEALS (F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW)
 
+/* One more memfd, within the budget (a staged file past it takes the
+ * daemon's path: its bytes go into segments or a stream). */
+static bool pt_fd_take(ckpt_staging_t *b) {
+  if (atomic_fetch_add(&b->pt_files, 1) < b->pt_max)
+    return true;
+  atomic_fetch_sub(&b->pt_files, 1);
+  bool was = false;
+  if (atomic_compare_exchange_strong(&b->pt_full_said, &was, true))
+    ckpt__log("passthrough=1: %u staged files hold a memfd each (half the "
+              "open files limit): further ones go through the daemon while "
+              "that many are not drained", b->pt_max);
+  return false;
+}
+
+static void pt_fd_give(ckpt_staging_t *b) { atomic_fetch_sub(&b->pt_files, 1); }
+
 int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
+  if (!pt_fd_take(sf->budget))
+    return -EMFILE;
   int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0)
-    return -errno;
+  if (fd < 0) {
+    int e = errno;
+    pt_fd_give(sf->budget);
+    return -e;
+  }
   pthread_mutex_lock(&sf->lock);
   sf->pt_fd = fd;
   sf->hash_broken = true; /* the bytes are hashed at the commit */
@@ -260,6 +288,7 @@ void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf) {
     close(sf->pt_fd);
     sf->pt_fd = -1;
     sf->hash_broken = false;
+    pt_fd_give(sf->budget);
   }
   pthread_mutex_unlock(&sf->lock);
 }
@@ -281,8 +310,7 @@ static void pt_unmap(ckpt_sfile_t *sf) {
   sf->pt_map_len = 0;
 }
 
-int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
-  pthread_mutex_lock(&sf->lock);
+int ckpt__sfile_pt_seal(ckpt_sfile_t *sf) {
   int rc = 0;
   if (sf->pt_fd >= 0 && !sf->pt_sealed) {
     if (fcntl(sf->pt_fd, F_ADD_SEALS, PT_SEALS))
@@ -292,6 +320,12 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
   }
   if (sf->pt_fd >= 0 && rc == 0)
     rc = pt_refresh(sf);
+  return rc;
+}
+
+int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
+  pthread_mutex_lock(&sf->lock);
+  int rc = ckpt__sfile_pt_seal(sf);
   pthread_mutex_unlock(&sf->lock);
   return rc;
 }
@@ -391,7 +425,34 @@ int ckpt__sfile_pt_detach(ckpt_sfile_t *sf) {
   int fd = sf->pt_fd;
   sf->pt_fd = -1;
   sf->pt_sealed = false;
+  if (fd >= 0)
+    pt_fd_give(sf->budget);
   return fd;
+}
+
+int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
+                      uint64_t *to) {
+  off_t d = lseek(fd, (off_t)pos, SEEK_DATA);
+  if (d < 0 && errno == ENXIO) { /* a hole to the end of the file */
+    struct stat st;
+    if (fstat(fd, &st))
+      return -errno;
+    if ((uint64_t)st.st_size < end)
+      return -ESTALE;
+    *from = *to = end;
+    return 0;
+  }
+  if (d < 0 && errno != EINVAL && errno != EOPNOTSUPP)
+    return -errno;
+  if (d < 0) { /* no SEEK_DATA here: all of it is data */
+    *from = pos;
+    *to = end;
+    return 0;
+  }
+  off_t h = lseek(fd, d, SEEK_HOLE);
+  *from = (uint64_t)d < end ? (uint64_t)d : end;
+  *to = h > d && (uint64_t)h < end ? (uint64_t)h : end;
+  return 0;
 }
 
 /* A sealed file's bytes, mapped for the commit to read. sf->lock held. */
@@ -455,8 +516,10 @@ void ckpt__sfile_free(ckpt_sfile_t *sf) {
   ckpt__stream_drop(sf);
   drop_segments(sf, 0);
   pt_unmap(sf);
-  if (sf->pt_fd >= 0)
+  if (sf->pt_fd >= 0) {
     close(sf->pt_fd);
+    pt_fd_give(sf->budget);
+  }
   free(sf->segs);
   XXH3_freeState(sf->hash);
   for (int i = 0; i < CKPT_X_COUNT; i++)
@@ -675,6 +738,39 @@ static ssize_t stream_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   return rc ? rc : 0;
 }
 
+/* A closed passthrough file too small to drain into a stream: its bytes
+ * move into segments, like a file the daemon wrote, and its memfd (one
+ * descriptor per file) goes. */
+int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf) {
+  uint64_t size = sf->size; /* sealed: read at the seal */
+  uint8_t *buf = malloc(size ? (size_t)size : 1);
+  if (!buf)
+    return -ENOMEM;
+  ssize_t r = size ? pread(sf->pt_fd, buf, (size_t)size, 0) : 0;
+  int rc = r == (ssize_t)size ? 0 : r < 0 ? -errno : -ESTALE;
+  drop_segments(sf, 0);
+  sf->size = 0;
+  sf->hashed = 0;
+  sf->hash_broken = false;
+  if (sf->hash)
+    XXH3_64bits_reset(sf->hash);
+  if (rc == 0 && size > 0) {
+    ssize_t w = write_segments(sf, buf, (size_t)size, 0);
+    rc = w == (ssize_t)size ? 0 : w < 0 ? (int)w : -EIO;
+    if (rc == 0)
+      hash_write(sf, buf, (size_t)size, 0);
+  }
+  free(buf);
+  sf->size = size;
+  atomic_store_explicit(&sf->size_seen, size, memory_order_relaxed);
+  if (rc) { /* it stays in its memfd */
+    drop_segments(sf, 0);
+    sf->hash_broken = true;
+    return rc;
+  }
+  return ckpt__sfile_pt_detach(sf);
+}
+
 ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
                           uint64_t off) {
   if (n == 0)
@@ -687,7 +783,6 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   int e = sf->pt_fd >= 0 ? ckpt__sfile_pt_thaw(sf, UINT64_MAX) : 0;
   if (e || sf->pt_fd >= 0) {
     ssize_t r = e;
-    sf->pt_gen++; /* after the thaw: a drain that began meanwhile sees it */
     if (r == 0 && (r = pwrite(sf->pt_fd, buf, n, (off_t)off)) < 0)
       r = -errno;
     if (r >= 0)
@@ -762,7 +857,6 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
   if (sf->pt_fd >= 0)
     rc = ckpt__sfile_pt_thaw(sf, size); /* may drop the lock: see write */
   if (rc || sf->pt_fd >= 0) {
-    sf->pt_gen++;
     if (rc == 0 && ftruncate(sf->pt_fd, (off_t)size))
       rc = -errno;
     if (rc == 0)
@@ -820,10 +914,8 @@ int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len) {
   int rc = 0;
   if (sf->pt_fd >= 0)
     rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX); /* may drop the lock */
-  if (rc == 0 && sf->pt_fd >= 0) {
-    sf->pt_gen++;
+  if (rc == 0 && sf->pt_fd >= 0)
     rc = pt_refresh(sf);
-  }
   if (rc)
     goto out;
   uint64_t end = off + len < sf->size ? off + len : sf->size;
@@ -891,8 +983,16 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
     pthread_mutex_lock(&sf->lock);
     rc = pt_map(sf);
     pthread_mutex_unlock(&sf->lock);
-    if (rc == 0 && sf->size > 0)
-      rc = fn(arg, sf->pt_map, (size_t)sf->size, CKPT_WALK_KEPT);
+    /* Its data from the mapping, its holes as holes: reading a hole
+     * through the mapping would fill it with pages of zeros. */
+    for (uint64_t from, to; rc == 0 && pos < sf->size; pos = to) {
+      rc = ckpt__data_extent(sf->pt_fd, pos, sf->size, &from, &to);
+      if (rc == 0 && from > pos)
+        rc = fn(arg, NULL, (size_t)(from - pos), CKPT_WALK_HOLE);
+      if (rc == 0 && to > from)
+        rc = fn(arg, (const uint8_t *)sf->pt_map + from, (size_t)(to - from),
+                CKPT_WALK_KEPT);
+    }
     return rc;
   }
   while (sf->stream >= 0 && pos < sf->size && rc == 0) {

@@ -154,15 +154,15 @@ static uint64_t align_up(uint64_t v) {
   return (v + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
 }
 
-/* Copy [0, size) of in to out at base: the kernel's copy where it can
- * (copy_file_range: a memfd to a tmpfs stream), else through a buffer
- * (another filesystem: EXDEV). A short read (truncated meanwhile) gives
- * -ESTALE. */
-int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
-  loff_t from = 0, at = (loff_t)base;
-  while ((uint64_t)from < size) {
-    ssize_t w = copy_file_range(in, &from, out, &at,
-                                (size_t)(size - (uint64_t)from), 0);
+/* Copy [from, to) of in to out at base + from: the kernel's copy where it
+ * can (copy_file_range: a memfd to a tmpfs stream), else through a buffer
+ * (another filesystem: EXDEV). A short read gives -ESTALE. */
+static int copy_extent(int in, int out, uint64_t base, uint64_t from,
+                       uint64_t to) {
+  loff_t pos = (loff_t)from, at = (loff_t)(base + from);
+  while ((uint64_t)pos < to) {
+    ssize_t w = copy_file_range(in, &pos, out, &at,
+                                (size_t)(to - (uint64_t)pos), 0);
     if (w < 0 && errno == EINTR)
       continue;
     if (w == 0)
@@ -174,14 +174,13 @@ int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
       return -errno;
   }
   size_t cap = (size_t)1 << 20;
-  char *buf = (uint64_t)from < size ? malloc(cap) : NULL;
-  if ((uint64_t)from < size && !buf)
+  char *buf = (uint64_t)pos < to ? malloc(cap) : NULL;
+  if ((uint64_t)pos < to && !buf)
     return -ENOMEM;
   int rc = 0;
-  while (rc == 0 && (uint64_t)from < size) {
-    size_t want = size - (uint64_t)from < cap ? (size_t)(size - (uint64_t)from)
-                                               : cap;
-    ssize_t r = pread(in, buf, want, from);
+  while (rc == 0 && (uint64_t)pos < to) {
+    size_t want = to - (uint64_t)pos < cap ? (size_t)(to - (uint64_t)pos) : cap;
+    ssize_t r = pread(in, buf, want, pos);
     if (r < 0 && errno == EINTR)
       continue;
     if (r <= 0) {
@@ -190,7 +189,7 @@ int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
     }
     for (ssize_t done = 0; rc == 0 && done < r;) {
       ssize_t w = pwrite(out, buf + done, (size_t)(r - done),
-                         (off_t)(base + (uint64_t)from + (uint64_t)done));
+                         (off_t)(base + (uint64_t)pos + (uint64_t)done));
       if (w < 0 && errno == EINTR)
         continue;
       if (w <= 0)
@@ -198,10 +197,26 @@ int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
       else
         done += w;
     }
-    from += r;
+    pos += r;
   }
   free(buf);
   return rc;
+}
+
+/* Copy [0, size) of in to out at base, data extents only: the holes of a
+ * sparse file stay holes (out's range must read as zeros already: a new
+ * file, or a range punched). In shorter than size gives -ESTALE. */
+int ckpt__copy_range(int in, int out, uint64_t base, uint64_t size) {
+  uint64_t pos = 0, from, to;
+  while (pos < size) {
+    int rc = ckpt__data_extent(in, pos, size, &from, &to);
+    if (rc == 0 && from < size)
+      rc = copy_extent(in, out, base, from, to);
+    if (rc)
+      return rc;
+    pos = to;
+  }
+  return 0;
 }
 
 /* Copy the first len bytes of stream fd into a new file dirfd/to. */
