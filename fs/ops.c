@@ -37,6 +37,8 @@ typedef struct ckpt_handle {
   bool writer;       /* a staged file opened for writing */
   bool pt;           /* a staged file passed through (sf->pt_opens) */
   _Atomic uint64_t advised; /* committed node: readahead asked up to here */
+  ckpt_fdref_t *pins;  /* committed item: its data files, held open */
+  uint32_t npins;
   struct ckpt_handle *prev, *next; /* fs->handles; fs->lock */
 } handle_t;
 
@@ -842,6 +844,9 @@ static void untrack_handle(ckpt_fs_t *fs, handle_t *h) {
 }
 
 static void free_handle(handle_t *h) {
+  for (uint32_t i = 0; i < h->npins; i++)
+    ckpt_fdref_put(&h->pins[i]);
+  free(h->pins);
   if (h->fd >= 0)
     close(h->fd);
   free(h->text);
@@ -1264,6 +1269,60 @@ static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
  * Files.
  * ---------------------------------------------------------------------- */
 
+static int by_rank_file(const void *a, const void *b) {
+  const int64_t *x = a, *y = b;
+  return (*x > *y) - (*x < *y);
+}
+
+/* Hold open the data files that committed item node n reads (a tensor,
+ * its .npy view or a block file: its chunks' files; a blob: its file), so
+ * that this handle reads the bytes it was opened on for as long as it is
+ * open, even after the checkpoint was replaced (replace=) or removed by
+ * another mount: the files may go from BACKING_DIR, the open descriptors
+ * keep them. Best effort: a file that cannot be opened now is not held
+ * (the read reports it). */
+static void pin_files(handle_t *h, const ckpt_node_t *n) {
+  const ckpt_ckpt_t *ck = n->ck;
+  if (!ck->has_stored || !ck->meta)
+    return;
+  const ckpt_metadata_t *m = ck->meta;
+  uint32_t first = 0, count = 0;
+  int64_t one;
+  if (n->kind == CKPT_NODE_CBLOB) {
+    const ckpt_blob_meta_t *b = &m->blobs[n->u.blob];
+    one = (int64_t)b->rank << 32 | b->file;
+    count = 1;
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_VNPY ||
+             n->kind == CKPT_NODE_CBLOCK) {
+    uint32_t t = n->kind == CKPT_NODE_CBLOCK ? n->u.block->tensor : n->u.tensor;
+    first = m->tensors[t].first_chunk;
+    count = m->tensors[t].n_chunks;
+  }
+  if (count == 0)
+    return;
+  int64_t *keys = count == 1 && n->kind == CKPT_NODE_CBLOB
+                      ? &one
+                      : malloc(count * sizeof(*keys));
+  if (!keys)
+    return;
+  if (keys != &one)
+    for (uint32_t i = 0; i < count; i++)
+      keys[i] = (int64_t)m->chunks[first + i].rank << 32 |
+                m->chunks[first + i].file;
+  qsort(keys, count, sizeof(*keys), by_rank_file);
+  uint32_t distinct = 0;
+  for (uint32_t i = 0; i < count; i++)
+    if (i == 0 || keys[i] != keys[i - 1])
+      keys[distinct++] = keys[i];
+  h->pins = calloc(distinct, sizeof(*h->pins));
+  for (uint32_t i = 0; h->pins && i < distinct; i++)
+    if (ckpt_stored_fd(&ck->stored, (int32_t)(keys[i] >> 32),
+                       (uint32_t)keys[i], &h->pins[h->npins]) == 0)
+      h->npins++;
+  if (keys != &one)
+    free(keys);
+}
+
 static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = get_node(fs, ino);
@@ -1297,6 +1356,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     else if (n->kind == CKPT_NODE_METADATA &&
              (h->fd = open_metadata(fs, n->ck)) < 0)
       rc = h->fd;
+    else
+      pin_files(h, n);
     fi->keep_cache = 1;
     /* Tensors and blobs: each read spliced from the data file's page
      * cache straight into the reader's buffer, not first into a second
