@@ -4,7 +4,8 @@
 # libfuse 3.17 built from Debian 13's source package fuse3 into .deps/fuse3
 # (for FUSE passthrough; CMake uses it when present); then the virtual
 # environment .venv (Python 3.11) with torch 2.13.0 (CPU build), numpy,
-# safetensors and the ckptfs package from python/ (editable).
+# safetensors, transformers, accelerate and lightning (the writers the
+# integration tests save with) and the ckptfs package from python/ (editable).
 # Run as root (or with sudo) on Debian 12 (bookworm) or later.
 # CKPT_VENV=DIR puts the environment elsewhere; CKPT_NO_VENV=1 skips it.
 # CKPT_NO_FUSE_BUILD=1 skips the libfuse build (the build then uses the
@@ -129,7 +130,9 @@ if [ "${CKPT_NO_FUSE_BUILD:-0}" != 1 ]; then
 fi
 
 # ---- the Python environment: torch 2.13.0 is pinned (the CPU build; a newer
-# or unpinned torch would pull a CUDA build of several GB).
+# or unpinned torch would pull a CUDA build of several GB). transformers,
+# accelerate (its Trainer needs it) and lightning are pinned to releases
+# that work with it and leave it as it is (tests/integration/test_writers.py).
 [ "${CKPT_NO_VENV:-0}" = 1 ] && exit 0
 venv=${CKPT_VENV:-$repo/.venv}
 py=""
@@ -142,12 +145,16 @@ if [ -z "$py" ]; then
   echo "install-deps: no Python 3.11 with venv (torch 2.13.0's CPU build is for 3.11)" >&2
   exit 1
 fi
-want="torch==2.13.0 numpy safetensors"
+want="torch==2.13.0 numpy safetensors transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6"
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c \
-    'import sys, torch, numpy, safetensors, ckptfs; assert sys.version_info[:2] == (3, 11); assert torch.__version__.startswith("2.13.0")' 2>/dev/null; then
+    'import sys, torch, numpy, safetensors, transformers, accelerate, lightning, ckptfs
+assert sys.version_info[:2] == (3, 11); assert torch.__version__.startswith("2.13.0")
+assert (transformers.__version__, accelerate.__version__, lightning.__version__) == ("5.18.0", "1.15.0", "2.6.6")' 2>/dev/null; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install --disable-pip-version-check -q $want
   "$venv/bin/python" -m pip install --disable-pip-version-check -q -e "$repo/python"
 fi
-"$venv/bin/python" -c 'import torch, numpy, safetensors, ckptfs
-print("install-deps: %s: torch %s, numpy %s, safetensors %s" % (__import__("sys").prefix, torch.__version__, numpy.__version__, safetensors.__version__))'
+"$venv/bin/python" -c 'import torch, numpy, safetensors, transformers, accelerate, lightning, ckptfs
+print("install-deps: %s: torch %s, numpy %s, safetensors %s, transformers %s, accelerate %s, lightning %s"
+      % (__import__("sys").prefix, torch.__version__, numpy.__version__, safetensors.__version__,
+         transformers.__version__, accelerate.__version__, lightning.__version__))'

@@ -2,7 +2,8 @@
 run with, and how they run code in it.
 
 scripts/install-deps.sh makes the virtual environment .venv (torch 2.13.0,
-numpy, safetensors; the ckptfs package from python/ installed editable).
+numpy, safetensors, transformers, accelerate, lightning; the ckptfs package
+from python/ installed editable).
 torch_python() tries $CKPT_PYTHON, .venv/bin/python, then
 sys.executable. Without one that has torch and numpy, the test fails,
 unless the environment sets CKPT_ALLOW_NO_TORCH=1: then it is skipped.
@@ -44,6 +45,23 @@ def require_torch(test):
         return py
     why = (f"no Python with torch and numpy (tried {', '.join(CANDIDATES)}): "
            "run scripts/install-deps.sh (it makes .venv with torch 2.13.0)")
+    if os.environ.get("CKPT_ALLOW_NO_TORCH") == "1":
+        raise unittest.SkipTest(why + " (skipped: CKPT_ALLOW_NO_TORCH=1)")
+    test.fail(why + "; set CKPT_ALLOW_NO_TORCH=1 to skip instead")
+
+
+def require_modules(test, *modules):
+    """The torch interpreter for test, which must import modules too (the
+    writers test_writers.py saves with); fail (or skip, with
+    CKPT_ALLOW_NO_TORCH=1) when it does not."""
+    py = require_torch(test)
+    r = subprocess.run([py, "-c", "import " + ", ".join(modules)], capture_output=True,
+                       text=True)
+    if r.returncode == 0:
+        return py
+    why = (f"{py} cannot import {', '.join(modules)} ({r.stderr.strip().splitlines()[-1]}): "
+           "run scripts/install-deps.sh (it installs the pinned transformers, accelerate "
+           "and lightning into .venv)")
     if os.environ.get("CKPT_ALLOW_NO_TORCH") == "1":
         raise unittest.SkipTest(why + " (skipped: CKPT_ALLOW_NO_TORCH=1)")
     test.fail(why + "; set CKPT_ALLOW_NO_TORCH=1 to skip instead")
