@@ -22,6 +22,7 @@ pkgs=(
   python3 attr                            # integration tests, getfattr
   python3-venv python3-pip                # the .venv below
   iproute2                                # multi-node tests: ip, ss (netns)
+  rsync                                   # integration_names: rsync -a into a mount
   clang libclang-rt-dev                    # libFuzzer and sanitizer runtimes
   python3-torch python3-numpy             # Python client and PyTorch example tests
 )

@@ -130,7 +130,11 @@ class Names(CkptfsTestCase):
         os.chmod(os.path.join(src, "model", ".cache"), 0o750)
         for i, rel in enumerate(sorted(files)):
             os.utime(os.path.join(src, rel), ns=(10**18 + i, 10**18 + 7 * i))
-        os.utime(os.path.join(src, "model"), ns=(10**18, 10**18 + 99))
+        # directories too (rsync, like on any filesystem, leaves a directory's
+        # time alone when it is within the same second as the source's)
+        for i, rel in enumerate(("model", "model/.cache", "empty", "empty/.empty too",
+                                 ".git", ".git/objects")):
+            os.utime(os.path.join(src, rel), ns=(10**18, 10**18 + 99 + i))
         os.mkdir(self.ck("tree"))
         r = subprocess.run(["cp", "-a", src + "/.", self.ck("tree")], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
@@ -146,6 +150,17 @@ class Names(CkptfsTestCase):
         r = subprocess.run(["diff", "-r", "-x", ".metadata", src, self.ck("tree")],
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        # rsync -a writes each file as a dot-named temp file, then renames it
+        os.mkdir(self.ck("synced"))
+        r = subprocess.run(["rsync", "-a", src + "/", self.ck("synced") + "/"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        commit(self.ck("synced"))
+        self.m.stop()
+        self.m = self.mount()
+        got = tree(self.ck("synced"))
+        got.pop(".metadata")
+        self.assertEqual(got, want)
 
 
 class Renames(CkptfsTestCase):
