@@ -333,8 +333,8 @@ class NetnsCase(unittest.TestCase):
                              f"node {i}: rank mounts {got}")
         return w
 
-    def umount_ok(self, w):
-        r = w.umount()
+    def umount_ok(self, w, *args):
+        r = w.umount(*args)
         self.assertEqual(r.returncode, 0, f"ckpt-umount failed:\n{r.stderr}\n"
                                           f"--- log ---\n{w.log_text()[-4000:]}")
         self.assertIn("exited with code 0", r.stderr)
@@ -687,7 +687,10 @@ class LongOutage(NetnsCase):
                          f"{took1:.1f}s; the queues drained {drained:.1f}s after the cable "
                          f"came back\n")
         self.assertFsckClean()
-        self.umount_ok(w)
+        # its failed checkpoint is still staged on every rank: ckpt-umount
+        # refuses without --discard, and names each one with it (every host)
+        r = self.umount_ok(w, "--discard")
+        self.assertEqual(len([ln for ln in r.stderr.splitlines() if "discarding " in ln]), 2, r.stderr)
 
 
 class KilledRemoteRank(NetnsCase):
@@ -755,7 +758,17 @@ class PerNodeBacking(NetnsCase):
                                                               f"nothing lost")
             self.assertEqual(read_all(os.path.join(d, "keep")), b"node %d" % i)
             self.assertFalse(os.path.exists(os.path.join(d, "step")))
-        self.umount_ok(w)
+        # its failed checkpoint is still staged on every rank, on both
+        # hosts: ckpt-umount refuses (nothing unmounted), naming each
+        r = w.umount()
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("refusing to unmount", r.stderr)
+        for k in range(w.n):
+            self.assertIn(f"{w.local_mnt(k)}/step: failed, 1 file", r.stderr)
+        self.assertEqual(sum(len(v) for v in w.ckpt_mounts().values()), w.n)
+        # and with --discard unmounts, naming what it discards
+        r = self.umount_ok(w, "--discard")
+        self.assertEqual(len([ln for ln in r.stderr.splitlines() if "discarding " in ln]), 2, r.stderr)
         for i in range(2):
             self.assertEqual(read_all(c.path(i, os.path.join(self.local_backing, "keep"))),
                              b"node %d" % i)
