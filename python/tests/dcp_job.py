@@ -353,7 +353,21 @@ def resave(mount, name):
                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
         check_version(mount, name, k)
     assert staged_names(mount) == [name], staged_names(mount)
-    result(refused=refused, refused_seconds=refused_s)
+    # a replace that fails on rank 1 while it stages (an object it cannot
+    # pickle): every rank raises at once, version 7 stays, nothing is left
+    bad = versioned(8)
+    bad["step"]["k"] = Unpicklable() if RANK == 1 else 8
+    t0 = time.monotonic()
+    try:
+        dcp.save(bad, checkpoint_id=name, storage_writer=writer())
+        raise AssertionError("a save that failed on rank 1 replaced the checkpoint")
+    except BaseException as e:  # noqa: B036
+        if isinstance(e, AssertionError):
+            raise
+        failed, failed_s = str(e), time.monotonic() - t0
+    check_version(mount, name, 7)
+    assert staged_names(mount) == [name], staged_names(mount)
+    result(refused=refused, refused_seconds=refused_s, failed=failed, failed_seconds=failed_s)
 
 
 def load_version(mount, name, k):

@@ -786,7 +786,8 @@ for how in ("sync", "async"):
 
     def test_overwrite_and_solo_in_a_world_of_two(self):
         """Issue 24: both ranks of a world save NAME twice, the second with
-        overwrite=True: every mount shows the second. Then rank 0 alone
+        overwrite=True: every mount shows the second; a third that one rank
+        fails to stage raises on both and leaves the second. Then rank 0 alone
         saves a checkpoint with solo=True (rank 1 does nothing) and rank 1
         alone replaces it (solo=True, overwrite=True): each mount sees
         the other's, as a checkpoint of world size 1, within seconds
@@ -797,13 +798,17 @@ for how in ("sync", "async"):
         w = World(ckptfs_util.BIN, 2, self.backing, root, log,
                   opts="commit_timeout=60").start()
         try:
-            def both(version, **kw):
+            def both(version, bad_rank=None, **kw):
+                """Both ranks save version; bad_rank's state dict holds an
+                object JSON cannot encode. The ranks' errors."""
                 errs = [None, None]
 
                 def one(r):
+                    sd = {"step": version, "rng": {f"rank{r}": f"{version}:{r}"}}
+                    if r == bad_rank:
+                        sd["rng"]["bad"] = object()
                     try:
-                        ckptfs.save({"step": version, "rng": {f"rank{r}": f"{version}:{r}"}},
-                                    w.mnt(r), "shared", rank=r, objects="json", **kw)
+                        ckptfs.save(sd, w.mnt(r), "shared", rank=r, objects="json", **kw)
                     except BaseException as e:  # noqa: B902 - reported below
                         errs[r] = e
                 ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
@@ -811,12 +816,24 @@ for how in ("sync", "async"):
                     t.start()
                 for t in ts:
                     t.join()
-                for e in errs:
-                    if e is not None:
-                        raise e
+                if bad_rank is None:
+                    for e in errs:
+                        if e is not None:
+                            raise e
+                return errs
             both(1)
             both(2, overwrite=True)
             want = {"step": 2, "rng": {"rank0": "2:0", "rank1": "2:1"}}
+            for r in range(2):
+                self.assertEqual(ckptfs.load(None, w.mnt(r), "shared"), want, f"rank {r}")
+                self.assertEqual(sorted(os.listdir(w.mnt(r))), ["shared"])
+            # a replace that rank 1 cannot stage: both ranks raise within
+            # seconds, version 2 stays, no working name is left
+            t0 = time.monotonic()
+            errs = both(3, bad_rank=1, overwrite=True)
+            self.assertLess(time.monotonic() - t0, 30)
+            self.assertIn("JSON", str(errs[1]))
+            self.assertIn("another rank failed", str(errs[0]))
             for r in range(2):
                 self.assertEqual(ckptfs.load(None, w.mnt(r), "shared"), want, f"rank {r}")
                 self.assertEqual(sorted(os.listdir(w.mnt(r))), ["shared"])

@@ -169,6 +169,11 @@ class Replace(DcpCase):
         for r in (0, 1):
             self.assertIn("Checkpoint already exists and self.overwrite=False",
                           out[r]["refused"])
+            # the failed replace (rank 1 could not pickle an object) raised
+            # on every rank within seconds (commit_timeout is 120 s)
+            self.assertLess(out[r]["failed_seconds"], 60, out[r])
+        self.assertIn("refuses to be saved", out[1]["failed"])
+        self.assertIn("another rank failed", out[0]["failed"])
         # one checkpoint in BACKING_DIR, nothing left of the replaced ones
         self.assertEqual(sorted(n for n in os.listdir(self.backing)
                                 if not n.startswith(".")), ["again"])
