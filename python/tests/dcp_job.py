@@ -367,6 +367,18 @@ def resave(mount, name):
         failed, failed_s = str(e), time.monotonic() - t0
     check_version(mount, name, 7)
     assert staged_names(mount) == [name], staged_names(mount)
+    # a name with a space cannot follow replace=: saved once, then refused
+    spaced = f"{name} b"
+    dcp.save(versioned(1), checkpoint_id=spaced, storage_writer=writer())
+    try:
+        dcp.save(versioned(2), checkpoint_id=spaced, storage_writer=writer())
+        raise AssertionError(f"{spaced!r} was saved again")
+    except BaseException as e:  # noqa: B036
+        if isinstance(e, AssertionError):
+            raise
+        assert "cannot be replaced" in str(e), str(e)
+    check_version(mount, spaced, 1)
+    assert staged_names(mount) == [name, spaced], staged_names(mount)
     result(refused=refused, refused_seconds=refused_s, failed=failed, failed_seconds=failed_s)
 
 

