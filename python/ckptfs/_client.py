@@ -36,6 +36,13 @@ Layout of a save (the ckptfs contract, docs/saving.md):
   manifest: its tensors load as numpy arrays (torch tensors for dtypes numpy
   lacks, such as bfloat16) and its other files as bytes.
 
+Saving a committed name again: overwrite=True stages the new version under
+a working name (NAME.replace-TOKEN) and commits it with replace=NAME, which
+publishes it as NAME in one atomic step for every mount (see "replacing a
+committed checkpoint" below); without it the save is refused. solo=True:
+one rank saves NAME alone, as a checkpoint of world size 1 (configs,
+tokenizers, what only rank 0 writes).
+
 Loading unpickles bytes items of kind "pickle": load only checkpoints you
 trust, or pass allow_pickle=False (such items then raise).
 
@@ -47,6 +54,7 @@ once (_abort_save), and every rank discards what it staged.
 """
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -55,6 +63,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
@@ -449,7 +458,7 @@ def _check_save_args(state_dict, mount, mode_arg, mode, objects):
 
 
 def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
-         exist_ok=False, threads=4):
+         exist_ok=False, threads=4, overwrite=False, solo=False):
     """Write state_dict into MOUNT/NAME and commit it.
 
     mount: this rank's ckptfs mount; name: the checkpoint name
@@ -459,19 +468,26 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     (return once the staged data is frozen; then wait(mount, name));
     objects: "pickle" or "json" for values that are neither tensors nor bytes;
     exist_ok: when this rank already staged name and did not commit it (e.g.
-    the commit failed), discard what is staged and save again; a committed
-    name is never replaced; threads: files written at once (the mount's
-    io_threads streams take that many in parallel). Raises CommitError
-    when the commit fails.
+    the commit failed), discard what is staged and save again;
+    overwrite: replace a committed name (it is staged under a working name
+    and committed with replace=NAME, on every rank: give every rank the same
+    overwrite); without it a committed name is never replaced;
+    solo: this rank alone saves name, as a checkpoint of world size 1 (the
+    other ranks do not call save); threads: files written at once (the
+    mount's io_threads streams take that many in parallel). Raises
+    CommitError when the commit fails.
     """
     _check_save_args(state_dict, mount, "mode", mode, objects)
     stager = _Stager(threads)
+    words = _save_words(name, overwrite, solo)
     try:
         leaves = _flatten(state_dict, [], [])
     except BaseException:
-        _abort_unstaged(mount, name, exist_ok)
+        _abort_unstaged(mount, name, exist_ok, overwrite, solo)
         raise
-    ckdir = _make_checkpoint_dir(mount, name, exist_ok)
+    ckdir = _make_checkpoint_dir(mount, name, exist_ok, overwrite, solo)
+    if solo:
+        rank = 0   # the rank of its world of one
     try:
         manifest = {}
         made = set()
@@ -486,24 +502,42 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
         _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
                                       "items": manifest}, sort_keys=True).encode())
     except BaseException:
-        _abort_save(ckdir, name)
+        _abort_save(ckdir, name, words)
         raise
     try:
-        commit(mount, name, mode)
+        _commit_dir(ckdir, name, mode, words)
     except CommitError as e:
         aborted = _aborted_elsewhere(e, ckdir, name)
-        if aborted is None:
-            raise
-        raise aborted from None
+        if aborted is not None:
+            raise aborted from None
+        if ckdir != os.path.join(mount, name):
+            # a working name is this save's own: nothing to restage under it
+            raise CommitError(e.name, e.status, e.path,
+                              discarded=_discard_uncommitted(ckdir)) from None
+        raise
     except BaseException:
-        _abort_save(ckdir, name)
+        _abort_save(ckdir, name, words)
         raise
 
 
-def _make_checkpoint_dir(mount, name, exist_ok):
-    """Create MOUNT/NAME for a save (see save's exist_ok); its path. A
-    staged one that exist_ok does not allow is aborted (_abort_commit: the
-    other ranks wait for this rank's commit) and left staged."""
+def _save_words(name, overwrite, solo):
+    """The modifiers after sync/async of a save of name. overwrite: always
+    replace=NAME (ckptfs publishes it plainly when NAME is not committed),
+    so that every rank gives the same words whatever its mount shows; a
+    name that cannot follow replace= is replaced only when it must be
+    (_make_checkpoint_dir refuses then)."""
+    words = ("solo",) if solo else ()
+    if overwrite and replaceable(name):
+        words += (f"replace={name}",)
+    return words
+
+
+def _make_checkpoint_dir(mount, name, exist_ok, overwrite=False, solo=False):
+    """Create the directory a save of NAME stages in (see save's exist_ok
+    and overwrite): MOUNT/NAME, or a working name when NAME is committed
+    and overwrite is set; its path. A staged NAME that exist_ok does not
+    allow is aborted (_abort_commit: the other ranks wait for this rank's
+    commit; not in a solo save) and left staged."""
     ckdir = os.path.join(mount, name)
     try:
         os.mkdir(ckdir)
@@ -512,17 +546,24 @@ def _make_checkpoint_dir(mount, name, exist_ok):
             st = status(mount, name)[0]
         except OSError:
             st = "committed"
+        if st == "committed" and overwrite:
+            if not replaceable(name):
+                raise CkptfsError(_unreplaceable(name)) from None
+            return make_working_dir(mount, name)
         if st in ("committed", "committing"):
+            how = ("pass overwrite=True to replace it, " if st == "committed"
+                   else "wait for its commit, ")
             raise CkptfsError(
-                f"checkpoint {name!r} is already {st} in {mount}: choose another "
-                f"name (or remove it for every rank with rm -r {ckdir})") from None
+                f"checkpoint {name!r} is already {st} in {mount}: {how}choose "
+                f"another name, or remove it for every rank with rm -r {ckdir}") from None
         if not exist_ok:
-            _abort_commit(ckdir, name)
+            if not solo:
+                _abort_commit(ckdir, name)
             raise CkptfsError(
                 f"checkpoint {name!r} is already staged ({st}) on this rank in "
                 f"{mount}: choose another name, discard it with rm -r {ckdir}, "
-                "or pass exist_ok=True to discard and restage it (this save "
-                "was aborted on every rank)") from None
+                "or pass exist_ok=True to discard and restage it"
+                + ("" if solo else " (this save was aborted on every rank)")) from None
         _discard_staged(ckdir)
         os.mkdir(ckdir)
     except OSError as e:
@@ -532,6 +573,75 @@ def _make_checkpoint_dir(mount, name, exist_ok):
     return ckdir
 
 
+# ---- replacing a committed checkpoint ---------------------------------------------
+#
+# A new version of a committed NAME is staged under a working name
+# (working_prefix(NAME) + a token) and committed with "replace=NAME":
+# ckptfs publishes it as NAME over the committed one in one atomic step,
+# for every mount, and the working name disappears (SPEC, Committing).
+# Every rank of the world gives the same NAME; each may stage under a
+# working name of its own. ckptfs.save and ckptfs.dcp.Writer both do this.
+
+TOKEN_CHARS = 12
+
+
+def replaceable(name):
+    """Whether name can follow replace= in a commit word (the word ends at
+    a space)."""
+    return " " not in name and "\n" not in name
+
+
+def _unreplaceable(name):
+    return (f"checkpoint {name!r} is committed and cannot be replaced: a name "
+            "holding a space cannot follow replace= in a commit word; save "
+            "under another name, or remove it first with rm -r")
+
+
+def working_prefix(name):
+    """How the working names of saves replacing NAME begin: NAME.replace-,
+    or replace-<sha1 of NAME>- where that would make a name too long."""
+    prefix = f"{name}.replace-"
+    if len(prefix.encode("utf-8", "surrogateescape")) + TOKEN_CHARS > 255:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()
+        prefix = f"replace-{digest[:20]}-"
+    return prefix
+
+
+def make_working_dir(mount, name, token=None):
+    """Create a working directory in mount for a save replacing NAME: the
+    given token (TOKEN_CHARS hex digits) when that name is free, else a
+    random one; its path."""
+    for _ in range(3):
+        token = token or uuid.uuid4().hex[:TOKEN_CHARS]
+        path = os.path.join(mount, working_prefix(name) + token)
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            token = None
+        except OSError as e:
+            raise CkptfsError(f"cannot create {path} to replace checkpoint "
+                              f"{name!r}: {e.strerror}") from e
+    raise CkptfsError(f"cannot find a free working name to replace {name!r} in {mount}")
+
+
+def _replacing(mount, name):
+    """This mount's working directories of saves replacing NAME whose
+    commit is running or failed: [(path, state, .status text)]."""
+    prefix = working_prefix(name)
+    try:
+        names = [n for n in os.listdir(mount) if n.startswith(prefix)]
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        path = os.path.join(mount, n)
+        st, text = _status_of(path)
+        if st in ("committing", "failed"):
+            out.append((path, st, text))
+    return out
+
+
 # ---- one rank's failure fails the save on every rank ----------------------------
 #
 # A commit waits for every rank's (up to commit_timeout, 600 s by default).
@@ -539,12 +649,15 @@ def _make_checkpoint_dir(mount, name, exist_ok):
 # item ckptfs refuses (ABORT_ITEM): the commit fails on every rank within
 # seconds, each rank discards what it staged, and the others raise
 # CommitError saying another rank failed. ckpt.save, ckptfs.async_save and
-# ckptfs.dcp.Writer all do this.
+# ckptfs.dcp.Writer all do this. A solo save has no other rank to tell.
 
-def _abort_commit(ckdir, name):
+def _abort_commit(ckdir, name, words=()):
     """Fail this save on every rank now rather than at commit_timeout:
-    commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes).
+    commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes),
+    with the save's own words (replace=NAME: the ranks match by NAME).
     Returns once the commit failed (when every rank committed)."""
+    if "solo" in words:
+        return
     try:
         if not os.path.isdir(ckdir) or _status_of(ckdir)[0] != "staging":
             return
@@ -556,7 +669,7 @@ def _abort_commit(ckdir, name):
         finally:
             os.close(fd)
         try:
-            _commit_dir(ckdir, name, "sync")
+            _commit_dir(ckdir, name, "sync", words)
         except (CkptfsError, OSError):
             pass
     except OSError:
@@ -575,26 +688,30 @@ def _discard_uncommitted(ckdir):
     return False
 
 
-def _abort_save(ckdir, name):
+def _abort_save(ckdir, name, words=()):
     """This rank's save into ckdir failed before its commit: fail it on
     every rank now (_abort_commit), then discard what this rank staged. The
     error being raised (sys.exc_info) gets a note saying so."""
-    _abort_commit(ckdir, name)
+    _abort_commit(ckdir, name, words)
     gone = _discard_uncommitted(ckdir)
     err = sys.exc_info()[1]
     if err is not None and hasattr(err, "add_note"):  # Python >= 3.11
-        err.add_note(f"ckptfs: the save of {name!r} was aborted on every rank"
+        where = "" if "solo" in words else " was aborted on every rank"
+        err.add_note(f"ckptfs: the save of {name!r}{where}"
                      + (" and this rank's staged files discarded" if gone else ""))
 
 
-def _abort_unstaged(mount, name, exist_ok):
+def _abort_unstaged(mount, name, exist_ok, overwrite=False, solo=False):
     """This rank failed before it staged anything (a key or value it cannot
-    encode): make NAME only to abort it, as _abort_save."""
+    encode): make NAME only to abort it, as _abort_save (a solo save has
+    nobody to tell)."""
+    if solo:
+        return
     try:
-        ckdir = _make_checkpoint_dir(mount, name, exist_ok)
+        ckdir = _make_checkpoint_dir(mount, name, exist_ok, overwrite)
     except CkptfsError:
         return  # not ours to abort, or aborted already
-    _abort_save(ckdir, name)
+    _abort_save(ckdir, name, _save_words(name, overwrite, solo))
 
 
 def _aborted_elsewhere(err, ckdir, name):
@@ -696,7 +813,7 @@ def _snapshot(obj, objects, buffers=None, used=None, prefix=()):
 
 
 def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
-               exist_ok=False, threads=4, buffers=None):
+               exist_ok=False, threads=4, buffers=None, overwrite=False, solo=False):
     """Save in the background: the caller waits only while state_dict is
     copied (tensors into private CPU memory, other values encoded); the
     writes into MOUNT/NAME and the commit run on a thread of their own.
@@ -723,7 +840,7 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
         if buffers is not None:
             buffers._give(used)   # nothing writes from them: keep them
         # the other ranks' saves would wait for this rank's commit
-        _abort_unstaged(mount, name, exist_ok)
+        _abort_unstaged(mount, name, exist_ok, overwrite, solo)
         raise
     fut = Future()
     fut.set_running_or_notify_cancel()
@@ -731,7 +848,7 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     def run():
         try:
             save(snap, mount, name, rank=rank, mode=commit, objects=objects,
-                 exist_ok=exist_ok, threads=threads)
+                 exist_ok=exist_ok, threads=threads, overwrite=overwrite, solo=solo)
         except BaseException as e:  # noqa: B036 (the future raises it)
             err = e
         else:
@@ -808,26 +925,38 @@ def _discard_staged(ckdir):
     os.rmdir(ckdir)
 
 
-def commit(mount, name, mode="sync"):
-    """Write mode to NAME/.commit (what save() does last)."""
-    _commit_dir(os.path.join(mount, name), name, mode)
+def commit(mount, name, mode="sync", replace=None, solo=False):
+    """Write mode to NAME/.commit (what save() does last). replace=TARGET:
+    publish the staged NAME as TARGET, over a committed TARGET; solo: this
+    rank alone, as a world of one (SPEC, Committing)."""
+    words = ("solo",) if solo else ()
+    if replace is not None:
+        if not replaceable(replace):
+            raise ValueError(f"replace={replace!r}: a name holding a space cannot "
+                             "follow replace= in a commit word")
+        words += (f"replace={replace}",)
+    _commit_dir(os.path.join(mount, name), name, mode, words)
 
 
-def _commit_dir(ckdir, name, mode="sync"):
-    """Write mode to ckdir/.commit; CommitError with .status's reason when
-    the commit fails."""
+def _commit_dir(ckdir, name, mode="sync", words=()):
+    """Write mode and words (modifiers: "solo", "replace=NAME") to
+    ckdir/.commit; CommitError with .status's reason when the commit
+    fails."""
     try:
         fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
     except OSError as e:
         raise CkptfsError(f"cannot open {ckdir}/.commit: {e.strerror} (is "
                           f"{os.path.dirname(ckdir)} a ckptfs mount?)") from e
+    word = " ".join((mode,) + tuple(words))
     try:
-        os.write(fd, mode.encode() + b"\n")
+        os.write(fd, word.encode() + b"\n")
     except OSError as e:
         st, text = _status_of(ckdir)
         if st == "failed" or (st == "committed" and "\nlost: " in text):
             raise CommitError(name, text, ckdir) from e
-        raise CkptfsError(f"commit of {name!r} failed: {e.strerror}"
+        older = (f" (the daemon refused {word!r}: a ckptfs older than the words "
+                 "solo and replace=?)" if words and e.errno == errno.EINVAL else "")
+        raise CkptfsError(f"commit of {name!r} failed: {e.strerror}{older}"
                           + (f"; .status: {text.strip()}" if text else "")) from e
     finally:
         os.close(fd)
@@ -836,10 +965,20 @@ def _commit_dir(ckdir, name, mode="sync"):
 def wait(mount, name, timeout=None, poll=0.05):
     """Wait until an async commit of name is committed (return its .status
     text) or failed, or lost to another mount's commit of name (raise
-    CommitError); TimeoutError after timeout s."""
+    CommitError); TimeoutError after timeout s. An async save that
+    replaces a committed name (overwrite) is followed under its working
+    name on this mount until it is published as name or fails (its
+    working directory is then discarded)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        st, text = status(mount, name)
+        pending = _replacing(mount, name)
+        for path, st, text in pending:
+            if st == "failed":
+                raise CommitError(name, text, path, discarded=_discard_uncommitted(path))
+        if pending:
+            st, text = "committing", pending[0][2]
+        else:
+            st, text = status(mount, name)
         # "lost:": this mount's commit lost to another save of the name,
         # which NAME is now (its staged files were discarded)
         if st == "committed" and "\nlost: " not in text:

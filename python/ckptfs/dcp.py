@@ -25,6 +25,15 @@ ckptfs refuses, `_ckptfs_abort`), so every rank raises, never hangs; the
 staged checkpoint is then discarded on every rank, so the same id can be
 saved again.
 
+Saving a checkpoint_id that is already committed replaces it, as stock
+DCP's FileSystemWriter does by default (Writer(overwrite=True)): the
+coordinator sees NAME committed while it makes the global plan and says so
+in the plan's storage_data, with a token; every rank stages under the
+working name NAME.replace-TOKEN and commits with replace=NAME, which
+publishes the new version as NAME in one atomic step for every mount.
+overwrite=False raises ("Checkpoint already exists ...") on every rank
+before anything is staged.
+
 Paths: an FQN whose dot-separated parts are path-safe (non-empty, no '/',
 not starting with '.', at most 255 bytes) is saved at the path of its parts
 (`model.layer0.weight` at model/layer0/weight), as every ckptfs tool
@@ -72,10 +81,11 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from ._client import (ABORT_ITEM, CkptfsError, CommitError, _abort_commit, _abort_save,
-                      _aborted_elsewhere, _commit_dir as _commit, _discard_uncommitted,
-                      _Stager, _discard_staged as _discard, _pread_into,
-                      _status_of as _status, _write_fd as _write_all, block_file)
+from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_commit,
+                      _abort_save, _aborted_elsewhere, _commit_dir as _commit,
+                      _discard_uncommitted, _Stager, _discard_staged as _discard,
+                      _pread_into, _status_of as _status, _unreplaceable,
+                      _write_fd as _write_all, block_file, make_working_dir, replaceable)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
@@ -272,6 +282,17 @@ def _cpu_contiguous(t):
 
 # ---- the writer ----------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class _SaveData:
+    """The storage_data of the Writer's global plan, the same for every
+    rank: paths {fqn: path in the checkpoint}; replace: NAME is committed,
+    so the save is committed with replace=NAME; token: of the working name
+    ranks whose mount shows NAME committed stage under."""
+    paths: dict
+    replace: bool
+    token: str
+
+
 class Writer(StorageWriter):
     """DCP StorageWriter over ckptfs rank mounts.
 
@@ -287,10 +308,14 @@ class Writer(StorageWriter):
     rank's data is frozen; ckptfs finishes the save in the background and
     NAME/.status follows it; wait with ckptfs.wait(mount, name)).
     threads: files staged at once (4, the mount's default io_threads).
+    overwrite: as stock DCP's FileSystemWriter (True by default): a save to
+    the checkpoint_id of a committed checkpoint replaces it (staged under a
+    working name, committed with replace=NAME: atomically, for every
+    mount); False: such a save raises before anything is staged.
     """
 
     def __init__(self, mount, *, commit="sync", replicas="check", threads=4,
-                 checkpoint_id=None):
+                 overwrite=True, checkpoint_id=None):
         super().__init__()
         if commit not in ("sync", "async"):
             raise ValueError(f"commit={commit!r}: use 'sync' or 'async'")
@@ -302,6 +327,7 @@ class Writer(StorageWriter):
         self.mount_spec = os.fspath(mount)
         self.commit_mode = commit
         self.replicas = replicas
+        self.overwrite = bool(overwrite)
         self.rank = None
         self.mount = None
         self.is_coordinator = False
@@ -345,6 +371,21 @@ class Writer(StorageWriter):
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Refused before anything is staged (DCP raises it on every rank):
+        # a NAME that exists, as stock DCP's FileSystemWriter does without
+        # overwrite, and one whose earlier save still commits on this mount.
+        st = self._state_here()
+        if st == "committing":
+            raise CkptfsError(
+                f"rank {self.rank}: checkpoint {self.name!r} is still being "
+                f"committed in {self.mount} by an earlier save: wait for it "
+                "(ckptfs.wait, or the future of dcp.async_save) before saving "
+                "it again")
+        if st == "committed" and not self.overwrite:
+            raise CkptfsError(
+                f"Checkpoint already exists and self.overwrite=False: checkpoint "
+                f"{self.name!r} is committed in {self.mount} (rank {self.rank}); "
+                "pass overwrite=True to replace it, or pick another checkpoint_id")
         # DCP's planner keeps one copy of each replica; ckptfs keeps them
         # all and checks them, so write_data writes this whole local plan.
         # A cached plan (enable_plan_caching: usable=False, no items) says
@@ -356,9 +397,15 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans):
+        # The coordinator decides for every rank whether this save replaces
+        # a committed NAME (what its mount shows is what every mount shows),
+        # and gives the token of the working name the ranks stage it under.
         fqns = {it.index.fqn for p in plans for it in p.items}
-        paths = fqn_paths(fqns)
-        return [dataclasses.replace(p, storage_data=paths) for p in plans]
+        replace = self.overwrite and self._state_here() == "committed"
+        if replace and not replaceable(self.name):
+            raise CkptfsError(_unreplaceable(self.name))
+        data = _SaveData(fqn_paths(fqns), replace, self.save_id[:TOKEN_CHARS])
+        return [dataclasses.replace(p, storage_data=data) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         fut = Future()
@@ -374,27 +421,41 @@ class Writer(StorageWriter):
         return None
 
     # -- the work
+    def _state_here(self):
+        """NAME's state on this rank's mount ("" when there is none)."""
+        return _status(os.path.join(self.mount, self.name))[0]
+
     def _write(self, plan, planner):
         items = self._local_items if self._local_items is not None else list(plan.items)
-        paths = plan.storage_data if isinstance(plan.storage_data, dict) else None
+        # DCP's plan caching hands write_data the plan of an earlier save,
+        # storage_data and all: what it says is checked, not trusted.
+        data = plan.storage_data
+        if not isinstance(data, _SaveData):
+            data = _SaveData(None, False, self.save_id[:TOKEN_CHARS])
+        paths = data.paths
         if paths is None or any(it.index.fqn not in paths for it in items):
             paths = fqn_paths({it.index.fqn for it in items})
         ckdir = os.path.join(self.mount, self.name)
         try:
-            self._make_checkpoint_dir(ckdir)
+            ckdir = self._make_checkpoint_dir(ckdir, data.token)
         except CkptfsError:
             # Another save's staged checkpoint of this name, left on this
             # rank: fail this save on every rank now (the others wait for
             # this rank's commit), and leave that checkpoint as it is.
             _abort_commit(ckdir, self.name)
             raise
+        # replace=NAME where the coordinator saw NAME committed, or where
+        # this rank stages under a working name (a staged name other than
+        # NAME is published as NAME only with replace=)
+        replace = data.replace or os.path.basename(ckdir) != self.name
+        words = (f"replace={self.name}",) if replace else ()
         try:
             sizes = self._stage(ckdir, items, paths, planner)
         except BaseException:
-            _abort_save(ckdir, self.name)  # every rank fails now; discarded
+            _abort_save(ckdir, self.name, words)  # every rank fails now; discarded
             raise
         try:
-            _commit(ckdir, self.name, self.commit_mode)
+            _commit(ckdir, self.name, self.commit_mode, words)
         except CommitError as e:
             aborted = _aborted_elsewhere(e, ckdir, self.name)
             if aborted is not None:
@@ -403,15 +464,18 @@ class Writer(StorageWriter):
             discarded = _discard_uncommitted(ckdir)
             raise CommitError(e.name, e.status, e.path, discarded=discarded) from None
         except BaseException:
-            _abort_save(ckdir, self.name)
+            _abort_save(ckdir, self.name, words)
             raise
         return [WriteResult(index=it.index, size_in_bytes=sizes.get(it.index, 0),
                             storage_data=paths.get(it.index.fqn)) for it in plan.items]
 
-    def _make_checkpoint_dir(self, ckdir):
+    def _make_checkpoint_dir(self, ckdir, token):
+        """Create the directory this rank stages in: ckdir (MOUNT/NAME), or
+        a working name of token's when NAME is committed (overwrite); its
+        path."""
         try:
             os.mkdir(ckdir)
-            return
+            return ckdir
         except FileExistsError:
             pass
         except OSError as e:
@@ -422,9 +486,15 @@ class Writer(StorageWriter):
             # Our own earlier attempt that failed: it stays staged; start over.
             _discard(ckdir)
             os.mkdir(ckdir)
-            return
+            return ckdir
+        if st == "committed" and self.overwrite:
+            if not replaceable(self.name):
+                raise CkptfsError(f"rank {self.rank}: {_unreplaceable(self.name)}")
+            return make_working_dir(self.mount, self.name, token)
+        how = {"committed": "pass overwrite=True to replace it, ",
+               "committing": "wait for its commit (ckptfs.wait), "}.get(st, "")
         raise CkptfsError(f"rank {self.rank}: checkpoint {self.name!r} already exists "
-                          f"in {self.mount} ({st or 'unknown state'}): pick another "
+                          f"in {self.mount} ({st or 'unknown state'}): {how}pick another "
                           "checkpoint_id, or remove it first")
 
     def _stage(self, ckdir, items, paths, planner):

@@ -293,6 +293,100 @@ def replicas(mount, name):
     result(message=msg, tag=tgt["tag"])
 
 
+def versioned(k, zero=False):
+    """Version k of a small state dict: a sharded DTensor, a plain tensor
+    and an object, each different in every version."""
+    m = mesh1()
+    row = torch.zeros(10, 6) if zero else make(f"v{k}.row", (10, 6))
+    return {"dt": {"row": distribute_tensor(row, m, [Shard(0)])},
+            "w": torch.zeros(4, 3, dtype=torch.float64) if zero
+            else make(f"v{k}.w", (4, 3), torch.float64),
+            "step": {"k": None if zero else k}}
+
+
+def check_version(mount, name, k):
+    tgt = versioned(k, zero=True)
+    dcp.load(tgt, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(mount))
+    assert tgt["step"] == {"k": k}, f"{name}: step {tgt['step']}, version {k} expected"
+    assert torch.equal(tgt["dt"]["row"].full_tensor(), make(f"v{k}.row", (10, 6))), name
+    assert torch.equal(tgt["w"], make(f"v{k}.w", (4, 3), torch.float64)), name
+
+
+def staged_names(mount):
+    """What this rank's mount lists: NAME alone once a replace is done."""
+    return sorted(os.listdir(mount_of(mount)))
+
+
+def resave(mount, name):
+    """dcp.save to one checkpoint_id again and again, as stock DCP allows
+    (FileSystemWriter's overwrite=True; the Writer's default): each save
+    replaces the last, on every rank; dcp.async_save too; Writer(commit=
+    "async") followed by ckptfs.wait; a save with a cached plan (DCP's
+    enable_plan_caching); overwrite=False raises as stock DCP does, before
+    anything is staged, and leaves the checkpoint as it was."""
+    def writer(**kw):
+        return ckptfs.dcp.Writer(mount, **kw)
+    dcp.save(versioned(1), checkpoint_id=name, storage_writer=writer())
+    check_version(mount, name, 1)
+    dcp.save(versioned(2), checkpoint_id=name, storage_writer=writer())
+    check_version(mount, name, 2)
+    assert staged_names(mount) == [name], staged_names(mount)
+    dcp.async_save(versioned(3), checkpoint_id=name, storage_writer=writer()).result()
+    check_version(mount, name, 3)
+    t0 = time.monotonic()
+    try:
+        dcp.save(versioned(4), checkpoint_id=name, storage_writer=writer(overwrite=False))
+        raise AssertionError("overwrite=False replaced a committed checkpoint")
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException is one)
+        if isinstance(e, AssertionError):
+            raise
+        refused, refused_s = str(e), time.monotonic() - t0
+    assert "Checkpoint already exists and self.overwrite=False" in refused, refused
+    assert staged_names(mount) == [name], staged_names(mount)
+    check_version(mount, name, 3)
+    dcp.save(versioned(5), checkpoint_id=name, storage_writer=writer(commit="async"))
+    text = ckptfs.wait(mount_of(mount), name, timeout=300)
+    assert text.startswith("committed"), text
+    check_version(mount, name, 5)
+    for k in (6, 7):  # the second save of an unchanged plan gets the cached one
+        dcp.save(versioned(k), checkpoint_id=name, storage_writer=writer(),
+                 planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
+        check_version(mount, name, k)
+    assert staged_names(mount) == [name], staged_names(mount)
+    # a replace that fails on rank 1 while it stages (an object it cannot
+    # pickle): every rank raises at once, version 7 stays, nothing is left
+    bad = versioned(8)
+    bad["step"]["k"] = Unpicklable() if RANK == 1 else 8
+    t0 = time.monotonic()
+    try:
+        dcp.save(bad, checkpoint_id=name, storage_writer=writer())
+        raise AssertionError("a save that failed on rank 1 replaced the checkpoint")
+    except BaseException as e:  # noqa: B036
+        if isinstance(e, AssertionError):
+            raise
+        failed, failed_s = str(e), time.monotonic() - t0
+    check_version(mount, name, 7)
+    assert staged_names(mount) == [name], staged_names(mount)
+    # a name with a space cannot follow replace=: saved once, then refused
+    spaced = f"{name} b"
+    dcp.save(versioned(1), checkpoint_id=spaced, storage_writer=writer())
+    try:
+        dcp.save(versioned(2), checkpoint_id=spaced, storage_writer=writer())
+        raise AssertionError(f"{spaced!r} was saved again")
+    except BaseException as e:  # noqa: B036
+        if isinstance(e, AssertionError):
+            raise
+        assert "cannot be replaced" in str(e), str(e)
+    check_version(mount, spaced, 1)
+    assert staged_names(mount) == [name, spaced], staged_names(mount)
+    result(refused=refused, refused_seconds=refused_s, failed=failed, failed_seconds=failed_s)
+
+
+def load_version(mount, name, k):
+    check_version(mount, name, int(k))
+    result()
+
+
 def load(mount, name, saved_ws, *flags):
     odd = "odd" in flags
     two_d = "2d" in flags and WS % 2 == 0

@@ -3,8 +3,9 @@
 through a real mount (numpy dtypes, torch dtypes with bfloat16, 0-d, empty
 and non-contiguous tensors, nested dicts with int keys, bytes, pickled and
 JSON objects), a sharded save from a world of 2 ranks loaded at 1 rank
-with other shards (pread of each shard's byte ranges), async saves, and
-the errors a user gets.
+with other shards (pread of each shard's byte ranges), async saves,
+saves that replace a committed name (overwrite=True) and one-rank saves in
+a world of two (solo=True), and the errors a user gets.
 
 What the client wrote is checked independently of it: the committed files'
 bytes, the xattrs, and .metadata's tensors and chunks tables.
@@ -24,6 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -720,6 +722,138 @@ print(ckptfs.status(mnt, name)[0])
                     for t in ts:
                         t.join()
                     self.assertEqual([(x or "").strip() for x in res], ["committed"] * 2)
+        finally:
+            self.assertEqual(w.stop(), 0)
+
+    def test_overwrite_replaces_a_committed_name(self):
+        """Issue 24: save(overwrite=True) and async_save(overwrite=True)
+        replace a committed name (sync, async and with mode="async" then
+        wait); without it, today's refusal stays; a failed replace
+        publishes nothing and leaves no working name behind."""
+        self.mount()
+        ckptfs.save({"v": b"1", "only-in-1": b"x"}, self.mnt, "s")
+        with self.assertRaises(ckptfs.CkptfsError) as cm:
+            ckptfs.save({"v": b"2"}, self.mnt, "s")
+        self.assertIn("already committed", str(cm.exception))
+        self.assertIn("overwrite=True", str(cm.exception))
+        self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"1", "only-in-1": b"x"})
+        ckptfs.save({"v": b"2"}, self.mnt, "s", overwrite=True)
+        # the new version whole, nothing of the old one
+        self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"2"})
+        ckptfs.async_save({"v": b"3"}, self.mnt, "s", overwrite=True).result(timeout=300)
+        self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"3"})
+        ckptfs.save({"v": b"4", "cfg": [1, 2]}, self.mnt, "s", mode="async",
+                    objects="json", overwrite=True)
+        text = ckptfs.wait(self.mnt, "s", timeout=300)
+        self.assertTrue(text.startswith("committed"), text)
+        self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"4", "cfg": [1, 2]})
+        # overwrite=True over nothing is a plain save
+        ckptfs.save({"v": b"new"}, self.mnt, "fresh", overwrite=True)
+        self.assertEqual(ckptfs.load(None, self.mnt, "fresh"), {"v": b"new"})
+        # a 250-byte name: its working name is replace-<sha1>-TOKEN
+        ckptfs.save({"v": b"1"}, self.mnt, "n" * 250)
+        ckptfs.save({"v": b"2"}, self.mnt, "n" * 250, overwrite=True)
+        self.assertEqual(ckptfs.load(None, self.mnt, "n" * 250), {"v": b"2"})
+        # a name with a space cannot follow replace=: saved once, refused after
+        ckptfs.save({"v": b"1"}, self.mnt, "a b", overwrite=True)
+        with self.assertRaises(ckptfs.CkptfsError) as cm:
+            ckptfs.save({"v": b"2"}, self.mnt, "a b", overwrite=True)
+        self.assertIn("cannot be replaced", str(cm.exception))
+        self.assertEqual(ckptfs.load(None, self.mnt, "a b"), {"v": b"1"})
+        py = require_torch(self)
+        out = run_py(self, py, r'''
+import os, sys, torch, ckptfs
+mnt = sys.argv[1]
+gap = {"w": ckptfs.Shard(torch.ones(2, 3), (0, 0), (4, 3))}   # leaves a gap
+for how in ("sync", "async"):
+    try:
+        ckptfs.save(gap, mnt, "s", mode=how, overwrite=True)
+        ckptfs.wait(mnt, "s", timeout=300)
+        raise SystemExit(f"{how}: a save with a gap replaced s")
+    except ckptfs.CommitError as e:
+        assert "gap" in str(e) and e.discarded, (how, str(e), e.discarded)
+        assert "discarded on every rank" in str(e), str(e)
+    print(how, sorted(os.listdir(mnt)))
+''', self.mnt)
+        names = ["a b", "fresh", "n" * 250, "s"]
+        self.assertEqual(out.split("\n")[:2], [f"sync {names}", f"async {names}"], out)
+        self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"4", "cfg": [1, 2]})
+        # one directory per name in BACKING_DIR, and the same after a remount
+        self.assertEqual(sorted(n for n in os.listdir(self.backing) if n[0] != "."), names)
+        self.mounts[0].stop()
+        self.mount()
+        self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"4", "cfg": [1, 2]})
+
+    def test_overwrite_and_solo_in_a_world_of_two(self):
+        """Issue 24: both ranks of a world save NAME twice, the second with
+        overwrite=True: every mount shows the second; a third that one rank
+        fails to stage raises on both and leaves the second. Then rank 0 alone
+        saves a checkpoint with solo=True (rank 1 does nothing) and rank 1
+        alone replaces it (solo=True, overwrite=True): each mount sees
+        the other's, as a checkpoint of world size 1, within seconds
+        (commit_timeout is 60 s: no rank waits for the other)."""
+        root = os.path.join(self.dir, "world")
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
+                  opts="commit_timeout=60").start()
+        try:
+            def both(version, bad_rank=None, **kw):
+                """Both ranks save version; bad_rank's state dict holds an
+                object JSON cannot encode. The ranks' errors."""
+                errs = [None, None]
+
+                def one(r):
+                    sd = {"step": version, "rng": {f"rank{r}": f"{version}:{r}"}}
+                    if r == bad_rank:
+                        sd["rng"]["bad"] = object()
+                    try:
+                        ckptfs.save(sd, w.mnt(r), "shared", rank=r, objects="json", **kw)
+                    except BaseException as e:  # noqa: B902 - reported below
+                        errs[r] = e
+                ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                if bad_rank is None:
+                    for e in errs:
+                        if e is not None:
+                            raise e
+                return errs
+            both(1)
+            both(2, overwrite=True)
+            want = {"step": 2, "rng": {"rank0": "2:0", "rank1": "2:1"}}
+            for r in range(2):
+                self.assertEqual(ckptfs.load(None, w.mnt(r), "shared"), want, f"rank {r}")
+                self.assertEqual(sorted(os.listdir(w.mnt(r))), ["shared"])
+            # a replace that rank 1 cannot stage: both ranks raise within
+            # seconds, version 2 stays, no working name is left
+            t0 = time.monotonic()
+            errs = both(3, bad_rank=1, overwrite=True)
+            self.assertLess(time.monotonic() - t0, 30)
+            self.assertIn("JSON", str(errs[1]))
+            self.assertIn("another rank failed", str(errs[0]))
+            for r in range(2):
+                self.assertEqual(ckptfs.load(None, w.mnt(r), "shared"), want, f"rank {r}")
+                self.assertEqual(sorted(os.listdir(w.mnt(r))), ["shared"])
+            t0 = time.monotonic()
+            ckptfs.save({"cfg": {"lr": 0.5}}, w.mnt(0), "config", rank=0, solo=True,
+                        objects="json")
+            took = time.monotonic() - t0
+            self.assertLess(took, 30, "the solo save waited for rank 1")
+            self.assertEqual(ckptfs.load(None, w.mnt(1), "config"), {"cfg": {"lr": 0.5}})
+            db = os.path.join(w.mnt(1), "config", ".metadata")
+            self.assertEqual(query(db, "select value from checkpoint where key='world_size'"),
+                             [("1",)])
+            ckptfs.async_save({"cfg": {"lr": 0.25}}, w.mnt(1), "config", rank=1, solo=True,
+                              overwrite=True, objects="json").result(timeout=30)
+            for r in range(2):
+                self.assertEqual(ckptfs.load(None, w.mnt(r), "config"), {"cfg": {"lr": 0.25}})
+            # the manifest of a world of one is rank 0's
+            self.assertEqual(os.listdir(os.path.join(w.mnt(0), "config", "_ckptfs")),
+                             ["rank0.json"])
+            sys.stderr.write(f"\n  solo save at rank 0 of 2: {took:.2f} s\n")
         finally:
             self.assertEqual(w.stop(), 0)
 

@@ -6,7 +6,9 @@ mesh) loaded at 2; DTensors Shard(0) (uneven), Shard(1), Replicate(),
 2-D meshes; rank-unique and replicated plain tensors; object items; FQNs
 that are not path-safe; model and Adam state of a fully_shard'ed model
 (get_state_dict) loaded at another world size; async_save overlapping a
-training step; an error on one rank raised on every rank; the
+training step; a checkpoint_id saved again replacing the last, as stock
+DCP's overwrite=True does, and overwrite=False refusing it; an error on
+one rank raised on every rank; the
 safetensors package reading the .safetensors view; import of a stock DCP
 checkpoint and export to one stock DCP loads. All compared bit for bit.
 The jobs are python/tests/dcp_job.py.
@@ -17,6 +19,7 @@ The jobs are python/tests/dcp_job.py.
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -145,6 +148,40 @@ class SaveLoad(DcpCase):
             self.assertIn("tag", out[r]["message"])
             self.assertIn("differ", out[r]["message"])
         self.assertFalse(os.path.exists(os.path.join(self.backing, "rp-check")))
+
+
+class Replace(DcpCase):
+    """Issue 24: a checkpoint_id saved again replaces the committed one, as
+    stock DCP's FileSystemWriter (overwrite=True) does; overwrite=False
+    raises as stock DCP does (dcp_job.resave)."""
+
+    def test_save_twice_replaces_overwrite_false_raises(self):
+        w2 = self.world(2)
+        out = self.job(2, "resave", self.spec(w2), "again")
+        # saves 2, 3, 5, 6 and 7 replaced it on both ranks, each staged under
+        # one working name on every rank (the token comes with DCP's global
+        # plan; a cached plan brings its earlier token, which is free again)
+        log = ckptfs_util.read_log(self.extra_logs[-1], 1 << 24)
+        published = re.findall(r"(again\.replace-[0-9a-f]{12}): published as again "
+                               r"\(replace=\)", log)
+        self.assertEqual(len(published), 10, log[-3000:])
+        self.assertTrue(all(published.count(p) % 2 == 0 for p in published), published)
+        for r in (0, 1):
+            self.assertIn("Checkpoint already exists and self.overwrite=False",
+                          out[r]["refused"])
+            # the failed replace (rank 1 could not pickle an object) raised
+            # on every rank within seconds (commit_timeout is 120 s)
+            self.assertLess(out[r]["failed_seconds"], 60, out[r])
+        self.assertIn("refuses to be saved", out[1]["failed"])
+        self.assertIn("another rank failed", out[0]["failed"])
+        # one checkpoint in BACKING_DIR, nothing left of the replaced ones
+        self.assertEqual(sorted(n for n in os.listdir(self.backing)
+                                if not n.startswith(".")), ["again", "again b"])
+        saves = os.path.join(self.backing, ".saves")
+        self.assertEqual(os.listdir(saves) if os.path.isdir(saves) else [], [])
+        self.stop(w2)
+        w1 = self.world(1)
+        self.job(1, "load_version", self.spec(w1), "again", 7)
 
 
 class Client(DcpCase):
