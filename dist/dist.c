@@ -195,6 +195,9 @@ static bool coordinator_stopped(ckpt_dist_t *d) {
  * with *from and out set, 0 at the deadline, -ESHUTDOWN when a client
  * learns that the coordinator stopped, < 0 on error.
  */
+static void run_solos(ckpt_dist_t *d);
+static void solo_round(ckpt_dist_t *d, ckpt_dist_job_t *job);
+
 static int wait_msg(ckpt_dist_t *d, int src, int tag, uint32_t key,
                     double deadline, int *from, ckpt_buf_t *out) {
   unsigned spins = 0;
@@ -218,6 +221,7 @@ static int wait_msg(ckpt_dist_t *d, int src, int tag, uint32_t key,
     }
     if (now() >= deadline)
       return 0;
+    run_solos(d); /* one rank's own saves do not wait for the world's */
     pause_poll(&spins);
   }
 }
@@ -457,6 +461,24 @@ static bool is_stopping(ckpt_dist_t *d) {
   return stopping;
 }
 
+/* The first solo job queued (anywhere in the queue), or NULL. */
+static ckpt_dist_job_t *pop_solo(ckpt_dist_t *d) {
+  pthread_mutex_lock(&d->lock);
+  ckpt_dist_job_t *prev = NULL, *job = d->head;
+  while (job && !job->solo)
+    prev = job, job = job->next;
+  if (job) {
+    if (prev)
+      prev->next = job->next;
+    else
+      d->head = job->next;
+    if (d->tail == job)
+      d->tail = prev;
+  }
+  pthread_mutex_unlock(&d->lock);
+  return job;
+}
+
 static ckpt_dist_job_t *pop_job(ckpt_dist_t *d) {
   pthread_mutex_lock(&d->lock);
   ckpt_dist_job_t *job = d->head;
@@ -656,10 +678,16 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     if (now() >= deadline)
       break;
     if (!job && (job = pop_job(d)) != NULL) {
+      if (job->solo) { /* not this round's: a world of its own */
+        solo_round(d, job);
+        job = NULL;
+        continue;
+      }
       own_plan(d, job, &plans[0]);
       report_plans(d, job, plans, deadline);
       continue;
     }
+    run_solos(d); /* one rank's own saves do not wait for the world's */
     if (!job && (stopped = is_stopping(d)))
       break; /* our own PLAN will never come */
     pause_poll(&spins);
@@ -812,6 +840,15 @@ static void solo_round(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   ckpt_buf_free(&plan);
   ckpt_buf_free(&rank_plan);
   ckpt_buf_free(&result);
+}
+
+/* Run every solo job queued now: called while a round waits for other
+ * ranks, so that a rank's own saves (configs, tokenizers from rank 0) are
+ * neither held up by the world's commits nor taken for its plan. */
+static void run_solos(ckpt_dist_t *d) {
+  ckpt_dist_job_t *job;
+  while ((job = pop_solo(d)) != NULL)
+    solo_round(d, job);
 }
 
 /* The coordinator stops: tell every client, and give the messages a moment
