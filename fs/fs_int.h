@@ -448,6 +448,9 @@ struct ckpt_ckpt {
                              checkpoint's .metadata is gone from
                              BACKING_DIR (for every mount); this mount keeps
                              the rest until rmdir NAME; fs->lock */
+  char replacing[256];    /* COMMITTING with replace=TARGET: TARGET, which
+                             no mkdir or rename may take meanwhile; else
+                             "" (fs->lock) */
   char *lost;             /* COMMITTED: this mount's own commit of NAME
                              lost to this checkpoint (EEXIST): what became
                              of its staged files (.status, "lost:"); fs->lock */

@@ -757,6 +757,16 @@ static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
   return ckpt__node_child(fs, p, name) ? -EEXIST : 0;
 }
 
+/* Is name the TARGET of a replace= commit in flight on this mount? It is
+ * taken meanwhile: no mkdir or rename may stage a checkpoint under it.
+ * fs->lock held. */
+static bool being_replaced(ckpt_fs_t *fs, const char *name) {
+  for (ckpt_node_t *c = fs->root->children; c; c = c->next)
+    if (c->ck && strcmp(c->ck->replacing, name) == 0)
+      return true;
+  return false;
+}
+
 static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
                             const presence_t *pr, ckpt_node_t **out) {
   if (name[0] == '.')
@@ -765,6 +775,8 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
     return -ENAMETOOLONG;
   if (!ckpt_name_valid(name))
     return -EINVAL;
+  if (being_replaced(fs, name))
+    return -EBUSY;
   ckpt_node_t *old = ckpt__ckpt_lookup(fs, name);
   if (old && still_stored(fs, old, pr))
     return -EEXIST;
@@ -843,9 +855,16 @@ static void untrack_handle(ckpt_fs_t *fs, handle_t *h) {
   ckpt__node_unref(fs, h->node);
 }
 
-static void free_handle(handle_t *h) {
+/* Let go of the data files h holds: before its node (and with it, maybe,
+ * the checkpoint's reader) goes, so that the cache can close them. */
+static void put_pins(handle_t *h) {
   for (uint32_t i = 0; i < h->npins; i++)
     ckpt_fdref_put(&h->pins[i]);
+  h->npins = 0;
+}
+
+static void free_handle(handle_t *h) {
+  put_pins(h);
   free(h->pins);
   if (h->fd >= 0)
     close(h->fd);
@@ -857,6 +876,7 @@ void ckpt__release_handles(ckpt_fs_t *fs) {
   pthread_mutex_lock(&fs->lock);
   while (fs->handles) {
     handle_t *h = fs->handles;
+    put_pins(h);
     untrack_handle(fs, h);
     free_handle(h);
   }
@@ -985,6 +1005,7 @@ static void pt_release(fuse_req_t req, handle_t *h) {
 static void drop_handle(fuse_req_t req, handle_t *h) {
   ckpt_fs_t *fs = fs_of(req);
   pt_release(req, h);
+  put_pins(h);
   pthread_mutex_lock(&fs->lock);
   untrack_handle(fs, h);
   pthread_mutex_unlock(&fs->lock);
@@ -1182,6 +1203,8 @@ static int rename_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir,
    * another mount (rename(2) could replace only an empty directory). */
   if (ckpt__node_child(fs, fs->root, newname) || pr->committed || pr->not_dir)
     return -EEXIST;
+  if (being_replaced(fs, newname))
+    return -EBUSY;
   char old[sizeof(ck->name)];
   snprintf(old, sizeof(old), "%s", ck->name);
   ckpt__node_move(fs, dir, fs->root, newname);
@@ -1436,6 +1459,7 @@ static void fs_release(fuse_req_t req, fuse_ino_t ino,
   if (h->node->ck)
     CKPT_RELEASING(h->node->ck);
   pt_release(req, h);
+  put_pins(h);
   pthread_mutex_lock(&fs->lock);
   untrack_handle(fs, h);
   pthread_mutex_unlock(&fs->lock);
@@ -2067,7 +2091,8 @@ static bool in_group(fuse_req_t req, gid_t gid) {
  * themselves are; what the kernel cannot know is the execute bit: as in
  * the kernel's generic_permission, a file with no execute bit is not
  * executable even by root, and another caller needs the bit of its class.
- * Committed data and .status cannot be opened for writing (EROFS). */
+ * Committed data and .status cannot be opened for writing (EACCES, as
+ * their modes say). */
 static void fs_access(fuse_req_t req, fuse_ino_t ino, int mask) {
   ckpt_fs_t *fs = fs_of(req);
   const struct fuse_ctx *ctx = fuse_req_ctx(req);
@@ -2085,7 +2110,8 @@ static void fs_access(fuse_req_t req, fuse_ino_t ino, int mask) {
   } else if ((mask & W_OK) && !may_change(req)) {
     rc = EACCES;
   } else if ((mask & W_OK) && read_only) {
-    rc = EROFS;
+    rc = EACCES; /* as its mode says (no write bit): rm then asks, as for
+                    any read-only file; EROFS would make it refuse */
   } else if ((mask & X_OK) && !S_ISDIR(mode)) {
     mode_t bit = ctx->uid == 0    ? (S_IXUSR | S_IXGRP | S_IXOTH)
                  : ctx->uid == uid ? S_IXUSR

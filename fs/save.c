@@ -198,6 +198,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     rc = -EEXIST;
   } else if (ck->state == CKPT_COMMITTING)
     rc = -EBUSY;
+
   else if (ck->state == CKPT_COMMITTED)
     rc = -EROFS;
   else if (!ck->dir)
@@ -232,6 +233,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   }
   if (rc == 0) {
     ck->state = CKPT_COMMITTING;
+    if (s->replace && strcmp(s->job.name, ck->name)) /* held until done */
+      snprintf(ck->replacing, sizeof(ck->replacing), "%s", s->job.name);
     if (ck->streams)
       ckpt__streams_freeze(ck->streams, true, s->rank);
     free(ck->reason);
@@ -266,6 +269,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   /* The daemon stops (SIGTERM, unmount): no save starts any more. */
   pthread_mutex_lock(&fs->lock);
   ck->state = CKPT_FAILED;
+  ck->replacing[0] = '\0';
   free(ck->waiting);
   ck->waiting = NULL;
   ck->reason = strdup("the mount is stopping (SIGTERM or unmount): no new "
@@ -868,7 +872,15 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
     rc = -errno;
     *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
                                strerror(errno));
-    ckpt_store_unreplace(fs->backing_fd, s->gp.meta.save_id, job->name);
+    if (ckpt_store_unreplace(fs->backing_fd, s->gp.meta.save_id, job->name)) {
+      /* Cannot be undone (the old version went meanwhile): it is
+       * published, only not known to be durable. */
+      ckpt__log("%s: replaced, but %s; not undone: the exchange back "
+                "failed", job->name, *err);
+      free(*err);
+      *err = NULL;
+      rc = 0;
+    }
   }
   /* The NAME entry itself must be durable too; if it cannot be, the
    * commit fails and nothing may stay published: the directory goes back
@@ -1088,7 +1100,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
      * this one still says committing, so that .status never shows a
      * "failed" NAME that is in fact committed (an async writer polling it
      * would take it for its own failure). */
-    if (rc != -EEXIST ||
+    if (rc != -EEXIST || s->replace ||
         !yield_to_winner(fs, ck, job->name, reason ? reason : "")) {
       pthread_mutex_lock(&fs->lock);
       ck->state = CKPT_FAILED;
@@ -1098,6 +1110,9 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
         ckpt__streams_freeze(ck->streams, false, 0);
     }
   }
+  pthread_mutex_lock(&fs->lock);
+  ck->replacing[0] = '\0'; /* TARGET is shown (or the save failed) */
+  pthread_mutex_unlock(&fs->lock);
   ckpt__staging_tidy(fs->backing_fd);
   if (rc == 0 && s->rank == 0 && fs->opts.keep_last)
     keep_last(fs, job->name);

@@ -329,7 +329,9 @@ int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle) {
     close(dfd);
     return rc;
   }
-  rc = ckpt__remove_tree(backing_fd, name);
+  /* Through the directory held: by its name, a replace may have
+   * exchanged another checkpoint in meanwhile (never removed). */
+  rc = ckpt__remove_held_tree(backing_fd, name, dfd);
   close(dfd); /* the flock is held until the directory is gone */
   fsync(backing_fd);
   return rc;

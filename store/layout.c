@@ -157,8 +157,8 @@ int ckpt_store_publish(int backing_fd, const char *save_id, const char *name) {
   return -errno;
 }
 
-int ckpt_store_publish_replace(int backing_fd, const char *save_id,
-                               const char *name, bool *replaced) {
+static int publish_replace_once(int backing_fd, const char *save_id,
+                                const char *name, bool *replaced) {
   *replaced = false;
   if (!ckpt_save_id_valid(save_id) || !ckpt_name_valid(name))
     return -EINVAL;
@@ -170,6 +170,14 @@ int ckpt_store_publish_replace(int backing_fd, const char *save_id,
   }
   if (!S_ISDIR(st.st_mode))
     return -EEXIST; /* a file or a symlink: not a checkpoint, not replaced */
+  /* Only a committed checkpoint is replaced: a directory without .metadata
+   * is being removed, an unfinished save, or not a checkpoint at all. */
+  int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+  bool committed = dfd >= 0 && ckpt_store_has_metadata(dfd);
+  if (dfd >= 0)
+    close(dfd);
+  if (!committed)
+    return -EEXIST;
   int sfd = open_saves(backing_fd, false);
   if (sfd < 0)
     return sfd;
@@ -185,6 +193,21 @@ int ckpt_store_publish_replace(int backing_fd, const char *save_id,
   if (e == EINVAL || e == ENOSYS || e == ENOTSUP)
     return -EOPNOTSUPP;
   return -e;
+}
+
+int ckpt_store_publish_replace(int backing_fd, const char *save_id,
+                               const char *name, bool *replaced) {
+  /* A plain publish where NAME was not there loses to a commit of NAME
+   * made meanwhile (EEXIST): then that one is replaced, as asked. */
+  int rc = -EEXIST;
+  for (int attempt = 0; attempt < 3 && rc == -EEXIST; attempt++) {
+    struct stat st;
+    bool was_there = fstatat(backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0;
+    rc = publish_replace_once(backing_fd, save_id, name, replaced);
+    if (rc == -EEXIST && was_there)
+      break; /* not a committed checkpoint: not replaced */
+  }
+  return rc;
 }
 
 int ckpt_store_unreplace(int backing_fd, const char *save_id,
@@ -249,6 +272,34 @@ static void cleanup_saves(int backing_fd) {
   closedir(d);
   close(sfd);
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
+}
+
+int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd) {
+  int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+  if (!d) {
+    int e = errno;
+    if (fd >= 0)
+      close(fd);
+    return -e;
+  }
+  int rc = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+      continue;
+    int r = e->d_type == DT_DIR ? ckpt__remove_tree(dfd, e->d_name)
+            : unlinkat(dfd, e->d_name, 0) && errno != ENOENT ? -errno
+                                                               : 0;
+    if (r && !rc)
+      rc = r;
+  }
+  closedir(d);
+  /* By name, now empty: if the name is another directory by now (a
+   * replace exchanged it in), it is not empty and stays. */
+  if (unlinkat(parent_fd, name, AT_REMOVEDIR) && errno != ENOENT && !rc)
+    rc = errno == ENOTEMPTY || errno == EEXIST ? 0 : -errno;
+  return rc;
 }
 
 int ckpt__remove_tree(int parent_fd, const char *name) {
@@ -334,6 +385,37 @@ static void cleanup_staging(int backing_fd) {
   unlinkat(backing_fd, CKPT_STAGING_DIR, AT_REMOVEDIR); /* when empty */
 }
 
+/* Does directory dfd hold only what a save writes (data files, .metadata
+ * and its temporary and journal files)? A directory holding anything else
+ * is not an unfinished save: someone else's (lost+found on a dedicated
+ * volume, files put there by hand), never removed. NULL when it is one,
+ * else the first other name (in buf). */
+static const char *foreign_entry(int dfd, char *buf, size_t cap) {
+  int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+  if (!d) {
+    if (fd >= 0)
+      close(fd);
+    snprintf(buf, cap, "(unreadable)");
+    return buf;
+  }
+  const char *found = NULL;
+  struct dirent *e;
+  int32_t rank;
+  uint32_t k;
+  while (!found && (e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
+        !strncmp(e->d_name, CKPT_METADATA_FILE,
+                 strlen(CKPT_METADATA_FILE)) ||
+        ckpt_data_file_parse(e->d_name, &rank, &k) == 0)
+      continue;
+    snprintf(buf, cap, "%s", e->d_name);
+    found = buf;
+  }
+  closedir(d);
+  return found;
+}
+
 void ckpt_store_cleanup(int backing_fd) {
   /* Our own open: a dup of backing_fd would share its position. */
   int fd = openat(backing_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -345,7 +427,7 @@ void ckpt_store_cleanup(int backing_fd) {
   }
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
-    if (!ckpt_name_valid(e->d_name))
+    if (!ckpt_name_valid(e->d_name) || !strcmp(e->d_name, "lost+found"))
       continue;
     int dfd = ckpt_store_open_dir(backing_fd, e->d_name, O_RDONLY);
     if (dfd < 0)
@@ -356,9 +438,15 @@ void ckpt_store_cleanup(int backing_fd) {
       unlinkat(dfd, CKPT_METADATA_TMP, 0);
     } else if (flock(dfd, LOCK_EX | LOCK_NB) == 0 &&
                !ckpt_store_has_metadata(dfd)) {
-      /* No writer holds it: an interrupted save. */
-      ckpt__log("removing unfinished save %s", e->d_name);
-      ckpt__remove_tree(backing_fd, e->d_name);
+      char other[256];
+      const char *f = foreign_entry(dfd, other, sizeof(other));
+      if (f) {
+        ckpt__log("not removing %s: not a checkpoint (it holds %s, which no "
+                  "save writes)", e->d_name, f);
+      } else { /* no writer holds it: an interrupted save */
+        ckpt__log("removing unfinished save %s", e->d_name);
+        ckpt__remove_held_tree(backing_fd, e->d_name, dfd);
+      }
     }
     close(dfd);
   }

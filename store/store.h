@@ -143,6 +143,10 @@ int ckpt_store_unpublish(int backing_fd, const struct ckpt_stored *s);
 /* Remove every entry of directory parent_fd/name, then the directory
  * (never following symlinks). 0 or the first -errno. */
 int ckpt__remove_tree(int parent_fd, const char *name);
+/* The same for a directory held open as dfd: its entries are removed
+ * through dfd, and parent_fd/name only if it is that directory, now empty
+ * (a directory exchanged in under the name meanwhile is left whole). */
+int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd);
 /* At mount: remove unfinished saves (directories without .metadata, and
  * those of .saves, that no writer holds), stale .metadata.tmp files and
  * .staging. */

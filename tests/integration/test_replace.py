@@ -177,6 +177,90 @@ class Replace(CkptfsTestCase):
             self.assertEqual(f.read(), "not a checkpoint")
 
 
+class ReplaceRaces(CkptfsTestCase):
+    """What a helper's review found: a replace never destroys what another
+    mount's removal or its own mount's stager holds, and never takes
+    anything but a committed checkpoint."""
+
+    def setUp(self):
+        super().setUp()
+        self.a = self.mount()
+        self.b = self.mount(mnt=os.path.join(self.dir, "mnt2"))
+        self.bmnt = self.b.mnt
+
+    def test_replace_meets_rm_r_on_another_mount(self):
+        stage(self.ck("T"), {"f1": b"1", "f2": b"2"})
+        commit_words(self.ck("T"), "sync")
+        # rm -r T on B has begun (its first unlink), then A replaces T
+        os.unlink(os.path.join(self.bmnt, "T", "f1"))
+        stage(self.ck("W"), {"new": b"the new version"})
+        try:
+            commit_words(self.ck("W"), "sync replace=T")
+            replaced = True
+        except OSError as e:
+            self.assertEqual(e.errno, errno.EEXIST)
+            replaced = False
+        shutil.rmtree(os.path.join(self.bmnt, "T"), ignore_errors=True)
+        if replaced:
+            # B's removal must not have taken A's new version by its name
+            self.assertEqual(read_all(self.ck("T", "new")), b"the new version")
+        else:
+            # refused: nothing lost, W is still staged and commits now
+            self.assertEqual(state(self.ck("W")), "failed")
+            deadline = time.monotonic() + 5
+            while os.path.exists(os.path.join(self.backing, "T")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            commit_words(self.ck("W"), "sync replace=T")
+            self.assertEqual(read_all(self.ck("T", "new")), b"the new version")
+        self.assertTrue(seen(os.path.join(self.bmnt, "T", "new"), b"the new version"))
+
+    def test_only_committed_checkpoints_are_replaced_or_cleaned(self):
+        self.a.stop()
+        self.b.stop()
+        os.makedirs(os.path.join(self.backing, "notes"))
+        with open(os.path.join(self.backing, "notes", "important.txt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(self.backing, "lost+found"))
+        with open(os.path.join(self.backing, "lost+found", "#1234"), "w") as f:
+            f.write("recovered")
+        self.a = self.mount()  # a starting mount cleans up unfinished saves
+        self.assertIn("not removing notes: not a checkpoint", self.daemon_log())
+        stage(self.ck("W"), {"x": b"x"})
+        with self.assertRaises(OSError) as cm:
+            commit_words(self.ck("W"), "sync replace=notes")
+        self.assertEqual(cm.exception.errno, errno.EEXIST)
+        self.a.stop()
+        self.a = self.mount()
+        with open(os.path.join(self.backing, "notes", "important.txt")) as f:
+            self.assertEqual(f.read(), "mine")
+        with open(os.path.join(self.backing, "lost+found", "#1234")) as f:
+            self.assertEqual(f.read(), "recovered")
+
+    def test_target_is_taken_while_a_replace_is_in_flight(self):
+        stage(self.ck("W"), {"big": os.urandom(64 * MiB)})
+        commit_words(self.ck("W"), "async replace=T")
+        took = None
+        try:
+            os.mkdir(self.ck("T"))
+            took = "mkdir"
+        except OSError as e:
+            self.assertIn(e.errno, (errno.EBUSY, errno.EEXIST))
+        os.mkdir(self.ck("X"))
+        write_file(self.ck("X", "mine.txt"), b"mine")
+        try:
+            os.rename(self.ck("X"), self.ck("T"))
+            took = took or "rename"
+        except OSError as e:
+            self.assertIn(e.errno, (errno.EBUSY, errno.EEXIST))
+        deadline = time.monotonic() + 60
+        while os.path.exists(self.ck("W")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # whatever came first, nothing staged was taken over silently
+        if took is None:
+            self.assertEqual(read_all(self.ck("X", "mine.txt")), b"mine")
+        self.assertEqual(sorted(os.listdir(self.ck("T"))), [".metadata", "big"])
+
+
 class ReplaceWorld(CkptfsTestCase):
     def test_world_of_two(self):
         from mpi_world import World, commit_all
