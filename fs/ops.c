@@ -1034,11 +1034,13 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     drop_handle(req, h); /* the opener is gone: no release will come */
 }
 
-/* An entry inside committed ck is removed: the whole checkpoint goes, for
- * every mount (a committed checkpoint is one immutable unit): its
- * .metadata is unlinked from BACKING_DIR durably now, the rest of its
- * entries stay in this mount for rm -r to remove, and rmdir NAME removes
- * its data (or the next mount start does). fs->lock held. */
+/* Committed ck is removed as a whole (unlink of NAME/.metadata, the first
+ * entry rm -r NAME removes, or rmdir NAME), for every mount: its .metadata
+ * is unlinked from BACKING_DIR durably now (also when another mount's
+ * removal inside it made a later version of it), the rest of its entries
+ * stay in this mount for rm -r to remove (each unlink then only hides
+ * one), and rmdir NAME removes its data (or the next mount start does).
+ * fs->lock held. */
 static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (ck->removing)
     return 0;
@@ -1166,9 +1168,13 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = -ENOENT;
   else if (S_ISDIR(n->mode))
     rc = -EISDIR;
-  else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS ||
-           n->kind == CKPT_NODE_METADATA)
-    rc = -EPERM; /* served by ckptfs, not an entry of the checkpoint */
+  else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS)
+    rc = -EPERM;
+  else if (n->kind == CKPT_NODE_METADATA &&
+           (rc = start_removal(fs, n->ck)) == 0)
+    n->hidden = true; /* the checkpoint as a whole: rm -r NAME lists
+                         .metadata first, so it removes the checkpoint
+                         once, not one new version per entry */
   else if (ckpt__is_view_kind(n->kind) || n->kind == CKPT_NODE_CBLOCK)
     rc = -EROFS; /* not an entry of the checkpoint */
   else if (is_committed_kind(n->kind))

@@ -114,6 +114,19 @@ int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd) {
   return rc;
 }
 
+/* Is directory dirfd a later version of s (made by removals inside it,
+ * store/removal.c: the first half of the save ID is kept)? */
+static bool later_version(const ckpt_stored_t *s, int dirfd) {
+  char want[CKPT_SAVE_ID_LEN + 1], id[CKPT_SAVE_ID_LEN + 1];
+  pthread_mutex_lock(&id_lock);
+  memcpy(want, s->save_id, sizeof(want));
+  pthread_mutex_unlock(&id_lock);
+  return strlen(want) == CKPT_SAVE_ID_LEN && want[0] != '#' &&
+         ckpt_store_save_id(dirfd, id) == 0 &&
+         strlen(id) == CKPT_SAVE_ID_LEN &&
+         !memcmp(want, id, CKPT_SAVE_ID_LEN / 2);
+}
+
 int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {
   int dfd = ckpt_store_open_dir(backing_fd, s->name, O_RDONLY);
   if (dfd < 0)
@@ -121,6 +134,8 @@ int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {
   /* One at a time with removals inside it and replaces (removal.c). */
   flock(dfd, LOCK_EX);
   int rc = ckpt_stored_same_dir(s, dfd);
+  if (rc == -ESTALE && later_version(s, dfd))
+    rc = 0;
   if (rc == 0 && unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
     rc = -errno;
   if (rc == 0 && fsync(dfd))

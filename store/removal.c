@@ -35,7 +35,11 @@ static int by_key(const void *a, const void *b) {
   return (x->off > y->off) - (x->off < y->off);
 }
 
-static void new_id(char out[CKPT_SAVE_ID_LEN + 1]) {
+/* The save ID of a new version: the first half is the original save's
+ * (every version of one commit shares it: a whole removal through a
+ * mount that still shows an earlier version removes the later one, never
+ * another save's checkpoint), the second half random. */
+static void new_id(const char *prev, char out[CKPT_SAVE_ID_LEN + 1]) {
   uint8_t r[16];
   if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
     struct timespec ts;
@@ -46,6 +50,8 @@ static void new_id(char out[CKPT_SAVE_ID_LEN + 1]) {
   }
   for (int i = 0; i < 16; i++)
     snprintf(out + 2 * i, 3, "%02x", r[i]);
+  if (ckpt_save_id_valid(prev) && strlen(prev) == CKPT_SAVE_ID_LEN)
+    memcpy(out, prev, CKPT_SAVE_ID_LEN / 2);
 }
 
 /* The plan of a removal from version m: the byte ranges of the items that
@@ -242,7 +248,7 @@ int ckpt_store_remove_entry(int backing_fd, const ckpt_stored_t *s,
     goto done;
   }
   char id[CKPT_SAVE_ID_LEN + 1], display[300];
-  new_id(id);
+  new_id(m == &fresh ? fresh.save_id : s->save_id, id);
   snprintf(display, sizeof(display), "%s/%s/%s", CKPT_SAVES_DIR, id,
            CKPT_METADATA_FILE);
   int ndfd = -1;
