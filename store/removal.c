@@ -276,9 +276,8 @@ int ckpt_store_remove_entry(int backing_fd, const ckpt_stored_t *s,
     /* The old version, now .saves/ID: removed like an unfinished save
      * (readers holding its files open keep them); then the removed
      * item's bytes in files the new version shares. */
-    ckpt_store_save_dir_remove(backing_fd, id);
-    if (sync)
-      fsync(backing_fd);
+    ckpt_store_save_dir_remove(backing_fd, id); /* a crash: the next
+                                                    mount's cleanup */
     punch_gone(&p, ndfd);
     rc = same == -ESTALE ? 1 : 0;
   } else {
