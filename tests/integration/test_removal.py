@@ -215,6 +215,89 @@ class RmTree(Base):
         self.assertEqual(os.listdir(a), [])
 
 
+class StaleView(Base):
+    def test_rm_r_through_a_mount_showing_the_earlier_version(self):
+        """The issue's case: unlink NAME/x on mount a, then at once rm -r
+        NAME on mount b, whose view (and the kernel's cached entries) are of
+        the version before: NAME is gone from BACKING_DIR and from a."""
+        a, b = self.two()
+        for rnd in range(5):
+            name = f"s{rnd}"
+            files = {f"f{i}": blob(rnd * 10 + i, 3000) for i in range(5)}
+            self.make(a, name, files)
+            self.assertEqual(read_all(self.ck(name, "f1", mnt=b)), files["f1"])  # b's view
+            os.unlink(self.ck(name, "f0", mnt=a))
+            subprocess.run(["rm", "-r", self.ck(name, mnt=b)], check=True)
+            self.assertFalse(os.path.exists(self.bk(name)), f"round {rnd}: data stays")
+            t0 = time.monotonic()
+            while name in os.listdir(a):
+                self.assertLess(time.monotonic() - t0, 2, f"round {rnd}: a ghost on a")
+                time.sleep(0.02)
+        self.fsck()
+
+    def test_replace_races_removals(self):
+        """sync replace=NAME on mount a while mount b removes NAME's files
+        one by one: NAME ends as the replacement, whole."""
+        a, b = self.two()
+        old = {f"f{i}": blob(i, 2000) for i in range(10)}
+        new = {f"g{i}": blob(100 + i, 2000) for i in range(10)}
+        self.make(a, "r", old)
+        os.listdir(self.ck("r", mnt=b))
+        ck = self.ck("r-next", mnt=a)
+        os.mkdir(ck)
+        for k, v in new.items():
+            with open(os.path.join(ck, k), "wb") as f:
+                f.write(v)
+        p = subprocess.Popen(["rm", "-f"] + [self.ck("r", k, mnt=b) for k in sorted(old)])
+        with open(os.path.join(ck, ".commit"), "w") as f:
+            f.write("sync replace=r\n")
+        self.assertEqual(p.wait(), 0)
+        c = os.path.join(self.dir, "c")
+        self.mount(mnt=c)
+        self.assertEqual(self.listed(self.ck("r", mnt=c)), sorted(new))
+        for k, v in new.items():
+            self.assertEqual(read_all(self.ck("r", k, mnt=c)), v)
+        self.fsck()
+
+
+class World2(Base):
+    def test_single_removal_seen_by_both_ranks(self):
+        import shutil
+        from mpi_world import World, commit_all
+        for tool in ("mpirun", "fusermount3"):
+            if not shutil.which(tool):
+                self.fail(f"{tool} is missing")
+        w = World(cu.BIN, 2, self.backing, os.path.join(self.dir, "w"),
+                  os.path.join(self.dir, "world.log"), opts="commit_timeout=20")
+        self.extra_logs.append(w.log)
+        self.addCleanup(w.stop)
+        w.start()
+        m = w.mnts()
+        files = {r: {f"r{r}_{i}.ckpt": blob(r * 10 + i, 100 * 1024) for i in range(3)}
+                 for r in range(2)}
+        for r in range(2):
+            os.mkdir(os.path.join(m[r], "n"))
+            for k, v in files[r].items():
+                with open(os.path.join(m[r], "n", k), "wb") as f:
+                    f.write(v)
+        res = commit_all(w, "n")
+        self.assertEqual([res[r][0] for r in range(2)], [None, None], res)
+        os.unlink(os.path.join(m[0], "n", "r1_0.ckpt"))  # rank 1's file, from rank 0
+        want = sorted(k for r in range(2) for k in files[r] if k != "r1_0.ckpt")
+        for r in range(2):
+            self.assertErrno(errno.ENOENT, os.stat, os.path.join(m[r], "n", "r1_0.ckpt"))
+            self.assertEqual(self.listed(os.path.join(m[r], "n")), want)
+            for k in want:
+                self.assertEqual(read_all(os.path.join(m[r], "n", k)), files[int(k[1])][k])
+        subprocess.run(["rm", "-r", os.path.join(m[1], "n")], check=True)
+        self.assertFalse(os.path.exists(self.bk("n")))
+        t0 = time.monotonic()
+        while "n" in os.listdir(m[0]):
+            self.assertLess(time.monotonic() - t0, 2, "rank 0 keeps listing n")
+            time.sleep(0.02)
+        self.fsck()
+
+
 class Rotation(Base):
     def test_top_k_rotation(self):
         a, b = self.two()
