@@ -184,6 +184,44 @@ class SingleEntry(Base):
         self.fsck()
 
 
+class OpenReaders(Base):
+    def test_reader_of_the_removed_entry_on_another_mount(self):
+        """Handles opened on another mount before a removes f1 and big: the
+        removed items read their bytes or zeros (their ranges punched out of
+        data files other items share), never another item's; with verify=1
+        a chunk not verified before fails (EIO); the other entries' handles
+        and new opens read their bytes."""
+        a = os.path.join(self.dir, "a")
+        self.mount(mnt=a)
+        b = os.path.join(self.dir, "b")
+        self.mount(mnt=b, opts="verify=1")
+        c = os.path.join(self.dir, "c")
+        self.mount(mnt=c)
+        files = {"f0": blob(0, 64 * 1024), "f1": blob(1, 64 * 1024),
+                 "f2": blob(2, 64 * 1024), "big": blob(3, 6 << 20)}
+        self.make(a, "o", files)
+        du0 = du(self.backing)
+        fds = {}
+        for m, k in ((b, "f1"), (c, "f1"), (c, "big"), (c, "f2")):
+            fd = os.open(self.ck("o", k, mnt=m), os.O_RDONLY)
+            self.addCleanup(os.close, fd)
+            fds[m, k] = fd
+        os.unlink(self.ck("o", "f1", mnt=a))
+        os.unlink(self.ck("o", "big", mnt=a))
+        self.assertErrno(errno.EIO, os.pread, fds[b, "f1"], 64 * 1024, 0)
+        seen = []
+        for k in ("f1", "big"):
+            got = os.pread(fds[c, k], len(files[k]), 0)
+            self.assertIn(got, (bytes(len(files[k])), files[k]), k)
+            seen.append(f"{k}: {'zeros' if got != files[k] else 'its bytes'}")
+        self.assertEqual(os.pread(fds[c, "f2"], 64 * 1024, 0), files["f2"])
+        for m in (a, b, c):
+            self.assertEqual(read_all(self.ck("o", "f0", mnt=m)), files["f0"])
+        self.assertLess(du(self.backing), du0 - (5 << 20))
+        print(f"\n  open handles on removed entries read: {', '.join(seen)}",
+              file=sys.stderr)
+
+
 class RmTree(Base):
     def test_rm_r_after_single_removal_no_ghost(self):
         a, b = self.two()
