@@ -226,12 +226,20 @@ static char *status_text(const ckpt_ckpt_t *ck) {
   }
   case CKPT_COMMITTED:
     if (ck->removing) /* the first line stays one of the four states */
-      return strdup("committed\nremoving: an entry inside was removed, so "
-                    "the checkpoint is gone for every other mount; rmdir "
-                    "NAME (rm -r) removes its data\n");
+      return strdup("committed\nremoving: the checkpoint was removed as a "
+                    "whole (its .metadata), so it is gone for every other "
+                    "mount; rmdir NAME (rm -r) removes its data\n");
+    uint32_t t = ck->meta ? ck->meta->n_tensors : 0, nt = t;
+    uint32_t nb = ck->meta ? ck->meta->n_blobs : 0;
+    for (uint32_t i = 0, all = t + nb; ck->removed && i < all; i++) {
+      if (ck->removed[i] && i < t) /* removed inside it since loaded */
+        nt--;
+      else if (ck->removed[i])
+        nb--;
+    }
     return ckpt__strdup_printf(
         "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s",
-        ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
+        nt, nb,
         ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
         ck->lost ? ck->lost : "", ck->lost ? "\n" : "");
   case CKPT_FAILED:

@@ -180,9 +180,12 @@ static int hold_current(int backing_fd, const char *name) {
     struct stat held, named;
     if (fstat(dfd, &held) == 0 &&
         fstatat(backing_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
-        held.st_dev == named.st_dev && held.st_ino == named.st_ino &&
-        ckpt_store_has_metadata(dfd))
-      return dfd;
+        held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      if (ckpt_store_has_metadata(dfd))
+        return dfd;
+      close(dfd); /* being removed as a whole: gone */
+      return -ENOENT;
+    }
     close(dfd);
     if (fstatat(backing_fd, name, &named, AT_SYMLINK_NOFOLLOW) && errno ==
         ENOENT)
