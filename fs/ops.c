@@ -1063,8 +1063,8 @@ static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   }
   if (rc)
     return rc;
-  ckpt__log("%s: an entry inside was removed: removing the checkpoint for "
-            "every mount", ck->name);
+  ckpt__log("%s: removed as a whole (its .metadata) for every mount",
+            ck->name);
   ck->removing = true;
   return 0;
 }

@@ -273,6 +273,39 @@ class StaleView(Base):
                 time.sleep(0.02)
         self.fsck()
 
+    def test_rm_r_begun_before_a_removal_elsewhere(self):
+        """An rm -r on mount b that opened NAME before mount a removed an
+        entry inside it (its view is of the earlier version, through its
+        open directory): NAME still goes as a whole, from BACKING_DIR and
+        from a; a NAME committed anew by another save is never removed
+        through such a view."""
+        a, b = self.two()
+        files = {f"f{i}": blob(i, 3000) for i in range(5)}
+        self.make(a, "s", files)
+        fd = os.open(self.ck("s", mnt=b), os.O_RDONLY | os.O_DIRECTORY)
+        self.addCleanup(os.close, fd)
+        names = os.listdir(fd)
+        self.assertEqual(names[0], ".metadata")
+        os.unlink(self.ck("s", "f0", mnt=a))
+        for e in names:  # as rm -r goes on: .metadata first
+            os.unlink(e, dir_fd=fd)
+        os.rmdir(self.ck("s", mnt=b))
+        self.assertFalse(os.path.exists(self.bk("s")), "data stays (a ghost)")
+        t0 = time.monotonic()
+        while "s" in os.listdir(a):
+            self.assertLess(time.monotonic() - t0, 2, "a ghost on a")
+            time.sleep(0.02)
+        # another save's NAME is not a later version: left alone
+        self.make(a, "t", files)
+        fd2 = os.open(self.ck("t", mnt=b), os.O_RDONLY | os.O_DIRECTORY)
+        self.addCleanup(os.close, fd2)
+        subprocess.run(["rm", "-r", self.ck("t", mnt=a)], check=True)
+        self.make(a, "t", {"new": b"new"})
+        os.unlink(".metadata", dir_fd=fd2)
+        self.assertTrue(os.path.exists(self.bk("t", ".metadata")))
+        self.assertEqual(read_all(self.ck("t", "new", mnt=a)), b"new")
+        self.fsck()
+
     def test_replace_races_removals(self):
         """sync replace=NAME on mount a while mount b removes NAME's files
         one by one: NAME ends as the replacement, whole."""
