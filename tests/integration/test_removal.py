@@ -443,7 +443,6 @@ class Crash(Base):
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
-        m.wait(timeout=30) if hasattr(m, "wait") and kill_after is not None else None
         m.stop()
         subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
         self.mounts.remove(m)
@@ -456,6 +455,8 @@ class Crash(Base):
             self.assertEqual(read_all(self.ck(name, k)), files[k], f"trial {trial} {k}")
         blobs = [r[0] for r in table(self.bk(name, ".metadata"), "select fqn from blobs")]
         self.assertEqual(blobs, got)
+        keys = dict(table(self.bk(name, ".metadata"), "select key, value from checkpoint"))
+        self.assertEqual(keys.get("version"), "2" if got == want_new else None, keys)
         m2.stop()
         self.mounts.remove(m2)
         self.fsck()
