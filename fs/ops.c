@@ -1869,16 +1869,35 @@ static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
  * links, device nodes, FIFOs or sockets. EPERM is what POSIX says for a
  * filesystem that does not support the kind of node (the kernel's answer
  * for an operation the daemon lacks, ENOSYS, reads as a bug). */
+/* A checkpoint holds regular files and directories only: anything else is
+ * refused with EPERM and a line saying so (cp -a of a tree with a symlink
+ * otherwise fails without a word of why). */
+static void refuse_node(fuse_req_t req, fuse_ino_t parent, const char *name,
+                        const char *what) {
+  ckpt_fs_t *fs = fs_of(req);
+  char shown[300], ck[300] = "";
+  log_text(shown, sizeof(shown), name, strlen(name));
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
+  if (p && p->ck)
+    log_text(ck, sizeof(ck), p->ck->name, strlen(p->ck->name));
+  pthread_mutex_unlock(&fs->lock);
+  ckpt__log("%s (in %s): refused: a %s; a checkpoint holds regular files "
+            "and directories only (cp -L copies what links point to)",
+            shown, ck[0] ? ck : "the mount's root", what);
+  fuse_reply_err(req, EPERM);
+}
+
 static void fs_symlink(fuse_req_t req, const char *link, fuse_ino_t parent,
                        const char *name) {
-  (void)link, (void)parent, (void)name;
-  fuse_reply_err(req, EPERM);
+  (void)link;
+  refuse_node(req, parent, name, "symbolic link");
 }
 
 static void fs_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,
                     const char *newname) {
-  (void)ino, (void)newparent, (void)newname;
-  fuse_reply_err(req, EPERM);
+  (void)ino;
+  refuse_node(req, newparent, newname, "hard link");
 }
 
 /* mknod(2) of a regular file makes an empty staged file (as creat would);
@@ -1887,7 +1906,10 @@ static void fs_mknod(fuse_req_t req, fuse_ino_t parent, const char *name,
                      mode_t mode, dev_t rdev) {
   (void)rdev;
   if (!S_ISREG(mode)) {
-    fuse_reply_err(req, EPERM);
+    refuse_node(req, parent, name,
+                S_ISFIFO(mode)   ? "FIFO"
+                : S_ISSOCK(mode) ? "socket"
+                                 : "device node");
     return;
   }
   if (!may_change(req)) {

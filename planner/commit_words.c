@@ -22,6 +22,8 @@ int ckpt_commit_words_parse(const char *buf, size_t len,
     len--;
   size_t i = 0, word = 0;
   bool seen_solo = false, seen_replace = false;
+  if (len == 0 || buf[0] == ' ' || buf[len - 1] == ' ')
+    return -EINVAL; /* the word first, nothing after the last */
   while (i < len) {
     if (buf[i] == ' ') {
       i++;

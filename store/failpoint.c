@@ -16,7 +16,7 @@ static const char *const names[] = {
     "local_plan",   "global_plan",     "write_begin",     "write_open",
     "write_data",
     "write_done",   "metadata_tmp",    "metadata_rename", "metadata_synced",
-    "committed",    "discard",         "reader_init",
+    "committed",    "discard",         "reader_init",     "replace_remove",
     /* removal of one entry inside a committed checkpoint (removal.c) */
     "remove_linked", "remove_metadata", "remove_exchanged", "remove_old",
 };

@@ -414,7 +414,7 @@ static void test_commit_words(void **state) {
       "",          "\n",          "Sync",           "sync\n\n",
       "sync now",  "solo",        "sync solo solo", "sync replace=",
       "sync replace=.x", "sync replace=a replace=b", "sync\nsolo",
-      "sync replace=a/b", "syncsolo"};
+      "sync replace=a/b", "syncsolo", " sync", "sync ", "sync solo \n"};
   for (size_t i = 0; i < N_OF(bad); i++)
     assert_int_equal(ckpt_commit_words_parse(bad[i], strlen(bad[i]), &w),
                      -EINVAL);

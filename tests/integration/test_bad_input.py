@@ -220,7 +220,8 @@ class CommitFailures(CkptfsTestCase):
         os.mkdir(self.ck("g"))
         write_file(self.ck("g", "x"), b"data")
         for junk in [b"syncx\n", b"SYNC\n", b"now\n", b"sync\n\n", b" sync", b"\n", b"a" * 100,
-                     b"sync\0", b"async\nsync\n"]:
+                     b"sync\0", b"async\nsync\n", b"sync solo solo", b"sync replace=",
+                     b"sync replace=.x", b"sync replace=a/b", b"sync solo ", b"solo sync"]:
             self.assertErrno(errno.EINVAL, commit, self.ck("g"), junk)
             self.assertEqual(state(self.ck("g")), "staging", junk)
         self.assertFalse(os.path.exists(self.bk("g")))
