@@ -337,7 +337,8 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (dfd < 0)
     return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
   /* -ESTALE: replaced since it was loaded */
-  int fd = ck->has_stored ? ckpt_stored_same_dir(&ck->stored, dfd) : -ESTALE;
+  int fd =
+      ck->has_stored ? ckpt_stored_same_lineage(&ck->stored, dfd) : -ESTALE;
   if (fd == 0)
     fd = ckpt_store_open_file(dfd, CKPT_METADATA_FILE);
   close(dfd);

@@ -171,7 +171,7 @@ static int open_data_file(const ckpt_stored_t *s, int backing_fd,
     ckpt__log("%s: cannot open its directory: %s", s->name, strerror(-dfd));
     return dfd;
   }
-  int fd = ckpt_stored_same_dir(s, dfd);
+  int fd = ckpt_stored_same_lineage(s, dfd);
   if (fd == -ESTALE) {
     ckpt__log("%s: not reading %s of another checkpoint", s->name, name);
   } else if (fd == 0) {

@@ -114,8 +114,8 @@ int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd) {
   return rc;
 }
 
-/* Is directory dirfd a later version of s (made by removals inside it,
- * store/removal.c: the first half of the save ID is kept)? */
+/* Is directory dirfd s's version or a later one (made by removals inside
+ * it, store/removal.c: the first half of the save ID is kept)? */
 static bool later_version(const ckpt_stored_t *s, int dirfd) {
   char want[CKPT_SAVE_ID_LEN + 1], id[CKPT_SAVE_ID_LEN + 1];
   pthread_mutex_lock(&id_lock);
@@ -125,6 +125,10 @@ static bool later_version(const ckpt_stored_t *s, int dirfd) {
          ckpt_store_save_id(dirfd, id) == 0 &&
          strlen(id) == CKPT_SAVE_ID_LEN &&
          !memcmp(want, id, CKPT_SAVE_ID_LEN / 2);
+}
+
+int ckpt_stored_same_lineage(const ckpt_stored_t *s, int dirfd) {
+  return later_version(s, dirfd) ? 0 : ckpt_stored_same_dir(s, dirfd);
 }
 
 int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {

@@ -223,6 +223,11 @@ int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]);
  * another one (logged with what), or -errno. A directory whose .metadata
  * is gone is not it either (-ESTALE): removed, for every mount. */
 int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd);
+/* The same, or a later version of it made by removals inside it (its data
+ * files are hard links of the same files; an item removed since reads as
+ * its punched range or not at all): 0, -ESTALE or -errno. What reads
+ * use, so that removals elsewhere never fail reads of what stays. */
+int ckpt_stored_same_lineage(const ckpt_stored_t *s, int dirfd);
 
 /* A data file descriptor in use: valid until ckpt_fdref_put. */
 typedef struct {

@@ -253,6 +253,42 @@ class RmTree(Base):
         self.assertEqual(os.listdir(a), [])
 
 
+class ReadsDuringRemovals(Base):
+    def test_reads_on_the_removing_mount_never_fail(self):
+        """Threads read the files that stay (new opens each time) on the
+        mount that removes others one by one, and on another mount: every
+        read returns its bytes."""
+        import threading
+        a, b = self.two()
+        keep = {f"k{i}": blob(i, 8192) for i in range(4)}
+        gone = {f"g{i:02d}": blob(100 + i, 8192) for i in range(40)}
+        self.make(a, "rd", {**keep, **gone})
+        stop, errors = threading.Event(), []
+
+        def reader(m):
+            while not stop.is_set():
+                for k, v in keep.items():
+                    try:
+                        got = read_all(self.ck("rd", k, mnt=m))
+                    except OSError as e:
+                        errors.append(f"{m} {k}: {e!r}")
+                        continue
+                    if got != v:
+                        errors.append(f"{m} {k}: other bytes")
+        threads = [threading.Thread(target=reader, args=(m,)) for m in (a, a, b)]
+        for t in threads:
+            t.start()
+        try:
+            for k in gone:
+                os.unlink(self.ck("rd", k, mnt=a))
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        self.assertEqual(errors[:5], [], f"{len(errors)} failed reads")
+        self.assertEqual(self.listed(self.ck("rd", mnt=b)), sorted(keep))
+
+
 class StaleView(Base):
     def test_rm_r_through_a_mount_showing_the_earlier_version(self):
         """The issue's case: unlink NAME/x on mount a, then at once rm -r
