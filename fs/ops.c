@@ -523,7 +523,15 @@ static void load_committed(ckpt_fs_t *fs, const char *name,
   if (skip)
     return;
   char *err = NULL;
-  if (ckpt__fs_load_one(fs, name, &err) == 0) {
+  /* ENOENT: a removal inside it on another mount exchanged the directory
+   * opened for a later version and removed it meanwhile: load that one. */
+  int rc = ckpt__fs_load_one(fs, name, &err);
+  for (int i = 0; i < 3 && rc == -ENOENT; i++) {
+    free(err);
+    err = NULL;
+    rc = ckpt__fs_load_one(fs, name, &err);
+  }
+  if (rc == 0) {
     free(err);
     return;
   }
