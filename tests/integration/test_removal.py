@@ -12,10 +12,22 @@ Classes:
              the same but for save_id/previous_save_id/version, the removed
              rows gone (sqlite3), an unreferenced data file gone and the
              bytes of BACKING_DIR smaller; rmdir of an empty committed
-             directory; .metadata EPERM, views EROFS
+             directory
   RmTree     rm -r of a 1000-blob checkpoint from mount b after rm of one
              blob on mount a: b exits 0, NAME gone from BACKING_DIR and from
              a's listing within a second (no ghost); the time is printed
+             (rm -r unlinks .metadata first: the whole checkpoint at once)
+  OpenReaders  handles opened on another mount before the removal: the
+             removed items read their bytes or zeros (punched), EIO with
+             verify=1; the rest unchanged; BACKING_DIR shrinks
+  ReadsDuringRemovals  threads read what stays (new opens) on the removing
+             mount and another while 40 entries are removed: no read fails
+  StaleView  rm -r through a mount that showed the earlier version (by
+             path, and one begun with NAME open before the removal
+             elsewhere): NAME goes whole, no ghost; another save's NAME is
+             never removed that way; replace= racing removals
+  World2     a 2-rank world: rank 0 removes rank 1's file, both ranks see
+             it, rm -r from rank 1, rank 0 stops listing NAME
   Rotation   Lightning-style top-k: several .ckpt blobs in one checkpoint,
              the oldest removed: the others bit-exact
   Concurrent two mounts each remove different entries at once, many
