@@ -183,15 +183,20 @@ class SingleEntry(Base):
 
     def test_rmdir_empty_directory_and_refusals(self):
         a, b = self.two()
-        self.make(a, "e", {"sub/x": b"x" * 10, "keep": b"k" * 10})
+        tdata = cu.tensor_bytes("int32", [4], seed=1)
+        self.make(a, "e", {"sub/x": b"x" * 10, "keep": b"k" * 10},
+                  {"t": ("int32", [4], tdata)})
         os.unlink(self.ck("e", "sub", "x", mnt=a))
         self.assertEqual(os.listdir(self.ck("e", "sub", mnt=b)), [])
         os.rmdir(self.ck("e", "sub", mnt=b))
         for m in (a, b):
-            self.assertEqual(sorted(os.listdir(self.ck("e", mnt=m))), [".metadata", "keep"])
+            self.assertEqual(sorted(os.listdir(self.ck("e", mnt=m))), [".metadata", "keep", "t"])
         self.assertNotIn(("sub",), table(self.bk("e", ".metadata"), "select path from entries"))
-        self.assertErrno(errno.EROFS, os.unlink, self.ck("e", ".npy", "keep.npy", mnt=a)) \
-            if os.path.exists(self.ck("e", ".npy", "keep.npy", mnt=a)) else None
+        # not entries of the checkpoint: refused, nothing changes
+        self.assertErrno(errno.EROFS, os.unlink, self.ck("e", ".npy", "t.npy", mnt=a))
+        self.assertErrno(errno.EROFS, os.unlink, self.ck("e", ".t[0:2]", mnt=a))
+        self.assertErrno(errno.EPERM, os.unlink, self.ck("e", ".status", mnt=a))
+        self.assertEqual(read_all(self.ck("e", "t", mnt=b)), tdata)
         self.assertEqual(read_all(self.ck("e", "keep", mnt=b)), b"k" * 10)
         self.fsck()
 
