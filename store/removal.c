@@ -246,15 +246,13 @@ int ckpt_store_remove_entry(int backing_fd, const ckpt_stored_t *s,
   memset(&p, 0, sizeof(p));
   if (rc == 0)
     rc = plan(m, removed, r, &p);
-  if (rc == 0 && !p.found) { /* gone already, by another mount */
-    rc = 1;
-    goto done;
-  }
   char id[CKPT_SAVE_ID_LEN + 1], display[300];
   new_id(m == &fresh ? fresh.save_id : s->save_id, id);
   snprintf(display, sizeof(display), "%s/%s/%s", CKPT_SAVES_DIR, id,
            CKPT_METADATA_FILE);
   int ndfd = -1;
+  if (rc == 0 && !p.found) /* gone already, by another mount */
+    rc = 1;
   if (rc == 0)
     rc = ckpt_store_save_dir_hold(backing_fd, id, true, &ndfd);
   if (rc == 0)
@@ -268,7 +266,9 @@ int ckpt_store_remove_entry(int backing_fd, const ckpt_stored_t *s,
     rc = -errno;
     exchange(backing_fd, id, s->name); /* back: nothing half-done */
   }
-  if (rc == 0) {
+  if (rc == 1) {
+    /* nothing to do */
+  } else if (rc == 0) {
     struct stat st;
     fstat(ndfd, &st);
     out->dev = st.st_dev;
@@ -291,7 +291,6 @@ int ckpt_store_remove_entry(int backing_fd, const ckpt_stored_t *s,
   }
   if (ndfd >= 0)
     close(ndfd);
-done:
   plan_free(&p);
   ckpt_metadata_free(&fresh);
   close(odfd);
