@@ -457,6 +457,12 @@ struct ckpt_ckpt {
   bool gone;              /* removing: BACKING_DIR/NAME was another
                              checkpoint already (or being removed by
                              another mount): rmdir NAME leaves it alone */
+  bool *removed;          /* COMMITTED: items of meta removed since it was
+                             loaded (n_tensors, then n_blobs), or NULL;
+                             ops.c's removal lock and fs->lock */
+  bool rewriting;         /* COMMITTED: a removal inside it is publishing a
+                             new version: listings keep it meanwhile;
+                             fs->lock */
   struct ckpt_views *views; /* the views' state (views.c), or NULL */
   /* COMMITTED: the read-only permission bits of files and directories
    * that belong to no single staged entry (.metadata, the views): what

@@ -318,6 +318,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (ck->has_stored)
     ckpt_stored_destroy(&ck->stored);
   ckpt__views_free(ck->views);
+  free(ck->removed);
   free(ck->reason);
   free(ck->lost);
   free(ck->waiting);

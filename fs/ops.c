@@ -226,12 +226,20 @@ static char *status_text(const ckpt_ckpt_t *ck) {
   }
   case CKPT_COMMITTED:
     if (ck->removing) /* the first line stays one of the four states */
-      return strdup("committed\nremoving: an entry inside was removed, so "
-                    "the checkpoint is gone for every other mount; rmdir "
-                    "NAME (rm -r) removes its data\n");
+      return strdup("committed\nremoving: the checkpoint was removed as a "
+                    "whole (its .metadata), so it is gone for every other "
+                    "mount; rmdir NAME (rm -r) removes its data\n");
+    uint32_t t = ck->meta ? ck->meta->n_tensors : 0, nt = t;
+    uint32_t nb = ck->meta ? ck->meta->n_blobs : 0;
+    for (uint32_t i = 0, all = t + nb; ck->removed && i < all; i++) {
+      if (ck->removed[i] && i < t) /* removed inside it since loaded */
+        nt--;
+      else if (ck->removed[i])
+        nb--;
+    }
     return ckpt__strdup_printf(
         "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s",
-        ck->meta ? ck->meta->n_tensors : 0, ck->meta ? ck->meta->n_blobs : 0,
+        nt, nb,
         ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
         ck->lost ? ck->lost : "", ck->lost ? "\n" : "");
   case CKPT_FAILED:
@@ -329,7 +337,8 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (dfd < 0)
     return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
   /* -ESTALE: replaced since it was loaded */
-  int fd = ck->has_stored ? ckpt_stored_same_dir(&ck->stored, dfd) : -ESTALE;
+  int fd =
+      ck->has_stored ? ckpt_stored_same_lineage(&ck->stored, dfd) : -ESTALE;
   if (fd == 0)
     fd = ckpt_store_open_file(dfd, CKPT_METADATA_FILE);
   close(dfd);
@@ -391,8 +400,10 @@ static bool same_checkpoint(const presence_t *pr, dev_t dev, ino_t ino,
  * mount's view too. fs->lock held; pr as found before. */
 static bool still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
                          const presence_t *pr) {
-  if (dir->ck->state != CKPT_COMMITTED || dir->ck->removing)
-    return true; /* removing: kept until rmdir NAME, so that rm -r ends */
+  if (dir->ck->state != CKPT_COMMITTED || dir->ck->removing ||
+      dir->ck->rewriting)
+    return true; /* removing: kept until rmdir NAME, so that rm -r ends;
+                    rewriting: its new version is this mount's own */
   /* Loaded (by a commit of this world) after pr was looked up: pr may
    * predate the publish, it says nothing against it. */
   if (dir->ck->load_gen > pr->gen)
@@ -512,7 +523,15 @@ static void load_committed(ckpt_fs_t *fs, const char *name,
   if (skip)
     return;
   char *err = NULL;
-  if (ckpt__fs_load_one(fs, name, &err) == 0) {
+  /* ENOENT: a removal inside it on another mount exchanged the directory
+   * opened for a later version and removed it meanwhile: load that one. */
+  int rc = ckpt__fs_load_one(fs, name, &err);
+  for (int i = 0; i < 3 && rc == -ENOENT; i++) {
+    free(err);
+    err = NULL;
+    rc = ckpt__fs_load_one(fs, name, &err);
+  }
+  if (rc == 0) {
     free(err);
     return;
   }
@@ -1053,11 +1072,13 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     drop_handle(req, h); /* the opener is gone: no release will come */
 }
 
-/* An entry inside committed ck is removed: the whole checkpoint goes, for
- * every mount (a committed checkpoint is one immutable unit): its
- * .metadata is unlinked from BACKING_DIR durably now, the rest of its
- * entries stay in this mount for rm -r to remove, and rmdir NAME removes
- * its data (or the next mount start does). fs->lock held. */
+/* Committed ck is removed as a whole (unlink of NAME/.metadata, the first
+ * entry rm -r NAME removes, or rmdir NAME), for every mount: its .metadata
+ * is unlinked from BACKING_DIR durably now (also when another mount's
+ * removal inside it made a later version of it), the rest of its entries
+ * stay in this mount for rm -r to remove (each unlink then only hides
+ * one), and rmdir NAME removes its data (or the next mount start does).
+ * fs->lock held. */
 static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (ck->removing)
     return 0;
@@ -1072,10 +1093,100 @@ static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   }
   if (rc)
     return rc;
-  ckpt__log("%s: an entry inside was removed: removing the checkpoint for "
-            "every mount", ck->name);
+  ckpt__log("%s: removed as a whole (its .metadata) for every mount",
+            ck->name);
   ck->removing = true;
   return 0;
+}
+
+/* Removals inside committed checkpoints, one at a time in this mount
+ * (each publishes a new version; see remove_entry). */
+static pthread_mutex_t removal_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* What removing committed node n (a tensor, a blob, an empty directory)
+ * takes out of its checkpoint's metadata. fs->lock held. */
+static int removal_of(const ckpt_node_t *n, ckpt_removal_t *r) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  memset(r, 0, sizeof(*r));
+  r->dir = n->kind == CKPT_NODE_CDIR;
+  r->blob = n->kind == CKPT_NODE_CBLOB;
+  if (n->kind == CKPT_NODE_CTENSOR)
+    r->fqn = strdup(m->tensors[n->u.tensor].fqn);
+  else if (r->blob)
+    r->fqn = strdup(m->blobs[n->u.blob].fqn);
+  r->path = ckpt__node_path(n);
+  return r->path && (r->dir || r->fqn) ? 0 : -ENOMEM;
+}
+
+/* Remove entry n inside committed checkpoint n->ck for every mount: a new
+ * version of the checkpoint without it is published (as a replace is)
+ * before this returns, and this mount shows that version at once: its
+ * tree stays (so that an rm -r in progress goes on with the same inodes),
+ * n is hidden and the reader is bound to the new directory. When another
+ * mount changed the checkpoint meanwhile, n is removed from that version
+ * and this mount's view of it is reloaded at the next lookup of NAME.
+ * n referenced; fs->lock not held. 0 or -errno. */
+static int remove_entry(ckpt_fs_t *fs, ckpt_node_t *n) {
+  pthread_mutex_lock(&removal_lock);
+  pthread_mutex_lock(&fs->lock);
+  ckpt_ckpt_t *ck = n->ck;
+  ckpt_removal_t r = {0};
+  int rc = 0;
+  if (!n->attached || n->hidden)
+    rc = -ENOENT;
+  else if (ck->removing)
+    n->hidden = true, rc = 1; /* the whole checkpoint goes already */
+  else if (ck->state != CKPT_COMMITTED || !ck->has_stored)
+    rc = -EROFS;
+  else if (!ck->removed &&
+           !(ck->removed = calloc((size_t)ck->meta->n_tensors +
+                                      ck->meta->n_blobs + 1,
+                                  sizeof(*ck->removed))))
+    rc = -ENOMEM;
+  else
+    rc = removal_of(n, &r);
+  if (rc == 0)
+    ck->rewriting = true;
+  pthread_mutex_unlock(&fs->lock);
+  if (rc) {
+    free((char *)r.fqn);
+    free((char *)r.path);
+    pthread_mutex_unlock(&removal_lock);
+    return rc == 1 ? 0 : rc;
+  }
+  ckpt_version_t v;
+  char *err = NULL;
+  rc = ckpt_store_remove_entry(fs->backing_fd, &ck->stored, ck->removed, &r,
+                               fs->opts.sync_files, &v, &err);
+  pthread_mutex_lock(&fs->lock);
+  ck->rewriting = false;
+  if (rc == 0) {
+    ckpt_stored_rebind(&ck->stored, &v);
+    /* Listings made before the exchange must not take it for another's. */
+    ck->load_gen = atomic_fetch_add(&fs->load_gen, 1) + 1;
+  }
+  if (rc == 0 || rc == 1 || rc == -ENOENT) {
+    if (n->kind == CKPT_NODE_CTENSOR)
+      ck->removed[n->u.tensor] = true;
+    else if (n->kind == CKPT_NODE_CBLOB)
+      ck->removed[ck->meta->n_tensors + n->u.blob] = true;
+    n->hidden = true;
+    ckpt__log("%s: removed %s from the checkpoint for every mount%s",
+              ck->name, r.path,
+              rc == 0    ? " (a new version of it)"
+              : rc == 1  ? " (it had changed: this mount reloads it)"
+                         : " (the checkpoint is gone)");
+    rc = 0;
+  } else {
+    ckpt__log("%s: cannot remove %s: %s", ck->name, r.path,
+              err ? err : strerror(-rc));
+  }
+  pthread_mutex_unlock(&fs->lock);
+  pthread_mutex_unlock(&removal_lock);
+  free(err);
+  free((char *)r.fqn);
+  free((char *)r.path);
+  return rc == -EOPNOTSUPP ? -EROFS : rc;
 }
 
 static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
@@ -1085,6 +1196,7 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
   }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
+  ckpt_node_t *entry = NULL;
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
@@ -1096,13 +1208,22 @@ static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = -EISDIR;
   else if (n->kind == CKPT_NODE_COMMIT || n->kind == CKPT_NODE_STATUS)
     rc = -EPERM;
+  else if (n->kind == CKPT_NODE_METADATA &&
+           (rc = start_removal(fs, n->ck)) == 0)
+    n->hidden = true; /* the checkpoint as a whole: rm -r NAME lists
+                         .metadata first, so it removes the checkpoint
+                         once, not one new version per entry */
   else if (ckpt__is_view_kind(n->kind) || n->kind == CKPT_NODE_CBLOCK)
     rc = -EROFS; /* not an entry of the checkpoint */
-  else if (is_committed_kind(n->kind) && (rc = start_removal(fs, n->ck)) == 0)
-    n->hidden = true;
+  else if (is_committed_kind(n->kind))
+    ckpt__node_ref(entry = n);
   else if ((rc = staged_writable(n->ck)) == 0)
     ckpt__node_detach(fs, n);
   pthread_mutex_unlock(&fs->lock);
+  if (entry) {
+    rc = remove_entry(fs, entry);
+    put_node(fs, entry);
+  }
   fuse_reply_err(req, -rc);
 }
 
@@ -1147,6 +1268,7 @@ static void fs_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
   }
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
+  ckpt_node_t *entry = NULL;
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   ckpt_node_t *n = p ? ckpt__node_child(fs, p, name) : NULL;
@@ -1160,11 +1282,15 @@ static void fs_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
     rc = rmdir_checkpoint(fs, n);
   else if (has_visible(n))
     rc = -ENOTEMPTY;
-  else if (n->kind == CKPT_NODE_CDIR && (rc = start_removal(fs, n->ck)) == 0)
-    n->hidden = true;
+  else if (n->kind == CKPT_NODE_CDIR)
+    ckpt__node_ref(entry = n);
   else if ((rc = staged_writable(n->ck)) == 0)
     ckpt__node_detach(fs, n);
   pthread_mutex_unlock(&fs->lock);
+  if (entry) {
+    rc = remove_entry(fs, entry);
+    put_node(fs, entry);
+  }
   fuse_reply_err(req, -rc);
 }
 

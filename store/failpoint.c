@@ -17,6 +17,8 @@ static const char *const names[] = {
     "write_data",
     "write_done",   "metadata_tmp",    "metadata_rename", "metadata_synced",
     "committed",    "discard",         "reader_init",     "replace_remove",
+    /* removal of one entry inside a committed checkpoint (removal.c) */
+    "remove_linked", "remove_metadata", "remove_exchanged", "remove_old",
 };
 
 static const char *armed;      /* the point's name, NULL when none */

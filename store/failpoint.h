@@ -25,6 +25,13 @@
  *   discard          a failed save is about to remove what it wrote
  *   reader_init      (error point) setting up the reader of a committed
  *                    checkpoint this mount shows (at start or a lookup)
+ *
+ * Removal of one entry inside a committed checkpoint (store/removal.c):
+ *   remove_linked    the new version's directory holds its data file links
+ *   remove_metadata  ... and its complete .metadata; not exchanged yet
+ *   remove_exchanged the new version is NAME, the old one in .saves (not
+ *                    synced)
+ *   remove_old       synced; the old version is about to be removed
  */
 #ifndef CKPT_FAILPOINT_H
 #define CKPT_FAILPOINT_H

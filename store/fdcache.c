@@ -162,8 +162,8 @@ void ckpt__fdcache_forget(ckpt_fdcache_t *c, uint64_t id) {
 }
 
 /* Open data file K of rank R of s: fd or -errno. */
-static int open_data_file(const ckpt_stored_t *s, int backing_fd,
-                          int32_t rank, uint32_t k) {
+static int open_data_file_once(const ckpt_stored_t *s, int backing_fd,
+                               int32_t rank, uint32_t k) {
   char name[64];
   ckpt_data_file_name(rank, k, name, sizeof(name));
   int dfd = ckpt_store_open_dir(backing_fd, s->name, O_PATH);
@@ -171,7 +171,7 @@ static int open_data_file(const ckpt_stored_t *s, int backing_fd,
     ckpt__log("%s: cannot open its directory: %s", s->name, strerror(-dfd));
     return dfd;
   }
-  int fd = ckpt_stored_same_dir(s, dfd);
+  int fd = ckpt_stored_same_lineage(s, dfd);
   if (fd == -ESTALE) {
     ckpt__log("%s: not reading %s of another checkpoint", s->name, name);
   } else if (fd == 0) {
@@ -180,6 +180,18 @@ static int open_data_file(const ckpt_stored_t *s, int backing_fd,
       ckpt__log("%s: cannot open %s: %s", s->name, name, strerror(-fd));
   }
   close(dfd);
+  return fd;
+}
+
+/* A removal inside the checkpoint on another mount may exchange the
+ * directory just opened for a later version and remove it before the
+ * file is opened in it: then the later version has it (or not: ENOENT
+ * again, an item removed since). */
+static int open_data_file(const ckpt_stored_t *s, int backing_fd,
+                          int32_t rank, uint32_t k) {
+  int fd = -ENOENT;
+  for (int attempt = 0; attempt < 3 && fd == -ENOENT; attempt++)
+    fd = open_data_file_once(s, backing_fd, rank, k);
   return fd;
 }
 

@@ -6,9 +6,11 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -68,11 +70,33 @@ int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
              : -EIO;
 }
 
+/* A removal inside a checkpoint binds its reader to the new version
+ * (ckpt_stored_rebind) while other threads may compare: the identity is
+ * read and changed under this lock. */
+static pthread_mutex_t id_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void ckpt_stored_rebind(ckpt_stored_t *s, const ckpt_version_t *v) {
+  pthread_mutex_lock(&id_lock);
+  s->dev = v->dev;
+  s->ino = v->ino;
+  s->handle = v->handle;
+  memcpy(s->save_id, v->save_id, sizeof(s->save_id));
+  pthread_mutex_unlock(&id_lock);
+  if (s->cache) /* idle descriptors of files the new version may not use */
+    ckpt__fdcache_forget(s->cache, s->id);
+}
+
 int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd) {
   struct stat st;
   if (fstat(dirfd, &st))
     return -errno;
-  if (st.st_dev != s->dev || st.st_ino != s->ino) {
+  pthread_mutex_lock(&id_lock);
+  dev_t dev = s->dev;
+  ino_t ino = s->ino;
+  char want[CKPT_SAVE_ID_LEN + 1];
+  memcpy(want, s->save_id, sizeof(want));
+  pthread_mutex_unlock(&id_lock);
+  if (st.st_dev != dev || st.st_ino != ino) {
     ckpt__log("%s: the directory was replaced since it was loaded",
               s->name);
     return -ESTALE;
@@ -81,20 +105,41 @@ int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd) {
    * reuses the number of a removed one. Its save ID says. */
   char id[CKPT_SAVE_ID_LEN + 1];
   int rc = ckpt_store_save_id(dirfd, id);
-  if (rc == -ENOENT || rc == -EIO || (rc == 0 && strcmp(id, s->save_id))) {
+  if (rc == -ENOENT || rc == -EIO || (rc == 0 && strcmp(id, want))) {
     ckpt__log("%s: the checkpoint was replaced since it was loaded (save "
-              "%s, now %s)", s->name, s->save_id,
+              "%s, now %s)", s->name, want,
               rc == 0 ? id : rc == -ENOENT ? "none" : "unreadable");
     return -ESTALE;
   }
   return rc;
 }
 
+/* Is directory dirfd s's version or a later one (made by removals inside
+ * it, store/removal.c: the first half of the save ID is kept)? */
+static bool later_version(const ckpt_stored_t *s, int dirfd) {
+  char want[CKPT_SAVE_ID_LEN + 1], id[CKPT_SAVE_ID_LEN + 1];
+  pthread_mutex_lock(&id_lock);
+  memcpy(want, s->save_id, sizeof(want));
+  pthread_mutex_unlock(&id_lock);
+  return strlen(want) == CKPT_SAVE_ID_LEN && want[0] != '#' &&
+         ckpt_store_save_id(dirfd, id) == 0 &&
+         strlen(id) == CKPT_SAVE_ID_LEN &&
+         !memcmp(want, id, CKPT_SAVE_ID_LEN / 2);
+}
+
+int ckpt_stored_same_lineage(const ckpt_stored_t *s, int dirfd) {
+  return later_version(s, dirfd) ? 0 : ckpt_stored_same_dir(s, dirfd);
+}
+
 int ckpt_store_unpublish(int backing_fd, const ckpt_stored_t *s) {
   int dfd = ckpt_store_open_dir(backing_fd, s->name, O_RDONLY);
   if (dfd < 0)
     return dfd == -ENOENT ? 0 : dfd;
+  /* One at a time with removals inside it and replaces (removal.c). */
+  flock(dfd, LOCK_EX);
   int rc = ckpt_stored_same_dir(s, dfd);
+  if (rc == -ESTALE && later_version(s, dfd))
+    rc = 0;
   if (rc == 0 && unlinkat(dfd, CKPT_METADATA_FILE, 0) && errno != ENOENT)
     rc = -errno;
   if (rc == 0 && fsync(dfd))

@@ -170,20 +170,30 @@ static int publish_replace_once(int backing_fd, const char *save_id,
   }
   if (!S_ISDIR(st.st_mode))
     return -EEXIST; /* a file or a symlink: not a checkpoint, not replaced */
-  /* Only a committed checkpoint is replaced: a directory without .metadata
+  /* Not in the middle of a removal inside NAME (removal.c): it holds
+   * NAME's directory exclusively while it builds and exchanges a new
+   * version; the replace waits and replaces whichever version is there.
+   * Only a committed checkpoint is replaced: a directory without .metadata
    * is being removed, an unfinished save, or not a checkpoint at all. */
-  int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
-  bool committed = dfd >= 0 && ckpt_store_has_metadata(dfd);
-  if (dfd >= 0)
-    close(dfd);
-  if (!committed)
+  int nfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+  if (nfd >= 0)
+    flock(nfd, LOCK_EX);
+  if (nfd < 0 || !ckpt_store_has_metadata(nfd)) {
+    if (nfd >= 0)
+      close(nfd);
     return -EEXIST;
+  }
   int sfd = open_saves(backing_fd, false);
-  if (sfd < 0)
+  if (sfd < 0) {
+    if (nfd >= 0)
+      close(nfd);
     return sfd;
+  }
   int rc = renameat2(sfd, save_id, backing_fd, name, RENAME_EXCHANGE);
   int e = errno;
   close(sfd);
+  if (nfd >= 0)
+    close(nfd);
   if (rc == 0) {
     *replaced = true;
     return 0;

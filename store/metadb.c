@@ -1416,3 +1416,146 @@ int ckpt_metadb_check_at(int dirfd, const char *display, char **err) {
   loader_t ld = {.path = display, .err = err, .dirfd = dirfd};
   return check(&ld);
 }
+
+/* ------------------------------------------------------------------------
+ * A new version without one entry (removal inside a committed checkpoint).
+ * ---------------------------------------------------------------------- */
+
+/* Copy the whole of open file src into open file dst. */
+static int copy_file(int src, int dst) {
+  char buf[65536];
+  off_t off = 0;
+  for (;;) {
+    ssize_t n = pread(src, buf, sizeof(buf), off);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return -errno;
+    if (n == 0)
+      return 0;
+    for (ssize_t done = 0; done < n;) {
+      ssize_t w = write(dst, buf + done, (size_t)(n - done));
+      if (w < 0 && errno == EINTR)
+        continue;
+      if (w < 0)
+        return -errno;
+      done += w;
+    }
+    off += n;
+  }
+}
+
+static int run_drop(writer_t *w, const char *sql, const char *a,
+                    const char *b) {
+  sqlite3_stmt *st = NULL;
+  int rc = prepare(w, sql, &st);
+  if (rc == 0)
+    rc = insert_row(w, st,
+                    bind_text(st, 1, a) | (b ? bind_text(st, 2, b) : 0));
+  sqlite3_finalize(st);
+  return rc;
+}
+
+/* The edits of a rewrite, in one transaction: the entry's rows go, the
+ * checkpoint table gets the new save ID, the one it replaces and the
+ * version number; nothing else changes. */
+static int drop_rows(writer_t *w, const ckpt_metadb_drop_t *d,
+                     const char *save_id) {
+  int rc = exec(w, "PRAGMA journal_mode=DELETE; PRAGMA synchronous=OFF;"
+                   " BEGIN;");
+  if (rc == 0 && d->tensor_fqn)
+    rc = run_drop(w, "DELETE FROM tensors WHERE fqn = ?1", d->tensor_fqn,
+                  NULL);
+  if (rc == 0 && d->tensor_fqn)
+    rc = run_drop(w, "DELETE FROM chunks WHERE fqn = ?1", d->tensor_fqn,
+                  NULL);
+  if (rc == 0 && d->blob_fqn)
+    rc = run_drop(w, "DELETE FROM blobs WHERE fqn = ?1", d->blob_fqn, NULL);
+  if (rc == 0 && d->entry_path && d->has_entries)
+    rc = run_drop(w, "DELETE FROM entries WHERE path = ?1", d->entry_path,
+                  NULL);
+  if (rc == 0)
+    rc = run_drop(w,
+                  "INSERT OR REPLACE INTO checkpoint(key, value) VALUES"
+                  " ('previous_save_id', (SELECT value FROM checkpoint WHERE"
+                  " key = 'save_id')), ('save_id', ?1), ('version',"
+                  " (SELECT coalesce((SELECT value FROM checkpoint WHERE"
+                  " key = 'version'), 1) + 1))",
+                  save_id, NULL);
+  if (rc == 0)
+    rc = exec(w, "COMMIT;");
+  return rc;
+}
+
+int ckpt_metadb_rewrite(int src_dirfd, int dst_dirfd, const char *dst_display,
+                        const char *save_id, const ckpt_metadb_drop_t *drop,
+                        bool sync, char **err) {
+  assert(err != NULL && save_id != NULL && drop != NULL);
+  *err = NULL;
+  writer_t w = {.err = err};
+  char tmp[64];
+  int rc = 0, src_fd = -1, fd = -1;
+  bool renamed = false;
+  snprintf(tmp, sizeof(tmp), "/proc/self/fd/%d/%s", dst_dirfd,
+           CKPT_METADATA_TMP);
+  w.path = dst_display;
+  src_fd = ckpt_store_open_file(src_dirfd, CKPT_METADATA_FILE);
+  if (src_fd < 0) {
+    rc = set_err(err, src_fd, "opening %s of the current version: %s",
+                 CKPT_METADATA_FILE, strerror(-src_fd));
+    goto cleanup;
+  }
+  fd = openat(dst_dirfd, CKPT_METADATA_TMP,
+              O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    rc = set_err(err, -errno, "creating %s: %s", dst_display,
+                 strerror(errno));
+    goto cleanup;
+  }
+  if ((rc = copy_file(src_fd, fd)) < 0) {
+    rc = set_err(err, rc, "copying %s into %s: %s", CKPT_METADATA_FILE,
+                 dst_display, strerror(-rc));
+    goto cleanup;
+  }
+  errno = 0;
+  int src = sqlite3_open_v2(tmp, &w.db,
+                            SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, NULL);
+  if (src != SQLITE_OK) {
+    rc = wfail(&w, src, errno);
+    goto cleanup;
+  }
+  if ((rc = drop_rows(&w, drop, save_id)) < 0)
+    goto cleanup;
+  src = sqlite3_close(w.db);
+  w.db = NULL;
+  if (src != SQLITE_OK) {
+    rc = set_err(err, -EIO, "closing %s: %s", dst_display,
+                 sqlite3_errstr(src));
+    goto cleanup;
+  }
+  rc = finish_fd(fd, sync, dst_display, err);
+  fd = -1;
+  if (rc < 0)
+    goto cleanup;
+  if (renameat(dst_dirfd, CKPT_METADATA_TMP, dst_dirfd, CKPT_METADATA_FILE)) {
+    rc = set_err(err, -errno, "renaming %s: %s", dst_display,
+                 strerror(errno));
+    goto cleanup;
+  }
+  renamed = true;
+  if (sync && fsync(dst_dirfd))
+    rc = set_err(err, -errno, "fsync of the new version's directory: %s",
+                 strerror(errno));
+
+cleanup:
+  sqlite3_close(w.db);
+  if (fd >= 0)
+    close(fd);
+  if (src_fd >= 0)
+    close(src_fd);
+  if (rc < 0) {
+    unlinkat(dst_dirfd, renamed ? CKPT_METADATA_FILE : CKPT_METADATA_TMP, 0);
+    unlinkat(dst_dirfd, CKPT_METADATA_TMP "-journal", 0);
+  }
+  return rc;
+}

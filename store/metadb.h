@@ -86,4 +86,28 @@ int ckpt_metadb_load_header_at(int dirfd, const char *display,
 int ckpt_metadb_check(const char *metadata_path, char **err);
 int ckpt_metadb_check_at(int dirfd, const char *display, char **err);
 
+/*
+ * A new version of a committed checkpoint without one entry: what rows go.
+ * tensor_fqn: the tensor's row and its chunks; blob_fqn: the blob's row;
+ * entry_path: the entries row (when has_entries: the table exists).
+ */
+typedef struct {
+  const char *tensor_fqn;
+  const char *blob_fqn;
+  const char *entry_path;
+  bool has_entries;
+} ckpt_metadb_drop_t;
+
+/*
+ * Write dst_dirfd/.metadata as a copy of src_dirfd/.metadata without the
+ * rows drop names, with save_id as its save ID, the old one as key
+ * previous_save_id and key version one more than before (1 when absent);
+ * every other row, key and the schema unchanged. Published like a commit's:
+ * .metadata.tmp, fsync (sync), rename, fsync of dst_dirfd (sync). On failure
+ * nothing named .metadata stays in dst_dirfd and *err says why.
+ */
+int ckpt_metadb_rewrite(int src_dirfd, int dst_dirfd, const char *dst_display,
+                        const char *save_id, const ckpt_metadb_drop_t *drop,
+                        bool sync, char **err);
+
 #endif /* CKPT_METADB_H */

@@ -227,6 +227,11 @@ int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]);
  * another one (logged with what), or -errno. A directory whose .metadata
  * is gone is not it either (-ESTALE): removed, for every mount. */
 int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd);
+/* The same, or a later version of it made by removals inside it (its data
+ * files are hard links of the same files; an item removed since reads as
+ * its punched range or not at all): 0, -ESTALE or -errno. What reads
+ * use, so that removals elsewhere never fail reads of what stays. */
+int ckpt_stored_same_lineage(const ckpt_stored_t *s, int dirfd);
 
 /* A data file descriptor in use: valid until ckpt_fdref_put. */
 typedef struct {
@@ -281,5 +286,51 @@ ssize_t ckpt_stored_read_box(const ckpt_stored_t *s, uint32_t tensor,
  * match (logged with its FQN, rank and file). Without: 0. */
 int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
                        uint64_t off);
+
+/* ------------------------------------------------------------------------
+ * Removal of one entry inside a committed checkpoint (removal.c).
+ * ---------------------------------------------------------------------- */
+/* What goes: a tensor or a blob (its rows and its entries row), or an
+ * empty directory (dir: its entries row only). */
+typedef struct {
+  bool dir;
+  bool blob;        /* else a tensor (when !dir) */
+  const char *fqn;  /* the item's */
+  const char *path; /* its path in the checkpoint (the entries row) */
+} ckpt_removal_t;
+
+/* The identity of a new version, for ckpt_stored_rebind. */
+typedef struct {
+  dev_t dev;
+  ino_t ino;
+  ckpt_dir_handle_t handle;
+  char save_id[CKPT_SAVE_ID_LEN + 1];
+} ckpt_version_t;
+
+/*
+ * Remove entry r of committed checkpoint BACKING_DIR/NAME (s->name) for
+ * every mount: a new version of it is built in .saves/NEW (hard links of
+ * the data files it still uses, a copy of .metadata without r's rows and
+ * with a new save ID) and exchanged with NAME (renameat2 RENAME_EXCHANGE),
+ * both directories fsynced (sync), then the old version is removed from
+ * .saves and r's byte ranges are punched out of the data files the new
+ * version still uses (where the filesystem can). All under an exclusive
+ * flock of NAME's directory, so removals, replaces and whole removals from
+ * any mount go one at a time, each on the version it holds.
+ * removed: items of s->meta already gone from the version s is bound to
+ * (n_tensors flags, then n_blobs), or NULL.
+ * Returns 0 with *out set when the version s is bound to was the current
+ * one (rebind s to *out: it is the new version, s->meta less r and
+ * removed); 1 when NAME had changed meanwhile (removed from the current
+ * version, or already gone from it: s is stale, reload NAME); -ENOENT when
+ * NAME is no committed checkpoint any more; -EOPNOTSUPP when the
+ * filesystem cannot exchange directories; or -errno with *err.
+ */
+int ckpt_store_remove_entry(int backing_fd, const ckpt_stored_t *s,
+                            const bool *removed, const ckpt_removal_t *r,
+                            bool sync, ckpt_version_t *out, char **err);
+/* s identifies version v from now on (its data files are the same
+ * inodes: descriptors open stay valid; idle cached ones are dropped). */
+void ckpt_stored_rebind(ckpt_stored_t *s, const ckpt_version_t *v);
 
 #endif /* CKPT_STORE_H */

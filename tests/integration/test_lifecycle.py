@@ -202,11 +202,12 @@ class Removal(CkptfsTestCase):
         self.assertErrno(errno.ENOTEMPTY, os.rmdir, self.ck("c"))
         self.assertTrue(os.path.exists(self.bk("c", ".metadata")))
 
-    def test_removal_inside_committed_removes_it_everywhere(self):
-        """A committed checkpoint is one unit: removing an entry inside
-        removes the checkpoint for every mount (its .metadata goes first,
-        durably); this mount keeps the rest so that rm -r finishes, and
-        rmdir NAME removes the data."""
+    def test_removal_inside_committed_removes_that_entry_everywhere(self):
+        """Removing an entry inside a committed checkpoint removes that
+        entry only, for every mount (a new version of the checkpoint);
+        unlinking its .metadata (what rm -r NAME does first) removes the
+        checkpoint as a whole: gone for every mount, this mount keeps the
+        rest so that rm -r finishes, and rmdir NAME removes the data."""
         self.mount()
         other = os.path.join(self.dir, "other")
         self.mount(mnt=other)
@@ -214,37 +215,51 @@ class Removal(CkptfsTestCase):
         write_tensor(self.ck("h", "m/w"), "float32", [8], tensor_bytes("float32", [8]))
         write_file(self.ck("h", "m/b"), b"blob")
         write_file(self.ck("h", "top"), b"top")
+        write_file(self.ck("h", "top2"), b"top2")
         commit(self.ck("h"))
         self.assertEqual(read_all(self.ck("h", "top", mnt=other)), b"top")
         os.unlink(self.ck("h", "m/w"))
-        # gone for every mount at once, durably
+        # that entry only, gone for every mount at once
+        self.assertTrue(os.path.exists(self.bk("h", ".metadata")))
+        self.assertErrno(errno.ENOENT, os.stat, self.ck("h", "m", "w", mnt=other))
+        self.assertEqual(read_all(self.ck("h", "m", "b", mnt=other)), b"blob")
+        self.assertEqual(sorted(os.listdir(self.ck("h"))), [".metadata", "m", "top", "top2"])
+        self.assertEqual(status(self.ck("h")).splitlines()[:3],
+                         ["committed", "tensors 0", "blobs 3"])
+        self.assertEqual(status(self.ck("h", mnt=other)).splitlines()[:3],
+                         ["committed", "tensors 0", "blobs 3"])
+        self.assertNotIn("removing", status(self.ck("h")))
+        os.unlink(self.ck("h", "m/b"))
+        os.rmdir(self.ck("h", "m"))
+        self.assertEqual(sorted(os.listdir(self.ck("h", mnt=other))), [".metadata", "top", "top2"])
+        # .metadata: the checkpoint as a whole, for every mount, durably
+        os.unlink(self.ck("h", ".metadata"))
         self.assertFalse(os.path.exists(self.bk("h", ".metadata")))
         self.assertErrno(errno.ENOENT, os.stat, self.ck("h", mnt=other))
         self.assertNotIn("h", os.listdir(other))
         # this mount: the rest stays for rm -r
-        self.assertEqual(sorted(os.listdir(self.ck("h"))), [".metadata", "m", "top"])
+        self.assertEqual(sorted(os.listdir(self.ck("h"))), ["top", "top2"])
         self.assertIn("\nremoving:", status(self.ck("h")))
-        os.unlink(self.ck("h", "m/b"))
-        os.rmdir(self.ck("h", "m"))
-        os.unlink(self.ck("h", ".metadata"))
-        self.assertEqual(sorted(os.listdir(self.ck("h"))), ["top"])
         os.unlink(self.ck("h", "top"))
+        os.unlink(self.ck("h", "top2"))
         os.rmdir(self.ck("h"))
         self.assertFalse(os.path.exists(self.bk("h")))
         self.assertNotIn("h", os.listdir(self.mnt))
-        # rm -r of a committed checkpoint's subdirectory, then nothing more:
-        # gone everywhere, its data removed by the next mount start
+        # rm -r of a committed checkpoint's subdirectory: that subtree only,
+        # for every mount and after a remount
         os.mkdir(self.ck("g"))
         write_file(self.ck("g", "sub", "f"), b"f")
+        write_file(self.ck("g", "k"), b"k")
         commit(self.ck("g"))
         subprocess.run(["rm", "-r", self.ck("g", "sub")], check=True)
-        self.assertNotIn("g", os.listdir(other))
+        self.assertEqual(sorted(os.listdir(self.ck("g", mnt=other))), [".metadata", "k"])
         for m in self.mounts:
             self.assertEqual(m.stop(), 0)
         self.mounts.clear()
         self.mount()
-        self.assertEqual(os.listdir(self.mnt), [])
-        self.assertFalse(os.path.exists(self.bk("g")))
+        self.assertEqual(os.listdir(self.mnt), ["g"])
+        self.assertEqual(sorted(os.listdir(self.ck("g"))), [".metadata", "k"])
+        self.assertEqual(read_all(self.ck("g", "k")), b"k")
 
     def test_removed_through_backing_leaves_view(self):
         self.mount()
