@@ -75,15 +75,13 @@ int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
  * read and changed under this lock. */
 static pthread_mutex_t id_lock = PTHREAD_MUTEX_INITIALIZER;
 
-void ckpt_stored_rebind(ckpt_stored_t *s, const ckpt_version_t *v) {
+void ckpt__stored_set_identity(ckpt_stored_t *s, const ckpt_version_t *v) {
   pthread_mutex_lock(&id_lock);
   s->dev = v->dev;
   s->ino = v->ino;
   s->handle = v->handle;
   memcpy(s->save_id, v->save_id, sizeof(s->save_id));
   pthread_mutex_unlock(&id_lock);
-  if (s->cache) /* idle descriptors of files the new version may not use */
-    ckpt__fdcache_forget(s->cache, s->id);
 }
 
 int ckpt_stored_same_dir(const ckpt_stored_t *s, int dirfd) {

@@ -60,6 +60,13 @@ void ckpt_stored_destroy(ckpt_stored_t *s) {
   s->cache = NULL;
 }
 
+/* Here, not in identity.c: the descriptor cache is the reader's. */
+void ckpt_stored_rebind(ckpt_stored_t *s, const ckpt_version_t *v) {
+  ckpt__stored_set_identity(s, v);
+  if (s->cache) /* idle descriptors of files the new version may not use */
+    ckpt__fdcache_forget(s->cache, s->id);
+}
+
 uint64_t ckpt_stored_size(const ckpt_stored_t *s, ckpt_item_t it) {
   const ckpt_metadata_t *m = s->meta;
   if (it.blob)

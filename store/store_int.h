@@ -15,6 +15,10 @@ void ckpt__fdcache_forget(ckpt_fdcache_t *c, uint64_t id);
  * one longer than ckptfs's 32 hex digits by its XXH3-64. */
 void ckpt__save_key(const char *save_id, char out[CKPT_SAVE_ID_LEN + 1]);
 
+/* Set s's identity to version v, under the lock the identity checks take
+ * (identity.c); ckpt_stored_rebind also lets go of its idle descriptors. */
+void ckpt__stored_set_identity(ckpt_stored_t *s, const ckpt_version_t *v);
+
 /* For tests: ckpt_open_beneath walks (as without openat2) when on. */
 void ckpt__open_beneath_force_walk(bool on);
 
