@@ -175,9 +175,22 @@ static int publish_replace_once(int backing_fd, const char *save_id,
    * version; the replace waits and replaces whichever version is there.
    * Only a committed checkpoint is replaced: a directory without .metadata
    * is being removed, an unfinished save, or not a checkpoint at all. */
-  int nfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
-  if (nfd >= 0)
+  int nfd = -1;
+  for (int attempt = 0; attempt < 100; attempt++) {
+    nfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+    if (nfd < 0)
+      break;
     flock(nfd, LOCK_EX);
+    /* a removal may have exchanged a new version in while we waited:
+     * that one is locked next */
+    struct stat held, now;
+    if (fstat(nfd, &held) == 0 &&
+        fstatat(backing_fd, name, &now, AT_SYMLINK_NOFOLLOW) == 0 &&
+        held.st_dev == now.st_dev && held.st_ino == now.st_ino)
+      break;
+    close(nfd);
+    nfd = -1;
+  }
   if (nfd < 0 || !ckpt_store_has_metadata(nfd)) {
     if (nfd >= 0)
       close(nfd);

@@ -191,28 +191,24 @@ class ReplaceRaces(CkptfsTestCase):
     def test_replace_meets_rm_r_on_another_mount(self):
         stage(self.ck("T"), {"f1": b"1", "f2": b"2"})
         commit_words(self.ck("T"), "sync")
-        # rm -r T on B has begun (its first unlink), then A replaces T
-        os.unlink(os.path.join(self.bmnt, "T", "f1"))
+        # rm -r T on B has begun: it unlinks .metadata first (listed first),
+        # which removes T as a whole for every mount; then A replaces T
+        os.listdir(os.path.join(self.bmnt, "T"))
+        os.unlink(os.path.join(self.bmnt, "T", ".metadata"))
         stage(self.ck("W"), {"new": b"the new version"})
-        try:
+        with self.assertRaises(OSError) as cm:
             commit_words(self.ck("W"), "sync replace=T")
-            replaced = True
-        except OSError as e:
-            self.assertEqual(e.errno, errno.EEXIST)
-            replaced = False
-        shutil.rmtree(os.path.join(self.bmnt, "T"), ignore_errors=True)
-        if replaced:
-            # B's removal must not have taken A's new version by its name
-            self.assertEqual(read_all(self.ck("T", "new")), b"the new version")
-        else:
-            # refused: nothing lost, W is still staged and commits now
-            self.assertEqual(state(self.ck("W")), "failed")
-            deadline = time.monotonic() + 5
-            while os.path.exists(os.path.join(self.backing, "T")) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            commit_words(self.ck("W"), "sync replace=T")
-            self.assertEqual(read_all(self.ck("T", "new")), b"the new version")
+        self.assertEqual(cm.exception.errno, errno.EEXIST)  # being removed
+        # refused, nothing lost: W is still staged; B's rm -r ends
+        self.assertEqual(state(self.ck("W")), "failed")
+        shutil.rmtree(os.path.join(self.bmnt, "T"))
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "T")))
+        commit_words(self.ck("W"), "sync replace=T")
+        self.assertEqual(read_all(self.ck("T", "new")), b"the new version")
         self.assertTrue(seen(os.path.join(self.bmnt, "T", "new"), b"the new version"))
+        # an rm -r of the new T on B removes the new T: it is what B shows
+        shutil.rmtree(os.path.join(self.bmnt, "T"))
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "T")))
 
     def test_only_committed_checkpoints_are_replaced_or_cleaned(self):
         self.a.stop()
