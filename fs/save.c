@@ -198,7 +198,6 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     rc = -EEXIST;
   } else if (ck->state == CKPT_COMMITTING)
     rc = -EBUSY;
-
   else if (ck->state == CKPT_COMMITTED)
     rc = -EROFS;
   else if (!ck->dir)
