@@ -239,13 +239,13 @@ static void write_commits(out_t *o, ckpt_metrics_t *m) {
 static void write_all(ckpt_fs_t *fs, out_t *o) {
   ckpt_metrics_t *m = &fs->metrics;
   write_commits(o, m);
-  counter(o, "ckptfs_staged_bytes_total",
+  counter(o, "ckptfs_bytes_staged_total",
           "Bytes written into staged files through the daemon.",
           &m->bytes_staged);
-  counter(o, "ckptfs_committed_bytes_total",
+  counter(o, "ckptfs_bytes_committed_total",
           "Bytes this rank wrote into data files at its commits.",
           &m->bytes_committed);
-  counter(o, "ckptfs_read_bytes_total",
+  counter(o, "ckptfs_bytes_read_total",
           "Bytes the daemon served from committed checkpoints.",
           &m->bytes_read);
   head(o, "ckptfs_verify_failures_total", "counter",
