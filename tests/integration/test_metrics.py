@@ -232,6 +232,12 @@ class Metrics(CkptfsTestCase):
         self.assertEqual(m["ckptfs_verify_failures_total{}"], 1)
         self.assertEqual(m["ckptfs_bytes_read_total{}"], len(w))
 
+    def test_daemonized_relative_path(self):
+        """A daemon (no -f) works in /: a relative FILE is the caller's."""
+        self.mount("metrics=" + os.path.relpath(self.mfile), foreground=False)
+        self.wait_for(lambda m: m["ckptfs_commits_total{outcome=committed}"] == 0,
+                      "the daemon's first write")
+
     def test_rank_in_name(self):
         self.mount("metrics=" + os.path.join(self.mdir, "m%r.prom"))
         deadline = time.monotonic() + 10
