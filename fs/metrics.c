@@ -61,8 +61,13 @@ ckpt_fail_reason_t ckpt__metrics_classify(int rc, const char *reason) {
     return CKPT_FAIL_TIMEOUT;
   if (strstr(r, strerror(ENOSPC)) || strstr(r, strerror(EDQUOT)))
     return CKPT_FAIL_NO_SPACE;
-  if (strstr(r, "user.ckpt.") || strstr(r, "invalid xattrs"))
-    return CKPT_FAIL_INVALID;
+  /* the planner's refusals of what the ranks staged (planner/plan.c) */
+  static const char *const refused[] = {"user.ckpt.", "invalid xattrs",
+                                        "expected (sizes", "overlap",
+                                        "differ: "};
+  for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++)
+    if (strstr(r, refused[i]))
+      return CKPT_FAIL_INVALID;
   if (strstr(r, "already committed elsewhere"))
     return CKPT_FAIL_EXISTS;
   if (rc == -EIO || strstr(r, strerror(EIO)))
