@@ -150,6 +150,7 @@ void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
       bv.buf[0].fd = ref.fd;
       bv.buf[0].pos = (off_t)pos;
       CKPT_SPLICED(n->ck);
+      ckpt__metrics_read(req, len);
       fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
       ckpt_fdref_put(&ref);
       return;
@@ -170,9 +171,11 @@ void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
   }
   if (r >= 0 && (size_t)r != size)
     r = -EIO;
-  if (r < 0)
+  if (r < 0) {
     fuse_reply_err(req, (int)-r);
-  else
+  } else {
+    ckpt__metrics_read(req, size);
     fuse_reply_buf(req, buf, size);
+  }
   free(buf);
 }

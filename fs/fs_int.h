@@ -88,6 +88,8 @@ typedef struct {
   char *mountpoint;           /* owned, %r not yet replaced */
   char *log_file;             /* owned, -o log=FILE (%r not replaced), or
                                  NULL */
+  char *metrics_file;         /* owned, -o metrics=FILE (%r not replaced),
+                                 or NULL */
 } ckpt_opts_t;
 
 /* Parse the command line. Our options are removed from args; what stays is
@@ -520,6 +522,62 @@ typedef struct {
   char save_id[CKPT_SAVE_ID_LEN + 1];
 } ckpt_refused_t;
 
+/* ------------------------------------------------------------------------
+ * Metrics (metrics.c): counters bumped where things happen (atomics, no
+ * lock), and the thread of -o metrics=FILE that writes them out.
+ * ---------------------------------------------------------------------- */
+typedef enum {
+  CKPT_COMMIT_COMMITTED,
+  CKPT_COMMIT_FAILED,
+  CKPT_COMMIT_LOST, /* another mount committed NAME first (EEXIST) */
+  CKPT_COMMIT_OUTCOMES
+} ckpt_commit_outcome_t;
+
+typedef enum {
+  CKPT_FAIL_TIMEOUT,
+  CKPT_FAIL_NO_SPACE,
+  CKPT_FAIL_IO,
+  CKPT_FAIL_INVALID,
+  CKPT_FAIL_EXISTS,
+  CKPT_FAIL_OTHER,
+  CKPT_FAIL_REASONS
+} ckpt_fail_reason_t;
+
+#define CKPT_DURATION_BUCKETS 12 /* finite upper bounds, then +Inf */
+
+typedef struct {
+  _Atomic uint64_t commits[CKPT_COMMIT_OUTCOMES];
+  _Atomic uint64_t failures[CKPT_FAIL_REASONS];
+  _Atomic uint64_t duration[CKPT_DURATION_BUCKETS + 1]; /* per bucket, not
+                                                          cumulative */
+  _Atomic uint64_t duration_us; /* their sum, microseconds */
+  _Atomic uint64_t bytes_staged;    /* written into staged files */
+  _Atomic uint64_t bytes_committed; /* written by this rank's saves */
+  _Atomic uint64_t bytes_read;      /* served from committed checkpoints */
+} ckpt_metrics_t;
+
+/* The class of a failed save's error: rc (-errno, as the save saw it
+ * here; 0 when unknown) first, else the words of reason. */
+ckpt_fail_reason_t ckpt__metrics_classify(int rc, const char *reason);
+/* One commit ended; seconds < 0: it never started (refused at freeze). */
+void ckpt__metrics_commit(ckpt_fs_t *fs, ckpt_commit_outcome_t outcome,
+                          ckpt_fail_reason_t reason, double seconds);
+/* n bytes of a committed checkpoint are served to req (before its
+ * reply). */
+void ckpt__metrics_read(fuse_req_t req, uint64_t n);
+/* Write fs's metrics to path in the Prometheus text format (path.tmp.PID,
+ * renamed over it): 0 or -errno. */
+int ckpt__metrics_write(ckpt_fs_t *fs, const char *path);
+/* The writer thread: path every CKPT_METRICS_PERIOD seconds; stop writes it
+ * one last time and joins. */
+#define CKPT_METRICS_PERIOD 2.0
+typedef struct ckpt_metrics_writer ckpt_metrics_writer_t;
+int ckpt__metrics_start(ckpt_fs_t *fs, const char *path,
+                        ckpt_metrics_writer_t **out);
+void ckpt__metrics_stop(ckpt_metrics_writer_t *w);
+/* CLOCK_MONOTONIC, in seconds. */
+double ckpt__mono_now(void);
+
 struct ckpt_fs {
   ckpt_opts_t opts;
   int backing_fd;          /* BACKING_DIR, O_DIRECTORY */
@@ -550,6 +608,8 @@ struct ckpt_fs {
   _Atomic bool passthrough; /* passthrough=1 and the kernel granted it
                               (cleared when it refuses a backing file) */
   struct ckpt_drain *drain; /* passthrough=1: the drain thread (drain.c) */
+  ckpt_metrics_t metrics;  /* metrics.c */
+  char *mount_path;        /* MOUNTPOINT, %r replaced (a metrics label) */
 };
 
 /* The drain thread: closed passthrough files into write-behind streams. */

@@ -253,6 +253,42 @@ static void stopper_join(stopper_t *st) {
   st->running = false;
 }
 
+/* -o metrics=FILE for this rank: %r replaced, absolute (the daemon works
+ * in / once daemonized), in a directory that exists and can be written
+ * (FILE.tmp.PID is made there). NULL with a message on stderr. */
+static char *metrics_path(const char *tmpl, int rank) {
+  char *expanded = expand_mountpoint(tmpl, rank);
+  char *path = expanded ? absolute_backing(expanded) : NULL;
+  free(expanded);
+  if (!path) {
+    fprintf(stderr, "ckptfs: invalid metrics '%s': %s\n", tmpl,
+            strerror(errno ? errno : ENOMEM));
+    return NULL;
+  }
+  char *slash = strrchr(path, '/');
+  char *dir = slash == path ? strdup("/")
+                            : ckpt__strdup_printf("%.*s", (int)(slash - path),
+                                                  path);
+  struct stat st;
+  const char *why = NULL;
+  if (!dir)
+    why = strerror(ENOMEM);
+  else if (stat(dir, &st))
+    why = strerror(errno);
+  else if (!S_ISDIR(st.st_mode))
+    why = "not a directory";
+  else if (access(dir, W_OK | X_OK))
+    why = strerror(errno);
+  if (why) {
+    fprintf(stderr, "ckptfs: invalid metrics '%s': its directory %s: %s\n",
+            tmpl, dir ? dir : "", why);
+    free(path);
+    path = NULL;
+  }
+  free(dir);
+  return path;
+}
+
 /* MOUNTPOINT must be a directory (FUSE would also mount over a file);
  * say what to do when it is not. */
 static int check_mountpoint(const char *mp) {
@@ -331,6 +367,8 @@ int main(int argc, char **argv) {
   bool mounted = false, handlers = false;
   stopper_t stopper = {0};
   bool backing_created = false;
+  char *metrics_file = NULL;
+  ckpt_metrics_writer_t *metrics = NULL;
 
   if (ckpt__opts_parse(&args, &fs.opts, &err)) {
     fprintf(stderr, "ckptfs: %s\n", err);
@@ -373,6 +411,12 @@ int main(int argc, char **argv) {
     }
     free(path);
   }
+  if (fs.opts.metrics_file &&
+      !(metrics_file = metrics_path(fs.opts.metrics_file, fs.rank))) {
+    fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
+    status = EXIT_USAGE;
+    goto out;
+  }
   raise_fd_limit();
   preload_unwinder();
   mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
@@ -385,7 +429,7 @@ int main(int argc, char **argv) {
       mountpoint = abs;
     }
   }
-  if (!mountpoint)
+  if (!mountpoint || !(fs.mount_path = strdup(mountpoint)))
     goto out;
 
   /* Everything that can refuse the mount comes before BACKING_DIR is
@@ -444,7 +488,8 @@ int main(int argc, char **argv) {
   if (ckpt__pool_new(fs.opts.io_threads, &fs.pool) ||
       ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout) ||
       stopper_start(&stopper, &fs) ||
-      (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain))) {
+      (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain)) ||
+      (metrics_file && ckpt__metrics_start(&fs, metrics_file, &metrics))) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
     goto out;
   }
@@ -463,6 +508,7 @@ out:
    * reply while the mount is there. */
   if (fs.dist)
     ckpt_dist_stop(fs.dist);
+  ckpt__metrics_stop(metrics); /* the last write: every save counted */
   ckpt__drain_stop(fs.drain); /* before the nodes it holds go */
   if (mounted)
     fuse_session_unmount(se);
@@ -481,6 +527,8 @@ out:
   if (fs.backing_fd >= 0)
     close(fs.backing_fd);
   free(fs.backing_path);
+  free(fs.mount_path);
+  free(metrics_file);
   free(mountpoint);
   fuse_opt_free_args(&args);
   ckpt__opts_free(&fs.opts);

@@ -1661,6 +1661,7 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
       bv.buf[0].fd = ref.fd;
       bv.buf[0].pos = (off_t)pos;
       CKPT_SPLICED(n->ck);
+      ckpt__metrics_read(req, len);
       fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
       ckpt_fdref_put(&ref); /* the reply has been written */
       return;
@@ -1680,6 +1681,8 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
   case CKPT_NODE_CBLOB:
     r = ckpt_stored_read(&n->ck->stored, ckpt__node_item(n), buf, size,
                          (uint64_t)off);
+    if (r > 0)
+      ckpt__metrics_read(req, (uint64_t)r);
     break;
   case CKPT_NODE_METADATA:
     r = pread(h->fd, buf, size, off);
@@ -1732,8 +1735,11 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   }
   if ((rc = staged_change_begin(fs, n->ck)) == 0) {
     rc = ckpt__sfile_write(n->u.sf, buf, size, (uint64_t)off);
-    if (rc > 0)
+    if (rc > 0) {
       touch_data(fs, n);
+      atomic_fetch_add_explicit(&fs->metrics.bytes_staged, (uint64_t)rc,
+                                memory_order_relaxed);
+    }
     staged_change_end(n->ck);
   }
   if (rc < 0)

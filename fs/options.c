@@ -29,6 +29,7 @@ enum {
   KEY_KEEP_LAST,
   KEY_SAFETENSORS_SHARD,
   KEY_LOG,
+  KEY_METRICS,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -47,6 +48,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
     FUSE_OPT_KEY("safetensors_shard=", KEY_SAFETENSORS_SHARD),
     FUSE_OPT_KEY("log=", KEY_LOG),
+    FUSE_OPT_KEY("metrics=", KEY_METRICS),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -108,6 +110,11 @@ void ckpt__opts_help(void) {
       "%%r: the rank\n"
       "                          (default: stderr; syslog once "
       "daemonized)\n"
+      "  -o metrics=FILE         write the mount's metrics to FILE (every "
+      "2 s and at\n"
+      "                          unmount), Prometheus text format; %%r: the "
+      "rank; its\n"
+      "                          directory must exist (default: none)\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
@@ -215,6 +222,19 @@ static int opt_proc(void *data, const char *arg, int key,
     free(o->log_file);
     o->log_file = strdup(val);
     return 0;
+  case KEY_METRICS: {
+    /* a file name: not empty, not a directory's (FILE.tmp.PID is made
+     * next to it, then renamed over it) */
+    size_t n = strlen(val);
+    const char *base = strrchr(val, '/');
+    base = base ? base + 1 : val;
+    if (!n || val[n - 1] == '/' || !strcmp(base, ".") || !strcmp(base, ".."))
+      return bad(ps, "metrics", val, "a file name, like /var/lib/"
+                 "node_exporter/ckptfs.prom");
+    free(o->metrics_file);
+    o->metrics_file = strdup(val);
+    return 0;
+  }
   case KEY_COMMIT_TIMEOUT: {
     char *end;
     errno = 0;
@@ -332,5 +352,6 @@ void ckpt__opts_free(ckpt_opts_t *o) {
   free(o->backing_dir);
   free(o->mountpoint);
   free(o->log_file);
-  o->backing_dir = o->mountpoint = o->log_file = NULL;
+  free(o->metrics_file);
+  o->backing_dir = o->mountpoint = o->log_file = o->metrics_file = NULL;
 }

@@ -60,6 +60,8 @@ typedef struct ckpt_save {
   int dirfd;             /* BACKING_DIR/NAME, flock'ed shared, or -1 */
   _Atomic int failed_file; /* K of the first data file that failed, or -1 */
   uint64_t *stream_used; /* per stream: bytes its live files use */
+  double began;          /* CLOCK_MONOTONIC s of the write to .commit */
+  int step_rc;           /* -errno of the first step that failed here */
 } ckpt_save_t;
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
@@ -176,6 +178,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   s->dirfd = -1;
   s->failed_file = -1;
   s->job.user = s;
+  s->began = ckpt__mono_now();
 
   /* Freeze: no data change of this checkpoint is in progress once we hold
    * the freeze lock, and none starts after the state change. */
@@ -186,6 +189,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   snprintf(s->job.name, sizeof(s->job.name), "%s",
            s->replace ? words->replace : ck->name);
   int rc = 0;
+  bool freeze_failed = false;
   uint32_t cap = 0;
   ckpt_node_t *target = s->replace && strcmp(words->replace, ck->name)
                             ? ckpt__ckpt_lookup(fs, words->replace)
@@ -220,6 +224,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     /* Failed: files sealed already thaw when written again (one still
      * open stays read-only until its handles are closed). */
     ck->state = CKPT_FAILED;
+    freeze_failed = true;
     free(ck->reason);
     ck->reason = ckpt__strdup_printf(
         "rank %d: %s: cannot freeze it for the commit: %s%s", s->rank,
@@ -261,10 +266,14 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       free(s->attrs[i].path);
     free(s->attrs);
     free(s);
+    if (freeze_failed) /* a commit that failed before its save began */
+      ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED,
+                           ckpt__metrics_classify(rc, NULL), -1);
     return rc;
   }
   if (ckpt_dist_submit(fs->dist, &s->job) == 0)
     return 0;
+  ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED, CKPT_FAIL_OTHER, -1);
   /* The daemon stops (SIGTERM, unmount): no save starts any more. */
   pthread_mutex_lock(&fs->lock);
   ck->state = CKPT_FAILED;
@@ -1065,9 +1074,15 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   ckpt_save_t *s = job->user;
   ckpt_ckpt_t *ck = s->ck;
   char *err = NULL;
+  double took = ckpt__mono_now() - s->began;
+  ckpt_commit_outcome_t outcome = CKPT_COMMIT_FAILED;
   if (rc == 0) {
-    ckpt__log("%s: committed (this rank wrote %llu bytes)", job->name,
-              (unsigned long long)atomic_load(&ck->bytes_done));
+    uint64_t wrote = atomic_load(&ck->bytes_done);
+    ckpt__log("%s: committed in %.2f s (this rank wrote %llu bytes, %.1f "
+              "MB/s)", job->name, took, (unsigned long long)wrote,
+              took > 0 ? (double)wrote / 1e6 / took : 0.0);
+    atomic_fetch_add(&fs->metrics.bytes_committed, wrote);
+    outcome = CKPT_COMMIT_COMMITTED;
     /* Every rank shows the global checkpoint, from the shared metadata. */
     if (s->dirfd >= 0)
       flock(s->dirfd, LOCK_UN);
@@ -1087,6 +1102,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                                        err ? err : "unknown error");
       pthread_mutex_unlock(&fs->lock);
       rc = -EIO;
+      outcome = CKPT_COMMIT_FAILED; /* the writer gets EIO */
+      s->step_rc = -EIO;
     }
     free(err);
   } else {
@@ -1094,13 +1111,16 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     free(ck->waiting);
     ck->waiting = NULL;
     pthread_mutex_unlock(&fs->lock);
-    ckpt__log("%s: commit failed: %s", job->name, reason ? reason : "");
+    ckpt__log("%s: commit failed: %s (after %.2f s)", job->name,
+              reason ? reason : "", took);
     /* Lost to another save of NAME: the winner is shown in its place while
      * this one still says committing, so that .status never shows a
      * "failed" NAME that is in fact committed (an async writer polling it
      * would take it for its own failure). */
-    if (rc != -EEXIST || s->replace ||
-        !yield_to_winner(fs, ck, job->name, reason ? reason : "")) {
+    if (rc == -EEXIST && !s->replace &&
+        yield_to_winner(fs, ck, job->name, reason ? reason : ""))
+      outcome = CKPT_COMMIT_LOST;
+    else {
       pthread_mutex_lock(&fs->lock);
       ck->state = CKPT_FAILED;
       ck->reason = strdup(reason ? reason : "unknown error");
@@ -1112,6 +1132,12 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   pthread_mutex_lock(&fs->lock);
   ck->replacing[0] = '\0'; /* TARGET is shown (or the save failed) */
   pthread_mutex_unlock(&fs->lock);
+  ckpt__metrics_commit(fs, outcome,
+                       ckpt__metrics_classify(rc == -EEXIST ? rc
+                                              : s->step_rc ? s->step_rc
+                                                           : rc,
+                                              reason),
+                       took);
   ckpt__staging_tidy(fs->backing_fd);
   if (rc == 0 && s->rank == 0 && fs->opts.keep_last)
     keep_last(fs, job->name);
@@ -1126,11 +1152,44 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   save_free(fs, s);
 }
 
+/* ------------------------------------------------------------------------
+ * The steps as dist runs them: the first failure's errno is kept for the
+ * metrics (dist passes only -EIO or -EEXIST to save_done).
+ * ---------------------------------------------------------------------- */
+
+static int noted(ckpt_dist_job_t *job, int rc) {
+  ckpt_save_t *s = job->user;
+  if (rc && !s->step_rc)
+    s->step_rc = rc;
+  return rc;
+}
+
+static int local_noted(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
+                       char **err) {
+  return noted(job, local_step(ctx, job, out, err));
+}
+
+static int global_noted(void *ctx, ckpt_dist_job_t *job,
+                        const ckpt_buf_t *plans, int n,
+                        ckpt_buf_t *rank_plans, char **err) {
+  return noted(job, global_step(ctx, job, plans, n, rank_plans, err));
+}
+
+static int write_noted(void *ctx, ckpt_dist_job_t *job,
+                       const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
+  return noted(job, write_step(ctx, job, plan, out, err));
+}
+
+static int finish_noted(void *ctx, ckpt_dist_job_t *job,
+                        const ckpt_buf_t *results, int n, char **err) {
+  return noted(job, finish_step(ctx, job, results, n, err));
+}
+
 const ckpt_save_ops_t ckpt__save_ops = {
-    .local_step = local_step,
-    .global_step = global_step,
-    .write_step = write_step,
-    .finish_step = finish_step,
+    .local_step = local_noted,
+    .global_step = global_noted,
+    .write_step = write_noted,
+    .finish_step = finish_noted,
     .discard_step = discard_step,
     .done = save_done,
     .waiting = ckpt__save_waiting,

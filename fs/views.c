@@ -318,6 +318,7 @@ static bool reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, uint32_t i,
   bv.buf[0].fd = fd;
   bv.buf[0].pos = (off_t)pos;
   CKPT_SPLICED(ck);
+  ckpt__metrics_read(req, len);
   fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
   ckpt_fdref_put(&ref);
   return true;
@@ -394,10 +395,12 @@ void ckpt__view_read(fuse_req_t req, ckpt_node_t *n,
     rc = -EBADF;
   }
 out:
-  if (rc)
+  if (rc) {
     fuse_reply_err(req, -rc);
-  else
+  } else {
+    ckpt__metrics_read(req, size);
     fuse_reply_buf(req, buf, size);
+  }
 done:
   free(buf);
   ckpt_buf_free(&hdr);

@@ -5,7 +5,8 @@
 # (for FUSE passthrough; CMake uses it when present); then the virtual
 # environment .venv (Python 3.11) with torch 2.13.0 (CPU build), numpy,
 # safetensors, transformers, accelerate and lightning (the writers the
-# integration tests save with) and the ckptfs package from python/ (editable).
+# integration tests save with), prometheus-client (its parser reads the
+# metrics file in the metrics test) and the ckptfs package from python/ (editable).
 # Run as root (or with sudo) on Debian 12 (bookworm) or later.
 # CKPT_VENV=DIR puts the environment elsewhere; CKPT_NO_VENV=1 skips it.
 # CKPT_NO_FUSE_BUILD=1 skips the libfuse build (the build then uses the
@@ -146,16 +147,20 @@ if [ -z "$py" ]; then
   echo "install-deps: no Python 3.11 with venv (torch 2.13.0's CPU build is for 3.11)" >&2
   exit 1
 fi
-want="torch==2.13.0 numpy safetensors transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6"
+want="torch==2.13.0 numpy safetensors transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6 prometheus-client==0.26.0"
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c \
-    'import sys, torch, numpy, safetensors, transformers, accelerate, lightning, ckptfs
+    'import sys, torch, numpy, safetensors, transformers, accelerate, lightning, prometheus_client, ckptfs
+from importlib.metadata import version
 assert sys.version_info[:2] == (3, 11); assert torch.__version__.startswith("2.13.0")
-assert (transformers.__version__, accelerate.__version__, lightning.__version__) == ("5.18.0", "1.15.0", "2.6.6")' 2>/dev/null; then
+assert (transformers.__version__, accelerate.__version__, lightning.__version__) == ("5.18.0", "1.15.0", "2.6.6")
+assert version("prometheus-client") == "0.26.0"' 2>/dev/null; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install --disable-pip-version-check -q $want
   "$venv/bin/python" -m pip install --disable-pip-version-check -q -e "$repo/python"
 fi
 "$venv/bin/python" -c 'import torch, numpy, safetensors, transformers, accelerate, lightning, ckptfs
-print("install-deps: %s: torch %s, numpy %s, safetensors %s, transformers %s, accelerate %s, lightning %s"
+from importlib.metadata import version
+print("install-deps: %s: torch %s, numpy %s, safetensors %s, transformers %s, accelerate %s, lightning %s, prometheus-client %s"
       % (__import__("sys").prefix, torch.__version__, numpy.__version__, safetensors.__version__,
-         transformers.__version__, accelerate.__version__, lightning.__version__))'
+         transformers.__version__, accelerate.__version__, lightning.__version__,
+         version("prometheus-client")))'

@@ -227,6 +227,14 @@ int ckpt_stored_span(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
   return 1;
 }
 
+/* Chunks and blobs that verify found damaged, in this process: the
+ * mount's metrics read it (ckpt_store_verify_failures). */
+static _Atomic uint64_t verify_failures;
+
+uint64_t ckpt_store_verify_failures(void) {
+  return atomic_load_explicit(&verify_failures, memory_order_relaxed);
+}
+
 /* Check stored chunk or blob i of s (verified[i]) once: 0 or -EIO. */
 static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
                          int32_t rank, uint32_t file, uint64_t pos,
@@ -252,7 +260,11 @@ static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
       ckpt__log("%s: %s: rank %d, %s at %" PRIu64 ": checksum %016" PRIx64
                 ", stored %016" PRIx64, s->name, fqn, rank, name, pos, got,
                 want);
-    atomic_store(&s->verified[i], CKPT_CHUNK_BAD);
+    /* counted once per chunk: the first read that finds it bad */
+    uint8_t unchecked = CKPT_CHUNK_UNCHECKED;
+    if (atomic_compare_exchange_strong(&s->verified[i], &unchecked,
+                                       CKPT_CHUNK_BAD))
+      atomic_fetch_add_explicit(&verify_failures, 1, memory_order_relaxed);
     return -EIO;
   }
   if (rc)

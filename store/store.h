@@ -206,6 +206,10 @@ typedef struct ckpt_stored {
                                  then each blob; else NULL (owned) */
 } ckpt_stored_t;
 
+/* Chunks and blobs found damaged by verify in this process, so far (each
+ * counted once per loaded checkpoint). */
+uint64_t ckpt_store_verify_failures(void);
+
 /* What verify knows of a stored chunk or blob. */
 enum { CKPT_CHUNK_UNCHECKED, CKPT_CHUNK_GOOD, CKPT_CHUNK_BAD };
 

@@ -1,0 +1,381 @@
+/*
+ * metrics.c - -o metrics=FILE: the mount's counters in the Prometheus text
+ * exposition format, written every CKPT_METRICS_PERIOD seconds and once
+ * more at unmount, the node_exporter textfile collector's way: into
+ * FILE.tmp.PID in the same directory, then renamed over FILE, so that a
+ * reader always finds a whole file.
+ *
+ * The counters are atomics bumped where things happen (save.c, ops.c,
+ * views.c, blocks.c; verify failures in the store's reader). Only the
+ * staged gauges need fs->lock: taken for one checkpoint at a time.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+
+/* The upper bounds of ckptfs_commit_duration_seconds, in seconds. */
+static const double duration_le[CKPT_DURATION_BUCKETS] = {
+    0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600};
+
+static const char *const outcome_names[CKPT_COMMIT_OUTCOMES] = {
+    "committed", "failed", "lost"};
+static const char *const reason_names[CKPT_FAIL_REASONS] = {
+    "timeout", "no_space", "io", "invalid", "exists", "other"};
+
+double ckpt__mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+ckpt_fail_reason_t ckpt__metrics_classify(int rc, const char *reason) {
+  switch (rc) {
+  case -ETIMEDOUT:
+    return CKPT_FAIL_TIMEOUT;
+  case -ENOSPC:
+  case -EDQUOT:
+    return CKPT_FAIL_NO_SPACE;
+  case -EINVAL:
+    return CKPT_FAIL_INVALID;
+  case -EEXIST:
+    return CKPT_FAIL_EXISTS;
+  case -EIO:
+    break; /* dist's word for any failure: the reason tells more */
+  case 0:
+    break;
+  default:
+    return CKPT_FAIL_OTHER;
+  }
+  /* Another rank's failure reaches this one as its reason's words. */
+  const char *r = reason ? reason : "";
+  if (strstr(r, "(commit_timeout)") || strstr(r, "no answer from the"))
+    return CKPT_FAIL_TIMEOUT;
+  if (strstr(r, strerror(ENOSPC)) || strstr(r, strerror(EDQUOT)))
+    return CKPT_FAIL_NO_SPACE;
+  /* the planner's refusals of what the ranks staged (planner/plan.c) */
+  static const char *const refused[] = {"user.ckpt.", "invalid xattrs",
+                                        "expected (sizes", "overlap",
+                                        "differ: "};
+  for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++)
+    if (strstr(r, refused[i]))
+      return CKPT_FAIL_INVALID;
+  if (strstr(r, "already committed elsewhere"))
+    return CKPT_FAIL_EXISTS;
+  if (rc == -EIO || strstr(r, strerror(EIO)))
+    return CKPT_FAIL_IO;
+  return CKPT_FAIL_OTHER;
+}
+
+void ckpt__metrics_commit(ckpt_fs_t *fs, ckpt_commit_outcome_t outcome,
+                          ckpt_fail_reason_t reason, double seconds) {
+  ckpt_metrics_t *m = &fs->metrics;
+  atomic_fetch_add(&m->commits[outcome], 1);
+  if (outcome == CKPT_COMMIT_FAILED)
+    atomic_fetch_add(&m->failures[reason], 1);
+  if (seconds < 0)
+    return;
+  int b = 0;
+  while (b < CKPT_DURATION_BUCKETS && seconds > duration_le[b])
+    b++;
+  atomic_fetch_add(&m->duration[b], 1);
+  atomic_fetch_add(&m->duration_us, (uint64_t)(seconds * 1e6 + 0.5));
+}
+
+void ckpt__metrics_read(fuse_req_t req, uint64_t n) {
+  ckpt_fs_t *fs = fuse_req_userdata(req);
+  atomic_fetch_add_explicit(&fs->metrics.bytes_read, n, memory_order_relaxed);
+}
+
+/* ----- the text ----- */
+
+typedef struct {
+  FILE *f;
+  char labels[PATH_MAX + 64]; /* rank="R",mount="M" */
+} out_t;
+
+/* v as a label value: backslash, double quote and newline escaped. */
+static void label_value(char *dst, size_t cap, const char *v) {
+  size_t n = 0;
+  for (; *v && n + 3 < cap; v++) {
+    if (*v == '\\' || *v == '"') {
+      dst[n++] = '\\';
+      dst[n++] = *v;
+    } else if (*v == '\n') {
+      dst[n++] = '\\';
+      dst[n++] = 'n';
+    } else {
+      dst[n++] = *v;
+    }
+  }
+  dst[n] = '\0';
+}
+
+static void head(out_t *o, const char *name, const char *type,
+                 const char *help) {
+  fprintf(o->f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* name{labels[,extra]} value */
+static void sample(out_t *o, const char *name, const char *extra,
+                   unsigned long long v) {
+  fprintf(o->f, "%s{%s%s%s} %llu\n", name, o->labels, extra ? "," : "",
+          extra ? extra : "", v);
+}
+
+static void counter(out_t *o, const char *name, const char *help,
+                    _Atomic uint64_t *v) {
+  head(o, name, "counter", help);
+  sample(o, name, NULL, (unsigned long long)atomic_load(v));
+}
+
+static void gauge(out_t *o, const char *name, const char *help, uint64_t v) {
+  head(o, name, "gauge", help);
+  sample(o, name, NULL, (unsigned long long)v);
+}
+
+/* Staged checkpoints (staging, committing, failed: their staged data is
+ * held) and their bytes. fs->lock is taken for one checkpoint at a time,
+ * each held by a reference meanwhile. */
+static void staged_now(ckpt_fs_t *fs, uint64_t *ckpts, uint64_t *bytes) {
+  *ckpts = *bytes = 0;
+  ckpt_ckpt_t **list = NULL;
+  size_t n = 0, cap = 0;
+  pthread_mutex_lock(&fs->lock);
+  for (ckpt_node_t *d = fs->root ? fs->root->children : NULL; d; d = d->next) {
+    ckpt_ckpt_t *ck = d->ck;
+    if (!ck || d->kind != CKPT_NODE_CKPT || ck->state == CKPT_COMMITTED)
+      continue;
+    if (n == cap) {
+      size_t ncap = cap ? 2 * cap : 16;
+      ckpt_ckpt_t **l = realloc(list, ncap * sizeof(*l));
+      if (!l)
+        break;
+      list = l;
+      cap = ncap;
+    }
+    ck->refs++;
+    list[n++] = ck;
+  }
+  pthread_mutex_unlock(&fs->lock);
+  for (size_t i = 0; i < n; i++) {
+    pthread_mutex_lock(&fs->lock);
+    if (list[i]->dir && list[i]->state != CKPT_COMMITTED) {
+      uint64_t files, b;
+      ckpt__ckpt_staged_size(list[i], &files, &b);
+      (*ckpts)++;
+      *bytes += b;
+    }
+    ckpt__ckpt_unref(fs, list[i]);
+    pthread_mutex_unlock(&fs->lock);
+  }
+  free(list);
+}
+
+/* Resident bytes of this process (/proc/self/statm), or 0. */
+static uint64_t rss_bytes(void) {
+  FILE *f = fopen("/proc/self/statm", "re");
+  unsigned long long size = 0, resident = 0;
+  if (!f)
+    return 0;
+  if (fscanf(f, "%llu %llu", &size, &resident) != 2)
+    resident = 0;
+  fclose(f);
+  long page = sysconf(_SC_PAGESIZE);
+  return (uint64_t)resident * (uint64_t)(page > 0 ? page : 4096);
+}
+
+/* Open descriptors of this process (/proc/self/fd, less the one reading
+ * it), or 0. */
+static uint64_t open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d)
+    return 0;
+  uint64_t n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(d);
+  return n > 0 ? n - 1 : 0;
+}
+
+static void write_commits(out_t *o, ckpt_metrics_t *m) {
+  char extra[64];
+  head(o, "ckptfs_commits_total", "counter",
+       "Commits of this rank that ended, by outcome (lost: another mount "
+       "committed the name first).");
+  for (int i = 0; i < CKPT_COMMIT_OUTCOMES; i++) {
+    snprintf(extra, sizeof(extra), "outcome=\"%s\"", outcome_names[i]);
+    sample(o, "ckptfs_commits_total", extra,
+           (unsigned long long)atomic_load(&m->commits[i]));
+  }
+  head(o, "ckptfs_commit_failures_total", "counter",
+       "Failed commits of this rank, by class of reason.");
+  for (int i = 0; i < CKPT_FAIL_REASONS; i++) {
+    snprintf(extra, sizeof(extra), "reason=\"%s\"", reason_names[i]);
+    sample(o, "ckptfs_commit_failures_total", extra,
+           (unsigned long long)atomic_load(&m->failures[i]));
+  }
+  head(o, "ckptfs_commit_duration_seconds", "histogram",
+       "Seconds from the write to .commit to the save's end on this rank.");
+  unsigned long long cum = 0;
+  for (int b = 0; b <= CKPT_DURATION_BUCKETS; b++) {
+    cum += (unsigned long long)atomic_load(&m->duration[b]);
+    if (b < CKPT_DURATION_BUCKETS)
+      snprintf(extra, sizeof(extra), "le=\"%g\"", duration_le[b]);
+    else
+      snprintf(extra, sizeof(extra), "le=\"+Inf\"");
+    sample(o, "ckptfs_commit_duration_seconds_bucket", extra, cum);
+  }
+  fprintf(o->f, "ckptfs_commit_duration_seconds_sum{%s} %.6f\n", o->labels,
+          (double)atomic_load(&m->duration_us) * 1e-6);
+  sample(o, "ckptfs_commit_duration_seconds_count", NULL, cum);
+}
+
+static void write_all(ckpt_fs_t *fs, out_t *o) {
+  ckpt_metrics_t *m = &fs->metrics;
+  write_commits(o, m);
+  counter(o, "ckptfs_bytes_staged_total",
+          "Bytes written into staged files through the daemon.",
+          &m->bytes_staged);
+  counter(o, "ckptfs_bytes_committed_total",
+          "Bytes this rank wrote into data files at its commits.",
+          &m->bytes_committed);
+  counter(o, "ckptfs_bytes_read_total",
+          "Bytes the daemon served from committed checkpoints.",
+          &m->bytes_read);
+  head(o, "ckptfs_verify_failures_total", "counter",
+       "Chunks and blobs that verify=1 found damaged.");
+  sample(o, "ckptfs_verify_failures_total", NULL,
+         (unsigned long long)ckpt_store_verify_failures());
+  uint64_t ckpts, bytes;
+  staged_now(fs, &ckpts, &bytes);
+  gauge(o, "ckptfs_staged_checkpoints",
+        "Checkpoints staged on this mount, not committed (staging, "
+        "committing or failed).", ckpts);
+  gauge(o, "ckptfs_staged_bytes", "Bytes of the staged checkpoints' files.",
+        bytes);
+  gauge(o, "ckptfs_resident_memory_bytes",
+        "Resident memory of the daemon (/proc/self/statm).", rss_bytes());
+  gauge(o, "ckptfs_open_fds", "Open file descriptors of the daemon.",
+        open_fds());
+}
+
+int ckpt__metrics_write(ckpt_fs_t *fs, const char *path) {
+  char tmp[PATH_MAX];
+  if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path,
+                       (long)getpid()) >= sizeof(tmp))
+    return -ENAMETOOLONG;
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return -errno;
+  out_t o = {.f = fdopen(fd, "w")};
+  if (!o.f) {
+    int e = errno;
+    close(fd);
+    unlink(tmp);
+    return -e;
+  }
+  char mount[PATH_MAX];
+  label_value(mount, sizeof(mount), fs->mount_path ? fs->mount_path : "");
+  snprintf(o.labels, sizeof(o.labels), "rank=\"%d\",mount=\"%s\"", fs->rank,
+           mount);
+  write_all(fs, &o);
+  int rc = ferror(o.f) ? -EIO : 0;
+  if (fclose(o.f) && rc == 0)
+    rc = -errno;
+  if (rc == 0 && rename(tmp, path))
+    rc = -errno;
+  if (rc)
+    unlink(tmp);
+  return rc;
+}
+
+/* ----- the writer thread ----- */
+
+struct ckpt_metrics_writer {
+  ckpt_fs_t *fs;
+  char *path;
+  pthread_t thread;
+  pthread_mutex_t lock;
+  pthread_cond_t cond; /* CLOCK_MONOTONIC */
+  bool stop;
+  int last_err;        /* the last failure logged (logged once) */
+};
+
+static void write_logged(ckpt_metrics_writer_t *w) {
+  int rc = ckpt__metrics_write(w->fs, w->path);
+  if (rc && rc != w->last_err)
+    ckpt__log("metrics: cannot write %s: %s", w->path, strerror(-rc));
+  else if (!rc && w->last_err)
+    ckpt__log("metrics: %s written again", w->path);
+  w->last_err = rc;
+}
+
+static void *writer_main(void *arg) {
+  ckpt_metrics_writer_t *w = arg;
+  pthread_mutex_lock(&w->lock);
+  while (!w->stop) {
+    pthread_mutex_unlock(&w->lock);
+    write_logged(w);
+    pthread_mutex_lock(&w->lock);
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += (time_t)CKPT_METRICS_PERIOD;
+    while (!w->stop &&
+           pthread_cond_timedwait(&w->cond, &w->lock, &until) != ETIMEDOUT)
+      ;
+  }
+  pthread_mutex_unlock(&w->lock);
+  write_logged(w); /* the last counts, at unmount */
+  return NULL;
+}
+
+int ckpt__metrics_start(ckpt_fs_t *fs, const char *path,
+                        ckpt_metrics_writer_t **out) {
+  ckpt_metrics_writer_t *w = calloc(1, sizeof(*w));
+  if (!w || !(w->path = strdup(path))) {
+    free(w);
+    return -ENOMEM;
+  }
+  w->fs = fs;
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&w->cond, &ca);
+  pthread_condattr_destroy(&ca);
+  pthread_mutex_init(&w->lock, NULL);
+  int rc = pthread_create(&w->thread, NULL, writer_main, w);
+  if (rc) {
+    pthread_cond_destroy(&w->cond);
+    pthread_mutex_destroy(&w->lock);
+    free(w->path);
+    free(w);
+    return -rc;
+  }
+  *out = w;
+  return 0;
+}
+
+void ckpt__metrics_stop(ckpt_metrics_writer_t *w) {
+  if (!w)
+    return;
+  pthread_mutex_lock(&w->lock);
+  w->stop = true;
+  pthread_cond_signal(&w->cond);
+  pthread_mutex_unlock(&w->lock);
+  pthread_join(w->thread, NULL);
+  pthread_cond_destroy(&w->cond);
+  pthread_mutex_destroy(&w->lock);
+  free(w->path);
+  free(w);
+}
