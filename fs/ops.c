@@ -2060,6 +2060,25 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   fuse_reply_err(req, -rc);
 }
 
+/* The root tells the mount's world, so that a trainer can check its own
+ * world size and rank against the mount's before staging anything. */
+static const char root_xattrs[] = "user.ckpt.world_size\0user.ckpt.rank";
+
+static void reply_root_xattr(fuse_req_t req, const ckpt_fs_t *fs,
+                             const char *name, size_t size) {
+  char v[16];
+  int len;
+  if (strcmp(name, "user.ckpt.world_size") == 0)
+    len = snprintf(v, sizeof(v), "%d", fs->world_size);
+  else if (strcmp(name, "user.ckpt.rank") == 0)
+    len = snprintf(v, sizeof(v), "%d", fs->rank);
+  else {
+    fuse_reply_err(req, ENODATA);
+    return;
+  }
+  reply_xattr_value(req, v, (size_t)len, size);
+}
+
 static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         size_t size) {
   ckpt_fs_t *fs = fs_of(req);
@@ -2068,7 +2087,9 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     fuse_reply_err(req, ESTALE);
     return;
   }
-  if (n->kind == CKPT_NODE_SFILE) {
+  if (n->kind == CKPT_NODE_ROOT) {
+    reply_root_xattr(req, fs, name, size);
+  } else if (n->kind == CKPT_NODE_SFILE) {
     char *buf = size ? malloc(size) : NULL;
     int rc = size && !buf ? -ENOMEM
                           : ckpt__sfile_getxattr(n->u.sf, name, buf, size);
@@ -2130,6 +2151,8 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
     else
       fuse_reply_buf(req, buf, (size_t)rc);
     free(buf);
+  } else if (n->kind == CKPT_NODE_ROOT) {
+    reply_xattr_value(req, root_xattrs, sizeof(root_xattrs), size);
   } else if (n->kind == CKPT_NODE_CBLOCK) {
     static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
     reply_xattr_value(req, names, sizeof(names), size);

@@ -359,6 +359,59 @@ def _read_text(path):
         return f.read()
 
 
+def mount_world(mount):
+    """(rank, world_size) of the ckptfs mount at mount, from the xattrs
+    user.ckpt.rank and user.ckpt.world_size of its root; None when it has
+    none (not a ckptfs mount, or a daemon older than these xattrs)."""
+    try:
+        return (int(os.getxattr(mount, "user.ckpt.rank")),
+                int(os.getxattr(mount, "user.ckpt.world_size")))
+    except (OSError, ValueError):
+        return None
+
+
+def world_mismatch(mount, rank, world_size=None):
+    """Why this process (rank; world_size when known) must not use the ckptfs
+    mount at mount, or None when it may. Checked before anything is staged:
+    a save into another world's mount would wait commit_timeout for ranks
+    that never come, or write one rank's part into another's mount."""
+    w = mount_world(mount)
+    if w is None:
+        return None
+    mrank, msize = w
+    if world_size is not None and world_size != msize:
+        return (f"the trainer runs {world_size} rank{'s' * (world_size != 1)} but "
+                f"{mount} belongs to a ckptfs world of {msize} "
+                f"rank{'s' * (msize != 1)} (mount it with {world_size} ranks, "
+                f"e.g. mpirun -np {world_size} ckptfs ...)")
+    if int(rank) != mrank:
+        return (f"rank {int(rank)} uses {mount}, the mount of rank {mrank} of a "
+                f"ckptfs world of {msize} rank{'s' * (msize != 1)} (give each "
+                "rank its own mount: the path with %r, or rank= the mount's rank)")
+    return None
+
+
+def _torch_world():
+    """torch.distributed's world size when a process group is up (without
+    importing torch: the core needs only the standard library), else None."""
+    tdist = sys.modules.get("torch.distributed")
+    try:
+        if tdist is not None and tdist.is_available() and tdist.is_initialized():
+            return tdist.get_world_size()
+    except Exception:
+        pass
+    return None
+
+
+def _check_world(mount, rank, solo):
+    """save()'s world check (none for a solo save: a world of one)."""
+    if solo:
+        return
+    why = world_mismatch(mount, rank, _torch_world())
+    if why:
+        raise CkptfsError(why)
+
+
 def status(mount, name):
     """(state, text) of checkpoint name: state is the first line of
     NAME/.status (staging, committing, committed, failed)."""
@@ -478,6 +531,7 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     CommitError when the commit fails.
     """
     _check_save_args(state_dict, mount, "mode", mode, objects)
+    _check_world(mount, rank, solo)
     stager = _Stager(threads)
     words = _save_words(name, overwrite, solo)
     try:
@@ -827,6 +881,7 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     kept across saves, so that the copy reuses the last save's memory.
     Other arguments as save()."""
     _check_save_args(state_dict, mount, "commit", commit, objects)
+    _check_world(mount, rank, solo)
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, not {threads!r}")
     if buffers is not None and not isinstance(buffers, StagingBuffers):

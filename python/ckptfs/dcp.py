@@ -85,7 +85,8 @@ from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_
                       _abort_save, _aborted_elsewhere, _commit_dir as _commit,
                       _discard_uncommitted, _Stager, _discard_staged as _discard,
                       _pread_into, _status_of as _status, _unreplaceable,
-                      _write_fd as _write_all, block_file, make_working_dir, replaceable)
+                      _write_fd as _write_all, block_file, make_working_dir, replaceable,
+                      world_mismatch)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
            "fqn_paths", "CkptfsError", "CommitError"]
@@ -125,6 +126,26 @@ def default_rank():
         if v is not None and v.isdigit():
             return int(v)
     return 0
+
+
+def default_world_size():
+    """This process's world size: torch.distributed's, else the launcher's,
+    else 1 (as default_rank)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    for var in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        v = os.environ.get(var)
+        if v is not None and v.isdigit():
+            return int(v)
+    return 1
+
+
+def _check_world(mount, rank, world_size):
+    """Refuse, before anything is staged or read, a mount whose ckptfs world
+    is not the trainer's (its size, or another rank's mount)."""
+    why = world_mismatch(mount, rank, world_size)
+    if why:
+        raise CkptfsError(f"rank {rank}: {why}")
 
 
 def rank_mount(mount, rank):
@@ -366,6 +387,7 @@ class Writer(StorageWriter):
         if not os.path.isdir(self.mount):
             raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
                               "(is the rank's ckptfs mounted there?)")
+        _check_world(self.mount, self.rank, default_world_size())
 
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)
@@ -696,6 +718,10 @@ class Reader(StorageReader):
             raise ValueError("ckptfs.dcp.Reader: pass checkpoint_id=NAME to dcp.load")
         mount = rank_mount(self.mount_spec, self.rank)
         checkpoint_name(self.checkpoint_id, mount)  # a path elsewhere: refused
+        if dist.is_available() and dist.is_initialized():
+            # a lone reader may read any mount (each shows the whole
+            # checkpoint); a trainer's ranks must each read their own
+            _check_world(mount, self.rank, dist.get_world_size())
         return os.path.join(mount, self.name)
 
     def read_metadata(self, *args, **kwargs):
