@@ -297,7 +297,9 @@ static void cleanup_saves(int backing_fd) {
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
-int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd) {
+/* Remove every entry of directory dfd (subdirectories whole). 0 or the
+ * first -errno. */
+static int empty_dir(int dfd) {
   int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
   if (!d) {
@@ -318,6 +320,11 @@ int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd) {
       rc = r;
   }
   closedir(d);
+  return rc;
+}
+
+int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd) {
+  int rc = empty_dir(dfd);
   /* By name, now empty: if the name is another directory by now (a
    * replace exchanged it in), it is not empty and stays. */
   if (unlinkat(parent_fd, name, AT_REMOVEDIR) && errno != ENOENT && !rc)
@@ -331,26 +338,8 @@ int ckpt__remove_tree(int parent_fd, const char *name) {
     return fd == -ENOTDIR || fd == -ELOOP
                ? (unlinkat(parent_fd, name, 0) ? -errno : 0)
                : fd;
-  DIR *d = fdopendir(fd);
-  if (!d) {
-    int e = errno;
-    close(fd);
-    return -e;
-  }
-  int rc = 0;
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-      continue;
-    if (e->d_type == DT_DIR) {
-      int r = ckpt__remove_tree(dirfd(d), e->d_name);
-      if (r && !rc)
-        rc = r;
-    } else if (unlinkat(dirfd(d), e->d_name, 0) && errno != ENOENT && !rc) {
-      rc = -errno;
-    }
-  }
-  closedir(d);
+  int rc = empty_dir(fd);
+  close(fd);
   if (unlinkat(parent_fd, name, AT_REMOVEDIR) && errno != ENOENT && !rc)
     rc = -errno;
   return rc;

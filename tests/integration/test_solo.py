@@ -110,51 +110,40 @@ class World2(CkptfsTestCase):
             self.assertEqual(read_all(os.path.join(mnt, "both", "r1")), b"rank 1")
             self.assertEqual(read_all(os.path.join(mnt, "solo", "f")), b"one rank")
 
-    def test_solo_while_the_world_waits_for_this_rank(self):
-        # rank 1 waits in a collective commit that rank 0 has not reached;
-        # rank 0 first saves its configs alone: that is not taken for its
-        # part of the collective one, nor held up by it
+    def solo_while_waited_for(self, solo_rank, coll, solo):
+        """The other rank waits in a collective commit of coll that
+        solo_rank has not reached; solo_rank first saves solo alone: that
+        is neither taken for its part of coll nor held up by it, and then
+        coll commits on both."""
+        other = 1 - solo_rank
         for r in range(2):
-            os.mkdir(os.path.join(self.m[r], "both"))
-            write_file(os.path.join(self.m[r], "both", f"r{r}"), b"rank %d" % r)
-        os.mkdir(os.path.join(self.m[0], "cfg"))
-        write_file(os.path.join(self.m[0], "cfg", "config.json"), b"{}")
-        res1 = {}
+            os.mkdir(os.path.join(self.m[r], coll))
+            write_file(os.path.join(self.m[r], coll, f"r{r}"), b"%s %d" % (coll.encode(), r))
+        os.mkdir(os.path.join(self.m[solo_rank], solo))
+        write_file(os.path.join(self.m[solo_rank], solo, "config.json"), b"{}")
+        res = {}
         import threading
-        t = threading.Thread(target=lambda: res1.update(
-            self.commit_all(self.world, "both", ranks=[1], timeout=60)))
+        t = threading.Thread(target=lambda: res.update(
+            self.commit_all(self.world, coll, ranks=[other], timeout=60)))
         t.start()
         time.sleep(1.0)
         t0 = time.monotonic()
-        self.solo_commit(0, "cfg")
+        self.solo_commit(solo_rank, solo)
         self.assertLess(time.monotonic() - t0, 10)
-        self.assertEqual(state(os.path.join(self.m[0], "cfg")), "committed")
-        self.assertTrue(seen_within(os.path.join(self.m[1], "cfg", "config.json")))
-        res0 = self.commit_all(self.world, "both", ranks=[0], timeout=60)
+        self.assertEqual(state(os.path.join(self.m[solo_rank], solo)), "committed")
+        self.assertTrue(seen_within(os.path.join(self.m[other], solo, "config.json")))
+        res.update(self.commit_all(self.world, coll, ranks=[solo_rank], timeout=60))
         t.join(70)
-        self.assertIsNone(res0[0][0], status(os.path.join(self.m[0], "both")))
-        self.assertIsNone(res1[1][0], status(os.path.join(self.m[1], "both")))
-        for mnt in self.m:
-            self.assertEqual(read_all(os.path.join(mnt, "both", "r0")), b"rank 0")
-        # and on a client rank while the coordinator waits for it
         for r in range(2):
-            os.mkdir(os.path.join(self.m[r], "both2"))
-            write_file(os.path.join(self.m[r], "both2", f"r{r}"), b"again %d" % r)
-        os.mkdir(os.path.join(self.m[1], "cfg1"))
-        write_file(os.path.join(self.m[1], "cfg1", "tok.json"), b"[]")
-        res0 = {}
-        t = threading.Thread(target=lambda: res0.update(
-            self.commit_all(self.world, "both2", ranks=[0], timeout=60)))
-        t.start()
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        self.solo_commit(1, "cfg1")
-        self.assertLess(time.monotonic() - t0, 10)
-        res1 = self.commit_all(self.world, "both2", ranks=[1], timeout=60)
-        t.join(70)
-        self.assertIsNone(res0[0][0], status(os.path.join(self.m[0], "both2")))
-        self.assertIsNone(res1[1][0], status(os.path.join(self.m[1], "both2")))
-        self.assertTrue(seen_within(os.path.join(self.m[0], "cfg1", "tok.json")))
+            self.assertIsNone(res[r][0], status(os.path.join(self.m[r], coll)))
+        for mnt in self.m:
+            for r in range(2):
+                self.assertEqual(read_all(os.path.join(mnt, coll, f"r{r}")),
+                                 b"%s %d" % (coll.encode(), r))
+
+    def test_solo_while_the_world_waits_for_this_rank(self):
+        self.solo_while_waited_for(0, "both", "cfg")   # on the coordinator
+        self.solo_while_waited_for(1, "both2", "cfg1")  # on a client rank
 
     def test_async_solo_and_errors(self):
         ck = os.path.join(self.m[0], "a")
