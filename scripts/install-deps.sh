@@ -26,6 +26,8 @@ pkgs=(
   rsync                                   # integration_names: rsync -a into a mount
   clang libclang-rt-dev                    # libFuzzer and sanitizer runtimes
   python3-torch python3-numpy             # Python client and PyTorch example tests
+  dpkg-dev file                           # cpack -G DEB: dpkg-shlibdeps, file
+  debootstrap                             # test_package: the .deb in a fresh chroot
 )
 # Only where the system's libfuse3 is older than 3.16: to fetch, unpack and
 # build Debian 13's fuse3 source package (the build also uses the toolchain

@@ -6,10 +6,15 @@
  * DCP's directory format is pickled Python objects and torch.save'd
  * tensors, which only torch reads and writes faithfully, so both commands
  * run the ckptfs Python package's converter (python -m ckptfs.dcp, see
- * docs/pytorch.md) in the interpreter $CKPTFS_PYTHON (default python3),
- * with the ckptfs binary installed beside this ckptctl ($CKPTFS_BIN unless
- * set) to mount BACKING_DIR for the duration. ckptctl itself links only
- * the store.
+ * docs/pytorch.md) with the ckptfs binary installed beside this ckptctl
+ * ($CKPTFS_BIN unless set) to mount BACKING_DIR for the duration. ckptctl
+ * itself links only the store. The interpreter is $CKPTFS_PYTHON; else the
+ * one the package is installed in: pip writes the package's console script
+ * ckptfs-dcp with its interpreter's path in the #! line, so the first
+ * ckptfs-dcp on PATH names it (a venv's interpreter, which the python3 on
+ * PATH often is not); else python3. Reading that line trusts PATH as
+ * running ckptfs-dcp (or python3) from it would; relative PATH entries
+ * (the current directory) are skipped.
  *
  * ckptctl often runs as root on directories other users own, so the
  * converter runs as `python -P -s -m ckptfs.dcp` from "/": neither the
@@ -46,6 +51,54 @@ static void find_ckptfs(void) {
     setenv("CKPTFS_BIN", self, 0);
 }
 
+/* The interpreter a pip-written console script runs: "#!/abs/python", or,
+ * for a path a #! line cannot hold (too long, spaces), "#!/bin/sh" then
+ * "'''exec' "/abs/python" "$0" "$@"". Copied into out; false when text is
+ * neither or it is not executable. */
+static bool script_interpreter(const char *text, char *out, size_t size) {
+  static const char sh_exec[] = "\n'''exec' \"";
+  if (strncmp(text, "#!", 2) != 0)
+    return false;
+  const char *p = text + 2 + strspn(text + 2, " \t");
+  const char *end = p + strcspn(p, " \t\n");
+  if (end - p == 7 && strncmp(p, "/bin/sh", 7) == 0) {
+    const char *exec = strstr(text, sh_exec);
+    if (!exec)
+      return false;
+    p = exec + strlen(sh_exec);
+    end = p + strcspn(p, "\"\n");
+    if (*end != '"')
+      return false;
+  }
+  if (p[0] != '/' || (size_t)(end - p) >= size)
+    return false;
+  memcpy(out, p, (size_t)(end - p));
+  out[end - p] = '\0';
+  return access(out, X_OK) == 0;
+}
+
+/* The interpreter of the first ckptfs-dcp on PATH (absolute entries only)
+ * into out; false when there is none or it names none. */
+static bool dcp_script_python(char *out, size_t size) {
+  const char *path = getenv("PATH");
+  char file[PATH_MAX], head[PATH_MAX + 64];
+  while (path && *path) {
+    size_t n = strcspn(path, ":");
+    if (path[0] == '/' && n + sizeof("/ckptfs-dcp") <= sizeof(file)) {
+      snprintf(file, sizeof(file), "%.*s/ckptfs-dcp", (int)n, path);
+      FILE *f = access(file, X_OK) == 0 ? fopen(file, "r") : NULL;
+      if (f) {
+        size_t got = fread(head, 1, sizeof(head) - 1, f);
+        fclose(f);
+        head[got] = '\0';
+        return script_interpreter(head, out, size);
+      }
+    }
+    path += n + (path[n] == ':');
+  }
+  return false;
+}
+
 /* The converter's exit status when it ran and printed its own error
  * (a refused DCP directory, a missing checkpoint...). */
 #define CONVERTER_REFUSED 3
@@ -72,9 +125,10 @@ static char *absolute(const char *what, const char *path) {
  * (--json prints one document of its own). */
 static int run_converter(const char *what, char *const args[], int nargs,
                          bool quiet) {
+  static char script_py[PATH_MAX];
   const char *py = getenv("CKPTFS_PYTHON");
   if (!py || !*py)
-    py = "python3";
+    py = dcp_script_python(script_py, sizeof(script_py)) ? script_py : "python3";
   char *argv[10];
   int k = 0;
   argv[k++] = (char *)py;
@@ -117,8 +171,9 @@ static int run_converter(const char *what, char *const args[], int nargs,
     return EXIT_NO;
   }
   fail("%s failed: it needs a Python with the ckptfs package and torch 2.x "
-       "(pip install torch ./python from a ckptfs checkout; CKPTFS_PYTHON "
-       "names the interpreter, Python >= 3.11, now %s)",
+       "(pip install torch ./python from a ckptfs checkout: its ckptfs-dcp "
+       "on PATH names the interpreter; or CKPTFS_PYTHON, Python >= 3.11; "
+       "now %s)",
        what, py);
   return EXIT_NO;
 }
