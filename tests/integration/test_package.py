@@ -367,13 +367,14 @@ dcp.save({"w": w, "step": 7}, checkpoint_id=sys.argv[1], no_dist=True)
 print("dcp ok")
 '''
 
-# ckptfs.load of what ckptctl imported.
+# ckptfs.load of what ckptctl imported (the names in argv[2:]).
 LOAD = r'''
 import sys, torch, ckptfs
-sd = ckptfs.load(None, sys.argv[1], "imported")
-w = torch.as_tensor(sd["w"])  # a numpy array: the import kept no torch type
-assert torch.equal(w, torch.arange(24, dtype=torch.float32).reshape(4, 6)), w
-print("load ok")
+for name in sys.argv[2:]:
+    sd = ckptfs.load(None, sys.argv[1], name)
+    w = torch.as_tensor(sd["w"])  # a numpy array: the import kept no torch type
+    assert torch.equal(w, torch.arange(24, dtype=torch.float32).reshape(4, 6)), w
+    print(name, "ok")
 '''
 
 
@@ -385,30 +386,37 @@ class Wheel(CkptfsTestCase):
         self.assertEqual(r.returncode, 0, f"{argv}:\n{r.stdout}\n{r.stderr}")
         return r.stdout
 
-    def make_venv(self):
-        """A fresh venv of .venv's base interpreter with the wheel of python/
-        installed; its directory."""
-        if not os.access(VENV_PYTHON, os.X_OK):
-            self.fail(f"no {VENV_PYTHON}: run scripts/install-deps.sh")
-        # built from a copy: setuptools writes build/ and *.egg-info beside
-        # the sources
-        src = os.path.join(self.dir, "python")
-        shutil.copytree(PACKAGE, src, ignore=shutil.ignore_patterns(
-            "build", "*.egg-info", "__pycache__", "tests"))
+    def wheel(self):
+        """The wheel of python/, built once per test with .venv's pip and
+        setuptools (no network, no build isolation)."""
         wheels = os.path.join(self.dir, "wheels")
-        timed("pip wheel python/", self.run_ok,
-              [VENV_PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-               "--no-index", "--disable-pip-version-check", "-q", "-w", wheels, src])
+        if not os.path.isdir(wheels):
+            if not os.access(VENV_PYTHON, os.X_OK):
+                self.fail(f"no {VENV_PYTHON}: run scripts/install-deps.sh")
+            # built from a copy: setuptools writes build/ and *.egg-info
+            # beside the sources
+            src = os.path.join(self.dir, "python")
+            shutil.copytree(PACKAGE, src, ignore=shutil.ignore_patterns(
+                "build", "*.egg-info", "__pycache__", "tests"))
+            timed("pip wheel python/", self.run_ok,
+                  [VENV_PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                   "--no-index", "--disable-pip-version-check", "-q", "-w", wheels, src])
         wheel = [n for n in os.listdir(wheels) if n.endswith(".whl")]
         self.assertEqual(len(wheel), 1, wheel)
         self.assertRegex(wheel[0], r"^ckptfs-[0-9.]+-py3-none-any\.whl$")
+        return os.path.join(wheels, wheel[0])
+
+    def make_venv(self, name="venv"):
+        """A fresh venv of .venv's base interpreter at self.dir/name with
+        the wheel installed; its directory."""
+        wheel = self.wheel()
         base = self.run_ok([VENV_PYTHON, "-c", "import sys; print(sys._base_executable)"]).strip()
-        venv = os.path.join(self.dir, "venv")
+        venv = os.path.join(self.dir, name)
         timed("python -m venv", self.run_ok, [base, "-m", "venv", venv])
         py = os.path.join(venv, "bin", "python")
         timed("pip install the wheel", self.run_ok,
               [py, "-m", "pip", "install", "--no-index", "--no-deps",
-               "--disable-pip-version-check", "-q", os.path.join(wheels, wheel[0])])
+               "--disable-pip-version-check", "-q", wheel])
         return venv
 
     def lend_torch(self, venv):
@@ -436,37 +444,44 @@ class Wheel(CkptfsTestCase):
         self.assertIn("torch", out)  # why ckptfs.dcp did not import
 
     def test_ckptctl_finds_the_venv_interpreter(self):
-        venv = self.make_venv()
-        py = os.path.join(venv, "bin", "python")
-        self.lend_torch(venv)
-        stock = os.path.join(self.dir, "stock")
-        out = self.run_ok([py, "-P", "-s", "-c", DCP, stock], cwd="/",
-                          env={"PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"})
-        self.assertIn("dcp ok", out)
-        # python3 first on PATH is the system's, without ckptfs; the venv's
-        # bin after it holds ckptfs-dcp
-        path = f"/usr/bin:/bin:{venv}/bin"
-        env = {"PATH": path, "PYTHONWARNINGS": "ignore"}
-        r = subprocess.run(["python3", "-c", "import ckptfs"], env=env, capture_output=True)
-        self.assertNotEqual(r.returncode, 0, "the system's python3 imports ckptfs: "
-                            "this test needs one that does not")
-        self.assertEqual(shutil.which("ckptfs-dcp", path=path),
-                         os.path.join(venv, "bin", "ckptfs-dcp"))
+        """Twice: a venv whose ckptfs-dcp starts "#!VENV/bin/python", and one
+        with a space in its path, for which pip writes "#!/bin/sh" and an
+        exec line naming the interpreter."""
         ckptctl = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptctl")
-        r = timed("ckptctl import-dcp", subprocess.run,
-                  [ckptctl, "import-dcp", stock, self.backing, "imported"],
-                  env=env, capture_output=True, text=True, timeout=600)
-        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-        self.mount()
-        self.assertIn("load ok", self.run_ok([py, "-P", "-s", "-c", LOAD, self.mnt], cwd="/",
-                                             env=env))
+        stock = os.path.join(self.dir, "stock")
+        for name, first_line in (("venv", "#!{}/bin/python"), ("a venv", "#!/bin/sh")):
+            venv = self.make_venv(name)
+            py = os.path.join(venv, "bin", "python")
+            self.lend_torch(venv)
+            with open(os.path.join(venv, "bin", "ckptfs-dcp")) as f:
+                self.assertEqual(f.readline().rstrip("\n"), first_line.format(venv))
+            if not os.path.exists(stock):
+                out = self.run_ok([py, "-P", "-s", "-c", DCP, stock], cwd="/",
+                                  env={"PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"})
+                self.assertIn("dcp ok", out)
+            # python3 first on PATH is the system's, without ckptfs; the
+            # venv's bin after it holds ckptfs-dcp
+            path = f"/usr/bin:/bin:{venv}/bin"
+            env = {"PATH": path, "PYTHONWARNINGS": "ignore"}
+            r = subprocess.run(["python3", "-c", "import ckptfs"], env=env, capture_output=True)
+            self.assertNotEqual(r.returncode, 0, "the system's python3 imports ckptfs: "
+                                "this test needs one that does not")
+            self.assertEqual(shutil.which("ckptfs-dcp", path=path),
+                             os.path.join(venv, "bin", "ckptfs-dcp"))
+            r = timed(f"ckptctl import-dcp ({name})", subprocess.run,
+                      [ckptctl, "import-dcp", stock, self.backing, name.replace(" ", "-")],
+                      env=env, capture_output=True, text=True, timeout=600)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         # CKPTFS_PYTHON still wins: the system's python3 cannot convert
         r = subprocess.run([ckptctl, "import-dcp", stock, self.backing, "sys"],
                            env=dict(env, CKPTFS_PYTHON="/usr/bin/python3"),
                            capture_output=True, text=True, timeout=600)
         self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
         self.assertIn("No module named 'ckptfs'", r.stderr)
-
+        self.mount()
+        out = self.run_ok([py, "-P", "-s", "-c", LOAD, self.mnt, "venv", "a-venv"], cwd="/",
+                          env=env)
+        self.assertEqual(out.split(), ["venv", "ok", "a-venv", "ok"])
 
 if __name__ == "__main__":
     main()
