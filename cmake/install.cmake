@@ -30,9 +30,8 @@ if(_ckpt_fuse3_from STREQUAL CKPT_LOCAL_FUSE3_PKGDIR)
   install(FILES ${_ckpt_fuse3_libs} DESTINATION ${CKPT_PRIVATE_LIBDIR})
   set_target_properties(ckptfs PROPERTIES
                         INSTALL_RPATH "\$ORIGIN/../${CKPT_PRIVATE_LIBDIR}")
-  set(CKPT_BUNDLED_FUSE3 ON)
-else()
-  set(CKPT_BUNDLED_FUSE3 OFF)
+  message(STATUS "ckptfs: install: the libfuse3 of .deps/fuse3 goes into "
+          "PREFIX/${CKPT_PRIVATE_LIBDIR}")
 endif()
 
 # ---- mount-scripts/ ----------------------------------------------------------
