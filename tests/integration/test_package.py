@@ -312,7 +312,7 @@ class Deb(CkptfsTestCase):
         fields = subprocess.run(["dpkg-deb", "-f", deb, "Depends"], capture_output=True,
                                 text=True).stdout
         print(f"  Depends: {fields.strip()}", file=sys.stderr)
-        for dep in ("fuse3", "openmpi-bin", "libsqlite3-0", "libxxhash0", "libc6"):
+        for dep in ("fuse3", "openmpi-bin", "procps", "libsqlite3-0", "libxxhash0", "libc6"):
             self.assertRegex(fields, rf"(^|, ){dep}\b", f"Depends: {fields}")
         self.assertRegex(fields, r"libopenmpi(3|40)\b")
         checks = os.path.join(self.dir, "checks.sh")
