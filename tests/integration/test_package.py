@@ -27,7 +27,8 @@ Classes (ctest label `package`: the normal build only, not under ASan):
          .venv's site-packages, ckptfs.dcp imports from the wheel and
          `ckptctl import-dcp` finds that venv's interpreter through its
          `ckptfs-dcp` script on PATH, without CKPTFS_PYTHON, while the
-         `python3` on PATH is the system's, without ckptfs.
+         `python3` on PATH is the system's, without ckptfs (also for a
+         venv with a space in its path: another #! form).
 The time each stage took is printed.
 """
 
@@ -35,7 +36,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def build_dir():
 
 
 def cmake_tool(name):
-    """cpack (or ctest) of the CMake that configured the build tree."""
+    """cmake or cpack of the CMake that configured the build tree."""
     with open(os.path.join(build_dir(), "CMakeCache.txt")) as f:
         for line in f:
             if line.startswith("CMAKE_COMMAND:"):
