@@ -382,7 +382,7 @@ int main(int argc, char **argv) {
     if (fs.opts.show_help)
       ckpt__opts_help();
     else
-      printf("ckptfs %s (FUSE %s)\n", "0.1.0", fuse_pkgversion());
+      printf("ckptfs %s (FUSE %s)\n", CKPT_VERSION, fuse_pkgversion());
     fuse_opt_free_args(&args);
     ckpt__opts_free(&fs.opts);
     return EXIT_SUCCESS;
