@@ -34,6 +34,11 @@ exp_avg), so the views and resharded reads work on them; the rest of the
 checkpoint is one bytes item, checkpoint.pkl, a pickle whose tensors are
 references to those files. Loading unpickles it with torch's weights-only
 unpickler unless weights_only=False (the rules of torch.load).
+
+save_last=True re-saves last.ckpt, replacing the committed one in one
+atomic step. save_last="link" makes a symlink, which a mount's root
+refuses: use ckptfs.lightning.ModelCheckpoint, which publishes last.ckpt
+as a copy of the checkpoint it would link to.
 """
 
 import hashlib
@@ -45,11 +50,12 @@ from urllib.parse import quote
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint as _ModelCheckpoint
 
 from . import _client
 from ._client import CkptfsError
 
-__all__ = ["CheckpointIO"]
+__all__ = ["CheckpointIO", "ModelCheckpoint"]
 
 SKELETON = "checkpoint.pkl"   # the checkpoint with its tensors as references
 OTHER = "_tensors"            # tensors without a path of dict keys: _tensors/N
@@ -315,6 +321,15 @@ class CheckpointIO(_CheckpointIO):
         return _unpickle(data, _tensor_paths(tree), map_location, weights_only,
                          f"checkpoint {name!r} in {mount}")
 
+    def copy_checkpoint(self, src, dst):
+        """Publish checkpoint src again as dst (replacing a committed dst):
+        its files read through the mount and saved, as they are, solo."""
+        smount, sname = self._where(src)
+        dmount, dname = self._where(dst, saving=True)
+        tree = _client.load(None, smount, sname, allow_pickle=False)
+        _client.save(tree, dmount, dname, overwrite=True, exist_ok=True, solo=True,
+                     threads=self.threads)
+
     def remove_checkpoint(self, path):
         """Remove NAME for every mount (save_top_k rotation): unlinking its
         .metadata removes a committed checkpoint whole, at once; the rest
@@ -328,3 +343,24 @@ class CheckpointIO(_CheckpointIO):
         except FileNotFoundError:
             pass   # staged, never committed
         shutil.rmtree(ckdir)
+
+
+class ModelCheckpoint(_ModelCheckpoint):
+    """Lightning's ModelCheckpoint, whose save_last="link" works with
+    ckptfs.lightning.CheckpointIO: a mount's root holds checkpoints only,
+    not symlinks, so last.ckpt is published as a copy of the checkpoint
+    just saved (once per checkpoint: the copy is made again only when that
+    one changed). Other CheckpointIOs get Lightning's own links."""
+
+    def _link_checkpoint(self, trainer, filepath, linkpath):
+        io = trainer.strategy.checkpoint_io
+        io = getattr(io, "checkpoint_io", None) or io   # AsyncCheckpointIO wraps one
+        if not isinstance(io, CheckpointIO):
+            return _ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            done = getattr(self, "_ckptfs_copied", None) == (filepath, linkpath)
+            if not (done and os.path.isdir(linkpath)):
+                io.copy_checkpoint(filepath, linkpath)
+                self._ckptfs_copied = (filepath, linkpath)
+        trainer.strategy.barrier()
+        return None

@@ -14,7 +14,10 @@ ModelCheckpoint(save_top_k=2, save_last=True, monitor=...) for 6 epochs
   `ckpt-rank-exec MOUNTROOT FIXED -- python job.py`: each rank sees its own
   rank mount at FIXED, the checkpoints commit, and a resume from
   FIXED/last.ckpt loads them bit-exact on both ranks; its checks fail
-  with both numbers.
+  with both numbers;
+- save_last="link" (one process, one mount): ckptfs.lightning.ModelCheckpoint
+  publishes last.ckpt as a copy of the newest top-k checkpoint, where
+  Lightning's own ModelCheckpoint fails (a symlink at a mount's root).
 
     python3 python/tests/test_lightning.py --bin build/bin/ckptfs
 """
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 import ckptfs_util  # noqa: E402
 from ckptfs_util import CkptfsTestCase, Mount, main  # noqa: E402
 from mpi_world import MPIRUN, World, query  # noqa: E402
-from pyenv import PACKAGE, require_modules  # noqa: E402
+from pyenv import PACKAGE, require_modules, run_py  # noqa: E402
 from test_dcp import free_port  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_job.py")
@@ -195,6 +198,68 @@ class RankExec(LightningCase):
         r = run("--rank", "1", w.root, fixed, "--", "stat", "-c", "%d", fixed)
         self.assertEqual((r.returncode, r.stdout), (0, f"{os.stat(w.mnt(1)).st_dev}\n"),
                          r.stderr)
+
+
+LINK_JOB = r'''
+import os, sys
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import ckptfs.lightning
+
+mnt, which = sys.argv[1:]
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+cls = (ckptfs.lightning.ModelCheckpoint if which == "ckptfs"
+       else L.pytorch.callbacks.ModelCheckpoint)
+ckpt = cls(dirpath=mnt, save_top_k=2, save_last="link", monitor="step", mode="max",
+           every_n_train_steps=2)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
+                    plugins=[ckptfs.lightning.CheckpointIO()],
+                    default_root_dir=os.path.dirname(mnt))
+torch.manual_seed(0)
+trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(12, 4), torch.randn(12, 2)),
+                               batch_size=2))
+io = ckptfs.lightning.CheckpointIO()
+last = io.load_checkpoint(os.path.join(mnt, "last.ckpt"))
+print("last global_step", last["global_step"])
+'''
+
+
+class Link(LightningCase):
+
+    def test_save_last_link(self):
+        self.mount()
+        out = run_py(self, self.py, LINK_JOB, self.mnt, "ckptfs")
+        self.assertIn("last global_step 6", out)
+        self.assertEqual(sorted(os.listdir(self.mnt)),
+                         ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"])
+        for f in ("state_dict/net.weight", "checkpoint.pkl"):
+            self.assertEqual(sha256(os.path.join(self.mnt, "last.ckpt", f)),
+                             sha256(os.path.join(self.mnt, "epoch=0-step=6.ckpt", f)), f)
+        # Lightning's own link: a symlink at the mount's root (EPERM), then a copy
+        # of a directory with shutil.copy
+        e = dict(os.environ, PYTHONPATH=PACKAGE, OMP_NUM_THREADS="1")
+        stock = os.path.join(self.dir, "mnt-stock")
+        self.mount(mnt=stock)
+        r = subprocess.run([self.py, "-c", LINK_JOB, stock, "stock"], capture_output=True,
+                           text=True, env=e, timeout=300)
+        self.assertNotEqual(r.returncode, 0, r.stdout)
+        self.assertIn("IsADirectoryError", r.stderr)
 
 
 if __name__ == "__main__":
