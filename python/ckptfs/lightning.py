@@ -38,7 +38,9 @@ unpickler unless weights_only=False (the rules of torch.load).
 save_last=True re-saves last.ckpt, replacing the committed one in one
 atomic step. save_last="link" makes a symlink, which a mount's root
 refuses: use ckptfs.lightning.ModelCheckpoint, which publishes last.ckpt
-as a copy of the checkpoint it would link to.
+as a copy of the checkpoint it would link to. Model.load_from_checkpoint
+reads with torch.load, not the CheckpointIO: give it
+ckptfs.lightning.checkpoint_file(path).
 """
 
 import hashlib
@@ -55,7 +57,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint as _ModelCheckpoint
 from . import _client
 from ._client import CkptfsError
 
-__all__ = ["CheckpointIO", "ModelCheckpoint"]
+__all__ = ["CheckpointIO", "ModelCheckpoint", "checkpoint_file"]
 
 SKELETON = "checkpoint.pkl"   # the checkpoint with its tensors as references
 OTHER = "_tensors"            # tensors without a path of dict keys: _tensors/N
@@ -249,11 +251,13 @@ def _global_rank():
     return 0
 
 
-def _not_a_mount(d, what):
-    return (f"{d} is not the root of a ckptfs mount ({what}): a ckptfs "
-            "checkpoint is a directory at a rank mount's root, so give "
-            "ModelCheckpoint(dirpath=) the mount itself (under DDP: run each rank "
-            "with ckpt-rank-exec MOUNTROOT DIRPATH, docs/mounting.md)")
+def _not_a_mount(d, what, pattern=False):
+    how = ("start the rank mounts first (ckpt-mount, docs/mounting.md)" if pattern else
+           "give ModelCheckpoint(dirpath=) the mount itself (under DDP, with one "
+           "dirpath for every rank: run each rank with ckpt-rank-exec MOUNTROOT "
+           "DIRPATH, docs/mounting.md)")
+    return (f"{d} is not the root of a ckptfs mount ({what}): a ckptfs checkpoint is "
+            f"a directory at a rank mount's root, so {how}")
 
 
 class CheckpointIO(_CheckpointIO):
@@ -283,7 +287,7 @@ class CheckpointIO(_CheckpointIO):
         if self._checked != mount:
             if _client.mount_world(mount) is None:
                 raise CkptfsError(_not_a_mount(mount, f"CheckpointIO(mount={self.mount!r}) "
-                                               f"for rank {rank}"))
+                                               f"for rank {rank}", pattern=True))
             why = _client.world_mismatch(mount, rank, _client._torch_world())
             if why:
                 raise CkptfsError(why)
@@ -343,6 +347,18 @@ class CheckpointIO(_CheckpointIO):
         except FileNotFoundError:
             pass   # staged, never committed
         shutil.rmtree(ckdir)
+
+
+def checkpoint_file(path, mount=None, rank=None, map_location=None, weights_only=None):
+    """The checkpoint saved as path, as an in-memory torch.save file, for
+    what reads a checkpoint with torch.load instead of the CheckpointIO:
+    Model.load_from_checkpoint(ckptfs.lightning.checkpoint_file(path)).
+    mount and rank as CheckpointIO's."""
+    ck = CheckpointIO(mount, rank).load_checkpoint(path, map_location, weights_only)
+    f = io.BytesIO()
+    torch.save(ck, f)
+    f.seek(0)
+    return f
 
 
 class ModelCheckpoint(_ModelCheckpoint):

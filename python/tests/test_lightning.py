@@ -211,9 +211,10 @@ mnt, which = sys.argv[1:]
 
 
 class Tiny(L.LightningModule):
-    def __init__(self):
+    def __init__(self, out=2):
         super().__init__()
-        self.net = torch.nn.Linear(4, 2)
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, out)
 
     def training_step(self, batch, i):
         x, y = batch
@@ -232,11 +233,16 @@ trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
                     plugins=[ckptfs.lightning.CheckpointIO()],
                     default_root_dir=os.path.dirname(mnt))
 torch.manual_seed(0)
-trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(12, 4), torch.randn(12, 2)),
-                               batch_size=2))
+model = Tiny()
+trainer.fit(model, DataLoader(TensorDataset(torch.randn(12, 4), torch.randn(12, 2)),
+                              batch_size=2))
 io = ckptfs.lightning.CheckpointIO()
-last = io.load_checkpoint(os.path.join(mnt, "last.ckpt"))
-print("last global_step", last["global_step"])
+last = io.load_checkpoint(os.path.join(mnt, "last.ckpt"))   # weights-only, hparams too
+print("last global_step", last["global_step"], "hparams", dict(last["hyper_parameters"]))
+back = Tiny.load_from_checkpoint(ckptfs.lightning.checkpoint_file(os.path.join(mnt, "last.ckpt")))
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                             back.state_dict().values()))
+print("load_from_checkpoint bit-exact")
 '''
 
 
@@ -245,7 +251,8 @@ class Link(LightningCase):
     def test_save_last_link(self):
         self.mount()
         out = run_py(self, self.py, LINK_JOB, self.mnt, "ckptfs")
-        self.assertIn("last global_step 6", out)
+        self.assertIn("last global_step 6 hparams {'out': 2}", out)
+        self.assertIn("load_from_checkpoint bit-exact", out)
         self.assertEqual(sorted(os.listdir(self.mnt)),
                          ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"])
         for f in ("state_dict/net.weight", "checkpoint.pkl"):
