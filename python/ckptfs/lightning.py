@@ -251,6 +251,23 @@ def _global_rank():
     return 0
 
 
+def _discard_stale(mount, name):
+    """Discard what an earlier save of NAME left staged on this mount: the
+    working directory of a replacing save that was killed (SIGKILL while
+    last.ckpt was saved again). Only rank 0 saves, one save at a time, so
+    none of them is a save in progress; the name itself is restaged by
+    exist_ok."""
+    prefix = _client.working_prefix(name)
+    try:
+        names = [n for n in os.listdir(mount) if n.startswith(prefix)]
+    except OSError:
+        return
+    for n in names:
+        ckdir = os.path.join(mount, n)
+        if _client._status_of(ckdir)[0] in ("staging", "failed"):
+            _client._discard_staged(ckdir)
+
+
 def _not_a_mount(d, what, pattern=False):
     how = ("start the rank mounts first (ckpt-mount, docs/mounting.md)" if pattern else
            "give ModelCheckpoint(dirpath=) the mount itself (under DDP, with one "
@@ -307,6 +324,11 @@ class CheckpointIO(_CheckpointIO):
         _Pickler(buf, layout).dump(checkpoint)
         tree = layout.tree
         tree[SKELETON] = buf.getvalue()
+        self._save(tree, mount, name)
+
+    def _save(self, tree, mount, name):
+        """Save tree as NAME in mount, solo, over a committed NAME."""
+        _discard_stale(mount, name)
         _client.save(tree, mount, name, overwrite=True, exist_ok=True, solo=True,
                      threads=self.threads)
 
@@ -330,9 +352,7 @@ class CheckpointIO(_CheckpointIO):
         its files read through the mount and saved, as they are, solo."""
         smount, sname = self._where(src)
         dmount, dname = self._where(dst, saving=True)
-        tree = _client.load(None, smount, sname, allow_pickle=False)
-        _client.save(tree, dmount, dname, overwrite=True, exist_ok=True, solo=True,
-                     threads=self.threads)
+        self._save(_client.load(None, smount, sname, allow_pickle=False), dmount, dname)
 
     def remove_checkpoint(self, path):
         """Remove NAME for every mount (save_top_k rotation): unlinking its

@@ -15,7 +15,8 @@ ModelCheckpoint(save_top_k=2, save_last=True, monitor=...) for 6 epochs
   rank mount at FIXED, the checkpoints commit, and a resume from
   FIXED/last.ckpt loads them bit-exact on both ranks; its checks fail
   with both numbers;
-- save_last="link" (one process, one mount): ckptfs.lightning.ModelCheckpoint
+- save_last="link" (one process, one mount; a stale working directory
+  of a killed save of last.ckpt is discarded): ckptfs.lightning.ModelCheckpoint
   publishes last.ckpt as a copy of the newest top-k checkpoint, where
   Lightning's own ModelCheckpoint fails (a symlink at a mount's root).
 
@@ -250,6 +251,11 @@ class Link(LightningCase):
 
     def test_save_last_link(self):
         self.mount()
+        # what a save of last.ckpt killed while replacing it leaves staged
+        stale = os.path.join(self.mnt, "last.ckpt.replace-0123456789ab")
+        os.makedirs(os.path.join(stale, "state_dict"))
+        with open(os.path.join(stale, "state_dict", "net.weight"), "wb") as f:
+            f.write(b"x" * 32)
         out = run_py(self, self.py, LINK_JOB, self.mnt, "ckptfs")
         self.assertIn("last global_step 6 hparams {'out': 2}", out)
         self.assertIn("load_from_checkpoint bit-exact", out)
