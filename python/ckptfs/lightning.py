@@ -212,7 +212,8 @@ def _unpickle(data, tensors, map_location, weights_only, where):
             placed[path] = t.requires_grad_() if grad else t
         return placed[path]
 
-    if _weights_only(weights_only):
+    safe = _weights_only(weights_only)
+    if safe:   # torch.load's own unpickler for weights_only (torch 2.x)
         from torch import _weights_only_unpickler
         up = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
     else:
@@ -221,6 +222,8 @@ def _unpickle(data, tensors, map_location, weights_only, where):
     try:
         return up.load()
     except pickle.UnpicklingError as e:
+        if not safe:
+            raise
         raise CkptfsError(
             f"{where}: loading with weights_only=True failed: {e}. If you trust "
             "this checkpoint, load it with weights_only=False (trainer.fit("
@@ -389,14 +392,14 @@ class ModelCheckpoint(_ModelCheckpoint):
     one changed). Other CheckpointIOs get Lightning's own links."""
 
     def _link_checkpoint(self, trainer, filepath, linkpath):
-        io = trainer.strategy.checkpoint_io
-        io = getattr(io, "checkpoint_io", None) or io   # AsyncCheckpointIO wraps one
-        if not isinstance(io, CheckpointIO):
+        cio = trainer.strategy.checkpoint_io
+        cio = getattr(cio, "checkpoint_io", None) or cio   # AsyncCheckpointIO wraps one
+        if not isinstance(cio, CheckpointIO):
             return _ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             done = getattr(self, "_ckptfs_copied", None) == (filepath, linkpath)
             if not (done and os.path.isdir(linkpath)):
-                io.copy_checkpoint(filepath, linkpath)
+                cio.copy_checkpoint(filepath, linkpath)
                 self._ckptfs_copied = (filepath, linkpath)
         trainer.strategy.barrier()
         return None
