@@ -94,5 +94,6 @@ set(CPACK_GENERATOR DEB)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
 set(CPACK_DEBIAN_PACKAGE_SECTION admin)
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
-set(CPACK_DEBIAN_PACKAGE_DEPENDS "fuse3, openmpi-bin, procps")
+# attr: getfattr, with which ckpt-rank-exec reads the mount's rank and world
+set(CPACK_DEBIAN_PACKAGE_DEPENDS "fuse3, openmpi-bin, procps, attr")
 include(CPack)

@@ -106,6 +106,9 @@ if ! debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$root.log" 2>&1;
   echo "debootstrap $suite $mirror failed:"; tail -n 30 "$root.log"; exit 1
 fi
 echo "time debootstrap $t0 $(now)"
+# the chroot's / a mount point, as a machine's is (ckpt-rank-exec's unshare
+# --propagation changes the propagation of /, EINVAL on a plain directory)
+mount --bind "$root" "$root"
 mount --rbind /dev "$root/dev"
 mount --bind /proc "$root/proc"
 mount --bind /sys "$root/sys"
@@ -161,7 +164,7 @@ same() {  # FILE TEXT
 }
 
 step installed files
-for p in ckptfs ckptctl ckptfs-fsck ckpt-mount ckpt-umount; do
+for p in ckptfs ckptctl ckptfs-fsck ckpt-mount ckpt-umount ckpt-rank-exec; do
   [[ $(command -v "$p") == /usr/bin/$p ]] || fail "$p is not /usr/bin/$p"
 done
 for p in ckptfs ckptctl ckptfs-fsck; do
@@ -212,6 +215,10 @@ for r in 0 1; do
   same /mnt/w/rank$r/w1/part$r "rank $r"
 done
 same /mnt/w/rank1/c2/msg "through fstab"
+# one path for every rank: rank 1's mount at /ckpt in a namespace of its own
+got=$(ckpt-rank-exec --rank 1 /mnt/w /ckpt -- cat /ckpt/w1/part1) || fail "ckpt-rank-exec"
+[[ $got == "rank 1" ]] || fail "ckpt-rank-exec: /ckpt/w1/part1 reads '$got'"
+[[ -z $(ls -A /ckpt) ]] || fail "the bind mount leaked out of its namespace"
 ckpt-umount /mnt/w
 findmnt /mnt/w/rank0 >/dev/null && fail "rank0 still mounted"
 
@@ -244,7 +251,8 @@ class Tree(CkptfsTestCase):
         for n in os.listdir(scripts):
             if os.access(os.path.join(scripts, n), os.X_OK) and not n.startswith("slurm-"):
                 self.assertTrue(os.access(os.path.join(p, "bin", n), os.X_OK), n)
-        for n in ("ckptfs", "ckptctl", "ckptfs-fsck", "ckpt-mount", "ckpt-umount"):
+        for n in ("ckptfs", "ckptctl", "ckptfs-fsck", "ckpt-mount", "ckpt-umount",
+                  "ckpt-rank-exec"):
             self.assertTrue(os.access(os.path.join(p, "bin", n), os.X_OK), n)
         self.assertTrue(os.path.isfile(os.path.join(p, "share", "doc", "ckptfs", "mounting.md")))
         self.assertEqual(os.path.realpath(os.path.join(p, "share", "ckptfs", "slurm",
@@ -312,7 +320,8 @@ class Deb(CkptfsTestCase):
         fields = subprocess.run(["dpkg-deb", "-f", deb, "Depends"], capture_output=True,
                                 text=True).stdout
         print(f"  Depends: {fields.strip()}", file=sys.stderr)
-        for dep in ("fuse3", "openmpi-bin", "procps", "libsqlite3-0", "libxxhash0", "libc6"):
+        for dep in ("fuse3", "openmpi-bin", "procps", "attr", "libsqlite3-0", "libxxhash0",
+                    "libc6"):
             self.assertRegex(fields, rf"(^|, ){dep}\b", f"Depends: {fields}")
         self.assertRegex(fields, r"libopenmpi(3|40)\b")
         checks = os.path.join(self.dir, "checks.sh")
