@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""ckptfs.hf with the Hugging Face Trainer (transformers) and Accelerate of
+.venv, at 2 ranks under mpirun (gloo on CPU) over real rank mounts, each
+process with its own mount as output_dir (python/tests/hf_job.py):
+
+- a Trainer (tiny GPT-2 from a config, dropout on, a different RNG stream
+  per rank) with save_steps=2, save_total_limit=2 and CommitCallback:
+  checkpoint-2, -4, -6 committed, checkpoint-2 rotated away by the
+  Trainer's own rmtree on rank 0; a fresh mount lists checkpoint-4 and -6
+  only, each of world size 2 holding both ranks' rng_state_R.pth; resumed
+  from checkpoint-4 (over the committed checkpoint-6, which it saves again)
+  into other initial weights, both ranks end with the uninterrupted run's
+  model and Adam state bit for bit; without rank 1's rng_state_1.pth they
+  do not (so the check is real);
+- Accelerator.save_state/load_state through ckptfs.hf.save_state/
+  load_state: resumed bit-exact, a rank with another RNG state not;
+- `import ckptfs` imports no transformers; a Trainer whose output_dir is
+  not a rank mount, or whose world is not the mount's, fails at train
+  begin with both numbers.
+
+    python3 python/tests/test_hf.py --bin build/bin/ckptfs
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import CkptfsTestCase, main  # noqa: E402
+from mpi_world import MPIRUN, World, query  # noqa: E402
+from pyenv import PACKAGE, require_modules, run_py  # noqa: E402
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_job.py")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+           "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HfCase(CkptfsTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.py = require_modules(self, "transformers", "accelerate")
+        self.worlds = []
+        self.addCleanup(self._stop_worlds)
+
+    def _stop_worlds(self):
+        for w in self.worlds:
+            w.stop()
+
+    def world(self, n=2):
+        log = os.path.join(self.dir, f"world{len(self.worlds)}.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, n, self.backing, os.path.join(self.dir, "ranks"), log,
+                  opts="commit_timeout=60")
+        self.worlds.append(w)
+        return w.start()
+
+    def job(self, *args, n=2):
+        """hf_job.py ARGS under mpirun -np n; {rank: its result dict}."""
+        self.njobs = getattr(self, "njobs", 0) + 1
+        results = os.path.join(self.dir, f"results{self.njobs}")
+        os.mkdir(results)
+        env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                   PYTHONPATH=PACKAGE, CKPT_RESULT_DIR=results, **OFFLINE)
+        cmd = MPIRUN + ["-np", str(n)]
+        for var in ("MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH", "CKPT_RESULT_DIR",
+                    *OFFLINE):
+            cmd += ["-x", var]
+        r = subprocess.run(cmd + [self.py, JOB] + [str(a) for a in args], capture_output=True,
+                           text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, f"{args}:\n{r.stdout[-5000:]}\n{r.stderr[-8000:]}")
+        out = {}
+        for f in os.listdir(results):
+            with open(os.path.join(results, f)) as fh:
+                d = json.load(fh)
+            out[d["rank"]] = d
+        self.assertEqual(sorted(out), list(range(n)))
+        return out
+
+    def assert_committed(self, mnt, name, files):
+        """NAME, seen through mnt, is committed by a world of 2 and holds files."""
+        with open(os.path.join(mnt, name, ".status")) as f:
+            self.assertEqual(f.readline(), "committed\n")
+        self.assertLessEqual(set(files), set(os.listdir(os.path.join(mnt, name))))
+        ws = query(os.path.join(mnt, name, ".metadata"),
+                   "SELECT value FROM checkpoint WHERE key='world_size'")
+        self.assertEqual(ws, [("2",)])
+
+
+class Trainer(HfCase):
+
+    def test_rotation_and_resume(self):
+        w = self.world()
+        full = self.job("trainer", w.root)
+        for r in range(2):
+            self.assertEqual(full[r]["steps"], [1, 2, 3, 4, 5, 6])
+            # rank 1 lists what rank 0's rotation left, with no staged leftovers
+            self.assertEqual(full[r]["listing"], ["checkpoint-4", "checkpoint-6"])
+        self.assertEqual(full[0]["model"], full[1]["model"])
+
+        self.mount()  # a fresh mount of the backing directory
+        self.assertEqual(sorted(os.listdir(self.mnt)), ["checkpoint-4", "checkpoint-6"])
+        self.assertEqual(sorted(os.listdir(self.backing)), ["checkpoint-4", "checkpoint-6"])
+        for name in ("checkpoint-4", "checkpoint-6"):
+            self.assert_committed(self.mnt, name, [
+                "rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "config.json",
+                "optimizer.pt", "scheduler.pt", "trainer_state.json", "training_args.bin"])
+        self.assertIn("checkpoint-2: removed as a whole", ckptfs_util.read_log(w.log))
+
+        # resumed from checkpoint-4 (saving checkpoint-6 again over the
+        # committed one), from other initial weights: steps 5 and 6 only
+        resumed = self.job("trainer", w.root, "checkpoint-4")
+        for r in range(2):
+            self.assertEqual(resumed[r]["steps"], [5, 6])
+            self.assertEqual(resumed[r]["model"], full[r]["model"], f"rank {r}: model")
+            self.assertEqual(resumed[r]["optimizer"], full[r]["optimizer"], f"rank {r}: Adam")
+            self.assertEqual(resumed[r]["listing"], ["checkpoint-4", "checkpoint-6"])
+        self.assert_committed(self.mnt, "checkpoint-6", ["rng_state_1.pth"])
+
+        # the control: without rank 1's RNG state (removed from the committed
+        # checkpoint-4 for every mount) the resumed run ends elsewhere
+        os.unlink(os.path.join(self.mnt, "checkpoint-4", "rng_state_1.pth"))
+        control = self.job("trainer", w.root, "checkpoint-4")
+        for r in range(2):
+            self.assertNotEqual(control[r]["model"], full[r]["model"], f"rank {r}")
+
+    def test_setup_errors(self):
+        """No transformers on `import ckptfs`; CommitCallback refuses an
+        output_dir that is no rank mount, and a world of another size."""
+        w = self.world()
+        code = r'''
+import sys, tempfile
+import ckptfs
+assert "transformers" not in sys.modules, "import ckptfs imported transformers"
+from transformers import TrainingArguments
+cb = ckptfs.hf.CommitCallback()
+for out in (tempfile.mkdtemp(), sys.argv[1]):
+    try:
+        cb.on_train_begin(TrainingArguments(output_dir=out, use_cpu=True, report_to="none"),
+                          None, None)
+    except ckptfs.CkptfsError as e:
+        print("refused:", e)
+'''
+        out = run_py(self, self.py, code, w.mnt(0), env=OFFLINE)
+        self.assertRegex(out, r"refused: /tmp/\S+ is not the root of a ckptfs rank mount")
+        self.assertIn(f"refused: the trainer runs 1 rank but {w.mnt(0)} belongs to a ckptfs "
+                      "world of 2 ranks", out)
+
+
+class Accelerate(HfCase):
+
+    def test_save_state_load_state(self):
+        w = self.world()
+        res = self.job("accelerate", w.root)
+        for r in range(2):
+            self.assertEqual(res[r]["listing"], [
+                ".metadata", "model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                "random_states_1.pkl", "scheduler.bin"])
+            self.assertEqual(res[r]["resumed"], res[r]["uninterrupted"], f"rank {r}")
+            # the control's model differs: rank 1's RNG state counts
+            self.assertNotEqual(res[r]["control"][0], res[r]["uninterrupted"][0], f"rank {r}")
+        self.mount()
+        self.assert_committed(self.mnt, "acc-3", ["random_states_0.pkl", "random_states_1.pkl"])
+
+
+if __name__ == "__main__":
+    main()
