@@ -20,7 +20,9 @@ docs/pytorch.md has complete examples.
 import os
 import shutil
 
-from ._client import CkptfsError, commit, mount_world, status, world_mismatch
+from ._client import (CkptfsError, CommitError, _abort_save, _aborted_elsewhere, _commit_dir,
+                      _make_checkpoint_dir, _save_words, commit, mount_world, status,
+                      world_mismatch)
 
 try:
     from transformers import TrainerCallback
@@ -93,20 +95,36 @@ class CommitCallback(TrainerCallback):
         _barrier()
 
 
-def save_state(accelerator, mount, name, **kwargs):
+def save_state(accelerator, mount, name, overwrite=False, exist_ok=False, **kwargs):
     """accelerator.save_state() into MOUNT/NAME on every process, then a sync
     commit of NAME on every rank (collective: call it on every process, each
-    with its own rank mount). Returns the checkpoint's path; kwargs go to
-    save_state. CommitError when the commit fails."""
+    with its own rank mount). overwrite: replace a committed NAME atomically
+    (staged under a working name, committed with replace=NAME; give every
+    rank the same overwrite), as save_state overwrites a plain directory;
+    exist_ok: discard what this rank left staged under NAME (a failed
+    commit) and save again. kwargs go to save_state. Returns the path of
+    NAME; CommitError when the commit fails, and a rank that fails before
+    its commit fails it on every rank at once."""
     if accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("automatic_checkpoint_naming saves into project_dir/checkpoints/"
                          "checkpoint_I, not a checkpoint of the mount: turn it off and "
                          "name each checkpoint")
     check_mount(mount, accelerator.process_index, accelerator.num_processes)
-    path = os.path.join(mount, name)
-    accelerator.save_state(path, **kwargs)
-    commit(mount, name)
-    return path
+    words = _save_words(name, overwrite, False)
+    ckdir = _make_checkpoint_dir(mount, name, exist_ok, overwrite)
+    try:
+        accelerator.save_state(ckdir, **kwargs)
+    except BaseException:
+        _abort_save(ckdir, name, words)
+        raise
+    try:
+        _commit_dir(ckdir, name, "sync", words)
+    except CommitError as e:
+        aborted = _aborted_elsewhere(e, ckdir, name)
+        if aborted is not None:
+            raise aborted from None
+        raise
+    return os.path.join(mount, name)
 
 
 def load_state(accelerator, mount, name, **kwargs):

@@ -1,7 +1,8 @@
 """One rank of a Hugging Face job over ckptfs rank mounts, started by
 test_hf.py under mpirun (torch.distributed gloo on CPU, 127.0.0.1:$MASTER_PORT):
 
-    hf_job.py trainer ROOT [RESUME_NAME]   Trainer, output_dir ROOT/rankR
+    hf_job.py trainer ROOT [RESUME_NAME]   Trainer, output_dir ROOT/rankR, then
+                                           save_model into "final"
     hf_job.py accelerate ROOT              Accelerator save_state/load_state
 
 Each rank writes $CKPT_RESULT_DIR/rankR.json: the steps it trained, what its
@@ -26,6 +27,7 @@ os.environ.update(RANK=str(RANK), WORLD_SIZE=str(WS), LOCAL_RANK=str(RANK),
 
 import torch  # noqa: E402
 
+import ckptfs  # noqa: E402
 import ckptfs.hf  # noqa: E402
 
 
@@ -85,6 +87,11 @@ def trainer_job(root, resume=None):
     assert t.args.world_size == WS and t.args.process_index == RANK, \
         (t.args.world_size, t.args.process_index)
     t.train(resume_from_checkpoint=os.path.join(mount, resume) if resume else None)
+    # the final model, written by rank 0 alone (so committed by it alone),
+    # published as "final" over the one of an earlier run
+    t.save_model(os.path.join(mount, "final.new"))
+    if RANK == 0:
+        ckptfs.commit(mount, "final.new", solo=True, replace="final")
     result(steps=probe.steps, listing=sorted(os.listdir(mount)),
            model=digests(t.model.state_dict()), optimizer=optimizer_digests(t.optimizer))
 
@@ -129,8 +136,20 @@ def accelerate_job(root):
     if RANK == 1:
         torch.manual_seed(1)
     control = train(*run)
-    result(listing=sorted(os.listdir(os.path.join(mount, "acc-3"))),
-           uninterrupted=uninterrupted, resumed=resumed, control=control)
+    listing = sorted(os.listdir(os.path.join(mount, "acc-3")))
+
+    # saved again under the committed name: refused, then replaced
+    try:
+        ckptfs.hf.save_state(run[0], mount, "acc-3")
+        refused = None
+    except ckptfs.CkptfsError as e:
+        refused = str(e)
+    ckptfs.hf.save_state(run[0], mount, "acc-3", overwrite=True)
+    run = build(9)
+    ckptfs.hf.load_state(run[0], mount, "acc-3")
+    replaced = digests(run[0].unwrap_model(run[1]).state_dict())
+    result(listing=listing, uninterrupted=uninterrupted, resumed=resumed, control=control,
+           refused=refused, replaced=replaced, listing_after=sorted(os.listdir(mount)))
 
 
 if __name__ == "__main__":

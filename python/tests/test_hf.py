@@ -105,16 +105,22 @@ class Trainer(HfCase):
         for r in range(2):
             self.assertEqual(full[r]["steps"], [1, 2, 3, 4, 5, 6])
             # rank 1 lists what rank 0's rotation left, with no staged leftovers
-            self.assertEqual(full[r]["listing"], ["checkpoint-4", "checkpoint-6"])
+            self.assertEqual(full[r]["listing"][:2], ["checkpoint-4", "checkpoint-6"])
         self.assertEqual(full[0]["model"], full[1]["model"])
 
         self.mount()  # a fresh mount of the backing directory
-        self.assertEqual(sorted(os.listdir(self.mnt)), ["checkpoint-4", "checkpoint-6"])
-        self.assertEqual(sorted(os.listdir(self.backing)), ["checkpoint-4", "checkpoint-6"])
+        kept = ["checkpoint-4", "checkpoint-6", "final"]
+        self.assertEqual(sorted(os.listdir(self.mnt)), kept)
+        self.assertEqual(sorted(os.listdir(self.backing)), kept)
         for name in ("checkpoint-4", "checkpoint-6"):
             self.assert_committed(self.mnt, name, [
                 "rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "config.json",
                 "optimizer.pt", "scheduler.pt", "trainer_state.json", "training_args.bin"])
+        # the Trainer's rotation sorts by the directories' mtimes: kept at commit
+        self.assertLess(*(os.stat(os.path.join(self.mnt, n)).st_mtime_ns for n in kept[:2]))
+        self.assertEqual(sorted(os.listdir(os.path.join(self.mnt, "final"))), [
+            ".metadata", "config.json", "generation_config.json", "model.safetensors",
+            "training_args.bin"])
         self.assertIn("checkpoint-2: removed as a whole", ckptfs_util.read_log(w.log))
 
         # resumed from checkpoint-4 (saving checkpoint-6 again over the
@@ -124,7 +130,7 @@ class Trainer(HfCase):
             self.assertEqual(resumed[r]["steps"], [5, 6])
             self.assertEqual(resumed[r]["model"], full[r]["model"], f"rank {r}: model")
             self.assertEqual(resumed[r]["optimizer"], full[r]["optimizer"], f"rank {r}: Adam")
-            self.assertEqual(resumed[r]["listing"], ["checkpoint-4", "checkpoint-6"])
+            self.assertEqual(resumed[r]["listing"], ["checkpoint-4", "checkpoint-6", "final"])
         self.assert_committed(self.mnt, "checkpoint-6", ["rng_state_1.pth"])
 
         # the control: without rank 1's RNG state (removed from the committed
@@ -169,6 +175,11 @@ class Accelerate(HfCase):
             self.assertEqual(res[r]["resumed"], res[r]["uninterrupted"], f"rank {r}")
             # the control's model differs: rank 1's RNG state counts
             self.assertNotEqual(res[r]["control"][0], res[r]["uninterrupted"][0], f"rank {r}")
+            self.assertIn("checkpoint 'acc-3' is already committed", res[r]["refused"])
+            self.assertIn("pass overwrite=True", res[r]["refused"])
+            # overwrite=True replaced it with the control's state
+            self.assertEqual(res[r]["replaced"], res[r]["control"][0], f"rank {r}")
+            self.assertEqual(res[r]["listing_after"], ["acc-3"])
         self.mount()
         self.assert_committed(self.mnt, "acc-3", ["random_states_0.pkl", "random_states_1.pkl"])
 
