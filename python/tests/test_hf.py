@@ -14,6 +14,7 @@ process with its own mount as output_dir (python/tests/hf_job.py):
   do not (so the check is real);
 - Accelerator.save_state/load_state through ckptfs.hf.save_state/
   load_state: resumed bit-exact, a rank with another RNG state not;
+- docs/pytorch.md's Trainer and Accelerate examples, as written;
 - `import ckptfs` imports no transformers; a Trainer whose output_dir is
   not a rank mount, or whose world is not the mount's, fails at train
   begin with both numbers.
@@ -23,6 +24,7 @@ process with its own mount as output_dir (python/tests/hf_job.py):
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,20 +67,23 @@ class HfCase(CkptfsTestCase):
         self.worlds.append(w)
         return w.start()
 
+    def mpirun(self, argv, n=2, **env):
+        """argv under mpirun -np n (gloo's rendezvous on a free port)."""
+        env = dict(OMP_NUM_THREADS="1", PYTHONPATH=PACKAGE, **OFFLINE, **env)
+        cmd = MPIRUN + ["-np", str(n), "-x", "MASTER_ADDR=127.0.0.1",
+                        "-x", f"MASTER_PORT={free_port()}"]
+        for var in env:
+            cmd += ["-x", var]
+        r = subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, **env), stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, f"{argv}:\n{r.stdout[-5000:]}\n{r.stderr[-8000:]}")
+
     def job(self, *args, n=2):
         """hf_job.py ARGS under mpirun -np n; {rank: its result dict}."""
         self.njobs = getattr(self, "njobs", 0) + 1
         results = os.path.join(self.dir, f"results{self.njobs}")
         os.mkdir(results)
-        env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-                   PYTHONPATH=PACKAGE, CKPT_RESULT_DIR=results, **OFFLINE)
-        cmd = MPIRUN + ["-np", str(n)]
-        for var in ("MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH", "CKPT_RESULT_DIR",
-                    *OFFLINE):
-            cmd += ["-x", var]
-        r = subprocess.run(cmd + [self.py, JOB] + [str(a) for a in args], capture_output=True,
-                           text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
-        self.assertEqual(r.returncode, 0, f"{args}:\n{r.stdout[-5000:]}\n{r.stderr[-8000:]}")
+        self.mpirun([self.py, JOB, *args], n, CKPT_RESULT_DIR=results)
         out = {}
         for f in os.listdir(results):
             with open(os.path.join(results, f)) as fh:
@@ -101,6 +106,10 @@ class Trainer(HfCase):
 
     def test_rotation_and_resume(self):
         w = self.world()
+        # what a killed run left staged on rank 1: discarded before the save
+        os.makedirs(os.path.join(w.mnt(1), "checkpoint-4"))
+        with open(os.path.join(w.mnt(1), "checkpoint-4", "stale.txt"), "w") as f:
+            f.write("from a killed run")
         full = self.job("trainer", w.root)
         for r in range(2):
             self.assertEqual(full[r]["steps"], [1, 2, 3, 4, 5, 6])
@@ -116,6 +125,7 @@ class Trainer(HfCase):
             self.assert_committed(self.mnt, name, [
                 "rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "config.json",
                 "optimizer.pt", "scheduler.pt", "trainer_state.json", "training_args.bin"])
+        self.assertNotIn("stale.txt", os.listdir(os.path.join(self.mnt, "checkpoint-4")))
         # the Trainer's rotation sorts by the directories' mtimes: kept at commit
         self.assertLess(*(os.stat(os.path.join(self.mnt, n)).st_mtime_ns for n in kept[:2]))
         self.assertEqual(sorted(os.listdir(os.path.join(self.mnt, "final"))), [
@@ -182,6 +192,43 @@ class Accelerate(HfCase):
             self.assertEqual(res[r]["listing_after"], ["acc-3"])
         self.mount()
         self.assert_committed(self.mnt, "acc-3", ["random_states_0.pkl", "random_states_1.pkl"])
+
+
+class DocsExamples(HfCase):
+    """docs/pytorch.md's two examples run as written, launched as it says
+    (mpirun, RANK/WORLD_SIZE/LOCAL_RANK from Open MPI's variables)."""
+
+    def run_example(self, code, *args):
+        script = os.path.join(self.dir, "example.py")
+        with open(script, "w") as f:
+            f.write(code)
+        self.mpirun(["sh", "-c", "RANK=$OMPI_COMM_WORLD_RANK WORLD_SIZE=$OMPI_COMM_WORLD_SIZE "
+                     'LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK exec "$0" "$@"',
+                     self.py, script, *args])
+
+    def test_examples(self):
+        trainer, accelerate = docs_blocks()
+        w = self.world()
+        self.run_example(trainer, w.root)
+        self.run_example(accelerate, w.root)
+        self.run_example(accelerate, w.root, "step-4")  # saves step-8 again
+        self.mount()
+        self.assertEqual(sorted(os.listdir(self.mnt)),
+                         ["checkpoint-4", "checkpoint-6", "final", "step-4", "step-8"])
+        self.assert_committed(self.mnt, "checkpoint-6", ["rng_state_1.pth"])
+        self.assertIn("model.safetensors", os.listdir(os.path.join(self.mnt, "final")))
+        self.assert_committed(self.mnt, "step-8", ["random_states_1.pkl"])
+        self.assertEqual(ckptfs_util.read_log(w.log).count(
+            "published as step-8 (replace=)"), 2)
+
+
+def docs_blocks():
+    """The ```python blocks of docs/pytorch.md's Hugging Face section."""
+    with open(os.path.join(REPO, "docs", "pytorch.md")) as f:
+        text = f.read()
+    section = text.split("\n## The Hugging Face Trainer and Accelerate", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
 if __name__ == "__main__":
