@@ -78,7 +78,11 @@ class CommitCallback(TrainerCallback):
             self._make_room(args, state)
 
     def on_save(self, args, state, control, **kwargs):
-        commit(args.output_dir, f"{PREFIX}-{state.global_step}")
+        name = f"{PREFIX}-{state.global_step}"
+        # with save_only_model a rank other than 0 writes nothing, yet its
+        # (empty) part must be committed too
+        os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
+        commit(args.output_dir, name)
 
     def _make_room(self, args, state):
         name = f"{PREFIX}-{state.global_step}"

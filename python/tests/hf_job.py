@@ -79,7 +79,8 @@ def trainer_job(root, resume=None):
                              save_steps=2, save_total_limit=2, per_device_train_batch_size=2,
                              learning_rate=1e-2, seed=0, use_cpu=True, report_to="none",
                              disable_tqdm=True, logging_strategy="no",
-                             dataloader_num_workers=0, ddp_backend="gloo")
+                             dataloader_num_workers=0, ddp_backend="gloo",
+                             save_only_model=bool(os.environ.get("CKPT_HF_MODEL_ONLY")))
     probe = Probe()
     callbacks = [probe] if os.environ.get("CKPT_HF_NO_COMMIT") else \
         [probe, ckptfs.hf.CommitCallback()]

@@ -11,7 +11,8 @@ process with its own mount as output_dir (python/tests/hf_job.py):
   from checkpoint-4 (over the committed checkpoint-6, which it saves again)
   into other initial weights, both ranks end with the uninterrupted run's
   model and Adam state bit for bit; without rank 1's rng_state_1.pth they
-  do not (so the check is real);
+  do not (so the check is real); save_only_model=True (rank 1 writes
+  nothing) commits too;
 - Accelerator.save_state/load_state through ckptfs.hf.save_state/
   load_state: resumed bit-exact, a rank with another RNG state not;
 - docs/pytorch.md's Trainer and Accelerate examples, as written;
@@ -78,12 +79,12 @@ class HfCase(CkptfsTestCase):
                            timeout=600, env=dict(os.environ, **env), stdin=subprocess.DEVNULL)
         self.assertEqual(r.returncode, 0, f"{argv}:\n{r.stdout[-5000:]}\n{r.stderr[-8000:]}")
 
-    def job(self, *args, n=2):
+    def job(self, *args, n=2, **env):
         """hf_job.py ARGS under mpirun -np n; {rank: its result dict}."""
         self.njobs = getattr(self, "njobs", 0) + 1
         results = os.path.join(self.dir, f"results{self.njobs}")
         os.mkdir(results)
-        self.mpirun([self.py, JOB, *args], n, CKPT_RESULT_DIR=results)
+        self.mpirun([self.py, JOB, *args], n, CKPT_RESULT_DIR=results, **env)
         out = {}
         for f in os.listdir(results):
             with open(os.path.join(results, f)) as fh:
@@ -144,11 +145,15 @@ class Trainer(HfCase):
         self.assert_committed(self.mnt, "checkpoint-6", ["rng_state_1.pth"])
 
         # the control: without rank 1's RNG state (removed from the committed
-        # checkpoint-4 for every mount) the resumed run ends elsewhere
+        # checkpoint-4 for every mount) the resumed run ends elsewhere. It
+        # saves with save_only_model=True: rank 1 writes nothing into
+        # checkpoint-6, and commits its empty part
         os.unlink(os.path.join(self.mnt, "checkpoint-4", "rng_state_1.pth"))
-        control = self.job("trainer", w.root, "checkpoint-4")
+        control = self.job("trainer", w.root, "checkpoint-4", CKPT_HF_MODEL_ONLY="1")
         for r in range(2):
             self.assertNotEqual(control[r]["model"], full[r]["model"], f"rank {r}")
+        self.assert_committed(self.mnt, "checkpoint-6", ["model.safetensors"])
+        self.assertNotIn("rng_state_0.pth", os.listdir(os.path.join(self.mnt, "checkpoint-6")))
 
     def test_setup_errors(self):
         """No transformers on `import ckptfs`; CommitCallback refuses an
