@@ -5,7 +5,8 @@ process with its own mount as output_dir (python/tests/hf_job.py):
 
 - a Trainer (tiny GPT-2 from a config, dropout on, a different RNG stream
   per rank) with save_steps=2, save_total_limit=2 and CommitCallback:
-  checkpoint-2, -4, -6 committed, checkpoint-2 rotated away by the
+  checkpoint-2, -4, -6 committed (the staged checkpoint-4 a killed run
+  left on rank 1 discarded first), checkpoint-2 rotated away by the
   Trainer's own rmtree on rank 0; a fresh mount lists checkpoint-4 and -6
   only, each of world size 2 holding both ranks' rng_state_R.pth; resumed
   from checkpoint-4 (over the committed checkpoint-6, which it saves again)
@@ -14,11 +15,12 @@ process with its own mount as output_dir (python/tests/hf_job.py):
   do not (so the check is real); save_only_model=True (rank 1 writes
   nothing) commits too;
 - Accelerator.save_state/load_state through ckptfs.hf.save_state/
-  load_state: resumed bit-exact, a rank with another RNG state not;
+  load_state: resumed bit-exact, a rank with another RNG state not; a
+  committed name saved again refused, then replaced with overwrite=True;
 - docs/pytorch.md's Trainer and Accelerate examples, as written;
 - `import ckptfs` imports no transformers; a Trainer whose output_dir is
-  not a rank mount, or whose world is not the mount's, fails at train
-  begin with both numbers.
+  not a rank mount, or whose world is not the mount's (saying both
+  sizes), fails at train begin.
 
     python3 python/tests/test_hf.py --bin build/bin/ckptfs
 """
