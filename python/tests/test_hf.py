@@ -162,20 +162,22 @@ class Trainer(HfCase):
         output_dir that is no rank mount, and a world of another size."""
         w = self.world()
         code = r'''
-import sys, tempfile
+import sys
 import ckptfs
 assert "transformers" not in sys.modules, "import ckptfs imported transformers"
 from transformers import TrainingArguments
 cb = ckptfs.hf.CommitCallback()
-for out in (tempfile.mkdtemp(), sys.argv[1]):
+for out in sys.argv[1:]:
     try:
         cb.on_train_begin(TrainingArguments(output_dir=out, use_cpu=True, report_to="none"),
                           None, None)
     except ckptfs.CkptfsError as e:
         print("refused:", e)
 '''
-        out = run_py(self, self.py, code, w.mnt(0), env=OFFLINE)
-        self.assertRegex(out, r"refused: /tmp/\S+ is not the root of a ckptfs rank mount")
+        plain = os.path.join(self.dir, "plain")
+        os.mkdir(plain)
+        out = run_py(self, self.py, code, plain, w.mnt(0), env=OFFLINE)
+        self.assertIn(f"refused: {plain} is not the root of a ckptfs rank mount", out)
         self.assertIn(f"refused: the trainer runs 1 rank but {w.mnt(0)} belongs to a ckptfs "
                       "world of 2 ranks", out)
 
