@@ -5,6 +5,8 @@ test_hf.py under mpirun (torch.distributed gloo on CPU, 127.0.0.1:$MASTER_PORT):
                                            save_model into "final"
     hf_job.py accelerate ROOT              Accelerator save_state/load_state
 
+CKPT_HF_MODEL_ONLY=1: the Trainer saves with save_only_model=True;
+CKPT_HF_NO_COMMIT=1: without CommitCallback (to see what fails without it).
 Each rank writes $CKPT_RESULT_DIR/rankR.json: the steps it trained, what its
 mount lists, and sha256 digests of the final model and optimizer tensors.
 Every rank seeds its RNG differently (as dropout and data noise then differ
