@@ -13,7 +13,9 @@ and, for torch.distributed.checkpoint (DCP) users, a storage backend:
              storage_writer=ckptfs.dcp.Writer("/mnt/ckpt/rank%r"))
 
 The core needs only the standard library; numpy and torch are imported
-when a state dict holds their objects. ckptfs.dcp needs torch 2.x.
+when a state dict holds their objects. ckptfs.dcp needs torch 2.x;
+ckptfs.hf (the Hugging Face Trainer's CommitCallback, Accelerate's
+save_state/load_state) imports transformers when first used.
 """
 
 from ._client import (DTYPES, CkptfsError, CommitError, Shard, StagingBuffers,
@@ -23,3 +25,11 @@ __version__ = "0.3.0"
 __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
            "commit", "Shard",
            "CommitError", "CkptfsError", "DTYPES"]
+
+
+def __getattr__(name):
+    # ckptfs.hf on first use: importing ckptfs must not import transformers
+    if name == "hf":
+        import importlib
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
