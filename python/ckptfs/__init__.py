@@ -15,7 +15,8 @@ and, for torch.distributed.checkpoint (DCP) users, a storage backend:
 The core needs only the standard library; numpy and torch are imported
 when a state dict holds their objects. ckptfs.dcp needs torch 2.x;
 ckptfs.hf (the Hugging Face Trainer's CommitCallback, Accelerate's
-save_state/load_state) imports transformers when first used.
+save_state/load_state) imports transformers, and ckptfs.lightning (a
+Lightning CheckpointIO) imports lightning, when first used.
 """
 
 from ._client import (DTYPES, CkptfsError, CommitError, Shard, StagingBuffers,
@@ -28,8 +29,9 @@ __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
 
 
 def __getattr__(name):
-    # ckptfs.hf on first use: importing ckptfs must not import transformers
-    if name == "hf":
+    # ckptfs.hf and ckptfs.lightning on first use: importing ckptfs must
+    # import neither transformers nor lightning
+    if name in ("hf", "lightning"):
         import importlib
         return importlib.import_module(".hf", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

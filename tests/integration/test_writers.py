@@ -26,10 +26,11 @@ worked there: fsspec's temp file lives in /tmp, so the mount only sees a
 plain create of each .ckpt file (and unlinks, which a staged checkpoint
 always allowed).
 
-Not here, because ckptfs does not do it yet: a Trainer resumed with its
-output_dir in the mount saves checkpoint-N again over the committed one
-(EROFS on checkpoint-N/config.json: that needs `sync replace=`);
-Lightning's save_top_k rotation of files already committed.
+Not here, because the stock frameworks cannot do it alone: a Trainer
+resumed with its output_dir in the mount saving checkpoint-N again over
+the committed one, and Lightning's save_top_k rotation of committed
+checkpoints: ckptfs.hf.CommitCallback and ckptfs.lightning.CheckpointIO
+do both (python/tests/test_hf.py, test_lightning.py).
 
 A missing package fails the test with the install hint (skip instead with
 CKPT_ALLOW_NO_TORCH=1). cp -a of trees with dot-files is test_names.py's.
