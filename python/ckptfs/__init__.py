@@ -33,5 +33,5 @@ def __getattr__(name):
     # import neither transformers nor lightning
     if name in ("hf", "lightning"):
         import importlib
-        return importlib.import_module(".hf", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
