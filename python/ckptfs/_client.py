@@ -59,6 +59,7 @@ import json
 import math
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -100,37 +101,65 @@ class CkptfsIOError(CkptfsError, OSError):
 class CommitError(CkptfsError):
     """A commit failed; .status holds the reason ckptfs gave. discarded:
     the staged checkpoint was discarded (a save that another rank aborted,
-    or ckptfs.dcp's saves), else it stays staged for a fix and a retry."""
+    or ckptfs.dcp's saves), else it stays staged for a fix and a retry.
+    api: whose save it was ("client": ckptfs.save and friends; "dcp":
+    ckptfs.dcp.Writer), for advice that applies to the caller."""
 
-    def __init__(self, name, status_text, path=None, discarded=False):
+    def __init__(self, name, status_text, path=None, discarded=False, api="client"):
         self.name = name
         self.status = status_text
         self.path = path
         self.discarded = discarded
+        self.api = api
         lines = [ln for ln in status_text.splitlines() if ln.strip()]
         reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
         where = f" ({path})" if path else ""
+        what = "checkpoint_id" if api == "dcp" else "name"
         if status_text.startswith("committed\n"):
             # lost to another save of the name: that one is NAME now, on
             # this mount too (rm -r would remove it for every mount)
             lost = [ln[len("lost: "):] for ln in lines if ln.startswith("lost: ")]
             super().__init__(f"commit of checkpoint {name!r} failed{where}: "
-                             f"{lost[0] if lost else reason}. Save under another name.")
+                             f"{lost[0] if lost else reason}. Save under another {what}.")
             return
         if discarded:
             then = ("the staged checkpoint was discarded on every rank, so the "
-                    "same name can be saved again.")
+                    f"same {what} can be saved again.")
+        elif api == "dcp":
+            then = ("this rank's staged checkpoint stays (failed); the next "
+                    "dcp.save of this checkpoint_id discards it first.")
         else:
             then = ("the checkpoint stays staged on every rank: fix what the "
                     "reason names and save again with exist_ok=True, or discard "
                     "it with rm -r.")
         super().__init__(f"commit of checkpoint {name!r} failed{where}: {reason}. "
-                         f"Nothing was published; {then}")
+                         f"Nothing was published; {then}{_advice(reason, api)}")
 
     def __reduce__(self):
         # DCP pickles a rank's exception to send it to the coordinator: keep
         # the constructor's arguments, not the formatted message.
-        return (type(self), (self.name, self.status, self.path, self.discarded))
+        return (type(self), (self.name, self.status, self.path, self.discarded, self.api))
+
+
+# ckptfs's reason for replicas of one item whose bytes differ (planner/plan.c)
+_REPLICAS_DIFFER = re.compile(r"\breplicas (of chunk .*)?differ: ")
+
+
+def _advice(reason, api):
+    """What the caller can do about the reason of a failed commit, in the
+    terms of its own API ("" when there is nothing particular to say)."""
+    if not _REPLICAS_DIFFER.search(reason):
+        return ""
+    why = (" Every rank that saves a key saves a replica of it, and ckptfs "
+           "stores a replicated item once, only when every copy has the same "
+           "bytes: give a value that differs by rank a key of its own on each "
+           'rank (e.g. f"rank{rank}.x")')
+    if api == "dcp":
+        return (why + ', or save with ckptfs.dcp.Writer(mount, replicas="dedup") '
+                "to store only the copy DCP's planner picks, as stock DCP does "
+                "(or mount with -o replica_check=warn).")
+    return (why + ", or put such a key in one rank's state dict only (or mount "
+            "with -o replica_check=warn).")
 
 
 class Shard:
@@ -768,7 +797,7 @@ def _abort_unstaged(mount, name, exist_ok, overwrite=False, solo=False):
     _abort_save(ckdir, name, _save_words(name, overwrite, solo))
 
 
-def _aborted_elsewhere(err, ckdir, name):
+def _aborted_elsewhere(err, ckdir, name, api="client"):
     """err: this rank's CommitError. When another rank aborted the save
     (_abort_commit), discard this rank's staged files and return the
     CommitError to raise instead; else None."""
@@ -777,7 +806,7 @@ def _aborted_elsewhere(err, ckdir, name):
     _discard_uncommitted(ckdir)
     return CommitError(name, err.status + "\nanother rank failed before its commit "
                        "(while staging its items): its own error says why", ckdir,
-                       discarded=True)
+                       discarded=True, api=api)
 
 
 class StagingBuffers:
@@ -1017,6 +1046,13 @@ def _commit_dir(ckdir, name, mode="sync", words=()):
         os.close(fd)
 
 
+def _saved_by(ckdir):
+    """Whose save the staged checkpoint ckdir is, for CommitError's advice:
+    "client" (save() writes its manifest there) or "dcp" (an async commit
+    of ckptfs.dcp.Writer, the other caller of wait)."""
+    return "client" if os.path.isdir(os.path.join(ckdir, MANIFEST_DIR)) else "dcp"
+
+
 def wait(mount, name, timeout=None, poll=0.05):
     """Wait until an async commit of name is committed (return its .status
     text) or failed, or lost to another mount's commit of name (raise
@@ -1029,7 +1065,9 @@ def wait(mount, name, timeout=None, poll=0.05):
         pending = _replacing(mount, name)
         for path, st, text in pending:
             if st == "failed":
-                raise CommitError(name, text, path, discarded=_discard_uncommitted(path))
+                api = _saved_by(path)
+                raise CommitError(name, text, path, discarded=_discard_uncommitted(path),
+                                  api=api)
         if pending:
             st, text = "committing", pending[0][2]
         else:
@@ -1039,7 +1077,8 @@ def wait(mount, name, timeout=None, poll=0.05):
         if st == "committed" and "\nlost: " not in text:
             return text
         if st in ("failed", "committed"):
-            raise CommitError(name, text, os.path.join(mount, name))
+            path = os.path.join(mount, name)
+            raise CommitError(name, text, path, api=_saved_by(path))
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"checkpoint {name!r} is still {st} after "
                                f"{timeout} s: {text.strip()}")

@@ -479,12 +479,13 @@ class Writer(StorageWriter):
         try:
             _commit(ckdir, self.name, self.commit_mode, words)
         except CommitError as e:
-            aborted = _aborted_elsewhere(e, ckdir, self.name)
+            aborted = _aborted_elsewhere(e, ckdir, self.name, api="dcp")
             if aborted is not None:
                 raise aborted from None
             # a failed DCP save is discarded, so the same id can be saved again
             discarded = _discard_uncommitted(ckdir)
-            raise CommitError(e.name, e.status, e.path, discarded=discarded) from None
+            raise CommitError(e.name, e.status, e.path, discarded=discarded,
+                              api="dcp") from None
         except BaseException:
             _abort_save(ckdir, self.name, words)
             raise

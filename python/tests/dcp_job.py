@@ -277,7 +277,7 @@ def leftover(mount, name):
 def replicas(mount, name):
     """A replicated item whose bytes differ between ranks: refused with
     replicas="check" (ckptfs compares them), saved with "dedup"."""
-    sd = {"w": make("w", (4, 4)), "tag": f"rank {RANK}"}
+    sd = {"w": make("w", (4, 4)), "tag": f"rank {RANK}", "tags": [RANK]}
     try:
         dcp.save(sd, checkpoint_id=name + "-check", storage_writer=ckptfs.dcp.Writer(mount))
         raise AssertionError("dcp.save did not raise")
@@ -287,9 +287,10 @@ def replicas(mount, name):
         msg = str(e)
     dcp.save(sd, checkpoint_id=name + "-dedup",
              storage_writer=ckptfs.dcp.Writer(mount, replicas="dedup"))
-    tgt = {"w": torch.zeros(4, 4), "tag": None}
+    tgt = {"w": torch.zeros(4, 4), "tag": None, "tags": None}
     dcp.load(tgt, checkpoint_id=name + "-dedup", storage_reader=ckptfs.dcp.Reader(mount))
     assert torch.equal(tgt["w"], sd["w"]) and tgt["tag"].startswith("rank "), tgt
+    assert tgt["tags"] in ([0], [1]), tgt
     result(message=msg, tag=tgt["tag"])
 
 

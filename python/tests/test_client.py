@@ -31,7 +31,7 @@ import unittest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, read_all, state  # noqa: E402
+from ckptfs_util import CkptfsTestCase, main, read_all, read_log, state  # noqa: E402
 from mpi_world import World  # noqa: E402
 import pyenv  # noqa: E402
 from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
@@ -783,6 +783,47 @@ for how in ("sync", "async"):
         self.mounts[0].stop()
         self.mount()
         self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"4", "cfg": [1, 2]})
+
+    def test_replicas_that_differ_in_a_world_of_two(self):
+        """A key both ranks save with different values: the commit fails on
+        both, with advice for the plain client (per-rank keys, or the key
+        on one rank only; its own exist_ok, not the DCP Writer's
+        replicas=), and each line of the two-line reason the daemons log
+        on stderr carries the "ckptfs: " prefix."""
+        root = os.path.join(self.dir, "world")
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
+                  opts="commit_timeout=60").start()
+        try:
+            errs = [None, None]
+
+            def one(r):
+                try:
+                    ckptfs.save({"step": r, "seed": 10 + r}, w.mnt(r), "d", rank=r,
+                                objects="json")
+                except ckptfs.CommitError as e:
+                    errs[r] = str(e)
+            ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        finally:
+            self.assertEqual(w.stop(), 0)
+        for r, msg in enumerate(errs):
+            self.assertIsNotNone(msg, f"rank {r} saved")
+            self.assertIn("step (step): replicas differ", msg)
+            self.assertIn('a key of its own on each rank (e.g. f"rank{rank}.x")', msg)
+            self.assertIn("one rank's state dict only", msg)
+            self.assertIn("save again with exist_ok=True", msg)
+            self.assertNotIn("replicas=", msg)
+        lines = [ln for ln in read_log(log).splitlines() if "replicas differ" in ln]
+        self.assertEqual(len(lines), 4, read_log(log))   # 2 keys, on each rank
+        for ln in lines:
+            self.assertTrue(ln.startswith("ckptfs: d: commit failed: ")
+                            or ln.startswith("ckptfs: seed (seed): replicas differ")
+                            or ln.startswith("ckptfs: step (step): replicas differ"), ln)
 
     def test_overwrite_and_solo_in_a_world_of_two(self):
         """Issue 24: both ranks of a world save NAME twice, the second with
