@@ -1288,16 +1288,19 @@ def _load_item(path, rel, entry, allow_pickle):
                           allow_pickle)
 
 
-def _load_tree(ckdir, sub, manifest, allow_pickle):
-    """A new nested dict of every item under directory sub ("" for all)."""
+def _load_tree(ckdir, sub, manifest, allow_pickle, rels, prog):
+    """A new nested dict of the items rels (_walk's) under directory sub
+    ("" for all)."""
     out = {}
     depth = len(sub.split("/")) if sub else 0
-    for rel in _walk(os.path.join(ckdir, sub) if sub else ckdir, top=not sub):
+    for rel in rels:
         rel = f"{sub}/{rel}" if sub else rel
         entry = manifest.get(rel)
         keys = [_key(k) for k in entry["keys"]] if entry else rel.split("/")
         keys = keys[depth:]
-        value = _load_item(os.path.join(ckdir, rel), rel, entry, allow_pickle)
+        path = os.path.join(ckdir, rel)
+        value = _load_item(path, rel, entry, allow_pickle)
+        prog.add(os.path.getsize(path))
         d = out
         for k in keys[:-1]:
             d = d.setdefault(k, {})
@@ -1305,7 +1308,64 @@ def _load_tree(ckdir, sub, manifest, allow_pickle):
     return out
 
 
-def load(spec, mount, name, allow_pickle=True):
+def _file_bytes(top, rels):
+    return sum(os.path.getsize(os.path.join(top, r)) for r in rels)
+
+
+def _check_progress(progress):
+    """Refuse a progress argument a load cannot use, before anything is
+    read; the tqdm class for True or "tqdm", else None."""
+    if progress is None or progress is False or callable(progress):
+        return None
+    if progress is True or progress == "tqdm":
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            raise CkptfsError(f"progress={progress!r} shows a tqdm bar, but the "
+                              "tqdm package is not installed (pip install tqdm); "
+                              "or pass progress=callable(done_bytes, total_bytes)"
+                              ) from None
+        return tqdm
+    raise ValueError(f"progress={progress!r}: pass a callable(done_bytes, "
+                     "total_bytes), True or 'tqdm' (a tqdm bar), or None")
+
+
+class _Progress:
+    """A load's progress: progress(done_bytes, total_bytes) is called with
+    (0, total) first, then each time an item has been read (done grows;
+    it ends at total). progress: None or False (none), a callable, or True
+    or "tqdm" (a tqdm bar). A context manager (the bar closes at its end);
+    add() may be called from several threads."""
+
+    def __init__(self, progress, total, what):
+        self.total, self.done, self._bar = total, 0, None
+        self._lock = threading.Lock()
+        tqdm = _check_progress(progress)
+        if tqdm is not None:
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=what)
+            self._fn = lambda done, total: self._bar.update(done - self._bar.n)
+        else:
+            self._fn = progress or None
+        if self._fn is not None:
+            self._fn(0, total)
+
+    def add(self, nbytes):
+        if self._fn is None or nbytes <= 0:
+            return
+        with self._lock:  # one call at a time, done in order
+            self.done += nbytes
+            self._fn(self.done, self.total)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.close()
+
+
+def load(spec, mount, name, allow_pickle=True, progress=None):
     """Read committed checkpoint name from this rank's mount.
 
     spec None: return a new nested dict of everything in the checkpoint
@@ -1315,6 +1375,11 @@ def load(spec, mount, name, allow_pickle=True):
     shape must match), its other leaves are replaced by the stored values;
     items of the checkpoint that spec does not name are not read. Returns
     the dict.
+
+    progress: a callable(done_bytes, total_bytes), called with (0, total)
+    first and after each item read, done ending at total (the bytes of the
+    items read: a Shard's own part of a tensor); True or "tqdm" shows a
+    tqdm bar (the tqdm package must be installed); None: nothing.
     """
     ckdir = os.path.join(mount, name)
     if not os.path.isdir(ckdir):
@@ -1333,10 +1398,15 @@ def load(spec, mount, name, allow_pickle=True):
                           + ("wait(mount, name) first" if st == "committing"
                              else text.strip()))
     manifest = _manifest(ckdir)
+    what = f"load {name}"
     if spec is None:
-        return _load_tree(ckdir, "", manifest, allow_pickle)
+        rels = _walk(ckdir)
+        with _Progress(progress, _file_bytes(ckdir, rels), what) as prog:
+            return _load_tree(ckdir, "", manifest, allow_pickle, rels, prog)
     if not isinstance(spec, dict):
         raise TypeError(f"spec must be a dict or None, not {type(spec).__name__}")
+    # What to read, and its bytes, before reading any of it.
+    todo = []
     for keys, v in _flatten(spec, [], []):
         rel = "/".join(str(k) for k in keys)
         path = os.path.join(ckdir, rel)
@@ -1349,14 +1419,27 @@ def load(spec, mount, name, allow_pickle=True):
             if dtype is None:
                 raise CkptfsError(f"{rel} is a bytes item in checkpoint {name!r}, "
                                   "not a tensor")
-            _load_into(v, path, rel, dtype, shape)
-            continue
-        if os.path.isdir(path):
-            value = _load_tree(ckdir, rel, manifest, allow_pickle)
+            t = v.tensor if isinstance(v, Shard) else v
+            todo.append((keys, rel, path, v, (dtype, shape),
+                         math.prod(t.shape) * DTYPES.get(dtype, 1)))
+        elif os.path.isdir(path):
+            rels = _walk(path, top=False)
+            todo.append((keys, rel, path, None, rels, _file_bytes(path, rels)))
         else:
-            value = _load_item(path, rel, manifest.get(rel), allow_pickle)
-        d = spec
-        for k in keys[:-1]:
-            d = d[k]
-        d[keys[-1]] = value
+            todo.append((keys, rel, path, None, None, os.path.getsize(path)))
+    with _Progress(progress, sum(job[-1] for job in todo), what) as prog:
+        for keys, rel, path, v, how, nbytes in todo:
+            if v is not None:
+                _load_into(v, path, rel, *how)
+                prog.add(nbytes)
+                continue
+            if how is not None:
+                value = _load_tree(ckdir, rel, manifest, allow_pickle, how, prog)
+            else:
+                value = _load_item(path, rel, manifest.get(rel), allow_pickle)
+                prog.add(nbytes)
+            d = spec
+            for k in keys[:-1]:
+                d = d[k]
+            d[keys[-1]] = value
     return spec

@@ -474,6 +474,54 @@ print("ok")
                            env=dict(os.environ, PYTHONPATH=PACKAGE))
         self.assertEqual(r.returncode, 0, r.stderr)
 
+    def test_load_progress(self):
+        """load(progress=callable) sees (0, total) first, then done growing
+        as items are read, ending at total: the bytes of the items read (a
+        Shard's part only); progress=True shows a tqdm bar; a missing tqdm
+        is refused before anything is read."""
+        py = require_torch(self)
+        self.mount()
+        out = run_py(self, py, r'''
+import sys, ckptfs, torch, numpy as np
+mnt = sys.argv[1]
+w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+sd = {"w": w, "sub": {"h": np.arange(100, dtype=np.int16), "blob": b"x" * 1000}}
+ckptfs.save(sd, mnt, "p")
+def watch(spec, want):
+    calls = []
+    got = ckptfs.load(spec, mnt, "p", progress=lambda d, t: calls.append((d, t)))
+    assert calls[0] == (0, want) and calls[-1] == (want, want), calls
+    assert all(t == want for _, t in calls), calls
+    done = [d for d, _ in calls]
+    assert all(a < b for a, b in zip(done, done[1:])), calls
+    print(len(calls))
+    return got
+got = watch(None, 64 * 32 * 4 + 100 * 2 + 1000)
+assert torch.equal(got["w"], w) and got["sub"]["blob"] == b"x" * 1000
+half = ckptfs.Shard(torch.empty(32, 32), (32, 0), (64, 32))
+got = watch({"w": half, "sub": None}, 32 * 32 * 4 + 100 * 2 + 1000)
+assert torch.equal(half.tensor, w[32:]) and got["sub"]["h"].tolist() == list(range(100))
+import io
+err, sys.stderr = sys.stderr, io.StringIO()
+ckptfs.load(None, mnt, "p", progress=True)       # a tqdm bar on stderr
+bar, sys.stderr = sys.stderr.getvalue(), err
+assert "load p: 100%" in bar and "9.17k/9.17k" in bar, bar
+try:
+    ckptfs.load(None, mnt, "p", progress="bar")
+    raise AssertionError("progress='bar' accepted")
+except ValueError as e:
+    assert "progress='bar'" in str(e), e
+for m in [m for m in sys.modules if m == "tqdm" or m.startswith("tqdm.")]:
+    sys.modules[m] = None                        # as if tqdm were not installed
+try:
+    ckptfs.load(None, mnt, "p", progress="tqdm")
+    raise AssertionError("no error without tqdm")
+except ckptfs.CkptfsError as e:
+    assert "tqdm package is not installed" in str(e), e
+print("ok")
+''', self.mnt)
+        self.assertEqual(out.split(), ["4", "4", "ok"])
+
     def test_foreign_checkpoint(self):
         """A checkpoint written with plain file calls (no manifest): tensors
         load as numpy arrays, other files as bytes."""

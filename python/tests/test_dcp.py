@@ -133,9 +133,11 @@ class SaveLoad(DcpCase):
         self.job(2, "load", self.spec(w2), "s4", 4, "2d")
 
 
-    def test_writer_commit_async(self):
+    def test_writer_commit_async_and_reader_progress(self):
         w2 = self.world(2)
         self.job(2, "save_commit_async", self.spec(w2), "sa")
+        out = self.job(2, "load_progress", self.spec(w2), "lp")
+        self.assertEqual(out[0]["calls"][-1], out[1]["calls"][-1])  # same sizes
 
     def test_cached_plans_and_replicas(self):
         """DCP's plan caching (later saves send empty local plans); a
