@@ -399,44 +399,93 @@ def mount_world(mount):
         return None
 
 
-def world_mismatch(mount, rank, world_size=None):
-    """Why this process (rank; world_size when known) must not use the ckptfs
-    mount at mount, or None when it may. Checked before anything is staged:
-    a save into another world's mount would wait commit_timeout for ranks
-    that never come, or write one rank's part into another's mount."""
+def _ranks(n):
+    return f"{n} rank{'s' * (n != 1)}"
+
+
+def world_mismatch(mount, rank, world_size=None, saving=False):
+    """Why this process (rank, None when unknown; world_size when known)
+    must not use the ckptfs mount at mount, or None when it may. Checked
+    before anything is staged: a save into another world's mount would
+    wait commit_timeout for ranks that never come, or write one rank's part
+    into another's mount. saving: refuse a directory no ckptfs serves too
+    (a rank beyond the world: a save there can never commit)."""
     w = mount_world(mount)
     if w is None:
-        return None
+        return _not_a_mount(mount, rank, world_size) if saving else None
     mrank, msize = w
     if world_size is not None and world_size != msize:
-        return (f"the trainer runs {world_size} rank{'s' * (world_size != 1)} but "
-                f"{mount} belongs to a ckptfs world of {msize} "
-                f"rank{'s' * (msize != 1)} (mount it with {world_size} ranks, "
+        return (f"the trainer runs {_ranks(world_size)} but {mount} belongs to a "
+                f"ckptfs world of {_ranks(msize)} (mount it with {world_size} ranks, "
                 f"e.g. mpirun -np {world_size} ckptfs ...)")
-    if int(rank) != mrank:
+    if rank is not None and int(rank) != mrank:
         return (f"rank {int(rank)} uses {mount}, the mount of rank {mrank} of a "
-                f"ckptfs world of {msize} rank{'s' * (msize != 1)} (give each "
+                f"ckptfs world of {_ranks(msize)} (give each "
                 "rank its own mount: the path with %r, or rank= the mount's rank)")
     return None
 
 
-def _torch_world():
-    """torch.distributed's world size when a process group is up (without
-    importing torch: the core needs only the standard library), else None."""
+def _fs_type(path):
+    """The type of the filesystem path is on (/proc/self/mountinfo), or None."""
+    path, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                if (path == mp or path.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+                    best, kind = mp, fields[fields.index("-") + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return kind
+
+
+def _not_a_mount(mount, rank, world_size):
+    """Why a save must not go into mount when it is no ckptfs mount (a
+    daemon older than the world xattrs is a ckptfs mount still), naming the
+    world of rank 0's mount beside it (MOUNTROOT/rank0 for MOUNTROOT/rankR)
+    when there is one."""
+    if _fs_type(mount) in ("fuse.ckptfs", None):
+        return None
+    why = f"{mount} is not a ckptfs mount"
+    m = re.fullmatch(r"(.*\D)(\d+)", os.path.normpath(mount))
+    first = m.group(1) + "0" if m and rank is not None and int(m.group(2)) == int(rank) else None
+    w = mount_world(first) if first and first != os.path.normpath(mount) else None
+    if w is not None and world_size is not None and w[1] != world_size:
+        return (f"{why}: the trainer runs {_ranks(world_size)} but {first} belongs to "
+                f"a ckptfs world of {_ranks(w[1])} (mount it with {world_size} ranks, "
+                f"e.g. mpirun -np {world_size} ckptfs ...)")
+    return f"{why} (is this rank's ckptfs mounted there?)"
+
+
+def _trainer_world():
+    """(rank, world_size) of this process: torch.distributed's when a
+    process group is up (without importing torch: the core needs only the
+    standard library), else its launcher's (Open MPI, torchrun, PMI), else
+    (None, None). Slurm's SLURM_NTASKS is not one: a batch script's single
+    process sees the whole allocation's count."""
     tdist = sys.modules.get("torch.distributed")
     try:
         if tdist is not None and tdist.is_available() and tdist.is_initialized():
-            return tdist.get_world_size()
+            return tdist.get_rank(), tdist.get_world_size()
     except Exception:
         pass
-    return None
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        r, n = os.environ.get(rank_var, ""), os.environ.get(size_var, "")
+        if r.isdigit() and n.isdigit():
+            return int(r), int(n)
+    return None, None
 
 
 def _check_world(mount, rank, solo):
-    """save()'s world check (none for a solo save: a world of one)."""
-    if solo:
-        return
-    why = world_mismatch(mount, rank, _torch_world())
+    """save()'s world check: the trainer's world size against the mount's
+    (none for a solo save: a world of one), and a mount that is no ckptfs
+    mount at all."""
+    if solo:  # a world of one: any rank's mount, but a ckptfs one
+        why = _not_a_mount(mount, None, None) if mount_world(mount) is None else None
+    else:
+        why = world_mismatch(mount, rank, _trainer_world()[1], saving=True)
     if why:
         raise CkptfsError(why)
 
@@ -1013,6 +1062,11 @@ def commit(mount, name, mode="sync", replace=None, solo=False):
     """Write mode to NAME/.commit (what save() does last). replace=TARGET:
     publish the staged NAME as TARGET, over a committed TARGET; solo: this
     rank alone, as a world of one (SPEC, Committing)."""
+    if not solo:  # as save() checks: the trainer's world is the mount's
+        rank, size = _trainer_world()
+        why = world_mismatch(mount, rank, size, saving=True)
+        if why:
+            raise CkptfsError(why)
     words = ("solo",) if solo else ()
     if replace is not None:
         if not replaceable(replace):

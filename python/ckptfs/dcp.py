@@ -142,10 +142,11 @@ def default_world_size():
     return 1
 
 
-def _check_world(mount, rank, world_size):
+def _check_world(mount, rank, world_size, saving=False):
     """Refuse, before anything is staged or read, a mount whose ckptfs world
-    is not the trainer's (its size, or another rank's mount)."""
-    why = world_mismatch(mount, rank, world_size)
+    is not the trainer's (its size, or another rank's mount); saving: also
+    a directory that is no ckptfs mount."""
+    why = world_mismatch(mount, rank, world_size, saving)
     if why:
         raise CkptfsError(f"rank {rank}: {why}")
 
@@ -389,7 +390,7 @@ class Writer(StorageWriter):
         if not os.path.isdir(self.mount):
             raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
                               "(is the rank's ckptfs mounted there?)")
-        _check_world(self.mount, self.rank, default_world_size())
+        _check_world(self.mount, self.rank, default_world_size(), saving=True)
 
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)
