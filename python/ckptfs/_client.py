@@ -1354,7 +1354,8 @@ def _load_tree(ckdir, sub, manifest, allow_pickle, rels, prog):
         keys = keys[depth:]
         path = os.path.join(ckdir, rel)
         value = _load_item(path, rel, entry, allow_pickle)
-        prog.add(os.path.getsize(path))
+        if prog.active:
+            prog.add(os.path.getsize(path))
         d = out
         for k in keys[:-1]:
             d = d.setdefault(k, {})
@@ -1362,8 +1363,9 @@ def _load_tree(ckdir, sub, manifest, allow_pickle, rels, prog):
     return out
 
 
-def _file_bytes(top, rels):
-    return sum(os.path.getsize(os.path.join(top, r)) for r in rels)
+def _file_bytes(top, rels, wanted=True):
+    """The bytes of the files rels under top (0 unless wanted: a stat each)."""
+    return sum(os.path.getsize(os.path.join(top, r)) for r in rels) if wanted else 0
 
 
 def _check_progress(progress):
@@ -1403,6 +1405,10 @@ class _Progress:
             self._fn = progress or None
         if self._fn is not None:
             self._fn(0, total)
+
+    @property
+    def active(self):
+        return self._fn is not None
 
     def add(self, nbytes):
         if self._fn is None or nbytes <= 0:
@@ -1453,9 +1459,11 @@ def load(spec, mount, name, allow_pickle=True, progress=None):
                              else text.strip()))
     manifest = _manifest(ckdir)
     what = f"load {name}"
+    _check_progress(progress)
+    sizes = progress not in (None, False)  # the items' sizes: a stat each
     if spec is None:
         rels = _walk(ckdir)
-        with _Progress(progress, _file_bytes(ckdir, rels), what) as prog:
+        with _Progress(progress, _file_bytes(ckdir, rels, sizes), what) as prog:
             return _load_tree(ckdir, "", manifest, allow_pickle, rels, prog)
     if not isinstance(spec, dict):
         raise TypeError(f"spec must be a dict or None, not {type(spec).__name__}")
@@ -1478,9 +1486,10 @@ def load(spec, mount, name, allow_pickle=True, progress=None):
                          math.prod(t.shape) * DTYPES.get(dtype, 1)))
         elif os.path.isdir(path):
             rels = _walk(path, top=False)
-            todo.append((keys, rel, path, None, rels, _file_bytes(path, rels)))
+            todo.append((keys, rel, path, None, rels, _file_bytes(path, rels, sizes)))
         else:
-            todo.append((keys, rel, path, None, None, os.path.getsize(path)))
+            todo.append((keys, rel, path, None, None,
+                         os.path.getsize(path) if sizes else 0))
     with _Progress(progress, sum(job[-1] for job in todo), what) as prog:
         for keys, rel, path, v, how, nbytes in todo:
             if v is not None:
