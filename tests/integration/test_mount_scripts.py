@@ -356,6 +356,9 @@ class MountScripts(unittest.TestCase):
                                  "the daemon's own message")
                 self.assertIn("not mounted: rank 0, 1, 2", r.stderr)
                 self.assert_nothing_left()
+                # nor the rank directories it made
+                self.assertEqual(self.rank_dirs(), [])
+                self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mount.made")))
 
     def test_rank_that_cannot_mount(self):
         # rank 1 gets a mountpoint that does not exist: it fails after
