@@ -13,6 +13,13 @@
 # still alive, rm -r would delete checkpoints from BACKING_DIR.
 # An epilog that exits non-zero drains the node, so this one reports
 # problems on stderr (the slurmd log) and exits 0.
+#
+# The job's .ckpt-mount.log (every daemon's output: why a commit failed,
+# what an unmount discarded) is kept, as CKPT_LOG_DIR/ckpt-mount.JOB.HOST.log
+# (default /var/log/ckptfs; a shared directory collects every node's),
+# readable by the job's user only; logs older than CKPT_LOG_DAYS (30)
+# days are deleted there. CKPT_LOG_DIR=none drops them with the job.
+# CKPT_KEEP_LOGS=DIR, the older name, still works.
 set -u
 
 base=${CKPT_MOUNT_BASE:-/local/ckpt}
@@ -21,6 +28,30 @@ job=${SLURM_JOB_ID:?not run by Slurm: no SLURM_JOB_ID}
 root=$base/$job
 
 [[ -d $root ]] || exit 0
+
+logdir=${CKPT_LOG_DIR:-${CKPT_KEEP_LOGS:-/var/log/ckptfs}}
+days=${CKPT_LOG_DAYS:-30}
+[[ $days =~ ^[0-9]+$ ]] || days=30
+
+# keep_log FILE: move the job's log to logdir. The job's user owns FILE
+# (and could have made it a link): it is moved first, into a directory
+# only root writes, and checked there.
+keep_log() {
+  [[ $logdir != none && -f $1 && ! -L $1 && -s $1 ]] || return 0
+  local dst
+  dst=$logdir/ckpt-mount.$job.$(hostname -s 2>/dev/null || uname -n).log
+  if ! { mkdir -p -m 755 -- "$logdir" && mv -fT -- "$1" "$dst"; }; then
+    echo "ckptfs epilog: job $job: cannot keep $1 in $logdir" >&2
+    return 0
+  fi
+  if [[ -L $dst || ! -f $dst ]]; then
+    rm -f -- "$dst"
+    return 0
+  fi
+  chmod 600 -- "$dst"
+  find "$logdir" -maxdepth 1 -type f -name 'ckpt-mount.*.log' -mtime +"$days" \
+    -delete 2>/dev/null
+}
 
 # Unmount on this node only: the other nodes run their own epilog. The job
 # is over, so staged data that was never committed is discarded: ckpt-umount
@@ -37,13 +68,9 @@ awk -v r="$root/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo |
   done
 
 rmdir -- "$root"/rank* 2>/dev/null
-rm -f -- "$root"/.ckpt-mount.pid "$root"/.ckpt-mount.state "$root"/.ckpt-mount.rc
-# keep the log of a failed start for the user: move it beside the job's
-# other output if asked to, else drop it with the directory
-if [[ -n ${CKPT_KEEP_LOGS:-} && -f $root/.ckpt-mount.log ]]; then
-  mkdir -p -- "$CKPT_KEEP_LOGS" &&
-    mv -f -- "$root/.ckpt-mount.log" "$CKPT_KEEP_LOGS/ckpt-mount.$job.$(hostname).log"
-fi
+rm -f -- "$root"/.ckpt-mount.pid "$root"/.ckpt-mount.state "$root"/.ckpt-mount.rc \
+  "$root"/.ckpt-mount.made
+keep_log "$root/.ckpt-mount.log"
 rm -f -- "$root/.ckpt-mount.log"
 if ! rmdir -- "$root" 2>/dev/null; then
   echo "ckptfs epilog: job $job: $root is not empty, left in place" >&2

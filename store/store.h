@@ -47,7 +47,8 @@
 char *ckpt__strdup_printf(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));
 /* One line "ckptfs: ..." to the log: stderr, unless ckpt__log_to said
- * otherwise. Lines are written whole (one write each). */
+ * otherwise; a message with newlines is one such line per line of it,
+ * each with the prefix. A message is written whole (one write). */
 void ckpt__log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Where ckpt__log goes from now on: the file path (appended to, created
  * 0600; each line then starts with the UTC time and the pid, and "rank R"

@@ -49,44 +49,76 @@ int ckpt__log_to(const char *path, bool use_syslog, int rank) {
   return 0;
 }
 
+/* The prefix every line of a log message starts with. */
+static void log_prefix(char *out, size_t size) {
+  if (log_fd < 0) {
+    snprintf(out, size, "ckptfs: ");
+    return;
+  }
+  struct timespec ts;
+  struct tm tm;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  gmtime_r(&ts.tv_sec, &tm);
+  char when[32];
+  strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S", &tm);
+  char who[32] = "";
+  if (log_rank >= 0)
+    snprintf(who, sizeof(who), " rank %d", log_rank);
+  snprintf(out, size, "%s.%03ldZ ckptfs[%ld]%s: ", when, ts.tv_nsec / 1000000,
+           (long)getpid(), who);
+}
+
+/* A message of several lines (a commit's reason names each problem on a
+ * line) is logged as that many lines, each with the prefix, so that every
+ * line of the log says when and who; all of them in one write. */
 void ckpt__log(const char *fmt, ...) {
-  char msg[2048];
+  char msg[4096];
   va_list ap;
   va_start(ap, fmt);
   int n = vsnprintf(msg, sizeof(msg), fmt, ap);
   va_end(ap);
   if (n < 0)
     return;
+  if ((size_t)n >= sizeof(msg))
+    n = sizeof(msg) - 1;
+  while (n > 0 && msg[n - 1] == '\n')
+    msg[--n] = '\0';
   if (log_syslog && log_fd < 0) {
-    if (log_rank >= 0)
-      syslog(LOG_NOTICE, "rank %d: %s", log_rank, msg);
-    else
-      syslog(LOG_NOTICE, "%s", msg);
+    for (char *line = msg, *next; line; line = next) {
+      next = strchr(line, '\n');
+      if (next)
+        *next++ = '\0';
+      if (log_rank >= 0)
+        syslog(LOG_NOTICE, "rank %d: %s", log_rank, line);
+      else
+        syslog(LOG_NOTICE, "%s", line);
+    }
     return;
   }
-  char line[2200];
-  int len;
-  if (log_fd >= 0) {
-    struct timespec ts;
-    struct tm tm;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    gmtime_r(&ts.tv_sec, &tm);
-    char when[32];
-    strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S", &tm);
-    char who[32] = "";
-    if (log_rank >= 0)
-      snprintf(who, sizeof(who), " rank %d", log_rank);
-    len = snprintf(line, sizeof(line), "%s.%03ldZ ckptfs[%ld]%s: %s\n", when,
-                   ts.tv_nsec / 1000000, (long)getpid(), who, msg);
-  } else {
-    len = snprintf(line, sizeof(line), "ckptfs: %s\n", msg);
-  }
-  if (len < 0)
+  char prefix[96];
+  log_prefix(prefix, sizeof(prefix));
+  size_t plen = strlen(prefix), lines = 1;
+  for (int i = 0; i < n; i++)
+    lines += msg[i] == '\n';
+  char stack[8192];
+  size_t cap = (size_t)n + lines * (plen + 1) + 1;
+  char *out = cap <= sizeof(stack) ? stack : malloc(cap);
+  if (!out)
     return;
-  if ((size_t)len >= sizeof(line))
-    len = sizeof(line) - 1, line[len - 1] = '\n';
-  ssize_t w = write(log_fd >= 0 ? log_fd : STDERR_FILENO, line, (size_t)len);
+  size_t len = 0;
+  for (char *line = msg, *next; line; line = next) {
+    next = strchr(line, '\n');
+    size_t l = next ? (size_t)(next - line) : strlen(line);
+    memcpy(out + len, prefix, plen);
+    memcpy(out + len + plen, line, l);
+    len += plen + l;
+    out[len++] = '\n';
+    next = next ? next + 1 : NULL;
+  }
+  ssize_t w = write(log_fd >= 0 ? log_fd : STDERR_FILENO, out, len);
   (void)w;
+  if (out != stack)
+    free(out);
 }
 
 int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off) {

@@ -59,6 +59,7 @@ import json
 import math
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -100,37 +101,65 @@ class CkptfsIOError(CkptfsError, OSError):
 class CommitError(CkptfsError):
     """A commit failed; .status holds the reason ckptfs gave. discarded:
     the staged checkpoint was discarded (a save that another rank aborted,
-    or ckptfs.dcp's saves), else it stays staged for a fix and a retry."""
+    or ckptfs.dcp's saves), else it stays staged for a fix and a retry.
+    api: whose save it was ("client": ckptfs.save and friends; "dcp":
+    ckptfs.dcp.Writer), for advice that applies to the caller."""
 
-    def __init__(self, name, status_text, path=None, discarded=False):
+    def __init__(self, name, status_text, path=None, discarded=False, api="client"):
         self.name = name
         self.status = status_text
         self.path = path
         self.discarded = discarded
+        self.api = api
         lines = [ln for ln in status_text.splitlines() if ln.strip()]
         reason = "; ".join(lines[1:]) if len(lines) > 1 else status_text.strip()
         where = f" ({path})" if path else ""
+        what = "checkpoint_id" if api == "dcp" else "name"
         if status_text.startswith("committed\n"):
             # lost to another save of the name: that one is NAME now, on
             # this mount too (rm -r would remove it for every mount)
             lost = [ln[len("lost: "):] for ln in lines if ln.startswith("lost: ")]
             super().__init__(f"commit of checkpoint {name!r} failed{where}: "
-                             f"{lost[0] if lost else reason}. Save under another name.")
+                             f"{lost[0] if lost else reason}. Save under another {what}.")
             return
         if discarded:
             then = ("the staged checkpoint was discarded on every rank, so the "
-                    "same name can be saved again.")
+                    f"same {what} can be saved again.")
+        elif api == "dcp":
+            then = ("this rank's staged checkpoint stays (failed); the next "
+                    "dcp.save of this checkpoint_id discards it first.")
         else:
             then = ("the checkpoint stays staged on every rank: fix what the "
                     "reason names and save again with exist_ok=True, or discard "
                     "it with rm -r.")
         super().__init__(f"commit of checkpoint {name!r} failed{where}: {reason}. "
-                         f"Nothing was published; {then}")
+                         f"Nothing was published; {then}{_advice(reason, api)}")
 
     def __reduce__(self):
         # DCP pickles a rank's exception to send it to the coordinator: keep
         # the constructor's arguments, not the formatted message.
-        return (type(self), (self.name, self.status, self.path, self.discarded))
+        return (type(self), (self.name, self.status, self.path, self.discarded, self.api))
+
+
+# ckptfs's reason for replicas of one item whose bytes differ (planner/plan.c)
+_REPLICAS_DIFFER = re.compile(r"\breplicas (of chunk .*)?differ: ")
+
+
+def _advice(reason, api):
+    """What the caller can do about the reason of a failed commit, in the
+    terms of its own API ("" when there is nothing particular to say)."""
+    if not _REPLICAS_DIFFER.search(reason):
+        return ""
+    why = (" Every rank that saves a key saves a replica of it, and ckptfs "
+           "stores a replicated item once, only when every copy has the same "
+           "bytes: give a value that differs by rank a key of its own on each "
+           'rank (e.g. f"rank{rank}.x")')
+    if api == "dcp":
+        return (why + ', or save with ckptfs.dcp.Writer(mount, replicas="dedup") '
+                "to store only the copy DCP's planner picks, as stock DCP does "
+                "(or mount with -o replica_check=warn).")
+    return (why + ", or put such a key in one rank's state dict only (or mount "
+            "with -o replica_check=warn).")
 
 
 class Shard:
@@ -370,44 +399,93 @@ def mount_world(mount):
         return None
 
 
-def world_mismatch(mount, rank, world_size=None):
-    """Why this process (rank; world_size when known) must not use the ckptfs
-    mount at mount, or None when it may. Checked before anything is staged:
-    a save into another world's mount would wait commit_timeout for ranks
-    that never come, or write one rank's part into another's mount."""
+def _ranks(n):
+    return f"{n} rank{'s' * (n != 1)}"
+
+
+def world_mismatch(mount, rank, world_size=None, saving=False):
+    """Why this process (rank, None when unknown; world_size when known)
+    must not use the ckptfs mount at mount, or None when it may. Checked
+    before anything is staged: a save into another world's mount would
+    wait commit_timeout for ranks that never come, or write one rank's part
+    into another's mount. saving: refuse a directory no ckptfs serves too
+    (a rank beyond the world: a save there can never commit)."""
     w = mount_world(mount)
     if w is None:
-        return None
+        return _not_a_mount(mount, rank, world_size) if saving else None
     mrank, msize = w
     if world_size is not None and world_size != msize:
-        return (f"the trainer runs {world_size} rank{'s' * (world_size != 1)} but "
-                f"{mount} belongs to a ckptfs world of {msize} "
-                f"rank{'s' * (msize != 1)} (mount it with {world_size} ranks, "
+        return (f"the trainer runs {_ranks(world_size)} but {mount} belongs to a "
+                f"ckptfs world of {_ranks(msize)} (mount it with {world_size} ranks, "
                 f"e.g. mpirun -np {world_size} ckptfs ...)")
-    if int(rank) != mrank:
+    if rank is not None and int(rank) != mrank:
         return (f"rank {int(rank)} uses {mount}, the mount of rank {mrank} of a "
-                f"ckptfs world of {msize} rank{'s' * (msize != 1)} (give each "
+                f"ckptfs world of {_ranks(msize)} (give each "
                 "rank its own mount: the path with %r, or rank= the mount's rank)")
     return None
 
 
-def _torch_world():
-    """torch.distributed's world size when a process group is up (without
-    importing torch: the core needs only the standard library), else None."""
+def _fs_type(path):
+    """The type of the filesystem path is on (/proc/self/mountinfo), or None."""
+    path, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                if (path == mp or path.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+                    best, kind = mp, fields[fields.index("-") + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return kind
+
+
+def _not_a_mount(mount, rank, world_size):
+    """Why a save must not go into mount when it is no ckptfs mount (a
+    daemon older than the world xattrs is a ckptfs mount still), naming the
+    world of rank 0's mount beside it (MOUNTROOT/rank0 for MOUNTROOT/rankR)
+    when there is one."""
+    if _fs_type(mount) in ("fuse.ckptfs", None):
+        return None
+    why = f"{mount} is not a ckptfs mount"
+    m = re.fullmatch(r"(.*\D)(\d+)", os.path.normpath(mount))
+    first = m.group(1) + "0" if m and rank is not None and int(m.group(2)) == int(rank) else None
+    w = mount_world(first) if first and first != os.path.normpath(mount) else None
+    if w is not None and world_size is not None and w[1] != world_size:
+        return (f"{why}: the trainer runs {_ranks(world_size)} but {first} belongs to "
+                f"a ckptfs world of {_ranks(w[1])} (mount it with {world_size} ranks, "
+                f"e.g. mpirun -np {world_size} ckptfs ...)")
+    return f"{why} (is this rank's ckptfs mounted there?)"
+
+
+def _trainer_world():
+    """(rank, world_size) of this process: torch.distributed's when a
+    process group is up (without importing torch: the core needs only the
+    standard library), else its launcher's (Open MPI, torchrun, PMI), else
+    (None, None). Slurm's SLURM_NTASKS is not one: a batch script's single
+    process sees the whole allocation's count."""
     tdist = sys.modules.get("torch.distributed")
     try:
         if tdist is not None and tdist.is_available() and tdist.is_initialized():
-            return tdist.get_world_size()
+            return tdist.get_rank(), tdist.get_world_size()
     except Exception:
         pass
-    return None
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        r, n = os.environ.get(rank_var, ""), os.environ.get(size_var, "")
+        if r.isdigit() and n.isdigit():
+            return int(r), int(n)
+    return None, None
 
 
 def _check_world(mount, rank, solo):
-    """save()'s world check (none for a solo save: a world of one)."""
-    if solo:
-        return
-    why = world_mismatch(mount, rank, _torch_world())
+    """save()'s world check: the trainer's world size against the mount's
+    (none for a solo save: a world of one), and a mount that is no ckptfs
+    mount at all."""
+    if solo:  # a world of one: any rank's mount, but a ckptfs one
+        why = _not_a_mount(mount, None, None) if mount_world(mount) is None else None
+    else:
+        why = world_mismatch(mount, rank, _trainer_world()[1], saving=True)
     if why:
         raise CkptfsError(why)
 
@@ -768,7 +846,7 @@ def _abort_unstaged(mount, name, exist_ok, overwrite=False, solo=False):
     _abort_save(ckdir, name, _save_words(name, overwrite, solo))
 
 
-def _aborted_elsewhere(err, ckdir, name):
+def _aborted_elsewhere(err, ckdir, name, api="client"):
     """err: this rank's CommitError. When another rank aborted the save
     (_abort_commit), discard this rank's staged files and return the
     CommitError to raise instead; else None."""
@@ -777,7 +855,7 @@ def _aborted_elsewhere(err, ckdir, name):
     _discard_uncommitted(ckdir)
     return CommitError(name, err.status + "\nanother rank failed before its commit "
                        "(while staging its items): its own error says why", ckdir,
-                       discarded=True)
+                       discarded=True, api=api)
 
 
 class StagingBuffers:
@@ -984,6 +1062,11 @@ def commit(mount, name, mode="sync", replace=None, solo=False):
     """Write mode to NAME/.commit (what save() does last). replace=TARGET:
     publish the staged NAME as TARGET, over a committed TARGET; solo: this
     rank alone, as a world of one (SPEC, Committing)."""
+    if not solo:  # as save() checks: the trainer's world is the mount's
+        rank, size = _trainer_world()
+        why = world_mismatch(mount, rank, size, saving=True)
+        if why:
+            raise CkptfsError(why)
     words = ("solo",) if solo else ()
     if replace is not None:
         if not replaceable(replace):
@@ -1017,6 +1100,13 @@ def _commit_dir(ckdir, name, mode="sync", words=()):
         os.close(fd)
 
 
+def _saved_by(ckdir):
+    """Whose save the staged checkpoint ckdir is, for CommitError's advice:
+    "client" (save() writes its manifest there) or "dcp" (an async commit
+    of ckptfs.dcp.Writer, the other caller of wait)."""
+    return "client" if os.path.isdir(os.path.join(ckdir, MANIFEST_DIR)) else "dcp"
+
+
 def wait(mount, name, timeout=None, poll=0.05):
     """Wait until an async commit of name is committed (return its .status
     text) or failed, or lost to another mount's commit of name (raise
@@ -1029,7 +1119,9 @@ def wait(mount, name, timeout=None, poll=0.05):
         pending = _replacing(mount, name)
         for path, st, text in pending:
             if st == "failed":
-                raise CommitError(name, text, path, discarded=_discard_uncommitted(path))
+                api = _saved_by(path)
+                raise CommitError(name, text, path, discarded=_discard_uncommitted(path),
+                                  api=api)
         if pending:
             st, text = "committing", pending[0][2]
         else:
@@ -1039,7 +1131,8 @@ def wait(mount, name, timeout=None, poll=0.05):
         if st == "committed" and "\nlost: " not in text:
             return text
         if st in ("failed", "committed"):
-            raise CommitError(name, text, os.path.join(mount, name))
+            path = os.path.join(mount, name)
+            raise CommitError(name, text, path, api=_saved_by(path))
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"checkpoint {name!r} is still {st} after "
                                f"{timeout} s: {text.strip()}")
@@ -1249,16 +1342,20 @@ def _load_item(path, rel, entry, allow_pickle):
                           allow_pickle)
 
 
-def _load_tree(ckdir, sub, manifest, allow_pickle):
-    """A new nested dict of every item under directory sub ("" for all)."""
+def _load_tree(ckdir, sub, manifest, allow_pickle, rels, prog):
+    """A new nested dict of the items rels (_walk's) under directory sub
+    ("" for all)."""
     out = {}
     depth = len(sub.split("/")) if sub else 0
-    for rel in _walk(os.path.join(ckdir, sub) if sub else ckdir, top=not sub):
+    for rel in rels:
         rel = f"{sub}/{rel}" if sub else rel
         entry = manifest.get(rel)
         keys = [_key(k) for k in entry["keys"]] if entry else rel.split("/")
         keys = keys[depth:]
-        value = _load_item(os.path.join(ckdir, rel), rel, entry, allow_pickle)
+        path = os.path.join(ckdir, rel)
+        value = _load_item(path, rel, entry, allow_pickle)
+        if prog.active:
+            prog.add(os.path.getsize(path))
         d = out
         for k in keys[:-1]:
             d = d.setdefault(k, {})
@@ -1266,7 +1363,69 @@ def _load_tree(ckdir, sub, manifest, allow_pickle):
     return out
 
 
-def load(spec, mount, name, allow_pickle=True):
+def _file_bytes(top, rels, wanted=True):
+    """The bytes of the files rels under top (0 unless wanted: a stat each)."""
+    return sum(os.path.getsize(os.path.join(top, r)) for r in rels) if wanted else 0
+
+
+def _check_progress(progress):
+    """Refuse a progress argument a load cannot use, before anything is
+    read; the tqdm class for True or "tqdm", else None."""
+    if progress is None or progress is False or callable(progress):
+        return None
+    if progress is True or progress == "tqdm":
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            raise CkptfsError(f"progress={progress!r} shows a tqdm bar, but the "
+                              "tqdm package is not installed (pip install tqdm); "
+                              "or pass progress=callable(done_bytes, total_bytes)"
+                              ) from None
+        return tqdm
+    raise ValueError(f"progress={progress!r}: pass a callable(done_bytes, "
+                     "total_bytes), True or 'tqdm' (a tqdm bar), or None")
+
+
+class _Progress:
+    """A load's progress: progress(done_bytes, total_bytes) is called with
+    (0, total) first, then each time an item has been read (done grows;
+    it ends at total). progress: None or False (none), a callable, or True
+    or "tqdm" (a tqdm bar). A context manager (the bar closes at its end);
+    add() may be called from several threads."""
+
+    def __init__(self, progress, total, what):
+        self.total, self.done, self._bar = total, 0, None
+        self._lock = threading.Lock()
+        tqdm = _check_progress(progress)
+        if tqdm is not None:
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=what)
+            self._fn = lambda done, total: self._bar.update(done - self._bar.n)
+        else:
+            self._fn = progress or None
+        if self._fn is not None:
+            self._fn(0, total)
+
+    @property
+    def active(self):
+        return self._fn is not None
+
+    def add(self, nbytes):
+        if self._fn is None or nbytes <= 0:
+            return
+        with self._lock:  # one call at a time, done in order
+            self.done += nbytes
+            self._fn(self.done, self.total)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.close()
+
+
+def load(spec, mount, name, allow_pickle=True, progress=None):
     """Read committed checkpoint name from this rank's mount.
 
     spec None: return a new nested dict of everything in the checkpoint
@@ -1276,6 +1435,11 @@ def load(spec, mount, name, allow_pickle=True):
     shape must match), its other leaves are replaced by the stored values;
     items of the checkpoint that spec does not name are not read. Returns
     the dict.
+
+    progress: a callable(done_bytes, total_bytes), called with (0, total)
+    first and after each item read, done ending at total (the bytes of the
+    items read: a Shard's own part of a tensor); True or "tqdm" shows a
+    tqdm bar (the tqdm package must be installed); None: nothing.
     """
     ckdir = os.path.join(mount, name)
     if not os.path.isdir(ckdir):
@@ -1294,10 +1458,17 @@ def load(spec, mount, name, allow_pickle=True):
                           + ("wait(mount, name) first" if st == "committing"
                              else text.strip()))
     manifest = _manifest(ckdir)
+    what = f"load {name}"
+    _check_progress(progress)
+    sizes = progress not in (None, False)  # the items' sizes: a stat each
     if spec is None:
-        return _load_tree(ckdir, "", manifest, allow_pickle)
+        rels = _walk(ckdir)
+        with _Progress(progress, _file_bytes(ckdir, rels, sizes), what) as prog:
+            return _load_tree(ckdir, "", manifest, allow_pickle, rels, prog)
     if not isinstance(spec, dict):
         raise TypeError(f"spec must be a dict or None, not {type(spec).__name__}")
+    # What to read, and its bytes, before reading any of it.
+    todo = []
     for keys, v in _flatten(spec, [], []):
         rel = "/".join(str(k) for k in keys)
         path = os.path.join(ckdir, rel)
@@ -1310,14 +1481,28 @@ def load(spec, mount, name, allow_pickle=True):
             if dtype is None:
                 raise CkptfsError(f"{rel} is a bytes item in checkpoint {name!r}, "
                                   "not a tensor")
-            _load_into(v, path, rel, dtype, shape)
-            continue
-        if os.path.isdir(path):
-            value = _load_tree(ckdir, rel, manifest, allow_pickle)
+            t = v.tensor if isinstance(v, Shard) else v
+            todo.append((keys, rel, path, v, (dtype, shape),
+                         math.prod(t.shape) * DTYPES.get(dtype, 1)))
+        elif os.path.isdir(path):
+            rels = _walk(path, top=False)
+            todo.append((keys, rel, path, None, rels, _file_bytes(path, rels, sizes)))
         else:
-            value = _load_item(path, rel, manifest.get(rel), allow_pickle)
-        d = spec
-        for k in keys[:-1]:
-            d = d[k]
-        d[keys[-1]] = value
+            todo.append((keys, rel, path, None, None,
+                         os.path.getsize(path) if sizes else 0))
+    with _Progress(progress, sum(job[-1] for job in todo), what) as prog:
+        for keys, rel, path, v, how, nbytes in todo:
+            if v is not None:
+                _load_into(v, path, rel, *how)
+                prog.add(nbytes)
+                continue
+            if how is not None:
+                value = _load_tree(ckdir, rel, manifest, allow_pickle, how, prog)
+            else:
+                value = _load_item(path, rel, manifest.get(rel), allow_pickle)
+                prog.add(nbytes)
+            d = spec
+            for k in keys[:-1]:
+                d = d[k]
+            d[keys[-1]] = value
     return spec

@@ -54,6 +54,7 @@ import errno
 import sys
 import hashlib
 import io
+import math
 import os
 import pickle
 import re
@@ -84,7 +85,8 @@ from torch.futures import Future
 from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_commit,
                       _abort_save, _aborted_elsewhere, _commit_dir as _commit,
                       _discard_uncommitted, _Stager, _discard_staged as _discard,
-                      _pread_into, _status_of as _status, _unreplaceable,
+                      _Progress, _check_progress, _pread_into, _status_of as _status,
+                      _unreplaceable,
                       _write_fd as _write_all, block_file, make_working_dir, replaceable,
                       world_mismatch)
 
@@ -140,10 +142,11 @@ def default_world_size():
     return 1
 
 
-def _check_world(mount, rank, world_size):
+def _check_world(mount, rank, world_size, saving=False):
     """Refuse, before anything is staged or read, a mount whose ckptfs world
-    is not the trainer's (its size, or another rank's mount)."""
-    why = world_mismatch(mount, rank, world_size)
+    is not the trainer's (its size, or another rank's mount); saving: also
+    a directory that is no ckptfs mount."""
+    why = world_mismatch(mount, rank, world_size, saving)
     if why:
         raise CkptfsError(f"rank {rank}: {why}")
 
@@ -387,7 +390,7 @@ class Writer(StorageWriter):
         if not os.path.isdir(self.mount):
             raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
                               "(is the rank's ckptfs mounted there?)")
-        _check_world(self.mount, self.rank, default_world_size())
+        _check_world(self.mount, self.rank, default_world_size(), saving=True)
 
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)
@@ -479,12 +482,13 @@ class Writer(StorageWriter):
         try:
             _commit(ckdir, self.name, self.commit_mode, words)
         except CommitError as e:
-            aborted = _aborted_elsewhere(e, ckdir, self.name)
+            aborted = _aborted_elsewhere(e, ckdir, self.name, api="dcp")
             if aborted is not None:
                 raise aborted from None
             # a failed DCP save is discarded, so the same id can be saved again
             discarded = _discard_uncommitted(ckdir)
-            raise CommitError(e.name, e.status, e.path, discarded=discarded) from None
+            raise CommitError(e.name, e.status, e.path, discarded=discarded,
+                              api="dcp") from None
         except BaseException:
             _abort_save(ckdir, self.name, words)
             raise
@@ -683,17 +687,27 @@ def read_block(path, dtype, shape, offsets, lengths, out=None):
     return out
 
 
+def _item_bytes(dt, lengths):
+    return _TORCH[dt].itemsize * math.prod(lengths) if dt in _TORCH else 0
+
+
 class Reader(StorageReader):
     """DCP StorageReader over ckptfs rank mounts (any world size: every
     mount shows the whole committed checkpoint).
 
     mount: the rank's mount, "%r" replaced by the rank. threads: how many
-    reads run at once (FUSE serves them in parallel)."""
+    reads run at once (FUSE serves them in parallel). progress: a
+    callable(done_bytes, total_bytes) called with (0, total) first and as
+    this rank's items are read, done ending at total (the bytes of this
+    rank's load plan); True or "tqdm": a tqdm bar (the tqdm package must
+    be installed; e.g. progress=(rank == 0) for one bar); None: nothing."""
 
-    def __init__(self, mount, *, threads=4, checkpoint_id=None):
+    def __init__(self, mount, *, threads=4, checkpoint_id=None, progress=None):
         super().__init__()
         self.mount_spec = os.fspath(mount)
         self.threads = max(1, int(threads))
+        _check_progress(progress)
+        self.progress = progress
         self.rank = None
         self.name = None
         self.checkpoint_id = None
@@ -768,18 +782,35 @@ class Reader(StorageReader):
 
     def _read(self, plan, planner):
         ckdir = self._ckdir()
-        lock = threading.Lock()
-        tensors = []
+        with _Progress(self.progress, self._plan_bytes(ckdir, plan),
+                       f"load {self.name}") as prog:
+            self._read_items(ckdir, plan, planner, prog)
+
+    def _plan_bytes(self, ckdir, plan):
+        """The bytes plan reads: its tensor blocks and bytes items."""
+        total = 0
         for ri in plan.items:
             fqn = ri.storage_index.fqn
             if ri.type == LoadItemType.BYTE_IO:
                 if fqn not in self._blobs:
                     raise CkptfsError(f"{fqn}: not a bytes item of {ckdir}")
-                data = _read_file(os.path.join(ckdir, self._blobs[fqn]))
-                planner.load_bytes(ri, io.BytesIO(data))
+                total += os.path.getsize(os.path.join(ckdir, self._blobs[fqn]))
             else:
                 if fqn not in self._tensors:
                     raise CkptfsError(f"{fqn}: not a tensor of {ckdir}")
+                total += _item_bytes(self._tensors[fqn][1], ri.lengths)
+        return total
+
+    def _read_items(self, ckdir, plan, planner, prog):
+        lock = threading.Lock()
+        tensors = []
+        for ri in plan.items:
+            fqn = ri.storage_index.fqn
+            if ri.type == LoadItemType.BYTE_IO:
+                data = _read_file(os.path.join(ckdir, self._blobs[fqn]))
+                planner.load_bytes(ri, io.BytesIO(data))
+                prog.add(len(data))
+            else:
                 tensors.append(ri)
 
         def one(ri):
@@ -802,6 +833,7 @@ class Reader(StorageReader):
                 target.copy_(blk)
             with lock:
                 planner.commit_tensor(ri, target)
+            prog.add(_item_bytes(dt, lengths))
 
         if self.threads == 1 or len(tensors) <= 1:
             for ri in tensors:

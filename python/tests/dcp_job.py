@@ -240,6 +240,29 @@ def save_commit_async(mount, name):
     result()
 
 
+def load_progress(mount, name):
+    """Reader(progress=callable): (0, total) first, then done growing as
+    this rank's items are read (on 4 threads), ending at total: the bytes
+    of this rank's part of each tensor and of the bytes items."""
+    sd = {"row": distribute_tensor(make("row", (10, 6)), mesh1(), [Shard(0)]),
+          "w": make("w", (4, 4), torch.float64), "b": make("b", (3,), torch.int32),
+          "step": 7}
+    dcp.save(sd, checkpoint_id=name, storage_writer=ckptfs.dcp.Writer(mount))
+    step_bytes = os.path.getsize(os.path.join(mount_of(mount), name, "step"))
+    tgt = {"row": distribute_tensor(torch.zeros(10, 6), mesh1(), [Shard(0)]),
+           "w": torch.zeros(4, 4, dtype=torch.float64), "b": torch.zeros(3, dtype=torch.int32),
+           "step": 0}
+    calls = []
+    dcp.load(tgt, checkpoint_id=name, storage_reader=ckptfs.dcp.Reader(
+        mount, threads=4, progress=lambda d, t: calls.append((d, t))))
+    want = tgt["row"].to_local().numel() * 4 + 16 * 8 + 3 * 4 + step_bytes
+    assert calls[0] == (0, want) and calls[-1] == (want, want), (calls, want)
+    done = [d for d, t in calls]
+    assert all(a < b for a, b in zip(done, done[1:])) and len(calls) == 5, calls
+    assert torch.equal(tgt["row"].full_tensor(), make("row", (10, 6))) and tgt["step"] == 7
+    result(calls=calls)
+
+
 def cached_plans(mount, name):
     """DCP's plan caching: the second save of an unchanged state dict sends
     empty, unusable local plans; the Writer must still write everything."""
@@ -277,7 +300,7 @@ def leftover(mount, name):
 def replicas(mount, name):
     """A replicated item whose bytes differ between ranks: refused with
     replicas="check" (ckptfs compares them), saved with "dedup"."""
-    sd = {"w": make("w", (4, 4)), "tag": f"rank {RANK}"}
+    sd = {"w": make("w", (4, 4)), "tag": f"rank {RANK}", "tags": [RANK]}
     try:
         dcp.save(sd, checkpoint_id=name + "-check", storage_writer=ckptfs.dcp.Writer(mount))
         raise AssertionError("dcp.save did not raise")
@@ -287,9 +310,10 @@ def replicas(mount, name):
         msg = str(e)
     dcp.save(sd, checkpoint_id=name + "-dedup",
              storage_writer=ckptfs.dcp.Writer(mount, replicas="dedup"))
-    tgt = {"w": torch.zeros(4, 4), "tag": None}
+    tgt = {"w": torch.zeros(4, 4), "tag": None, "tags": None}
     dcp.load(tgt, checkpoint_id=name + "-dedup", storage_reader=ckptfs.dcp.Reader(mount))
     assert torch.equal(tgt["w"], sd["w"]) and tgt["tag"].startswith("rank "), tgt
+    assert tgt["tags"] in ([0], [1]), tgt
     result(message=msg, tag=tgt["tag"])
 
 

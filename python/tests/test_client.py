@@ -31,7 +31,7 @@ import unittest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, read_all, state  # noqa: E402
+from ckptfs_util import CkptfsTestCase, main, read_all, read_log, state  # noqa: E402
 from mpi_world import World  # noqa: E402
 import pyenv  # noqa: E402
 from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
@@ -474,6 +474,54 @@ print("ok")
                            env=dict(os.environ, PYTHONPATH=PACKAGE))
         self.assertEqual(r.returncode, 0, r.stderr)
 
+    def test_load_progress(self):
+        """load(progress=callable) sees (0, total) first, then done growing
+        as items are read, ending at total: the bytes of the items read (a
+        Shard's part only); progress=True shows a tqdm bar; a missing tqdm
+        is refused before anything is read."""
+        py = require_torch(self)
+        self.mount()
+        out = run_py(self, py, r'''
+import sys, ckptfs, torch, numpy as np
+mnt = sys.argv[1]
+w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+sd = {"w": w, "sub": {"h": np.arange(100, dtype=np.int16), "blob": b"x" * 1000}}
+ckptfs.save(sd, mnt, "p")
+def watch(spec, want):
+    calls = []
+    got = ckptfs.load(spec, mnt, "p", progress=lambda d, t: calls.append((d, t)))
+    assert calls[0] == (0, want) and calls[-1] == (want, want), calls
+    assert all(t == want for _, t in calls), calls
+    done = [d for d, _ in calls]
+    assert all(a < b for a, b in zip(done, done[1:])), calls
+    print(len(calls))
+    return got
+got = watch(None, 64 * 32 * 4 + 100 * 2 + 1000)
+assert torch.equal(got["w"], w) and got["sub"]["blob"] == b"x" * 1000
+half = ckptfs.Shard(torch.empty(32, 32), (32, 0), (64, 32))
+got = watch({"w": half, "sub": None}, 32 * 32 * 4 + 100 * 2 + 1000)
+assert torch.equal(half.tensor, w[32:]) and got["sub"]["h"].tolist() == list(range(100))
+import io
+err, sys.stderr = sys.stderr, io.StringIO()
+ckptfs.load(None, mnt, "p", progress=True)       # a tqdm bar on stderr
+bar, sys.stderr = sys.stderr.getvalue(), err
+assert "load p: 100%" in bar and "9.17k/9.17k" in bar, bar
+try:
+    ckptfs.load(None, mnt, "p", progress="bar")
+    raise AssertionError("progress='bar' accepted")
+except ValueError as e:
+    assert "progress='bar'" in str(e), e
+for m in [m for m in sys.modules if m == "tqdm" or m.startswith("tqdm.")]:
+    sys.modules[m] = None                        # as if tqdm were not installed
+try:
+    ckptfs.load(None, mnt, "p", progress="tqdm")
+    raise AssertionError("no error without tqdm")
+except ckptfs.CkptfsError as e:
+    assert "tqdm package is not installed" in str(e), e
+print("ok")
+''', self.mnt)
+        self.assertEqual(out.split(), ["4", "4", "ok"])
+
     def test_foreign_checkpoint(self):
         """A checkpoint written with plain file calls (no manifest): tensors
         load as numpy arrays, other files as bytes."""
@@ -783,6 +831,47 @@ for how in ("sync", "async"):
         self.mounts[0].stop()
         self.mount()
         self.assertEqual(ckptfs.load(None, self.mnt, "s"), {"v": b"4", "cfg": [1, 2]})
+
+    def test_replicas_that_differ_in_a_world_of_two(self):
+        """A key both ranks save with different values: the commit fails on
+        both, with advice for the plain client (per-rank keys, or the key
+        on one rank only; its own exist_ok, not the DCP Writer's
+        replicas=), and each line of the two-line reason the daemons log
+        on stderr carries the "ckptfs: " prefix."""
+        root = os.path.join(self.dir, "world")
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
+                  opts="commit_timeout=60").start()
+        try:
+            errs = [None, None]
+
+            def one(r):
+                try:
+                    ckptfs.save({"step": r, "seed": 10 + r}, w.mnt(r), "d", rank=r,
+                                objects="json")
+                except ckptfs.CommitError as e:
+                    errs[r] = str(e)
+            ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        finally:
+            self.assertEqual(w.stop(), 0)
+        for r, msg in enumerate(errs):
+            self.assertIsNotNone(msg, f"rank {r} saved")
+            self.assertIn("step (step): replicas differ", msg)
+            self.assertIn('a key of its own on each rank (e.g. f"rank{rank}.x")', msg)
+            self.assertIn("one rank's state dict only", msg)
+            self.assertIn("save again with exist_ok=True", msg)
+            self.assertNotIn("replicas=", msg)
+        lines = [ln for ln in read_log(log).splitlines() if "replicas differ" in ln]
+        self.assertEqual(len(lines), 4, read_log(log))   # 2 keys, on each rank
+        for ln in lines:
+            self.assertTrue(ln.startswith("ckptfs: d: commit failed: ")
+                            or ln.startswith("ckptfs: seed (seed): replicas differ")
+                            or ln.startswith("ckptfs: step (step): replicas differ"), ln)
 
     def test_overwrite_and_solo_in_a_world_of_two(self):
         """Issue 24: both ranks of a world save NAME twice, the second with

@@ -133,21 +133,39 @@ class SaveLoad(DcpCase):
         self.job(2, "load", self.spec(w2), "s4", 4, "2d")
 
 
-    def test_writer_commit_async(self):
+    def test_writer_commit_async_and_reader_progress(self):
         w2 = self.world(2)
         self.job(2, "save_commit_async", self.spec(w2), "sa")
+        out = self.job(2, "load_progress", self.spec(w2), "lp")
+        self.assertEqual(out[0]["calls"][-1], out[1]["calls"][-1])  # same sizes
 
     def test_cached_plans_and_replicas(self):
         """DCP's plan caching (later saves send empty local plans); a
-        replica whose bytes differ: refused by default, saved with
-        replicas="dedup"."""
-        w2 = self.world(2)
+        replica whose bytes differ: refused by default, with advice a DCP
+        user can follow, saved with replicas="dedup". The daemons' log
+        (-o log=FILE) gives the reason's lines, each with its own time and
+        rank."""
+        logfile = os.path.join(self.dir, "daemons.log")
+        self.extra_logs.append(logfile)
+        w2 = self.world(2, opts="commit_timeout=120,log=" + logfile)
         self.job(2, "cached_plans", self.spec(w2), "cp")
         out = self.job(2, "replicas", self.spec(w2), "rp")
         for r in (0, 1):
-            self.assertIn("tag", out[r]["message"])
-            self.assertIn("differ", out[r]["message"])
+            msg = out[r]["message"]
+            for key in ("tag (tag): replicas differ", "tags (tags): replicas differ"):
+                self.assertIn(key, msg)
+            self.assertIn("same checkpoint_id can be saved again", msg)
+            self.assertIn('a key of its own on each rank (e.g. f"rank{rank}.x")', msg)
+            self.assertIn('ckptfs.dcp.Writer(mount, replicas="dedup")', msg)
+            self.assertNotIn("exist_ok", msg)   # the plain client's option
         self.assertFalse(os.path.exists(os.path.join(self.backing, "rp-check")))
+        with open(logfile) as f:
+            log = f.read().splitlines()
+        differ = [ln for ln in log if "replicas differ" in ln]
+        self.assertGreaterEqual(len(differ), 4, log)   # 2 lines, on each rank
+        stamp = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ckptfs\[\d+\] rank [01]: ")
+        for ln in log:
+            self.assertRegex(ln, stamp)
 
 
 class Replace(DcpCase):

@@ -3,7 +3,11 @@ world (user.ckpt.world_size, user.ckpt.rank), and ckptfs.dcp.Writer and the
 plain client refuse a trainer whose world size or rank is not the mount's,
 within seconds and before anything is staged, naming both numbers (without
 the check a save waited commit_timeout for ranks that never come, or wrote
-one rank's part into another rank's mount).
+one rank's part into another rank's mount). The cases of issue 25: 3 rank
+mounts and a 2-process trainer (ckptfs.dcp.Writer; ckptfs.save and
+ckptfs.commit without torch.distributed, whose world is the launcher's),
+and a 3-process trainer over 2 mounts whose rank 2 finds a plain directory
+at ROOT/rank2 (nothing may be written there).
 
     python3 python/tests/test_world.py --bin build/bin/ckptfs
 """
@@ -65,6 +69,123 @@ with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
 sys.stdout.flush()
 os._exit(0)
 '''
+
+
+# A trainer of the plain client, without torch.distributed (its world is
+# the launcher's): each rank saves with ckptfs.save, and commits files it
+# wrote itself with ckptfs.commit (as echo sync > NAME/.commit would);
+# each prints how long each took to raise and what it raised.
+CLIENT_TRAINER = r'''
+import json, os, sys, time
+import ckptfs
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+mount = sys.argv[1].replace("%r", str(rank))
+res = {"rank": rank}
+for how in sys.argv[3].split(","):
+    t0 = time.monotonic()
+    try:
+        if how == "save":
+            ckptfs.save({"w": b"x" * 100000, "step": 3}, mount, "mm-save", rank=rank)
+        else:
+            os.makedirs(os.path.join(mount, "mm-commit"))
+            with open(os.path.join(mount, "mm-commit", "f"), "wb") as f:
+                f.write(b"y")
+            ckptfs.commit(mount, "mm-commit")
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    res[how] = {"secs": time.monotonic() - t0, "error": err}
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
+    json.dump(res, f)
+'''
+
+
+class Mismatch(CkptfsTestCase):
+    """A trainer of n processes over a ckptfs world of another size."""
+
+    def world_of(self, n, opts="commit_timeout=30"):
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        # a short commit_timeout: without the check the save fails after it
+        self.w = World(ckptfs_util.BIN, n, self.backing, os.path.join(self.dir, "w"),
+                       log, opts=opts)
+        self.addCleanup(self.w.stop)
+        self.w.start()
+
+    def trainer(self, n, py, code, *args, env=None):
+        """Run code at n processes under mpirun; {rank: its JSON}."""
+        env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                   PYTHONPATH=PACKAGE, PYTHONWARNINGS="ignore")
+        spec = os.path.join(self.w.root, "rank%r")
+        r = subprocess.run(MPIRUN + ["-np", str(n), "-x", "MASTER_PORT", "-x", "PYTHONPATH",
+                                     "-x", "OMP_NUM_THREADS", "-x", "PYTHONWARNINGS",
+                                     py, "-c", code, spec, self.dir, *args],
+                           capture_output=True, text=True, timeout=300, env=env,
+                           stdin=subprocess.DEVNULL)
+        res = {}
+        for rank in range(n):
+            path = os.path.join(self.dir, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    res[rank] = json.load(f)
+                os.unlink(path)
+        self.assertEqual(sorted(res), list(range(n)), r.stdout[-3000:] + r.stderr[-3000:])
+        return res
+
+    def assert_refused(self, d, what, trainer, world):
+        self.assertIsNotNone(d["error"], f"{what} went ahead: {d}")
+        self.assertLess(d["secs"], 5.0, f"{what}: {d}")
+        self.assertIn(f"the trainer runs {trainer} ranks", d["error"])
+        self.assertIn(f"a ckptfs world of {world} ranks", d["error"])
+
+
+class World3Client2(Mismatch):
+
+    def test_client_trainer_of_2_over_world_of_3_fails_at_once(self):
+        """ckptfs.save and ckptfs.commit at 2 processes without
+        torch.distributed: the launcher's world size is the trainer's."""
+        self.world_of(3)
+        res = self.trainer(2, sys.executable, CLIENT_TRAINER, "save,commit")
+        for rank, d in res.items():
+            for how in ("save", "commit"):
+                self.assert_refused(d[how], f"rank {rank} {how}", 2, 3)
+        for m in self.w.mnts():
+            self.assertNotIn("mm-save", os.listdir(m))
+        print(f"\n  ckptfs.save raised after {[round(res[r]['save']['secs'], 2) for r in (0, 1)]}"
+              f" s, ckptfs.commit after {[round(res[r]['commit']['secs'], 2) for r in (0, 1)]}"
+              " s", file=sys.stderr)
+
+
+class World2Trainer3(Mismatch):
+    """3 trainer processes over 2 mounts: rank 2's path ROOT/rank2 is a
+    plain directory (left by an earlier, larger world, or made by a
+    prolog): nothing may be written there, and every rank fails at once."""
+
+    def setUp(self):
+        super().setUp()
+        self.world_of(2)
+        self.plain = os.path.join(self.w.root, "rank2")
+        os.mkdir(self.plain)
+
+    def test_dcp_trainer_of_3_over_world_of_2(self):
+        py = require_torch(self)
+        res = self.trainer(3, py, DCP_TRAINER)
+        for rank, d in res.items():
+            self.assert_refused({"error": d["error"], "secs": d["secs"]},
+                                f"rank {rank} dcp.save", 3, 2)
+        self.assertEqual(os.listdir(self.plain), [])
+
+    def test_client_trainer_of_3_over_world_of_2(self):
+        res = self.trainer(3, sys.executable, CLIENT_TRAINER, "save")
+        for rank, d in res.items():
+            self.assertIsNotNone(d["save"]["error"], f"rank {rank} saved")
+            self.assertLess(d["save"]["secs"], 5.0, f"rank {rank}: {d}")
+        for rank in (0, 1):
+            self.assert_refused(res[rank]["save"], f"rank {rank} save", 3, 2)
+        self.assertIn(f"{self.plain} is not a ckptfs mount", res[2]["save"]["error"])
+        self.assertIn("the trainer runs 3 ranks", res[2]["save"]["error"])
+        self.assertIn("a ckptfs world of 2 ranks", res[2]["save"]["error"])
+        self.assertEqual(os.listdir(self.plain), [])
 
 
 class World3Trainer2(CkptfsTestCase):

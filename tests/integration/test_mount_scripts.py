@@ -9,6 +9,7 @@ that cannot mount, a busy mount, a MOUNTROOT in use).
 
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -219,6 +220,47 @@ class MountScripts(unittest.TestCase):
         self.save_and_load(mnts)
         self.umount_ok()
         self.assert_nothing_left()
+        # the rank directories ckpt-mount made went with the mounts
+        self.assertEqual(self.rank_dirs(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mount.made")))
+
+    def rank_dirs(self):
+        return sorted(d for d in os.listdir(self.root) if d.startswith("rank"))
+
+    def write_under_mount(self, mnt, name, data):
+        """A file in the directory a rank mount covers, as a trainer that
+        wrote there while nothing was mounted leaves it: written in a mount
+        namespace of its own where the mount is detached."""
+        subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        'umount -l "$0" && printf %s "$2" > "$0/$1"', mnt, name, data],
+                       check=True, timeout=30)
+        self.assertTrue(mountinfo_has(mnt))
+
+    def test_umount_removes_only_the_rank_dirs_it_made(self):
+        """ckpt-umount removes the rank directories ckpt-mount created, not
+        one that was there before, and not one with files in it (a user's
+        data), saying so; --local removes it once it is empty."""
+        os.makedirs(os.path.join(self.root, "rank1"))
+        mnts, _ = self.mount_ok(3)
+        with open(os.path.join(self.root, ".ckpt-mount.made")) as f:
+            self.assertEqual(f.read().split(), ["rank0", "rank2"])
+        self.write_under_mount(mnts[2], "shard.pt", "rank 2's part")
+        self.umount_ok()
+        self.assert_nothing_left()
+        self.assertEqual(self.rank_dirs(), ["rank1", "rank2"])
+        self.assertEqual(os.listdir(mnts[1]), [])
+        self.assertEqual(read_all(os.path.join(mnts[2], "shard.pt")), b"rank 2's part")
+        r = self.ckpt_umount("--local")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(f"{mnts[2]}: not removed: ckpt-mount made it, but it is not empty",
+                      r.stderr)
+        self.assertIn("in no checkpoint", r.stderr)
+        os.unlink(os.path.join(mnts[2], "shard.pt"))
+        r = self.ckpt_umount("--local")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(f"removed {mnts[2]}", r.stderr)
+        self.assertEqual(self.rank_dirs(), ["rank1"])
+        self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mount.made")))
 
     def test_three_ranks_with_options(self):
         mnts, _ = self.mount_ok(3, "-o", "commit_timeout=60", "-o", "io_threads=2")
@@ -249,9 +291,18 @@ class MountScripts(unittest.TestCase):
         with open(os.path.join(self.root, ".ckpt-mount.state")) as f:
             self.assertIn("mode=multi-node", f.read())
         self.save_and_load(want)
+        # the stop job on each rank's host removes the directory made there,
+        # unless it has files
+        self.write_under_mount(want[1], "f", "mine")
         u = self.umount_ok()
         self.assertIn("unmounting the ranks on every host", u.stderr)
         self.assert_nothing_left()
+        self.assertRegex(u.stderr, r"removed rank0 on \S+")
+        self.assertRegex(u.stderr, re.escape(want[1]) + r" on \S+: not removed: "
+                         r"ckpt-mount made it, but it is not empty")
+        self.assertEqual(self.rank_dirs(), ["rank1"])
+        with open(os.path.join(self.root, ".ckpt-mount.made")) as f:
+            self.assertIn("rank1", f.read().split())
 
     def test_world_killed_then_umount_and_mount_again(self):
         """SIGKILL of one rank's daemon ends the world (mpirun's default),
@@ -305,6 +356,9 @@ class MountScripts(unittest.TestCase):
                                  "the daemon's own message")
                 self.assertIn("not mounted: rank 0, 1, 2", r.stderr)
                 self.assert_nothing_left()
+                # nor the rank directories it made
+                self.assertEqual(self.rank_dirs(), [])
+                self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mount.made")))
 
     def test_rank_that_cannot_mount(self):
         # rank 1 gets a mountpoint that does not exist: it fails after

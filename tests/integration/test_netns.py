@@ -340,7 +340,17 @@ class NetnsCase(unittest.TestCase):
         self.assertIn("exited with code 0", r.stderr)
         self.assertNoMounts(w)
         self.assertNoDaemons()
+        self.assertNoRankDirs(w)
         return r
+
+    def assertNoRankDirs(self, w):
+        """The rank directories ckpt-mount made on each node went with the
+        mounts (the stop job removes each node's), and so did the record."""
+        left = {i: sorted(d for d in os.listdir(self.cluster.path(i, w.root))
+                          if d.startswith("rank") or d == ".ckpt-mount.made")
+                for i in range(self.cluster.n)}
+        self.assertEqual({i: d for i, d in left.items() if d}, {},
+                         "rank directories left under MOUNTROOT (node: entries)")
 
     def assertNoMounts(self, w, msg=""):
         left = {i: m for i, m in w.ckpt_mounts().items() if m}

@@ -36,6 +36,7 @@ class SlurmScripts(CkptfsTestCase):
             self.fail("the Slurm prolog and epilog run as root: run this test as root")
         self.base = os.path.join(self.dir, "local-ckpt")
         self.root = os.path.join(self.base, JOB)
+        self.logs = os.path.join(self.dir, "logs")
         self.addCleanup(self.leftovers)
 
     def leftovers(self):
@@ -46,8 +47,13 @@ class SlurmScripts(CkptfsTestCase):
 
     def slurm_env(self, **extra):
         env = scripts_env()
+        for k in ("CKPT_LOG_DIR", "CKPT_KEEP_LOGS", "CKPT_LOG_DAYS"):
+            env.pop(k, None)
         env.update(CKPT_MOUNT_BASE=self.base, SLURM_JOB_ID=JOB,
                    SLURM_JOB_UID=str(NOBODY), SLURM_JOB_GID=str(NOBODY))
+        if not {"CKPT_LOG_DIR", "CKPT_KEEP_LOGS", "default_log_dir"} & set(extra):
+            env["CKPT_LOG_DIR"] = self.logs   # not /var/log/ckptfs of this machine
+        extra.pop("default_log_dir", None)
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
@@ -60,8 +66,9 @@ class SlurmScripts(CkptfsTestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         return r
 
-    def job(self, commit=True):
-        """What a job script does: ckpt-mount 2 ranks in MOUNTROOT, save."""
+    def job(self, commit=True, differ=False):
+        """What a job script does: ckpt-mount 2 ranks in MOUNTROOT, save
+        (differ: replicas that differ, so the commit fails)."""
         r = subprocess.run([CKPT_MOUNT, "-n", "2", "--bin", ckptfs_util.BIN,
                             self.backing, self.root], capture_output=True, text=True,
                            env=scripts_env(), timeout=240, stdin=subprocess.DEVNULL)
@@ -69,17 +76,20 @@ class SlurmScripts(CkptfsTestCase):
         if commit:
             for rank in range(2):
                 ckptfs_util.write_file(os.path.join(self.root, f"rank{rank}", "s", "x"),
-                                       b"replica")
+                                       b"replica%d" % rank if differ else b"replica")
             import threading
-            ts = [threading.Thread(target=ckptfs_util.commit,
-                                   args=(os.path.join(self.root, f"rank{r}", "s"),))
-                  for r in range(2)]
+            def commit(r):
+                try:
+                    ckptfs_util.commit(os.path.join(self.root, f"rank{r}", "s"))
+                except OSError:
+                    pass   # the state says
+            ts = [threading.Thread(target=commit, args=(r,)) for r in range(2)]
             for t in ts:
                 t.start()
             for t in ts:
                 t.join()
             self.assertEqual(ckptfs_util.state(os.path.join(self.root, "rank0", "s")),
-                             "committed")
+                             "failed" if differ else "committed")
 
     def assert_cleared(self, r):
         self.assertEqual(r.returncode, 0, r.stderr)
@@ -146,6 +156,53 @@ class SlurmScripts(CkptfsTestCase):
         kept = os.listdir(os.path.join(self.dir, "logs"))
         self.assertEqual(len(kept), 1)
         self.assertTrue(kept[0].startswith(f"ckpt-mount.{JOB}."), kept)
+
+    def test_epilog_keeps_the_log_by_default(self):
+        """The job's .ckpt-mount.log, the only record of why its commit
+        failed, outlives the job: in /var/log/ckptfs (here a tmpfs in a
+        mount namespace of the epilog's own), readable by its owner only."""
+        self.prolog()
+        self.job(differ=True)
+        r = subprocess.run([os.path.join(REPO, "mount-scripts", "ckpt-umount"), "--discard",
+                            self.root], capture_output=True, text=True, timeout=240,
+                           stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(self.root, ".ckpt-mount.log")) as f:
+            log = f.read()
+        self.assertIn("replicas differ", log)
+        out = os.path.join(self.dir, "var-log-ckptfs")
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            'mount -t tmpfs none /var/log && "$0" && cp -a /var/log/ckptfs "$1"',
+                            EPILOG, out], capture_output=True, text=True, timeout=240,
+                           env=self.slurm_env(default_log_dir=True), stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(self.root))
+        kept = os.listdir(out)
+        self.assertEqual(len(kept), 1, kept)
+        self.assertRegex(kept[0], rf"^ckpt-mount\.{JOB}\.[^.]+\.log$")
+        self.assertEqual(read_all(os.path.join(out, kept[0])).decode(), log)
+        self.assertEqual(os.stat(os.path.join(out, kept[0])).st_mode & 0o777, 0o600)
+
+    def test_epilog_log_dir_and_pruning(self):
+        """CKPT_LOG_DIR chooses where; logs older than CKPT_LOG_DAYS go;
+        CKPT_LOG_DIR=none drops the log with the job."""
+        os.makedirs(self.logs)
+        old, recent = (os.path.join(self.logs, f"ckpt-mount.{j}.node9.log") for j in (1, 2))
+        for path, days in ((old, 40), (recent, 20)):
+            ckptfs_util.write_file(path, b"an earlier job\n")
+            t = time.time() - days * 86400
+            os.utime(path, (t, t))
+        for log_dir in (self.logs, "none"):
+            self.prolog()
+            ckptfs_util.write_file(os.path.join(self.root, ".ckpt-mount.log"), b"why\n")
+            r = self.run_script(EPILOG, self.slurm_env(CKPT_LOG_DIR=log_dir))
+            self.assertEqual((r.returncode, r.stderr), (0, ""))
+            self.assertFalse(os.path.exists(self.root))
+        kept = sorted(os.listdir(self.logs))
+        self.assertEqual(len(kept), 2, kept)
+        self.assertEqual(kept[0], os.path.basename(recent))
+        self.assertTrue(kept[1].startswith(f"ckpt-mount.{JOB}."), kept)
+        self.assertEqual(read_all(os.path.join(self.logs, kept[1])), b"why\n")
 
     def test_epilog_leaves_user_files(self):
         """Never rm -r: a file the user left keeps MOUNTROOT, and exit 0."""
