@@ -458,6 +458,20 @@ def _not_a_mount(mount, rank, world_size):
     return f"{why} (is this rank's ckptfs mounted there?)"
 
 
+# The launchers' variables, innermost first: torchrun started under srun or
+# mpirun inherits the outer launcher's variables (one rank per node), so
+# its own RANK/WORLD_SIZE win while TORCHELASTIC_RUN_ID says it is there.
+_TORCHRUN = ("RANK", "WORLD_SIZE")
+_LAUNCHERS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), _TORCHRUN,
+              ("PMI_RANK", "PMI_SIZE"))
+
+
+def _launchers():
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return (_TORCHRUN,) + tuple(v for v in _LAUNCHERS if v != _TORCHRUN)
+    return _LAUNCHERS
+
+
 def _trainer_world():
     """(rank, world_size) of this process: torch.distributed's when a
     process group is up (without importing torch: the core needs only the
@@ -470,12 +484,21 @@ def _trainer_world():
             return tdist.get_rank(), tdist.get_world_size()
     except Exception:
         pass
-    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+    for rank_var, size_var in _launchers():
         r, n = os.environ.get(rank_var, ""), os.environ.get(size_var, "")
         if r.isdigit() and n.isdigit():
             return int(r), int(n)
     return None, None
+
+
+def trainer_rank():
+    """This process's global rank as _trainer_world says, else Slurm's
+    SLURM_PROCID (a rank, though SLURM_NTASKS is no world size), else 0."""
+    rank = _trainer_world()[0]
+    if rank is None:
+        v = os.environ.get("SLURM_PROCID", "")
+        rank = int(v) if v.isdigit() else 0
+    return rank
 
 
 def _check_world(mount, rank, solo):

@@ -120,26 +120,20 @@ def _dtype_name(dt, fqn):
 # ---- where things go ---------------------------------------------------------
 
 def default_rank():
-    """This process's rank: torch.distributed's, else the launcher's."""
+    """This process's rank: torch.distributed's, else the launcher's
+    (ckptfs._client.trainer_rank)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    for var in ("OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK", "SLURM_PROCID"):
-        v = os.environ.get(var)
-        if v is not None and v.isdigit():
-            return int(v)
-    return 0
+    return _client.trainer_rank()
 
 
 def default_world_size():
-    """This process's world size: torch.distributed's, else the launcher's,
-    else 1 (as default_rank)."""
+    """This process's world size: torch.distributed's, else the launcher's
+    (Open MPI, torchrun, PMI; not Slurm's SLURM_NTASKS, which a batch
+    script's single process sees too), else 1."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    for var in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        v = os.environ.get(var)
-        if v is not None and v.isdigit():
-            return int(v)
-    return 1
+    return _client._trainer_world()[1] or 1
 
 
 def _check_world(mount, rank, world_size, saving=False):

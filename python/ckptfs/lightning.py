@@ -244,14 +244,11 @@ def _tensor_paths(tree, prefix=""):
 
 def _global_rank():
     """This process's global rank: torch.distributed's when it is up, else
-    the launcher's variable, else 0."""
+    the launcher's (ckptfs._client.trainer_rank)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+    return _client.trainer_rank()
 
 
 def _discard_stale(mount, name):
@@ -308,7 +305,7 @@ class CheckpointIO(_CheckpointIO):
             if _client.mount_world(mount) is None:
                 raise CkptfsError(_not_a_mount(mount, f"CheckpointIO(mount={self.mount!r}) "
                                                f"for rank {rank}", pattern=True))
-            why = _client.world_mismatch(mount, rank, _client._torch_world())
+            why = _client.world_mismatch(mount, rank, _client._trainer_world()[1])
             if why:
                 raise CkptfsError(why)
             self._checked = mount

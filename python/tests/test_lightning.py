@@ -199,6 +199,20 @@ class RankExec(LightningCase):
         r = run("--rank", "1", w.root, fixed, "--", "stat", "-c", "%d", fixed)
         self.assertEqual((r.returncode, r.stdout), (0, f"{os.stat(w.mnt(1)).st_dev}\n"),
                          r.stderr)
+        # torchrun inside mpirun (one process per node): torchrun's RANK wins
+        r = run(w.root, fixed, "--", "stat", "-c", "%d", fixed,
+                env={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
+                     "TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"})
+        self.assertEqual((r.returncode, r.stdout), (0, f"{os.stat(w.mnt(1)).st_dev}\n"),
+                         r.stderr)
+        # as root, a PATH under a directory another user may change is refused
+        theirs = os.path.join(self.dir, "theirs")
+        os.mkdir(theirs)
+        os.chown(theirs, 65534, 65534)
+        r = run("--rank", "0", w.root, os.path.join(theirs, "ckpt"), "--", "true")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("belongs to uid 65534", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(theirs, "ckpt")))  # refused before mkdir
 
 
 LINK_JOB = r'''
