@@ -290,6 +290,7 @@ class CheckpointIO(_CheckpointIO):
         super().__init__()
         self.mount, self.rank, self.threads = mount, rank, threads
         self._checked = None
+        self.saves = {}   # path -> how many times it was saved (ModelCheckpoint's link)
 
     def _where(self, path, saving=False):
         """(mount, NAME) of Lightning's checkpoint path."""
@@ -325,6 +326,8 @@ class CheckpointIO(_CheckpointIO):
         tree = layout.tree
         tree[SKELETON] = buf.getvalue()
         self._save(tree, mount, name)
+        key = os.path.abspath(os.fspath(path))
+        self.saves[key] = self.saves.get(key, 0) + 1
 
     def _save(self, tree, mount, name):
         """Save tree as NAME in mount, solo, over a committed NAME."""
@@ -385,18 +388,21 @@ class ModelCheckpoint(_ModelCheckpoint):
     """Lightning's ModelCheckpoint, whose save_last="link" works with
     ckptfs.lightning.CheckpointIO: a mount's root holds checkpoints only,
     not symlinks, so last.ckpt is published as a copy of the checkpoint
-    just saved (once per checkpoint: the copy is made again only when that
-    one changed). Other CheckpointIOs get Lightning's own links."""
+    just saved (once per save of it: a checkpoint saved again under its
+    name is copied again). Other CheckpointIOs get Lightning's own links."""
 
     def _link_checkpoint(self, trainer, filepath, linkpath):
         cio = trainer.strategy.checkpoint_io
         cio = getattr(cio, "checkpoint_io", None) or cio   # AsyncCheckpointIO wraps one
         if not isinstance(cio, CheckpointIO):
             return _ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            done = getattr(self, "_ckptfs_copied", None) == (filepath, linkpath)
-            if not (done and os.path.isdir(linkpath)):
+        src = os.path.abspath(os.fspath(filepath))
+        if trainer.is_global_zero and src != os.path.abspath(os.fspath(linkpath)):
+            # the same save of the same checkpoint is not copied twice; a
+            # checkpoint saved again under its name (filename="best") is
+            version = (filepath, linkpath, cio.saves.get(src, 0))
+            if not (getattr(self, "_ckptfs_copied", None) == version and os.path.isdir(linkpath)):
                 cio.copy_checkpoint(filepath, linkpath)
-                self._ckptfs_copied = (filepath, linkpath)
+                self._ckptfs_copied = version
         trainer.strategy.barrier()
         return None

@@ -239,10 +239,12 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-cls = (ckptfs.lightning.ModelCheckpoint if which == "ckptfs"
-       else L.pytorch.callbacks.ModelCheckpoint)
-ckpt = cls(dirpath=mnt, save_top_k=2, save_last="link", monitor="step", mode="max",
-           every_n_train_steps=2)
+cls = (L.pytorch.callbacks.ModelCheckpoint if which == "stock"
+       else ckptfs.lightning.ModelCheckpoint)
+# "best": one name saved again at each improvement, last.ckpt its copy
+names = dict(filename="best", save_top_k=1) if which == "best" else dict(save_top_k=2)
+ckpt = cls(dirpath=mnt, save_last="link", monitor="step", mode="max",
+           every_n_train_steps=2, **names)
 trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
                     enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
                     plugins=[ckptfs.lightning.CheckpointIO()],
@@ -278,6 +280,18 @@ class Link(LightningCase):
         for f in ("state_dict/net.weight", "checkpoint.pkl"):
             self.assertEqual(sha256(os.path.join(self.mnt, "last.ckpt", f)),
                              sha256(os.path.join(self.mnt, "epoch=0-step=6.ckpt", f)), f)
+        # one name saved again (filename="best"): last.ckpt follows each save
+        best = os.path.join(self.dir, "mnt-best")
+        os.mkdir(os.path.join(self.dir, "backing-best"))
+        m = ckptfs_util.Mount(os.path.join(self.dir, "backing-best"), best, self.log)
+        self.mounts.append(m)
+        m.start()
+        out = run_py(self, self.py, LINK_JOB, best, "best")
+        self.assertIn("last global_step 6 hparams {'out': 2}", out)
+        self.assertEqual(sorted(os.listdir(best)), ["best.ckpt", "last.ckpt"])
+        for f in ("state_dict/net.weight", "checkpoint.pkl"):
+            self.assertEqual(sha256(os.path.join(best, "last.ckpt", f)),
+                             sha256(os.path.join(best, "best.ckpt", f)), f)
         # Lightning's own link: a symlink at the mount's root (EPERM), then a copy
         # of a directory with shutil.copy
         e = dict(os.environ, PYTHONPATH=PACKAGE, OMP_NUM_THREADS="1")
