@@ -659,6 +659,14 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     except BaseException:
         _abort_save(ckdir, name, words)
         raise
+    commit_staged(ckdir, mount, name, mode, words)
+
+
+def commit_staged(ckdir, mount, name, mode, words):
+    """Commit what a save staged in ckdir (MOUNT/NAME, or its working name)
+    with mode and words; on failure leave nothing of it staged where no
+    retry can use it (a working name is this save's own), and fail a
+    commit the other ranks wait for when this rank stops before it."""
     try:
         _commit_dir(ckdir, name, mode, words)
     except CommitError as e:

@@ -20,9 +20,8 @@ docs/pytorch.md has complete examples.
 import os
 import shutil
 
-from ._client import (CkptfsError, CommitError, _abort_save, _aborted_elsewhere, _commit_dir,
-                      _make_checkpoint_dir, _save_words, commit, mount_world, status,
-                      world_mismatch)
+from ._client import (CkptfsError, _abort_save, _make_checkpoint_dir, _save_words, commit,
+                      commit_staged, mount_world, status, world_mismatch)
 
 try:
     from transformers import TrainerCallback
@@ -68,6 +67,13 @@ class CommitCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         check_mount(args.output_dir, args.process_index, args.world_size)
+        if args.save_total_limit == 1:
+            # the Trainer rotates before on_save commits the new checkpoint
+            raise CkptfsError("save_total_limit=1 with ckptfs: the Trainer removes the "
+                              "last committed checkpoint before the new one is "
+                              "committed, so a failed commit would leave none; use "
+                              "save_total_limit=2 or more, or leave it unset and mount "
+                              "with -o keep_last=1 (removes only after a commit succeeded)")
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:
@@ -121,13 +127,7 @@ def save_state(accelerator, mount, name, overwrite=False, exist_ok=False, **kwar
     except BaseException:
         _abort_save(ckdir, name, words)
         raise
-    try:
-        _commit_dir(ckdir, name, "sync", words)
-    except CommitError as e:
-        aborted = _aborted_elsewhere(e, ckdir, name)
-        if aborted is not None:
-            raise aborted from None
-        raise
+    commit_staged(ckdir, mount, name, "sync", words)
     return os.path.join(mount, name)
 
 

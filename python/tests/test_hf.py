@@ -159,7 +159,8 @@ class Trainer(HfCase):
 
     def test_setup_errors(self):
         """No transformers on `import ckptfs`; CommitCallback refuses an
-        output_dir that is no rank mount, and a world of another size."""
+        output_dir that is no rank mount, a world of another size, and
+        save_total_limit=1 (the Trainer rotates before the commit)."""
         w = self.world()
         code = r'''
 import sys
@@ -168,15 +169,22 @@ assert "transformers" not in sys.modules, "import ckptfs imported transformers"
 from transformers import TrainingArguments
 cb = ckptfs.hf.CommitCallback()
 for out in sys.argv[1:]:
+    limit = 1 if out.startswith("limit1:") else None
     try:
-        cb.on_train_begin(TrainingArguments(output_dir=out, use_cpu=True, report_to="none"),
-                          None, None)
+        cb.on_train_begin(TrainingArguments(output_dir=out.removeprefix("limit1:"),
+                                            use_cpu=True, report_to="none",
+                                            save_total_limit=limit), None, None)
+        print("accepted:", out)
     except ckptfs.CkptfsError as e:
         print("refused:", e)
 '''
         plain = os.path.join(self.dir, "plain")
         os.mkdir(plain)
-        out = run_py(self, self.py, code, plain, w.mnt(0), env=OFFLINE)
+        one = self.mount().mnt   # a world of one
+        out = run_py(self, self.py, code, plain, w.mnt(0), one, "limit1:" + one,
+                     env=OFFLINE)
+        self.assertIn(f"accepted: {one}", out)
+        self.assertIn("refused: save_total_limit=1 with ckptfs", out)
         self.assertIn(f"refused: {plain} is not the root of a ckptfs rank mount", out)
         self.assertIn(f"refused: the trainer runs 1 rank but {w.mnt(0)} belongs to a ckptfs "
                       "world of 2 ranks", out)
