@@ -450,7 +450,7 @@ class Wheel(CkptfsTestCase):
         out = self.run_ok([py, "-P", "-s", "-c", CORE, self.mnt], cwd="/",
                           env={"PATH": "/usr/bin:/bin"})
         self.assertIn("core ok", out)
-        self.assertIn("torch", out)  # why ckptfs.dcp did not import
+        self.assertIn("dcp: No module named 'torch'", out)  # why ckptfs.dcp did not import
 
     def test_ckptctl_finds_the_venv_interpreter(self):
         """Twice: a venv whose ckptfs-dcp starts "#!VENV/bin/python", and one
@@ -487,6 +487,26 @@ class Wheel(CkptfsTestCase):
                            capture_output=True, text=True, timeout=600)
         self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
         self.assertIn("No module named 'ckptfs'", r.stderr)
+        # root takes no ckptfs-dcp another user may change, nor an env line
+        vbin = os.path.join(self.dir, "venv", "bin")
+        script = os.path.join(vbin, "ckptfs-dcp")
+        with open(script) as f:
+            text = f.read()
+        for change in ("chown", "env"):
+            if change == "chown":
+                os.chown(script, 65534, 65534)
+            else:
+                os.chown(script, 0, 0)
+                with open(script, "w") as f:
+                    f.write(text.replace(f"#!{vbin}/python", "#!/usr/bin/env python", 1))
+            r = subprocess.run([ckptctl, "import-dcp", stock, self.backing, change],
+                               env={"PATH": f"/usr/bin:/bin:{vbin}",
+                                    "PYTHONWARNINGS": "ignore"},
+                               capture_output=True, text=True, timeout=600)
+            self.assertEqual(r.returncode, 1, change + ": " + r.stdout + r.stderr)
+            self.assertIn("No module named 'ckptfs'", r.stderr, change)
+        with open(script, "w") as f:
+            f.write(text)
         self.mount()
         out = self.run_ok([py, "-P", "-s", "-c", LOAD, self.mnt, "venv", "a-venv"], cwd="/",
                           env=env)

@@ -12,9 +12,12 @@
  * one the package is installed in: pip writes the package's console script
  * ckptfs-dcp with its interpreter's path in the #! line, so the first
  * ckptfs-dcp on PATH names it (a venv's interpreter, which the python3 on
- * PATH often is not); else python3. Reading that line trusts PATH as
- * running ckptfs-dcp (or python3) from it would; relative PATH entries
- * (the current directory) are skipped.
+ * PATH often is not); else python3. Only an absolute path to a python*
+ * with nothing after it is taken ("#!/usr/bin/env python3" is not), and
+ * relative PATH entries (the current directory) are skipped. Root, whose
+ * PATH may hold a directory late that python3 never let matter, takes it
+ * only when the script, the interpreter and their directories belong to
+ * root and no one else may write them.
  *
  * ckptctl often runs as root on directories other users own, so the
  * converter runs as `python -P -s -m ckptfs.dcp` from "/": neither the
@@ -28,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -70,11 +74,36 @@ static bool script_interpreter(const char *text, char *out, size_t size) {
     if (*end != '"')
       return false;
   }
-  if (p[0] != '/' || (size_t)(end - p) >= size)
+  /* an interpreter alone: "#!/usr/bin/env python3" would run env with
+   * python's options, and a named python is what pip writes */
+  const char *rest = end + strspn(end, " \t\r");
+  const char *base = p;
+  for (const char *q = p; q < end; q++)
+    if (*q == '/')
+      base = q + 1;
+  if (p[0] != '/' || (size_t)(end - p) >= size || (*rest && *rest != '\n' && *rest != '"') ||
+      strncmp(base, "python", 6) != 0)
     return false;
   memcpy(out, p, (size_t)(end - p));
   out[end - p] = '\0';
   return access(out, X_OK) == 0;
+}
+
+/* For root: path (resolved) and its directory belong to root and only root
+ * may change them, so that no other user's file picks root's interpreter. */
+static bool root_owned(const char *path) {
+  char real[PATH_MAX];
+  struct stat st;
+  if (!realpath(path, real) || stat(real, &st) != 0 || st.st_uid != 0 ||
+      (st.st_mode & (S_IWGRP | S_IWOTH)))
+    return false;
+  char *slash = strrchr(real, '/');
+  if (slash == real)
+    slash[1] = '\0';
+  else
+    *slash = '\0';
+  return stat(real, &st) == 0 && st.st_uid == 0 &&
+         (!(st.st_mode & (S_IWGRP | S_IWOTH)) || (st.st_mode & S_ISVTX));
 }
 
 /* The interpreter of the first ckptfs-dcp on PATH (absolute entries only)
@@ -91,7 +120,10 @@ static bool dcp_script_python(char *out, size_t size) {
         size_t got = fread(head, 1, sizeof(head) - 1, f);
         fclose(f);
         head[got] = '\0';
-        return script_interpreter(head, out, size);
+        /* root trusts a script and an interpreter only root may change
+         * (a user's venv on root's PATH is not one); else python3 */
+        return script_interpreter(head, out, size) &&
+               (geteuid() != 0 || (root_owned(file) && root_owned(out)));
       }
     }
     path += n + (path[n] == ':');
