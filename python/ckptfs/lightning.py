@@ -263,9 +263,7 @@ def _discard_stale(mount, name):
     except OSError:
         return
     for n in names:
-        ckdir = os.path.join(mount, n)
-        if _client._status_of(ckdir)[0] in ("staging", "failed"):
-            _client._discard_staged(ckdir)
+        _client._discard_uncommitted(os.path.join(mount, n))
 
 
 def _not_a_mount(d, what, pattern=False):
