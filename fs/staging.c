@@ -1156,10 +1156,8 @@ static int set_meta(ckpt_sfile_t *sf, const char *val, size_t len, int flags) {
 
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags) {
-  if (strcmp(name, CKPT_XATTR_META) == 0)
-    return memchr(val, '\0', len) || len > CKPT_X_COUNT * 4200
-               ? -EINVAL
-               : set_meta(sf, val, len, flags);
+  if (strcmp(name, CKPT_XATTR_META) == 0) /* each field <= 4096 bytes */
+    return memchr(val, '\0', len) ? -EINVAL : set_meta(sf, val, len, flags);
   int idx = ckpt__xattr_index(name);
   if (idx < 0)
     return -ENOTSUP;
