@@ -312,6 +312,7 @@ class _StagingDirs:
     def __init__(self, ckdir):
         self.ckdir = ckdir
         self.fds = {"": os.open(ckdir, self._FLAGS)}
+        self.meta = True  # the mount takes user.ckpt.meta (until it says ENOTSUP)
 
     def make(self, rel_dir):
         """mkdir -p of rel_dir (relative to the checkpoint)."""
@@ -326,8 +327,9 @@ class _StagingDirs:
         self.fds[rel_dir] = os.open(base, self._FLAGS, dir_fd=self.fds[parent])
 
     def write_file(self, rel, buf, xattrs=(), flags=os.O_TRUNC):
-        """Create rel (its directory made), set xattrs on the open file,
-        write buf, close: LOOKUP, CREATE, SETXATTR each, WRITEs, FLUSH."""
+        """Create rel (its directory made by make()), set xattrs on the
+        open file, write buf, close: LOOKUP, CREATE, one SETXATTR, WRITEs,
+        FLUSH (then RELEASE, which close does not wait for)."""
         d, base = os.path.split(rel)
         fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644,
                      dir_fd=self.fds[d])
@@ -340,8 +342,6 @@ class _StagingDirs:
             return len(mv)
         finally:
             os.close(fd)
-
-    meta = True  # the mount takes user.ckpt.meta (until one says ENOTSUP)
 
     def _set_xattrs(self, fd, xattrs):
         """xattrs [(user.ckpt.KEY, bytes)] set on fd in one user.ckpt.meta
@@ -357,7 +357,7 @@ class _StagingDirs:
             except OSError as e:
                 if e.errno != errno.ENOTSUP:
                     raise
-                _StagingDirs.meta = False
+                self.meta = False
         for k, v in xattrs:
             os.setxattr(fd, k, v)
 
