@@ -304,35 +304,61 @@ class _StagingDirs:
     path relative to it, so that a file is created relative to its
     directory: the kernel caches no staged entry, so a full path costs
     one FUSE LOOKUP per component, a name under a held directory one.
-    make() runs on the caller's thread before the files of a directory are
-    submitted; the staging threads only read the map. close() at the end."""
+    make() runs on the caller's thread and holds the directory for one
+    write_file() (on any thread), which lets it go. At most HELD
+    directories stay open (the least recently made ones that no file
+    holds are closed: a model has thousands). close() at the end."""
 
     _FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    HELD = 64
 
     def __init__(self, ckdir):
         self.ckdir = ckdir
-        self.fds = {"": os.open(ckdir, self._FLAGS)}
+        self.lock = threading.Lock()
+        self.fds = {"": os.open(ckdir, self._FLAGS)}  # oldest first
+        self.holds = {}  # rel_dir: files made for and not written yet
         self.meta = True  # the mount takes user.ckpt.meta (until it says ENOTSUP)
 
     def make(self, rel_dir):
-        """mkdir -p of rel_dir (relative to the checkpoint)."""
-        if rel_dir in self.fds:
-            return
+        """mkdir -p of rel_dir (relative to the checkpoint), held for one
+        write_file."""
+        self._open(rel_dir)
+        with self.lock:
+            self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
+
+    def _open(self, rel_dir):
+        with self.lock:
+            fd = self.fds.pop(rel_dir, None)
+            if fd is not None:
+                self.fds[rel_dir] = fd  # the most recent now
+                return fd
         parent, base = os.path.split(rel_dir)
-        self.make(parent)
+        pfd = self._open(parent)
         try:
-            os.mkdir(base, dir_fd=self.fds[parent])
+            os.mkdir(base, dir_fd=pfd)
         except FileExistsError:
             pass
-        self.fds[rel_dir] = os.open(base, self._FLAGS, dir_fd=self.fds[parent])
+        fd = os.open(base, self._FLAGS, dir_fd=pfd)
+        with self.lock:
+            self.fds[rel_dir] = fd
+            idle = [d for d in self.fds if d and d != rel_dir and not self.holds.get(d)]
+            for d in idle[:max(0, len(self.fds) - self.HELD)]:
+                os.close(self.fds.pop(d))
+        return fd
 
     def write_file(self, rel, buf, xattrs=(), flags=os.O_TRUNC):
         """Create rel (its directory made by make()), set xattrs on the
         open file, write buf, close: LOOKUP, CREATE, one SETXATTR, WRITEs,
         FLUSH (then RELEASE, which close does not wait for)."""
         d, base = os.path.split(rel)
-        fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644,
-                     dir_fd=self.fds[d])
+        try:
+            with self.lock:
+                dfd = self.fds[d]
+            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644,
+                         dir_fd=dfd)
+        finally:
+            with self.lock:
+                self.holds[d] -= 1
         try:
             self._set_xattrs(fd, xattrs)
             mv = memoryview(buf)
@@ -362,9 +388,10 @@ class _StagingDirs:
             os.setxattr(fd, k, v)
 
     def close(self):
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds = {}
 
     def __enter__(self):
         return self

@@ -64,6 +64,26 @@ else:
 '''
 
 
+MANY_DIRS = r'''
+import os, sys, torch
+import ckptfs
+from ckptfs._client import _StagingDirs
+mnt = sys.argv[1]
+n = 3 * _StagingDirs.HELD
+sd = {f"d{i}": {"sub": {"w": torch.full((4,), float(i))}} for i in range(n)}
+held = []
+close = _StagingDirs.close
+_StagingDirs.close = lambda self: (held.append(len(self.fds)), close(self))
+before = len(os.listdir("/proc/self/fd"))
+ckptfs.save(sd, mnt, "many")
+assert held and max(held) <= _StagingDirs.HELD, held
+assert len(os.listdir("/proc/self/fd")) == before, "directory fds left open"
+back = ckptfs.load(None, mnt, "many")
+assert all(torch.equal(back[f"d{i}"]["sub"]["w"], sd[f"d{i}"]["sub"]["w"]) for i in range(n))
+print("ok")
+'''
+
+
 def requests(path):
     out = {}
     with open(path) as f:
@@ -104,6 +124,14 @@ class RoundTrips(CkptfsTestCase):
 
     def test_dcp_writer_save(self):
         self.check("dcp")
+
+    def test_many_directories(self):
+        """More directories than the client holds open at once (HELD): the
+        idle ones are closed as it goes, none is left open, all is saved."""
+        py = require_torch(self)
+        self.mount()
+        out = run_py(self, py, MANY_DIRS, self.mnt)
+        self.assertIn("ok", out)
 
 
 class Meta(CkptfsTestCase):
