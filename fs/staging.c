@@ -1116,12 +1116,14 @@ static int split_meta(const char *val, size_t len, char *out[CKPT_X_COUNT]) {
       return -EINVAL;
     const char *v = eq + 1;
     const char *semi = idx == CKPT_X_FQN ? NULL : memchr(v, ';', (size_t)(end - v));
-    const char *vend = semi ? semi : end;
-    if ((size_t)(vend - v) > 4096 || !(out[idx] = strndup(v, (size_t)(vend - v))))
-      return (size_t)(vend - v) > 4096 ? -EINVAL : -ENOMEM;
+    size_t n = (size_t)((semi ? semi : end) - v);
+    if (n > 4096)
+      return -EINVAL;
+    if (!(out[idx] = strndup(v, n)))
+      return -ENOMEM;
     p = semi ? semi + 1 : end;
   }
-  return 0;
+  return len ? 0 : -EINVAL; /* nothing to set */
 }
 
 static int set_meta(ckpt_sfile_t *sf, const char *val, size_t len, int flags) {

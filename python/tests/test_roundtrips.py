@@ -184,7 +184,7 @@ class Meta(CkptfsTestCase):
         os.setxattr(p, "user.ckpt.dtype", b"uint8")
         for bad in (b"dtype=float32;shape=2,3;offsets=5,0", b"dtype=F99;shape=6",
                     b"dtype=float32;dtype=float32", b"colour=red", b"shape",
-                    b"dtype=float32;shape=6;fqn="):
+                    b"dtype=float32;shape=6;fqn=", b""):
             self.assertErrno(errno.EINVAL, os.setxattr, p, "user.ckpt.meta", bad)
             self.assertEqual(self.xattrs(p), {"user.ckpt.dtype": b"uint8"}, bad)
         self.assertErrno(errno.EEXIST, os.setxattr, p, "user.ckpt.meta",
