@@ -336,8 +336,6 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
 /* The XXH3-64 of the contents if it was computed while the file was
  * written front to back: 0, or -EAGAIN (walk and hash it). */
 int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out);
-/* Validate and set one user.ckpt.* xattr (EINVAL on bad values, checked
- * against the other xattrs already set); -ENOTSUP for other names. */
 /* Zero bytes [off, off+len) of the file (not past its end): whole
  * segments become holes again. 0 or -errno. */
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
@@ -345,6 +343,11 @@ int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
  * page cache throttles it): as of the last change. A passthrough file's
  * is its memfd's (its lock is only ever held briefly). */
 uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf);
+/* Validate and set one user.ckpt.* xattr (EINVAL on bad values, checked
+ * against the other xattrs already set); -ENOTSUP for other names.
+ * CKPT_XATTR_META sets several at once, all or none (staging.c's
+ * split_meta says how); it is never stored or listed itself. */
+#define CKPT_XATTR_META "user.ckpt.meta"
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags);
 /* Copy the value into buf (size 0: only the length). -ENODATA if unset. */
@@ -545,6 +548,18 @@ typedef enum {
 
 #define CKPT_DURATION_BUCKETS 12 /* finite upper bounds, then +Inf */
 
+/* The FUSE requests the daemon serves, counted per opcode: what a save
+ * costs in round trips (ckptfs_fuse_requests_total{op}). */
+#define CKPT_FUSE_OPS(X)                                                      \
+  X(lookup) X(forget) X(getattr) X(setattr) X(mkdir) X(create) X(unlink)      \
+  X(rmdir) X(rename) X(open) X(flush) X(release) X(read) X(write)             \
+  X(fallocate) X(symlink) X(link) X(mknod) X(opendir) X(readdir)              \
+  X(releasedir) X(setxattr) X(getxattr) X(listxattr) X(removexattr)           \
+  X(statfs) X(access)
+#define CKPT_OP_ENUM(op) CKPT_OP_##op,
+typedef enum { CKPT_FUSE_OPS(CKPT_OP_ENUM) CKPT_OPS } ckpt_fuse_op_t;
+#undef CKPT_OP_ENUM
+
 typedef struct {
   _Atomic uint64_t commits[CKPT_COMMIT_OUTCOMES];
   _Atomic uint64_t failures[CKPT_FAIL_REASONS];
@@ -554,6 +569,7 @@ typedef struct {
   _Atomic uint64_t bytes_staged;    /* written into staged files */
   _Atomic uint64_t bytes_committed; /* written by this rank's saves */
   _Atomic uint64_t bytes_read;      /* served from committed checkpoints */
+  _Atomic uint64_t requests[CKPT_OPS]; /* FUSE requests served, by opcode */
 } ckpt_metrics_t;
 
 /* The class of a failed save's error: rc (-errno, as the save saw it
@@ -565,6 +581,8 @@ void ckpt__metrics_commit(ckpt_fs_t *fs, ckpt_commit_outcome_t outcome,
 /* n bytes of a committed checkpoint are served to req (before its
  * reply). */
 void ckpt__metrics_read(fuse_req_t req, uint64_t n);
+/* req, a request of opcode op, arrived (each callback of ops.c, first). */
+void ckpt__metrics_request(fuse_req_t req, ckpt_fuse_op_t op);
 /* Write fs's metrics to path in the Prometheus text format (path.tmp.PID,
  * renamed over it): 0 or -errno. */
 int ckpt__metrics_write(ckpt_fs_t *fs, const char *path);

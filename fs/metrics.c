@@ -28,6 +28,9 @@ static const double duration_le[CKPT_DURATION_BUCKETS] = {
 
 static const char *const outcome_names[CKPT_COMMIT_OUTCOMES] = {
     "committed", "failed", "lost"};
+#define CKPT_OP_NAME(op) #op,
+static const char *const op_names[CKPT_OPS] = {CKPT_FUSE_OPS(CKPT_OP_NAME)};
+#undef CKPT_OP_NAME
 static const char *const reason_names[CKPT_FAIL_REASONS] = {
     "timeout", "no_space", "io", "invalid", "exists", "other"};
 
@@ -93,6 +96,12 @@ void ckpt__metrics_commit(ckpt_fs_t *fs, ckpt_commit_outcome_t outcome,
 void ckpt__metrics_read(fuse_req_t req, uint64_t n) {
   ckpt_fs_t *fs = fuse_req_userdata(req);
   atomic_fetch_add_explicit(&fs->metrics.bytes_read, n, memory_order_relaxed);
+}
+
+void ckpt__metrics_request(fuse_req_t req, ckpt_fuse_op_t op) {
+  ckpt_fs_t *fs = fuse_req_userdata(req);
+  atomic_fetch_add_explicit(&fs->metrics.requests[op], 1,
+                            memory_order_relaxed);
 }
 
 /* ----- the text ----- */
@@ -241,9 +250,21 @@ static void write_commits(out_t *o, ckpt_metrics_t *m) {
   sample(o, "ckptfs_commit_duration_seconds_count", NULL, cum);
 }
 
+static void write_requests(out_t *o, ckpt_metrics_t *m) {
+  char extra[64];
+  head(o, "ckptfs_fuse_requests_total", "counter",
+       "FUSE requests the daemon served, by opcode.");
+  for (int i = 0; i < CKPT_OPS; i++) {
+    snprintf(extra, sizeof(extra), "op=\"%s\"", op_names[i]);
+    sample(o, "ckptfs_fuse_requests_total", extra,
+           (unsigned long long)atomic_load(&m->requests[i]));
+  }
+}
+
 static void write_all(ckpt_fs_t *fs, out_t *o) {
   ckpt_metrics_t *m = &fs->metrics;
   write_commits(o, m);
+  write_requests(o, m);
   counter(o, "ckptfs_bytes_staged_total",
           "Bytes written into staged files through the daemon.",
           &m->bytes_staged);

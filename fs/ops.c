@@ -583,6 +583,7 @@ static void load_new(ckpt_fs_t *fs, const ckpt_scan_t *sc) {
 }
 
 static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  ckpt__metrics_request(req, CKPT_OP_lookup);
   ckpt_fs_t *fs = fs_of(req);
   struct fuse_entry_param e;
   int rc = 0;
@@ -636,6 +637,7 @@ static void fs_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
 
 static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
                        struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_getattr);
   ckpt_fs_t *fs = fs_of(req);
   struct stat st;
   double timeout = 0;
@@ -655,6 +657,7 @@ static void fs_getattr(fuse_req_t req, fuse_ino_t ino,
 
 static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
                        int to_set, struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_setattr);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -816,6 +819,7 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
 
 static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
                      mode_t mode) {
+  ckpt__metrics_request(req, CKPT_OP_mkdir);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -1033,6 +1037,7 @@ static void drop_handle(fuse_req_t req, handle_t *h) {
 
 static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
                       mode_t mode, struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_create);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -1190,6 +1195,7 @@ static int remove_entry(ckpt_fs_t *fs, ckpt_node_t *n) {
 }
 
 static void fs_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  ckpt__metrics_request(req, CKPT_OP_unlink);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -1262,6 +1268,7 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
 }
 
 static void fs_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
+  ckpt__metrics_request(req, CKPT_OP_rmdir);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -1344,6 +1351,7 @@ static int rename_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir,
 static void fs_rename(fuse_req_t req, fuse_ino_t parent, const char *name,
                       fuse_ino_t newparent, const char *newname,
                       unsigned int flags) {
+  ckpt__metrics_request(req, CKPT_OP_rename);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -1473,6 +1481,7 @@ static void pin_files(handle_t *h, const ckpt_node_t *n) {
 }
 
 static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_open);
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = get_node(fs, ino);
   if (!n) {
@@ -1570,6 +1579,7 @@ static void reply_copy(fuse_req_t req, const char *p, size_t n) {
  * come later than the trainer's next create; FLUSH comes within close.) */
 static void fs_flush(fuse_req_t req, fuse_ino_t ino,
                      struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_flush);
   (void)ino;
   handle_t *h = handle_of(fi);
   if (h->writer)
@@ -1577,9 +1587,7 @@ static void fs_flush(fuse_req_t req, fuse_ino_t ino,
   fuse_reply_err(req, 0);
 }
 
-static void fs_release(fuse_req_t req, fuse_ino_t ino,
-                       struct fuse_file_info *fi) {
-  (void)ino;
+static void release_handle(fuse_req_t req, struct fuse_file_info *fi) {
   ckpt_fs_t *fs = fs_of(req);
   handle_t *h = handle_of(fi);
   if (h->node->ck)
@@ -1591,6 +1599,20 @@ static void fs_release(fuse_req_t req, fuse_ino_t ino,
   pthread_mutex_unlock(&fs->lock);
   free_handle(h);
   fuse_reply_err(req, 0);
+}
+
+static void fs_release(fuse_req_t req, fuse_ino_t ino,
+                       struct fuse_file_info *fi) {
+  (void)ino;
+  ckpt__metrics_request(req, CKPT_OP_release);
+  release_handle(req, fi);
+}
+
+static void fs_releasedir(fuse_req_t req, fuse_ino_t ino,
+                          struct fuse_file_info *fi) {
+  (void)ino;
+  ckpt__metrics_request(req, CKPT_OP_releasedir);
+  release_handle(req, fi);
 }
 
 #define READ_AHEAD ((uint64_t)8 << 20)
@@ -1618,6 +1640,7 @@ static void read_ahead(handle_t *h, uint64_t from) {
 
 static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_read);
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
   handle_t *h = handle_of(fi);
@@ -1703,6 +1726,7 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
 static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
                      size_t size, off_t off, struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_write);
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = handle_of(fi)->node;
@@ -1793,6 +1817,7 @@ static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
 
 static void fs_opendir(fuse_req_t req, fuse_ino_t ino,
                        struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_opendir);
   ckpt_fs_t *fs = fs_of(req);
   int rc = 0;
   pthread_mutex_lock(&fs->lock);
@@ -1819,6 +1844,7 @@ static void fs_opendir(fuse_req_t req, fuse_ino_t ino,
 
 static void fs_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                        struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_readdir);
   (void)ino;
   handle_t *h = handle_of(fi);
   if (off == 0 || !h->text) {
@@ -1929,12 +1955,14 @@ static void refuse_node(fuse_req_t req, fuse_ino_t parent, const char *name,
 
 static void fs_symlink(fuse_req_t req, const char *link, fuse_ino_t parent,
                        const char *name) {
+  ckpt__metrics_request(req, CKPT_OP_symlink);
   (void)link;
   refuse_node(req, parent, name, "symbolic link");
 }
 
 static void fs_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,
                     const char *newname) {
+  ckpt__metrics_request(req, CKPT_OP_link);
   (void)ino;
   refuse_node(req, newparent, newname, "hard link");
 }
@@ -1943,6 +1971,7 @@ static void fs_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,
  * other kinds of node are refused. */
 static void fs_mknod(fuse_req_t req, fuse_ino_t parent, const char *name,
                      mode_t mode, dev_t rdev) {
+  ckpt__metrics_request(req, CKPT_OP_mknod);
   (void)rdev;
   if (!S_ISREG(mode)) {
     refuse_node(req, parent, name,
@@ -1980,6 +2009,7 @@ static void fs_mknod(fuse_req_t req, fuse_ino_t parent, const char *name,
 static void fs_fallocate(fuse_req_t req, fuse_ino_t ino, int mode,
                          off_t offset, off_t length,
                          struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_fallocate);
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = handle_of(fi)->node;
@@ -2033,6 +2063,7 @@ static bool committed_fqn_derived(const ckpt_node_t *n) {
 
 static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         const char *value, size_t size, int flags) {
+  ckpt__metrics_request(req, CKPT_OP_setxattr);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -2081,6 +2112,7 @@ static void reply_root_xattr(fuse_req_t req, const ckpt_fs_t *fs,
 
 static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         size_t size) {
+  ckpt__metrics_request(req, CKPT_OP_getxattr);
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = get_node_any(fs, ino);
   if (!n) {
@@ -2134,6 +2166,7 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
 }
 
 static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  ckpt__metrics_request(req, CKPT_OP_listxattr);
   ckpt_fs_t *fs = fs_of(req);
   ckpt_node_t *n = get_node_any(fs, ino);
   if (!n) {
@@ -2174,6 +2207,7 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
 }
 
 static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
+  ckpt__metrics_request(req, CKPT_OP_removexattr);
   if (!may_change(req)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -2206,6 +2240,7 @@ static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
 /* The kernel dropped inodes: only block files live by the kernel's
  * lookups (every other node stays in the tree while its entry exists). */
 static void fs_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+  ckpt__metrics_request(req, CKPT_OP_forget);
   ckpt_fs_t *fs = fs_of(req);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
@@ -2217,6 +2252,7 @@ static void fs_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
 
 static void fs_forget_multi(fuse_req_t req, size_t count,
                             struct fuse_forget_data *forgets) {
+  ckpt__metrics_request(req, CKPT_OP_forget); /* a batch: one request */
   ckpt_fs_t *fs = fs_of(req);
   pthread_mutex_lock(&fs->lock);
   for (size_t i = 0; i < count; i++) {
@@ -2249,6 +2285,7 @@ static bool in_group(fuse_req_t req, gid_t gid) {
  * Committed data and .status cannot be opened for writing (EACCES, as
  * their modes say). */
 static void fs_access(fuse_req_t req, fuse_ino_t ino, int mask) {
+  ckpt__metrics_request(req, CKPT_OP_access);
   ckpt_fs_t *fs = fs_of(req);
   const struct fuse_ctx *ctx = fuse_req_ctx(req);
   pthread_mutex_lock(&fs->lock);
@@ -2279,6 +2316,7 @@ static void fs_access(fuse_req_t req, fuse_ino_t ino, int mask) {
 }
 
 static void fs_statfs(fuse_req_t req, fuse_ino_t ino) {
+  ckpt__metrics_request(req, CKPT_OP_statfs);
   (void)ino;
   ckpt_fs_t *fs = fs_of(req);
   struct statvfs sv;
@@ -2347,7 +2385,7 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .mknod = fs_mknod,
     .opendir = fs_opendir,
     .readdir = fs_readdir,
-    .releasedir = fs_release,
+    .releasedir = fs_releasedir,
     .setxattr = fs_setxattr,
     .getxattr = fs_getxattr,
     .listxattr = fs_listxattr,

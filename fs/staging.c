@@ -1048,13 +1048,11 @@ static bool parse_dims(const char *v, ckpt_dims_t *d) {
   return v && ckpt_dims_parse(v, strlen(v), d) == 0;
 }
 
-/* Would the xattrs be consistent with value `val` at index `idx`? */
-static int check_consistent(ckpt_sfile_t *sf, int idx, const char *val,
-                            size_t len) {
-  const char *v[CKPT_X_COUNT];
-  for (int i = 0; i < CKPT_X_COUNT; i++)
-    v[i] = sf->xattr[i];
-  v[idx] = val;
+/* Is v[idx] valid, and consistent with the other values of v (NULL:
+ * not set)? */
+static int check_xattrs(const char *const v[CKPT_X_COUNT], int idx) {
+  const char *val = v[idx];
+  size_t len = strlen(val);
   if (idx == CKPT_X_FQN) /* any bytes but NUL (checked by the caller) */
     return ckpt_fqn_valid(val, len) ? 0 : -EINVAL;
   if (idx == CKPT_X_DTYPE) {
@@ -1088,8 +1086,80 @@ static int check_consistent(ckpt_sfile_t *sf, int idx, const char *val,
   return 0;
 }
 
+/* Would the xattrs be consistent with value `val` at index `idx`? */
+static int check_consistent(ckpt_sfile_t *sf, int idx, const char *val) {
+  const char *v[CKPT_X_COUNT];
+  for (int i = 0; i < CKPT_X_COUNT; i++)
+    v[i] = sf->xattr[i];
+  v[idx] = val;
+  return check_xattrs(v, idx);
+}
+
+/* user.ckpt.meta = "dtype=F32;shape=4,8;offsets=0,4;sizes=4,4;fqn=m.w":
+ * several xattrs in one setxattr (one FUSE request instead of one per
+ * xattr). Fields are KEY=VALUE, KEY the name after "user.ckpt.", each at
+ * most once, separated by ';'; fqn's value (any bytes) runs to the end, so
+ * it comes last. Split into out[] (copies), or -EINVAL. */
+static int split_meta(const char *val, size_t len, char *out[CKPT_X_COUNT]) {
+  const char *p = val, *end = val + len;
+  while (p < end) {
+    const char *eq = memchr(p, '=', (size_t)(end - p));
+    if (!eq)
+      return -EINVAL;
+    int idx = -1;
+    for (int i = 0; i < CKPT_X_COUNT; i++) {
+      const char *key = ckpt__xattr_names[i] + strlen("user.ckpt.");
+      if (strlen(key) == (size_t)(eq - p) && memcmp(key, p, (size_t)(eq - p)) == 0)
+        idx = i;
+    }
+    if (idx < 0 || out[idx])
+      return -EINVAL;
+    const char *v = eq + 1;
+    const char *semi = idx == CKPT_X_FQN ? NULL : memchr(v, ';', (size_t)(end - v));
+    size_t n = (size_t)((semi ? semi : end) - v);
+    if (n > 4096)
+      return -EINVAL;
+    if (!(out[idx] = strndup(v, n)))
+      return -ENOMEM;
+    p = semi ? semi + 1 : end;
+  }
+  return len ? 0 : -EINVAL; /* nothing to set */
+}
+
+static int set_meta(ckpt_sfile_t *sf, const char *val, size_t len, int flags) {
+  char *nv[CKPT_X_COUNT] = {NULL};
+  int rc = split_meta(val, len, nv);
+  pthread_mutex_lock(&sf->lock);
+  const char *v[CKPT_X_COUNT];
+  for (int i = 0; i < CKPT_X_COUNT; i++)
+    v[i] = nv[i] ? nv[i] : sf->xattr[i];
+  for (int i = 0; i < CKPT_X_COUNT && rc == 0; i++) {
+    if (!nv[i])
+      continue;
+    if ((flags & XATTR_CREATE) && sf->xattr[i])
+      rc = -EEXIST;
+    else if ((flags & XATTR_REPLACE) && !sf->xattr[i])
+      rc = -ENODATA;
+    else
+      rc = check_xattrs(v, i);
+  }
+  for (int i = 0; i < CKPT_X_COUNT && rc == 0; i++) {
+    if (nv[i]) { /* all of them or none */
+      free(sf->xattr[i]);
+      sf->xattr[i] = nv[i];
+      nv[i] = NULL;
+    }
+  }
+  pthread_mutex_unlock(&sf->lock);
+  for (int i = 0; i < CKPT_X_COUNT; i++)
+    free(nv[i]);
+  return rc;
+}
+
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags) {
+  if (strcmp(name, CKPT_XATTR_META) == 0) /* each field <= 4096 bytes */
+    return memchr(val, '\0', len) ? -EINVAL : set_meta(sf, val, len, flags);
   int idx = ckpt__xattr_index(name);
   if (idx < 0)
     return -ENOTSUP;
@@ -1107,7 +1177,7 @@ int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
   else if ((flags & XATTR_REPLACE) && !sf->xattr[idx])
     rc = -ENODATA;
   else
-    rc = check_consistent(sf, idx, copy, len);
+    rc = check_consistent(sf, idx, copy);
   if (rc == 0) {
     free(sf->xattr[idx]);
     sf->xattr[idx] = copy;

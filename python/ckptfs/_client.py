@@ -71,6 +71,7 @@ __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
            "commit", "Shard", "CommitError", "CkptfsError", "DTYPES"]
 
 MANIFEST_DIR = "_ckptfs"
+META_XATTR = "user.ckpt.meta"  # several user.ckpt.* xattrs in one setxattr
 ABORT_ITEM = "_ckptfs_abort"   # the item a rank commits to abort a save (_abort_commit)
 FORMAT = 1
 IO_STEP = 8 << 20  # bytes per write/pread call
@@ -296,6 +297,107 @@ def _write_all(path, buf):
                   path)
     finally:
         os.close(fd)
+
+
+class _StagingDirs:
+    """The directories of a checkpoint being staged, held open (O_PATH) by
+    path relative to it, so that a file is created relative to its
+    directory: the kernel caches no staged entry, so a full path costs
+    one FUSE LOOKUP per component, a name under a held directory one.
+    make() runs on the caller's thread and holds the directory for one
+    write_file() (on any thread), which lets it go. At most HELD
+    directories stay open (the least recently made ones that no file
+    holds are closed: a model has thousands). close() at the end."""
+
+    _FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    HELD = 64
+
+    def __init__(self, ckdir):
+        self.ckdir = ckdir
+        self.lock = threading.Lock()
+        self.fds = {"": os.open(ckdir, self._FLAGS)}  # oldest first
+        self.holds = {}  # rel_dir: files made for and not written yet
+        self.meta = True  # the mount takes user.ckpt.meta (until it says ENOTSUP)
+
+    def make(self, rel_dir):
+        """mkdir -p of rel_dir (relative to the checkpoint), held for one
+        write_file."""
+        self._open(rel_dir)
+        with self.lock:
+            self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
+
+    def _open(self, rel_dir):
+        with self.lock:
+            fd = self.fds.pop(rel_dir, None)
+            if fd is not None:
+                self.fds[rel_dir] = fd  # the most recent now
+                return fd
+        parent, base = os.path.split(rel_dir)
+        pfd = self._open(parent)
+        try:
+            os.mkdir(base, dir_fd=pfd)
+        except FileExistsError:
+            pass
+        fd = os.open(base, self._FLAGS, dir_fd=pfd)
+        with self.lock:
+            self.fds[rel_dir] = fd
+            idle = [d for d in self.fds if d and d != rel_dir and not self.holds.get(d)]
+            for d in idle[:max(0, len(self.fds) - self.HELD)]:
+                os.close(self.fds.pop(d))
+        return fd
+
+    def write_file(self, rel, buf, xattrs=(), flags=os.O_TRUNC):
+        """Create rel (its directory made by make()), set xattrs on the
+        open file, write buf, close: LOOKUP, CREATE, one SETXATTR, WRITEs,
+        FLUSH (then RELEASE, which close does not wait for)."""
+        d, base = os.path.split(rel)
+        try:
+            with self.lock:
+                dfd = self.fds[d]
+            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644,
+                         dir_fd=dfd)
+        finally:
+            with self.lock:
+                self.holds[d] -= 1
+        try:
+            self._set_xattrs(fd, xattrs)
+            mv = memoryview(buf)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            _write_fd(fd, mv, os.path.join(self.ckdir, rel))
+            return len(mv)
+        finally:
+            os.close(fd)
+
+    def _set_xattrs(self, fd, xattrs):
+        """xattrs [(user.ckpt.KEY, bytes)] set on fd in one user.ckpt.meta
+        ("KEY=VALUE;...", fqn last: its value runs to the end), else (a
+        mount older than it) one by one."""
+        if len(xattrs) > 1 and self.meta:
+            fields = sorted(xattrs, key=lambda kv: kv[0] == "user.ckpt.fqn")
+            value = b";".join(k[len("user.ckpt."):].encode() + b"=" + bytes(v)
+                              for k, v in fields)
+            try:
+                os.setxattr(fd, META_XATTR, value)
+                return
+            except OSError as e:
+                if e.errno != errno.ENOTSUP:
+                    raise
+                self.meta = False
+        for k, v in xattrs:
+            os.setxattr(fd, k, v)
+
+    def close(self):
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _pread_into(fd, mv, offset, path):
@@ -645,17 +747,17 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
         rank = 0   # the rank of its world of one
     try:
         manifest = {}
-        made = set()
-        try:
-            _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager)
-        except BaseException:
-            stager.abandon()
-            raise
-        stager.done()
-        mpath = os.path.join(ckdir, MANIFEST_DIR, f"rank{int(rank)}.json")
-        os.makedirs(os.path.dirname(mpath), exist_ok=True)
-        _write_all(mpath, json.dumps({"format": FORMAT, "rank": int(rank),
-                                      "items": manifest}, sort_keys=True).encode())
+        with _StagingDirs(ckdir) as dirs:
+            try:
+                _stage_leaves(leaves, dirs, name, objects, manifest, stager)
+            except BaseException:
+                stager.abandon()
+                raise
+            stager.done()
+            dirs.make(MANIFEST_DIR)
+            _stage_file(dirs, f"{MANIFEST_DIR}/rank{int(rank)}.json", name,
+                        json.dumps({"format": FORMAT, "rank": int(rank),
+                                    "items": manifest}, sort_keys=True).encode())
     except BaseException:
         _abort_save(ckdir, name, words)
         raise
@@ -1036,26 +1138,20 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     return fut
 
 
-def _stage_tensor(path, buf, rel, name, xattrs):
+def _stage_file(dirs, rel, name, buf, xattrs=()):
     try:
-        _write_all(path, buf)
-        for k, v in xattrs:
-            os.setxattr(path, k, v)
+        dirs.write_file(rel, buf, xattrs)
     except OSError as e:
         raise CkptfsError(f"cannot stage {rel} of checkpoint {name!r}: "
-                          f"{e.strerror} ({path})") from e
+                          f"{e.strerror} ({os.path.join(dirs.ckdir, rel)})") from e
 
 
-def _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager):
+def _stage_leaves(leaves, dirs, name, objects, manifest, stager):
     for keys, v in leaves:
         rel = "/".join(str(k) for k in keys)
-        path = os.path.join(ckdir, rel)
-        parent = os.path.dirname(path)
         entry = {"keys": [["i" if isinstance(k, int) else "s", k] for k in keys]}
         try:
-            if parent not in made:
-                os.makedirs(parent, exist_ok=True)
-                made.add(parent)
+            dirs.make(os.path.dirname(rel))
             if _is_tensor(v):
                 shard = v if isinstance(v, Shard) else None
                 dtype, shape, buf, kind = _tensor_info(shard.tensor if shard else v)
@@ -1066,15 +1162,15 @@ def _stage_leaves(leaves, ckdir, name, objects, manifest, made, stager):
                                ("user.ckpt.sizes", _csv(shape))]
                 else:
                     xattrs.append(("user.ckpt.shape", _csv(shape)))
-                stager.submit(_stage_tensor, path, buf, rel, name, xattrs)
+                stager.submit(_stage_file, dirs, rel, name, buf, xattrs)
                 entry["kind"] = kind
             else:
                 data, kind = _encode_object(v, objects)
-                stager.submit(_stage_tensor, path, data, rel, name, [])
+                stager.submit(_stage_file, dirs, rel, name, data)
                 entry["kind"] = kind
         except OSError as e:
             raise CkptfsError(f"cannot stage {rel} of checkpoint {name!r}: "
-                              f"{e.strerror} ({path})") from e
+                              f"{e.strerror} ({os.path.join(dirs.ckdir, rel)})") from e
         manifest[rel] = entry
 
 

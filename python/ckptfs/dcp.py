@@ -85,9 +85,9 @@ from torch.futures import Future
 from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_commit,
                       _abort_save, _aborted_elsewhere, _commit_dir as _commit,
                       _discard_uncommitted, _Stager, _discard_staged as _discard,
-                      _Progress, _check_progress, _pread_into, _status_of as _status,
-                      _unreplaceable,
-                      _write_fd as _write_all, block_file, make_working_dir, replaceable,
+                      _Progress, _StagingDirs, _check_progress, _pread_into,
+                      _status_of as _status, _unreplaceable,
+                      block_file, make_working_dir, replaceable,
                       world_mismatch)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
@@ -235,54 +235,37 @@ def _read_file(path):
         return f.read()
 
 
-def _makedirs_for(ckdir, rel, made):
-    d = os.path.dirname(rel)
-    if d and d not in made:
-        os.makedirs(os.path.join(ckdir, d), exist_ok=True)
-        made.add(d)
-
-
 def _csv(xs):
     return ",".join(str(int(x)) for x in xs)
 
 
-def _write_tensor_file(ckdir, rel, t, fqn, global_shape, offsets, explicit_fqn, made):
+def _write_tensor_file(dirs, rel, t, fqn, global_shape, offsets, explicit_fqn):
     """Stage contiguous CPU tensor t (a chunk at offsets of a tensor of
-    global_shape) at ckdir/rel."""
-    _makedirs_for(ckdir, rel, made)
-    path = os.path.join(ckdir, rel)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.setxattr(fd, "user.ckpt.dtype", _dtype_name(t.dtype, fqn).encode())
-        os.setxattr(fd, "user.ckpt.shape", _csv(global_shape).encode())
-        if any(offsets) or tuple(t.shape) != tuple(global_shape):
-            os.setxattr(fd, "user.ckpt.offsets", _csv(offsets).encode())
-            os.setxattr(fd, "user.ckpt.sizes", _csv(t.shape).encode())
-        if explicit_fqn:
-            os.setxattr(fd, "user.ckpt.fqn", fqn.encode("utf-8", "surrogateescape"))
-        mv = _u8(t)
-        _write_all(fd, mv, path)
-        return len(mv)
-    except OSError as e:
-        raise CkptfsError(f"{fqn}: staging {path}: {e.strerror}") from e
-    finally:
-        os.close(fd)
+    global_shape) at rel (its directory made: dirs.make) of the
+    checkpoint."""
+    xattrs = [("user.ckpt.dtype", _dtype_name(t.dtype, fqn).encode()),
+              ("user.ckpt.shape", _csv(global_shape).encode())]
+    if any(offsets) or tuple(t.shape) != tuple(global_shape):
+        xattrs += [("user.ckpt.offsets", _csv(offsets).encode()),
+                   ("user.ckpt.sizes", _csv(t.shape).encode())]
+    if explicit_fqn:
+        xattrs.append(("user.ckpt.fqn", fqn.encode("utf-8", "surrogateescape")))
+    return _write_file(dirs, rel, _u8(t), fqn, xattrs)
 
 
-def _write_bytes_file(ckdir, rel, data, fqn, explicit_fqn, made):
-    _makedirs_for(ckdir, rel, made)
-    path = os.path.join(ckdir, rel)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_bytes_file(dirs, rel, data, fqn, explicit_fqn):
+    xattrs = []
+    if explicit_fqn:
+        xattrs.append(("user.ckpt.fqn", fqn.encode("utf-8", "surrogateescape")))
+    return _write_file(dirs, rel, memoryview(data).cast("B"), fqn, xattrs)
+
+
+def _write_file(dirs, rel, mv, fqn, xattrs):
     try:
-        if explicit_fqn:
-            os.setxattr(fd, "user.ckpt.fqn", fqn.encode("utf-8", "surrogateescape"))
-        mv = memoryview(data).cast("B")
-        _write_all(fd, mv, path)
-        return len(mv)
+        return dirs.write_file(rel, mv, xattrs, flags=os.O_EXCL)
     except OSError as e:
-        raise CkptfsError(f"{fqn}: staging {path}: {e.strerror}") from e
-    finally:
-        os.close(fd)
+        raise CkptfsError(f"{fqn}: staging {os.path.join(dirs.ckdir, rel)}: "
+                          f"{e.strerror}") from e
 
 
 def _cpu_contiguous(t):
@@ -519,18 +502,18 @@ class Writer(StorageWriter):
 
     def _stage(self, ckdir, items, paths, planner):
         stager = _Stager(self.threads)
-        try:
-            sizes = self._stage_items(ckdir, items, paths, planner, stager)
-        except BaseException:
-            stager.abandon()
-            raise
-        stager.done()
+        with _StagingDirs(ckdir) as dirs:
+            try:
+                sizes = self._stage_items(dirs, items, paths, planner, stager)
+            except BaseException:
+                stager.abandon()
+                raise
+            stager.done()
         return sizes
 
-    def _stage_items(self, ckdir, items, paths, planner, stager):
+    def _stage_items(self, dirs, items, paths, planner, stager):
         """Stage the items, their writes on stager's threads; {index: bytes
         stored}. The planner's calls stay on this thread."""
-        made = set()
         sizes = {}
         by_fqn = {}
         for it in items:
@@ -546,9 +529,9 @@ class Writer(StorageWriter):
                     raise CkptfsError(f"{fqn}: {len(group)} bytes items under one FQN")
                 data = planner.resolve_data(group[0])
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
-                _makedirs_for(ckdir, base, made)
+                dirs.make(os.path.dirname(base))
                 sizes[group[0].index] = len(memoryview(buf).cast("B"))
-                stager.submit(_write_bytes_file, ckdir, base, buf, fqn, explicit, made)
+                stager.submit(_write_bytes_file, dirs, base, buf, fqn, explicit)
                 continue
             explicit = True
             group.sort(key=lambda it: tuple(it.tensor_data.chunk.offsets))
@@ -567,10 +550,10 @@ class Writer(StorageWriter):
                     raise CkptfsError(f"{fqn}: the planner gave a chunk of shape "
                                       f"{tuple(t.shape)}, its plan says "
                                       f"{tuple(td.chunk.sizes)}")
-                _makedirs_for(ckdir, rel, made)
+                dirs.make(os.path.dirname(rel))
                 sizes[it.index] = t.numel() * t.element_size()
-                stager.submit(_write_tensor_file, ckdir, rel, t, fqn, td.size,
-                              offsets, explicit, made)
+                stager.submit(_write_tensor_file, dirs, rel, t, fqn, td.size,
+                              offsets, explicit)
         return sizes
 
 
@@ -1204,8 +1187,9 @@ def _import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes):
         os.mkdir(ckdir)
     except FileExistsError:
         raise CkptfsError(f"{name}: a checkpoint of that name exists in {mnt}") from None
-    made = set()
+    dirs = None
     try:
+        dirs = _StagingDirs(ckdir)
         for fqn, m in sdm.items():
             if isinstance(m, BytesStorageMetadata):
                 info = md.storage_data[MetadataIndex(fqn)]
@@ -1214,8 +1198,8 @@ def _import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes):
                     data = f.read(info.length)
                 if len(data) != info.length:
                     raise CkptfsError(f"{fqn}: {info.relative_path} is truncated")
-                _write_bytes_file(ckdir, paths[fqn], data, fqn,
-                                  _path_fqn(paths[fqn]) != fqn, made)
+                dirs.make(os.path.dirname(paths[fqn]))
+                _write_bytes_file(dirs, paths[fqn], data, fqn, _path_fqn(paths[fqn]) != fqn)
         batch, size = {}, 0
         tensors = [(f, m) for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)]
         for i, (fqn, m) in enumerate(tensors):
@@ -1228,12 +1212,15 @@ def _import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes):
                          no_dist=True)
                 for f, bt in batch.items():
                     m_ = sdm[f]
-                    _write_tensor_file(ckdir, paths[f], bt, f, tuple(m_.size),
-                                       (0,) * len(m_.size),
-                                       _path_fqn(paths[f]) != f, made)
+                    dirs.make(os.path.dirname(paths[f]))
+                    _write_tensor_file(dirs, paths[f], bt, f, tuple(m_.size),
+                                       (0,) * len(m_.size), _path_fqn(paths[f]) != f)
                 batch, size = {}, 0
+        dirs.close()
         _commit(ckdir, name, "sync")
     except BaseException:
+        if dirs is not None:
+            dirs.close()
         try:
             if _status(ckdir)[0] in ("staging", "failed"):
                 _discard(ckdir)
