@@ -503,23 +503,24 @@ def main(argv):
     ap = argparse.ArgumentParser(prog="bench.py --floor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", default="build/bin/ckptfs")
     ap.add_argument("--backing", required=True, help="comma-separated dirs (e.g. a disk, a tmpfs)")
-    ap.add_argument("--size", default="256M", help="comma-separated state dict sizes (K/M/G)")
-    ap.add_argument("--ranks", default="1,4", help="plain-writer world sizes")
-    ap.add_argument("--dcp-ranks", default="1,2", help="DCP world sizes ('' skips DCP)")
+    ap.add_argument("--size", help="comma-separated state dict sizes (K/M/G); default 256M")
+    ap.add_argument("--ranks", help="plain-writer world sizes; default 1,4")
+    ap.add_argument("--dcp-ranks", help="DCP world sizes ('' skips DCP); default 1,2")
     ap.add_argument("--cases", default="large,gpt,small")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--opts", default="", help="more ckptfs -o options")
     ap.add_argument("--json", help="write every round's times here")
     ap.add_argument("--quick", action="store_true",
-                    help="CI-sized: 16M, 1 rank, DCP at 1 rank, 3 rounds")
+                    help="CI-sized defaults: 16M, 1 rank, DCP at 1 rank")
     ap.add_argument("--no-venv", action="store_true")
     a = ap.parse_args(argv)
-    if a.quick:
-        a.size, a.ranks, a.dcp_ranks = "16M", "1", "1"
+    for k, full, quick in (("size", "256M", "16M"), ("ranks", "1,4", "1"), ("dcp_ranks", "1,2", "1")):
+        if getattr(a, k) is None:
+            setattr(a, k, quick if a.quick else full)
     if a.rounds < 3:
         sys.exit("--rounds must be >= 3 (medians)")
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
-    rows, raw = [], []
+    rows, raw, busy = [], [], []
     for backing in [b for b in a.backing.split(",") if b.strip()]:
         os.makedirs(backing, exist_ok=True)
         backing = os.path.realpath(backing)
@@ -532,16 +533,22 @@ def main(argv):
                 B.log(describe(case, ts) + f"; {backing} ({fs})")
                 label = B.fmt_size(sum(t.nbytes for t in ts)) if case != "small" else "4 MiB"
                 for n in sorted(set(ints(a.ranks)) | set(ints(a.dcp_ranks))):
+                    others = B.Others()      # other jobs' CPU use skews the figures
+                    others.start("all")
                     P = plain_rounds(a, n, ts, pool, backing) if n in ints(a.ranks) else None
                     D = None
                     if n in ints(a.dcp_ranks) and (case != "small" or n == 1):
                         D = dcp_rounds(a, n, case, size, backing)
+                    others.stop()
+                    busy.append((f"{case}, {fs}, {n} rank(s)", others.out["all"]))
                     raw.append({"case": case, "fs": fs, "backing": backing, "size": size,
-                                "ranks": n, "plain": P, "dcp": D})
+                                "ranks": n, "plain": P, "dcp": D, "others_cpus": others.out["all"]})
                     part = rows_of(case, fs, label, n, P, D, fs in ("tmpfs", "ramfs"))
                     B.log(markdown(part))
                     rows += part
     print(markdown(rows))
+    print("CPUs used by other processes (average over each block of rounds): " +
+          ", ".join(f"{k} {v:.2f}" for k, v in busy) + f"; {os.cpu_count()} CPUs")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rounds": raw, "table": [
