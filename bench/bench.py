@@ -1530,6 +1530,8 @@ def main():
         with open(sys.argv[i + 1]) as f:
             print(pivot(json.load(f)["summary"]))
         return 0
+    ap.add_argument("--floor", action="store_true",
+                    help="issue 26's table instead (bench/floor_table.py; --floor --help)")
     if "--floor" in sys.argv:        # issue 26's table: bench/floor_table.py
         in_venv("--no-venv" in sys.argv)
         import floor_table
