@@ -6,6 +6,9 @@ mounts, next to the limit of the same machine and to PyTorch DCP.
         --size 1G,4G [--ranks 4,1] [--staging-mem 1G] [--opts io_threads=4] [--repeat 3] \\
         [--dcp-threads 1,2,4] [--no-dcp] [--no-dcp-backend] [--no-venv] [--json out.json]
     python3 bench/bench.py --table-from out.json
+    python3 bench/bench.py --floor --backing DIR[,DIR] [--size 1G,4G] [--quick] ...
+        (issue 26's table: three state dicts against their limits, interleaved
+        rounds; see bench/floor_table.py)
 
 Run as root (it drops the page cache). It re-runs itself under the project
 venv's python (.venv/bin/python of this tree, else /work/main/.venv/bin/python:
@@ -1527,14 +1530,14 @@ def main():
         with open(sys.argv[i + 1]) as f:
             print(pivot(json.load(f)["summary"]))
         return 0
+    ap.add_argument("--floor", action="store_true",
+                    help="issue 26's table instead (bench/floor_table.py; --floor --help)")
+    if "--floor" in sys.argv:        # issue 26's table: bench/floor_table.py
+        in_venv("--no-venv" in sys.argv)
+        import floor_table
+        return floor_table.main([a for a in sys.argv[1:] if a != "--floor"])
     args = ap.parse_args()
-    venv = next((v for v in (os.path.join(REPO, ".venv", "bin", "python"),
-                             "/work/main/.venv/bin/python") if os.access(v, os.X_OK)), None)
-    if venv and not args.no_venv and not os.environ.get("CKPTFS_BENCH_VENV") \
-            and os.path.realpath(sys.prefix) != os.path.realpath(os.path.dirname(os.path.dirname(venv))):
-        log(f"bench: re-running under {venv} (torch 2.x for DCP; --no-venv to stay)")
-        os.environ["CKPTFS_BENCH_VENV"] = "1"
-        os.execv(venv, [venv, os.path.abspath(__file__)] + sys.argv[1:])
+    in_venv(args.no_venv)
     args.dcp_threads = [int(x) for x in args.dcp_threads.split(",") if x.strip()]
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
     if not os.access(args.bin, os.X_OK):
@@ -1575,6 +1578,17 @@ def main():
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 1 if fails else 0
+
+
+def in_venv(no_venv):
+    """Re-run this command under the project venv's python (torch 2.x)."""
+    venv = next((v for v in (os.path.join(REPO, ".venv", "bin", "python"),
+                             "/work/main/.venv/bin/python") if os.access(v, os.X_OK)), None)
+    if venv and not no_venv and not os.environ.get("CKPTFS_BENCH_VENV") \
+            and os.path.realpath(sys.prefix) != os.path.realpath(os.path.dirname(os.path.dirname(venv))):
+        log(f"bench: re-running under {venv} (torch 2.x for DCP; --no-venv to stay)")
+        os.environ["CKPTFS_BENCH_VENV"] = "1"
+        os.execv(venv, [venv, os.path.abspath(__file__)] + sys.argv[1:])
 
 
 def run_config(args, ranks, dcp_ok, dcp_why):
