@@ -82,6 +82,7 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
+from . import _client
 from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_commit,
                       _abort_save, _aborted_elsewhere, _commit_dir as _commit,
                       _discard_uncommitted, _Stager, _discard_staged as _discard,
