@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,61 @@
 #include "failpoint.h"
 #include "metadb.h"
 #include "store_int.h"
+
+/* A data file as its chunks were checked (verify): what an fstat says of
+ * it then. gen counts the changes seen, so that a check that ran across
+ * one does not count. */
+struct ckpt_seen {
+  int64_t key; /* rank << 32 | file */
+  _Atomic uint32_t gen;
+  bool known;  /* the rest (under seen_lock) */
+  dev_t dev;
+  ino_t ino;
+  off_t size;
+  struct timespec mtime, ctime;
+};
+
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t file_key(int32_t rank, uint32_t file) {
+  return (int64_t)rank << 32 | file;
+}
+
+static int by_key(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* One ckpt_seen per data file that a chunk or blob of meta is in. */
+static int seen_init(ckpt_stored_t *s, const ckpt_metadata_t *meta) {
+  size_t n = (size_t)meta->n_chunks + meta->n_blobs;
+  int64_t *keys = malloc((n ? n : 1) * sizeof(*keys));
+  if (!keys)
+    return -ENOMEM;
+  for (uint32_t i = 0; i < meta->n_chunks; i++)
+    keys[i] = file_key(meta->chunks[i].rank, meta->chunks[i].file);
+  for (uint32_t i = 0; i < meta->n_blobs; i++)
+    keys[meta->n_chunks + i] = file_key(meta->blobs[i].rank,
+                                        meta->blobs[i].file);
+  qsort(keys, n, sizeof(*keys), by_key);
+  size_t d = 0;
+  for (size_t i = 0; i < n; i++)
+    if (i == 0 || keys[i] != keys[i - 1])
+      keys[d++] = keys[i];
+  s->seen = calloc(d ? d : 1, sizeof(*s->seen));
+  for (size_t i = 0; s->seen && i < d; i++)
+    s->seen[i].key = keys[i];
+  s->n_seen = (uint32_t)d;
+  free(keys);
+  return s->seen ? 0 : -ENOMEM;
+}
+
+static struct ckpt_seen *find_seen(const ckpt_stored_t *s, int32_t rank,
+                                   uint32_t file) {
+  int64_t key = file_key(rank, file);
+  return s->seen ? bsearch(&key, s->seen, s->n_seen, sizeof(*s->seen), by_key)
+                 : NULL;
+}
 
 int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
                      const char *name, int dirfd, const ckpt_metadata_t *meta,
@@ -45,8 +101,9 @@ int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
   s->meta = meta;
   s->cache = cache;
   if (verify &&
-      !(s->verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
-                             sizeof(*s->verified))))
+      (!(s->verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
+                              sizeof(*s->verified))) ||
+       seen_init(s, meta)))
     return -ENOMEM;
   s->id = ckpt__fdcache_new_id(cache);
   return 0;
@@ -57,6 +114,8 @@ void ckpt_stored_destroy(ckpt_stored_t *s) {
     ckpt__fdcache_forget(s->cache, s->id);
   free((void *)s->verified);
   s->verified = NULL;
+  free(s->seen);
+  s->seen = NULL;
   s->cache = NULL;
 }
 
@@ -235,13 +294,30 @@ uint64_t ckpt_store_verify_failures(void) {
   return atomic_load_explicit(&verify_failures, memory_order_relaxed);
 }
 
-/* Check stored chunk or blob i of s (verified[i]) once: 0 or -EIO. */
-static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
-                         int32_t rank, uint32_t file, uint64_t pos,
-                         uint64_t len, uint64_t want) {
-  uint8_t known = atomic_load(&s->verified[i]);
-  if (known != CKPT_CHUNK_UNCHECKED)
-    return known == CKPT_CHUNK_GOOD ? 0 : -EIO;
+/* Verdicts are published under check_lock, so that the threads waiting
+ * for a chunk another one is hashing (CHECKING) wake up. */
+static pthread_mutex_t check_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t check_done = PTHREAD_COND_INITIALIZER;
+
+static void set_state(const ckpt_stored_t *s, uint32_t i, uint8_t v) {
+  pthread_mutex_lock(&check_lock);
+  atomic_store(&s->verified[i], v);
+  pthread_cond_broadcast(&check_done);
+  pthread_mutex_unlock(&check_lock);
+}
+
+static void wait_checked(const ckpt_stored_t *s, uint32_t i) {
+  pthread_mutex_lock(&check_lock);
+  while (atomic_load(&s->verified[i]) == CKPT_CHUNK_CHECKING)
+    pthread_cond_wait(&check_done, &check_lock);
+  pthread_mutex_unlock(&check_lock);
+}
+
+/* Hash a chunk or blob: 0, 1 when damaged (logged), or -errno (the data
+ * file cannot be opened or read: not known to be damaged). */
+static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
+                       uint32_t file, uint64_t pos, uint64_t len,
+                       uint64_t want) {
   ckpt_fdref_t ref;
   int rc = stored_fd(s, rank, file, &ref);
   if (rc)
@@ -260,17 +336,128 @@ static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
       ckpt__log("%s: %s: rank %d, %s at %" PRIu64 ": checksum %016" PRIx64
                 ", stored %016" PRIx64, s->name, fqn, rank, name, pos, got,
                 want);
-    /* counted once per chunk: the first read that finds it bad */
-    uint8_t unchecked = CKPT_CHUNK_UNCHECKED;
-    if (atomic_compare_exchange_strong(&s->verified[i], &unchecked,
-                                       CKPT_CHUNK_BAD))
-      atomic_fetch_add_explicit(&verify_failures, 1, memory_order_relaxed);
-    return -EIO;
+    return 1;
   }
-  if (rc)
-    return rc; /* a read error: not known bad, try again next time */
-  atomic_store(&s->verified[i], CKPT_CHUNK_GOOD);
-  return 0;
+  return rc;
+}
+
+/* Check stored chunk or blob i of s (verified[i]) once, and again after
+ * its data file changed (ckpt_stored_recheck): 0 or -EIO. One thread
+ * hashes, the others wait for its verdict. A change of the file seen while
+ * hashing makes the verdict void: checked again. */
+static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
+                         int32_t rank, uint32_t file, uint64_t pos,
+                         uint64_t len, uint64_t want) {
+  struct ckpt_seen *f = NULL;
+  for (;;) {
+    uint8_t known = atomic_load(&s->verified[i]);
+    if (known == CKPT_CHUNK_GOOD)
+      return 0;
+    if (known == CKPT_CHUNK_BAD)
+      return -EIO;
+    if (known == CKPT_CHUNK_CHECKING) {
+      wait_checked(s, i);
+      continue;
+    }
+    if (!f)
+      f = find_seen(s, rank, file);
+    uint32_t gen = f ? atomic_load(&f->gen) : 0;
+    uint8_t unchecked = CKPT_CHUNK_UNCHECKED;
+    if (!atomic_compare_exchange_strong(&s->verified[i], &unchecked,
+                                        CKPT_CHUNK_CHECKING))
+      continue;
+    int rc = hash_stored(s, fqn, rank, file, pos, len, want);
+    bool moved = f && atomic_load(&f->gen) != gen;
+    set_state(s, i, moved || rc < 0 ? CKPT_CHUNK_UNCHECKED
+                    : rc              ? CKPT_CHUNK_BAD
+                                      : CKPT_CHUNK_GOOD);
+    if (moved)
+      continue;
+    if (rc == 1) { /* counted once per chunk and change of its file */
+      atomic_fetch_add_explicit(&verify_failures, 1, memory_order_relaxed);
+      return -EIO;
+    }
+    if (rc)
+      return rc; /* a read error: not known bad, try again next time */
+    /* A change seen after the test above: its reset may have run before
+     * the verdict was set. */
+    uint8_t good = CKPT_CHUNK_GOOD;
+    if (f && atomic_load(&f->gen) != gen &&
+        atomic_compare_exchange_strong(&s->verified[i], &good,
+                                       CKPT_CHUNK_UNCHECKED))
+      continue;
+    return 0;
+  }
+}
+
+/* Same as it was when last seen? Records what st says of it now. */
+static bool seen_same(struct ckpt_seen *f, const struct stat *st) {
+  pthread_mutex_lock(&seen_lock);
+  bool same = !f->known ||
+              (f->dev == st->st_dev && f->ino == st->st_ino &&
+               f->size == st->st_size &&
+               f->mtime.tv_sec == st->st_mtim.tv_sec &&
+               f->mtime.tv_nsec == st->st_mtim.tv_nsec &&
+               f->ctime.tv_sec == st->st_ctim.tv_sec &&
+               f->ctime.tv_nsec == st->st_ctim.tv_nsec);
+  f->known = true;
+  f->dev = st->st_dev, f->ino = st->st_ino, f->size = st->st_size;
+  f->mtime = st->st_mtim, f->ctime = st->st_ctim;
+  pthread_mutex_unlock(&seen_lock);
+  return same;
+}
+
+/* Data file f changed: every chunk and blob in it is checked again (one
+ * being hashed now sees gen move). */
+static void unverify_file(const ckpt_stored_t *s, struct ckpt_seen *f) {
+  const ckpt_metadata_t *m = s->meta;
+  atomic_fetch_add(&f->gen, 1);
+  uint32_t n = m->n_chunks + m->n_blobs;
+  for (uint32_t i = 0; i < n; i++) {
+    int64_t key = i < m->n_chunks
+                      ? file_key(m->chunks[i].rank, m->chunks[i].file)
+                      : file_key(m->blobs[i - m->n_chunks].rank,
+                                 m->blobs[i - m->n_chunks].file);
+    if (key != f->key)
+      continue;
+    uint8_t v = CKPT_CHUNK_GOOD;
+    if (!atomic_compare_exchange_strong(&s->verified[i], &v,
+                                        CKPT_CHUNK_UNCHECKED) &&
+        v == CKPT_CHUNK_BAD)
+      atomic_compare_exchange_strong(&s->verified[i], &v,
+                                     CKPT_CHUNK_UNCHECKED);
+  }
+}
+
+static void compare_file(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         const struct stat *st) {
+  struct ckpt_seen *f = find_seen(s, rank, k);
+  if (!f || seen_same(f, st))
+    return;
+  char name[64];
+  ckpt_data_file_name(rank, k, name, sizeof(name));
+  ckpt__log("%s: %s changed on disk since its chunks were checked: checking "
+            "them again", s->name, name);
+  unverify_file(s, f);
+}
+
+void ckpt__stored_seen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                       int fd) {
+  struct stat st;
+  if (fstat(fd, &st) == 0)
+    compare_file(s, rank, k, &st);
+}
+
+void ckpt_stored_recheck(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         ckpt_fdref_t *ref) {
+  struct stat st;
+  if (!s->seen || fstat(ref->fd, &st))
+    return;
+  /* No link left: the name may hold another file now (a rename over it). */
+  if (st.st_nlink == 0 && ckpt__fdcache_reopen(s, rank, k, ref) == 1 &&
+      fstat(ref->fd, &st))
+    return;
+  compare_file(s, rank, k, &st);
 }
 
 int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
