@@ -32,6 +32,11 @@
 struct ckpt_seen {
   int64_t key; /* rank << 32 | file */
   _Atomic uint32_t gen;
+  uint32_t *order;    /* its chunks and blobs (indices into verified), by
+                         file offset; seen[0].order holds them all */
+  uint32_t n_order;
+  _Atomic uint64_t ahead; /* checks handed to the ahead threads reach this
+                             file offset (ahead_lock) */
   bool known;  /* the rest (under seen_lock) */
   dev_t dev;
   ino_t ino;
@@ -46,32 +51,83 @@ static int64_t file_key(int32_t rank, uint32_t file) {
 }
 
 static int by_key(const void *a, const void *b) {
-  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  int64_t x = *(const int64_t *)a, y = ((const struct ckpt_seen *)b)->key;
   return (x > y) - (x < y);
 }
 
-/* One ckpt_seen per data file that a chunk or blob of meta is in. */
+/* Where chunk (i < n_chunks) or blob (i - n_chunks) i of m is. */
+typedef struct {
+  const char *fqn;
+  int32_t rank;
+  uint32_t file;
+  uint64_t pos, len, want;
+} item_loc_t;
+
+static item_loc_t item_loc(const ckpt_metadata_t *m, uint32_t i) {
+  if (i < m->n_chunks) {
+    const ckpt_chunk_meta_t *c = &m->chunks[i];
+    return (item_loc_t){m->tensors[c->tensor].fqn, c->rank, c->file,
+                        c->file_offset, c->length, c->checksum};
+  }
+  const ckpt_blob_meta_t *b = &m->blobs[i - m->n_chunks];
+  return (item_loc_t){b->fqn, b->rank, b->file, b->file_offset, b->length,
+                      b->checksum};
+}
+
+typedef struct {
+  int64_t key;
+  uint64_t pos;
+  uint32_t i;
+} item_key_t;
+
+static int by_file_pos(const void *a, const void *b) {
+  const item_key_t *x = a, *y = b;
+  if (x->key != y->key)
+    return (x->key > y->key) - (x->key < y->key);
+  return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+/* One ckpt_seen per data file that a chunk or blob of meta is in, with
+ * its items in file order. */
 static int seen_init(ckpt_stored_t *s, const ckpt_metadata_t *meta) {
-  size_t n = (size_t)meta->n_chunks + meta->n_blobs;
-  int64_t *keys = malloc((n ? n : 1) * sizeof(*keys));
-  if (!keys)
+  uint32_t n = meta->n_chunks + meta->n_blobs;
+  item_key_t *items = malloc((n ? n : 1) * sizeof(*items));
+  uint32_t *order = malloc((n ? n : 1) * sizeof(*order));
+  if (!items || !order) {
+    free(items);
+    free(order);
     return -ENOMEM;
-  for (uint32_t i = 0; i < meta->n_chunks; i++)
-    keys[i] = file_key(meta->chunks[i].rank, meta->chunks[i].file);
-  for (uint32_t i = 0; i < meta->n_blobs; i++)
-    keys[meta->n_chunks + i] = file_key(meta->blobs[i].rank,
-                                        meta->blobs[i].file);
-  qsort(keys, n, sizeof(*keys), by_key);
-  size_t d = 0;
-  for (size_t i = 0; i < n; i++)
-    if (i == 0 || keys[i] != keys[i - 1])
-      keys[d++] = keys[i];
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    item_loc_t l = item_loc(meta, i);
+    items[i] = (item_key_t){file_key(l.rank, l.file), l.pos, i};
+  }
+  qsort(items, n, sizeof(*items), by_file_pos);
+  uint32_t d = 0;
+  for (uint32_t i = 0; i < n; i++)
+    if (i == 0 || items[i].key != items[i - 1].key)
+      d++;
   s->seen = calloc(d ? d : 1, sizeof(*s->seen));
-  for (size_t i = 0; s->seen && i < d; i++)
-    s->seen[i].key = keys[i];
-  s->n_seen = (uint32_t)d;
-  free(keys);
-  return s->seen ? 0 : -ENOMEM;
+  if (!s->seen) {
+    free(items);
+    free(order);
+    return -ENOMEM;
+  }
+  struct ckpt_seen *f = NULL;
+  for (uint32_t i = 0; i < n; i++) {
+    if (i == 0 || items[i].key != items[i - 1].key) {
+      f = f ? f + 1 : s->seen;
+      f->key = items[i].key;
+      f->order = order + i;
+    }
+    order[i] = items[i].i;
+    f->n_order++;
+  }
+  if (!d)
+    s->seen->order = order; /* freed with it */
+  s->n_seen = d;
+  free(items);
+  return 0;
 }
 
 static struct ckpt_seen *find_seen(const ckpt_stored_t *s, int32_t rank,
@@ -80,6 +136,8 @@ static struct ckpt_seen *find_seen(const ckpt_stored_t *s, int32_t rank,
   return s->seen ? bsearch(&key, s->seen, s->n_seen, sizeof(*s->seen), by_key)
                  : NULL;
 }
+
+static void ahead_forget(const ckpt_stored_t *s);
 
 int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
                      const char *name, int dirfd, const ckpt_metadata_t *meta,
@@ -114,6 +172,9 @@ void ckpt_stored_destroy(ckpt_stored_t *s) {
     ckpt__fdcache_forget(s->cache, s->id);
   free((void *)s->verified);
   s->verified = NULL;
+  ahead_forget(s);
+  if (s->seen)
+    free(s->seen[0].order);
   free(s->seen);
   s->seen = NULL;
   s->cache = NULL;
@@ -390,6 +451,137 @@ static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
   }
 }
 
+static int verify_item(const ckpt_stored_t *s, uint32_t i) {
+  item_loc_t l = item_loc(s->meta, i);
+  return verify_stored(s, i, l.fqn, l.rank, l.file, l.pos, l.len, l.want);
+}
+
+/* ----- Checks ahead of the reader -----
+ * A load reads a data file's chunks in about the order they were written.
+ * Hashing a chunk at its first read would stall the reader for the time
+ * it takes (a pread of the whole chunk and XXH3: the copy out of the page
+ * cache bounds it); instead, when a read touches a chunk, the chunks that
+ * follow it in its data file, up to AHEAD_BYTES, are handed to
+ * AHEAD_THREADS threads, which check them while the reader is served (a
+ * read that reaches one still being hashed waits for its verdict). */
+#define AHEAD_BYTES ((uint64_t)256 << 20)
+#define AHEAD_QUEUE 4096
+#define AHEAD_THREADS 2
+
+static struct {
+  pthread_mutex_t lock; /* protects everything below */
+  pthread_cond_t work;  /* a check was queued */
+  pthread_cond_t idle;  /* a check finished */
+  struct {
+    const ckpt_stored_t *s;
+    uint32_t i;
+  } q[AHEAD_QUEUE];
+  uint32_t head, n;
+  const ckpt_stored_t *running[AHEAD_THREADS];
+  bool started;
+  uint32_t threads; /* started */
+} ahead = {.lock = PTHREAD_MUTEX_INITIALIZER,
+           .work = PTHREAD_COND_INITIALIZER,
+           .idle = PTHREAD_COND_INITIALIZER};
+
+static void *ahead_main(void *arg) {
+  uintptr_t me = (uintptr_t)arg;
+  pthread_mutex_lock(&ahead.lock);
+  for (;;) {
+    while (ahead.n == 0)
+      pthread_cond_wait(&ahead.work, &ahead.lock);
+    const ckpt_stored_t *s = ahead.q[ahead.head].s;
+    uint32_t i = ahead.q[ahead.head].i;
+    ahead.head = (ahead.head + 1) % AHEAD_QUEUE;
+    ahead.n--;
+    ahead.running[me] = s;
+    pthread_mutex_unlock(&ahead.lock);
+    verify_item(s, i);
+    pthread_mutex_lock(&ahead.lock);
+    ahead.running[me] = NULL;
+    pthread_cond_broadcast(&ahead.idle);
+  }
+  return NULL;
+}
+
+/* The threads, at the first use (ahead.lock held): false if none. */
+static bool ahead_start(void) {
+  if (!ahead.started) {
+    ahead.started = true;
+    for (uintptr_t k = 0; k < AHEAD_THREADS; k++) {
+      pthread_t t;
+      if (pthread_create(&t, NULL, ahead_main, (void *)k) == 0) {
+        pthread_detach(t);
+        ahead.threads++;
+      }
+    }
+  }
+  return ahead.threads > 0; /* else the reads check each chunk */
+}
+
+/* s goes away: none of its checks may stay queued or running. */
+static void ahead_forget(const ckpt_stored_t *s) {
+  pthread_mutex_lock(&ahead.lock);
+  uint32_t kept = 0;
+  for (uint32_t k = 0; k < ahead.n; k++) {
+    uint32_t from = (ahead.head + k) % AHEAD_QUEUE;
+    if (ahead.q[from].s != s)
+      ahead.q[(ahead.head + kept++) % AHEAD_QUEUE] = ahead.q[from];
+  }
+  ahead.n = kept;
+  for (;;) {
+    bool busy = false;
+    for (int k = 0; k < AHEAD_THREADS; k++)
+      busy |= ahead.running[k] == s;
+    if (!busy)
+      break;
+    pthread_cond_wait(&ahead.idle, &ahead.lock);
+  }
+  pthread_mutex_unlock(&ahead.lock);
+}
+
+/* A read touches item i: queue the unchecked items of its data file that
+ * follow it, up to AHEAD_BYTES past its end (again when the reader has
+ * gone half of that). */
+static void ahead_of(const ckpt_stored_t *s, uint32_t i) {
+  const ckpt_metadata_t *m = s->meta;
+  item_loc_t l = item_loc(m, i);
+  struct ckpt_seen *f = find_seen(s, l.rank, l.file);
+  uint64_t end = l.pos + l.len;
+  if (!f || atomic_load(&f->ahead) >= end + AHEAD_BYTES / 2)
+    return;
+  pthread_mutex_lock(&ahead.lock);
+  uint64_t from = atomic_load(&f->ahead);
+  if (from < end)
+    from = end;
+  uint32_t lo = 0, hi = f->n_order; /* the first item at or after from */
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (item_loc(m, f->order[mid]).pos < from)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  uint64_t reach = from;
+  for (; lo < f->n_order && ahead_start(); lo++) {
+    uint32_t j = f->order[lo];
+    item_loc_t x = item_loc(m, j);
+    if (x.pos >= end + AHEAD_BYTES || ahead.n == AHEAD_QUEUE)
+      break;
+    if (atomic_load(&s->verified[j]) == CKPT_CHUNK_UNCHECKED) {
+      ahead.q[(ahead.head + ahead.n++) % AHEAD_QUEUE].s = s;
+      ahead.q[(ahead.head + ahead.n - 1) % AHEAD_QUEUE].i = j;
+      pthread_cond_signal(&ahead.work);
+    }
+    reach = x.pos + x.len;
+  }
+  if (lo == f->n_order)
+    reach = UINT64_MAX; /* all of the file */
+  if (reach > atomic_load(&f->ahead))
+    atomic_store(&f->ahead, reach);
+  pthread_mutex_unlock(&ahead.lock);
+}
+
 /* Same as it was when last seen? Records what st says of it now. */
 static bool seen_same(struct ckpt_seen *f, const struct stat *st) {
   pthread_mutex_lock(&seen_lock);
@@ -412,6 +604,7 @@ static bool seen_same(struct ckpt_seen *f, const struct stat *st) {
 static void unverify_file(const ckpt_stored_t *s, struct ckpt_seen *f) {
   const ckpt_metadata_t *m = s->meta;
   atomic_fetch_add(&f->gen, 1);
+  atomic_store(&f->ahead, 0);
   uint32_t n = m->n_chunks + m->n_blobs;
   for (uint32_t i = 0; i < n; i++) {
     int64_t key = i < m->n_chunks
@@ -472,6 +665,7 @@ int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
     size = (size_t)(total - off);
   if (it.blob) {
     const ckpt_blob_meta_t *b = &m->blobs[it.i];
+    ahead_of(s, m->n_chunks + it.i);
     return verify_stored(s, m->n_chunks + it.i, b->fqn, b->rank, b->file,
                          b->file_offset, b->length, b->checksum);
   }
@@ -480,6 +674,7 @@ int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
     const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
     if (!chunk_touches(t, c, off, size))
       continue;
+    ahead_of(s, t->first_chunk + i);
     int rc = verify_stored(s, t->first_chunk + i, t->fqn, c->rank, c->file,
                            c->file_offset, c->length, c->checksum);
     if (rc)
@@ -556,6 +751,8 @@ static int gather_piece(void *arg, const ckpt_piece_t *p) {
     return -EIO;
   int rc;
   if (!g->have_fd) {
+    if (g->s->verified)
+      ahead_of(g->s, g->ci);
     if (g->s->verified &&
         (rc = verify_stored(g->s, g->ci, g->t->fqn, c->rank, c->file,
                             c->file_offset, c->length, c->checksum)))
