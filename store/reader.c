@@ -168,11 +168,11 @@ int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
 }
 
 void ckpt_stored_destroy(ckpt_stored_t *s) {
+  ahead_forget(s); /* first: its checks use all of s */
   if (s->cache)
     ckpt__fdcache_forget(s->cache, s->id);
   free((void *)s->verified);
   s->verified = NULL;
-  ahead_forget(s);
   if (s->seen)
     free(s->seen[0].order);
   free(s->seen);

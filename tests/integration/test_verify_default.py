@@ -6,16 +6,24 @@ mmap of the tensor file and for the `safetensors` package, which mmaps the
 view), and through them ckptfs.load and ckptfs.dcp.Reader fail; a data
 file changed on disk after its chunks were verified and served (written in
 place, or replaced by a rename) is verified again at the next open, and
-its bytes served again once they are right; -o verify=0 serves the bytes.
+its bytes served again once they are right; readers racing a process
+that rewrites the data files (checks ahead of the reader, waits for a
+chunk being hashed, resets) get EIO or the bytes, and the right bytes
+once the files are put right (the ThreadSanitizer build runs this too);
+-o verify=0 serves the bytes.
 
     python3 tests/integration/test_verify_default.py --bin build/bin/ckptfs
 """
 
 import errno
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckptfs_util import CkptfsTestCase, commit, main, read_all, write_tensor  # noqa: E402
@@ -78,11 +86,11 @@ with open(sys.argv[1], "rb") as f:
 
 
 def chunks(backing, name, fqn):
-    """[(file, file_offset, length)] of fqn's chunks."""
+    """[(file, file_offset, length)] of fqn's chunks (fqn None: all)."""
     db = sqlite3.connect(f"file:{os.path.join(backing, name, '.metadata')}?mode=ro", uri=True)
     try:
-        return db.execute("SELECT file, file_offset, length FROM chunks WHERE fqn = ?",
-                          (fqn,)).fetchall()
+        return db.execute("SELECT file, file_offset, length FROM chunks WHERE ? IS NULL OR "
+                          "fqn = ?", (fqn, fqn)).fetchall()
     finally:
         db.close()
 
@@ -165,6 +173,66 @@ class VerifyDefault(CkptfsTestCase):
         os.rename(tmp, path)                             # a new inode, same name
         self.assertErrno(errno.EIO, read_all, self.ck("renamed", "w"))
         self.assertIn("changed on disk since its chunks were checked", self.daemon_log())
+
+    def test_readers_racing_changes(self):
+        self.mount()
+        os.mkdir(self.ck("r"))
+        want = [write_tensor(self.ck("r", f"t{i}"), "float32", [512, 1024], os.urandom(2 * MiB))
+                for i in range(6)]
+        commit(self.ck("r"))
+        self.mounts[-1].stop()
+        self.mount()  # nothing checked yet
+        rows = chunks(self.backing, "r", None)
+        files = sorted({f for f, _, _ in rows})
+        keep = os.path.join(self.dir, "pristine")
+        os.mkdir(keep)
+        for f in files:
+            shutil.copy(self.bk("r", f), os.path.join(keep, f))
+        stop = time.monotonic() + 5
+        seen = {"eio": 0, "read": 0}
+
+        def reader(seed):
+            rnd = random.Random(seed)
+            while time.monotonic() < stop:
+                i = rnd.randrange(len(want))
+                off = rnd.randrange(len(want[i]))
+                try:
+                    fd = os.open(self.ck("r", f"t{i}"), os.O_RDONLY)
+                    try:
+                        got = os.pread(fd, 1 << 20, off)
+                    finally:
+                        os.close(fd)
+                    self.assertEqual(len(got), min(1 << 20, len(want[i]) - off))
+                    seen["read"] += 1
+                except OSError as e:
+                    self.assertEqual(e.errno, errno.EIO)
+                    seen["eio"] += 1
+
+        def changer():
+            rnd = random.Random(1)
+            while time.monotonic() < stop:
+                f, off, ln = rnd.choice(rows)
+                if rnd.random() < 0.5:
+                    flip(self.bk("r", f), off + rnd.randrange(ln))
+                else:  # a copy of what it holds now, renamed over it
+                    shutil.copy(self.bk("r", f), self.bk("r", f + ".tmp"))
+                    os.rename(self.bk("r", f + ".tmp"), self.bk("r", f))
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        threads.append(threading.Thread(target=changer))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for f in files:  # put right, by a rename
+            shutil.copy(os.path.join(keep, f), self.bk("r", f + ".tmp"))
+            os.rename(self.bk("r", f + ".tmp"), self.bk("r", f))
+        for i, data in enumerate(want):
+            self.assertEqual(read_all(self.ck("r", f"t{i}")), data, f"t{i}")
+        self.assertGreater(seen["eio"], 0, seen)
+        self.assertGreater(seen["read"], 0, seen)
+        print(f"\n  racing reads: {seen}", file=sys.stderr)
 
     def test_verify_0_serves_the_bytes(self):
         self.mount("verify=0")
