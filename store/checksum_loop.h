@@ -8,18 +8,25 @@
 #define CKPT_CHECKSUM_LOOP_H
 
 #include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #define VERIFY_READ ((size_t)1 << 20)
 
-static int checksum_loop(int fd, uint64_t off, uint64_t len, uint64_t *out) {
+static int checksum_loop(int fd, uint64_t off, uint64_t len, uint64_t *out,
+                         const _Atomic bool *stop) {
   XXH3_state_t *st = XXH3_createState();
   uint8_t *buf = malloc(VERIFY_READ);
   int rc = st && buf && XXH3_64bits_reset(st) == XXH_OK ? 0 : -ENOMEM;
   uint64_t done = 0;
   while (rc == 0 && done < len) {
+    if (stop && atomic_load(stop)) {
+      rc = -ECANCELED;
+      break;
+    }
     size_t want = len - done < VERIFY_READ ? (size_t)(len - done) : VERIFY_READ;
     ssize_t r = pread(fd, buf, want, (off_t)(off + done));
     if (r < 0 && errno == EINTR)

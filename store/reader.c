@@ -374,6 +374,10 @@ static void wait_checked(const ckpt_stored_t *s, uint32_t i) {
   pthread_mutex_unlock(&check_lock);
 }
 
+/* In a thread checking ahead of the reader: set when the checkpoint goes
+ * (ahead_forget), so that its check stops within one read. */
+static _Thread_local const _Atomic bool *hash_stop;
+
 /* Hash a chunk or blob: 0, 1 when damaged (logged), or -errno (the data
  * file cannot be opened or read: not known to be damaged). */
 static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
@@ -384,7 +388,7 @@ static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
   if (rc)
     return rc;
   uint64_t got = 0;
-  rc = ckpt__stored_checksum(ref.fd, pos, len, &got);
+  rc = ckpt__stored_checksum_stop(ref.fd, pos, len, &got, hash_stop);
   ckpt_fdref_put(&ref);
   if (rc == -ENODATA || (rc == 0 && got != want)) {
     char name[64];
@@ -478,6 +482,7 @@ static struct {
   } q[AHEAD_QUEUE];
   uint32_t head, n;
   const ckpt_stored_t *running[AHEAD_THREADS];
+  _Atomic bool stop[AHEAD_THREADS]; /* running[k] is going: give up */
   bool started;
   uint32_t threads; /* started */
 } ahead = {.lock = PTHREAD_MUTEX_INITIALIZER,
@@ -486,6 +491,7 @@ static struct {
 
 static void *ahead_main(void *arg) {
   uintptr_t me = (uintptr_t)arg;
+  hash_stop = &ahead.stop[me];
   pthread_mutex_lock(&ahead.lock);
   for (;;) {
     while (ahead.n == 0)
@@ -499,6 +505,7 @@ static void *ahead_main(void *arg) {
     verify_item(s, i);
     pthread_mutex_lock(&ahead.lock);
     ahead.running[me] = NULL;
+    atomic_store(&ahead.stop[me], false);
     pthread_cond_broadcast(&ahead.idle);
   }
   return NULL;
@@ -532,7 +539,10 @@ static void ahead_forget(const ckpt_stored_t *s) {
   for (;;) {
     bool busy = false;
     for (int k = 0; k < AHEAD_THREADS; k++)
-      busy |= ahead.running[k] == s;
+      if (ahead.running[k] == s) {
+        atomic_store(&ahead.stop[k], true);
+        busy = true;
+      }
     if (!busy)
       break;
     pthread_cond_wait(&ahead.idle, &ahead.lock);

@@ -71,6 +71,10 @@ int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends
  * first, or -errno of the read (verify.c). */
 int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
+/* The same, given up (-ECANCELED) once *stop is set (checked between
+ * reads of 1 MiB); stop may be NULL. */
+int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,
+                               uint64_t *out, const _Atomic bool *stop);
 
 /* ------------------------------------------------------------------------
  * Layout (layout.c).

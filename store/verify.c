@@ -9,13 +9,18 @@
 
 #ifdef CKPT_XXH3_AVX2
 int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
-                               uint64_t *out);
+                               uint64_t *out, const _Atomic bool *stop);
 #endif
 
-int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out) {
+int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,
+                               uint64_t *out, const _Atomic bool *stop) {
 #ifdef CKPT_XXH3_AVX2
   if (__builtin_cpu_supports("avx2"))
-    return ckpt__stored_checksum_avx2(fd, off, len, out);
+    return ckpt__stored_checksum_avx2(fd, off, len, out, stop);
 #endif
-  return checksum_loop(fd, off, len, out);
+  return checksum_loop(fd, off, len, out, stop);
+}
+
+int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out) {
+  return ckpt__stored_checksum_stop(fd, off, len, out, NULL);
 }

@@ -14,10 +14,10 @@
 #include "checksum_loop.h"
 
 int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
-                               uint64_t *out);
+                               uint64_t *out, const _Atomic bool *stop);
 int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
-                               uint64_t *out) {
-  return checksum_loop(fd, off, len, out);
+                               uint64_t *out, const _Atomic bool *stop) {
+  return checksum_loop(fd, off, len, out, stop);
 }
 #else
 typedef int ckpt_no_avx2_t; /* not an empty translation unit */
