@@ -721,6 +721,9 @@ int ckpt__views_attach(ckpt_fs_t *fs, ckpt_ckpt_t *ck);
 /* Fill view directory vroot at its first lookup. fs->lock held. */
 int ckpt__views_populate(ckpt_fs_t *fs, ckpt_node_t *vroot);
 void ckpt__views_free(struct ckpt_views *v);
+/* The tensors of view file n (a .safetensors shard, CKPT_NODE_VST), in
+ * file order: their count, *out pointing to their indices. */
+size_t ckpt__view_shard_tensors(const ckpt_node_t *n, const size_t **out);
 /* st_size of a view file. fs->lock held. */
 uint64_t ckpt__view_size(const ckpt_node_t *n);
 /* Serve a read of view file n (replies to req). */

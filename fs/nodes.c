@@ -311,12 +311,13 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (--ck->refs)
     return;
   assert(!ck->save);
+  /* The reader first: its checks ahead of the reader use meta. */
+  if (ck->has_stored)
+    ckpt_stored_destroy(&ck->stored);
   if (ck->meta) {
     ckpt_metadata_free(ck->meta);
     free(ck->meta);
   }
-  if (ck->has_stored)
-    ckpt_stored_destroy(&ck->stored);
   ckpt__views_free(ck->views);
   free(ck->removed);
   free(ck->reason);

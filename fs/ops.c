@@ -1432,52 +1432,62 @@ static int by_rank_file(const void *a, const void *b) {
 }
 
 /* Hold open the data files that committed item node n reads (a tensor,
- * its .npy view or a block file: its chunks' files; a blob: its file), so
- * that this handle reads the bytes it was opened on for as long as it is
- * open, even after the checkpoint was replaced (replace=) or removed by
- * another mount: the files may go from BACKING_DIR, the open descriptors
- * keep them. Best effort: a file that cannot be opened now is not held
- * (the read reports it). */
+ * its .npy view or a block file: its chunks' files; a blob: its file; a
+ * file of the .safetensors view: the files of its tensors), so that this
+ * handle reads the bytes it was opened on for as long as it is open, even
+ * after the checkpoint was replaced (replace=) or removed by another
+ * mount: the files may go from BACKING_DIR, the open descriptors keep
+ * them. Best effort: a file that cannot be opened now is not held (the
+ * read reports it). With verify, each is compared with the file its
+ * chunks were checked on (one fstat): changed on disk, they are checked
+ * again. */
 static void pin_files(handle_t *h, const ckpt_node_t *n) {
   const ckpt_ckpt_t *ck = n->ck;
   if (!ck->has_stored || !ck->meta)
     return;
   const ckpt_metadata_t *m = ck->meta;
-  uint32_t first = 0, count = 0;
-  int64_t one;
+  const size_t *tensors = NULL;
+  size_t nt = 0, one = 0;
+  uint32_t count = 0;
   if (n->kind == CKPT_NODE_CBLOB) {
-    const ckpt_blob_meta_t *b = &m->blobs[n->u.blob];
-    one = (int64_t)b->rank << 32 | b->file;
     count = 1;
   } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_VNPY ||
              n->kind == CKPT_NODE_CBLOCK) {
-    uint32_t t = n->kind == CKPT_NODE_CBLOCK ? n->u.block->tensor : n->u.tensor;
-    first = m->tensors[t].first_chunk;
-    count = m->tensors[t].n_chunks;
+    one = n->kind == CKPT_NODE_CBLOCK ? n->u.block->tensor : n->u.tensor;
+    tensors = &one, nt = 1;
+  } else if (n->kind == CKPT_NODE_VST) {
+    nt = ckpt__view_shard_tensors(n, &tensors);
   }
-  if (count == 0)
-    return;
-  int64_t *keys = count == 1 && n->kind == CKPT_NODE_CBLOB
-                      ? &one
-                      : malloc(count * sizeof(*keys));
+  for (size_t j = 0; j < nt; j++)
+    count += m->tensors[tensors[j]].n_chunks;
+  int64_t *keys = count ? malloc(count * sizeof(*keys)) : NULL;
   if (!keys)
     return;
-  if (keys != &one)
-    for (uint32_t i = 0; i < count; i++)
-      keys[i] = (int64_t)m->chunks[first + i].rank << 32 |
-                m->chunks[first + i].file;
+  if (n->kind == CKPT_NODE_CBLOB) {
+    const ckpt_blob_meta_t *b = &m->blobs[n->u.blob];
+    keys[0] = (int64_t)b->rank << 32 | b->file;
+  }
+  uint32_t at = 0;
+  for (size_t j = 0; j < nt; j++) {
+    const ckpt_tensor_meta_t *t = &m->tensors[tensors[j]];
+    for (uint32_t i = 0; i < t->n_chunks; i++) {
+      const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
+      keys[at++] = (int64_t)c->rank << 32 | c->file;
+    }
+  }
   qsort(keys, count, sizeof(*keys), by_rank_file);
   uint32_t distinct = 0;
   for (uint32_t i = 0; i < count; i++)
     if (i == 0 || keys[i] != keys[i - 1])
       keys[distinct++] = keys[i];
   h->pins = calloc(distinct, sizeof(*h->pins));
-  for (uint32_t i = 0; h->pins && i < distinct; i++)
-    if (ckpt_stored_fd(&ck->stored, (int32_t)(keys[i] >> 32),
-                       (uint32_t)keys[i], &h->pins[h->npins]) == 0)
-      h->npins++;
-  if (keys != &one)
-    free(keys);
+  for (uint32_t i = 0; h->pins && i < distinct; i++) {
+    int32_t rank = (int32_t)(keys[i] >> 32);
+    uint32_t k = (uint32_t)keys[i];
+    if (ckpt_stored_fd(&ck->stored, rank, k, &h->pins[h->npins]) == 0)
+      ckpt_stored_recheck(&ck->stored, rank, k, &h->pins[h->npins++]);
+  }
+  free(keys);
 }
 
 static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {

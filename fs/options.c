@@ -92,8 +92,10 @@ void ckpt__opts_help(void) {
       "their bytes\n"
       "                          never pass through the daemon (default: 0)\n"
       "  -o verify=0|1           check each chunk's XXH3-64 before a read "
-      "serves it;\n"
-      "                          EIO on a mismatch (default: 0)\n"
+      "first serves it\n"
+      "                          (again after its data file changed); EIO on "
+      "a mismatch\n"
+      "                          (default: 1)\n"
       "  -o replica_check=error|warn|off\n"
       "                          replicas of one chunk that differ between "
       "ranks (default: error)\n"
@@ -331,6 +333,7 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   o->readahead = (uint64_t)16 << 20;
   o->sync_files = true;
   o->direct_reads = true;
+  o->verify = true;
   o->replica_check = CKPT_REPLICA_ERROR;
   o->safetensors_shard = UINT64_C(5000000000); /* save_pretrained's "5GB" */
   parse_state_t ps = {.o = o};

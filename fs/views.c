@@ -267,6 +267,13 @@ uint64_t ckpt__view_size(const ckpt_node_t *n) {
   }
 }
 
+size_t ckpt__view_shard_tensors(const ckpt_node_t *n, const size_t **out) {
+  const ckpt_st_plan_t *p = &n->ck->views->plan;
+  const ckpt_st_shard_t *sh = &p->shards[n->u.shard];
+  *out = p->order + sh->first;
+  return sh->count;
+}
+
 /* Read [off, off+size) of tensor i into buf (the range lies inside it). */
 static int tensor_read(ckpt_ckpt_t *ck, uint32_t i, char *buf,
                        size_t size, uint64_t off) {

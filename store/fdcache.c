@@ -30,6 +30,8 @@ struct ckpt_fdent {
   uint32_t k;
   int fd;
   uint32_t refs;
+  bool stale;        /* replaced (ckpt__fdcache_reopen): in no chain nor
+                        list, closed at its last put */
   struct ckpt_fdent *hnext;            /* hash chain */
   struct ckpt_fdent *lprev, *lnext;    /* LRU list of unused entries */
 };
@@ -227,6 +229,8 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   }
   if (fd < 0)
     return fd;
+  if (s->seen)
+    ckpt__stored_seen(s, rank, k, fd);
   struct ckpt_fdent *e = calloc(1, sizeof(*e));
   if (!e) {
     close(fd);
@@ -262,7 +266,11 @@ void ckpt_fdref_put(ckpt_fdref_t *ref) {
   ckpt_fdcache_t *c = ref->c;
   pthread_mutex_lock(&c->lock);
   struct ckpt_fdent *e = ref->e;
-  if (--e->refs == 0) {
+  if (--e->refs == 0 && e->stale) {
+    close(e->fd);
+    free(e);
+    c->n--;
+  } else if (e->refs == 0) {
     lru_push(c, e);
     if (c->n > c->cap)
       drop(c, e);
@@ -270,4 +278,56 @@ void ckpt_fdref_put(ckpt_fdref_t *ref) {
   pthread_mutex_unlock(&c->lock);
   ref->e = NULL;
   ref->fd = -1;
+}
+
+int ckpt__fdcache_reopen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         ckpt_fdref_t *ref) {
+  ckpt_fdcache_t *c = s->cache;
+  int fd = open_data_file(s, c->backing_fd, rank, k);
+  if (fd < 0)
+    return fd;
+  struct stat now, was;
+  if (fstat(fd, &now) || fstat(ref->fd, &was) ||
+      (now.st_dev == was.st_dev && now.st_ino == was.st_ino)) {
+    close(fd);
+    return 0;
+  }
+  struct ckpt_fdent *e = calloc(1, sizeof(*e));
+  if (!e) {
+    close(fd);
+    return -ENOMEM;
+  }
+  e->id = s->id, e->rank = rank, e->k = k, e->fd = fd, e->refs = 1;
+  pthread_mutex_lock(&c->lock);
+  struct ckpt_fdent *old = ref->e;
+  if (!old->stale) { /* out of its chain: lookups find the new one */
+    struct ckpt_fdent **p = &c->hash[bucket(c, old->id, old->rank, old->k)];
+    while (*p && *p != old)
+      p = &(*p)->hnext;
+    if (*p)
+      *p = old->hnext;
+    old->hnext = NULL;
+    old->stale = true;
+  }
+  size_t b = bucket(c, s->id, rank, k);
+  struct ckpt_fdent *o = c->hash[b];
+  while (o && !(o->id == s->id && o->rank == rank && o->k == k))
+    o = o->hnext;
+  if (o) { /* another thread reopened it meanwhile: use that one */
+    if (o->refs++ == 0)
+      lru_remove(c, o);
+    close(fd);
+    free(e);
+    e = o;
+  } else {
+    e->hnext = c->hash[b];
+    c->hash[b] = e;
+    c->n++;
+  }
+  pthread_mutex_unlock(&c->lock);
+  ckpt_fdref_put(ref);
+  ref->fd = e->fd;
+  ref->e = e;
+  ref->c = c;
+  return 1;
 }

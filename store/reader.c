@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,119 @@
 #include "failpoint.h"
 #include "metadb.h"
 #include "store_int.h"
+
+/* A data file as its chunks were checked (verify): what an fstat says of
+ * it then. gen counts the changes seen, so that a check that ran across
+ * one does not count. */
+struct ckpt_seen {
+  int64_t key; /* rank << 32 | file */
+  _Atomic uint32_t gen;
+  uint32_t *order;    /* its chunks and blobs (indices into verified), by
+                         file offset; seen[0].order holds them all */
+  uint32_t n_order;
+  _Atomic uint64_t ahead; /* checks handed to the ahead threads reach this
+                             file offset (ahead_lock) */
+  bool known;  /* the rest (under seen_lock) */
+  dev_t dev;
+  ino_t ino;
+  off_t size;
+  struct timespec mtime, ctime;
+};
+
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t file_key(int32_t rank, uint32_t file) {
+  return (int64_t)rank << 32 | file;
+}
+
+static int by_key(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = ((const struct ckpt_seen *)b)->key;
+  return (x > y) - (x < y);
+}
+
+/* Where chunk (i < n_chunks) or blob (i - n_chunks) i of m is. */
+typedef struct {
+  const char *fqn;
+  int32_t rank;
+  uint32_t file;
+  uint64_t pos, len, want;
+} item_loc_t;
+
+static item_loc_t item_loc(const ckpt_metadata_t *m, uint32_t i) {
+  if (i < m->n_chunks) {
+    const ckpt_chunk_meta_t *c = &m->chunks[i];
+    return (item_loc_t){m->tensors[c->tensor].fqn, c->rank, c->file,
+                        c->file_offset, c->length, c->checksum};
+  }
+  const ckpt_blob_meta_t *b = &m->blobs[i - m->n_chunks];
+  return (item_loc_t){b->fqn, b->rank, b->file, b->file_offset, b->length,
+                      b->checksum};
+}
+
+typedef struct {
+  int64_t key;
+  uint64_t pos;
+  uint32_t i;
+} item_key_t;
+
+static int by_file_pos(const void *a, const void *b) {
+  const item_key_t *x = a, *y = b;
+  if (x->key != y->key)
+    return (x->key > y->key) - (x->key < y->key);
+  return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+/* One ckpt_seen per data file that a chunk or blob of meta is in, with
+ * its items in file order. */
+static int seen_init(ckpt_stored_t *s, const ckpt_metadata_t *meta) {
+  uint32_t n = meta->n_chunks + meta->n_blobs;
+  item_key_t *items = malloc((n ? n : 1) * sizeof(*items));
+  uint32_t *order = malloc((n ? n : 1) * sizeof(*order));
+  if (!items || !order) {
+    free(items);
+    free(order);
+    return -ENOMEM;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    item_loc_t l = item_loc(meta, i);
+    items[i] = (item_key_t){file_key(l.rank, l.file), l.pos, i};
+  }
+  qsort(items, n, sizeof(*items), by_file_pos);
+  uint32_t d = 0;
+  for (uint32_t i = 0; i < n; i++)
+    if (i == 0 || items[i].key != items[i - 1].key)
+      d++;
+  s->seen = calloc(d ? d : 1, sizeof(*s->seen));
+  if (!s->seen) {
+    free(items);
+    free(order);
+    return -ENOMEM;
+  }
+  struct ckpt_seen *f = NULL;
+  for (uint32_t i = 0; i < n; i++) {
+    if (i == 0 || items[i].key != items[i - 1].key) {
+      f = f ? f + 1 : s->seen;
+      f->key = items[i].key;
+      f->order = order + i;
+    }
+    order[i] = items[i].i;
+    f->n_order++;
+  }
+  if (!d)
+    s->seen->order = order; /* freed with it */
+  s->n_seen = d;
+  free(items);
+  return 0;
+}
+
+static struct ckpt_seen *find_seen(const ckpt_stored_t *s, int32_t rank,
+                                   uint32_t file) {
+  int64_t key = file_key(rank, file);
+  return s->seen ? bsearch(&key, s->seen, s->n_seen, sizeof(*s->seen), by_key)
+                 : NULL;
+}
+
+static void ahead_forget(const ckpt_stored_t *s);
 
 int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
                      const char *name, int dirfd, const ckpt_metadata_t *meta,
@@ -45,18 +159,24 @@ int ckpt_stored_init(ckpt_stored_t *s, ckpt_fdcache_t *cache,
   s->meta = meta;
   s->cache = cache;
   if (verify &&
-      !(s->verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
-                             sizeof(*s->verified))))
+      (!(s->verified = calloc((size_t)meta->n_chunks + meta->n_blobs + 1,
+                              sizeof(*s->verified))) ||
+       seen_init(s, meta)))
     return -ENOMEM;
   s->id = ckpt__fdcache_new_id(cache);
   return 0;
 }
 
 void ckpt_stored_destroy(ckpt_stored_t *s) {
+  ahead_forget(s); /* first: its checks use all of s */
   if (s->cache)
     ckpt__fdcache_forget(s->cache, s->id);
   free((void *)s->verified);
   s->verified = NULL;
+  if (s->seen)
+    free(s->seen[0].order);
+  free(s->seen);
+  s->seen = NULL;
   s->cache = NULL;
 }
 
@@ -235,19 +355,40 @@ uint64_t ckpt_store_verify_failures(void) {
   return atomic_load_explicit(&verify_failures, memory_order_relaxed);
 }
 
-/* Check stored chunk or blob i of s (verified[i]) once: 0 or -EIO. */
-static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
-                         int32_t rank, uint32_t file, uint64_t pos,
-                         uint64_t len, uint64_t want) {
-  uint8_t known = atomic_load(&s->verified[i]);
-  if (known != CKPT_CHUNK_UNCHECKED)
-    return known == CKPT_CHUNK_GOOD ? 0 : -EIO;
+/* Verdicts are published under check_lock, so that the threads waiting
+ * for a chunk another one is hashing (CHECKING) wake up. */
+static pthread_mutex_t check_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t check_done = PTHREAD_COND_INITIALIZER;
+
+static void set_state(const ckpt_stored_t *s, uint32_t i, uint8_t v) {
+  pthread_mutex_lock(&check_lock);
+  atomic_store(&s->verified[i], v);
+  pthread_cond_broadcast(&check_done);
+  pthread_mutex_unlock(&check_lock);
+}
+
+static void wait_checked(const ckpt_stored_t *s, uint32_t i) {
+  pthread_mutex_lock(&check_lock);
+  while (atomic_load(&s->verified[i]) == CKPT_CHUNK_CHECKING)
+    pthread_cond_wait(&check_done, &check_lock);
+  pthread_mutex_unlock(&check_lock);
+}
+
+/* In a thread checking ahead of the reader: set when the checkpoint goes
+ * (ahead_forget), so that its check stops within one read. */
+static _Thread_local const _Atomic bool *hash_stop;
+
+/* Hash a chunk or blob: 0, 1 when damaged (logged), or -errno (the data
+ * file cannot be opened or read: not known to be damaged). */
+static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
+                       uint32_t file, uint64_t pos, uint64_t len,
+                       uint64_t want) {
   ckpt_fdref_t ref;
   int rc = stored_fd(s, rank, file, &ref);
   if (rc)
     return rc;
   uint64_t got = 0;
-  rc = ckpt__stored_checksum(ref.fd, pos, len, &got);
+  rc = ckpt__stored_checksum_stop(ref.fd, pos, len, &got, hash_stop);
   ckpt_fdref_put(&ref);
   if (rc == -ENODATA || (rc == 0 && got != want)) {
     char name[64];
@@ -260,17 +401,266 @@ static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
       ckpt__log("%s: %s: rank %d, %s at %" PRIu64 ": checksum %016" PRIx64
                 ", stored %016" PRIx64, s->name, fqn, rank, name, pos, got,
                 want);
-    /* counted once per chunk: the first read that finds it bad */
-    uint8_t unchecked = CKPT_CHUNK_UNCHECKED;
-    if (atomic_compare_exchange_strong(&s->verified[i], &unchecked,
-                                       CKPT_CHUNK_BAD))
-      atomic_fetch_add_explicit(&verify_failures, 1, memory_order_relaxed);
-    return -EIO;
+    return 1;
   }
-  if (rc)
-    return rc; /* a read error: not known bad, try again next time */
-  atomic_store(&s->verified[i], CKPT_CHUNK_GOOD);
-  return 0;
+  return rc;
+}
+
+/* Check stored chunk or blob i of s (verified[i]) once, and again after
+ * its data file changed (ckpt_stored_recheck): 0 or -EIO. One thread
+ * hashes, the others wait for its verdict. A change of the file seen while
+ * hashing makes the verdict void: checked again. */
+static int verify_stored(const ckpt_stored_t *s, uint32_t i, const char *fqn,
+                         int32_t rank, uint32_t file, uint64_t pos,
+                         uint64_t len, uint64_t want) {
+  struct ckpt_seen *f = NULL;
+  for (;;) {
+    uint8_t known = atomic_load(&s->verified[i]);
+    if (known == CKPT_CHUNK_GOOD)
+      return 0;
+    if (known == CKPT_CHUNK_BAD)
+      return -EIO;
+    if (known == CKPT_CHUNK_CHECKING) {
+      wait_checked(s, i);
+      continue;
+    }
+    if (!f)
+      f = find_seen(s, rank, file);
+    uint32_t gen = f ? atomic_load(&f->gen) : 0;
+    uint8_t unchecked = CKPT_CHUNK_UNCHECKED;
+    if (!atomic_compare_exchange_strong(&s->verified[i], &unchecked,
+                                        CKPT_CHUNK_CHECKING))
+      continue;
+    int rc = hash_stored(s, fqn, rank, file, pos, len, want);
+    bool moved = f && atomic_load(&f->gen) != gen;
+    set_state(s, i, moved || rc < 0 ? CKPT_CHUNK_UNCHECKED
+                    : rc              ? CKPT_CHUNK_BAD
+                                      : CKPT_CHUNK_GOOD);
+    if (moved)
+      continue;
+    if (rc == 1) { /* counted once per chunk and change of its file */
+      atomic_fetch_add_explicit(&verify_failures, 1, memory_order_relaxed);
+      return -EIO;
+    }
+    if (rc)
+      return rc; /* a read error: not known bad, try again next time */
+    /* A change seen after the test above: its reset may have run before
+     * the verdict was set. */
+    uint8_t good = CKPT_CHUNK_GOOD;
+    if (f && atomic_load(&f->gen) != gen &&
+        atomic_compare_exchange_strong(&s->verified[i], &good,
+                                       CKPT_CHUNK_UNCHECKED))
+      continue;
+    return 0;
+  }
+}
+
+static int verify_item(const ckpt_stored_t *s, uint32_t i) {
+  item_loc_t l = item_loc(s->meta, i);
+  return verify_stored(s, i, l.fqn, l.rank, l.file, l.pos, l.len, l.want);
+}
+
+/* ----- Checks ahead of the reader -----
+ * A load reads a data file's chunks in about the order they were written.
+ * Hashing a chunk at its first read would stall the reader for the time
+ * it takes (a pread of the whole chunk and XXH3: the copy out of the page
+ * cache bounds it); instead, when a read touches a chunk, the chunks that
+ * follow it in its data file, up to AHEAD_BYTES, are handed to
+ * AHEAD_THREADS threads, which check them while the reader is served (a
+ * read that reaches one still being hashed waits for its verdict). */
+#define AHEAD_BYTES ((uint64_t)256 << 20)
+#define AHEAD_QUEUE 4096
+#define AHEAD_THREADS 2
+
+static struct {
+  pthread_mutex_t lock; /* protects everything below */
+  pthread_cond_t work;  /* a check was queued */
+  pthread_cond_t idle;  /* a check finished */
+  struct {
+    const ckpt_stored_t *s;
+    uint32_t i;
+  } q[AHEAD_QUEUE];
+  uint32_t head, n;
+  const ckpt_stored_t *running[AHEAD_THREADS];
+  _Atomic bool stop[AHEAD_THREADS]; /* running[k] is going: give up */
+  bool started;
+  uint32_t threads; /* started */
+} ahead = {.lock = PTHREAD_MUTEX_INITIALIZER,
+           .work = PTHREAD_COND_INITIALIZER,
+           .idle = PTHREAD_COND_INITIALIZER};
+
+static void *ahead_main(void *arg) {
+  uintptr_t me = (uintptr_t)arg;
+  hash_stop = &ahead.stop[me];
+  pthread_mutex_lock(&ahead.lock);
+  for (;;) {
+    while (ahead.n == 0)
+      pthread_cond_wait(&ahead.work, &ahead.lock);
+    const ckpt_stored_t *s = ahead.q[ahead.head].s;
+    uint32_t i = ahead.q[ahead.head].i;
+    ahead.head = (ahead.head + 1) % AHEAD_QUEUE;
+    ahead.n--;
+    ahead.running[me] = s;
+    pthread_mutex_unlock(&ahead.lock);
+    verify_item(s, i);
+    pthread_mutex_lock(&ahead.lock);
+    ahead.running[me] = NULL;
+    atomic_store(&ahead.stop[me], false);
+    pthread_cond_broadcast(&ahead.idle);
+  }
+  return NULL;
+}
+
+/* The threads, at the first use (ahead.lock held): false if none. */
+static bool ahead_start(void) {
+  if (!ahead.started) {
+    ahead.started = true;
+    for (uintptr_t k = 0; k < AHEAD_THREADS; k++) {
+      pthread_t t;
+      if (pthread_create(&t, NULL, ahead_main, (void *)k) == 0) {
+        pthread_detach(t);
+        ahead.threads++;
+      }
+    }
+  }
+  return ahead.threads > 0; /* else the reads check each chunk */
+}
+
+/* s goes away: none of its checks may stay queued or running. */
+static void ahead_forget(const ckpt_stored_t *s) {
+  pthread_mutex_lock(&ahead.lock);
+  uint32_t kept = 0;
+  for (uint32_t k = 0; k < ahead.n; k++) {
+    uint32_t from = (ahead.head + k) % AHEAD_QUEUE;
+    if (ahead.q[from].s != s)
+      ahead.q[(ahead.head + kept++) % AHEAD_QUEUE] = ahead.q[from];
+  }
+  ahead.n = kept;
+  for (;;) {
+    bool busy = false;
+    for (int k = 0; k < AHEAD_THREADS; k++)
+      if (ahead.running[k] == s) {
+        atomic_store(&ahead.stop[k], true);
+        busy = true;
+      }
+    if (!busy)
+      break;
+    pthread_cond_wait(&ahead.idle, &ahead.lock);
+  }
+  pthread_mutex_unlock(&ahead.lock);
+}
+
+/* A read touches item i: queue the unchecked items of its data file that
+ * follow it, up to AHEAD_BYTES past its end (again when the reader has
+ * gone half of that). */
+static void ahead_of(const ckpt_stored_t *s, uint32_t i) {
+  const ckpt_metadata_t *m = s->meta;
+  item_loc_t l = item_loc(m, i);
+  struct ckpt_seen *f = find_seen(s, l.rank, l.file);
+  uint64_t end = l.pos + l.len;
+  if (!f || atomic_load(&f->ahead) >= end + AHEAD_BYTES / 2)
+    return;
+  pthread_mutex_lock(&ahead.lock);
+  uint64_t from = atomic_load(&f->ahead);
+  if (from < end)
+    from = end;
+  uint32_t lo = 0, hi = f->n_order; /* the first item at or after from */
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (item_loc(m, f->order[mid]).pos < from)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  uint64_t reach = from;
+  for (; lo < f->n_order && ahead_start(); lo++) {
+    uint32_t j = f->order[lo];
+    item_loc_t x = item_loc(m, j);
+    if (x.pos >= end + AHEAD_BYTES || ahead.n == AHEAD_QUEUE)
+      break;
+    if (atomic_load(&s->verified[j]) == CKPT_CHUNK_UNCHECKED) {
+      ahead.q[(ahead.head + ahead.n++) % AHEAD_QUEUE].s = s;
+      ahead.q[(ahead.head + ahead.n - 1) % AHEAD_QUEUE].i = j;
+      pthread_cond_signal(&ahead.work);
+    }
+    reach = x.pos + x.len;
+  }
+  if (lo == f->n_order)
+    reach = UINT64_MAX; /* all of the file */
+  if (reach > atomic_load(&f->ahead))
+    atomic_store(&f->ahead, reach);
+  pthread_mutex_unlock(&ahead.lock);
+}
+
+/* Same as it was when last seen? Records what st says of it now. */
+static bool seen_same(struct ckpt_seen *f, const struct stat *st) {
+  pthread_mutex_lock(&seen_lock);
+  bool same = !f->known ||
+              (f->dev == st->st_dev && f->ino == st->st_ino &&
+               f->size == st->st_size &&
+               f->mtime.tv_sec == st->st_mtim.tv_sec &&
+               f->mtime.tv_nsec == st->st_mtim.tv_nsec &&
+               f->ctime.tv_sec == st->st_ctim.tv_sec &&
+               f->ctime.tv_nsec == st->st_ctim.tv_nsec);
+  f->known = true;
+  f->dev = st->st_dev, f->ino = st->st_ino, f->size = st->st_size;
+  f->mtime = st->st_mtim, f->ctime = st->st_ctim;
+  pthread_mutex_unlock(&seen_lock);
+  return same;
+}
+
+/* Data file f changed: every chunk and blob in it is checked again (one
+ * being hashed now sees gen move). */
+static void unverify_file(const ckpt_stored_t *s, struct ckpt_seen *f) {
+  const ckpt_metadata_t *m = s->meta;
+  atomic_fetch_add(&f->gen, 1);
+  atomic_store(&f->ahead, 0);
+  uint32_t n = m->n_chunks + m->n_blobs;
+  for (uint32_t i = 0; i < n; i++) {
+    int64_t key = i < m->n_chunks
+                      ? file_key(m->chunks[i].rank, m->chunks[i].file)
+                      : file_key(m->blobs[i - m->n_chunks].rank,
+                                 m->blobs[i - m->n_chunks].file);
+    if (key != f->key)
+      continue;
+    uint8_t v = CKPT_CHUNK_GOOD;
+    if (!atomic_compare_exchange_strong(&s->verified[i], &v,
+                                        CKPT_CHUNK_UNCHECKED) &&
+        v == CKPT_CHUNK_BAD)
+      atomic_compare_exchange_strong(&s->verified[i], &v,
+                                     CKPT_CHUNK_UNCHECKED);
+  }
+}
+
+static void compare_file(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         const struct stat *st) {
+  struct ckpt_seen *f = find_seen(s, rank, k);
+  if (!f || seen_same(f, st))
+    return;
+  char name[64];
+  ckpt_data_file_name(rank, k, name, sizeof(name));
+  ckpt__log("%s: %s changed on disk since its chunks were checked: checking "
+            "them again", s->name, name);
+  unverify_file(s, f);
+}
+
+void ckpt__stored_seen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                       int fd) {
+  struct stat st;
+  if (fstat(fd, &st) == 0)
+    compare_file(s, rank, k, &st);
+}
+
+void ckpt_stored_recheck(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         ckpt_fdref_t *ref) {
+  struct stat st;
+  if (!s->seen || fstat(ref->fd, &st))
+    return;
+  /* No link left: the name may hold another file now (a rename over it). */
+  if (st.st_nlink == 0 && ckpt__fdcache_reopen(s, rank, k, ref) == 1 &&
+      fstat(ref->fd, &st))
+    return;
+  compare_file(s, rank, k, &st);
 }
 
 int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
@@ -285,6 +675,7 @@ int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
     size = (size_t)(total - off);
   if (it.blob) {
     const ckpt_blob_meta_t *b = &m->blobs[it.i];
+    ahead_of(s, m->n_chunks + it.i);
     return verify_stored(s, m->n_chunks + it.i, b->fqn, b->rank, b->file,
                          b->file_offset, b->length, b->checksum);
   }
@@ -293,6 +684,7 @@ int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
     const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk + i];
     if (!chunk_touches(t, c, off, size))
       continue;
+    ahead_of(s, t->first_chunk + i);
     int rc = verify_stored(s, t->first_chunk + i, t->fqn, c->rank, c->file,
                            c->file_offset, c->length, c->checksum);
     if (rc)
@@ -369,6 +761,8 @@ static int gather_piece(void *arg, const ckpt_piece_t *p) {
     return -EIO;
   int rc;
   if (!g->have_fd) {
+    if (g->s->verified)
+      ahead_of(g->s, g->ci);
     if (g->s->verified &&
         (rc = verify_stored(g->s, g->ci, g->t->fqn, c->rank, c->file,
                             c->file_offset, c->length, c->checksum)))

@@ -71,6 +71,10 @@ int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends
  * first, or -errno of the read (verify.c). */
 int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
+/* The same, given up (-ECANCELED) once *stop is set (checked between
+ * reads of 1 MiB); stop may be NULL. */
+int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,
+                               uint64_t *out, const _Atomic bool *stop);
 
 /* ------------------------------------------------------------------------
  * Layout (layout.c).
@@ -205,14 +209,24 @@ typedef struct ckpt_stored {
   ckpt_fdcache_t *cache;      /* not owned */
   _Atomic uint8_t *verified;  /* with verify: CKPT_CHUNK_* of each chunk,
                                  then each blob; else NULL (owned) */
+  struct ckpt_seen *seen;     /* with verify: each data file as it was when
+                                 its chunks were checked, by (rank, file)
+                                 (owned, n_seen; reader.c) */
+  uint32_t n_seen;
 } ckpt_stored_t;
 
 /* Chunks and blobs found damaged by verify in this process, so far (each
  * counted once per loaded checkpoint). */
 uint64_t ckpt_store_verify_failures(void);
 
-/* What verify knows of a stored chunk or blob. */
-enum { CKPT_CHUNK_UNCHECKED, CKPT_CHUNK_GOOD, CKPT_CHUNK_BAD };
+/* What verify knows of a stored chunk or blob (CHECKING: one thread is
+ * hashing it, the others wait for its verdict). */
+enum {
+  CKPT_CHUNK_UNCHECKED,
+  CKPT_CHUNK_GOOD,
+  CKPT_CHUNK_BAD,
+  CKPT_CHUNK_CHECKING
+};
 
 /* Set s up for checkpoint directory dirfd (its identity is taken from it)
  * holding meta. verify: check each chunk's XXH3-64 before it is first
@@ -255,6 +269,15 @@ typedef struct {
 int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
                    ckpt_fdref_t *ref);
 void ckpt_fdref_put(ckpt_fdref_t *ref);
+/* With verify, at each open of a committed file: has data file K of rank
+ * R (ref: its descriptor, held) changed on disk since its chunks were
+ * checked? One fstat: another inode, size, mtime or ctime, or no link
+ * left (replaced by rename: then *ref moves to the file the name holds
+ * now, when it is still this checkpoint's). If so, its chunks and blobs
+ * are checked again before their next byte is served (logged). Without
+ * verify: nothing. */
+void ckpt_stored_recheck(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         ckpt_fdref_t *ref);
 
 /* Item i of s: tensor i, or with blob, blob i. */
 typedef struct {

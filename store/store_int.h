@@ -11,6 +11,18 @@ uint64_t ckpt__fdcache_new_id(ckpt_fdcache_t *c);
 /* Close every unused descriptor of checkpoint id. */
 void ckpt__fdcache_forget(ckpt_fdcache_t *c, uint64_t id);
 
+/* Data file K of rank R of s, opened again by its name: when the name now
+ * holds another file (replaced by rename), *ref moves to it (the old
+ * descriptor stays open for the refs that hold it, then is closed; new
+ * lookups get the new one). 1 when moved, 0 when it is the same file,
+ * -errno when it cannot be opened (*ref unchanged). */
+int ckpt__fdcache_reopen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                         ckpt_fdref_t *ref);
+/* A data file just opened by the cache (fd): the reader compares it with
+ * the file its chunks were checked on (reader.c). */
+void ckpt__stored_seen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
+                       int fd);
+
 /* The save ID as the identity checks compare it (identity.c): itself, or
  * one longer than ckptfs's 32 hex digits by its XXH3-64. */
 void ckpt__save_key(const char *save_id, char out[CKPT_SAVE_ID_LEN + 1]);

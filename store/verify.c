@@ -1,38 +1,26 @@
 /*
- * verify.c - checksums of stored bytes, for -o verify=1 (reader.c) and
- * the offline checker ckptfs-fsck (tools/fsck.c).
+ * verify.c - checksums of stored bytes, for the mount's verification
+ * (reader.c) and the offline checker ckptfs-fsck (tools/fsck.c).
  */
-#include <errno.h>
-#include <stdlib.h>
-#include <unistd.h>
 #include <xxhash.h>
 
+#include "checksum_loop.h"
 #include "store.h"
 
-#define VERIFY_READ ((size_t)1 << 20)
+#ifdef CKPT_XXH3_AVX2
+int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
+                               uint64_t *out, const _Atomic bool *stop);
+#endif
+
+int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,
+                               uint64_t *out, const _Atomic bool *stop) {
+#ifdef CKPT_XXH3_AVX2
+  if (__builtin_cpu_supports("avx2"))
+    return ckpt__stored_checksum_avx2(fd, off, len, out, stop);
+#endif
+  return checksum_loop(fd, off, len, out, stop);
+}
 
 int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out) {
-  XXH3_state_t *st = XXH3_createState();
-  uint8_t *buf = malloc(VERIFY_READ);
-  int rc = st && buf && XXH3_64bits_reset(st) == XXH_OK ? 0 : -ENOMEM;
-  uint64_t done = 0;
-  while (rc == 0 && done < len) {
-    size_t want = len - done < VERIFY_READ ? (size_t)(len - done) : VERIFY_READ;
-    ssize_t r = pread(fd, buf, want, (off_t)(off + done));
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r < 0)
-      rc = -errno;
-    else if (r == 0)
-      rc = -ENODATA;
-    else if (XXH3_64bits_update(st, buf, (size_t)r) != XXH_OK)
-      rc = -EIO;
-    else
-      done += (uint64_t)r;
-  }
-  if (rc == 0)
-    *out = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  free(buf);
-  return rc;
+  return ckpt__stored_checksum_stop(fd, off, len, out, NULL);
 }

@@ -81,12 +81,30 @@ static void a_bad_fd_is_an_error(void **state) {
   assert_int_equal(ckpt__stored_checksum(-1, 0, 10, &got), -EBADF);
 }
 
+/* A check ahead of the reader gives up once told to (its checkpoint goes);
+ * untold, it is the same sum. */
+static void a_stopped_check_gives_up(void **state) {
+  (void)state;
+  uint8_t *d;
+  int fd = temp_file(3 << 20, &d);
+  uint64_t got = 0;
+  _Atomic bool stop = false;
+  assert_int_equal(ckpt__stored_checksum_stop(fd, 0, 3 << 20, &got, &stop), 0);
+  assert_true(got == XXH3_64bits(d, 3 << 20));
+  atomic_store(&stop, true);
+  assert_int_equal(ckpt__stored_checksum_stop(fd, 0, 3 << 20, &got, &stop),
+                   -ECANCELED);
+  free(d);
+  close(fd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(ranges_match_one_shot_hash),
       cmocka_unit_test(a_range_past_the_end_is_nodata),
       cmocka_unit_test(a_flipped_bit_changes_the_sum),
       cmocka_unit_test(a_bad_fd_is_an_error),
+      cmocka_unit_test(a_stopped_check_gives_up),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

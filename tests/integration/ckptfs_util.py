@@ -284,6 +284,17 @@ def csv(xs):
     return ",".join(str(int(x)) for x in xs)
 
 
+def xxh3_hex(data):
+    """The XXH3-64 of data as .metadata stores a checksum (16 hex digits),
+    from libxxhash (a dependency of ckptfs): for tests that write a
+    checkpoint's rows themselves."""
+    import ctypes
+    lib = ctypes.CDLL("libxxhash.so.0")
+    lib.XXH3_64bits.restype = ctypes.c_uint64
+    lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    return "%016x" % lib.XXH3_64bits(bytes(data), len(data))
+
+
 def set_tensor_xattrs(path, dtype, shape, offsets=None, sizes=None):
     if dtype is not None:
         os.setxattr(path, "user.ckpt.dtype", dtype.encode())

@@ -17,7 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckptfs_util import (CkptfsTestCase, block_bytes, commit, main, pread, read_all,  # noqa: E402
-                         state, status, tensor_bytes, wait_state, write_file, write_tensor)
+                         state, status, tensor_bytes, wait_state, write_file, write_tensor,
+                         xxh3_hex)
 
 W_SHAPE = [8, 6]       # float32, 2 x 2 blocks of [4, 3] on ranks 0..3
 C_SHAPE = [5, 8]       # float64, two column halves on ranks 2 and 3
@@ -55,17 +56,20 @@ class ForeignWorld(CkptfsTestCase):
             offs, sizes = [4 * (r // 2), 3 * (r % 2)], [4, 3]
             data = block_bytes(want["w"], W_SHAPE, 4, offs, sizes)
             f = f"__{r}_0.distcp"
-            chunks.append(("w", js(offs), js(sizes), r, f, put(f, data), len(data)))
+            chunks.append(("w", js(offs), js(sizes), r, f, put(f, data), len(data),
+                           xxh3_hex(data)))
         for r, col in [(2, 0), (3, 4)]:
             offs, sizes = [0, col], [5, 4]
             data = block_bytes(want["sub/cols"], C_SHAPE, 8, offs, sizes)
             f = f"__{r}_1.distcp"
-            chunks.append(("sub.cols", js(offs), js(sizes), r, f, put(f, data), len(data)))
+            chunks.append(("sub.cols", js(offs), js(sizes), r, f, put(f, data), len(data),
+                           xxh3_hex(data)))
         for r, mid, n in [(1, 0, 1), (0, 1, 3)]:
             offs, sizes = [0, mid, 0], [3, n, 5]
             data = block_bytes(want["s3"], S_SHAPE, 2, offs, sizes)
             f = f"__{r}_0.distcp"
-            chunks.append(("s3", js(offs), js(sizes), r, f, put(f, data), len(data)))
+            chunks.append(("s3", js(offs), js(sizes), r, f, put(f, data), len(data),
+                           xxh3_hex(data)))
         blob = b"blob of rank 3\0!"
         boff = put("__3_0.distcp", blob)
         want["blob"] = blob
@@ -86,9 +90,9 @@ class ForeignWorld(CkptfsTestCase):
                         (js(C_SHAPE),))
             con.execute("insert into tensors values ('s3', 's3', 'int16', ?)", (js(S_SHAPE),))
             for row in reversed(chunks):  # any row order
-                con.execute("insert into chunks values (?, ?, ?, ?, ?, ?, ?, '0123456789abcdef')", row)
-            con.execute("update blobs set rank=3, file='__3_0.distcp', file_offset=?, length=?",
-                        (boff, len(blob)))
+                con.execute("insert into chunks values (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            con.execute("update blobs set rank=3, file='__3_0.distcp', file_offset=?, length=?, "
+                        "checksum=?", (boff, len(blob), xxh3_hex(blob)))
         con.close()
         return want
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Integrity of committed checkpoints: -o verify=1 fails reads of a chunk
+"""Integrity of committed checkpoints: verify (on by default) fails reads of a chunk
 whose XXH3-64 does not match with EIO (and only those), and the offline
 checker ckptfs-fsck finds flipped bits, truncated and missing data files and
 a damaged .metadata, naming the FQN, rank and file, with exit status 1;
@@ -83,7 +83,7 @@ class Integrity(CkptfsTestCase):
         self.assertEqual(read_all(self.ck("v", "model", "b")), self.b)
 
     def test_without_verify_the_bytes_are_served(self):
-        self.mount()
+        self.mount("verify=0")
         self.save("n")
         path, off, ln = self.data_file("n", "model.b")
         flip(path, off + 3, 0x80)

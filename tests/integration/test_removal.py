@@ -205,15 +205,15 @@ class OpenReaders(Base):
     def test_reader_of_the_removed_entry_on_another_mount(self):
         """Handles opened on another mount before a removes f1 and big: the
         removed items read their bytes or zeros (their ranges punched out of
-        data files other items share), never another item's; with verify=1
-        a chunk not verified before fails (EIO); the other entries' handles
-        and new opens read their bytes."""
+        data files other items share) with verify=0, never another item's;
+        with verify=1 a chunk not verified before fails (EIO); the other
+        entries' handles and new opens read their bytes."""
         a = os.path.join(self.dir, "a")
         self.mount(mnt=a)
         b = os.path.join(self.dir, "b")
         self.mount(mnt=b, opts="verify=1")
         c = os.path.join(self.dir, "c")
-        self.mount(mnt=c)
+        self.mount(mnt=c, opts="verify=0")  # unchecked: what the data files hold
         files = {"f0": blob(0, 64 * 1024), "f1": blob(1, 64 * 1024),
                  "f2": blob(2, 64 * 1024), "big": blob(3, 6 << 20)}
         self.make(a, "o", files)

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Checksums verified by default: with no option given, a flipped byte in a
+data file gives EIO on every read path of a mount (the tensor file, a pread
+of a slice, a block file, the .npy and .safetensors views; SIGBUS for an
+mmap of the tensor file and for the `safetensors` package, which mmaps the
+view), and through them ckptfs.load and ckptfs.dcp.Reader fail; a data
+file changed on disk after its chunks were verified and served (written in
+place, or replaced by a rename) is verified again at the next open, and
+its bytes served again once they are right; readers racing a process
+that rewrites the data files (checks ahead of the reader, waits for a
+chunk being hashed, resets) get EIO or the bytes, and the right bytes
+once the files are put right (the ThreadSanitizer build runs this too);
+-o verify=0 serves the bytes.
+
+    python3 tests/integration/test_verify_default.py --bin build/bin/ckptfs
+"""
+
+import errno
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ckptfs_util import CkptfsTestCase, commit, main, read_all, write_tensor  # noqa: E402
+from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
+from test_integrity import flip  # noqa: E402
+
+import sqlite3  # noqa: E402
+
+MiB = 1 << 20
+
+# One process, in a gloo group of one (as a trainer would run it).
+GROUP = r"""
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=0, world_size=1)
+"""
+
+SAVE = GROUP + r"""
+import ckptfs, ckptfs.dcp
+import torch.distributed.checkpoint as dcp
+mnt = sys.argv[1]
+g = torch.Generator().manual_seed(7)
+sd = {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(1000, generator=g)}
+ckptfs.save(sd, mnt, "c")
+dcp.save(sd, checkpoint_id="d", storage_writer=ckptfs.dcp.Writer(mnt))
+torch.save(sd, sys.argv[2])
+"""
+
+LOAD = GROUP + r"""
+import errno, ckptfs, ckptfs.dcp
+import torch.distributed.checkpoint as dcp
+mnt, ref = sys.argv[1], torch.load(sys.argv[2])
+try:
+    got = ckptfs.load(None, mnt, "c")
+    print("ckptfs.load:", "same" if torch.equal(got["w"], ref["w"]) else "wrong bytes")
+except OSError as e:
+    print("ckptfs.load:", errno.errorcode.get(e.errno, e.errno))
+tgt = {"w": torch.zeros(512, 1024), "b": torch.zeros(1000)}
+try:
+    dcp.load(tgt, checkpoint_id="d", storage_reader=ckptfs.dcp.Reader(mnt))
+    print("dcp.load:", "same" if torch.equal(tgt["w"], ref["w"]) else "wrong bytes")
+except BaseException as e:  # DCP wraps the reader's OSError (in a BaseException)
+    print("dcp.load:", "EIO" if "Input/output error" in str(e) or "EIO" in str(e)
+          else repr(e)[:300])
+"""
+
+SAFE_OPEN = r"""
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], framework="pt") as f:
+    t = f.get_tensor("w")
+print("read", t.shape)
+"""
+
+MMAP = r"""
+import mmap, sys
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, flags=getattr(mmap, sys.argv[2]), prot=mmap.PROT_READ)
+    print(len(m[:]))
+"""
+
+
+def chunks(backing, name, fqn):
+    """[(file, file_offset, length)] of fqn's chunks (fqn None: all)."""
+    db = sqlite3.connect(f"file:{os.path.join(backing, name, '.metadata')}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT file, file_offset, length FROM chunks WHERE ? IS NULL OR "
+                          "fqn = ?", (fqn, fqn)).fetchall()
+    finally:
+        db.close()
+
+
+class VerifyDefault(CkptfsTestCase):
+    def damage(self, name, fqn):
+        for f, off, ln in chunks(self.backing, name, fqn):
+            flip(self.bk(name, f), off + ln // 2)
+
+    def child(self, py, code, *args):
+        """Run code in py: (returncode, stdout + stderr)."""
+        env = dict(os.environ, PYTHONPATH=PACKAGE, OMP_NUM_THREADS="1")
+        r = subprocess.run([py, "-c", code, *args], capture_output=True, text=True,
+                           timeout=300, env=env)
+        return r.returncode, r.stdout + r.stderr
+
+    def test_every_read_path_fails_on_a_flipped_byte(self):
+        py = require_torch(self)
+        self.mount()  # default options
+        ref = os.path.join(self.dir, "ref.pt")
+        run_py(self, py, SAVE, self.mnt, ref, os.path.join(self.dir, "pg1"))
+        self.damage("c", "w")
+        self.damage("d", "w")
+        w = self.ck("c", "w")
+        self.assertErrno(errno.EIO, read_all, w)
+        fd = os.open(w, os.O_RDONLY)
+        try:  # a slice of the first row: its chunk is damaged elsewhere
+            self.assertErrno(errno.EIO, os.pread, fd, 64, 128)
+        finally:
+            os.close(fd)
+        self.assertErrno(errno.EIO, read_all, self.ck("c", ".w[0:2]"))
+        self.assertErrno(errno.EIO, read_all, self.ck("c", ".npy", "w.npy"))
+        self.assertErrno(errno.EIO, read_all,
+                         self.ck("d", ".safetensors", "model.safetensors"))
+        # the undamaged tensor reads
+        self.assertEqual(len(read_all(self.ck("c", "b"))), 4000)
+        # mmap: the page cannot be read in: SIGBUS, never the flipped byte
+        # (a shared mapping of a tensor file needs libfuse >= 3.16: ENODEV)
+        rc, out = self.child(sys.executable, MMAP, self.ck("d", "w"), "MAP_PRIVATE")
+        self.assertEqual(rc, -signal.SIGBUS, out)
+        rc, out = self.child(sys.executable, MMAP, self.ck("d", "w"), "MAP_SHARED")
+        if "No such device" not in out:
+            self.assertEqual(rc, -signal.SIGBUS, out)
+        out = run_py(self, py, LOAD, self.mnt, ref, os.path.join(self.dir, "pg2"))
+        self.assertIn("ckptfs.load: EIO", out)
+        self.assertIn("dcp.load: EIO", out)
+        rc, out = self.child(py, "import safetensors")
+        if rc != 0:
+            self.skipTest("no safetensors package: " + out)
+        rc, out = self.child(py, SAFE_OPEN, self.ck("c", ".safetensors", "model.safetensors"))
+        self.assertEqual(rc, -signal.SIGBUS, out)
+        self.assertIn("c: w: rank 0", self.daemon_log())
+
+    def save_one(self, name):
+        os.mkdir(self.ck(name))
+        data = write_tensor(self.ck(name, "w"), "float32", [512, 1024], os.urandom(2 * MiB))
+        commit(self.ck(name))
+        (f, off, ln), = chunks(self.backing, name, "w")
+        return data, self.bk(name, f), off + ln // 2
+
+    def test_data_file_changed_after_a_clean_read(self):
+        """Verified, read, then changed on disk: EIO at the next open; put
+        right again: served again."""
+        self.mount()
+        data, path, at = self.save_one("inplace")
+        self.assertEqual(read_all(self.ck("inplace", "w")), data)
+        flip(path, at)                                   # written in place
+        self.assertErrno(errno.EIO, read_all, self.ck("inplace", "w"))
+        flip(path, at)                                   # restored
+        self.assertEqual(read_all(self.ck("inplace", "w")), data)
+
+        data, path, at = self.save_one("renamed")
+        held = os.open(self.ck("renamed", "w"), os.O_RDONLY)  # holds the old file
+        self.addCleanup(os.close, held)
+        self.assertEqual(os.pread(held, len(data), 0), data)
+        tmp = path + ".tmp"
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(src.read())
+        flip(tmp, at)
+        os.rename(tmp, path)                             # a new inode, same name
+        self.assertErrno(errno.EIO, read_all, self.ck("renamed", "w"))
+        self.assertIn("changed on disk since its chunks were checked", self.daemon_log())
+
+    def test_readers_racing_changes(self):
+        self.mount()
+        os.mkdir(self.ck("r"))
+        want = [write_tensor(self.ck("r", f"t{i}"), "float32", [512, 1024], os.urandom(2 * MiB))
+                for i in range(6)]
+        commit(self.ck("r"))
+        self.mounts[-1].stop()
+        self.mount()  # nothing checked yet
+        rows = chunks(self.backing, "r", None)
+        files = sorted({f for f, _, _ in rows})
+        keep = os.path.join(self.dir, "pristine")
+        os.mkdir(keep)
+        for f in files:
+            shutil.copy(self.bk("r", f), os.path.join(keep, f))
+        stop = time.monotonic() + 5
+        seen = {"eio": 0, "read": 0}
+
+        def reader(seed):
+            rnd = random.Random(seed)
+            while time.monotonic() < stop:
+                i = rnd.randrange(len(want))
+                off = rnd.randrange(len(want[i]))
+                try:
+                    fd = os.open(self.ck("r", f"t{i}"), os.O_RDONLY)
+                    try:
+                        got = os.pread(fd, 1 << 20, off)
+                    finally:
+                        os.close(fd)
+                    self.assertEqual(len(got), min(1 << 20, len(want[i]) - off))
+                    seen["read"] += 1
+                except OSError as e:
+                    self.assertEqual(e.errno, errno.EIO)
+                    seen["eio"] += 1
+
+        def changer():
+            rnd = random.Random(1)
+            while time.monotonic() < stop:
+                f, off, ln = rnd.choice(rows)
+                if rnd.random() < 0.5:
+                    flip(self.bk("r", f), off + rnd.randrange(ln))
+                else:  # a copy of what it holds now, renamed over it
+                    shutil.copy(self.bk("r", f), self.bk("r", f + ".tmp"))
+                    os.rename(self.bk("r", f + ".tmp"), self.bk("r", f))
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        threads.append(threading.Thread(target=changer))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for f in files:  # put right, by a rename
+            shutil.copy(os.path.join(keep, f), self.bk("r", f + ".tmp"))
+            os.rename(self.bk("r", f + ".tmp"), self.bk("r", f))
+        for i, data in enumerate(want):
+            self.assertEqual(read_all(self.ck("r", f"t{i}")), data, f"t{i}")
+        self.assertGreater(seen["eio"], 0, seen)
+        self.assertGreater(seen["read"], 0, seen)
+        print(f"\n  racing reads: {seen}", file=sys.stderr)
+
+    def test_verify_0_serves_the_bytes(self):
+        self.mount("verify=0")
+        data, path, at = self.save_one("n")
+        flip(path, at)
+        got = read_all(self.ck("n", "w"))
+        self.assertEqual(len(got), len(data))
+        self.assertNotEqual(got, data)
+
+
+if __name__ == "__main__":
+    main()
