@@ -203,6 +203,7 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   ref->fd = -1;
   ref->e = NULL;
   ref->c = c;
+  ref->fresh = false;
   if (rank < 0 || rank >= s->meta->world_size)
     return -ERANGE;
   size_t b = bucket(c, s->id, rank, k);
@@ -229,8 +230,6 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   }
   if (fd < 0)
     return fd;
-  if (s->seen)
-    ckpt__stored_seen(s, rank, k, fd);
   struct ckpt_fdent *e = calloc(1, sizeof(*e));
   if (!e) {
     close(fd);
@@ -257,6 +256,7 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   pthread_mutex_unlock(&c->lock);
   ref->fd = fd;
   ref->e = e;
+  ref->fresh = true;
   return 0;
 }
 

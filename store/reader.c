@@ -202,6 +202,8 @@ uint64_t ckpt_stored_size(const ckpt_stored_t *s, ckpt_item_t it) {
 static int stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
                      ckpt_fdref_t *ref) {
   int rc = ckpt_stored_fd(s, rank, k, ref);
+  if (rc == 0 && ref->fresh && s->seen) /* one fstat per descriptor opened */
+    ckpt__stored_seen(s, rank, k, ref->fd);
   return rc == 0 || rc == -ENOMEM || rc == -EMFILE || rc == -ENFILE ? rc
                                                                     : -EIO;
 }

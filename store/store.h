@@ -257,6 +257,7 @@ typedef struct {
   int fd;
   struct ckpt_fdent *e;
   ckpt_fdcache_t *c;
+  bool fresh; /* opened by this call, not taken from the cache */
 } ckpt_fdref_t;
 
 /* The descriptor of data file K of rank R of s: 0, or -errno: why the

@@ -204,6 +204,18 @@ def read_log(path, limit=20000):
         return ""
 
 
+def wait_log(path, text, timeout=15, limit=1 << 24):
+    """The log at path once it holds text (the daemons' stderr reaches a
+    world's log through mpirun, a moment after the line was written), or
+    as it is after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = read_log(path, limit)
+        if text in log or time.monotonic() > deadline:
+            return log
+        time.sleep(0.05)
+
+
 def sanitizer_report(text):
     """The first sanitizer line in text, or None."""
     for line in text.splitlines():

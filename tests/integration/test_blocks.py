@@ -37,7 +37,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util  # noqa: E402
-from ckptfs_util import read_log, sanitizer_report  # noqa: E402
+from ckptfs_util import read_log, sanitizer_report, wait_log  # noqa: E402
 import mpi_world  # noqa: E402
 
 
@@ -320,7 +320,7 @@ class World2(unittest.TestCase):
         for sl in ("0:12", ":12,4:", "1:11,1:7"):
             self.check_block(ck, dmg, sl)
         self.assertErrno(errno.EIO, one_pread, os.path.join(ck, "m/dmg"), 1 << 20)
-        self.assertIn("m.dmg", read_log(self.world.log, limit=1 << 24))
+        self.assertIn("m.dmg", wait_log(self.world.log, "m.dmg"))
 
     def test_damage_in_an_interleaved_chunk(self):
         """Column chunks interleave in the file's byte order: a block all in
