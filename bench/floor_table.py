@@ -333,7 +333,7 @@ def dcp_rounds(a, n, case, size, backing):
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"DCP job ({case}, {n} ranks) failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    raise RuntimeError(f"DCP job ({case}, {n} ranks) failed:\n{r.stdout[-2000:]}\n{r.stderr[-20000:]}")
 
 
 def dcp_job(case, size, plain, pattern, rounds):
