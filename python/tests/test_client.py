@@ -256,6 +256,14 @@ print("ok")
 
 class Client(CkptfsTestCase):
 
+    def world(self, opts=None):
+        """A started world of 2 rank mounts over self.backing (ROOT/rankR),
+        its log kept with the test's."""
+        log = os.path.join(self.dir, "world.log")
+        self.extra_logs.append(log)
+        return World(ckptfs_util.BIN, 2, self.backing, os.path.join(self.dir, "world"), log,
+                     opts=opts or "").start()
+
     def committed_files(self, name):
         """{relative path: bytes} of every file of committed name, through the mount."""
         out = {}
@@ -606,10 +614,7 @@ print("done")
 
     def test_sharded_two_ranks_loaded_at_one(self):
         py = require_torch(self)
-        root = os.path.join(self.dir, "world")
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, 2, self.backing, root, log).start()
+        w = self.world()
         try:
             save = r'''
 import sys, torch, ckptfs
@@ -697,11 +702,7 @@ print("ok")
         neither mount. save, then async_save (whose rank 1 raises while
         copying the state dict, before anything is staged)."""
         py = require_torch(self)
-        root = os.path.join(self.dir, "world")
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
-                  opts="commit_timeout=60").start()
+        w = self.world("commit_timeout=60")
         try:
             save = r'''
 import json, os, sys, time, torch, ckptfs
@@ -838,11 +839,7 @@ for how in ("sync", "async"):
         on one rank only; its own exist_ok, not the DCP Writer's
         replicas=), and each line of the two-line reason the daemons log
         on stderr carries the "ckptfs: " prefix."""
-        root = os.path.join(self.dir, "world")
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
-                  opts="commit_timeout=60").start()
+        w = self.world("commit_timeout=60")
         try:
             errs = [None, None]
 
@@ -866,8 +863,8 @@ for how in ("sync", "async"):
             self.assertIn("one rank's state dict only", msg)
             self.assertIn("save again with exist_ok=True", msg)
             self.assertNotIn("replicas=", msg)
-        lines = [ln for ln in read_log(log).splitlines() if "replicas differ" in ln]
-        self.assertEqual(len(lines), 4, read_log(log))   # 2 keys, on each rank
+        lines = [ln for ln in read_log(w.log).splitlines() if "replicas differ" in ln]
+        self.assertEqual(len(lines), 4, read_log(w.log))   # 2 keys, on each rank
         for ln in lines:
             self.assertTrue(ln.startswith("ckptfs: d: commit failed: ")
                             or ln.startswith("ckptfs: seed (seed): replicas differ")
@@ -881,11 +878,7 @@ for how in ("sync", "async"):
         alone replaces it (solo=True, overwrite=True): each mount sees
         the other's, as a checkpoint of world size 1, within seconds
         (commit_timeout is 60 s: no rank waits for the other)."""
-        root = os.path.join(self.dir, "world")
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, 2, self.backing, root, log,
-                  opts="commit_timeout=60").start()
+        w = self.world("commit_timeout=60")
         try:
             def both(version, bad_rank=None, **kw):
                 """Both ranks save version; bad_rank's state dict holds an
