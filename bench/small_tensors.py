@@ -28,6 +28,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import ckptfs  # noqa: E402
 import ckptfs.dcp  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+from ckptfs_util import fuse_requests  # noqa: E402
+
 
 def state(n, size):
     flat = {f"model.layers.{i // 10}.w{i % 10}": torch.randn(size // 4) for i in range(n)}
@@ -40,16 +43,6 @@ def state(n, size):
         d[leaf] = t
     return flat, nested
 
-
-def requests(metrics):
-    """{op: count} of ckptfs_fuse_requests_total in the metrics file."""
-    out = {}
-    with open(metrics) as f:
-        for line in f:
-            if line.startswith("ckptfs_fuse_requests_total{"):
-                op = line.split('op="', 1)[1].split('"', 1)[0]
-                out[op] = int(line.rsplit(" ", 1)[1])
-    return out
 
 
 class Mount:
@@ -98,10 +91,10 @@ def count(binary, backing, fn, n):
     requests of an empty mount's lifetime)."""
     with Mount(binary, backing, "empty") as m:
         pass
-    base = requests(m.metrics)
+    base = fuse_requests(m.metrics)
     with Mount(binary, backing, "count") as m:
         fn(m.mnt, "c", None)
-    got = requests(m.metrics)
+    got = fuse_requests(m.metrics)
     # FORGETs are no round trips (nobody waits for them) and come whenever
     # the kernel evicts inodes
     per = {op: (got.get(op, 0) - base.get(op, 0)) / n for op in got if op != "forget"}

@@ -19,7 +19,7 @@ import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
+from ckptfs_util import CkptfsTestCase, fuse_requests, main  # noqa: E402
 from pyenv import require_torch, run_py  # noqa: E402
 
 N = 200
@@ -84,15 +84,6 @@ print("ok")
 '''
 
 
-def requests(path):
-    out = {}
-    with open(path) as f:
-        for line in f:
-            if line.startswith("ckptfs_fuse_requests_total{"):
-                op = line.split('op="', 1)[1].split('"', 1)[0]
-                out[op] = int(line.rsplit(" ", 1)[1])
-    return out
-
 
 class RoundTrips(CkptfsTestCase):
     def save_counted(self, how):
@@ -103,7 +94,7 @@ class RoundTrips(CkptfsTestCase):
         self.assertEqual(m.stop(), 0)  # the last metrics are written at unmount
         self.mount()
         run_py(self, py, SAVE, self.mnt, how, N, "load")
-        return requests(mfile)
+        return fuse_requests(mfile)
 
     def check(self, how):
         got = self.save_counted(how)

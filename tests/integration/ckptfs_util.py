@@ -216,6 +216,17 @@ def wait_log(path, text, timeout=15, limit=1 << 24):
         time.sleep(0.05)
 
 
+def fuse_requests(metrics):
+    """{op: count} of ckptfs_fuse_requests_total in a -o metrics= file."""
+    out = {}
+    with open(metrics) as f:
+        for line in f:
+            if line.startswith("ckptfs_fuse_requests_total{"):
+                op = line.split('op="', 1)[1].split('"', 1)[0]
+                out[op] = int(line.rsplit(" ", 1)[1])
+    return out
+
+
 def sanitizer_report(text):
     """The first sanitizer line in text, or None."""
     for line in text.splitlines():
