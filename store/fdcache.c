@@ -197,6 +197,36 @@ static int open_data_file(const ckpt_stored_t *s, int backing_fd,
   return fd;
 }
 
+/* Under c->lock: the entry of data file K of rank R of s, with one more
+ * reference. fd was just opened for it: when another thread opened it
+ * meanwhile, that entry is used and fd closed; else fd gets a new entry
+ * (*added). NULL (fd closed) when out of memory. */
+static struct ckpt_fdent *share_or_add(ckpt_fdcache_t *c,
+                                       const ckpt_stored_t *s, int32_t rank,
+                                       uint32_t k, int fd, bool *added) {
+  *added = false;
+  size_t b = bucket(c, s->id, rank, k);
+  for (struct ckpt_fdent *o = c->hash[b]; o; o = o->hnext) {
+    if (o->id == s->id && o->rank == rank && o->k == k) {
+      if (o->refs++ == 0)
+        lru_remove(c, o);
+      close(fd);
+      return o;
+    }
+  }
+  struct ckpt_fdent *e = calloc(1, sizeof(*e));
+  if (!e) {
+    close(fd);
+    return NULL;
+  }
+  e->id = s->id, e->rank = rank, e->k = k, e->fd = fd, e->refs = 1;
+  e->hnext = c->hash[b];
+  c->hash[b] = e;
+  c->n++;
+  *added = true;
+  return e;
+}
+
 int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
                    ckpt_fdref_t *ref) {
   ckpt_fdcache_t *c = s->cache;
@@ -230,33 +260,15 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   }
   if (fd < 0)
     return fd;
-  struct ckpt_fdent *e = calloc(1, sizeof(*e));
-  if (!e) {
-    close(fd);
-    return -ENOMEM;
-  }
-  e->id = s->id, e->rank = rank, e->k = k, e->fd = fd, e->refs = 1;
+  bool added;
   pthread_mutex_lock(&c->lock);
-  /* Another thread may have opened it meanwhile: use one of the two. */
-  for (struct ckpt_fdent *o = c->hash[b]; o; o = o->hnext) {
-    if (o->id == s->id && o->rank == rank && o->k == k) {
-      if (o->refs++ == 0)
-        lru_remove(c, o);
-      pthread_mutex_unlock(&c->lock);
-      close(fd);
-      free(e);
-      ref->fd = o->fd;
-      ref->e = o;
-      return 0;
-    }
-  }
-  e->hnext = c->hash[b];
-  c->hash[b] = e;
-  c->n++;
+  struct ckpt_fdent *e = share_or_add(c, s, rank, k, fd, &added);
   pthread_mutex_unlock(&c->lock);
-  ref->fd = fd;
+  if (!e)
+    return -ENOMEM;
+  ref->fd = e->fd;
   ref->e = e;
-  ref->fresh = true;
+  ref->fresh = added;
   return 0;
 }
 
@@ -292,12 +304,6 @@ int ckpt__fdcache_reopen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
     close(fd);
     return 0;
   }
-  struct ckpt_fdent *e = calloc(1, sizeof(*e));
-  if (!e) {
-    close(fd);
-    return -ENOMEM;
-  }
-  e->id = s->id, e->rank = rank, e->k = k, e->fd = fd, e->refs = 1;
   pthread_mutex_lock(&c->lock);
   struct ckpt_fdent *old = ref->e;
   if (!old->stale) { /* out of its chain: lookups find the new one */
@@ -309,22 +315,11 @@ int ckpt__fdcache_reopen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
     old->hnext = NULL;
     old->stale = true;
   }
-  size_t b = bucket(c, s->id, rank, k);
-  struct ckpt_fdent *o = c->hash[b];
-  while (o && !(o->id == s->id && o->rank == rank && o->k == k))
-    o = o->hnext;
-  if (o) { /* another thread reopened it meanwhile: use that one */
-    if (o->refs++ == 0)
-      lru_remove(c, o);
-    close(fd);
-    free(e);
-    e = o;
-  } else {
-    e->hnext = c->hash[b];
-    c->hash[b] = e;
-    c->n++;
-  }
+  bool added;
+  struct ckpt_fdent *e = share_or_add(c, s, rank, k, fd, &added);
   pthread_mutex_unlock(&c->lock);
+  if (!e)
+    return -ENOMEM;
   ckpt_fdref_put(ref);
   ref->fd = e->fd;
   ref->e = e;
