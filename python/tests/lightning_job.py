@@ -95,6 +95,9 @@ def main():
                    "state": state, "global_step": trainer.global_step,
                    "top_k": sorted(os.path.basename(p) for p in ckpt.best_k_models),
                    "last": os.path.basename(ckpt.last_model_path)}, f)
+    # as torch asks: a process ending with its gloo group alive aborts now
+    # and then at exit ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
