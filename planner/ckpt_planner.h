@@ -169,6 +169,10 @@ typedef struct {
 
 /* pin_file of an item whose bytes are not stored yet. */
 #define CKPT_NO_PIN UINT32_MAX
+/* Pins and reservations lie in data files K < CKPT_MAX_PIN_FILE: a mount
+ * gives each large file written by FUSE passthrough a data file of its
+ * own (K >= io_threads), bounded by its open files limit. */
+#define CKPT_MAX_PIN_FILE (1u << 20)
 
 /* dims is NULL when ndim is 0 (bytes items, scalars): no arithmetic then. */
 static inline const int64_t *ckpt_item_shape(const ckpt_write_item_t *it) {
@@ -392,8 +396,8 @@ typedef struct {
  * Build the global plan from every rank's local plan (locals[r].rank == r):
  *  1. errors reported by the ranks themselves are collected;
  *  2. write-behind, per rank: every reservation lies in a file
- *     K < io_threads (a zero one anywhere is no reservation); every pin
- *     lies in a file K < io_threads, inside reserved[K]
+ *     K < CKPT_MAX_PIN_FILE (a zero one anywhere is no reservation); every
+ *     pin lies in a file K < CKPT_MAX_PIN_FILE, inside reserved[K]
  *     (pin_offset + length <= reserved[K]); a rank's pins do not overlap
  *     (a zero-length pin strictly inside another one overlaps it);
  *  3. items are grouped by FQN; a FQN is either bytes or tensor everywhere,

@@ -761,15 +761,15 @@ static void put_pin(plan_t *p, int32_t rank, const pin_t *pin) {
 }
 
 /* Write-behind: the reservations and pins of one rank. Every reservation
- * lies in a file K < io_threads; every pin in a file K < io_threads, inside
+ * lies in a file K < CKPT_MAX_PIN_FILE; every pin in such a file, inside
  * the bytes reserved in that file; no two pins overlap. */
 static void check_pins(plan_t *p, const ckpt_local_plan_t *lp) {
-  uint32_t io = p->opts->io_threads, n_pins = 0;
-  for (uint32_t k = io; k < lp->n_reserved; k++) {
+  uint32_t n_pins = 0;
+  for (uint32_t k = CKPT_MAX_PIN_FILE; k < lp->n_reserved; k++) {
     if (lp->reserved[k] > 0 && want(&p->errors)) {
-      put(p, "rank %d: %llu bytes reserved in file %u, beyond io_threads %u",
+      put(p, "rank %d: %llu bytes reserved in file %u, beyond file %u",
           (int)lp->rank, (unsigned long long)lp->reserved[k], (unsigned)k,
-          (unsigned)io);
+          (unsigned)CKPT_MAX_PIN_FILE - 1);
       emit(p, &p->errors);
     }
   }
@@ -793,15 +793,16 @@ static void check_pins(plan_t *p, const ckpt_local_plan_t *lp) {
                  .len = it->length,
                  .it = it};
     uint64_t res = reserved_of(lp, pin.file);
-    if (pin.file < io && pin.off <= res && pin.len <= res - pin.off) {
+    if (pin.file < CKPT_MAX_PIN_FILE && pin.off <= res &&
+        pin.len <= res - pin.off) {
       pins[n++] = pin;
       continue;
     }
     if (!want(&p->errors))
       continue;
     put_pin(p, lp->rank, &pin);
-    if (pin.file >= io)
-      put(p, " beyond io_threads %u", (unsigned)io);
+    if (pin.file >= CKPT_MAX_PIN_FILE)
+      put(p, " beyond file %u", (unsigned)CKPT_MAX_PIN_FILE - 1);
     else
       put(p, " outside its %llu reserved bytes", (unsigned long long)res);
     emit(p, &p->errors);
@@ -1623,15 +1624,28 @@ static void file_heap_down(file_heap_t *h, uint32_t i) {
  */
 static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
                        const ckpt_local_plan_t *lp, ckpt_rank_plan_t *rp) {
-  uint32_t io = p->opts->io_threads, n_pin = 0, n_res = 0;
-  for (uint32_t k = 0; k < lp->n_reserved && k < io; k++)
+  uint32_t io = p->opts->io_threads, n_pin = 0, n_res = 0, n_res_io = 0;
+  uint32_t pin_end = 0; /* 1 + the last file holding a pin */
+  for (uint32_t k = 0; k < lp->n_reserved; k++) {
     n_res = lp->reserved[k] > 0 ? k + 1 : n_res;
-  for (uint32_t i = 0; p->any_pin && i < n; i++)
-    n_pin += pinned(p->refs[p->keeper[sets[i]]].it);
+    n_res_io = lp->reserved[k] > 0 && k < io ? k + 1 : n_res_io;
+  }
+  for (uint32_t i = 0; p->any_pin && i < n; i++) {
+    const ckpt_write_item_t *it = p->refs[p->keeper[sets[i]]].it;
+    if (pinned(it)) {
+      n_pin++;
+      pin_end = it->pin_file + 1 > pin_end ? it->pin_file + 1 : pin_end;
+    }
+  }
   uint32_t n_un = n - n_pin;
-  /* files balanced over, files there can be */
-  uint32_t t = n_res > 0 ? io : io < n_un ? io : n_un;
-  uint32_t cap = n_res > 0 || n_pin > 0 ? io : t;
+  /* files balanced over (the io_threads ones), files there can be (those
+   * and the files of pins and reservations beyond them) */
+  uint32_t t = n_res_io > 0 ? io : io < n_un ? io : n_un;
+  uint32_t cap = t;
+  if (n_res > 0 || n_pin > 0) {
+    cap = io > n_res ? io : n_res;
+    cap = cap > pin_end ? cap : pin_end;
+  }
   sized_t *order = malloc((n_un + 1) * sizeof(*order));
   pin_t *pins = malloc((n_pin + 1) * sizeof(*pins));
   uint32_t *heap = malloc((t + 1) * sizeof(*heap));
@@ -1666,7 +1680,7 @@ static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
     heap[k] = k;
     h.bytes[k] = reserved_of(lp, k);
   }
-  for (uint32_t i = t / 2; n_res > 0 && i-- > 0;)
+  for (uint32_t i = t / 2; n_res_io > 0 && i-- > 0;)
     file_heap_down(&h, i);
   rp->n_files = n_res;
   for (uint32_t i = 0; i < n_un; i++) {
@@ -1730,8 +1744,8 @@ out:
 
 /* Whether a rank has bytes reserved in some file (then it has files even
  * when it keeps nothing). */
-static bool has_reserved(const plan_t *p, const ckpt_local_plan_t *lp) {
-  for (uint32_t k = 0; k < lp->n_reserved && k < p->opts->io_threads; k++) {
+static bool has_reserved(const ckpt_local_plan_t *lp) {
+  for (uint32_t k = 0; k < lp->n_reserved; k++) {
     if (lp->reserved[k] > 0)
       return true;
   }
@@ -1754,7 +1768,7 @@ static int assign_files(plan_t *p, ckpt_rank_plan_t *ranks) {
   rc = 0;
   for (int32_t r = 0; r < p->world && rc == 0; r++) {
     uint32_t start = r > 0 ? first[r - 1] : 0;
-    if (first[r] > start || has_reserved(p, &p->locals[r]))
+    if (first[r] > start || has_reserved(&p->locals[r]))
       rc = assign_rank(p, sets + start, first[r] - start, &p->locals[r],
                        &ranks[r]);
   }

@@ -711,9 +711,15 @@ static void check_write_behind(const world_t *w, int32_t r) {
   const ckpt_local_plan_t *lp = &w->lp[r];
   const ckpt_rank_plan_t *rp = &w->gp.ranks[r];
   uint32_t last = 0; /* 1 + last file holding something */
-  assert_true(rp->n_files <= w->opts.io_threads);
   for (uint32_t k = 0; k < lp->n_reserved; k++)
     last = lp->reserved[k] > 0 ? k + 1 : last;
+  /* beyond io_threads: only files of reservations and pins */
+  assert_true(rp->n_files <= (w->opts.io_threads > last ? w->opts.io_threads : last));
+  for (uint32_t i = 0; i < rp->n_assign; i++) {
+    const ckpt_write_item_t *it = find_item(w, r, rp->assign[i].local_id);
+    assert_true(rp->assign[i].file < w->opts.io_threads ||
+                (it->pin_file == rp->assign[i].file && reserved_at(lp, it->pin_file) > 0));
+  }
   uint64_t end = 0;
   for (uint32_t i = 0; i < rp->n_assign; i++) {
     const ckpt_assignment_t *a = &rp->assign[i];
@@ -1901,19 +1907,42 @@ static void test_plan_pins_invalid(void **state) {
   assert_int_equal(count_lines(w->gp.errors), 3);
   world_free(w);
 
-  /* files beyond io_threads, pinned or reserved */
+  /* files beyond the last pinnable one, pinned or reserved */
   w = world_new(1);
   w->opts.io_threads = 4;
-  reserve(w, 0, 4, 10);
+  reserve(w, 0, CKPT_MAX_PIN_FILE, 10);
   blob(w, 0, "c", 10, 1);
-  pin_last(w, 0, 4, 0);
-  reserve(w, 0, 7, 10);
-  reserve(w, 0, 9, 0); /* nothing reserved: no problem */
-  PLAN_FAILS(w, "rank 0: 10 bytes reserved in file 4, beyond io_threads 4",
-             "rank 0: 10 bytes reserved in file 7, beyond io_threads 4",
-             "rank 0: c (c) pinned at file 4 offset 0 length 10 beyond "
-             "io_threads 4");
+  pin_last(w, 0, CKPT_MAX_PIN_FILE, 0);
+  reserve(w, 0, CKPT_MAX_PIN_FILE + 3, 10);
+  reserve(w, 0, CKPT_MAX_PIN_FILE + 5, 0); /* nothing reserved: no problem */
+  PLAN_FAILS(w, "rank 0: 10 bytes reserved in file 1048576, beyond file 1048575",
+             "rank 0: 10 bytes reserved in file 1048579, beyond file 1048575",
+             "rank 0: c (c) pinned at file 1048576 offset 0 length 10 beyond "
+             "file 1048575");
   assert_int_equal(count_lines(w->gp.errors), 3);
+  world_free(w);
+
+  /* files of their own beyond io_threads (passthrough files): pinned
+   * there; the other items are balanced over the io_threads files */
+  w = world_new(1);
+  w->opts.io_threads = 2;
+  blob(w, 0, "own", 100, 1);
+  pin_last(w, 0, 5, 0);
+  reserve(w, 0, 5, 100);
+  blob(w, 0, "x", 10, 2);
+  blob(w, 0, "y", 20, 3);
+  blob(w, 0, "z", 30, 4);
+  plan_ok(w);
+  assert_int_equal(w->gp.ranks[0].n_files, 6);
+  assert_int_equal(w->gp.ranks[0].file_bytes[5], 100);
+  assert_int_equal(w->gp.ranks[0].file_bytes[0] + w->gp.ranks[0].file_bytes[1], 60);
+  for (uint32_t k = 2; k < 5; k++)
+    assert_int_equal(w->gp.ranks[0].file_bytes[k], 0);
+  for (uint32_t a = 0; a < w->gp.ranks[0].n_assign; a++) {
+    const ckpt_assignment_t *as = &w->gp.ranks[0].assign[a];
+    assert_true(as->length == 100 ? as->file == 5 && as->file_offset == 0
+                                  : as->file < 2);
+  }
   world_free(w);
 
   /* pin problems come after the ranks' own errors, before the FQNs' */
