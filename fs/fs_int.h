@@ -77,6 +77,7 @@ typedef struct {
   bool sync_files;            /* fsync data and metadata at commit */
   bool direct_reads;          /* committed tensors bypass the mount's cache */
   bool passthrough;           /* staged files written by FUSE passthrough */
+  bool passthrough_set;       /* ... asked for explicitly (-o passthrough=) */
   bool verify;                /* check each chunk's XXH3 before serving it */
   uint64_t safetensors_shard; /* tensor bytes per NAME/.safetensors shard */
   ckpt_replica_check_t replica_check;
@@ -131,7 +132,7 @@ struct ckpt_staging {
   uint32_t nfree, cap_free;
   int64_t spill_end;       /* the spill file's size */
   uint64_t spill_used;     /* bytes of slots in use */
-  /* passthrough=1: staged files holding a memfd, at most pt_max (half the
+  /* passthrough: staged files holding a backing file, at most pt_max (half the
    * open files limit at start), so that a million small files cannot
    * exhaust the daemon's descriptors; the others take the daemon's path */
   _Atomic uint32_t pt_files;
@@ -167,13 +168,18 @@ typedef struct ckpt_streams {
   char id[33];            /* 128 random bits in hex: unique on every node
                              and in every PID namespace (keep names) */
   char name[256];         /* the checkpoint */
-  uint32_t n;             /* streams: io_threads */
+  uint32_t n;             /* streams: io_threads, then own ones */
+  uint32_t nio;           /* the first nio (io_threads) can be claimed */
+  uint32_t cap;           /* entries allocated in s */
   struct ckpt_stream {
     int fd;               /* -1 until first claimed */
     uint64_t end;         /* bytes used by released files */
     struct ckpt_sfile *owner; /* the file appending to it, or NULL */
     bool kept;            /* linked under its keep name (a failed commit) */
-  } *s;
+    bool own;             /* a passthrough file's own backing file: data
+                             file K of that file alone, at offset 0 */
+  } *s;                   /* grows (own streams) only while the freeze
+                             lock is held for writing: see stream_fd */
   bool frozen;            /* committing: no new claims */
   _Atomic bool committed; /* the streams are data files now: never
                              written or punched again */
@@ -219,6 +225,12 @@ void ckpt__stream_release(struct ckpt_sfile *sf);
  * (sf->lock held; sf->stream is -1 after). */
 void ckpt__stream_drop(struct ckpt_sfile *sf);
 int ckpt__stream_fd(const struct ckpt_sfile *sf);
+/* A commit begins: the passthrough file sf (its bytes in fd, a file of
+ * BACKING_DIR/.staging written by the kernel) becomes a stream of its
+ * own, so that the data file K it is linked as holds it at offset 0 and
+ * its bytes are never copied (sf->lock held; K >= io_threads). 0 or
+ * -errno. */
+int ckpt__stream_own(ckpt_streams_t *st, struct ckpt_sfile *sf, int fd);
 /* Copy [0, size) of in to out at base (copy_file_range, else through a
  * buffer), data extents only: the holes of a sparse file stay holes, so
  * out's range must read as zeros already (a new file, a punched range).
@@ -254,17 +266,20 @@ typedef struct ckpt_sfile {
                                 is written front to back, or NULL */
   uint64_t hashed;
   bool hash_broken;      /* written out of order: hash at commit */
-  /* FUSE passthrough (passthrough=1): the kernel writes the file's bytes
-   * straight into pt_fd, a memfd the daemon never copies them through. */
-  _Atomic int pt_fd;     /* the memfd holding all its bytes, or -1 (set
-                            under lock; read without it by size_seen) */
+  /* FUSE passthrough (write once): the kernel writes the file's bytes
+   * straight into pt_fd's file, in BACKING_DIR/.staging, which becomes
+   * its data file at commit; the daemon never copies them. */
+  _Atomic int pt_fd;     /* that file, held read-only, or -1 (set under
+                            lock; read without it by size_seen) */
   int32_t pt_id;         /* its backing id while the file is open, or 0 */
   uint32_t pt_opens;     /* open handles passed through */
-  bool pt_sealed;        /* F_SEAL_WRITE|SHRINK|GROW: frozen by a commit,
-                            or by the drain for its copy; any change
-                            thaws a copy first */
-  void *pt_map;          /* read-only mapping of a sealed pt_fd, or NULL */
-  size_t pt_map_len;
+  uint32_t pt_wopens;    /* of which open for writing */
+  pid_t pt_wpid;         /* the process of the last open for writing */
+  bool pt_sealed;        /* nobody could write it when last checked (by
+                            the drain to hash it, by a commit to freeze
+                            it); an open for writing unseals it */
+  uint32_t pt_gen;       /* unseals so far: a hash computed across one is
+                            stale */
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
 } ckpt_sfile_t;
 
@@ -276,25 +291,26 @@ void ckpt__sfile_end_stream(ckpt_sfile_t *sf);
 int ckpt__sfile_pt_start(ckpt_sfile_t *sf);
 /* Undo pt_start when the kernel refused the backing file. */
 void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf);
-/* Seal the memfd against writes and read its size (sf->lock held): 0, or
- * -EBUSY while a writable shared mapping of it exists (which may outlive
- * the file's last close). */
+/* Nobody can write the file now (sf->lock held): it is sealed and its
+ * size read. 0, or -EBUSY while a handle open for writing or a writable
+ * shared mapping (which may outlive the file's last close) exists. */
 int ckpt__sfile_pt_seal(ckpt_sfile_t *sf);
-/* A commit freezes the file: the memfd is sealed against writes (a
- * handle still open gets EPERM) and the size read. 0, or -EBUSY when a
- * writable shared mapping prevents the seal. */
+/* ckpt__sfile_pt_seal for a commit's freeze, taking sf->lock. */
 int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf);
-/* The file may change again (a failed commit): a sealed memfd is
- * replaced by a copy of its first `keep` bytes. sf->lock held; -EBUSY
- * while a handle still uses the sealed one. */
-int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep);
+/* The file may change again (an open for writing, a failed commit): it is
+ * unsealed and its hash dropped (sf->lock held). */
+void ckpt__sfile_pt_thaw(ckpt_sfile_t *sf);
+/* Who could write the file when a seal failed: "open for writing by
+ * process PID (COMM)", "mapped writable and shared by process PID
+ * (COMM)"; a string to free, or NULL. */
+char *ckpt__sfile_pt_who(ckpt_sfile_t *sf);
 /* The file's bytes are somewhere else now: it stops being a passthrough
- * file (sf->lock held). Returns the memfd, for the caller to close once
- * it holds no lock (freeing gigabytes of pages takes a while). */
+ * file (sf->lock held). Returns its backing file, for the caller to
+ * close once it holds no lock (freeing gigabytes takes a while). */
 int ckpt__sfile_pt_detach(ckpt_sfile_t *sf);
 /* A sealed, closed passthrough file below CKPT_PT_DRAIN_MIN: its bytes
- * move into segments (sf->lock held). Returns the memfd, to close as
- * above, or -errno (the file stays as it was). */
+ * move into segments (sf->lock held). Returns the backing file, to close
+ * as above, or -errno (the file stays as it was). */
 int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf);
 /* The next data extent of fd in [pos, end): [*from, *to), *from == end
  * when none is left (SEEK_DATA/SEEK_HOLE; where the filesystem has none,
@@ -303,11 +319,13 @@ int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
                       uint64_t *to);
 /* A passthrough file with open handles? */
 bool ckpt__sfile_pt_open(ckpt_sfile_t *sf);
-/* Closed passthrough files of at least this size are drained into a
- * stream, smaller ones into segments (drain.c). */
+/* Closed passthrough files of at least this size stay where the kernel
+ * wrote them (their data file), hashed by the drain; smaller ones move
+ * into segments (drain.c), packed with others into a shared data file. */
 #define CKPT_PT_DRAIN_MIN (64u << 10)
-/* A passthrough file's mtime is its memfd's (the kernel's writes set
- * it): *t becomes that; setting it sets the memfd's. No-ops otherwise. */
+/* A passthrough file's mtime is its backing file's (the kernel's writes
+ * set it): *t becomes that; setting it sets the backing file's. No-ops
+ * otherwise. */
 void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t);
 void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t);
 void ckpt__sfile_free(ckpt_sfile_t *sf);
@@ -630,7 +648,7 @@ struct ckpt_fs {
   char *mount_path;        /* MOUNTPOINT, %r replaced (a metrics label) */
 };
 
-/* The drain thread: closed passthrough files into write-behind streams. */
+/* The drain thread: closed passthrough files hashed where they are. */
 typedef struct ckpt_drain ckpt_drain_t;
 int ckpt__drain_start(ckpt_fs_t *fs, ckpt_drain_t **out);
 /* Stop it (before the nodes go): queued files stay in their memfds. */

@@ -230,6 +230,10 @@ static int stop_signals_set(void) {
   if (sigaction(SIGUSR2, &sa, NULL))
     return -1;
   sa.sa_handler = SIG_IGN;
+  /* SIGIO: a lease break (staging.c's read leases, held for an instant)
+   * must not end the daemon */
+  if (sigaction(SIGIO, &sa, NULL))
+    return -1;
   return sigaction(SIGPIPE, &sa, NULL);
 }
 
@@ -331,7 +335,7 @@ static int name_mount(struct fuse_args *args, const char *backing) {
 }
 
 /* Open files up to the hard limit: a save holds data files, streams and
- * SQLite's files at once, passthrough=1 a memfd per staged file (half the
+ * SQLite's files at once, passthrough a backing file per staged file (half the
  * limit at most), and the usual soft limit of 1024 is soon spent. */
 static void raise_fd_limit(void) {
   struct rlimit rl;

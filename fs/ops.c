@@ -36,6 +36,7 @@ typedef struct ckpt_handle {
   size_t len;
   bool writer;       /* a staged file opened for writing */
   bool pt;           /* a staged file passed through (sf->pt_opens) */
+  bool pt_writer;    /* ... open for writing (sf->pt_wopens) */
   _Atomic uint64_t advised; /* committed node: readahead asked up to here */
   ckpt_fdref_t *pins;  /* committed item: its data files, held open */
   uint32_t npins;
@@ -948,17 +949,17 @@ static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,
   return 0;
 }
 
-/* Pass an open of staged file n through to its memfd (fi->backing_id):
- * every open of a passthrough file must be, with one backing id while any
- * is open. A new empty file opened write-only (create) gets its memfd
- * here. An open for writing (`writing`, the freeze lock held shared)
- * first thaws a sealed memfd (a failed commit's, or the drain's while it
- * copies), under the same hold of sf->lock as the open is counted: the
- * drain seals only files with no open, so a writer never gets a sealed
- * memfd. 0, or -errno for an open of a passthrough file that cannot be
- * passed through (a file that never was one stays on the daemon's path). */
+/* Pass an open of staged file n through to its backing file
+ * (fi->backing_id): every open of a passthrough file must be, with one
+ * backing id while any is open. A new empty file opened write-only
+ * (create) gets its backing file here. An open for writing (the freeze
+ * lock held shared by the caller, or a create) unseals the file, under
+ * the same hold of sf->lock as the open is counted, so that a drain's
+ * hash across it is dropped. 0, or -errno for an open of a passthrough
+ * file that cannot be passed through (a file that never was one stays on
+ * the daemon's path). */
 static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
-                   struct fuse_file_info *fi, bool start, bool writing) {
+                   struct fuse_file_info *fi, bool start) {
 #ifdef FUSE_CAP_PASSTHROUGH
   ckpt_fs_t *fs = fs_of(req);
   ckpt_sfile_t *sf = n->u.sf;
@@ -966,13 +967,14 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
     return 0;
   if (sf->pt_fd < 0 && (!start || ckpt__sfile_pt_start(sf) != 0))
     return 0;
+  bool writing = (fi->flags & O_ACCMODE) != O_RDONLY;
+  int rc = 0;
   pthread_mutex_lock(&sf->lock);
-  int rc = writing ? ckpt__sfile_pt_thaw(sf, UINT64_MAX) : 0;
-  if (rc == 0 && sf->pt_fd < 0) { /* drained: the daemon's path from now */
+  if (sf->pt_fd < 0) { /* moved into segments: the daemon's path now */
     pthread_mutex_unlock(&sf->lock);
     return 0;
   }
-  if (rc == 0 && sf->pt_opens == 0) {
+  if (sf->pt_opens == 0) {
     int id = fuse_passthrough_open(req, sf->pt_fd);
     if (id > 0)
       sf->pt_id = id;
@@ -981,10 +983,16 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   }
   if (rc == 0) {
     sf->pt_opens++;
+    if (writing) {
+      ckpt__sfile_pt_thaw(sf);
+      sf->pt_wopens++;
+      sf->pt_wpid = fuse_req_ctx(req)->pid;
+    }
     fi->backing_id = sf->pt_id;
     fi->direct_io = 0;
     fi->keep_cache = 0;
     h->pt = true;
+    h->pt_writer = writing;
   }
   pthread_mutex_unlock(&sf->lock);
   if (rc && start) { /* the kernel refused: this file stays on our path */
@@ -993,12 +1001,12 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
     /* Without CAP_SYS_ADMIN every backing file is refused: say it once. */
     bool was = true;
     if (atomic_compare_exchange_strong(&fs->passthrough, &was, false))
-      ckpt__log("passthrough=1: the kernel refused a backing file (needs "
+      ckpt__log("passthrough: the kernel refused a backing file (needs "
                 "CAP_SYS_ADMIN): staged files go through the daemon");
   }
   return rc;
 #else
-  (void)req, (void)n, (void)h, (void)fi, (void)start, (void)writing;
+  (void)req, (void)n, (void)h, (void)fi, (void)start;
   return 0;
 #endif
 }
@@ -1010,14 +1018,15 @@ static void pt_release(fuse_req_t req, handle_t *h) {
   ckpt_sfile_t *sf = h->node->u.sf;
   pthread_mutex_lock(&sf->lock);
   bool last = --sf->pt_opens == 0;
+  if (h->pt_writer)
+    sf->pt_wopens--;
   if (last && sf->pt_id > 0) {
     fuse_passthrough_close(req, sf->pt_id);
     sf->pt_id = 0;
   }
-  last = last && sf->pt_fd >= 0; /* sealed too: by a drain that gave up,
-                                     or a failed commit */
+  last = last && sf->pt_fd >= 0;
   pthread_mutex_unlock(&sf->lock);
-  if (last) /* closed: copied into a stream while the trainer goes on */
+  if (last) /* closed: hashed while the trainer goes on */
     ckpt__drain_add(fs_of(req)->drain, h->node);
 #else
   (void)req, (void)h;
@@ -1067,7 +1076,7 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     fi->fh = (uintptr_t)h;
     fi->direct_io = n->kind == CKPT_NODE_COMMIT || writes_direct(n, fi);
     if (writes_direct(n, fi))
-      pt_open(req, n, h, fi, true, false); /* else the daemon's path */
+      pt_open(req, n, h, fi, true); /* else the daemon's path */
     fill_entry(fs, n, &e);
   }
   pthread_mutex_unlock(&fs->lock);
@@ -1545,12 +1554,12 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     fi->direct_io = writes_direct(n, fi);
   }
   if (rc == 0 && n->kind == CKPT_NODE_SFILE && n->u.sf->pt_fd >= 0) {
-    /* A passthrough file: every open is. Writing a sealed one needs a
-     * fresh memfd first (none open on the sealed one). */
+    /* A passthrough file: every open is. One for writing unseals it
+     * while no commit can begin. */
     if (!writing)
-      rc = pt_open(req, n, h, fi, false, false);
+      rc = pt_open(req, n, h, fi, false);
     else if ((rc = staged_change_begin(fs, n->ck)) == 0) {
-      rc = pt_open(req, n, h, fi, false, true);
+      rc = pt_open(req, n, h, fi, false);
       staged_change_end(n->ck);
     }
   }
@@ -2360,16 +2369,20 @@ static void fs_init(void *userdata, struct fuse_conn_info *conn) {
 #endif
 #ifdef FUSE_CAP_PASSTHROUGH
   /* libfuse 3.16+, kernel 6.9+ and CAP_SYS_ADMIN: staged files written
-   * straight into their memfds (staging.c). */
-  if (fs->opts.passthrough && (conn->capable & FUSE_CAP_PASSTHROUGH)) {
+   * once, straight into their data files (staging.c). By default only
+   * where it can work: a daemon without root would be refused at its
+   * first file. */
+  bool can = geteuid() == 0 || fs->opts.passthrough_set;
+  if (fs->opts.passthrough && can &&
+      (conn->capable & FUSE_CAP_PASSTHROUGH)) {
     conn->want |= FUSE_CAP_PASSTHROUGH;
     fs->passthrough = true;
   }
 #endif
   if (fs->opts.passthrough && !fs->passthrough)
-    ckpt__log("passthrough=1: FUSE passthrough is not available (libfuse "
-              "%s, needs >= 3.16, and a kernel >= 6.9): staged files go "
-              "through the daemon", fuse_pkgversion());
+    ckpt__log("passthrough: FUSE passthrough is not available (libfuse %s "
+              "needs >= 3.16, a kernel >= 6.9 and root): staged files go "
+              "through the daemon, copied once more", fuse_pkgversion());
 }
 
 const struct fuse_lowlevel_ops ckpt__fuse_ops = {

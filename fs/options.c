@@ -90,7 +90,10 @@ void ckpt__opts_help(void) {
       "passthrough\n"
       "                          (kernel >= 6.9, libfuse >= 3.16; needs root): "
       "their bytes\n"
-      "                          never pass through the daemon (default: 0)\n"
+      "                          are written once, never through the daemon; "
+      "falls back\n"
+      "                          to the daemon's path where unavailable "
+      "(default: 1)\n"
       "  -o verify=0|1           check each chunk's XXH3-64 before a read "
       "first serves it\n"
       "                          (again after its data file changed); EIO on "
@@ -271,6 +274,8 @@ static int opt_proc(void *data, const char *arg, int key,
                                                : "verify",
                  val, "0 or 1");
     *flag = val[0] == '1';
+    if (key == KEY_PASSTHROUGH)
+      o->passthrough_set = true;
     return 0;
   }
   case KEY_REPLICA_CHECK:
@@ -334,6 +339,7 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   o->sync_files = true;
   o->direct_reads = true;
   o->verify = true;
+  o->passthrough = true;
   o->replica_check = CKPT_REPLICA_ERROR;
   o->safetensors_shard = UINT64_C(5000000000); /* save_pretrained's "5GB" */
   parse_state_t ps = {.o = o};

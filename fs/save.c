@@ -208,30 +208,38 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     rc = -ENOENT; /* removed (rmdir) while its .commit was open */
   else
     rc = collect_files(s, ck->dir, &cap);
-  /* Passthrough files are sealed now, so that a handle still open cannot
-   * change what is saved (its writes fail with EPERM). A writable shared
-   * mapping prevents it: the commit fails, saying which file. */
-  for (uint32_t k = 0; rc == 0 && k < 2 * s->nfiles; k++) {
-    /* Files with open handles first: only they can refuse (a mapping
-     * holds its file open), before any idle file is sealed. */
-    uint32_t i = k % s->nfiles;
+  /* Passthrough files: the kernel writes them without the daemon, and
+   * each large one becomes its data file as it is. So nobody may be able
+   * to write one any more (a handle open for writing, a writable shared
+   * mapping left after a close): else the commit fails at once with
+   * EBUSY, naming the file and the process. */
+  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
     ckpt_sfile_t *sf = s->files[i]->u.sf;
-    if ((k < s->nfiles) != ckpt__sfile_pt_open(sf))
-      continue;
     int e = ckpt__sfile_pt_freeze(sf);
+    if (e == 0) {
+      /* written once: its backing file is its data file */
+      pthread_mutex_lock(&sf->lock);
+      if (sf->pt_fd >= 0 && sf->stream < 0 && sf->size >= CKPT_PT_DRAIN_MIN &&
+          ck->streams)
+        e = ckpt__stream_own(ck->streams, sf, sf->pt_fd);
+      pthread_mutex_unlock(&sf->lock);
+    }
     if (e == 0)
       continue;
-    /* Failed: files sealed already thaw when written again (one still
-     * open stays read-only until its handles are closed). */
+    char *who = e == -EBUSY ? ckpt__sfile_pt_who(sf) : NULL;
     ck->state = CKPT_FAILED;
     freeze_failed = true;
     free(ck->reason);
-    ck->reason = ckpt__strdup_printf(
-        "rank %d: %s: cannot freeze it for the commit: %s%s", s->rank,
-        s->paths[i], strerror(-e),
-        e == -EBUSY ? " (a writable shared mapping of it is still there: "
-                      "unmap it, then commit again)"
-                    : "");
+    if (e == -EBUSY)
+      ck->reason = ckpt__strdup_printf(
+          "rank %d: %s is still %s: what it writes would change the "
+          "committed bytes; close it (or unmap it), then commit again",
+          s->rank, s->paths[i], who ? who : "open for writing");
+    else
+      ck->reason = ckpt__strdup_printf(
+          "rank %d: %s: cannot freeze it for the commit: %s", s->rank,
+          s->paths[i], strerror(-e));
+    free(who);
     ckpt__log("%s: %s", ck->name, ck->reason);
     rc = e;
   }

@@ -17,13 +17,16 @@
  * and many small tensors once; reads of staged data are rare.
  */
 #include <assert.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -59,7 +62,8 @@ void ckpt__staging_init(ckpt_staging_t *st, uint64_t limit, int backing_fd) {
   st->limit = limit;
   st->backing_fd = backing_fd;
   st->spill_fd = -1;
-  /* Passthrough: a memfd per staged file, at most half the descriptors */
+  /* Passthrough: a backing file per staged file, at most half the
+   * descriptors */
   struct rlimit rl;
   st->pt_max = 512;
   if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
@@ -242,42 +246,61 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
 }
 
 /* ------------------------------------------------------------------------
- * FUSE passthrough: the file's bytes live in a memfd that the kernel
- * writes and reads directly (fi->backing_id); the daemon sees no data
- * request. Its size and contents are read from the memfd when needed,
- * and hashed at the commit.
+ * FUSE passthrough (write once): the file's bytes live in a file of its
+ * own in BACKING_DIR/.staging (O_TMPFILE), which the kernel writes and
+ * reads directly (fi->backing_id): the daemon sees no data request and
+ * copies nothing. At commit that file is linked as the file's data file
+ * (ckpt__stream_own): the trainer's write was the only one.
+ *
+ * The daemon holds it read-only (pt_fd), so that "is anyone able to
+ * write it?" has an exact answer from the kernel: a read lease
+ * (F_SETLEASE F_RDLCK) is refused while any open file description of it
+ * can write, which includes the kernel's backing files of open handles
+ * and a writable shared mapping that outlives its file's close. A file
+ * nobody can write is "sealed": hashed by the drain, or frozen for a
+ * commit. An open for writing unseals it (pt_gen counts those), and a
+ * commit that finds a writer fails with EBUSY, naming the process.
  * ---------------------------------------------------------------------- */
 
-#define PT_SEALS (F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW)
-
-/* One more memfd, within the budget (a staged file past it takes the
- * daemon's path: its bytes go into segments or a stream). */
+/* One more backing file, within the budget (a staged file past it takes
+ * the daemon's path: its bytes go into segments or a stream). */
 static bool pt_fd_take(ckpt_staging_t *b) {
   if (atomic_fetch_add(&b->pt_files, 1) < b->pt_max)
     return true;
   atomic_fetch_sub(&b->pt_files, 1);
   bool was = false;
   if (atomic_compare_exchange_strong(&b->pt_full_said, &was, true))
-    ckpt__log("passthrough=1: %u staged files hold a memfd each (half the "
-              "open files limit): further ones go through the daemon while "
-              "that many are not drained", b->pt_max);
+    ckpt__log("passthrough: %u staged files hold a backing file each (half "
+              "the open files limit): further ones go through the daemon "
+              "until some are committed or removed", b->pt_max);
   return false;
 }
 
 static void pt_fd_give(ckpt_staging_t *b) { atomic_fetch_sub(&b->pt_files, 1); }
 
+/* fd reopened with flags through /proc (an unnamed file has no other
+ * name): a descriptor or -errno. */
+static int reopen(int fd, int flags) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  int r = open(path, flags | O_CLOEXEC);
+  return r >= 0 ? r : -errno;
+}
+
 int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
   if (!pt_fd_take(sf->budget))
     return -EMFILE;
-  int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  int rw = ckpt__staging_tmpfile(sf->budget->backing_fd);
+  int fd = rw >= 0 ? reopen(rw, O_RDONLY) : rw;
+  if (rw >= 0)
+    close(rw);
   if (fd < 0) {
-    int e = errno;
     pt_fd_give(sf->budget);
-    return -e;
+    return fd;
   }
   pthread_mutex_lock(&sf->lock);
   sf->pt_fd = fd;
-  sf->hash_broken = true; /* the bytes are hashed at the commit */
+  sf->hash_broken = true; /* hashed after its close (drain.c) */
   pthread_mutex_unlock(&sf->lock);
   return 0;
 }
@@ -303,19 +326,33 @@ static int pt_refresh(ckpt_sfile_t *sf) {
   return 0;
 }
 
-static void pt_unmap(ckpt_sfile_t *sf) {
-  if (sf->pt_map)
-    munmap(sf->pt_map, sf->pt_map_len);
-  sf->pt_map = NULL;
-  sf->pt_map_len = 0;
+static _Atomic bool no_leases_said;
+
+/* Can anyone write the backing file? 0 when nobody can, -EBUSY when some
+ * open file description can (a handle, a writable shared mapping).
+ * Where the kernel grants no lease (fs.leases-enable=0), the handles
+ * passed through are all it can tell: mappings go unseen (logged once).
+ * sf->lock held. */
+static int pt_writers(ckpt_sfile_t *sf) {
+  if (fcntl(sf->pt_fd, F_SETLEASE, F_RDLCK) == 0) {
+    fcntl(sf->pt_fd, F_SETLEASE, F_UNLCK);
+    return 0;
+  }
+  if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EBUSY)
+    return -EBUSY;
+  bool was = false;
+  if (atomic_compare_exchange_strong(&no_leases_said, &was, true))
+    ckpt__log("passthrough: no read lease on a staged file's backing file "
+              "(%s): a writable shared mapping left after a file's close "
+              "cannot be seen at commit", strerror(errno));
+  return sf->pt_wopens > 0 ? -EBUSY : 0;
 }
 
 int ckpt__sfile_pt_seal(ckpt_sfile_t *sf) {
   int rc = 0;
   if (sf->pt_fd >= 0 && !sf->pt_sealed) {
-    if (fcntl(sf->pt_fd, F_ADD_SEALS, PT_SEALS))
-      rc = -errno;
-    else
+    rc = pt_writers(sf);
+    if (rc == 0)
       sf->pt_sealed = true;
   }
   if (sf->pt_fd >= 0 && rc == 0)
@@ -330,51 +367,83 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
   return rc;
 }
 
-int ckpt__sfile_pt_thaw(ckpt_sfile_t *sf, uint64_t keep) {
-  for (;;) {
-    if (sf->pt_fd < 0 || !sf->pt_sealed)
-      return 0;
-    if (sf->pt_opens > 0)
-      return -EBUSY;
-    /* The sealed memfd cannot change: copy it without the lock (a stat
-     * of the file meanwhile must not wait for a copy of gigabytes). */
-    struct stat st;
-    int src = dup(sf->pt_fd);
-    if (src < 0)
-      return -errno;
-    if (fstat(src, &st)) {
-      close(src);
-      return -errno;
+void ckpt__sfile_pt_thaw(ckpt_sfile_t *sf) {
+  if (sf->pt_fd < 0 || !sf->pt_sealed)
+    return;
+  sf->pt_sealed = false;
+  sf->pt_gen++;          /* a hash being computed is stale */
+  sf->hash_broken = true;
+}
+
+/* The backing file, writable, for a change the daemon makes itself
+ * (truncate, a write not passed through): a descriptor to close, or
+ * -errno. sf->lock held. */
+static int pt_rw(ckpt_sfile_t *sf) {
+  ckpt__sfile_pt_thaw(sf);
+  return reopen(sf->pt_fd, O_RDWR);
+}
+
+/* /proc/PID/comm of pid, into buf ("?" when gone). */
+static void comm_of(pid_t pid, char *buf, size_t cap) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/comm", (int)pid);
+  FILE *f = fopen(path, "re");
+  if (!f || !fgets(buf, (int)cap, f))
+    snprintf(buf, cap, "?");
+  if (f)
+    fclose(f);
+  buf[strcspn(buf, "\n")] = '\0';
+}
+
+/* A process with a writable shared mapping of the file (dev, ino), from
+ * /proc/PID/maps: its pid, or 0. */
+static pid_t find_mapper(dev_t dev, ino_t ino) {
+  DIR *d = opendir("/proc");
+  if (!d)
+    return 0;
+  pid_t found = 0;
+  char line[512], path[64];
+  for (struct dirent *e; !found && (e = readdir(d)) != NULL;) {
+    char *end;
+    long pid = strtol(e->d_name, &end, 10);
+    if (*end || pid <= 0)
+      continue;
+    snprintf(path, sizeof(path), "/proc/%ld/maps", pid);
+    FILE *f = fopen(path, "re");
+    while (f && !found && fgets(line, sizeof(line), f)) {
+      char perms[8];
+      unsigned maj, min;
+      unsigned long long off, inode;
+      if (sscanf(line, "%*x-%*x %7s %llx %x:%x %llu", perms, &off, &maj, &min,
+                 &inode) == 5 &&
+          perms[1] == 'w' && perms[3] == 's' && inode == (unsigned long long)ino &&
+          makedev(maj, min) == dev)
+        found = (pid_t)pid;
     }
-    uint64_t n = keep < (uint64_t)st.st_size ? keep : (uint64_t)st.st_size;
-    pthread_mutex_unlock(&sf->lock);
-    int rc = 0;
-    int fd = memfd_create("ckptfs-staged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd < 0)
-      rc = -errno;
-    if (rc == 0)
-      rc = ckpt__copy_range(src, fd, 0, n);
-    if (rc == 0 && ftruncate(fd, (off_t)n))
-      rc = -errno;
-    if (rc == 0) /* a copy, not a change: the same mtime */
-      futimens(fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, st.st_mtim});
-    close(src);
-    pthread_mutex_lock(&sf->lock);
-    struct stat now;
-    if (rc == 0 && sf->pt_fd >= 0 && sf->pt_sealed && sf->pt_opens == 0 &&
-        fstat(sf->pt_fd, &now) == 0 && now.st_ino == st.st_ino) {
-      pt_unmap(sf);
-      close(sf->pt_fd);
-      sf->pt_fd = fd;
-      sf->pt_sealed = false;
-      return pt_refresh(sf);
-    }
-    if (fd >= 0)
-      close(fd);
-    if (rc)
-      return rc;
-    /* changed meanwhile (thawed, or opened again): look again */
+    if (f)
+      fclose(f);
   }
+  closedir(d);
+  return found;
+}
+
+char *ckpt__sfile_pt_who(ckpt_sfile_t *sf) {
+  pthread_mutex_lock(&sf->lock);
+  pid_t pid = sf->pt_wopens > 0 ? sf->pt_wpid : 0;
+  struct stat st;
+  bool have = sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0;
+  pthread_mutex_unlock(&sf->lock);
+  const char *how = "open for writing";
+  if (!pid && have) {
+    pid = find_mapper(st.st_dev, st.st_ino);
+    how = "mapped writable and shared";
+  }
+  if (!pid)
+    return strdup("open for writing (by a process not found: a descriptor "
+                  "passed on, or a mapping of a process that ended)");
+  char comm[64];
+  comm_of(pid, comm, sizeof(comm));
+  return ckpt__strdup_printf("%s by process %d (%s)", how, (int)pid, comm);
 }
 
 void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t) {
@@ -421,7 +490,6 @@ bool ckpt__sfile_pt_open(ckpt_sfile_t *sf) {
 }
 
 int ckpt__sfile_pt_detach(ckpt_sfile_t *sf) {
-  pt_unmap(sf);
   int fd = sf->pt_fd;
   sf->pt_fd = -1;
   sf->pt_sealed = false;
@@ -455,17 +523,6 @@ int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
   return 0;
 }
 
-/* A sealed file's bytes, mapped for the commit to read. sf->lock held. */
-static int pt_map(ckpt_sfile_t *sf) {
-  if (sf->pt_map || sf->size == 0)
-    return 0;
-  void *p = mmap(NULL, (size_t)sf->size, PROT_READ, MAP_SHARED, sf->pt_fd, 0);
-  if (p == MAP_FAILED)
-    return -errno;
-  sf->pt_map = p;
-  sf->pt_map_len = (size_t)sf->size;
-  return 0;
-}
 
 void ckpt__sfile_end_stream(ckpt_sfile_t *sf) {
   pthread_mutex_lock(&sf->lock);
@@ -515,7 +572,6 @@ void ckpt__sfile_free(ckpt_sfile_t *sf) {
     return;
   ckpt__stream_drop(sf);
   drop_segments(sf, 0);
-  pt_unmap(sf);
   if (sf->pt_fd >= 0) {
     close(sf->pt_fd);
     pt_fd_give(sf->budget);
@@ -739,8 +795,8 @@ static ssize_t stream_write(ckpt_sfile_t *sf, const void *buf, size_t n,
 }
 
 /* A closed passthrough file too small to drain into a stream: its bytes
- * move into segments, like a file the daemon wrote, and its memfd (one
- * descriptor per file) goes. */
+ * move into segments, like a file the daemon wrote, and its backing file
+ * (one descriptor per file) goes. */
 int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf) {
   uint64_t size = sf->size; /* sealed: read at the seal */
   uint8_t *buf = malloc(size ? (size_t)size : 1);
@@ -763,7 +819,7 @@ int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf) {
   free(buf);
   sf->size = size;
   atomic_store_explicit(&sf->size_seen, size, memory_order_relaxed);
-  if (rc) { /* it stays in its memfd */
+  if (rc) { /* it stays in its backing file */
     drop_segments(sf, 0);
     sf->hash_broken = true;
     return rc;
@@ -778,13 +834,15 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
   if (off > CKPT_MAX_FILE || n > CKPT_MAX_FILE - off)
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
-  /* Not passed through (a copy_file_range, say). A thaw drops the lock:
-   * the drain may have made it a streamed file meanwhile. */
-  int e = sf->pt_fd >= 0 ? ckpt__sfile_pt_thaw(sf, UINT64_MAX) : 0;
-  if (e || sf->pt_fd >= 0) {
-    ssize_t r = e;
-    if (r == 0 && (r = pwrite(sf->pt_fd, buf, n, (off_t)off)) < 0)
+  /* Not passed through (a copy_file_range, say): into its backing file
+   * all the same. */
+  if (sf->pt_fd >= 0) {
+    int fd = pt_rw(sf);
+    ssize_t r = fd;
+    if (fd >= 0 && (r = pwrite(fd, buf, n, (off_t)off)) < 0)
       r = -errno;
+    if (fd >= 0)
+      close(fd);
     if (r >= 0)
       pt_refresh(sf);
     pthread_mutex_unlock(&sf->lock);
@@ -854,11 +912,11 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
     return -EFBIG;
   pthread_mutex_lock(&sf->lock);
   int rc = 0;
-  if (sf->pt_fd >= 0)
-    rc = ckpt__sfile_pt_thaw(sf, size); /* may drop the lock: see write */
-  if (rc || sf->pt_fd >= 0) {
-    if (rc == 0 && ftruncate(sf->pt_fd, (off_t)size))
-      rc = -errno;
+  if (sf->pt_fd >= 0) {
+    int fd = pt_rw(sf);
+    rc = fd < 0 ? fd : ftruncate(fd, (off_t)size) ? -errno : 0;
+    if (fd >= 0)
+      close(fd);
     if (rc == 0)
       rc = pt_refresh(sf);
     pthread_mutex_unlock(&sf->lock);
@@ -911,19 +969,19 @@ int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size) {
 
 int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len) {
   pthread_mutex_lock(&sf->lock);
-  int rc = 0;
-  if (sf->pt_fd >= 0)
-    rc = ckpt__sfile_pt_thaw(sf, UINT64_MAX); /* may drop the lock */
-  if (rc == 0 && sf->pt_fd >= 0)
-    rc = pt_refresh(sf);
+  int rc = sf->pt_fd >= 0 ? pt_refresh(sf) : 0;
   if (rc)
     goto out;
   uint64_t end = off + len < sf->size ? off + len : sf->size;
   if (sf->pt_fd >= 0) {
-    if (off < end && fallocate(sf->pt_fd,
-                               FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                               (off_t)off, (off_t)(end - off)))
+    int fd = off < end ? pt_rw(sf) : -1;
+    if (fd >= 0 && fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                             (off_t)off, (off_t)(end - off)))
       rc = -errno;
+    else if (off < end && fd < 0)
+      rc = fd;
+    if (fd >= 0)
+      close(fd);
     goto out;
   }
   if (off >= end)
@@ -980,19 +1038,26 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
   uint64_t pos = 0;
   int rc = 0;
   if (sf->pt_fd >= 0) { /* frozen: sealed, its size read at the freeze */
-    pthread_mutex_lock(&sf->lock);
-    rc = pt_map(sf);
-    pthread_mutex_unlock(&sf->lock);
-    /* Its data from the mapping, its holes as holes: reading a hole
-     * through the mapping would fill it with pages of zeros. */
+    /* Its data read in steps (not mapped: the daemon's memory stays
+     * bounded), its holes as holes. */
     for (uint64_t from, to; rc == 0 && pos < sf->size; pos = to) {
       rc = ckpt__data_extent(sf->pt_fd, pos, sf->size, &from, &to);
       if (rc == 0 && from > pos)
         rc = fn(arg, NULL, (size_t)(from - pos), CKPT_WALK_HOLE);
-      if (rc == 0 && to > from)
-        rc = fn(arg, (const uint8_t *)sf->pt_map + from, (size_t)(to - from),
-                CKPT_WALK_KEPT);
+      for (uint64_t at = from; rc == 0 && at < to;) {
+        if (!bounce && !(bounce = malloc(CKPT_SEG_SIZE)))
+          return -ENOMEM;
+        size_t n = to - at < CKPT_SEG_SIZE ? (size_t)(to - at) : CKPT_SEG_SIZE;
+        ssize_t r = pread(sf->pt_fd, bounce, n, (off_t)at);
+        if (r < 0 && errno == EINTR)
+          continue;
+        rc = r < 0 ? -errno : r == 0 ? -ESTALE : 0;
+        if (rc == 0)
+          rc = fn(arg, bounce, (size_t)r, CKPT_WALK_TRANSIENT);
+        at += r > 0 ? (uint64_t)r : 0;
+      }
     }
+    free(bounce);
     return rc;
   }
   while (sf->stream >= 0 && pos < sf->size && rc == 0) {

@@ -75,7 +75,7 @@ ckpt_streams_t *ckpt__streams_new(int backing_fd, int rank, const char *name,
   st->rank = rank;
   snprintf(st->name, sizeof(st->name), "%s", name);
   new_id(st->id);
-  st->n = n;
+  st->n = st->nio = st->cap = n;
   for (uint32_t k = 0; k < n; k++)
     st->s[k].fd = -1;
   return st;
@@ -297,7 +297,7 @@ void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
 int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
   pthread_mutex_lock(&st->lock);
   int rc = -EAGAIN;
-  for (uint32_t k = 0; k < st->n && !st->frozen; k++) {
+  for (uint32_t k = 0; k < st->nio && !st->frozen; k++) {
     if (st->s[k].owner)
       continue;
     if (st->s[k].fd < 0) {
@@ -368,5 +368,40 @@ void ckpt__stream_abandon(ckpt_sfile_t *sf, uint64_t len) {
 }
 
 int ckpt__stream_fd(const ckpt_sfile_t *sf) {
-  return sf->streams->s[sf->stream].fd;
+  /* under the lock: a commit beginning may grow s (ckpt__stream_own) */
+  ckpt_streams_t *st = sf->streams;
+  pthread_mutex_lock(&st->lock);
+  int fd = st->s[sf->stream].fd;
+  pthread_mutex_unlock(&st->lock);
+  return fd;
+}
+
+int ckpt__stream_own(ckpt_streams_t *st, ckpt_sfile_t *sf, int fd) {
+  int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0)
+    return -errno;
+  pthread_mutex_lock(&st->lock);
+  if (st->n == st->cap) {
+    uint32_t cap = st->cap * 2 > st->n + 16 ? st->cap * 2 : st->n + 16;
+    struct ckpt_stream *s = cap < CKPT_MAX_PIN_FILE
+                                ? realloc(st->s, cap * sizeof(*s))
+                                : NULL;
+    if (!s) {
+      pthread_mutex_unlock(&st->lock);
+      close(own);
+      return -ENOMEM;
+    }
+    st->s = s;
+    st->cap = cap;
+  }
+  uint32_t k = st->n++;
+  /* held like every stream (the cleanup of a starting mount leaves its
+   * keep name alone) */
+  flock(own, LOCK_SH);
+  st->s[k] = (struct ckpt_stream){.fd = own, .own = true};
+  sf->stream = (int32_t)k;
+  sf->stream_base = 0;
+  sf->stream_owner = false;
+  pthread_mutex_unlock(&st->lock);
+  return 0;
 }
