@@ -295,6 +295,10 @@ void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf);
  * size read. 0, or -EBUSY while a handle open for writing or a writable
  * shared mapping (which may outlive the file's last close) exists. */
 int ckpt__sfile_pt_seal(ckpt_sfile_t *sf);
+/* Could anyone write the passthrough file now (an open handle for writing
+ * not released yet, a writable mapping)? Not for a sealed one. Takes
+ * sf->lock. */
+bool ckpt__sfile_pt_writable(ckpt_sfile_t *sf);
 /* ckpt__sfile_pt_seal for a commit's freeze, taking sf->lock. */
 int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf);
 /* The file may change again (an open for writing, a failed commit): it is
@@ -317,6 +321,9 @@ int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf);
  * all of it). -ESTALE when fd ends before end. */
 int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
                       uint64_t *to);
+/* Passthrough needs this much free in BACKING_DIR (or staging_mem, if
+ * smaller) when a file is created (staging.c). */
+#define CKPT_PT_MIN_FREE ((uint64_t)1 << 30)
 /* A passthrough file with open handles? */
 bool ckpt__sfile_pt_open(ckpt_sfile_t *sf);
 /* Closed passthrough files of at least this size stay where the kernel

@@ -161,9 +161,39 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
   return 0;
 }
 
+/* Is a passthrough file below dir still writable? fs->lock held. */
+static bool any_writable(ckpt_node_t *dir) {
+  for (ckpt_node_t *c = dir->children; c; c = c->next) {
+    if (c->kind == CKPT_NODE_SDIR && any_writable(c))
+      return true;
+    if (c->kind == CKPT_NODE_SFILE && ckpt__sfile_pt_writable(c->u.sf))
+      return true;
+  }
+  return false;
+}
+
+/* The kernel lets go of a passthrough file's backing file only once the
+ * daemon has answered its RELEASE, which comes after close(2) returned:
+ * a commit right after the last close may find the file writable for a
+ * moment. Wait for that, holding no lock between looks (the RELEASE needs
+ * fs->lock), up to 2 s; the freeze then checks for good. */
+static void wait_for_releases(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  for (int i = 0; i < 2000; i++) {
+    pthread_mutex_lock(&fs->lock);
+    bool busy = ck->dir && ck->state != CKPT_COMMITTING &&
+                ck->state != CKPT_COMMITTED && any_writable(ck->dir);
+    pthread_mutex_unlock(&fs->lock);
+    if (!busy)
+      return;
+    usleep(1000);
+  }
+}
+
 int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                      const ckpt_commit_words_t *words, fuse_req_t req,
                      size_t reply_size) {
+  if (fs->passthrough)
+    wait_for_releases(fs, ck);
   ckpt_save_t *s = calloc(1, sizeof(*s));
   if (!s)
     return -ENOMEM;

@@ -26,6 +26,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -287,7 +288,32 @@ static int reopen(int fd, int flags) {
   return r >= 0 ? r : -errno;
 }
 
+static _Atomic bool low_space_said;
+
+/* Enough room in BACKING_DIR to write a new file there? At least
+ * CKPT_PT_MIN_FREE (or staging_mem, if smaller) must be free: on a nearly
+ * full backing a staged file goes through the daemon into staging
+ * memory, so that running out of space fails the commit (which can be
+ * retried), not the trainer's write. */
+static bool room_to_write(ckpt_staging_t *b) {
+  struct statvfs v;
+  if (fstatvfs(b->backing_fd, &v))
+    return true; /* the write will say */
+  uint64_t free = (uint64_t)v.f_bavail * (uint64_t)v.f_frsize;
+  uint64_t want = b->limit < CKPT_PT_MIN_FREE ? b->limit : CKPT_PT_MIN_FREE;
+  bool was = false;
+  if (free < want &&
+      atomic_compare_exchange_strong(&low_space_said, &was, true))
+    ckpt__log("passthrough: BACKING_DIR has %llu MiB free, less than %llu "
+              "MiB: new staged files go through the daemon while so",
+              (unsigned long long)(free >> 20),
+              (unsigned long long)(want >> 20));
+  return free >= want;
+}
+
 int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
+  if (!room_to_write(sf->budget))
+    return -ENOSPC;
   if (!pt_fd_take(sf->budget))
     return -EMFILE;
   int rw = ckpt__staging_tmpfile(sf->budget->backing_fd);
@@ -346,6 +372,16 @@ static int pt_writers(ckpt_sfile_t *sf) {
               "(%s): a writable shared mapping left after a file's close "
               "cannot be seen at commit", strerror(errno));
   return sf->pt_wopens > 0 ? -EBUSY : 0;
+}
+
+bool ckpt__sfile_pt_writable(ckpt_sfile_t *sf) {
+  if (atomic_load(&sf->pt_fd) < 0)
+    return false;
+  pthread_mutex_lock(&sf->lock);
+  bool w = sf->pt_fd >= 0 && !sf->pt_sealed &&
+           (sf->pt_wopens > 0 || pt_writers(sf) != 0);
+  pthread_mutex_unlock(&sf->lock);
+  return w;
 }
 
 int ckpt__sfile_pt_seal(ckpt_sfile_t *sf) {

@@ -91,8 +91,12 @@ class Mount:
         args = [BIN]
         if self.foreground:
             args.append("-f")
-        if self.opts:
-            args += ["-o", self.opts]
+        # CKPTFS_TEST_OPTS: options for every mount of a run (say
+        # passthrough=0, to run the suite on the daemon's path); a test's
+        # own options come after, and win
+        opts = ",".join(o for o in (os.environ.get("CKPTFS_TEST_OPTS"), self.opts) if o)
+        if opts:
+            args += ["-o", opts]
         return args + [self.backing, self.mnt]
 
     def start(self, timeout=60):

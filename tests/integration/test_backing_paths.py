@@ -88,11 +88,21 @@ class BackingCase(CkptfsTestCase):
 class StagingSymlink(BackingCase):
 
     def test_spill_and_streams_never_leave_backing(self):
+        """Through the daemon (-o passthrough=0): a write-behind stream and
+        the spill file."""
+        self.never_leave("passthrough=0", [64 * MiB, 8 * MiB])
+
+    def test_passthrough_files_never_leave_backing(self):
+        """By default (FUSE passthrough where available): each file's own
+        backing file; the write-behind stream and spill file elsewhere."""
+        self.never_leave("", None)
+
+    def never_leave(self, opts, sizes):
         # elsewhere: another filesystem (a commit linking from there fails
         # with EXDEV), where an attacker would want the daemon's bytes
         outside = tempfile.mkdtemp(prefix="ckptfs-outside-", dir="/dev/shm")
         self.addCleanup(shutil.rmtree, outside, ignore_errors=True)
-        m = self.mount("staging_mem=16M,io_threads=2")
+        m = self.mount("staging_mem=16M,io_threads=2" + ("," + opts if opts else ""))
         os.mkdir(self.ck("s"))
         write_file(self.ck("s", "warm"), os.urandom(4096))  # mount is serving
         # the attack, after the mount started (its start-up cleanup is past)
@@ -124,11 +134,16 @@ class StagingSymlink(BackingCase):
         self.assertEqual(escaped, [], "the daemon created files through the "
                          ".staging symlink, outside BACKING_DIR")
         self.assertEqual(named, [], "files named outside BACKING_DIR")
-        # in BACKING_DIR/.staging: the stream (the tensors were written one
-        # after the other: one stream serves both) and the spill file
-        self.assertEqual(len(inside), 2, inside)
-        self.assertGreaterEqual(max(inside.values()), 64 * MiB, inside)
-        self.assertGreaterEqual(min(inside.values()), 8 * MiB, inside)
+        if sizes:
+            # in BACKING_DIR/.staging: the stream (the tensors were written
+            # one after the other: one stream serves both) and the spill file
+            self.assertEqual(len(inside), 2, inside)
+            self.assertGreaterEqual(max(inside.values()), sizes[0], inside)
+            self.assertGreaterEqual(min(inside.values()), sizes[1], inside)
+        elif "passthrough: FUSE passthrough is not available" not in self.daemon_log():
+            # each file in a backing file of its own there, as written
+            self.assertEqual(sorted(inside.values()), [25 * MiB, 32 * MiB, 32 * MiB],
+                             inside)
         self.assertIsNone(err, "the commit must succeed")
         self.assertEqual(status(self.ck("s")).split("\n")[0], "committed")
         data["warm"] = read_all(self.ck("s", "warm"))

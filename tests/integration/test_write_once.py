@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Write once, by default: with no option given, large staged files created
+write-only are written by the kernel (FUSE passthrough) straight into the
+files that become their data files. While 1 GiB is staged and committed
+the daemon writes almost nothing itself (/proc/PID/io wchar: no daemon
+copy, no drain copy) and reads it once (rchar: the hash after the close);
+each data file of a large file is the very inode the kernel wrote; the
+daemon's peak memory (VmHWM, mapped pages included) stays within
+staging_mem + 64 MiB through staging, commit and a full read back; the
+bytes read back after a remount are the bytes written. The control: with
+-o passthrough=0 the same measure sees the daemon's copy (so the test
+fails if a copy comes back).
+
+Skipped only where the binary's libfuse has no passthrough (< 3.16) or the
+kernel is older than 6.9.
+
+    python3 tests/integration/test_write_once.py --bin build/bin/ckptfs
+"""
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util  # noqa: E402
+from ckptfs_util import CkptfsTestCase, commit, main, state  # noqa: E402
+
+MiB = 1 << 20
+
+
+def version(text):
+    m = re.search(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def io_of(pid):
+    """rchar and wchar of /proc/PID/io: bytes read and written by read(2),
+    write(2), copy_file_range and friends."""
+    out = {}
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            key, val = line.split(":")
+            out[key] = int(val)
+    return out
+
+
+def vm_hwm(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def staged_backing(pid):
+    """{inode: size} of the daemon's staged backing files (the unnamed
+    files of BACKING_DIR/.staging it holds)."""
+    out = {}
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            if "/.staging/" in os.readlink(os.path.join(fds, fd)):
+                st = os.stat(os.path.join(fds, fd))
+                out[st.st_ino] = st.st_size
+        except OSError:
+            pass
+    return out
+
+
+def write_big(path, size, seed):
+    """size bytes, 1 MiB writes, each MiB distinct; their sha256."""
+    block = bytearray(hashlib.sha256(seed.encode()).digest() * (MiB // 32))
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(size // MiB):
+            block[:8] = i.to_bytes(8, "little")
+            os.write(fd, block)
+            h.update(block)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def sha_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(4 * MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class WriteOnce(CkptfsTestCase):
+    FILES, SIZE = 8, 128 * MiB    # 1 GiB staged
+
+    def setUp(self):
+        super().setUp()
+        out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
+                             text=True).stdout
+        fuse = version(out.split("FUSE", 1)[1]) if "FUSE" in out else (0, 0)
+        if fuse < (3, 16):
+            self.skipTest(f"libfuse {fuse} has no passthrough API (>= 3.16)")
+        if version(os.uname().release) < (6, 9):
+            self.skipTest("kernel older than 6.9: no FUSE passthrough")
+
+    def stage(self, name, files, size):
+        os.mkdir(self.ck(name))
+        return {f"t{i}": write_big(self.ck(name, f"t{i}"), size, f"{name}{i}")
+                for i in range(files)}
+
+    def test_bytes_written_once(self):
+        m = self.mount("staging_mem=64M")
+        self.assertNotIn("not available", self.daemon_log())
+        pid = m.proc.pid
+        before = io_of(pid)
+        want = self.stage("c", self.FILES, self.SIZE)
+        total = self.FILES * self.SIZE
+        # every large file in a backing file of its own, the kernel's
+        staged = staged_backing(pid)
+        self.assertEqual(sorted(staged.values()), [self.SIZE] * self.FILES, staged)
+        commit(self.ck("c"))
+        self.assertEqual(state(self.ck("c")), "committed")
+        after = io_of(pid)
+        wrote, read = after["wchar"] - before["wchar"], after["rchar"] - before["rchar"]
+        print(f"\n  1 GiB staged and committed: the daemon wrote {wrote / MiB:.1f} MiB, "
+              f"read {read / MiB:.1f} MiB (its hash)", file=sys.stderr)
+        self.assertLess(wrote, total // 100, "the daemon copied staged bytes")
+        self.assertLess(read, total * 11 // 10, "the daemon read the bytes more than once")
+        # the data files are the inodes the kernel wrote
+        data = {os.stat(self.bk("c", f)).st_ino: os.stat(self.bk("c", f)).st_size
+                for f in os.listdir(self.bk("c")) if f.endswith(".distcp")}
+        for ino, size in staged.items():
+            self.assertEqual(data.get(ino), size, f"inode {ino} is not a data file")
+        # read back in full: verified, the same bytes
+        for f, digest in want.items():
+            self.assertEqual(sha_of(self.ck("c", f)), digest, f)
+        hwm = vm_hwm(pid)
+        print(f"  daemon VmHWM {hwm / MiB:.0f} MiB (staging_mem 64 MiB)", file=sys.stderr)
+        self.assertLess(hwm, (64 + 64) * MiB)
+        self.assertEqual(m.stop(), 0)
+        self.mount()
+        for f, digest in want.items():
+            self.assertEqual(sha_of(self.ck("c", f)), digest, f)
+
+    def test_control_the_daemon_path_copies(self):
+        """-o passthrough=0: the daemon writes every staged byte itself
+        (what the measure above would see if a copy came back)."""
+        m = self.mount("passthrough=0")
+        pid = m.proc.pid
+        before = io_of(pid)
+        self.stage("c", 2, 64 * MiB)
+        commit(self.ck("c"))
+        wrote = io_of(pid)["wchar"] - before["wchar"]
+        self.assertGreater(wrote, 2 * 64 * MiB * 9 // 10)
+
+
+if __name__ == "__main__":
+    main()
