@@ -32,6 +32,9 @@ sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 from ckptfs_util import fuse_requests  # noqa: E402
 
 
+OPTS = ""  # --opts
+
+
 def state(n, size):
     flat = {f"model.layers.{i // 10}.w{i % 10}": torch.randn(size // 4) for i in range(n)}
     nested = {}
@@ -56,8 +59,8 @@ class Mount:
         for d in (self.back, self.mnt):
             shutil.rmtree(d, ignore_errors=True)
             os.makedirs(d)
-        subprocess.check_call([self.binary, self.back, self.mnt,
-                               "-o", f"metrics={self.metrics}"])
+        opts = ",".join(o for o in (f"metrics={self.metrics}", OPTS) if o)
+        subprocess.check_call([self.binary, self.back, self.mnt, "-o", opts])
         return self
 
     def __exit__(self, *exc):
@@ -108,7 +111,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--size", type=int, default=4096, help="bytes per tensor")
+    ap.add_argument("--opts", default="", help="more mount options (passthrough=0)")
     a = ap.parse_args()
+    global OPTS
+    OPTS = a.opts
     warnings.filterwarnings("ignore")
     flat, nested = state(a.n, a.size)
     fns = saves(flat, nested)

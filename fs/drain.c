@@ -36,8 +36,8 @@ struct ckpt_drain {
   pthread_t thread;
   pthread_mutex_t lock;   /* protects everything below */
   pthread_cond_t cond;
-  ckpt_node_t **q;        /* referenced nodes to drain */
-  size_t n, cap;
+  ckpt_node_t **q;        /* referenced nodes to drain: a ring of cap, */
+  size_t head, n, cap;    /* n of them from head on */
   bool stop;
 };
 
@@ -97,8 +97,10 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   bool go = fd >= 0 && sf->pt_opens == 0 && ckpt__sfile_pt_seal(sf) == 0;
   /* a file that has a data file of its own already (a failed commit's)
    * keeps it */
+  bool reuse = false;
   if (go && sf->size < CKPT_PT_DRAIN_MIN && sf->stream < 0) {
     backing = ckpt__sfile_pt_absorb(sf);
+    reuse = !sf->pt_read_opened;
     go = false;
   }
   if (go && !sf->hash_broken && sf->hashed == sf->size)
@@ -108,7 +110,9 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   fd = go ? dup(fd) : -1;
   go = go && fd >= 0;
   pthread_mutex_unlock(&sf->lock);
-  if (backing >= 0)
+  if (backing >= 0 && reuse) /* for the next new file */
+    ckpt__staging_pt_recycle(sf->budget, backing);
+  else if (backing >= 0)
     close(backing);
   if (!go) {
     pthread_rwlock_unlock(&n->ck->freeze);
@@ -155,8 +159,9 @@ static void *drain_main(void *arg) {
       pthread_cond_wait(&d->cond, &d->lock);
     if (d->stop)
       break;
-    ckpt_node_t *n = d->q[0];
-    memmove(d->q, d->q + 1, --d->n * sizeof(*d->q));
+    ckpt_node_t *n = d->q[d->head];
+    d->head = (d->head + 1) % d->cap;
+    d->n--;
     pthread_mutex_unlock(&d->lock);
     if (buf) /* else hashed at the commit */
       drain_one(d->fs, n, buf, cap);
@@ -198,7 +203,7 @@ void ckpt__drain_stop(ckpt_drain_t *d) {
   pthread_join(d->thread, NULL);
   pthread_mutex_lock(&d->fs->lock);
   for (size_t i = 0; i < d->n; i++)
-    ckpt__node_unref(d->fs, d->q[i]);
+    ckpt__node_unref(d->fs, d->q[(d->head + i) % d->cap]);
   pthread_mutex_unlock(&d->fs->lock);
   free(d->q);
   pthread_cond_destroy(&d->cond);
@@ -215,7 +220,7 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n) {
   pthread_mutex_lock(&d->lock);
   if (d->n == d->cap) {
     size_t cap = d->cap ? d->cap * 2 : 16;
-    ckpt_node_t **q = realloc(d->q, cap * sizeof(*q));
+    ckpt_node_t **q = malloc(cap * sizeof(*q));
     if (!q) { /* not hashed: the commit hashes it */
       pthread_mutex_unlock(&d->lock);
       pthread_mutex_lock(&d->fs->lock);
@@ -223,10 +228,14 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n) {
       pthread_mutex_unlock(&d->fs->lock);
       return;
     }
+    for (size_t i = 0; i < d->n; i++) /* in order, from 0 */
+      q[i] = d->q[(d->head + i) % d->cap];
+    free(d->q);
     d->q = q;
+    d->head = 0;
     d->cap = cap;
   }
-  d->q[d->n++] = n;
+  d->q[(d->head + d->n++) % d->cap] = n;
   pthread_cond_signal(&d->cond);
   pthread_mutex_unlock(&d->lock);
 }

@@ -138,6 +138,10 @@ struct ckpt_staging {
   _Atomic uint32_t pt_files;
   uint32_t pt_max;
   _Atomic bool pt_full_said; /* logged that pt_max was reached */
+  int *pt_pool;            /* empty backing files (read-only descriptors)
+                              ready for new staged files: a create then
+                              makes none (under lock) */
+  uint32_t pt_npool;
 };
 
 void ckpt__staging_init(ckpt_staging_t *st, uint64_t limit, int backing_fd);
@@ -275,6 +279,9 @@ typedef struct ckpt_sfile {
   uint32_t pt_opens;     /* open handles passed through */
   uint32_t pt_wopens;    /* of which open for writing */
   pid_t pt_wpid;         /* the process of the last open for writing */
+  bool pt_read_opened;   /* opened read-only once: its backing file is not
+                            reused for another file (a read-only mapping
+                            may still show it) */
   bool pt_sealed;        /* nobody could write it when last checked (by
                             the drain to hash it, by a commit to freeze
                             it); an open for writing unseals it */
@@ -289,6 +296,10 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
 void ckpt__sfile_end_stream(ckpt_sfile_t *sf);
 /* Passthrough: give the new empty file a memfd of its own (0, -errno). */
 int ckpt__sfile_pt_start(ckpt_sfile_t *sf);
+/* An empty backing file (a small file's, moved into segments, never
+ * opened read-only) goes back to the pool for the next new file, else
+ * it is closed. */
+void ckpt__staging_pt_recycle(ckpt_staging_t *b, int fd);
 /* Undo pt_start when the kernel refused the backing file. */
 void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf);
 /* Nobody can write the file now (sf->lock held): it is sealed and its

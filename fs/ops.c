@@ -37,6 +37,9 @@ typedef struct ckpt_handle {
   bool writer;       /* a staged file opened for writing */
   bool pt;           /* a staged file passed through (sf->pt_opens) */
   bool pt_writer;    /* ... open for writing (sf->pt_wopens) */
+  int32_t cpt_id;    /* committed item read by passthrough: its backing id,
+                        or 0 */
+  ckpt_fdref_t cpt_ref; /* ... its data file, held while open */
   _Atomic uint64_t advised; /* committed node: readahead asked up to here */
   ckpt_fdref_t *pins;  /* committed item: its data files, held open */
   uint32_t npins;
@@ -889,6 +892,8 @@ static void put_pins(handle_t *h) {
 
 static void free_handle(handle_t *h) {
   put_pins(h);
+  if (h->cpt_id > 0) /* never released (the mount ended first) */
+    ckpt_fdref_put(&h->cpt_ref);
   free(h->pins);
   if (h->fd >= 0)
     close(h->fd);
@@ -987,6 +992,8 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
       ckpt__sfile_pt_thaw(sf);
       sf->pt_wopens++;
       sf->pt_wpid = fuse_req_ctx(req)->pid;
+    } else {
+      sf->pt_read_opened = true;
     }
     fi->backing_id = sf->pt_id;
     fi->direct_io = 0;
@@ -1011,8 +1018,59 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
 #endif
 }
 
+/* A committed tensor or blob that is a whole data file (written once by
+ * passthrough: each large staged file is one) is read by FUSE passthrough
+ * too, straight from the data file's page cache without a request to the
+ * daemon. Its checksum is checked first, here (the daemon sees none of
+ * the reads after this), and again at a later open when the data file
+ * changed on disk (pin_files' recheck). Anything else, or a chunk that is
+ * damaged (its reads then get EIO), stays on the daemon's path. */
+#define CKPT_PT_READ_MIN CKPT_PT_DRAIN_MIN
+static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
+                              struct fuse_file_info *fi) {
+#ifdef FUSE_CAP_PASSTHROUGH
+  ckpt_fs_t *fs = fs_of(req);
+  if (!fs->passthrough || !fs->opts.direct_reads ||
+      (n->kind != CKPT_NODE_CTENSOR && n->kind != CKPT_NODE_CBLOB))
+    return;
+  const ckpt_stored_t *s = &n->ck->stored;
+  ckpt_item_t it = ckpt__node_item(n);
+  uint64_t size = ckpt_stored_size(s, it);
+  ckpt_fdref_t ref;
+  uint64_t pos;
+  size_t len;
+  struct stat st;
+  if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
+      ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
+    return;
+  bool whole = pos == 0 && len == size && fstat(ref.fd, &st) == 0 &&
+               (uint64_t)st.st_size == size;
+  if (!whole || ckpt_stored_verify(s, it, (size_t)size, 0) != 0) {
+    ckpt_fdref_put(&ref);
+    return;
+  }
+  int id = fuse_passthrough_open(req, ref.fd);
+  if (id <= 0) {
+    ckpt_fdref_put(&ref);
+    return;
+  }
+  h->cpt_id = id;
+  h->cpt_ref = ref;
+  fi->backing_id = id;
+  fi->direct_io = 0;
+  fi->keep_cache = 0;
+#else
+  (void)req, (void)n, (void)h, (void)fi;
+#endif
+}
+
 static void pt_release(fuse_req_t req, handle_t *h) {
 #ifdef FUSE_CAP_PASSTHROUGH
+  if (h->cpt_id > 0) {
+    fuse_passthrough_close(req, h->cpt_id);
+    h->cpt_id = 0;
+    ckpt_fdref_put(&h->cpt_ref);
+  }
   if (!h->pt)
     return;
   ckpt_sfile_t *sf = h->node->u.sf;
@@ -1541,6 +1599,8 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
      * cache of the same bytes (see direct_reads in options.c). */
     fi->direct_io = fs->opts.direct_reads && n->kind != CKPT_NODE_METADATA &&
                     !ckpt__is_view_kind(n->kind); /* views: mmap works */
+    if (rc == 0)
+      pt_open_committed(req, n, h, fi); /* a whole data file: straight */
   } else if (writing) { /* a staged file */
     if ((rc = staged_change_begin(fs, n->ck)) == 0) {
       if (fi->flags & O_TRUNC) {

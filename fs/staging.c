@@ -77,6 +77,9 @@ void ckpt__staging_destroy(ckpt_staging_t *st) {
   for (uint32_t i = 0; i < st->npool; i++)
     free(st->pool[i]);
   free(st->pool);
+  for (uint32_t i = 0; i < st->pt_npool; i++)
+    close(st->pt_pool[i]);
+  free(st->pt_pool);
   free(st->free_slots);
   if (st->spill_fd >= 0)
     close(st->spill_fd);
@@ -311,17 +314,46 @@ static bool room_to_write(ckpt_staging_t *b) {
   return free >= want;
 }
 
-int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
-  if (!room_to_write(sf->budget))
-    return -ENOSPC;
-  if (!pt_fd_take(sf->budget))
-    return -EMFILE;
-  int rw = ckpt__staging_tmpfile(sf->budget->backing_fd);
-  int fd = rw >= 0 ? reopen(rw, O_RDONLY) : rw;
+#define PT_POOL_MAX 256u
+
+void ckpt__staging_pt_recycle(ckpt_staging_t *b, int fd) {
+  int rw = reopen(fd, O_RDWR);
+  bool ok = rw >= 0 && ftruncate(rw, 0) == 0;
   if (rw >= 0)
     close(rw);
+  pthread_mutex_lock(&b->lock);
+  if (ok && !b->pt_pool)
+    b->pt_pool = malloc(PT_POOL_MAX * sizeof(*b->pt_pool));
+  if (ok && b->pt_pool && b->pt_npool < PT_POOL_MAX) {
+    b->pt_pool[b->pt_npool++] = fd;
+    fd = -1;
+  }
+  pthread_mutex_unlock(&b->lock);
+  if (fd >= 0)
+    close(fd);
+}
+
+int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
+  ckpt_staging_t *b = sf->budget;
+  if (!room_to_write(b))
+    return -ENOSPC;
+  if (!pt_fd_take(b))
+    return -EMFILE;
+  int fd = -1;
+  pthread_mutex_lock(&b->lock);
+  if (b->pt_npool > 0)
+    fd = b->pt_pool[--b->pt_npool];
+  pthread_mutex_unlock(&b->lock);
+  if (fd >= 0) { /* a reused one: new now */
+    futimens(fd, NULL);
+  } else {
+    int rw = ckpt__staging_tmpfile(b->backing_fd);
+    fd = rw >= 0 ? reopen(rw, O_RDONLY) : rw;
+    if (rw >= 0)
+      close(rw);
+  }
   if (fd < 0) {
-    pt_fd_give(sf->budget);
+    pt_fd_give(b);
     return fd;
   }
   pthread_mutex_lock(&sf->lock);
