@@ -332,6 +332,13 @@ int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf);
  * all of it). -ESTALE when fd ends before end. */
 int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
                       uint64_t *to);
+/* The largest staged file: 1 TiB. Its segment index (16 bytes per MiB)
+ * stays small, and a commit never has to hash and store more than this
+ * for one file: a pwrite at a wild offset gets EFBIG instead of a huge
+ * index and a commit that writes the holes as terabytes of zeros. The
+ * kernel's writes into a passthrough file are not checked: a commit of
+ * one larger than this fails (EFBIG), and the drain leaves it alone. */
+#define CKPT_MAX_FILE ((uint64_t)1 << 40)
 /* Passthrough needs this much free in BACKING_DIR (or staging_mem, if
  * smaller) when a file is created (staging.c). */
 #define CKPT_PT_MIN_FREE ((uint64_t)1 << 30)
@@ -457,6 +464,10 @@ struct ckpt_node {
   uint32_t nsubdirs;      /* directory: child directories (st_nlink - 2) */
   uint64_t nlookup;       /* CBLOCK: lookups the kernel has not forgotten;
                              fs->lock */
+  struct ckpt_node_pt *cpt; /* CTENSOR, CBLOB read by passthrough: the one
+                             backing file all its open handles share (the
+                             kernel allows one per inode), or NULL;
+                             fs->lock */
   union {
     ckpt_sfile_t *sf;     /* SFILE */
     uint32_t tensor;      /* CTENSOR, VNPY: index into ck->meta->tensors */
@@ -464,6 +475,12 @@ struct ckpt_node {
     uint32_t blob;        /* CBLOB: index into ck->meta->blobs */
     struct ckpt_block *block; /* CBLOCK (owned) */
   } u;
+};
+
+struct ckpt_node_pt {
+  int32_t id;             /* backing id */
+  uint32_t opens;         /* handles using it */
+  ckpt_fdref_t ref;       /* the data file, held */
 };
 
 struct ckpt_ckpt {

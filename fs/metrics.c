@@ -266,7 +266,7 @@ static void write_all(ckpt_fs_t *fs, out_t *o) {
   write_commits(o, m);
   write_requests(o, m);
   counter(o, "ckptfs_bytes_staged_total",
-          "Bytes written into staged files through the daemon.",
+          "Bytes written into staged files (passthrough: sizes at close).",
           &m->bytes_staged);
   counter(o, "ckptfs_bytes_committed_total",
           "Bytes this rank wrote into data files at its commits.",

@@ -37,9 +37,7 @@ typedef struct ckpt_handle {
   bool writer;       /* a staged file opened for writing */
   bool pt;           /* a staged file passed through (sf->pt_opens) */
   bool pt_writer;    /* ... open for writing (sf->pt_wopens) */
-  int32_t cpt_id;    /* committed item read by passthrough: its backing id,
-                        or 0 */
-  ckpt_fdref_t cpt_ref; /* ... its data file, held while open */
+  bool cpt;          /* committed item read by passthrough (node->cpt) */
   _Atomic uint64_t advised; /* committed node: readahead asked up to here */
   ckpt_fdref_t *pins;  /* committed item: its data files, held open */
   uint32_t npins;
@@ -892,8 +890,6 @@ static void put_pins(handle_t *h) {
 
 static void free_handle(handle_t *h) {
   put_pins(h);
-  if (h->cpt_id > 0) /* never released (the mount ended first) */
-    ckpt_fdref_put(&h->cpt_ref);
   free(h->pins);
   if (h->fd >= 0)
     close(h->fd);
@@ -906,6 +902,11 @@ void ckpt__release_handles(ckpt_fs_t *fs) {
   while (fs->handles) {
     handle_t *h = fs->handles;
     put_pins(h);
+    if (h->cpt && --h->node->cpt->opens == 0) { /* before the node goes */
+      ckpt_fdref_put(&h->node->cpt->ref);
+      free(h->node->cpt);
+      h->node->cpt = NULL;
+    }
     untrack_handle(fs, h);
     free_handle(h);
   }
@@ -1033,30 +1034,51 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   if (!fs->passthrough || !fs->opts.direct_reads ||
       (n->kind != CKPT_NODE_CTENSOR && n->kind != CKPT_NODE_CBLOB))
     return;
-  const ckpt_stored_t *s = &n->ck->stored;
-  ckpt_item_t it = ckpt__node_item(n);
-  uint64_t size = ckpt_stored_size(s, it);
-  ckpt_fdref_t ref;
-  uint64_t pos;
-  size_t len;
-  struct stat st;
-  if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
-      ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
-    return;
-  bool whole = pos == 0 && len == size && fstat(ref.fd, &st) == 0 &&
-               (uint64_t)st.st_size == size;
-  if (!whole || ckpt_stored_verify(s, it, (size_t)size, 0) != 0) {
-    ckpt_fdref_put(&ref);
-    return;
+  pthread_mutex_lock(&fs->lock);
+  struct ckpt_node_pt *p = n->cpt;
+  if (p) /* open already: the same backing file */
+    p->opens++;
+  pthread_mutex_unlock(&fs->lock);
+  if (!p) {
+    const ckpt_stored_t *s = &n->ck->stored;
+    ckpt_item_t it = ckpt__node_item(n);
+    uint64_t size = ckpt_stored_size(s, it);
+    ckpt_fdref_t ref;
+    uint64_t pos;
+    size_t len;
+    struct stat st;
+    if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
+        ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
+      return;
+    /* checked before the kernel serves a byte (no hold of fs->lock) */
+    bool whole = pos == 0 && len == size && fstat(ref.fd, &st) == 0 &&
+                 (uint64_t)st.st_size == size;
+    if (!whole || ckpt_stored_verify(s, it, (size_t)size, 0) != 0 ||
+        !(p = calloc(1, sizeof(*p)))) {
+      ckpt_fdref_put(&ref);
+      return;
+    }
+    pthread_mutex_lock(&fs->lock);
+    if (n->cpt) { /* another open got there first */
+      n->cpt->opens++;
+      pthread_mutex_unlock(&fs->lock);
+      ckpt_fdref_put(&ref);
+      free(p);
+      p = n->cpt;
+    } else if ((p->id = fuse_passthrough_open(req, ref.fd)) > 0) {
+      p->opens = 1;
+      p->ref = ref;
+      n->cpt = p;
+      pthread_mutex_unlock(&fs->lock);
+    } else {
+      pthread_mutex_unlock(&fs->lock);
+      ckpt_fdref_put(&ref);
+      free(p);
+      return;
+    }
   }
-  int id = fuse_passthrough_open(req, ref.fd);
-  if (id <= 0) {
-    ckpt_fdref_put(&ref);
-    return;
-  }
-  h->cpt_id = id;
-  h->cpt_ref = ref;
-  fi->backing_id = id;
+  h->cpt = true;
+  fi->backing_id = p->id;
   fi->direct_io = 0;
   fi->keep_cache = 0;
 #else
@@ -1066,18 +1088,36 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
 
 static void pt_release(fuse_req_t req, handle_t *h) {
 #ifdef FUSE_CAP_PASSTHROUGH
-  if (h->cpt_id > 0) {
-    fuse_passthrough_close(req, h->cpt_id);
-    h->cpt_id = 0;
-    ckpt_fdref_put(&h->cpt_ref);
+  if (h->cpt) {
+    ckpt_fs_t *fs = fs_of(req);
+    pthread_mutex_lock(&fs->lock);
+    struct ckpt_node_pt *p = h->node->cpt;
+    bool last = --p->opens == 0;
+    if (last) {
+      fuse_passthrough_close(req, p->id);
+      h->node->cpt = NULL;
+    }
+    pthread_mutex_unlock(&fs->lock);
+    h->cpt = false;
+    if (last) {
+      ckpt_fdref_put(&p->ref);
+      free(p);
+    }
   }
   if (!h->pt)
     return;
   ckpt_sfile_t *sf = h->node->u.sf;
   pthread_mutex_lock(&sf->lock);
   bool last = --sf->pt_opens == 0;
-  if (h->pt_writer)
+  struct stat st;
+  if (h->pt_writer) {
     sf->pt_wopens--;
+    /* the kernel's writes, as far as the daemon can tell: the file's
+     * size when a handle that could write it is closed */
+    if (sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0)
+      atomic_fetch_add_explicit(&fs_of(req)->metrics.bytes_staged,
+                                (uint64_t)st.st_size, memory_order_relaxed);
+  }
   if (last && sf->pt_id > 0) {
     fuse_passthrough_close(req, sf->pt_id);
     sf->pt_id = 0;

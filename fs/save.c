@@ -265,6 +265,11 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
           "rank %d: %s is still %s: what it writes would change the "
           "committed bytes; close it (or unmap it), then commit again",
           s->rank, s->paths[i], who ? who : "open for writing");
+    else if (e == -EFBIG)
+      ck->reason = ckpt__strdup_printf(
+          "rank %d: %s is larger than a staged file may be (%llu bytes): "
+          "%s", s->rank, s->paths[i], (unsigned long long)CKPT_MAX_FILE,
+          strerror(-e));
     else
       ck->reason = ckpt__strdup_printf(
           "rank %d: %s: cannot freeze it for the commit: %s", s->rank,

@@ -37,11 +37,6 @@
 /* Segment 0 of a small file starts this small: a trainer may stage a
  * million tiny files (counters, RNG states, scalars). */
 #define SEG0_MIN 64u
-/* The largest staged file: 1 TiB. Its segment index (16 bytes per MiB)
- * stays small, and a commit never has to hash and store more than this
- * for one file: a pwrite at a wild offset gets EFBIG instead of a huge
- * index and a commit that writes the holes as terabytes of zeros. */
-#define CKPT_MAX_FILE ((uint64_t)1 << 40)
 /* A first write of at least this many bytes at offset 0 starts a stream. */
 #define CKPT_STREAM_MIN (64u << 10)
 #define SPILL_DIR CKPT_STAGING_DIR
@@ -425,6 +420,9 @@ int ckpt__sfile_pt_seal(ckpt_sfile_t *sf) {
   }
   if (sf->pt_fd >= 0 && rc == 0)
     rc = pt_refresh(sf);
+  /* the kernel's writes know no CKPT_MAX_FILE: checked here */
+  if (rc == 0 && sf->pt_fd >= 0 && sf->size > CKPT_MAX_FILE)
+    rc = -EFBIG;
   return rc;
 }
 

@@ -128,11 +128,13 @@ class Metrics(CkptfsTestCase):
         self.assertGreater(m["ckptfs_commit_duration_seconds_sum{}"], 0)
         self.assertEqual(m["ckptfs_bytes_read_total{}"], 0)
 
-        # reads of the committed checkpoint are counted
+        # reads of the committed checkpoint through the daemon are counted;
+        # the 1 MiB tensor, a whole data file, is read by FUSE passthrough
+        # where it is available (from the data file, not seen)
         self.assertEqual(read_all(self.ck("good", "w")), data)
         self.assertEqual(read_all(self.ck("good", "cfg")), b"x" * 1000)
-        m = self.wait_for(lambda m: m["ckptfs_bytes_read_total{}"] >= staged, "the reads")
-        self.assertEqual(m["ckptfs_bytes_read_total{}"], staged)
+        m = self.wait_for(lambda m: m["ckptfs_bytes_read_total{}"] >= 1000, "the reads")
+        self.assertIn(m["ckptfs_bytes_read_total{}"], (staged, 1000))
 
         # a tensor of the wrong length: the commit fails, as invalid
         os.mkdir(self.ck("bad"))

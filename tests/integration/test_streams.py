@@ -33,6 +33,12 @@ def tmpfiles(pid):
 
 
 class Streams(CkptfsTestCase):
+    """Through the daemon (-o passthrough=0, and wherever FUSE passthrough
+    is not available): test_write_once covers the default path."""
+
+    def mount(self, opts=None, **kw):
+        return super().mount(",".join(o for o in ("passthrough=0", opts) if o), **kw)
+
     def test_streamed_bytes_become_the_data_files(self):
         m = self.mount("io_threads=2,staging_mem=1M")
         os.mkdir(self.ck("s"))
