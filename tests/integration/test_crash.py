@@ -56,9 +56,11 @@ def pattern(tag, n):
 
 
 def write_backwards(path, data, piece=MiB):
-    """Written last piece first: not streamed behind, so the save's write
-    step copies it into the data file (several write batches)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Written last piece first and opened read-write (so not by FUSE
+    passthrough, which takes write-only creates): through the daemon and
+    not streamed behind, so the save's write step copies it into the data
+    file (several write batches)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for off in reversed(range(0, len(data), piece)):
             os.pwrite(fd, data[off:off + piece], off)
