@@ -11,12 +11,13 @@
  * daemon wrote: a data file of its own per small tensor would cost a
  * descriptor each until the commit and a data file each after it.
  *
- * A drain holds the checkpoint's freeze lock shared (a commit waits for
- * it, as for any staged change) and gives up when the file is open again
- * by then, or anyone can still write it (a writable shared mapping left
- * after the close: the commit hashes it, or refuses it while the mapping
- * is there). A hash that an open for writing overtook (sf->pt_gen moved)
- * is dropped.
+ * A move into segments holds the checkpoint's freeze lock shared (a
+ * commit waits for it, as for any staged change); a hash does not (a
+ * commit never waits for one: it hashes what it finds unhashed itself).
+ * The drain gives up when the file is open again by then, or anyone can
+ * still write it (a writable shared mapping left after the close: the
+ * commit hashes it, or refuses it while the mapping is there). A hash
+ * that an open for writing overtook (sf->pt_gen moved) is dropped.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -86,64 +87,93 @@ static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
 }
 
 /* Hash a closed passthrough file where it is, or move a small one into
- * segments. The seal first: it fails while anyone can write the file. */
+ * segments. The seal first: it fails while anyone can write the file.
+ * Only the move changes the file (it holds the freeze lock shared, like
+ * any staged change); the hash is computed without it, and kept only if
+ * no open for writing came meanwhile and no commit began (a commit hashes
+ * what it finds unhashed itself: it never waits for the drain). */
 static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
                       size_t cap) {
   ckpt_sfile_t *sf = n->u.sf;
-  if (!n->ck || !begin_change(fs, n))
+  ckpt_ckpt_t *ck = n->ck;
+  if (!ck || atomic_load(&ck->freezing))
     return;
+  struct stat st;
   pthread_mutex_lock(&sf->lock);
+  bool small = sf->pt_fd >= 0 && sf->stream < 0 &&
+               fstat(sf->pt_fd, &st) == 0 &&
+               (uint64_t)st.st_size < CKPT_PT_DRAIN_MIN;
+  pthread_mutex_unlock(&sf->lock);
+  bool held = small && begin_change(fs, n);
+  if (small && !held)
+    return;
+  if (!held) {
+    /* no commit has begun (one that begins now freezes the file after
+     * this seal: both take sf->lock) */
+    pthread_mutex_lock(&fs->lock);
+    bool ok = n->attached && !atomic_load(&ck->freezing) &&
+              (ck->state == CKPT_STAGING || ck->state == CKPT_FAILED);
+    if (ok)
+      pthread_mutex_lock(&sf->lock);
+    pthread_mutex_unlock(&fs->lock);
+    if (!ok)
+      return;
+  } else {
+    pthread_mutex_lock(&sf->lock);
+  }
   int fd = atomic_load(&sf->pt_fd), backing = -1;
   bool go = fd >= 0 && sf->pt_opens == 0 && ckpt__sfile_pt_seal(sf) == 0;
-  /* a file that has a data file of its own already (a failed commit's)
-   * keeps it */
   bool reuse = false;
-  if (go && sf->size < CKPT_PT_DRAIN_MIN && sf->stream < 0) {
+  struct timespec mtime = {0};
+  if (go && held && sf->size < CKPT_PT_DRAIN_MIN && sf->stream < 0) {
+    if (fstat(fd, &st) == 0) /* the kernel's writes set the backing file's */
+      mtime = st.st_mtim;
     backing = ckpt__sfile_pt_absorb(sf);
     reuse = !sf->pt_read_opened;
     go = false;
   }
-  if (go && !sf->hash_broken && sf->hashed == sf->size)
-    go = false; /* hashed already, unchanged since */
+  if (go && (held || (!sf->hash_broken && sf->hashed == sf->size)))
+    go = false; /* small after all (it grew back: next time), or hashed */
   uint64_t size = sf->size;
   uint32_t gen = sf->pt_gen;
   fd = go ? dup(fd) : -1;
   go = go && fd >= 0;
+  sf->pt_hashing = go; /* a commit beginning meanwhile waits for it */
   pthread_mutex_unlock(&sf->lock);
+  if (backing >= 0 && mtime.tv_sec) { /* kept by the node from now */
+    pthread_mutex_lock(&fs->lock);
+    n->mtime = mtime;
+    pthread_mutex_unlock(&fs->lock);
+  }
+  if (held)
+    pthread_rwlock_unlock(&ck->freeze);
   if (backing >= 0 && reuse) /* for the next new file */
     ckpt__staging_pt_recycle(sf->budget, backing);
   else if (backing >= 0)
     close(backing);
-  if (!go) {
-    pthread_rwlock_unlock(&n->ck->freeze);
+  if (!go)
     return;
-  }
   XXH3_state_t *h = XXH3_createState();
   int rc = h && XXH3_64bits_reset(h) == XXH_OK ? 0 : -ENOMEM;
   if (rc == 0)
     rc = hash_sparse(fd, size, h, buf, cap);
-  struct stat st;
-  if (rc == 0 && fstat(fd, &st))
-    rc = -errno;
   close(fd);
 
-  pthread_mutex_lock(&fs->lock);
   pthread_mutex_lock(&sf->lock);
   /* Nobody could write it since the seal (no open for writing came: the
-   * generation is the same), and it is still in the tree. */
-  if (rc == 0 && n->attached && sf->pt_sealed && sf->pt_gen == gen &&
-      sf->size == size) {
+   * generation is the same; a commit that froze it meanwhile waits for
+   * this hash, pt_hashing, and reads it under sf->lock). */
+  if (rc == 0 && sf->pt_sealed && sf->pt_gen == gen && sf->size == size) {
     XXH3_freeState(sf->hash);
     sf->hash = h;
     h = NULL;
     sf->hashed = size;
     sf->hash_broken = false;
-    n->mtime = st.st_mtim; /* the kernel's writes set the backing file's */
   }
+  sf->pt_hashing = false;
+  pthread_cond_broadcast(&sf->pt_hashed);
   pthread_mutex_unlock(&sf->lock);
-  pthread_mutex_unlock(&fs->lock);
   XXH3_freeState(h);
-  pthread_rwlock_unlock(&n->ck->freeze);
 }
 
 static void *drain_main(void *arg) {

@@ -287,6 +287,8 @@ typedef struct ckpt_sfile {
                             it); an open for writing unseals it */
   uint32_t pt_gen;       /* unseals so far: a hash computed across one is
                             stale */
+  bool pt_hashing;       /* the drain is hashing it (pt_hashed: done) */
+  pthread_cond_t pt_hashed;
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
 } ckpt_sfile_t;
 
@@ -376,6 +378,9 @@ int ckpt__sfile_walk(ckpt_sfile_t *sf,
                      int (*fn)(void *arg, const void *p, size_t n,
                                ckpt_walk_piece_t kind),
                      void *arg);
+/* The same once a hash the drain is computing is done (takes sf->lock):
+ * what a commit asks. */
+int ckpt__sfile_checksum_wait(ckpt_sfile_t *sf, uint64_t *out);
 /* The XXH3-64 of the contents if it was computed while the file was
  * written front to back: 0, or -EAGAIN (walk and hash it). */
 int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out);
@@ -486,7 +491,9 @@ struct ckpt_node_pt {
 struct ckpt_ckpt {
   char name[256];
   ckpt_state_t state;     /* protected by fs->lock */
-  pthread_rwlock_t freeze; /* see the lock order above */
+  pthread_rwlock_t freeze; /* see the lock order above; writers first */
+  _Atomic bool freezing;  /* a commit wants the freeze lock: the drain
+                             leaves its files to the commit */
   uint32_t refs;          /* 1 while listed + 1 per live node; fs->lock */
   ckpt_node_t *dir;       /* the NAME directory node; NULL once removed */
   char *reason;           /* FAILED: why; fs->lock */

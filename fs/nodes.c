@@ -287,7 +287,13 @@ ckpt_ckpt_t *ckpt__ckpt_new(ckpt_fs_t *fs, const char *name) {
   if (!ck)
     return NULL;
   snprintf(ck->name, sizeof(ck->name), "%s", name);
-  pthread_rwlock_init(&ck->freeze, NULL);
+  /* A commit must not wait behind a stream of staged changes (each
+   * takes the lock shared): writers first. */
+  pthread_rwlockattr_t ra;
+  pthread_rwlockattr_init(&ra);
+  pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  pthread_rwlock_init(&ck->freeze, &ra);
+  pthread_rwlockattr_destroy(&ra);
   ck->refs = 1; /* listed in the root */
   ck->state = CKPT_STAGING;
   ck->dir = ckpt__node_new(fs, fs->root, name, CKPT_NODE_CKPT, S_IFDIR | 0755,

@@ -212,6 +212,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
 
   /* Freeze: no data change of this checkpoint is in progress once we hold
    * the freeze lock, and none starts after the state change. */
+  atomic_store(&ck->freezing, true);
   pthread_rwlock_wrlock(&ck->freeze);
   pthread_mutex_lock(&fs->lock);
   /* under the freeze lock: a staged checkpoint may be renamed until now;
@@ -299,6 +300,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       ckpt__node_unref(fs, s->files[i]);
   }
   pthread_mutex_unlock(&fs->lock);
+  atomic_store(&ck->freezing, false);
   pthread_rwlock_unlock(&ck->freeze);
   if (rc) {
     for (uint32_t i = 0; i < s->nfiles; i++)
@@ -354,7 +356,9 @@ static int hash_piece(void *arg, const void *p, size_t n, ckpt_walk_piece_t kind
  * computed now. */
 static int hash_file(void *arg, uint32_t i) {
   ckpt_save_t *s = arg;
-  if (ckpt__sfile_checksum(s->files[i]->u.sf, &s->checksums[i]) == 0)
+  /* the drain may be hashing a passthrough file: its result, not a
+   * second pass */
+  if (ckpt__sfile_checksum_wait(s->files[i]->u.sf, &s->checksums[i]) == 0)
     return 0;
   XXH3_state_t *st = XXH3_createState();
   if (!st)

@@ -237,6 +237,7 @@ ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
   if (!sf)
     return NULL;
   pthread_mutex_init(&sf->lock, NULL);
+  pthread_cond_init(&sf->pt_hashed, NULL);
   sf->budget = budget;
   sf->streams = streams;
   sf->stream = -1;
@@ -646,6 +647,7 @@ void ckpt__sfile_free(ckpt_sfile_t *sf) {
   XXH3_freeState(sf->hash);
   for (int i = 0; i < CKPT_X_COUNT; i++)
     free(sf->xattr[i]);
+  pthread_cond_destroy(&sf->pt_hashed);
   pthread_mutex_destroy(&sf->lock);
   free(sf);
 }
@@ -1087,6 +1089,15 @@ uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
   uint64_t s = sf->size;
   pthread_mutex_unlock(&sf->lock);
   return s;
+}
+
+int ckpt__sfile_checksum_wait(ckpt_sfile_t *sf, uint64_t *out) {
+  pthread_mutex_lock(&sf->lock);
+  while (sf->pt_hashing)
+    pthread_cond_wait(&sf->pt_hashed, &sf->lock);
+  int rc = ckpt__sfile_checksum(sf, out);
+  pthread_mutex_unlock(&sf->lock);
+  return rc;
 }
 
 int ckpt__sfile_checksum(ckpt_sfile_t *sf, uint64_t *out) {
