@@ -92,12 +92,12 @@ static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
  * any staged change); the hash is computed without it, and kept only if
  * no open for writing came meanwhile and no commit began (a commit hashes
  * what it finds unhashed itself: it never waits for the drain). */
-static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
+static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
                       size_t cap) {
   ckpt_sfile_t *sf = n->u.sf;
   ckpt_ckpt_t *ck = n->ck;
   if (!ck || atomic_load(&ck->freezing))
-    return;
+    return false;
   struct stat st;
   pthread_mutex_lock(&sf->lock);
   bool small = sf->pt_fd >= 0 && sf->stream < 0 &&
@@ -106,7 +106,7 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   pthread_mutex_unlock(&sf->lock);
   bool held = small && begin_change(fs, n);
   if (small && !held)
-    return;
+    return false;
   if (!held) {
     /* no commit has begun (one that begins now freezes the file after
      * this seal: both take sf->lock) */
@@ -117,12 +117,20 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
       pthread_mutex_lock(&sf->lock);
     pthread_mutex_unlock(&fs->lock);
     if (!ok)
-      return;
+      return false;
   } else {
     pthread_mutex_lock(&sf->lock);
   }
   int fd = atomic_load(&sf->pt_fd), backing = -1;
-  bool go = fd >= 0 && sf->pt_opens == 0 && ckpt__sfile_pt_seal(sf) == 0;
+  int seal = fd >= 0 && sf->pt_opens == 0 ? ckpt__sfile_pt_seal(sf) : -1;
+  bool go = seal == 0;
+  if (seal == -EBUSY) { /* closed, but the kernel may not have let go of
+                           its backing file yet: again in a moment */
+    pthread_mutex_unlock(&sf->lock);
+    if (held)
+      pthread_rwlock_unlock(&ck->freeze);
+    return true;
+  }
   bool reuse = false;
   struct timespec mtime = {0};
   if (go && held && sf->size < CKPT_PT_DRAIN_MIN && sf->stream < 0) {
@@ -152,7 +160,7 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   else if (backing >= 0)
     close(backing);
   if (!go)
-    return;
+    return false;
   XXH3_state_t *h = XXH3_createState();
   int rc = h && XXH3_64bits_reset(h) == XXH_OK ? 0 : -ENOMEM;
   if (rc == 0)
@@ -174,6 +182,7 @@ static void drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   pthread_cond_broadcast(&sf->pt_hashed);
   pthread_mutex_unlock(&sf->lock);
   XXH3_freeState(h);
+  return false;
 }
 
 static void *drain_main(void *arg) {
@@ -193,8 +202,10 @@ static void *drain_main(void *arg) {
     d->head = (d->head + 1) % d->cap;
     d->n--;
     pthread_mutex_unlock(&d->lock);
-    if (buf) /* else hashed at the commit */
-      drain_one(d->fs, n, buf, cap);
+    /* (without buf: hashed at the commit) the kernel lets go of a
+     * closed file's backing file after its RELEASE: a few tries */
+    for (int t = 0; buf && drain_one(d->fs, n, buf, cap) && t < 20; t++)
+      usleep(1000);
     pthread_mutex_lock(&d->fs->lock);
     ckpt__node_unref(d->fs, n);
     pthread_mutex_unlock(&d->fs->lock);

@@ -317,10 +317,10 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf);
 /* The file may change again (an open for writing, a failed commit): it is
  * unsealed and its hash dropped (sf->lock held). */
 void ckpt__sfile_pt_thaw(ckpt_sfile_t *sf);
-/* Who could write the file when a seal failed: "open for writing by
- * process PID (COMM)", "mapped writable and shared by process PID
- * (COMM)"; a string to free, or NULL. */
-char *ckpt__sfile_pt_who(ckpt_sfile_t *sf);
+/* Who could write the file (fino: its inode in the mount) when a seal
+ * failed: "open for writing by process PID (COMM)", "mapped writable and
+ * shared by process PID (COMM)"; a string to free, or NULL. */
+char *ckpt__sfile_pt_who(ckpt_sfile_t *sf, uint64_t fino);
 /* The file's bytes are somewhere else now: it stops being a passthrough
  * file (sf->lock held). Returns its backing file, for the caller to
  * close once it holds no lock (freeing gigabytes takes a while). */

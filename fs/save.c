@@ -257,7 +257,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     }
     if (e == 0)
       continue;
-    char *who = e == -EBUSY ? ckpt__sfile_pt_who(sf) : NULL;
+    char *who = e == -EBUSY ? ckpt__sfile_pt_who(sf, s->files[i]->ino) : NULL;
     ck->state = CKPT_FAILED;
     freeze_failed = true;
     free(ck->reason);

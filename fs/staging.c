@@ -321,6 +321,8 @@ void ckpt__staging_pt_recycle(ckpt_staging_t *b, int fd) {
   if (ok && !b->pt_pool)
     b->pt_pool = malloc(PT_POOL_MAX * sizeof(*b->pt_pool));
   if (ok && b->pt_pool && b->pt_npool < PT_POOL_MAX) {
+    /* marked (O_NOATIME, in /proc/PID/fdinfo) as no file's yet */
+    fcntl(fd, F_SETFL, O_NOATIME);
     b->pt_pool[b->pt_npool++] = fd;
     fd = -1;
   }
@@ -341,6 +343,7 @@ int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
     fd = b->pt_pool[--b->pt_npool];
   pthread_mutex_unlock(&b->lock);
   if (fd >= 0) { /* a reused one: new now */
+    fcntl(fd, F_SETFL, 0);
     futimens(fd, NULL);
   } else {
     int rw = ckpt__staging_tmpfile(b->backing_fd);
@@ -462,9 +465,11 @@ static void comm_of(pid_t pid, char *buf, size_t cap) {
   buf[strcspn(buf, "\n")] = '\0';
 }
 
-/* A process with a writable shared mapping of the file (dev, ino), from
- * /proc/PID/maps: its pid, or 0. */
-static pid_t find_mapper(dev_t dev, ino_t ino) {
+/* A process with a writable shared mapping of the backing file (dev,
+ * ino) or of the mount's file (inode fino of the FUSE mount, on an
+ * anonymous device: what /proc/PID/maps shows for a mapping made through
+ * the mount), from /proc/PID/maps: its pid, or 0. */
+static pid_t find_mapper(dev_t dev, ino_t ino, uint64_t fino) {
   DIR *d = opendir("/proc");
   if (!d)
     return 0;
@@ -483,8 +488,9 @@ static pid_t find_mapper(dev_t dev, ino_t ino) {
       unsigned long long off, inode;
       if (sscanf(line, "%*x-%*x %7s %llx %x:%x %llu", perms, &off, &maj, &min,
                  &inode) == 5 &&
-          perms[1] == 'w' && perms[3] == 's' && inode == (unsigned long long)ino &&
-          makedev(maj, min) == dev)
+          perms[1] == 'w' && perms[3] == 's' &&
+          ((inode == (unsigned long long)ino && makedev(maj, min) == dev) ||
+           (inode == fino && maj == 0)))
         found = (pid_t)pid;
     }
     if (f)
@@ -494,7 +500,21 @@ static pid_t find_mapper(dev_t dev, ino_t ino) {
   return found;
 }
 
-char *ckpt__sfile_pt_who(ckpt_sfile_t *sf) {
+/* The process of thread tid (the pid of a FUSE request is its thread's). */
+static pid_t tgid_of(pid_t tid) {
+  char path[64], line[128];
+  snprintf(path, sizeof(path), "/proc/%d/status", (int)tid);
+  FILE *f = fopen(path, "re");
+  pid_t out = tid;
+  while (f && fgets(line, sizeof(line), f))
+    if (sscanf(line, "Tgid: %d", &out) == 1)
+      break;
+  if (f)
+    fclose(f);
+  return out;
+}
+
+char *ckpt__sfile_pt_who(ckpt_sfile_t *sf, uint64_t fino) {
   pthread_mutex_lock(&sf->lock);
   pid_t pid = sf->pt_wopens > 0 ? sf->pt_wpid : 0;
   struct stat st;
@@ -502,12 +522,13 @@ char *ckpt__sfile_pt_who(ckpt_sfile_t *sf) {
   pthread_mutex_unlock(&sf->lock);
   const char *how = "open for writing";
   if (!pid && have) {
-    pid = find_mapper(st.st_dev, st.st_ino);
+    pid = find_mapper(st.st_dev, st.st_ino, fino);
     how = "mapped writable and shared";
   }
   if (!pid)
     return strdup("open for writing (by a process not found: a descriptor "
                   "passed on, or a mapping of a process that ended)");
+  pid = tgid_of(pid);
   char comm[64];
   comm_of(pid, comm, sizeof(comm));
   return ckpt__strdup_printf("%s by process %d (%s)", how, (int)pid, comm);

@@ -139,6 +139,15 @@ void ckpt__streams_committed(ckpt_streams_t *st) {
   pthread_mutex_lock(&st->lock);
   st->frozen = true;
   atomic_store(&st->committed, true);
+  /* A passthrough file's own stream is its data file now, read through
+   * the store: its descriptor goes (a staged checkpoint stays in memory
+   * while the kernel remembers its inodes: thousands of large files
+   * would hold thousands of descriptors). */
+  for (uint32_t k = st->nio; k < st->n; k++)
+    if (st->s[k].own && st->s[k].fd >= 0) {
+      close(st->s[k].fd);
+      st->s[k].fd = -1;
+    }
   pthread_mutex_unlock(&st->lock);
 }
 

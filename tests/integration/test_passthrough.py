@@ -44,7 +44,8 @@ def backing_files(pid):
     """{inode: size} of the daemon's staged backing files: the unnamed
     files of BACKING_DIR/.staging it holds read-only (its write-behind
     streams and spill file, there too, it holds read-write), not linked
-    anywhere yet (a committed one is a data file: st_nlink 1)."""
+    anywhere yet (a committed one is a data file: st_nlink 1), and not
+    pooled (emptied ones kept for the next new file carry O_NOATIME)."""
     out = {}
     fds = f"/proc/{pid}/fd"
     for fd in os.listdir(fds):
@@ -54,7 +55,8 @@ def backing_files(pid):
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                 flags = next(int(x.split()[1], 8) for x in f if x.startswith("flags:"))
             st = os.stat(os.path.join(fds, fd))
-            if flags & os.O_ACCMODE == os.O_RDONLY and st.st_nlink == 0:
+            if flags & os.O_ACCMODE == os.O_RDONLY and st.st_nlink == 0 and \
+                    not flags & os.O_NOATIME:
                 out[st.st_ino] = st.st_size
         except OSError:
             pass
