@@ -1034,49 +1034,51 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   if (!fs->passthrough || !fs->opts.direct_reads ||
       (n->kind != CKPT_NODE_CTENSOR && n->kind != CKPT_NODE_CBLOB))
     return;
-  pthread_mutex_lock(&fs->lock);
-  struct ckpt_node_pt *p = n->cpt;
-  if (p) /* open already: the same backing file */
-    p->opens++;
-  pthread_mutex_unlock(&fs->lock);
-  if (!p) {
-    const ckpt_stored_t *s = &n->ck->stored;
-    ckpt_item_t it = ckpt__node_item(n);
-    uint64_t size = ckpt_stored_size(s, it);
-    ckpt_fdref_t ref;
-    uint64_t pos;
-    size_t len;
-    struct stat st;
-    if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
-        ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
-      return;
-    /* checked before the kernel serves a byte (no hold of fs->lock) */
-    bool whole = pos == 0 && len == size && fstat(ref.fd, &st) == 0 &&
-                 (uint64_t)st.st_size == size;
-    if (!whole || ckpt_stored_verify(s, it, (size_t)size, 0) != 0 ||
-        !(p = calloc(1, sizeof(*p)))) {
-      ckpt_fdref_put(&ref);
-      return;
-    }
-    pthread_mutex_lock(&fs->lock);
-    if (n->cpt) { /* another open got there first */
-      n->cpt->opens++;
-      pthread_mutex_unlock(&fs->lock);
-      ckpt_fdref_put(&ref);
-      free(p);
-      p = n->cpt;
-    } else if ((p->id = fuse_passthrough_open(req, ref.fd)) > 0) {
-      p->opens = 1;
-      p->ref = ref;
-      n->cpt = p;
-      pthread_mutex_unlock(&fs->lock);
-    } else {
-      pthread_mutex_unlock(&fs->lock);
-      ckpt_fdref_put(&ref);
-      free(p);
-      return;
-    }
+  const ckpt_stored_t *s = &n->ck->stored;
+  ckpt_item_t it = ckpt__node_item(n);
+  uint64_t size = ckpt_stored_size(s, it);
+  ckpt_fdref_t ref;
+  uint64_t pos;
+  size_t len;
+  struct stat st, was;
+  if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
+      ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
+    return;
+  /* checked before the kernel serves a byte (a no-op once checked, until
+   * its data file changes: pin_files' recheck); no hold of fs->lock */
+  bool whole = pos == 0 && len == size && fstat(ref.fd, &st) == 0 &&
+               (uint64_t)st.st_size == size;
+  if (!whole || ckpt_stored_verify(s, it, (size_t)size, 0) != 0) {
+    ckpt_fdref_put(&ref);
+    return; /* the daemon's path: EIO for a damaged chunk */
   }
+  struct ckpt_node_pt *p = NULL;
+  pthread_mutex_lock(&fs->lock);
+  if (n->cpt) {
+    /* the kernel takes one backing file per inode: this open shares it
+     * if it is still the data file (else, replaced on disk since, this
+     * open goes through the daemon) */
+    if (fstat(n->cpt->ref.fd, &was) == 0 && was.st_dev == st.st_dev &&
+        was.st_ino == st.st_ino) {
+      p = n->cpt;
+      p->opens++;
+    }
+    pthread_mutex_unlock(&fs->lock);
+    ckpt_fdref_put(&ref);
+  } else if ((p = calloc(1, sizeof(*p))) != NULL &&
+             (p->id = fuse_passthrough_open(req, ref.fd)) > 0) {
+    p->opens = 1;
+    p->ref = ref;
+    n->cpt = p;
+    pthread_mutex_unlock(&fs->lock);
+  } else {
+    pthread_mutex_unlock(&fs->lock);
+    ckpt_fdref_put(&ref);
+    free(p);
+    p = NULL;
+  }
+  if (!p)
+    return;
   h->cpt = true;
   fi->backing_id = p->id;
   fi->direct_io = 0;

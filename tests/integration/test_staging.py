@@ -406,6 +406,12 @@ def spill_file_size(pid):
 
 
 class StagingMemory(CkptfsTestCase):
+    """Staging memory and the spill file: files written through the daemon
+    (-o passthrough=0, and wherever FUSE passthrough is not available)."""
+
+    def mount(self, opts=None, **kw):
+        return super().mount(",".join(o for o in ("passthrough=0", opts) if o), **kw)
+
     def test_spills_beyond_staging_mem(self):
         m = self.mount("staging_mem=1M")
         pid = m.proc.pid
