@@ -971,6 +971,14 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   ckpt_sfile_t *sf = n->u.sf;
   if (!fs->passthrough || n->kind != CKPT_NODE_SFILE)
     return 0;
+  if (fi->flags & O_DIRECT) {
+    /* through the daemon (into the same backing file): O_DIRECT passed
+     * through would take the backing filesystem's alignment rules (ext4:
+     * EINVAL for an unaligned write); a direct_io open may coexist with
+     * passthrough ones */
+    fi->direct_io = 1;
+    return 0;
+  }
   if (sf->pt_fd < 0 && (!start || ckpt__sfile_pt_start(sf) != 0))
     return 0;
   bool writing = (fi->flags & O_ACCMODE) != O_RDONLY;

@@ -144,6 +144,25 @@ class WriteOnce(CkptfsTestCase):
         for f, digest in want.items():
             self.assertEqual(sha_of(self.ck("c", f)), digest, f)
 
+    def test_o_direct_goes_through_the_daemon(self):
+        """An O_DIRECT open of a passed-through file is served by the
+        daemon (into the same backing file): unaligned writes work, as
+        through the daemon everywhere, instead of the backing
+        filesystem's EINVAL."""
+        self.mount()
+        os.mkdir(self.ck("d"))
+        base = os.urandom(MiB)
+        with open(self.ck("d", "f"), "wb") as f:   # write-only: passed through
+            f.write(base)
+        fd = os.open(self.ck("d", "f"), os.O_RDWR | os.O_DIRECT)
+        try:
+            self.assertEqual(os.pwrite(fd, b"odd bytes", 4097), 9)
+        finally:
+            os.close(fd)
+        want = base[:4097] + b"odd bytes" + base[4097 + 9:]
+        commit(self.ck("d"))
+        self.assertEqual(sha_of(self.ck("d", "f")), hashlib.sha256(want).hexdigest())
+
     def test_control_the_daemon_path_copies(self):
         """-o passthrough=0: the daemon writes every staged byte itself
         (what the measure above would see if a copy came back)."""
