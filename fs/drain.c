@@ -87,11 +87,13 @@ static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
 }
 
 /* Hash a closed passthrough file where it is, or move a small one into
- * segments. The seal first: it fails while anyone can write the file.
- * Only the move changes the file (it holds the freeze lock shared, like
- * any staged change); the hash is computed without it, and kept only if
- * no open for writing came meanwhile and no commit began (a commit hashes
- * what it finds unhashed itself: it never waits for the drain). */
+ * segments. The seal first: it fails while anyone can write the file
+ * (true: try again in a moment). Only the move changes the file (it
+ * holds the freeze lock shared, like any staged change); a hash starts
+ * only while no commit has begun (a commit hashes what it finds unhashed
+ * itself: it never waits for the drain's queue), runs without the freeze
+ * lock, and is kept if no open for writing came meanwhile (a commit that
+ * began meanwhile waits for this one hash: sf->pt_hashing). */
 static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
                       size_t cap) {
   ckpt_sfile_t *sf = n->u.sf;
