@@ -308,6 +308,10 @@ void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf);
  * size read. 0, or -EBUSY while a handle open for writing or a writable
  * shared mapping (which may outlive the file's last close) exists. */
 int ckpt__sfile_pt_seal(ckpt_sfile_t *sf);
+/* Is the file's backing file a published data file already (a commit
+ * that published but could not be shown)? Then it never changes again:
+ * writes get EROFS. sf->lock held. */
+bool ckpt__sfile_pt_committed(const ckpt_sfile_t *sf);
 /* Could anyone write the passthrough file now (an open handle for writing
  * not released yet, a writable mapping)? Not for a sealed one. Takes
  * sf->lock. */

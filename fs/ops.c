@@ -971,11 +971,12 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   ckpt_sfile_t *sf = n->u.sf;
   if (!fs->passthrough || n->kind != CKPT_NODE_SFILE)
     return 0;
-  if (fi->flags & O_DIRECT) {
+  if ((fi->flags & O_DIRECT) && !ckpt__sfile_pt_open(sf)) {
     /* through the daemon (into the same backing file): O_DIRECT passed
      * through would take the backing filesystem's alignment rules (ext4:
-     * EINVAL for an unaligned write); a direct_io open may coexist with
-     * passthrough ones */
+     * EINVAL for an unaligned write). Only while no handle is passed
+     * through: the kernel wants every open of an inode in passthrough
+     * mode passed through (then the backing filesystem's rules apply). */
     fi->direct_io = 1;
     return 0;
   }
@@ -988,7 +989,9 @@ static int pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
     pthread_mutex_unlock(&sf->lock);
     return 0;
   }
-  if (sf->pt_opens == 0) {
+  if (writing && ckpt__sfile_pt_committed(sf))
+    rc = -EROFS; /* its backing file is a published data file */
+  if (rc == 0 && sf->pt_opens == 0) {
     int id = fuse_passthrough_open(req, sf->pt_fd);
     if (id > 0)
       sf->pt_id = id;
@@ -1039,9 +1042,9 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
                               struct fuse_file_info *fi) {
 #ifdef FUSE_CAP_PASSTHROUGH
   ckpt_fs_t *fs = fs_of(req);
-  if (!fs->passthrough || !fs->opts.direct_reads ||
+  if (!fs->passthrough || !fs->opts.direct_reads || (fi->flags & O_DIRECT) ||
       (n->kind != CKPT_NODE_CTENSOR && n->kind != CKPT_NODE_CBLOB))
-    return;
+    return; /* O_DIRECT: the daemon's path, any alignment */
   const ckpt_stored_t *s = &n->ck->stored;
   ckpt_item_t it = ckpt__node_item(n);
   uint64_t size = ckpt_stored_size(s, it);

@@ -221,6 +221,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
            s->replace ? words->replace : ck->name);
   int rc = 0;
   bool freeze_failed = false;
+  ckpt_node_t *busy = NULL; /* the file still writable, referenced */
+  char *busy_path = NULL;
   uint32_t cap = 0;
   ckpt_node_t *target = s->replace && strcmp(words->replace, ck->name)
                             ? ckpt__ckpt_lookup(fs, words->replace)
@@ -257,16 +259,20 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     }
     if (e == 0)
       continue;
-    char *who = e == -EBUSY ? ckpt__sfile_pt_who(sf, s->files[i]->ino) : NULL;
     ck->state = CKPT_FAILED;
     freeze_failed = true;
     free(ck->reason);
-    if (e == -EBUSY)
+    if (e == -EBUSY) {
+      /* who holds it is looked up in /proc once the locks are dropped
+       * (reading another process's maps may wait on it) */
+      busy = s->files[i];
+      ckpt__node_ref(busy);
+      busy_path = strdup(s->paths[i]);
       ck->reason = ckpt__strdup_printf(
-          "rank %d: %s is still %s: what it writes would change the "
-          "committed bytes; close it (or unmap it), then commit again",
-          s->rank, s->paths[i], who ? who : "open for writing");
-    else if (e == -EFBIG)
+          "rank %d: %s is still open for writing: what it writes would "
+          "change the committed bytes; close it (or unmap it), then commit "
+          "again", s->rank, s->paths[i]);
+    } else if (e == -EFBIG)
       ck->reason = ckpt__strdup_printf(
           "rank %d: %s is larger than a staged file may be (%llu bytes): "
           "%s", s->rank, s->paths[i], (unsigned long long)CKPT_MAX_FILE,
@@ -275,8 +281,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       ck->reason = ckpt__strdup_printf(
           "rank %d: %s: cannot freeze it for the commit: %s", s->rank,
           s->paths[i], strerror(-e));
-    free(who);
-    ckpt__log("%s: %s", ck->name, ck->reason);
+    if (!busy)
+      ckpt__log("%s: %s", ck->name, ck->reason);
     rc = e;
   }
   if (rc == 0) {
@@ -302,6 +308,25 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   pthread_mutex_unlock(&fs->lock);
   atomic_store(&ck->freezing, false);
   pthread_rwlock_unlock(&ck->freeze);
+  if (busy) {
+    char *who = ckpt__sfile_pt_who(busy->u.sf, busy->ino);
+    char *why = ckpt__strdup_printf(
+        "rank %d: %s is still %s: what it writes would change the committed "
+        "bytes; close it (or unmap it), then commit again", s->rank,
+        busy_path ? busy_path : "a file", who ? who : "open for writing");
+    pthread_mutex_lock(&fs->lock);
+    if (why && ck->state == CKPT_FAILED) {
+      free(ck->reason);
+      ck->reason = why;
+      why = NULL;
+    }
+    ckpt__log("%s: %s", ck->name, ck->reason ? ck->reason : "busy");
+    ckpt__node_unref(fs, busy);
+    pthread_mutex_unlock(&fs->lock);
+    free(why);
+    free(who);
+    free(busy_path);
+  }
   if (rc) {
     for (uint32_t i = 0; i < s->nfiles; i++)
       free(s->paths[i]);

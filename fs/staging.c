@@ -391,6 +391,10 @@ static _Atomic bool no_leases_said;
  * passed through are all it can tell: mappings go unseen (logged once).
  * sf->lock held. */
 static int pt_writers(ckpt_sfile_t *sf) {
+  /* a handle counted by the daemon may not be the kernel's yet (the open
+   * reply not sent): it counts first */
+  if (sf->pt_wopens > 0)
+    return -EBUSY;
   if (fcntl(sf->pt_fd, F_SETLEASE, F_RDLCK) == 0) {
     fcntl(sf->pt_fd, F_SETLEASE, F_UNLCK);
     return 0;
@@ -402,7 +406,7 @@ static int pt_writers(ckpt_sfile_t *sf) {
     ckpt__log("passthrough: no read lease on a staged file's backing file "
               "(%s): a writable shared mapping left after a file's close "
               "cannot be seen at commit", strerror(errno));
-  return sf->pt_wopens > 0 ? -EBUSY : 0;
+  return 0;
 }
 
 bool ckpt__sfile_pt_writable(ckpt_sfile_t *sf) {
@@ -449,8 +453,15 @@ void ckpt__sfile_pt_thaw(ckpt_sfile_t *sf) {
  * (truncate, a write not passed through): a descriptor to close, or
  * -errno. sf->lock held. */
 static int pt_rw(ckpt_sfile_t *sf) {
+  if (ckpt__sfile_pt_committed(sf))
+    return -EROFS;
   ckpt__sfile_pt_thaw(sf);
   return reopen(sf->pt_fd, O_RDWR);
+}
+
+bool ckpt__sfile_pt_committed(const ckpt_sfile_t *sf) {
+  return sf->stream >= 0 && sf->streams &&
+         atomic_load(&sf->streams->committed);
 }
 
 /* /proc/PID/comm of pid, into buf ("?" when gone). */

@@ -351,11 +351,30 @@ void ckpt__stream_drop(ckpt_sfile_t *sf) {
   ckpt__stream_release(sf);
   ckpt_streams_t *st = sf->streams;
   pthread_mutex_lock(&st->lock);
-  /* Give the space back, unless the stream file is a committed data file
-   * now (its bytes are the checkpoint's). */
-  if (!atomic_load(&st->committed) && sf->size > 0)
-    fallocate(st->s[sf->stream].fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+  struct ckpt_stream *k = &st->s[sf->stream];
+  if (k->own && !atomic_load(&st->committed)) {
+    /* a passthrough file's own file (held read-only: no punch): its link
+     * kept by a failed commit and its descriptor go, and its space with
+     * the file's own descriptor */
+    if (k->kept) {
+      char kept[128];
+      keep_name(st, (uint32_t)sf->stream, kept, sizeof(kept));
+      int sfd = staging_fd(st);
+      if (sfd >= 0 && k->fd >= 0 && same_file(sfd, kept, k->fd))
+        unlinkat(sfd, kept, 0);
+      if (sfd >= 0)
+        close(sfd);
+      k->kept = false;
+    }
+    if (k->fd >= 0)
+      close(k->fd);
+    k->fd = -1;
+  } else if (!atomic_load(&st->committed) && sf->size > 0) {
+    /* Give the space back, unless the stream file is a committed data
+     * file now (its bytes are the checkpoint's). */
+    fallocate(k->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
               (off_t)sf->stream_base, (off_t)sf->size);
+  }
   pthread_mutex_unlock(&st->lock);
   sf->stream = -1;
 }
