@@ -369,8 +369,14 @@ class StagingOps(CkptfsTestCase):
                              tensor_bytes("int32", [1000, 100], seed=k))
 
     def test_writes_refused_while_committing_and_after(self):
+        """A file written through the daemon (created read-write): a
+        handle kept open across the commit gets EROFS. (A file written
+        once by FUSE passthrough refuses the commit instead, EBUSY:
+        test_passthrough.)"""
         p = self.ck("s", "w")
-        write_file(p, b"before")
+        cfd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(cfd, b"before")
+        os.close(cfd)
         fd = os.open(p, os.O_WRONLY)
         try:
             commit(self.ck("s"))
