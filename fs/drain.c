@@ -121,6 +121,10 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
     if (!ok)
       return false;
   } else {
+    /* fs->lock too: the node's mtime is set with the move, so that a
+     * utime (setattr, under fs->lock) is never overwritten by the time
+     * read before it */
+    pthread_mutex_lock(&fs->lock);
     pthread_mutex_lock(&sf->lock);
   }
   int fd = atomic_load(&sf->pt_fd), backing = -1;
@@ -129,15 +133,16 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   if (seal == -EBUSY) { /* closed, but the kernel may not have let go of
                            its backing file yet: again in a moment */
     pthread_mutex_unlock(&sf->lock);
-    if (held)
+    if (held) {
+      pthread_mutex_unlock(&fs->lock);
       pthread_rwlock_unlock(&ck->freeze);
+    }
     return true;
   }
   bool reuse = false;
-  struct timespec mtime = {0};
   if (go && held && sf->size < CKPT_PT_DRAIN_MIN && sf->stream < 0) {
     if (fstat(fd, &st) == 0) /* the kernel's writes set the backing file's */
-      mtime = st.st_mtim;
+      n->mtime = st.st_mtim;
     backing = ckpt__sfile_pt_absorb(sf);
     reuse = !sf->pt_read_opened;
     go = false;
@@ -150,13 +155,10 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   go = go && fd >= 0;
   sf->pt_hashing = go; /* a commit beginning meanwhile waits for it */
   pthread_mutex_unlock(&sf->lock);
-  if (backing >= 0 && mtime.tv_sec) { /* kept by the node from now */
-    pthread_mutex_lock(&fs->lock);
-    n->mtime = mtime;
+  if (held) {
     pthread_mutex_unlock(&fs->lock);
-  }
-  if (held)
     pthread_rwlock_unlock(&ck->freeze);
+  }
   if (backing >= 0 && reuse) /* for the next new file */
     ckpt__staging_pt_recycle(sf->budget, backing);
   else if (backing >= 0)
