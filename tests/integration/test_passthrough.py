@@ -136,16 +136,22 @@ class Mapping:
             raise OSError(e, os.strerror(e))
 
 
+def skip_without_passthrough(case):
+    """Skip case where the binary's libfuse (< 3.16) or the kernel (< 6.9)
+    has no FUSE passthrough."""
+    out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
+                         text=True).stdout
+    fuse = version(out.split("FUSE", 1)[1]) if "FUSE" in out else (0, 0)
+    if fuse < (3, 16):
+        case.skipTest(f"libfuse {fuse} has no passthrough API (>= 3.16)")
+    if version(os.uname().release) < (6, 9):
+        case.skipTest("kernel older than 6.9: no FUSE passthrough")
+
+
 class Passthrough(CkptfsTestCase):
     def setUp(self):
         super().setUp()
-        out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
-                             text=True).stdout
-        fuse = version(out.split("FUSE", 1)[1]) if "FUSE" in out else (0, 0)
-        if fuse < (3, 16):
-            self.skipTest(f"libfuse {fuse} has no passthrough API (>= 3.16)")
-        if version(os.uname().release) < (6, 9):
-            self.skipTest("kernel older than 6.9: no FUSE passthrough")
+        skip_without_passthrough(self)
 
     def mount_pt(self, opts=None):
         """A mount with passthrough as it is by default (no option)."""

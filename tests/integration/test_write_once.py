@@ -19,20 +19,13 @@ kernel is older than 6.9.
 
 import hashlib
 import os
-import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
 from ckptfs_util import CkptfsTestCase, commit, main, state  # noqa: E402
+from test_passthrough import backing_files, skip_without_passthrough  # noqa: E402
 
 MiB = 1 << 20
-
-
-def version(text):
-    m = re.search(r"(\d+)\.(\d+)", text)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def io_of(pid):
@@ -52,21 +45,6 @@ def vm_hwm(pid):
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
-
-
-def staged_backing(pid):
-    """{inode: size} of the daemon's staged backing files (the unnamed
-    files of BACKING_DIR/.staging it holds)."""
-    out = {}
-    fds = f"/proc/{pid}/fd"
-    for fd in os.listdir(fds):
-        try:
-            if "/.staging/" in os.readlink(os.path.join(fds, fd)):
-                st = os.stat(os.path.join(fds, fd))
-                out[st.st_ino] = st.st_size
-        except OSError:
-            pass
-    return out
 
 
 def write_big(path, size, seed):
@@ -97,13 +75,7 @@ class WriteOnce(CkptfsTestCase):
 
     def setUp(self):
         super().setUp()
-        out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
-                             text=True).stdout
-        fuse = version(out.split("FUSE", 1)[1]) if "FUSE" in out else (0, 0)
-        if fuse < (3, 16):
-            self.skipTest(f"libfuse {fuse} has no passthrough API (>= 3.16)")
-        if version(os.uname().release) < (6, 9):
-            self.skipTest("kernel older than 6.9: no FUSE passthrough")
+        skip_without_passthrough(self)
 
     def stage(self, name, files, size):
         os.mkdir(self.ck(name))
@@ -118,7 +90,7 @@ class WriteOnce(CkptfsTestCase):
         want = self.stage("c", self.FILES, self.SIZE)
         total = self.FILES * self.SIZE
         # every large file in a backing file of its own, the kernel's
-        staged = staged_backing(pid)
+        staged = backing_files(pid)
         self.assertEqual(sorted(staged.values()), [self.SIZE] * self.FILES, staged)
         commit(self.ck("c"))
         self.assertEqual(state(self.ck("c")), "committed")
