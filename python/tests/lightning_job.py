@@ -96,8 +96,14 @@ def main():
                    "top_k": sorted(os.path.basename(p) for p in ckpt.best_k_models),
                    "last": os.path.basename(ckpt.last_model_path)}, f)
     # as torch asks: a process ending with its gloo group alive aborts now
-    # and then at exit ("terminate called without an active exception")
+    # and then at exit ("terminate called without an active exception");
+    # a gloo thread can still be freeing a collective's tensors after
+    # destroy_process_group() (the trainer keeps the group): leave without
+    # the interpreter's teardown
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

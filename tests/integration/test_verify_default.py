@@ -40,6 +40,16 @@ import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=0, world_size=1)
 """
 
+# ... which ends without the interpreter's teardown: a gloo thread still
+# freeing a finished collective's tensors can abort it ("terminate called
+# without an active exception", torch 2.13)
+END = r"""
+import os
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
 SAVE = GROUP + r"""
 import ckptfs, ckptfs.dcp
 import torch.distributed.checkpoint as dcp
@@ -49,7 +59,7 @@ sd = {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(1000, generator
 ckptfs.save(sd, mnt, "c")
 dcp.save(sd, checkpoint_id="d", storage_writer=ckptfs.dcp.Writer(mnt))
 torch.save(sd, sys.argv[2])
-"""
+""" + END
 
 LOAD = GROUP + r"""
 import errno, ckptfs, ckptfs.dcp
@@ -67,7 +77,7 @@ try:
 except BaseException as e:  # DCP wraps the reader's OSError (in a BaseException)
     print("dcp.load:", "EIO" if "Input/output error" in str(e) or "EIO" in str(e)
           else repr(e)[:300])
-"""
+""" + END
 
 SAFE_OPEN = r"""
 import sys
