@@ -161,6 +161,36 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
   return 0;
 }
 
+static int by_path(const void *a, const void *b, void *paths) {
+  char **p = paths;
+  return strcmp(p[*(const uint32_t *)a], p[*(const uint32_t *)b]);
+}
+
+/* The collected files in the order of their paths (the children lists are
+ * newest first): data files of their own are numbered in this order, the
+ * order in which a load reads them and its checks ahead follow. */
+static int sort_files(ckpt_save_t *s) {
+  uint32_t n = s->nfiles;
+  uint32_t *ix = malloc((n ? n : 1) * sizeof(*ix));
+  ckpt_node_t **f = malloc((n ? n : 1) * sizeof(*f));
+  char **p = malloc((n ? n : 1) * sizeof(*p));
+  if (!ix || !f || !p) {
+    free(ix), free(f), free(p);
+    return -ENOMEM;
+  }
+  for (uint32_t i = 0; i < n; i++)
+    ix[i] = i;
+  qsort_r(ix, n, sizeof(*ix), by_path, s->paths);
+  for (uint32_t i = 0; i < n; i++) {
+    f[i] = s->files[ix[i]];
+    p[i] = s->paths[ix[i]];
+  }
+  memcpy(s->files, f, n * sizeof(*f));
+  memcpy(s->paths, p, n * sizeof(*p));
+  free(ix), free(f), free(p);
+  return 0;
+}
+
 /* Is a passthrough file below dir still writable? fs->lock held. */
 static bool any_writable(ckpt_node_t *dir) {
   for (ckpt_node_t *c = dir->children; c; c = c->next) {
@@ -239,8 +269,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     rc = -EROFS;
   else if (!ck->dir)
     rc = -ENOENT; /* removed (rmdir) while its .commit was open */
-  else
-    rc = collect_files(s, ck->dir, &cap);
+  else if ((rc = collect_files(s, ck->dir, &cap)) == 0)
+    rc = sort_files(s);
   /* Passthrough files: the kernel writes them without the daemon, and
    * each large one becomes its data file as it is. So nobody may be able
    * to write one any more (a handle open for writing, a writable shared

@@ -552,33 +552,73 @@ static void ahead_forget(const ckpt_stored_t *s) {
   pthread_mutex_unlock(&ahead.lock);
 }
 
-/* A read touches item i: queue the unchecked items of its data file that
- * follow it, up to AHEAD_BYTES past its end (again when the reader has
- * gone half of that). */
-static void ahead_of(const ckpt_stored_t *s, uint32_t i) {
+/* The end of f's last item (items are sorted by file offset). */
+static uint64_t seen_end(const ckpt_stored_t *s, const struct ckpt_seen *f) {
+  item_loc_t x = item_loc(s->meta, f->order[f->n_order - 1]);
+  return x.pos + x.len;
+}
+
+/* The next data file of f's rank, or NULL. */
+static struct ckpt_seen *seen_next(const ckpt_stored_t *s,
+                                   struct ckpt_seen *f) {
+  struct ckpt_seen *g = f + 1;
+  return g < s->seen + s->n_seen && g->key >> 32 == f->key >> 32 ? g : NULL;
+}
+
+/* Bytes already handed to the ahead threads past byte end of f, counting
+ * on into the rank's next data files while each is queued whole; up to
+ * `enough` (UINT64_MAX when nothing of the rank is left to queue).
+ * Lock-free: the reads' fast path. */
+static uint64_t queued_past(const ckpt_stored_t *s, struct ckpt_seen *f,
+                            uint64_t end, uint64_t enough) {
+  uint64_t a = atomic_load(&f->ahead);
+  if (a != UINT64_MAX)
+    return a > end ? a - end : 0;
+  uint64_t fe = seen_end(s, f), got = fe > end ? fe - end : 0;
+  for (struct ckpt_seen *g = seen_next(s, f); g; g = seen_next(s, g)) {
+    if (got >= enough)
+      return got;
+    a = atomic_load(&g->ahead);
+    if (a != UINT64_MAX)
+      return got + a;
+    got += seen_end(s, g);
+  }
+  return UINT64_MAX;
+}
+
+/* Queue g's unchecked items that start in [start, start + *left) and not
+ * queued yet (ahead.lock held); takes the bytes covered off *left. True
+ * when all of g is queued and the queue took everything (go on with the
+ * next file). */
+static bool queue_file(const ckpt_stored_t *s, struct ckpt_seen *g,
+                       uint64_t start, uint64_t *left) {
   const ckpt_metadata_t *m = s->meta;
-  item_loc_t l = item_loc(m, i);
-  struct ckpt_seen *f = find_seen(s, l.rank, l.file);
-  uint64_t end = l.pos + l.len;
-  if (!f || atomic_load(&f->ahead) >= end + AHEAD_BYTES / 2)
-    return;
-  pthread_mutex_lock(&ahead.lock);
-  uint64_t from = atomic_load(&f->ahead);
-  if (from < end)
-    from = end;
-  uint32_t lo = 0, hi = f->n_order; /* the first item at or after from */
+  uint64_t limit = start + *left, from = atomic_load(&g->ahead);
+  if (from == UINT64_MAX) {
+    uint64_t fe = seen_end(s, g);
+    *left -= fe > start ? (fe - start < *left ? fe - start : *left) : 0;
+    return *left > 0;
+  }
+  if (from < start)
+    from = start;
+  uint32_t lo = 0, hi = g->n_order; /* the first item at or after from */
   while (lo < hi) {
     uint32_t mid = lo + (hi - lo) / 2;
-    if (item_loc(m, f->order[mid]).pos < from)
+    if (item_loc(m, g->order[mid]).pos < from)
       lo = mid + 1;
     else
       hi = mid;
   }
   uint64_t reach = from;
-  for (; lo < f->n_order && ahead_start(); lo++) {
-    uint32_t j = f->order[lo];
+  bool took_all = true;
+  for (; lo < g->n_order; lo++) {
+    if (!ahead_start() || ahead.n == AHEAD_QUEUE) {
+      took_all = false;
+      break;
+    }
+    uint32_t j = g->order[lo];
     item_loc_t x = item_loc(m, j);
-    if (x.pos >= end + AHEAD_BYTES || ahead.n == AHEAD_QUEUE)
+    if (x.pos >= limit)
       break;
     if (atomic_load(&s->verified[j]) == CKPT_CHUNK_UNCHECKED) {
       ahead.q[(ahead.head + ahead.n++) % AHEAD_QUEUE].s = s;
@@ -587,10 +627,32 @@ static void ahead_of(const ckpt_stored_t *s, uint32_t i) {
     }
     reach = x.pos + x.len;
   }
-  if (lo == f->n_order)
+  bool whole = lo == g->n_order;
+  uint64_t covered = reach > start ? reach - start : 0;
+  *left -= covered < *left ? covered : *left;
+  if (whole)
     reach = UINT64_MAX; /* all of the file */
-  if (reach > atomic_load(&f->ahead))
-    atomic_store(&f->ahead, reach);
+  if (reach > atomic_load(&g->ahead))
+    atomic_store(&g->ahead, reach);
+  return whole && took_all && *left > 0;
+}
+
+/* A read touches item i: queue the unchecked items that follow it, up to
+ * AHEAD_BYTES past its end (again when the reader has gone half of that):
+ * in its data file, then in the rank's next data files (a load of a
+ * checkpoint written once reads one data file per large tensor: its open
+ * then finds the file checked, or being checked). */
+static void ahead_of(const ckpt_stored_t *s, uint32_t i) {
+  item_loc_t l = item_loc(s->meta, i);
+  struct ckpt_seen *f = find_seen(s, l.rank, l.file);
+  uint64_t end = l.pos + l.len;
+  if (!f || queued_past(s, f, end, AHEAD_BYTES / 2) >= AHEAD_BYTES / 2)
+    return;
+  pthread_mutex_lock(&ahead.lock);
+  uint64_t left = AHEAD_BYTES;
+  for (struct ckpt_seen *g = f; g && queue_file(s, g, g == f ? end : 0, &left);
+       g = seen_next(s, g))
+    ;
   pthread_mutex_unlock(&ahead.lock);
 }
 

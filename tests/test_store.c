@@ -6,6 +6,8 @@
  */
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
@@ -53,17 +55,18 @@ static int open_fds(void) {
 }
 
 /* A committed checkpoint NAME of one int32 tensor "t" of n elements
- * (values i * mult), stored by `files` ranks in one data file each (rows
- * split evenly), published with metadb. */
-static ckpt_metadata_t *make_ckpt(const char *b, const char *name,
-                                  int64_t n, int ranks, int32_t mult) {
+ * (values i * mult) in `ranks` parts (rows split evenly), published with
+ * metadb: part r stored by rank r in its data file 0, or with one_rank by
+ * rank 0 in its data file r (as files written once are). */
+static ckpt_metadata_t *make_parts(const char *b, const char *name, int64_t n,
+                                   int ranks, int32_t mult, bool one_rank) {
   char dir[512], path[600];
   snprintf(dir, sizeof(dir), "%s/%s", b, name);
   assert_int_equal(mkdir(dir, 0700), 0);
   ckpt_metadata_t *m = calloc(1, sizeof(*m));
   m->name = strdup(name);
   m->save_id = strdup("00ff");
-  m->world_size = ranks;
+  m->world_size = one_rank ? 1 : ranks;
   m->created_at = 1700000000;
   m->n_tensors = 1;
   m->tensors = calloc(1, sizeof(*m->tensors));
@@ -84,14 +87,14 @@ static ckpt_metadata_t *make_ckpt(const char *b, const char *name,
     c->dims = malloc(2 * sizeof(int64_t));
     c->dims[0] = lo;
     c->dims[1] = len;
-    c->rank = r;
-    c->file = 0;
+    c->rank = one_rank ? 0 : r;
+    c->file = one_rank ? (uint32_t)r : 0;
     c->length = (uint64_t)len * 4;
     int32_t *v = malloc((size_t)len * 4 + 1);
     for (int64_t i = 0; i < len; i++)
       v[i] = (int32_t)(lo + i) * mult;
     c->checksum = XXH3_64bits(v, (size_t)len * 4);
-    snprintf(path, sizeof(path), "%s/__%d_0.distcp", dir, r);
+    snprintf(path, sizeof(path), "%s/__%d_%u.distcp", dir, c->rank, c->file);
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
     assert_int_equal(write(fd, v, (size_t)len * 4), len * 4);
     close(fd);
@@ -100,6 +103,11 @@ static ckpt_metadata_t *make_ckpt(const char *b, const char *name,
   char *err = NULL;
   assert_int_equal(ckpt_metadb_publish(dir, m, false, &err), 0);
   return m;
+}
+
+static ckpt_metadata_t *make_ckpt(const char *b, const char *name,
+                                  int64_t n, int ranks, int32_t mult) {
+  return make_parts(b, name, n, ranks, mult, false);
 }
 
 static void free_meta(ckpt_metadata_t *m) {
@@ -210,6 +218,74 @@ static void reader_refuses_what_moved(void **state) {
   ckpt_metadata_free(&l);
   free_meta(m);
   free_meta(m2);
+  rm_backing(b, bfd);
+}
+
+/* Until chunk i is no longer unchecked (the threads checking ahead of
+ * the reader): its state, or UNCHECKED after 10 s. */
+static uint8_t checked_state(const ckpt_stored_t *s, uint32_t i) {
+  for (int k = 0; k < 10000; k++) {
+    uint8_t v = atomic_load(&s->verified[i]);
+    if (v == CKPT_CHUNK_GOOD || v == CKPT_CHUNK_BAD)
+      return v;
+    usleep(1000);
+  }
+  return atomic_load(&s->verified[i]);
+}
+
+/* A load reads one data file per tensor of a checkpoint written once: a
+ * read of the first checks the rank's next data files ahead of the reader
+ * (their damage found there too), not only what follows in its own file. */
+static void checks_ahead_cross_data_files(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  enum { PARTS = 5, N = PARTS * 1024 };
+  ckpt_metadata_t *m = make_parts(b, "w", N, PARTS, 3, true);
+  char path[600];
+  /* one byte of data file 3 flipped after the checkpoint was published */
+  snprintf(path, sizeof(path), "%s/w/__0_3.distcp", b);
+  int fd = open(path, O_RDWR);
+  uint8_t x;
+  assert_int_equal(pread(fd, &x, 1, 100), 1);
+  x ^= 0x10;
+  assert_int_equal(pwrite(fd, &x, 1, 100), 1);
+  close(fd);
+  ckpt_metadata_t l = {0};
+  char *err = NULL;
+  assert_int_equal(load(bfd, "w", &l, &err), 0);
+  ckpt_fdcache_t *cache;
+  assert_int_equal(ckpt_fdcache_new(bfd, 0, &cache), 0);
+  ckpt_stored_t s;
+  int dfd = ckpt_store_open_dir(bfd, "w", O_PATH);
+  assert_int_equal(ckpt_stored_init(&s, cache, "w", dfd, &l, true), 0);
+  close(dfd);
+  ckpt_item_t it = {false, 0};
+  int32_t v[N / PARTS];
+  /* the first part only, as the mount serves it: its own check, the
+   * others' by the threads */
+  assert_int_equal(ckpt_stored_verify(&s, it, sizeof(v), 0), 0);
+  assert_int_equal(ckpt_stored_read(&s, it, v, sizeof(v), 0), (ssize_t)sizeof(v));
+  assert_int_equal(v[7], 7 * 3);
+  uint32_t seen = 0;
+  for (uint32_t i = 0; i < l.n_chunks; i++) {
+    const ckpt_chunk_meta_t *c = &l.chunks[i];
+    assert_int_equal(c->rank, 0);
+    assert_int_equal(checked_state(&s, i),
+                     c->file == 3 ? CKPT_CHUNK_BAD : CKPT_CHUNK_GOOD);
+    seen |= 1u << c->file;
+  }
+  assert_int_equal(seen, (1u << PARTS) - 1);
+  /* what the check found is what a read of it gets */
+  assert_int_equal(ckpt_stored_verify(&s, it, sizeof(v), 3 * sizeof(v)), -EIO);
+  assert_int_equal(ckpt_stored_verify(&s, it, sizeof(v), 4 * sizeof(v)), 0);
+  assert_int_equal(ckpt_stored_read(&s, it, v, sizeof(v), 4 * sizeof(v)),
+                   (ssize_t)sizeof(v));
+  assert_int_equal(v[0], 4 * (N / PARTS) * 3);
+  ckpt_stored_destroy(&s);
+  ckpt_fdcache_free(cache);
+  ckpt_metadata_free(&l);
+  free_meta(m);
   rm_backing(b, bfd);
 }
 
@@ -358,6 +434,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(fdcache_is_bounded),
       cmocka_unit_test(reader_refuses_what_moved),
+      cmocka_unit_test(checks_ahead_cross_data_files),
       cmocka_unit_test(loader_refuses_hostile_metadata),
       cmocka_unit_test(loader_refuses_symlinks),
       cmocka_unit_test(open_beneath_refuses_symlinks),

@@ -19,6 +19,7 @@ kernel is older than 6.9.
 
 import hashlib
 import os
+import sqlite3
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +106,15 @@ class WriteOnce(CkptfsTestCase):
                 for f in os.listdir(self.bk("c")) if f.endswith(".distcp")}
         for ino, size in staged.items():
             self.assertEqual(data.get(ino), size, f"inode {ino} is not a data file")
+        # numbered in the order of their names (a load's order, which the
+        # checks ahead of the reader follow), not the order of creation
+        db = sqlite3.connect(f"file:{self.bk('c', '.metadata')}?mode=ro", uri=True)
+        files = [int(f.rsplit("_", 1)[1].split(".")[0]) for _, f in
+                 db.execute("SELECT fqn, file FROM chunks UNION ALL "
+                            "SELECT fqn, file FROM blobs ORDER BY fqn")]
+        db.close()
+        self.assertEqual(len(files), self.FILES)
+        self.assertEqual(files, sorted(files), "data files not in the order of names")
         # read back in full: verified, the same bytes
         for f, digest in want.items():
             self.assertEqual(sha_of(self.ck("c", f)), digest, f)
