@@ -173,6 +173,52 @@ static bool may_change(fuse_req_t req) {
   return ctx->uid == 0 || ctx->uid == getuid();
 }
 
+/* Set-user-ID and set-group-ID are the filesystem's to clear (fs_init
+ * takes FUSE_CAP_HANDLE_KILLPRIV_V2 with passthrough: the kernel then
+ * asks no GETXATTR of security.capability before each passed-through
+ * write, which cost ~50 us per 1 MiB write), as the VFS would: on a write
+ * or truncation by a process without CAP_FSETID, and on a chown. A
+ * passed-through write is not seen here: its file loses the bits when it
+ * is opened for writing. Only files carrying a bit pay for the look at
+ * the writer's capabilities. */
+static bool has_suidgid(mode_t m) {
+  return S_ISREG(m) && ((m & S_ISUID) || (m & (S_ISGID | S_IXGRP)) ==
+                                             (S_ISGID | S_IXGRP));
+}
+
+static void kill_suidgid(ckpt_node_t *n) { /* fs->lock held */
+  if (has_suidgid(n->mode))
+    n->mode &= ~(mode_t)(S_ISUID | ((n->mode & S_IXGRP) ? S_ISGID : 0));
+}
+
+/* Does the process behind req lack CAP_FSETID? (Unknown: it does.) */
+static bool lacks_fsetid(fuse_req_t req) {
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  char path[64], line[256];
+  snprintf(path, sizeof(path), "/proc/%d/status", (int)ctx->pid);
+  FILE *f = ctx->pid > 0 ? fopen(path, "re") : NULL;
+  unsigned long long eff = 0;
+  bool found = false;
+  while (f && !found && fgets(line, sizeof(line), f))
+    found = sscanf(line, "CapEff: %llx", &eff) == 1;
+  if (f)
+    fclose(f);
+  return !found || !(eff & (1ULL << 4)); /* CAP_FSETID */
+}
+
+/* A write or truncation of n by req's process: clear the bits as above. */
+static void write_kills_suidgid(ckpt_fs_t *fs, fuse_req_t req, ckpt_node_t *n) {
+  pthread_mutex_lock(&fs->lock);
+  bool has = has_suidgid(n->mode);
+  pthread_mutex_unlock(&fs->lock);
+  if (!has || !lacks_fsetid(req))
+    return;
+  pthread_mutex_lock(&fs->lock);
+  kill_suidgid(n);
+  clock_gettime(CLOCK_REALTIME, &n->ctime);
+  pthread_mutex_unlock(&fs->lock);
+}
+
 /* At most the first 64 bytes of p[0..n) for a log line: bytes that are
  * not printable ASCII as \xHH (a value could forge lines), "..." when cut. */
 static void log_text(char *out, size_t cap, const char *p, size_t n) {
@@ -688,11 +734,15 @@ static void fs_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
         rc = -EISDIR;
       else
         rc = ckpt__sfile_truncate(n->u.sf, (uint64_t)attr->st_size);
+      if (rc == 0)
+        write_kills_suidgid(fs, req, n);
     }
     if (rc == 0) {
       pthread_mutex_lock(&fs->lock);
       if (to_set & FUSE_SET_ATTR_MODE)
         n->mode = (n->mode & S_IFMT) | (attr->st_mode & 07777);
+      else if (to_set & (FUSE_SET_ATTR_UID | FUSE_SET_ATTR_GID))
+        kill_suidgid(n); /* a chown (the kernel asks, KILLPRIV_V2) */
       if (to_set & FUSE_SET_ATTR_UID)
         n->uid = attr->st_uid;
       if (to_set & FUSE_SET_ATTR_GID)
@@ -1168,6 +1218,8 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
   ckpt_node_t *n = NULL;
   handle_t *h = NULL;
   int rc;
+  /* a new file with set-ID bits, passed through: its writes unseen here */
+  bool kill = has_suidgid(S_IFREG | (mode & 07777)) && lacks_fsetid(req);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   if (!p) {
@@ -1188,6 +1240,8 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     fi->direct_io = n->kind == CKPT_NODE_COMMIT || writes_direct(n, fi);
     if (writes_direct(n, fi))
       pt_open(req, n, h, fi, true); /* else the daemon's path */
+    if (kill && h->pt)
+      kill_suidgid(n);
     fill_entry(fs, n, &e);
   }
   pthread_mutex_unlock(&fs->lock);
@@ -1661,6 +1715,10 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
         if (rc == 0)
           touch_data(fs, n);
       }
+      /* truncated, or passed through (its writes unseen here) */
+      if (rc == 0 && n->kind == CKPT_NODE_SFILE &&
+          ((fi->flags & O_TRUNC) || (acc != O_RDONLY && n->u.sf->pt_fd >= 0)))
+        write_kills_suidgid(fs, req, n);
       staged_change_end(n->ck);
     }
     h->writer = true;
@@ -1892,6 +1950,7 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   if ((rc = staged_change_begin(fs, n->ck)) == 0) {
     rc = ckpt__sfile_write(n->u.sf, buf, size, (uint64_t)off);
     if (rc > 0) {
+      write_kills_suidgid(fs, req, n);
       touch_data(fs, n);
       atomic_fetch_add_explicit(&fs->metrics.bytes_staged, (uint64_t)rc,
                                 memory_order_relaxed);
@@ -2490,6 +2549,10 @@ static void fs_init(void *userdata, struct fuse_conn_info *conn) {
       (conn->capable & FUSE_CAP_PASSTHROUGH)) {
     conn->want |= FUSE_CAP_PASSTHROUGH;
     fs->passthrough = true;
+#ifdef FUSE_CAP_HANDLE_KILLPRIV_V2
+    if (conn->capable & FUSE_CAP_HANDLE_KILLPRIV_V2)
+      conn->want |= FUSE_CAP_HANDLE_KILLPRIV_V2;
+#endif
   }
 #endif
   if (fs->opts.passthrough && !fs->passthrough)

@@ -851,5 +851,101 @@ class Passthrough(CkptfsTestCase):
         self.assertEqual(read_all(self.ck("n", "x")), d)
 
 
+def requests(metrics_file, op):
+    """The mount's count of FUSE requests op, from its metrics file."""
+    with open(metrics_file) as f:
+        m = re.search(rf'^ckptfs_fuse_requests_total{{[^}}]*op="{op}"}} (\d+)$',
+                      f.read(), re.M)
+    return int(m.group(1))
+
+
+def without_fsetid(*argv):
+    """argv run as root without CAP_FSETID (as in a container that drops
+    it): the VFS would clear set-ID bits on its writes."""
+    subprocess.run(["setpriv", "--bounding-set", "-fsetid", "--", *argv],
+                   check=True, capture_output=True)
+
+
+class KillPriv(CkptfsTestCase):
+    """With passthrough the kernel is told the filesystem clears set-ID
+    bits itself (FUSE_CAP_HANDLE_KILLPRIV_V2), so that it stops asking a
+    GETXATTR of security.capability before every passed-through write;
+    ckptfs then clears them as the VFS would."""
+
+    def setUp(self):
+        super().setUp()
+        skip_without_passthrough(self)
+
+    def test_no_request_per_passed_through_write(self):
+        mfile = os.path.join(self.dir, "metrics.prom")
+        m = self.mount("metrics=" + mfile)
+        os.mkdir(self.ck("c"))
+        fd = os.open(self.ck("c", "w"), os.O_WRONLY | os.O_CREAT, 0o644)
+        before = rchar(m.proc.pid)
+        d = os.urandom(MiB)
+        for k in range(64):
+            os.write(fd, d)
+        self.assertLess(rchar(m.proc.pid) - before, MiB, "not passed through")
+        os.close(fd)
+        self.assertEqual(m.stop(), 0)
+        # one lookup of security.capability per file at most, not per write
+        self.assertLess(requests(mfile, "getxattr"), 8)
+        self.assertLess(requests(mfile, "setattr"), 8)
+
+    def test_set_id_bits_cleared_as_the_vfs_does(self):
+        self.mount()
+        os.mkdir(self.ck("c"))
+
+        def staged(name, pt, mode=0o6775):
+            p = self.ck("c", name)
+            fd = os.open(p, (os.O_WRONLY if pt else os.O_RDWR) | os.O_CREAT, 0o644)
+            os.write(fd, b"x" * (128 * KiB))
+            os.close(fd)
+            os.chmod(p, mode)
+            self.assertEqual(os.stat(p).st_mode & 0o7777, mode)
+            return p
+
+        def bits(p):
+            return os.stat(p).st_mode & 0o7777
+
+        dd = ["dd", "if=/dev/zero", "bs=4096", "count=1", "conv=notrunc", "status=none"]
+        for pt in (True, False):   # passed through, the daemon's path
+            with self.subTest(passthrough=pt):
+                # a writer with CAP_FSETID (root as usual) keeps them
+                p = staged(f"keep{pt}", pt)
+                subprocess.run(dd + ["of=" + p], check=True)
+                self.assertEqual(bits(p), 0o6775)
+                # a write without it clears both (group-executable)
+                p = staged(f"write{pt}", pt)
+                without_fsetid(*dd, "of=" + p)
+                self.assertEqual(bits(p), 0o0775)
+                # set-group-ID without group execute stays
+                p = staged(f"sgid{pt}", pt, 0o6745)
+                without_fsetid(*dd, "of=" + p)
+                self.assertEqual(bits(p), 0o2745)
+                # a truncation without it
+                p = staged(f"trunc{pt}", pt)
+                without_fsetid("truncate", "-s", "4096", p)
+                self.assertEqual(bits(p), 0o0775)
+                # a chown, by anyone
+                p = staged(f"chown{pt}", pt)
+                os.chown(p, 0, 0)
+                self.assertEqual(bits(p), 0o0775)
+        # a new file created with them (umask 022: 6755) and written passed
+        # through: cleared at the create (its writes are not seen)
+        p = self.ck("c", "new")
+        without_fsetid("python3", "-c", "import os; fd = os.open(%r, os.O_WRONLY | "
+                       "os.O_CREAT, 0o6775); os.write(fd, bytes(1 << 20))" % p)
+        self.assertEqual(bits(p), 0o0755)
+        # ... by a process with CAP_FSETID: kept
+        p = self.ck("c", "new2")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o6775)
+        os.write(fd, bytes(MiB))
+        os.close(fd)
+        self.assertEqual(bits(p), 0o6755)
+        commit(self.ck("c"))
+        self.assertEqual(state(self.ck("c")), "committed")
+
+
 if __name__ == "__main__":
     main()
