@@ -171,9 +171,11 @@ static int by_path(const void *a, const void *b, void *paths) {
  * order in which a load reads them and its checks ahead follow. */
 static int sort_files(ckpt_save_t *s) {
   uint32_t n = s->nfiles;
-  uint32_t *ix = malloc((n ? n : 1) * sizeof(*ix));
-  ckpt_node_t **f = malloc((n ? n : 1) * sizeof(*f));
-  char **p = malloc((n ? n : 1) * sizeof(*p));
+  if (n < 2)
+    return 0; /* none or one: also s->files may be NULL */
+  uint32_t *ix = malloc(n * sizeof(*ix));
+  ckpt_node_t **f = malloc(n * sizeof(*f));
+  char **p = malloc(n * sizeof(*p));
   if (!ix || !f || !p) {
     free(ix), free(f), free(p);
     return -ENOMEM;
