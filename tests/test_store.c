@@ -124,6 +124,17 @@ static int load(int bfd, const char *name, ckpt_metadata_t *m, char **err) {
   return rc;
 }
 
+/* Load checkpoint name into l and set s up on it with a new cache. */
+static void open_stored(int bfd, const char *name, ckpt_metadata_t *l,
+                        ckpt_fdcache_t **cache, ckpt_stored_t *s, bool verify) {
+  char *err = NULL;
+  assert_int_equal(load(bfd, name, l, &err), 0);
+  assert_int_equal(ckpt_fdcache_new(bfd, 0, cache), 0);
+  int dfd = ckpt_store_open_dir(bfd, name, O_PATH);
+  assert_int_equal(ckpt_stored_init(s, *cache, name, dfd, l, verify), 0);
+  close(dfd);
+}
+
 /* 300 checkpoints read through one cache of 16: at most 16 descriptors
  * stay open, and every read is right. */
 static void fdcache_is_bounded(void **state) {
@@ -188,14 +199,10 @@ static void reader_refuses_what_moved(void **state) {
   char *b = temp_backing(&bfd);
   ckpt_metadata_t *m = make_ckpt(b, "a", 64, 2, 1), *m2 = make_ckpt(b, "z", 64, 2, 7);
   ckpt_metadata_t l = {0};
-  char *err = NULL, path[600], other[600];
-  assert_int_equal(load(bfd, "a", &l, &err), 0);
+  char path[600], other[600];
   ckpt_fdcache_t *cache;
-  assert_int_equal(ckpt_fdcache_new(bfd, 0, &cache), 0);
   ckpt_stored_t s;
-  int dfd = ckpt_store_open_dir(bfd, "a", O_PATH);
-  assert_int_equal(ckpt_stored_init(&s, cache, "a", dfd, &l, false), 0);
-  close(dfd);
+  open_stored(bfd, "a", &l, &cache, &s, false);
   ckpt_item_t it = {false, 0};
   int32_t v[64];
   /* rank 1's data file becomes a symlink to another checkpoint's */
@@ -252,14 +259,9 @@ static void checks_ahead_cross_data_files(void **state) {
   assert_int_equal(pwrite(fd, &x, 1, 100), 1);
   close(fd);
   ckpt_metadata_t l = {0};
-  char *err = NULL;
-  assert_int_equal(load(bfd, "w", &l, &err), 0);
   ckpt_fdcache_t *cache;
-  assert_int_equal(ckpt_fdcache_new(bfd, 0, &cache), 0);
   ckpt_stored_t s;
-  int dfd = ckpt_store_open_dir(bfd, "w", O_PATH);
-  assert_int_equal(ckpt_stored_init(&s, cache, "w", dfd, &l, true), 0);
-  close(dfd);
+  open_stored(bfd, "w", &l, &cache, &s, true);
   ckpt_item_t it = {false, 0};
   int32_t v[N / PARTS];
   /* the first part only, as the mount serves it: its own check, the
