@@ -404,7 +404,10 @@ def dcp_job(case, size, plain, pattern, rounds):
             if not torch.equal(a.view(torch.int32), b.view(torch.int32)):   # random bits: NaNs
                 raise ValueError(f"{k} differs after dcp.load")
 
-    sd, pkg = build(False), None
+    sd = build(False)
+    # every rank made the whole pool and cloned its shards out of it: free
+    # it (4 GiB per rank at --size 4G) so that the checkpoints on tmpfs fit
+    pool = None
     pkg = nested(sd)
     mount, mount0 = ckdcp.rank_mount(pattern, rank), ckdcp.rank_mount(pattern, 0)
     res = {k: [] for k in ("stock_save", "writer_save", "pkg_save", "stock_load", "reader_load")}
