@@ -650,8 +650,10 @@ void ckpt__metrics_request(fuse_req_t req, ckpt_fuse_op_t op);
 /* Write fs's metrics to path in the Prometheus text format (path.tmp.PID,
  * renamed over it): 0 or -errno. */
 int ckpt__metrics_write(ckpt_fs_t *fs, const char *path);
-/* The writer thread: path every CKPT_METRICS_PERIOD seconds; stop writes it
- * one last time and joins. */
+/* The daemon's periodic thread, every CKPT_METRICS_PERIOD seconds: writes
+ * the metrics to path (when not NULL: -o metrics) and closes the cached
+ * descriptors of data files removed since (ckpt_fdcache_sweep); stop
+ * writes the metrics one last time and joins. */
 #define CKPT_METRICS_PERIOD 2.0
 typedef struct ckpt_metrics_writer ckpt_metrics_writer_t;
 int ckpt__metrics_start(ckpt_fs_t *fs, const char *path,

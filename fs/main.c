@@ -493,7 +493,7 @@ int main(int argc, char **argv) {
       ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout) ||
       stopper_start(&stopper, &fs) ||
       (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain)) ||
-      (metrics_file && ckpt__metrics_start(&fs, metrics_file, &metrics))) {
+      ckpt__metrics_start(&fs, metrics_file, &metrics)) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
     goto out;
   }

@@ -8,6 +8,11 @@
  * The counters are atomics bumped where things happen (save.c, ops.c,
  * views.c, blocks.c; verify failures in the store's reader). Only the
  * staged gauges need fs->lock: taken for one checkpoint at a time.
+ *
+ * The thread that writes them runs in every mount, with or without
+ * -o metrics: it also closes the cached descriptors of data files that
+ * were removed (a checkpoint removed through another mount, by keep_last
+ * or ckptctl prune), which would keep their space in use in BACKING_DIR.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -321,11 +326,11 @@ int ckpt__metrics_write(ckpt_fs_t *fs, const char *path) {
   return rc;
 }
 
-/* ----- the writer thread ----- */
+/* ----- the periodic thread ----- */
 
 struct ckpt_metrics_writer {
   ckpt_fs_t *fs;
-  char *path;
+  char *path;          /* NULL without -o metrics */
   pthread_t thread;
   pthread_mutex_t lock;
   pthread_cond_t cond; /* CLOCK_MONOTONIC */
@@ -334,6 +339,8 @@ struct ckpt_metrics_writer {
 };
 
 static void write_logged(ckpt_metrics_writer_t *w) {
+  if (!w->path)
+    return;
   int rc = ckpt__metrics_write(w->fs, w->path);
   if (rc && rc != w->last_err)
     ckpt__log("metrics: cannot write %s: %s", w->path, strerror(-rc));
@@ -348,6 +355,7 @@ static void *writer_main(void *arg) {
   while (!w->stop) {
     pthread_mutex_unlock(&w->lock);
     write_logged(w);
+    ckpt_fdcache_sweep(w->fs->fdcache);
     pthread_mutex_lock(&w->lock);
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
@@ -364,7 +372,7 @@ static void *writer_main(void *arg) {
 int ckpt__metrics_start(ckpt_fs_t *fs, const char *path,
                         ckpt_metrics_writer_t **out) {
   ckpt_metrics_writer_t *w = calloc(1, sizeof(*w));
-  if (!w || !(w->path = strdup(path))) {
+  if (!w || (path && !(w->path = strdup(path)))) {
     free(w);
     return -ENOMEM;
   }

@@ -151,6 +151,21 @@ uint64_t ckpt__fdcache_new_id(ckpt_fdcache_t *c) {
   return id;
 }
 
+uint32_t ckpt_fdcache_sweep(ckpt_fdcache_t *c) {
+  uint32_t closed = 0;
+  pthread_mutex_lock(&c->lock);
+  for (struct ckpt_fdent *e = c->lru_head, *nx; e; e = nx) {
+    nx = e->lnext;
+    struct stat st;
+    if (fstat(e->fd, &st) == 0 && st.st_nlink == 0) {
+      drop(c, e);
+      closed++;
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+  return closed;
+}
+
 void ckpt__fdcache_forget(ckpt_fdcache_t *c, uint64_t id) {
   pthread_mutex_lock(&c->lock);
   for (size_t b = 0; b < c->nbuckets; b++) {

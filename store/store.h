@@ -173,6 +173,12 @@ int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out);
 void ckpt_fdcache_free(ckpt_fdcache_t *c);
 /* Descriptors open now (for tests and the bench). */
 uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c);
+/* Close the unused descriptors of data files that have no name left
+ * (st_nlink 0: their checkpoint was removed, through another mount, by
+ * keep_last or ckptctl prune): a cached descriptor would keep a removed
+ * file's space in use in BACKING_DIR until evicted. Descriptors a read
+ * or an open file holds stay. The number closed. */
+uint32_t ckpt_fdcache_sweep(ckpt_fdcache_t *c);
 
 /* The kernel's file handle of a directory (name_to_handle_at): on ext4,
  * XFS, btrfs, tmpfs, NFS... its inode number and generation, so that a

@@ -191,6 +191,43 @@ static void fdcache_is_bounded(void **state) {
   rm_backing(b, bfd);
 }
 
+/* The sweep closes idle descriptors of data files removed since (their
+ * space would stay in use), never one held, nor one of a file still there. */
+static void fdcache_sweep_lets_removed_files_go(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  ckpt_metadata_t *m = make_ckpt(b, "a", 64, 2, 3), l;
+  ckpt_fdcache_t *cache;
+  ckpt_stored_t s;
+  open_stored(bfd, "a", &l, &cache, &s, false);
+  ckpt_fdref_t r0, r1;
+  assert_int_equal(ckpt_stored_fd(&s, 0, 0, &r0), 0);
+  assert_int_equal(ckpt_stored_fd(&s, 1, 0, &r1), 0);
+  ckpt_fdref_put(&r1); /* idle, cached */
+  assert_int_equal(ckpt_fdcache_open(cache), 2);
+  assert_int_equal(ckpt_fdcache_sweep(cache), 0); /* both still named */
+  char p0[PATH_MAX], p1[PATH_MAX], name[64];
+  ckpt_data_file_name(0, 0, name, sizeof(name));
+  snprintf(p0, sizeof(p0), "%s/a/%s", b, name);
+  ckpt_data_file_name(1, 0, name, sizeof(name));
+  snprintf(p1, sizeof(p1), "%s/a/%s", b, name);
+  assert_int_equal(unlink(p0), 0);
+  assert_int_equal(unlink(p1), 0);
+  assert_int_equal(ckpt_fdcache_sweep(cache), 1); /* rank 1's, idle */
+  assert_int_equal(ckpt_fdcache_open(cache), 1);
+  struct stat st;
+  assert_int_equal(fstat(r0.fd, &st), 0); /* the held one stays */
+  ckpt_fdref_put(&r0);
+  assert_int_equal(ckpt_fdcache_sweep(cache), 1);
+  assert_int_equal(ckpt_fdcache_open(cache), 0);
+  ckpt_stored_destroy(&s);
+  ckpt_metadata_free(&l);
+  free_meta(m);
+  ckpt_fdcache_free(cache);
+  rm_backing(b, bfd);
+}
+
 /* Data files that are symlinks, a directory replaced under the reader, a
  * rank beyond the world: EIO, never someone else's bytes. */
 static void reader_refuses_what_moved(void **state) {
@@ -435,6 +472,7 @@ static void open_beneath_refuses_symlinks(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(fdcache_is_bounded),
+      cmocka_unit_test(fdcache_sweep_lets_removed_files_go),
       cmocka_unit_test(reader_refuses_what_moved),
       cmocka_unit_test(checks_ahead_cross_data_files),
       cmocka_unit_test(loader_refuses_hostile_metadata),

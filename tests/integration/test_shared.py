@@ -23,6 +23,12 @@ Classes:
              second, without a remount; one removed through one mount is
              gone from the other; a refused one (a gap) that appears is not
              shown and is logged once
+  RemovedSpace  a checkpoint read through one mount and removed through
+             another: the reading mount lets go of its data files within
+             a few seconds (its descriptor cache held them open, deleted,
+             so their space stayed in use on the shared store until it
+             evicted them), while a file of it that a reader still holds
+             open keeps reading
   PerNodeBacking  a world whose ranks have a BACKING_DIR each (as nodes
              with local directories would): every rank's commit fails,
              saying BACKING_DIR must be shared, and nothing is left or
@@ -300,6 +306,52 @@ class Visibility(CkptfsTestCase):
             self.assertEqual(sorted(os.listdir(b)), ["g"])
         self.assertEqual(self.daemon_log().count("not showing checkpoint gap"), 1,
                          self.daemon_log())
+
+
+def deleted_held(pid, backing):
+    """Data files under backing that process pid holds open, deleted."""
+    out, fds = [], f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            target = os.readlink(os.path.join(fds, fd))
+        except OSError:
+            continue
+        if target.startswith(backing + "/") and target.endswith(".distcp (deleted)"):
+            out.append(target)
+    return out
+
+
+class RemovedSpace(CkptfsTestCase):
+    def test_reader_mount_lets_go_of_removed_data_files(self):
+        a, b = os.path.join(self.dir, "a"), os.path.join(self.dir, "b")
+        self.mount(mnt=a)
+        mb = self.mount(mnt=b)
+        data = {f"t{i}": payload(i, 3, n=256 * 1024) for i in range(6)}
+        for name in ("x", "y"):
+            ck = self.ck(name, mnt=a)
+            os.mkdir(ck)
+            for t, d in data.items():
+                write_tensor(os.path.join(ck, t), "int32", [256 * 1024], d)
+            commit(ck)
+        for t, d in data.items():   # every data file read (and cached) by b
+            self.assertEqual(read_all(self.ck("x", t, mnt=b)), d)
+        keep = open(self.ck("y", "t0", mnt=b), "rb")   # held by a reader
+        self.addCleanup(keep.close)
+        pid = mb.proc.pid
+        self.assertEqual(deleted_held(pid, self.backing), [])
+        for name in ("x", "y"):
+            subprocess.run(["rm", "-r", self.ck(name, mnt=a)], check=True)
+        t0 = time.monotonic()
+        while True:
+            held = deleted_held(pid, self.backing)
+            # y's t0 stays open for the reader; nothing of x, nothing else of y
+            if all("/y/" in h for h in held) and len(held) <= 1:
+                break
+            self.assertLess(time.monotonic() - t0, 10,
+                            f"mount b still holds removed data files open: {held}")
+            time.sleep(0.1)
+        print(f"\n  let go after {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        self.assertEqual(keep.read(), data["t0"], "an open file of a removed checkpoint keeps reading")
 
 
 class PerNodeBacking(unittest.TestCase):
