@@ -91,6 +91,9 @@ typedef struct {
                                  NULL */
   char *metrics_file;         /* owned, -o metrics=FILE (%r not replaced),
                                  or NULL */
+  char *tier_dir;             /* owned, -o tier=DIR, or NULL */
+  uint64_t flush_rate;        /* bytes/s of the flush to BACKING_DIR; 0:
+                                 unlimited */
 } ckpt_opts_t;
 
 /* Parse the command line. Our options are removed from args; what stays is
@@ -492,6 +495,16 @@ struct ckpt_node_pt {
   ckpt_fdref_t ref;       /* the data file, held */
 };
 
+/* Where a committed checkpoint is, for .status (ck->tier). */
+typedef struct ckpt_tier_state {
+  bool tiered;                 /* the mount has a tier: .status says where */
+  _Atomic bool flushed;        /* in BACKING_DIR (flushed, or loaded from
+                                  there) */
+  _Atomic uint64_t done, total; /* bytes of its data files copied */
+  char *why;                   /* "flush waiting: ..." or "flush failed:
+                                  ...", or NULL; fs->lock */
+} ckpt_tier_state_t;
+
 struct ckpt_ckpt {
   char name[256];
   ckpt_state_t state;     /* protected by fs->lock */
@@ -537,6 +550,7 @@ struct ckpt_ckpt {
    * that belong to no single staged entry (.metadata, the views): what
    * every staged file and the checkpoint directory allowed */
   mode_t shared_fmode, shared_dmode;
+  ckpt_tier_state_t tier;  /* COMMITTED with -o tier: its flush */
 };
 
 /* The files staged in ck and their bytes. fs->lock held (ops.c). */
@@ -664,6 +678,13 @@ struct ckpt_fs {
   ckpt_opts_t opts;
   int backing_fd;          /* BACKING_DIR, O_DIRECTORY */
   char *backing_path;      /* absolute */
+  int tier_fd;             /* -o tier=DIR, O_DIRECTORY, or -1 */
+  char *tier_path;         /* absolute, or NULL */
+  /* Where commits and staging go: the tier when there is one, else
+   * BACKING_DIR (the same descriptor and string, not owned). */
+  int commit_fd;
+  const char *commit_path;
+  struct ckpt_flush *flush; /* -o tier: the flush thread (flush.c) */
   ckpt_dist_t *dist;
   int rank;
   int world_size;
@@ -701,6 +722,38 @@ int ckpt__drain_start(ckpt_fs_t *fs, ckpt_drain_t **out);
 void ckpt__drain_stop(ckpt_drain_t *d);
 /* Drain n (a staged file whose last passthrough handle was closed). */
 void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
+
+/* ------------------------------------------------------------------------
+ * The flush of a tier (flush.c): each checkpoint committed into TIER is
+ * copied to BACKING_DIR in the background and published there as a
+ * commit would have (TIER/.flush/<save_id> names it until then).
+ * ---------------------------------------------------------------------- */
+#define CKPT_FLUSH_DIR ".flush"
+typedef struct ckpt_flush ckpt_flush_t;
+/* Journal the flush of save_id (NAME name, replace) in the tier: the
+ * record, fsynced, before the checkpoint is published in the tier. */
+int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, const char *name,
+                       bool replace, char **err);
+/* Drop the record of a save whose tier publish failed. */
+void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id);
+/* At mount, before ckpt__fs_load: records of checkpoints already flushed
+ * or gone are dropped, tier checkpoints with neither record nor shared
+ * copy (removed by a user) are removed. */
+void ckpt__flush_recover(ckpt_fs_t *fs);
+/* Start the thread; it queues every record left by earlier mounts. */
+int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out);
+/* Queue the tier checkpoint name (just committed). */
+void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id);
+/* Stop it: a copy under way is abandoned (the record stays). */
+void ckpt__flush_stop(ckpt_flush_t *f);
+/* Does a flush record name save_id (its checkpoint is in the tier
+ * only)? false without a tier. */
+bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
+/* The bytes of the data files in checkpoint directory dirfd. */
+uint64_t ckpt__flush_bytes(int dirfd);
+/* The descriptor of the root that holds name: the tier when it has a
+ * directory of that name, else BACKING_DIR. */
+int ckpt__root_of(ckpt_fs_t *fs, const char *name);
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);
@@ -834,6 +887,17 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
 void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
                         double until);
 extern const ckpt_save_ops_t ckpt__save_ops;
+/* A complete save directory ROOT/.saves/SAVE_ID to publish as ROOT/NAME. */
+typedef struct {
+  int root_fd;           /* BACKING_DIR or the tier */
+  const char *root_path; /* for messages */
+  int held_fd;           /* .saves/SAVE_ID, held; -1: none */
+  const char *save_id;
+  const char *name;
+  bool replace;          /* replace=NAME: exchanged with the old version */
+  bool flush;            /* the tier's flush, not a commit (no failpoints) */
+} ckpt_publish_t;
+int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err);
 
 /* ------------------------------------------------------------------------
  * FUSE operations (ops.c).

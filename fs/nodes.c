@@ -327,6 +327,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   ckpt__views_free(ck->views);
   free(ck->removed);
   free(ck->reason);
+  free(ck->tier.why);
   free(ck->lost);
   free(ck->waiting);
   ckpt__streams_free(ck->streams);
@@ -536,10 +537,13 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
   fs->ino_hash = calloc(fs->hash_size, sizeof(*fs->ino_hash));
   fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
   fs->next_ino = FUSE_ROOT_ID + 1;
-  ckpt__staging_init(&fs->staging, fs->opts.staging_mem, fs->backing_fd);
+  /* Staged data spills into the commit root: with a tier, passthrough
+   * files there are linked into the save, still written once. */
+  ckpt__staging_init(&fs->staging, fs->opts.staging_mem, fs->commit_fd);
   if (!fs->ino_hash || !fs->name_hash ||
       ckpt_fdcache_new(fs->backing_fd, 0, &fs->fdcache))
     return -ENOMEM;
+  ckpt_fdcache_set_near(fs->fdcache, fs->tier_fd);
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
                             NULL);
   return fs->root ? 0 : -ENOMEM;

@@ -247,7 +247,21 @@ void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
 }
 
 /* The .status text of ck. fs->lock held. */
+/* .status of a committed checkpoint with -o tier: where it is, how far
+ * its flush got and what it waits for (docs/tiers.md). fs->lock held. */
+static const char *tier_lines(const ckpt_ckpt_t *ck, char *buf, size_t n) {
+  if (!ck->tier.tiered)
+    return "";
+  snprintf(buf, n, "location %s\nflush bytes %llu of %llu\n%s%s",
+           atomic_load(&ck->tier.flushed) ? "shared" : "local",
+           (unsigned long long)atomic_load(&ck->tier.done),
+           (unsigned long long)atomic_load(&ck->tier.total),
+           ck->tier.why ? ck->tier.why : "", ck->tier.why ? "\n" : "");
+  return buf;
+}
+
 static char *status_text(const ckpt_ckpt_t *ck) {
+  char lines[1200];
   switch (ck->state) {
   case CKPT_STAGING: {
     uint64_t files = 0, bytes = 0;
@@ -286,10 +300,11 @@ static char *status_text(const ckpt_ckpt_t *ck) {
         nb--;
     }
     return ckpt__strdup_printf(
-        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s",
+        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s%s",
         nt, nb,
         ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
-        ck->lost ? ck->lost : "", ck->lost ? "\n" : "");
+        ck->lost ? ck->lost : "", ck->lost ? "\n" : "",
+        tier_lines(ck, lines, sizeof(lines)));
   case CKPT_FAILED:
     return ckpt__strdup_printf("failed\n%s\n",
                                ck->reason ? ck->reason : "unknown error");
@@ -344,7 +359,8 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
     struct stat bst;
     char path[300];
     snprintf(path, sizeof(path), "%s/%s", n->ck->name, CKPT_METADATA_FILE);
-    if (fstatat(fs->backing_fd, path, &bst, AT_SYMLINK_NOFOLLOW) == 0 &&
+    if (fstatat(ckpt__root_of(fs, n->ck->name), path, &bst,
+                AT_SYMLINK_NOFOLLOW) == 0 &&
         S_ISREG(bst.st_mode))
       st->st_size = bst.st_size;
     break;
@@ -381,7 +397,8 @@ static void fill_entry(ckpt_fs_t *fs, ckpt_node_t *n, struct fuse_entry_param *e
  * through a symlink, only a regular file, only in the directory that was
  * loaded. fd or -errno. */
 static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
-  int dfd = ckpt_store_open_dir(fs->backing_fd, ck->name, O_PATH);
+  int dfd = ckpt_store_open_dir(ckpt__root_of(fs, ck->name), ck->name,
+                                O_PATH);
   if (dfd < 0)
     return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
   /* -ESTALE: replaced since it was loaded */
@@ -404,7 +421,8 @@ typedef ckpt_presence_t presence_t;
 
 static presence_t presence(ckpt_fs_t *fs, const char *name) {
   presence_t p = {.gen = atomic_load(&fs->load_gen)};
-  ckpt_entry_t e = ckpt_store_entry(fs->backing_fd, name, &p.dir);
+  int root = ckpt__root_of(fs, name); /* a tier's copy, while there */
+  ckpt_entry_t e = ckpt_store_entry(root, name, &p.dir);
   p.not_dir = e == CKPT_ENTRY_OTHER;
   p.committed = e == CKPT_ENTRY_COMMITTED;
   if (!p.committed)
@@ -412,10 +430,10 @@ static presence_t presence(ckpt_fs_t *fs, const char *name) {
   /* Its identity beyond the inode number, which a directory of a removed
    * checkpoint may pass on: its handle, else its save ID (the inode and
    * the save ID of one directory opened once). */
-  ckpt_store_dir_handle(fs->backing_fd, name, &p.handle);
+  ckpt_store_dir_handle(root, name, &p.handle);
   if (p.handle.len)
     return p;
-  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_PATH);
+  int dfd = ckpt_store_open_dir(root, name, O_PATH);
   if (dfd < 0) {
     p.committed = false; /* gone or replaced meanwhile */
     p.not_dir = dfd == -ENOTDIR || dfd == -ELOOP;
@@ -476,6 +494,34 @@ static double mono_now(void) {
   return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/* The names of BACKING_DIR and, with a tier, of the tier (unflushed
+ * checkpoints), sorted and unique. 0 or -errno. */
+static int root_names(ckpt_fs_t *fs, char ***names, size_t *n) {
+  int rc = ckpt__catalog_names(fs->backing_fd, names, n);
+  char **tn;
+  size_t nt;
+  if (rc || fs->tier_fd < 0 || ckpt__catalog_names(fs->tier_fd, &tn, &nt))
+    return rc;
+  char **all = realloc(*names, (*n + nt + 1) * sizeof(*all));
+  if (!all) {
+    ckpt__catalog_names_free(tn, nt);
+    return 0; /* BACKING_DIR's only, this time */
+  }
+  memcpy(all + *n, tn, nt * sizeof(*tn));
+  free(tn); /* the names moved */
+  size_t total = *n + nt, u = 0;
+  qsort(all, total, sizeof(*all), by_name);
+  for (size_t i = 0; i < total; i++) {
+    if (u && !strcmp(all[u - 1], all[i]))
+      free(all[i]);
+    else
+      all[u++] = all[i];
+  }
+  *names = all;
+  *n = u;
+  return 0;
+}
+
 /* BACKING_DIR's entries with their presence: the last listing while
  * BACKING_DIR's mtime is unchanged and it is younger than
  * CKPT_SCAN_MAX_AGE, else a new one (one fstatat per entry, without
@@ -496,7 +542,7 @@ static ckpt_scan_t *root_scan(ckpt_fs_t *fs) {
   }
   pthread_mutex_unlock(&fs->scan_lock);
   sc = calloc(1, sizeof(*sc));
-  if (!sc || ckpt__catalog_names(fs->backing_fd, &sc->names, &sc->n)) {
+  if (!sc || root_names(fs, &sc->names, &sc->n)) {
     free(sc);
     return NULL;
   }
@@ -863,7 +909,7 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
   ckpt_ckpt_t *ck = ckpt__ckpt_new(fs, name);
   if (!ck)
     return -ENOMEM;
-  ck->streams = ckpt__streams_new(fs->backing_fd, fs->rank, name,
+  ck->streams = ckpt__streams_new(fs->commit_fd, fs->rank, name,
                                   fs->opts.io_threads);
   *out = ck->dir;
   return 0;
@@ -1258,11 +1304,19 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
  * stay in this mount for rm -r to remove (each unlink then only hides
  * one), and rmdir NAME removes its data (or the next mount start does).
  * fs->lock held. */
+/* In the tier only, its flush to BACKING_DIR under way: not removed,
+ * neither whole nor inside (the flush would publish it again). */
+static bool unflushed(ckpt_ckpt_t *ck) {
+  return ck->tier.tiered && !atomic_load(&ck->tier.flushed);
+}
+
 static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (ck->removing)
     return 0;
   if (ck->state != CKPT_COMMITTED || !ck->has_stored)
     return -EROFS;
+  if (unflushed(ck))
+    return -EBUSY;
   int rc = ckpt_store_unpublish(fs->backing_fd, &ck->stored);
   if (rc == -ESTALE) {
     /* Replaced by another checkpoint of the name, or being removed by
@@ -1317,6 +1371,8 @@ static int remove_entry(ckpt_fs_t *fs, ckpt_node_t *n) {
     n->hidden = true, rc = 1; /* the whole checkpoint goes already */
   else if (ck->state != CKPT_COMMITTED || !ck->has_stored)
     rc = -EROFS;
+  else if (unflushed(ck))
+    rc = -EBUSY;
   else if (!ck->removed &&
            !(ck->removed = calloc((size_t)ck->meta->n_tensors +
                                       ck->meta->n_blobs + 1,
@@ -1437,7 +1493,7 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
     ckpt__streams_drop_kept(ck->streams);
   ckpt__node_detach(fs, dir);
   ckpt__ckpt_unref(fs, ck);
-  ckpt__staging_tidy(fs->backing_fd);
+  ckpt__staging_tidy(fs->commit_fd);
   return 0;
 }
 
