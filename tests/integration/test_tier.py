@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""The node-local tier, first slice (-o tier=DIR, -o flush_rate=SIZE; one
+rank; docs/tiers.md): a commit lands in the tier and the background flush
+publishes it in BACKING_DIR as a mount without the tier would have; a
+flush killed midway leaves nothing published and the next mount resumes
+it; one killed after the shared publish is not published twice; the mount
+refuses a tier on BACKING_DIR's filesystem and a world of several ranks.
+
+The tier is a tmpfs mounted in the test's directory (needs root: the test
+fails otherwise, it does not skip); BACKING_DIR is on /tmp's filesystem.
+"""
+
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util as cu  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, commit, main, read_all, status,  # noqa: E402
+                         write_file)
+from mpi_world import MPIRUN  # noqa: E402
+
+MiB = 1 << 20
+SIZE = 64 * MiB
+
+
+def digest(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(8 * MiB)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def data_files(d):
+    return {os.path.basename(p): digest(p)
+            for p in sorted(glob.glob(os.path.join(d, "__*.distcp")))}
+
+
+class TierCase(CkptfsTestCase):
+    def setUp(self):
+        super().setUp()
+        self.tier = os.path.join(self.dir, "tier")
+        os.makedirs(self.tier)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", self.tier],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"cannot mount the tier's tmpfs: {r.stderr}")
+        # after the mounts' cleanup (cleanups run last-added first)
+        self.addCleanup(subprocess.run, ["umount", "-l", self.tier], capture_output=True)
+        self.data = os.urandom(SIZE)
+
+    def tier_mount(self, extra="", env=None):
+        opts = f"tier={self.tier}" + (f",{extra}" if extra else "")
+        return self.mount(opts=opts, env=env)
+
+    def stage(self, name="c"):
+        os.mkdir(self.ck(name))
+        write_file(self.ck(name, "weights"), self.data)
+
+    def timed_commit(self, name="c"):
+        t0 = time.monotonic()
+        commit(self.ck(name))
+        return time.monotonic() - t0
+
+    def wait_shared(self, name="c", timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = status(self.ck(name))
+            if "location shared" in s:
+                return s
+            time.sleep(0.05)
+        self.fail(f"not flushed in {timeout}s: {status(self.ck(name))!r}\n{self.daemon_log()}")
+
+    def fsck_clean(self):
+        exe = os.path.join(os.path.dirname(cu.BIN), "ckptfs-fsck")
+        r = subprocess.run([exe, self.backing], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"ckptfs-fsck: {r.stdout}{r.stderr}")
+
+    def read_without_tier(self, name="c"):
+        """A mount without the tier reads the flushed checkpoint bit-exact."""
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.mount()
+        self.assertEqual(read_all(self.ck(name, "weights")), self.data)
+
+    def records(self):
+        d = os.path.join(self.tier, ".flush")
+        return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+class Flush(TierCase):
+    def test_commit_local_then_shared(self):
+        """A sync commit returns with the checkpoint in the tier only; the
+        flush then publishes the same bytes in BACKING_DIR."""
+        self.tier_mount("flush_rate=64M")  # ~1 s: the local state is seen
+        self.stage()
+        commit(self.ck("c"))
+        s = status(self.ck("c"))
+        self.assertEqual(s.splitlines()[0], "committed")
+        self.assertIn("location local", s)
+        in_tier = data_files(os.path.join(self.tier, "c"))
+        self.assertTrue(in_tier)
+        self.assertEqual(len(self.records()), 1)
+        self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
+        s = self.wait_shared()
+        fl = [ln for ln in s.splitlines() if ln.startswith("flush bytes")]
+        self.assertEqual(len(fl), 1, s)
+        done, _, total = fl[0].split()[2:5]
+        self.assertEqual(done, total)
+        self.assertGreaterEqual(int(total), SIZE)
+        self.assertEqual(data_files(self.bk("c")), in_tier)
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        # the same mount reads it from BACKING_DIR now
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.read_without_tier()
+        self.fsck_clean()
+
+    def test_flush_rate(self):
+        """flush_rate=16M: 64 MiB take 4 s to flush; the commit does not
+        wait for that."""
+        self.tier_mount("flush_rate=16M")
+        self.stage()
+        took = self.timed_commit()
+        t0 = time.monotonic()
+        self.assertIn("location local", status(self.ck("c")))
+        self.wait_shared()
+        flush = time.monotonic() - t0
+        print(f"\n  tier commit {took:.3f} s, flush {flush:.2f} s "
+              f"({SIZE / MiB / flush:.1f} MiB/s at flush_rate=16M)", file=sys.stderr)
+        self.assertLess(took, 0.5)
+        self.assertGreaterEqual(flush, 3.5)
+        # the same commit without a tier, for the record (not asserted:
+        # /tmp's speed is the machine's)
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.mount()
+        self.stage("d")
+        print(f"  commit without tier {self.timed_commit('d'):.3f} s", file=sys.stderr)
+
+
+class Crash(TierCase):
+    def test_killed_during_copy(self):
+        """Killed while copying: nothing in BACKING_DIR; the next mount
+        resumes the flush from its record and publishes it."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy"})
+        self.stage()
+        commit(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy")
+        self.assertIn("failpoint reached", self.daemon_log())
+        m.unmount()
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertNothingPublished("c")
+        self.assertEqual(len(self.records()), 1)
+        self.mounts = []
+        self.tier_mount()
+        self.wait_shared()
+        self.assertEqual(self.records(), [])
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.read_without_tier()
+        self.fsck_clean()
+
+    def test_killed_after_publish(self):
+        """Killed once published in BACKING_DIR, before the record went:
+        the next mount drops the record, publishes nothing twice."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
+        self.stage()
+        commit(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
+        self.assertIn("failpoint reached", self.daemon_log())
+        m.unmount()
+        self.assertTrue(os.path.exists(self.bk("c", ".metadata")))
+        self.assertEqual(len(self.records()), 1)
+        before = os.stat(self.bk("c"))
+        self.mounts = []
+        self.tier_mount()
+        self.assertIn("flushed already", cu.wait_log(self.log, "flushed already"))
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        s = status(self.ck("c"))
+        self.assertIn("location shared", s)
+        after = os.stat(self.bk("c"))
+        self.assertEqual((before.st_ino, before.st_mtime_ns), (after.st_ino, after.st_mtime_ns))
+        self.assertEqual(os.listdir(self.backing), ["c"])
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.fsck_clean()
+
+
+class Refused(TierCase):
+    def refused(self, opts, want):
+        m = self.mount(opts=opts, start=False)
+        with self.assertRaises(RuntimeError) as cm:
+            m.start()
+        self.assertEqual(m.returncode, 2, str(cm.exception))
+        self.assertIn(want, str(cm.exception))
+        self.assertFalse(os.path.exists(self.backing), "BACKING_DIR made anyway")
+
+    def test_same_filesystem(self):
+        same = os.path.join(self.dir, "same")
+        os.mkdir(same)
+        self.refused(f"tier={same}", "same filesystem as BACKING_DIR")
+
+    def test_missing_or_not_directory(self):
+        self.refused(f"tier={self.dir}/none", "the tier directory must exist")
+        f = os.path.join(self.tier, "file")
+        open(f, "w").close()
+        self.refused(f"tier={f}", "not a directory")
+
+    def test_world_of_two(self):
+        root = os.path.join(self.dir, "w")
+        os.makedirs(os.path.join(root, "rank0"))
+        os.makedirs(os.path.join(root, "rank1"))
+        r = subprocess.run(MPIRUN + ["-np", "2", cu.BIN, "-f", "-o", f"tier={self.tier}",
+                                     self.backing, os.path.join(root, "rank%r")],
+                           capture_output=True, text=True, timeout=60,
+                           env=cu.daemon_env())
+        out = r.stdout + r.stderr
+        self.assertNotEqual(r.returncode, 0, out)
+        self.assertIn("multi-rank tiers", out)
+        self.assertFalse(os.path.exists(self.backing), "BACKING_DIR made anyway")
+
+
+if __name__ == "__main__":
+    main()
