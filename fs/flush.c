@@ -151,7 +151,7 @@ static void save_id_at(int root_fd, const char *name,
     close(dfd);
 }
 
-/* Calls fn for each record of the tier (fn returns false to stop). */
+/* Call fn for each record of the tier. */
 static void each_record(ckpt_fs_t *fs,
                         void (*fn)(ckpt_fs_t *fs, int dfd, const char *id,
                                    void *arg),

@@ -937,13 +937,10 @@ static void name_held_dir(char **err, const char *held, const char *dir) {
  * tier (into BACKING_DIR): both publish the same way. 0 or -errno with
  * *err. */
 int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err) {
-  int rc = 0;
   bool replaced = false;
-  rc = p->replace ? ckpt_store_publish_replace(p->root_fd,
-                                                 p->save_id, p->name,
-                                                 &replaced)
-                    : ckpt_store_publish(p->root_fd, p->save_id,
-                                         p->name);
+  int rc = p->replace ? ckpt_store_publish_replace(p->root_fd, p->save_id,
+                                                   p->name, &replaced)
+                      : ckpt_store_publish(p->root_fd, p->save_id, p->name);
   if (rc == -EEXIST)
     *err = committed_elsewhere(p->root_fd, p->root_path, p->name);
   else if (rc == -EOPNOTSUPP)

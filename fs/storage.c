@@ -136,19 +136,31 @@ int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
   return rc;
 }
 
-/* Where committed ck, just loaded from root (dfd), stands in the tier's
- * flush (fs->lock held). */
-static void set_tier_state(ckpt_fs_t *fs, ckpt_ckpt_t *ck, int root,
-                           int dfd) {
+/* Where the checkpoint of meta, loaded from root (dfd), stands in the
+ * tier's flush (looked up before fs->lock is taken). */
+typedef struct {
+  bool flushed;
+  uint64_t total;
+} tier_look_t;
+
+static tier_look_t tier_look(ckpt_fs_t *fs, const ckpt_metadata_t *meta,
+                             int root, int dfd) {
+  tier_look_t t = {.flushed = true};
   if (fs->tier_fd < 0)
-    return;
-  uint64_t total = ckpt__flush_bytes(dfd);
-  bool flushed = root != fs->tier_fd ||
-                 !ckpt__flush_unflushed(fs, ck->meta->save_id);
-  ck->tier.tiered = true;
-  atomic_store(&ck->tier.flushed, flushed);
-  atomic_store(&ck->tier.total, total);
-  atomic_store(&ck->tier.done, flushed ? total : 0);
+    return t;
+  t.total = ckpt__flush_bytes(dfd);
+  t.flushed = root != fs->tier_fd ||
+              !ckpt__flush_unflushed(fs, meta->save_id);
+  return t;
+}
+
+/* fs->lock held. */
+static void set_tier_state(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                           const tier_look_t *t) {
+  ck->tier.tiered = fs->tier_fd >= 0;
+  atomic_store(&ck->tier.flushed, t->flushed);
+  atomic_store(&ck->tier.total, t->total);
+  atomic_store(&ck->tier.done, t->flushed ? t->total : 0);
 }
 
 /* Show committed checkpoint name; with staged (a staged checkpoint of
@@ -182,6 +194,7 @@ static int load_one(ckpt_fs_t *fs, const char *name, ckpt_ckpt_t *staged,
     free(meta);
     return rc;
   }
+  tier_look_t tier = tier_look(fs, meta, root, dfd);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *dir = ckpt__ckpt_lookup(fs, name);
   if (staged && (!staged->dir || dir != staged->dir)) {
@@ -201,7 +214,7 @@ static int load_one(ckpt_fs_t *fs, const char *name, ckpt_ckpt_t *staged,
   else if (rc == 0)
     rc = ckpt__ckpt_set_committed(fs, ck, meta, dfd, err);
   if (rc == 0)
-    set_tier_state(fs, ck, root, dfd);
+    set_tier_state(fs, ck, &tier);
   if (rc && rc != -EEXIST && ck && !dir) {
     /* Made here for it: not shown at all (an empty staging checkpoint of
      * that name would hide it; the next lookup tries again). */

@@ -10,7 +10,9 @@
  * released. A miss opens BACKING_DIR/NAME again, without following
  * symlinks, and checks that it is still the checkpoint that was loaded
  * (its inode and its save ID), so that a handle of a removed checkpoint
- * never reads another one's bytes.
+ * never reads another one's bytes. With a near root (a node-local tier,
+ * ckpt_fdcache_set_near) NAME is looked for there first, and its lineage
+ * checked by save ID: the two copies are different directories.
  */
 #include <errno.h>
 #include <fcntl.h>

@@ -10,6 +10,7 @@ The tier is a tmpfs mounted in the test's directory (needs root: the test
 fails otherwise, it does not skip); BACKING_DIR is on /tmp's filesystem.
 """
 
+import errno
 import glob
 import hashlib
 import os
@@ -108,6 +109,8 @@ class Flush(TierCase):
         self.assertTrue(in_tier)
         self.assertEqual(len(self.records()), 1)
         self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
+        # its only copy: not removed (the flush would publish it again)
+        self.assertErrno(errno.EBUSY, os.unlink, self.ck("c", "weights"))
         s = self.wait_shared()
         fl = [ln for ln in s.splitlines() if ln.startswith("flush bytes")]
         self.assertEqual(len(fl), 1, s)
@@ -189,6 +192,25 @@ class Crash(TierCase):
         after = os.stat(self.bk("c"))
         self.assertEqual((before.st_ino, before.st_mtime_ns), (after.st_ino, after.st_mtime_ns))
         self.assertEqual(os.listdir(self.backing), ["c"])
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.fsck_clean()
+
+
+    def test_store_full_waits(self):
+        """The shared store full (ENOSPC once): .status says the flush
+        waits; it retries after 1 s and publishes."""
+        self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy=ENOSPC"})
+        self.stage()
+        commit(self.ck("c"))
+        deadline, seen = time.monotonic() + 10, ""
+        while "flush waiting: " not in seen and time.monotonic() < deadline:
+            seen = status(self.ck("c"))
+            time.sleep(0.02)
+        self.assertIn("flush waiting: ", seen)
+        self.assertIn("No space left on device (retry in 1 s)", seen)
+        self.assertIn("location local", seen)
+        s = self.wait_shared()
+        self.assertNotIn("flush waiting", s)
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.fsck_clean()
 
