@@ -307,7 +307,8 @@ static void count_done(ckpt_fs_t *fs, const flush_job_t *j, uint64_t n) {
 }
 
 /* Does every chunk and blob of m stored in data file (rank, k) have its
- * checksum in fd? 0, -EIO (logged) or -errno. */
+ * checksum in fd? 0, -EBADMSG (logged: the tier's copy is damaged, which
+ * no retry mends) or -errno. */
 static int verify_copy(const ckpt_metadata_t *m, int32_t rank, uint32_t k,
                        int fd, const char *what) {
   for (uint32_t i = 0; i < m->n_chunks + m->n_blobs; i++) {
@@ -320,7 +321,7 @@ static int verify_copy(const ckpt_metadata_t *m, int32_t rank, uint32_t k,
     int rc = ckpt__stored_checksum(fd, chunk ? c->file_offset : b->file_offset,
                                    chunk ? c->length : b->length, &got);
     if (rc == 0 && got != want)
-      rc = -EIO;
+      rc = -EBADMSG;
     if (rc) {
       ckpt__log("tier: the copy of %s is not what was committed (%s): not "
                 "published", what, strerror(-rc));

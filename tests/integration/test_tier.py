@@ -149,6 +149,32 @@ class Flush(TierCase):
         print(f"  commit without tier {self.timed_commit('d'):.3f} s", file=sys.stderr)
 
 
+    def test_bad_copy_not_published(self):
+        """A data file damaged in the tier after the commit: the copy's
+        checksums do not match the .metadata, nothing is published, the
+        tier keeps the checkpoint and its record."""
+        self.tier_mount("flush_rate=16M")  # 4 s: damaged before copied
+        self.stage()
+        commit(self.ck("c"))
+        files = glob.glob(os.path.join(self.tier, "c", "__0_*.distcp"))
+        big = max(files, key=os.path.getsize)
+        with open(big, "r+b") as f:
+            f.seek(os.path.getsize(big) - 1)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([last[0] ^ 0xFF]))
+        deadline, s = time.monotonic() + 30, ""
+        while "flush failed" not in s and time.monotonic() < deadline:
+            s = status(self.ck("c"))
+            time.sleep(0.05)
+        self.assertIn("flush failed: ", s)
+        self.assertIn("location local", s)
+        self.assertIn("is not what was committed", self.daemon_log())
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertEqual(len(self.records()), 1)
+        self.assertTrue(os.path.exists(os.path.join(self.tier, "c", ".metadata")))
+
+
 class Crash(TierCase):
     def test_killed_during_copy(self):
         """Killed while copying: nothing in BACKING_DIR; the next mount
