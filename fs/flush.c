@@ -414,8 +414,11 @@ static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
   struct stat st;
   int out = openat(held, CKPT_METADATA_TMP,
                    O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
-                   0644);
-  int rc = out < 0 || fstat(in, &st) ? -errno : 0;
+                   0600);
+  /* the mode the commit gave it in the tier */
+  int rc = out < 0 || fstat(in, &st) || fchmod(out, st.st_mode & 0777)
+               ? -errno
+               : 0;
   /* not counted in .status's flush bytes (data files only) */
   if (rc == 0)
     rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, false);
@@ -533,6 +536,7 @@ static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
     rebind_to_shared(fs, j);
     ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
   }
+  ckpt__staging_tidy(fs->backing_fd); /* its copies' directory */
   ckpt_metadata_free(&m);
   if (held >= 0)
     close(held);

@@ -1276,8 +1276,6 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                                               reason),
                        took);
   ckpt__staging_tidy(fs->commit_fd);
-  if (rc == 0 && fs->flush)
-    ckpt__flush_add(fs->flush, job->name, s->rp.save_id);
   if (rc == 0 && s->rank == 0 && fs->opts.keep_last)
     keep_last(fs, job->name);
   if (rc == 0)
@@ -1288,6 +1286,9 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     else
       fuse_reply_err(s->req, rc == -EEXIST ? EEXIST : EIO);
   }
+  /* The writer has its answer: the copy to BACKING_DIR starts behind it. */
+  if (rc == 0 && fs->flush)
+    ckpt__flush_add(fs->flush, job->name, s->rp.save_id);
   save_free(fs, s);
 }
 

@@ -7,7 +7,9 @@ it; one killed after the shared publish is not published twice; the mount
 refuses a tier on BACKING_DIR's filesystem and a world of several ranks.
 
 The tier is a tmpfs mounted in the test's directory (needs root: the test
-fails otherwise, it does not skip); BACKING_DIR is on /tmp's filesystem.
+fails otherwise, it does not skip), large enough (2 GiB, a limit: only
+what is written takes RAM) that passthrough=1 writes staged files into it;
+BACKING_DIR is on /tmp's filesystem.
 """
 
 import errno
@@ -48,7 +50,7 @@ class TierCase(CkptfsTestCase):
         super().setUp()
         self.tier = os.path.join(self.dir, "tier")
         os.makedirs(self.tier)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", self.tier],
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", self.tier],
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"cannot mount the tier's tmpfs: {r.stderr}")
         # after the mounts' cleanup (cleanups run last-added first)
@@ -106,6 +108,7 @@ class Flush(TierCase):
         self.assertEqual(s.splitlines()[0], "committed")
         self.assertIn("location local", s)
         in_tier = data_files(os.path.join(self.tier, "c"))
+        meta_mode = os.stat(os.path.join(self.tier, "c", ".metadata")).st_mode
         self.assertTrue(in_tier)
         self.assertEqual(len(self.records()), 1)
         self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
@@ -118,6 +121,10 @@ class Flush(TierCase):
         self.assertEqual(done, total)
         self.assertGreaterEqual(int(total), SIZE)
         self.assertEqual(data_files(self.bk("c")), in_tier)
+        # BACKING_DIR holds what a commit without the tier leaves there
+        self.assertEqual(sorted(os.listdir(self.backing)), ["c"])
+        self.assertEqual(sorted(os.listdir(self.bk("c"))), [".metadata"] + sorted(in_tier))
+        self.assertEqual(os.stat(self.bk("c", ".metadata")).st_mode, meta_mode)
         self.assertEqual(self.records(), [])
         self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
         # the same mount reads it from BACKING_DIR now
@@ -179,7 +186,8 @@ class Crash(TierCase):
     def test_killed_during_copy(self):
         """Killed while copying: nothing in BACKING_DIR; the next mount
         resumes the flush from its record and publishes it."""
-        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy"})
+        # flush_rate: the kill comes after the commit's write and close
+        m = self.tier_mount("flush_rate=64M", env={"CKPTFS_FAILPOINT": "flush_copy"})
         self.stage()
         commit(self.ck("c"))
         self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy")
@@ -199,7 +207,8 @@ class Crash(TierCase):
     def test_killed_after_publish(self):
         """Killed once published in BACKING_DIR, before the record went:
         the next mount drops the record, publishes nothing twice."""
-        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
+        m = self.tier_mount("flush_rate=64M",
+                            env={"CKPTFS_FAILPOINT": "flush_published"})
         self.stage()
         commit(self.ck("c"))
         self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
