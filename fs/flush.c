@@ -20,11 +20,14 @@
  *      (held, so no starting mount removes it; a file already linked
  *      there by an earlier run is complete and kept);
  *   3. .metadata is copied (.metadata.tmp, fsync, rename, fsync);
- *   4. the same no-replace publish as a commit (ckpt__publish_save);
+ *   4. the record gets a "publishing" line (fsynced), then the same
+ *      no-replace publish as a commit (ckpt__publish_save);
  *   5. the record is removed and .flush fsynced; then the tier copy.
  * A crash anywhere leaves the record; the next mount (ckpt__flush_recover)
- * drops it if BACKING_DIR/NAME already has SAVE_ID (crash after 4) or
- * TIER/NAME does not (never published), else the flush resumes. A tier
+ * drops it if BACKING_DIR/NAME already has SAVE_ID (crash after 4),
+ * TIER/NAME does not (never published), or it says "publishing" and
+ * BACKING_DIR/.saves/SAVE_ID is gone (published, then removed by a user
+ * before the record went); else the flush resumes. A tier
  * checkpoint without a record is flushed already or was removed by a user
  * from BACKING_DIR: it is removed, never published again.
  *
@@ -53,11 +56,14 @@
 #define FLUSH_STEP ((size_t)8 << 20) /* bytes per read and write */
 #define BACKOFF_FIRST 1.0            /* seconds, doubled up to ... */
 #define BACKOFF_MAX 60.0
+/* The line a record gets before the shared publish (step 4). */
+#define PUBLISHING "publishing\n"
 
 typedef struct flush_job {
   char name[256];
   char save_id[CKPT_SAVE_ID_LEN + 1];
   bool replace;
+  bool publishing;  /* the record says the shared publish was under way */
   struct flush_job *next;
 } flush_job_t;
 
@@ -117,8 +123,8 @@ void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id) {
   close(dfd);
 }
 
-/* Read record save_id: its name and replace flag. 0, -EINVAL when torn
- * or malformed, -errno. */
+/* Read record save_id: its name, replace flag and publishing mark. 0,
+ * -EINVAL when torn or malformed, -errno. */
 static int read_record(int dfd, const char *save_id, flush_job_t *j) {
   int fd = openat(dfd, save_id, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0)
@@ -132,8 +138,11 @@ static int read_record(int dfd, const char *save_id, flush_job_t *j) {
   int replace = -1, used = 0;
   memset(j, 0, sizeof(*j));
   if (sscanf(buf, "name %255[^\n]\nreplace %d\n%n", j->name, &replace,
-             &used) != 2 || used != n || (replace != 0 && replace != 1) ||
+             &used) != 2 || (replace != 0 && replace != 1) ||
       !ckpt_name_valid(j->name) || !ckpt_save_id_valid(save_id))
+    return -EINVAL;
+  j->publishing = !strcmp(buf + used, PUBLISHING);
+  if (!j->publishing && buf[used])
     return -EINVAL;
   j->replace = replace == 1;
   snprintf(j->save_id, sizeof(j->save_id), "%s", save_id);
@@ -176,6 +185,15 @@ static void each_record(ckpt_fs_t *fs,
  * Recovery at mount.
  * ---------------------------------------------------------------------- */
 
+/* Does root/.saves/save_id exist? */
+static bool saves_dir_exists(int root_fd, const char *save_id) {
+  char path[CKPT_SAVE_ID_LEN + 16];
+  struct stat st;
+  snprintf(path, sizeof(path), "%s/%s", CKPT_SAVES_DIR, save_id);
+  return fstatat(root_fd, path, &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+         errno != ENOENT; /* unknown: keep the record */
+}
+
 static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
                            void *arg) {
   (void)arg;
@@ -191,6 +209,8 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
       why = "flushed already";
     else if (strcmp(tier_id, id))
       why = "its save was never published in the tier";
+    else if (j.publishing && !saves_dir_exists(fs->backing_fd, id))
+      why = "published in BACKING_DIR, and removed there since";
   }
   if (!why)
     return; /* resumed by the thread */
@@ -499,6 +519,33 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
   pthread_mutex_unlock(&fs->lock);
 }
 
+/* Step 4 begins: the record says so (fsynced), so that the next mount
+ * tells a save published and then removed by a user (no
+ * BACKING_DIR/.saves/SAVE_ID left: the publish renamed it) from one that
+ * was never published (it is still there). */
+static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
+  int dfd = open_records(fs, false);
+  int fd = dfd < 0 ? dfd
+                   : openat(dfd, j->save_id,
+                            O_WRONLY | O_APPEND | O_CLOEXEC | O_NOFOLLOW);
+  int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
+  flush_job_t now;
+  if (rc == 0 && (rc = read_record(dfd, j->save_id, &now)) == 0 &&
+      !now.publishing &&
+      write(fd, PUBLISHING, strlen(PUBLISHING)) != (ssize_t)strlen(PUBLISHING))
+    rc = errno ? -errno : -EIO;
+  if (rc == 0 && fsync(fd))
+    rc = -errno;
+  if (fd >= 0)
+    close(fd);
+  if (dfd >= 0)
+    close(dfd);
+  if (rc)
+    *err = ckpt__strdup_printf("marking %s/%s/%s: %s", fs->tier_path,
+                               CKPT_FLUSH_DIR, j->save_id, strerror(-rc));
+  return rc;
+}
+
 /* Flush one checkpoint: steps 2-5 of the protocol above. 0 or -errno
  * with *err. */
 static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
@@ -520,6 +567,8 @@ static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
   if (rc && !*err)
     *err = ckpt__strdup_printf("copying %s to %s: %s", j->name,
                                fs->backing_path, strerror(-rc));
+  if (rc == 0)
+    rc = mark_publishing(fs, j, err);
   if (rc == 0) {
     ckpt_publish_t p = {.root_fd = fs->backing_fd,
                         .root_path = fs->backing_path,

@@ -16,6 +16,7 @@ import errno
 import glob
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -196,9 +197,13 @@ class Crash(TierCase):
         self.assertFalse(os.path.exists(self.bk("c")))
         self.assertNothingPublished("c")
         self.assertEqual(len(self.records()), 1)
+        save_id = self.records()[0]
+        self.assertTrue(os.path.isdir(self.bk(".saves", save_id)))
         self.mounts = []
         self.tier_mount()
         self.wait_shared()
+        # the cleanup of unfinished saves left the one the record names
+        self.assertNotIn(f"removing unfinished save .saves/{save_id}", self.daemon_log())
         self.assertEqual(self.records(), [])
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.read_without_tier()
@@ -248,6 +253,32 @@ class Crash(TierCase):
         self.assertNotIn("flush waiting", s)
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.fsck_clean()
+
+
+    def test_removed_after_publish_not_resurrected(self):
+        """Killed once published, before the record went; then a mount
+        without the tier removes the checkpoint: the next mount with the
+        tier does not publish it again."""
+        m = self.tier_mount("flush_rate=64M",
+                            env={"CKPTFS_FAILPOINT": "flush_published"})
+        self.stage()
+        commit(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
+        m.unmount()
+        self.assertEqual(len(self.records()), 1)
+        self.mounts = []
+        other = self.mount()  # without the tier
+        shutil.rmtree(self.ck("c"))
+        other.stop()
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.mounts = []
+        self.tier_mount()
+        self.assertIn("removed there since", cu.wait_log(self.log, "removed there since"))
+        self.assertEqual(os.listdir(self.mnt), [])
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        time.sleep(0.5)  # no flush left to publish it
+        self.assertFalse(os.path.exists(self.bk("c")))
 
 
 class Refused(TierCase):
