@@ -367,8 +367,8 @@ static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
     if (!take_tokens(f, n))
       rc = -ECANCELED;
     else if ((rc = ckpt__pread_full(in, buf, n, off)) == 0 &&
-             pwrite(out, buf, n, (off_t)off) != (ssize_t)n)
-      rc = errno ? -errno : -EIO;
+             (errno = 0, pwrite(out, buf, n, (off_t)off)) != (ssize_t)n)
+      rc = errno ? -errno : -ENOSPC; /* short: the store is full */
     if (rc == 0 && count)
       count_done(f->fs, j, n);
   }
@@ -769,10 +769,4 @@ uint64_t ckpt__flush_bytes(int dirfd) {
       sum += (uint64_t)st.st_size;
   closedir(d);
   return sum;
-}
-
-int ckpt__root_of(ckpt_fs_t *fs, const char *name) {
-  return fs->tier_fd >= 0 && ckpt_store_committed(fs->tier_fd, name, NULL)
-             ? fs->tier_fd
-             : fs->backing_fd;
 }

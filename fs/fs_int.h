@@ -751,9 +751,6 @@ void ckpt__flush_stop(ckpt_flush_t *f);
 bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
 /* The bytes of the data files in checkpoint directory dirfd. */
 uint64_t ckpt__flush_bytes(int dirfd);
-/* The descriptor of the root that holds name: the tier when it has a
- * directory of that name, else BACKING_DIR. */
-int ckpt__root_of(ckpt_fs_t *fs, const char *name);
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);
@@ -817,7 +814,11 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err);
  * staged is not listed any more (left as it is). */
 int ckpt__fs_load_instead(ckpt_fs_t *fs, ckpt_ckpt_t *staged, char *lost,
                           char **err);
-/* Delete BACKING_DIR/name: .metadata first and durably, then the data. */
+/* The descriptor of the root that holds committed name: the tier while
+ * it has it (unflushed), else BACKING_DIR. */
+int ckpt__root_of(ckpt_fs_t *fs, const char *name);
+/* Delete BACKING_DIR/name (and the tier's): .metadata first and durably,
+ * then the data. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name);
 /* The item a committed tensor or blob node reads. */
 static inline ckpt_item_t ckpt__node_item(const ckpt_node_t *n) {
