@@ -507,7 +507,8 @@ static int root_names(ckpt_fs_t *fs, char ***names, size_t *n) {
     ckpt__catalog_names_free(tn, nt);
     return 0; /* BACKING_DIR's only, this time */
   }
-  memcpy(all + *n, tn, nt * sizeof(*tn));
+  if (nt) /* an empty listing has no array at all */
+    memcpy(all + *n, tn, nt * sizeof(*tn));
   free(tn); /* the names moved */
   size_t total = *n + nt, u = 0;
   qsort(all, total, sizeof(*all), by_name);
