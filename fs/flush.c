@@ -39,6 +39,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,6 +65,7 @@ typedef struct flush_job {
   char save_id[CKPT_SAVE_ID_LEN + 1];
   bool replace;
   bool publishing;  /* the record says the shared publish was under way */
+  char backing[PATH_MAX]; /* the BACKING_DIR it goes to (absolute) */
   struct flush_job *next;
 } flush_job_t;
 
@@ -98,7 +100,8 @@ int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, const char *name,
                    : openat(dfd, save_id,
                             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
-  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\n", name, replace) < 0)
+  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n", name,
+                         replace, fs->backing_path) < 0)
     rc = -errno;
   if (rc == 0 && (fsync(fd) || fsync(dfd)))
     rc = -errno;
@@ -123,13 +126,13 @@ void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id) {
   close(dfd);
 }
 
-/* Read record save_id: its name, replace flag and publishing mark. 0,
- * -EINVAL when torn or malformed, -errno. */
+/* Read record save_id: its name, replace flag, BACKING_DIR and publishing
+ * mark. 0, -EINVAL when torn or malformed, -errno. */
 static int read_record(int dfd, const char *save_id, flush_job_t *j) {
   int fd = openat(dfd, save_id, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0)
     return -errno;
-  char buf[400];
+  char buf[PATH_MAX + 400];
   ssize_t n = read(fd, buf, sizeof(buf) - 1);
   close(fd);
   if (n < 0)
@@ -137,8 +140,9 @@ static int read_record(int dfd, const char *save_id, flush_job_t *j) {
   buf[n] = '\0';
   int replace = -1, used = 0;
   memset(j, 0, sizeof(*j));
-  if (sscanf(buf, "name %255[^\n]\nreplace %d\n%n", j->name, &replace,
-             &used) != 2 || (replace != 0 && replace != 1) ||
+  if (sscanf(buf, "name %255[^\n]\nreplace %d\nbacking %4095[^\n]\n%n",
+             j->name, &replace, j->backing, &used) != 3 ||
+      (replace != 0 && replace != 1) || j->backing[0] != '/' ||
       !ckpt_name_valid(j->name) || !ckpt_save_id_valid(save_id))
     return -EINVAL;
   j->publishing = !strcmp(buf + used, PUBLISHING);
@@ -217,6 +221,36 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
   ckpt__log("tier: dropping flush record %s: %s", id, why);
   if (unlinkat(dfd, id, 0) == 0)
     fsync(dfd);
+}
+
+typedef struct {
+  const char *backing;
+  char *found;
+} other_t;
+
+/* A record of another BACKING_DIR: the first one's, in *arg. */
+static void other_backing(ckpt_fs_t *fs, int dfd, const char *id,
+                          void *arg) {
+  (void)fs;
+  other_t *o = arg;
+  flush_job_t j;
+  if (!o->found && read_record(dfd, id, &j) == 0 &&
+      strcmp(j.backing, o->backing))
+    o->found = ckpt__strdup_printf("%s (checkpoint %s)", j.backing, j.name);
+}
+
+int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err) {
+  other_t o = {.backing = backing};
+  each_record(fs, other_backing, &o);
+  char *other = o.found;
+  if (!other)
+    return 0;
+  *err = ckpt__strdup_printf(
+      "tier=%s holds a checkpoint not flushed yet to another BACKING_DIR, "
+      "%s: mount the tier with that BACKING_DIR first, so that nothing is "
+      "lost", fs->tier_path, other);
+  free(other);
+  return -EBUSY;
 }
 
 /* Does a record name save_id? */

@@ -736,6 +736,9 @@ int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, const char *name,
                        bool replace, char **err);
 /* Drop the record of a save whose tier publish failed. */
 void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id);
+/* At mount: -EBUSY with *err when a record of the tier goes to another
+ * BACKING_DIR than backing (absolute; this mount would not flush it). */
+int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err);
 /* At mount, before ckpt__fs_load: records of checkpoints already flushed
  * or gone are dropped, tier checkpoints with neither record nor shared
  * copy (removed by a user) are removed. */

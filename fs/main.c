@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <inttypes.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -127,8 +128,9 @@ static int backing_dev(const char *abs_backing, dev_t *dev) {
 /* -o tier=DIR: an existing directory on another filesystem than
  * BACKING_DIR (a tier on the shared store would only copy each checkpoint
  * twice), and a world of one rank (slice 1: several ranks share a node's
- * tier, which their publish does not handle yet). Opened into fs, or a
- * message on stderr and -1 (the mount is refused, exit 2). */
+ * tier, which their publish does not handle yet), used by no other mount
+ * and holding no checkpoint unflushed to another BACKING_DIR. Opened into
+ * fs, or a message on stderr and -1 (the mount is refused, exit 2). */
 static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
   const char *dir = fs->opts.tier_dir;
   struct stat st;
@@ -164,7 +166,21 @@ static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
             strerror(errno));
     return -1;
   }
-  return 0;
+  /* One mount per tier (held while it runs, let go at a crash): another
+   * one's flush records are not this one's to resume or drop. */
+  if (flock(fs->tier_fd, LOCK_EX | LOCK_NB) && errno == EWOULDBLOCK) {
+    fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n", dir);
+    return -1;
+  }
+  char *real = abs_backing ? realpath(abs_backing, NULL) : NULL;
+  char *err = NULL;
+  int rc = ckpt__flush_check(fs, real ? real : abs_backing ? abs_backing : "",
+                             &err);
+  if (rc)
+    fprintf(stderr, "ckptfs: %s\n", err);
+  free(err);
+  free(real);
+  return rc ? -1 : 0;
 }
 
 /* The tier's records first (they say which unfinished saves to keep),

@@ -23,8 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all, status,  # noqa: E402
-                         write_file)
+from ckptfs_util import (CkptfsTestCase, Mount, commit, main, read_all,  # noqa: E402
+                         status, write_file)
 from mpi_world import MPIRUN  # noqa: E402
 
 MiB = 1 << 20
@@ -44,6 +44,21 @@ def digest(path):
 def data_files(d):
     return {os.path.basename(p): digest(p)
             for p in sorted(glob.glob(os.path.join(d, "__*.distcp")))}
+
+
+def commit_before_kill(ckdir):
+    """A sync commit whose daemon a failpoint of the flush kills just after
+    the reply: the write must succeed; the close may find the daemon
+    gone."""
+    fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.write(fd, b"sync\n") == 5
+    finally:
+        try:
+            os.close(fd)
+        except OSError as e:
+            if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED):
+                raise
 
 
 class TierCase(CkptfsTestCase):
@@ -187,10 +202,9 @@ class Crash(TierCase):
     def test_killed_during_copy(self):
         """Killed while copying: nothing in BACKING_DIR; the next mount
         resumes the flush from its record and publishes it."""
-        # flush_rate: the kill comes after the commit's write and close
-        m = self.tier_mount("flush_rate=64M", env={"CKPTFS_FAILPOINT": "flush_copy"})
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy"})
         self.stage()
-        commit(self.ck("c"))
+        commit_before_kill(self.ck("c"))
         self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy")
         self.assertIn("failpoint reached", self.daemon_log())
         m.unmount()
@@ -212,10 +226,9 @@ class Crash(TierCase):
     def test_killed_after_publish(self):
         """Killed once published in BACKING_DIR, before the record went:
         the next mount drops the record, publishes nothing twice."""
-        m = self.tier_mount("flush_rate=64M",
-                            env={"CKPTFS_FAILPOINT": "flush_published"})
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
         self.stage()
-        commit(self.ck("c"))
+        commit_before_kill(self.ck("c"))
         self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
         self.assertIn("failpoint reached", self.daemon_log())
         m.unmount()
@@ -259,10 +272,9 @@ class Crash(TierCase):
         """Killed once published, before the record went; then a mount
         without the tier removes the checkpoint: the next mount with the
         tier does not publish it again."""
-        m = self.tier_mount("flush_rate=64M",
-                            env={"CKPTFS_FAILPOINT": "flush_published"})
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
         self.stage()
-        commit(self.ck("c"))
+        commit_before_kill(self.ck("c"))
         self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
         m.unmount()
         self.assertEqual(len(self.records()), 1)
@@ -300,6 +312,40 @@ class Refused(TierCase):
         f = os.path.join(self.tier, "file")
         open(f, "w").close()
         self.refused(f"tier={f}", "not a directory")
+
+    def test_tier_in_use(self):
+        self.tier_mount()
+        m = Mount(os.path.join(self.dir, "backing2"), os.path.join(self.dir, "mnt2"),
+                  self.log, opts=f"tier={self.tier}")
+        self.mounts.append(m)
+        with self.assertRaises(RuntimeError) as cm:
+            m.start()
+        self.assertEqual(m.returncode, 2, str(cm.exception))
+        self.assertIn("is in use by another mount", str(cm.exception))
+
+    def test_unflushed_for_another_backing_dir(self):
+        """A tier holding a checkpoint unflushed to BACKING_DIR A is refused
+        with BACKING_DIR B (B's mount would not flush it), then flushed by
+        A's."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy")
+        m.unmount()
+        self.mounts = []
+        other = Mount(os.path.join(self.dir, "backing2"), self.mnt, self.log,
+                      opts=f"tier={self.tier}")
+        self.mounts.append(other)
+        with self.assertRaises(RuntimeError) as cm:
+            other.start()
+        self.assertEqual(other.returncode, 2, str(cm.exception))
+        self.assertIn(f"not flushed yet to another BACKING_DIR, {self.backing} "
+                      "(checkpoint c)", str(cm.exception))
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "backing2")))
+        self.mounts = []
+        self.tier_mount()
+        self.wait_shared()
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
 
     def test_world_of_two(self):
         root = os.path.join(self.dir, "w")
