@@ -1148,7 +1148,7 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   ckpt_fdref_t ref;
   uint64_t pos;
   size_t len;
-  struct stat st, was;
+  struct stat st;
   if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
       ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
     return;
@@ -1163,14 +1163,14 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   struct ckpt_node_pt *p = NULL;
   pthread_mutex_lock(&fs->lock);
   if (n->cpt) {
-    /* the kernel takes one backing file per inode: this open shares it
-     * if it is still the data file (else, replaced on disk since, this
-     * open goes through the daemon) */
-    if (fstat(n->cpt->ref.fd, &was) == 0 && was.st_dev == st.st_dev &&
-        was.st_ino == st.st_ino) {
-      p = n->cpt;
-      p->opens++;
-    }
+    /* The kernel takes one backing file per inode, and fails (EIO) an
+     * open of another mode while the inode has one: this open shares it.
+     * The data file may be another one by now (a tier's copy flushed to
+     * BACKING_DIR and the tier's removed, a file replaced on disk): it was
+     * just verified, so both hold the checkpoint's bytes (a damaged one
+     * returned above). */
+    p = n->cpt;
+    p->opens++;
     pthread_mutex_unlock(&fs->lock);
     ckpt_fdref_put(&ref);
   } else if ((p = calloc(1, sizeof(*p))) != NULL &&

@@ -117,7 +117,7 @@ class Flush(TierCase):
     def test_commit_local_then_shared(self):
         """A sync commit returns with the checkpoint in the tier only; the
         flush then publishes the same bytes in BACKING_DIR."""
-        self.tier_mount("flush_rate=64M")  # ~1 s: the local state is seen
+        self.tier_mount("flush_rate=32M")  # 2 s: the local state is seen
         self.stage()
         commit(self.ck("c"))
         s = status(self.ck("c"))
@@ -130,7 +130,19 @@ class Flush(TierCase):
         self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
         # its only copy: not removed (the flush would publish it again)
         self.assertErrno(errno.EBUSY, os.unlink, self.ck("c", "weights"))
-        s = self.wait_shared()
+        # read from the tier meanwhile; a handle open across the flush
+        # reads on
+        fd = os.open(self.ck("c", "weights"), os.O_RDONLY)
+        try:
+            self.assertEqual(os.pread(fd, MiB, 0), self.data[:MiB])
+            self.assertIn("location local", status(self.ck("c")))
+            s = self.wait_shared()
+            self.assertEqual(os.pread(fd, SIZE - MiB, MiB), self.data[MiB:])
+            # a new open meanwhile (its inode has the tier's file as its
+            # passthrough backing) reads the same
+            self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        finally:
+            os.close(fd)
         fl = [ln for ln in s.splitlines() if ln.startswith("flush bytes")]
         self.assertEqual(len(fl), 1, s)
         done, _, total = fl[0].split()[2:5]
