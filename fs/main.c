@@ -116,8 +116,10 @@ static int backing_dev(const char *abs_backing, dev_t *dev) {
   }
   char *parent = strdup(abs_backing);
   char *slash = parent ? strrchr(parent, '/') : NULL;
-  if (slash)
-    slash == parent ? (void)(slash[1] = '\0') : (void)(*slash = '\0');
+  if (slash == parent)
+    slash[1] = '\0'; /* "/" */
+  else if (slash)
+    *slash = '\0';
   int rc = slash && stat(parent, &st) == 0 ? 0 : -1;
   free(parent);
   if (rc == 0)
