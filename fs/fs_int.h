@@ -493,6 +493,9 @@ struct ckpt_node_pt {
   int32_t id;             /* backing id */
   uint32_t opens;         /* handles using it */
   ckpt_fdref_t ref;       /* the data file, held */
+  struct stat was;        /* its fstat when verified and made the backing
+                             file: a later open shares it only if it is
+                             the open's data file or unchanged since */
 };
 
 /* Where a committed checkpoint is, for .status (ck->tier). */

@@ -1164,19 +1164,45 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   pthread_mutex_lock(&fs->lock);
   if (n->cpt) {
     /* The kernel takes one backing file per inode, and fails (EIO) an
-     * open of another mode while the inode has one: this open shares it.
-     * The data file may be another one by now (a tier's copy flushed to
-     * BACKING_DIR and the tier's removed, a file replaced on disk): it was
-     * just verified, so both hold the checkpoint's bytes (a damaged one
-     * returned above). */
-    p = n->cpt;
-    p->opens++;
-    pthread_mutex_unlock(&fs->lock);
+     * open of another mode while the inode has one: this open shares it
+     * if it is the data file just verified (same inode), or if it is
+     * unchanged since it was verified itself, when the backing file was
+     * made (the data file may be another one by now: a tier's copy
+     * flushed to BACKING_DIR and the tier's removed). Unchanged: same
+     * size, mtime and ctime; with a tier, a file unlinked since (the
+     * flush removes the tier's copy: that unlink is its ctime's change)
+     * needs the same size and mtime. Else (changed on disk since its own
+     * check) this open goes through the daemon, which the kernel fails
+     * with EIO. */
+    struct stat now;
+    const struct stat *was = &n->cpt->was;
+    bool same = fstat(n->cpt->ref.fd, &now) == 0 &&
+                now.st_dev == st.st_dev && now.st_ino == st.st_ino;
+    bool unchanged =
+        !same && fstat(n->cpt->ref.fd, &now) == 0 &&
+        now.st_dev == was->st_dev && now.st_ino == was->st_ino &&
+        now.st_size == was->st_size &&
+        now.st_mtim.tv_sec == was->st_mtim.tv_sec &&
+        now.st_mtim.tv_nsec == was->st_mtim.tv_nsec &&
+        ((now.st_ctim.tv_sec == was->st_ctim.tv_sec &&
+          now.st_ctim.tv_nsec == was->st_ctim.tv_nsec) ||
+         (fs->tier_fd >= 0 && now.st_nlink == 0 && was->st_nlink > 0));
+    if (same || unchanged) {
+      p = n->cpt;
+      p->opens++;
+      pthread_mutex_unlock(&fs->lock);
+    } else {
+      pthread_mutex_unlock(&fs->lock);
+      ckpt__log("%s: a data file changed on disk since an open handle's "
+                "passthrough backing file was checked: this open fails "
+                "(EIO) until those handles are closed", n->ck->name);
+    }
     ckpt_fdref_put(&ref);
   } else if ((p = calloc(1, sizeof(*p))) != NULL &&
              (p->id = fuse_passthrough_open(req, ref.fd)) > 0) {
     p->opens = 1;
     p->ref = ref;
+    p->was = st;
     n->cpt = p;
     pthread_mutex_unlock(&fs->lock);
   } else {
