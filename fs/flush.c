@@ -553,6 +553,23 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
   pthread_mutex_unlock(&fs->lock);
 }
 
+/* The tier's copy of j, flushed: removed if TIER/NAME is still j's save
+ * (a replace= commit may have put a newer one there meanwhile, which is
+ * not flushed yet), checked and removed under fs->tier_publish so that no
+ * commit publishes in between. */
+static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  pthread_mutex_lock(&fs->tier_publish);
+  save_id_at(fs->tier_fd, j->name, id);
+  bool ours = !strcmp(id, j->save_id);
+  if (ours)
+    ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
+  pthread_mutex_unlock(&fs->tier_publish);
+  if (!ours)
+    ckpt__log("tier: %s: flushed; the tier holds a newer save of it now "
+              "(%s), kept", j->name, id[0] ? id : "none");
+}
+
 /* Step 4 begins: the record says so (fsynced), so that the next mount
  * tells a save published and then removed by a user (no
  * BACKING_DIR/.saves/SAVE_ID left: the publish renamed it) from one that
@@ -617,7 +634,7 @@ static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
     ckpt_failpoint("flush_published");
     ckpt__flush_unrecord(fs, j->save_id);
     rebind_to_shared(fs, j);
-    ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
+    remove_tier_copy(fs, j);
   }
   ckpt__staging_tidy(fs->backing_fd); /* its copies' directory */
   ckpt_metadata_free(&m);

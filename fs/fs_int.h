@@ -688,6 +688,11 @@ struct ckpt_fs {
   int commit_fd;
   const char *commit_path;
   struct ckpt_flush *flush; /* -o tier: the flush thread (flush.c) */
+  pthread_mutex_t tier_publish; /* -o tier: held by a commit's publish in
+                                   the tier and by the flush while it checks
+                                   and removes the tier's copy, so that it
+                                   removes only the save it flushed; taken
+                                   before fs->lock, never inside it */
   ckpt_dist_t *dist;
   int rank;
   int world_size;

@@ -533,6 +533,7 @@ void ckpt__scan_put(ckpt_scan_t *sc) {
 int ckpt__fs_init(ckpt_fs_t *fs) {
   pthread_mutex_init(&fs->lock, NULL);
   pthread_mutex_init(&fs->scan_lock, NULL);
+  pthread_mutex_init(&fs->tier_publish, NULL);
   fs->hash_size = 1024;
   fs->ino_hash = calloc(fs->hash_size, sizeof(*fs->ino_hash));
   fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
@@ -597,6 +598,7 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
   fs->refused = NULL;
   fs->nrefused = 0;
   pthread_mutex_destroy(&fs->scan_lock);
+  pthread_mutex_destroy(&fs->tier_publish);
   ckpt__staging_destroy(&fs->staging);
   pthread_mutex_destroy(&fs->lock);
 }

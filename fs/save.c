@@ -1052,7 +1052,11 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
                         .save_id = s->gp.meta.save_id,
                         .name = job->name,
                         .replace = s->replace};
+    if (fs->tier_fd >= 0)
+      pthread_mutex_lock(&fs->tier_publish);
     rc = ckpt__publish_save(fs, &p, err);
+    if (fs->tier_fd >= 0)
+      pthread_mutex_unlock(&fs->tier_publish);
     if (rc && fs->tier_fd >= 0)
       ckpt__flush_unrecord(fs, s->gp.meta.save_id);
   }

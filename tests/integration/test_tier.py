@@ -100,13 +100,14 @@ class TierCase(CkptfsTestCase):
         r = subprocess.run([exe, self.backing], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"ckptfs-fsck: {r.stdout}{r.stderr}")
 
-    def read_without_tier(self, name="c"):
+    def read_without_tier(self, name="c", data=None):
         """A mount without the tier reads the flushed checkpoint bit-exact."""
         for m in self.mounts:
             m.stop()
         self.mounts = []
         self.mount()
-        self.assertEqual(read_all(self.ck(name, "weights")), self.data)
+        self.assertEqual(read_all(self.ck(name, "weights")),
+                         self.data if data is None else data)
 
     def records(self):
         d = os.path.join(self.tier, ".flush")
@@ -208,6 +209,58 @@ class Flush(TierCase):
         self.assertFalse(os.path.exists(self.bk("c")))
         self.assertEqual(len(self.records()), 1)
         self.assertTrue(os.path.exists(os.path.join(self.tier, "c", ".metadata")))
+
+
+class Replace(TierCase):
+    def test_replace_racing_flushes(self):
+        """replace= commits of one name, each landing while the flush of
+        the one before is publishing it in BACKING_DIR (its data copied):
+        the flush must not remove the newer commit from the tier. Every
+        sync-committed version reads back at once; the newest is what the
+        mount and BACKING_DIR hold once the flushes are done."""
+        self.tier_mount("flush_rate=8M")  # 1 MiB: 125 ms of copy
+        size, versions, prev = MiB, [], None
+        for i in range(24):
+            data = os.urandom(size)
+            write_file(self.ck("w", "weights"), data)
+            if prev is not None:
+                # the flush of the one before has copied its data: the
+                # metadata, the mark and the publish follow
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    s = status(self.ck("latest"))
+                    fl = [ln.split() for ln in s.splitlines()
+                          if ln.startswith("flush bytes")]
+                    if "location shared" in s or (fl and fl[0][2] == fl[0][4]
+                                                  and fl[0][2] != "0"):
+                        break
+                    time.sleep(0.001)
+                time.sleep((i % 8) * 0.003)
+            commit(self.ck("w"), "sync replace=latest")
+            versions.append(data)
+            prev = data
+            # the flush before is done (or superseded): this version is
+            # still in the tier or flushed, readable
+            deadline = time.monotonic() + 30
+            while len(self.records()) > 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            s = status(self.ck("latest"))
+            self.assertNotIn("flush failed", s, f"version {i}\n{self.daemon_log()}")
+            self.assertTrue("location shared" in s or os.path.exists(
+                os.path.join(self.tier, "latest", ".metadata")),
+                f"version {i} gone from the tier, not flushed\n{self.daemon_log()}")
+            self.assertEqual(read_all(self.ck("latest", "weights")), data, f"version {i}")
+        deadline = time.monotonic() + 60
+        while self.records() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.records(), [], self.daemon_log())
+        self.assertIn("location shared", status(self.ck("latest")))
+        self.assertEqual(read_all(self.ck("latest", "weights")), versions[-1])
+        self.assertNotIn("flush failed", status(self.ck("latest")))
+        met = self.daemon_log().count("a newer save of it now")
+        print(f"\n  {met} flush(es) of 23 met a newer commit", file=sys.stderr)
+        self.read_without_tier("latest", versions[-1])
+        self.fsck_clean()
 
 
 class Crash(TierCase):
