@@ -214,7 +214,17 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
     else if (strcmp(tier_id, id))
       why = "its save was never published in the tier";
     else if (j.publishing && !saves_dir_exists(fs->backing_fd, id))
-      why = "published in BACKING_DIR, and removed there since";
+      /* Published and removed there since, or removed by another
+       * mount's cleanup of unfinished saves before the publish: the two
+       * cannot be told apart, and the tier's copy may be the only one.
+       * Kept: the flush copies it again and publishes it without
+       * replacing anything (flush_one). */
+      ckpt__log("tier: flush record %s (%s): marked publishing, but "
+                "neither %s/%s nor %s/%s/%s is this save (published and "
+                "removed there since, or removed by another mount before "
+                "the publish): kept, flushed again without replacing",
+                id, j.name, fs->backing_path, j.name, fs->backing_path,
+                CKPT_SAVES_DIR, id);
   }
   if (!why)
     return; /* resumed by the thread */
@@ -609,6 +619,17 @@ static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
     rc = -ESTALE;
   if (rc == 0)
     rc = ckpt_metadb_load_at(src, j->name, &m, err);
+  /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
+   * since (recover_record): published again without replacing anything,
+   * so that nothing committed since is replaced by it. */
+  bool replace = j->replace;
+  flush_job_t rec;
+  int rdfd = rc == 0 && replace ? open_records(fs, false) : -1;
+  if (rdfd >= 0 && read_record(rdfd, j->save_id, &rec) == 0 &&
+      rec.publishing && !saves_dir_exists(fs->backing_fd, j->save_id))
+    replace = false;
+  if (rdfd >= 0)
+    close(rdfd);
   if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->backing_fd, j->save_id,
                                                 true, &held)))
     *err = ckpt__strdup_printf("creating %s/%s/%s: %s", fs->backing_path,
@@ -620,13 +641,15 @@ static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
                                fs->backing_path, strerror(-rc));
   if (rc == 0)
     rc = mark_publishing(fs, j, err);
+  if (rc == 0)
+    ckpt_failpoint("flush_marked");
   if (rc == 0) {
     ckpt_publish_t p = {.root_fd = fs->backing_fd,
                         .root_path = fs->backing_path,
                         .held_fd = held,
                         .save_id = j->save_id,
                         .name = j->name,
-                        .replace = j->replace,
+                        .replace = replace,
                         .flush = true};
     rc = ckpt__publish_save(fs, &p, err);
   }

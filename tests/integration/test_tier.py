@@ -333,10 +333,40 @@ class Crash(TierCase):
         self.fsck_clean()
 
 
-    def test_removed_after_publish_not_resurrected(self):
+    def test_killed_before_publish_other_mount_cleans(self):
+        """Killed once marked 'publishing', before the publish; then a
+        mount without the tier on the same BACKING_DIR removes the
+        unfinished BACKING_DIR/.saves/ID (its cleanup): the tier's copy is
+        the only one, and the next mount with the tier publishes it."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_marked"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_marked")
+        m.unmount()
+        self.assertEqual(len(self.records()), 1)
+        save_id = self.records()[0]
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.mounts = []
+        other = self.mount()  # without the tier: its cleanup runs
+        self.assertEqual(os.listdir(self.mnt), [])
+        other.stop()
+        self.assertFalse(os.path.exists(self.bk(".saves", save_id)))
+        self.mounts = []
+        self.tier_mount()
+        s = self.wait_shared()
+        self.assertNotIn("flush failed", s)
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.read_without_tier()
+        self.fsck_clean()
+
+    def test_removed_after_publish_comes_back(self):
         """Killed once published, before the record went; then a mount
-        without the tier removes the checkpoint: the next mount with the
-        tier does not publish it again."""
+        without the tier removes the checkpoint. The next mount with the
+        tier cannot tell that from a cleanup that removed the unpublished
+        copy (above): it keeps the tier's copy and publishes it again
+        (docs/tiers.md), without replacing anything."""
         m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
         self.stage()
         commit_before_kill(self.ck("c"))
@@ -350,12 +380,13 @@ class Crash(TierCase):
         self.assertFalse(os.path.exists(self.bk("c")))
         self.mounts = []
         self.tier_mount()
-        self.assertIn("removed there since", cu.wait_log(self.log, "removed there since"))
-        self.assertEqual(os.listdir(self.mnt), [])
+        self.assertIn("flushed again without replacing",
+                      cu.wait_log(self.log, "flushed again without replacing"))
+        self.wait_shared()
         self.assertEqual(self.records(), [])
         self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
-        time.sleep(0.5)  # no flush left to publish it
-        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.fsck_clean()
 
 
 class Refused(TierCase):
