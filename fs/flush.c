@@ -153,15 +153,24 @@ static int read_record(int dfd, const char *save_id, flush_job_t *j) {
   return 0;
 }
 
-/* The save ID of root/name, or "" when it has none. */
-static void save_id_at(int root_fd, const char *name,
-                       char out[CKPT_SAVE_ID_LEN + 1]) {
+/* The save ID of root/name: 0, -ENOENT (no such checkpoint or no
+ * .metadata: out ""), or another -errno (out "": unknown). */
+static int save_id_of(int root_fd, const char *name,
+                      char out[CKPT_SAVE_ID_LEN + 1]) {
   out[0] = '\0';
   int dfd = ckpt_store_open_dir(root_fd, name, O_RDONLY);
-  if (dfd >= 0 && ckpt_store_save_id(dfd, out))
+  int rc = dfd < 0 ? dfd : ckpt_store_save_id(dfd, out);
+  if (rc)
     out[0] = '\0';
   if (dfd >= 0)
     close(dfd);
+  return rc;
+}
+
+/* The save ID of root/name, or "" when it has none or it is unknown. */
+static void save_id_at(int root_fd, const char *name,
+                       char out[CKPT_SAVE_ID_LEN + 1]) {
+  (void)save_id_of(root_fd, name, out);
 }
 
 /* Call fn for each record of the tier. */
@@ -204,13 +213,21 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
   flush_job_t j;
   char tier_id[CKPT_SAVE_ID_LEN + 1], shared_id[CKPT_SAVE_ID_LEN + 1];
   const char *why = NULL;
-  if (read_record(dfd, id, &j)) {
+  int rc = read_record(dfd, id, &j), trc = 0;
+  if (rc == -EINVAL) {
     why = "torn or malformed (its save was never published)";
+  } else if (rc) {
+    /* EMFILE, EIO...: proves nothing; kept for the next mount */
+    ckpt__log("tier: flush record %s unreadable (%s): kept", id,
+              strerror(-rc));
   } else {
-    save_id_at(fs->tier_fd, j.name, tier_id);
+    trc = save_id_of(fs->tier_fd, j.name, tier_id);
     save_id_at(fs->backing_fd, j.name, shared_id);
     if (!strcmp(shared_id, id))
       why = "flushed already";
+    else if (trc && trc != -ENOENT)
+      ckpt__log("tier: flush record %s: %s/%s unreadable (%s): kept", id,
+                fs->tier_path, j.name, strerror(-trc));
     else if (strcmp(tier_id, id))
       why = "its save was never published in the tier";
     else if (j.publishing && !saves_dir_exists(fs->backing_fd, id))
@@ -274,19 +291,36 @@ static bool has_record(ckpt_fs_t *fs, const char *save_id) {
   return has;
 }
 
+/* Is there positively no record of save_id (not: one unknown)? */
+static bool no_record(int dfd, const char *save_id) {
+  struct stat st;
+  if (dfd == -ENOENT) /* no .flush: no records */
+    return true;
+  return dfd >= 0 && fstatat(dfd, save_id, &st, AT_SYMLINK_NOFOLLOW) &&
+         errno == ENOENT;
+}
+
 void ckpt__flush_recover(ckpt_fs_t *fs) {
   each_record(fs, recover_record, NULL);
   char **names;
   size_t n;
-  if (ckpt__catalog_names(fs->tier_fd, &names, &n))
+  int dfd = open_records(fs, false);
+  if (dfd < 0 && dfd != -ENOENT) {
+    ckpt__log("tier: cannot open %s/%s (%s): no tier checkpoint removed",
+              fs->tier_path, CKPT_FLUSH_DIR, strerror(-dfd));
     return;
+  }
+  if (ckpt__catalog_names(fs->tier_fd, &names, &n)) {
+    if (dfd >= 0)
+      close(dfd);
+    return;
+  }
   for (size_t i = 0; i < n; i++) {
     char id[CKPT_SAVE_ID_LEN + 1];
     if (!ckpt_store_committed(fs->tier_fd, names[i], NULL))
       continue; /* unfinished: ckpt_store_cleanup's */
-    save_id_at(fs->tier_fd, names[i], id);
-    if (has_record(fs, id))
-      continue;
+    if (save_id_of(fs->tier_fd, names[i], id) || !no_record(dfd, id))
+      continue; /* unknown: kept */
     /* Flushed (its copy is BACKING_DIR's now) or removed there by a
      * user: either way not to be published again. */
     ckpt__log("tier: removing %s (flushed, or removed from %s)", names[i],
@@ -294,6 +328,8 @@ void ckpt__flush_recover(ckpt_fs_t *fs) {
     ckpt__checkpoint_remove(fs->tier_fd, names[i], false);
   }
   ckpt__catalog_names_free(names, n);
+  if (dfd >= 0)
+    close(dfd);
 }
 
 /* ------------------------------------------------------------------------
@@ -348,6 +384,14 @@ static ckpt_ckpt_t *tree_ckpt(ckpt_fs_t *fs, const char *name,
              : NULL;
 }
 
+/* Is the mount stopping the flush? */
+static bool stopping(ckpt_flush_t *f) {
+  pthread_mutex_lock(&f->lock);
+  bool stop = f->stop;
+  pthread_mutex_unlock(&f->lock);
+  return stop;
+}
+
 /* Set the .status reason of the flush of j (NULL: none). */
 static void set_why(ckpt_fs_t *fs, const flush_job_t *j, char *why) {
   pthread_mutex_lock(&fs->lock);
@@ -373,9 +417,11 @@ static void count_done(ckpt_fs_t *fs, const flush_job_t *j, uint64_t n) {
 /* Does every chunk and blob of m stored in data file (rank, k) have its
  * checksum in fd? 0, -EBADMSG (logged: the tier's copy is damaged, which
  * no retry mends) or -errno. */
-static int verify_copy(const ckpt_metadata_t *m, int32_t rank, uint32_t k,
-                       int fd, const char *what) {
+static int verify_copy(ckpt_flush_t *f, const ckpt_metadata_t *m,
+                       int32_t rank, uint32_t k, int fd, const char *what) {
   for (uint32_t i = 0; i < m->n_chunks + m->n_blobs; i++) {
+    if (stopping(f))
+      return -ECANCELED; /* unmount: the record resumes it */
     bool chunk = i < m->n_chunks;
     const ckpt_chunk_meta_t *c = chunk ? &m->chunks[i] : NULL;
     const ckpt_blob_meta_t *b = chunk ? NULL : &m->blobs[i - m->n_chunks];
@@ -460,7 +506,7 @@ static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
   char what[600];
   snprintf(what, sizeof(what), "%s/%s", j->name, name);
   if (rc == 0)
-    rc = verify_copy(m, rank, k, out, what);
+    rc = verify_copy(f, m, rank, k, out, what);
   if (rc == 0)
     rc = link_tmpfile(out, held, name);
   if (out >= 0)
@@ -670,7 +716,39 @@ static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
 
 /* A store that is full, failing or read-only may come back. */
 static bool transient(int rc) {
-  return rc == -ENOSPC || rc == -EIO || rc == -EROFS || rc == -EDQUOT;
+  return rc == -ENOSPC || rc == -EIO || rc == -EROFS || rc == -EDQUOT ||
+         rc == -ETIMEDOUT || rc == -ESTALE || rc == -ENOTCONN ||
+         rc == -EHOSTDOWN || rc == -ESHUTDOWN || rc == -EAGAIN ||
+         rc == -EINTR || rc == -ENOMEM || rc == -EMFILE || rc == -ENFILE;
+}
+
+/* Is TIER/NAME known to be another save than j's, or gone (a replace=
+ * commit put a newer one in its place, which has its own flush)? Then
+ * j's record goes, and its partial copy in BACKING_DIR/.saves/ID: it is
+ * never to be published. An error that proves nothing (EMFILE, EIO) is
+ * not that. */
+static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  pthread_mutex_lock(&fs->tier_publish);
+  int dfd = ckpt_store_open_dir(fs->tier_fd, j->name, O_RDONLY);
+  bool other = dfd == -ENOENT ||
+               (dfd >= 0 && ckpt_store_save_id(dfd, id) == 0 &&
+                strcmp(id, j->save_id));
+  if (dfd >= 0)
+    close(dfd);
+  if (other)
+    ckpt__flush_unrecord(fs, j->save_id);
+  pthread_mutex_unlock(&fs->tier_publish);
+  if (!other)
+    return false;
+  char shared[CKPT_SAVE_ID_LEN + 1];
+  save_id_at(fs->backing_fd, j->name, shared);
+  if (strcmp(shared, j->save_id))
+    ckpt_store_save_dir_remove(fs->backing_fd, j->save_id);
+  ckpt__log("tier: %s: save %s superseded in the tier (by a replace=): not "
+            "flushed, its record and partial copy removed", j->name,
+            j->save_id);
+  return true;
 }
 
 /* Flush j until done, stopped or failed for good. */
@@ -688,6 +766,10 @@ static void run_job(ckpt_flush_t *f, const flush_job_t *j) {
       return;
     }
     if (rc == -ECANCELED) { /* unmount: the record resumes it */
+      free(err);
+      return;
+    }
+    if (superseded(fs, j)) {
       free(err);
       return;
     }

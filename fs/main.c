@@ -143,6 +143,11 @@ static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
             "without tier= or with one rank\n", dir, fs->world_size);
     return -1;
   }
+  if (abs_backing && strchr(abs_backing, '\n')) {
+    fprintf(stderr, "ckptfs: tier=%s: BACKING_DIR's path has a newline, "
+            "which the tier's flush records cannot hold\n", dir);
+    return -1;
+  }
   if (stat(dir, &st)) {
     fprintf(stderr, "ckptfs: tier=%s: %s (the tier directory must exist)\n",
             dir, strerror(errno));
@@ -170,8 +175,12 @@ static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
   }
   /* One mount per tier (held while it runs, let go at a crash): another
    * one's flush records are not this one's to resume or drop. */
-  if (flock(fs->tier_fd, LOCK_EX | LOCK_NB) && errno == EWOULDBLOCK) {
-    fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n", dir);
+  if (flock(fs->tier_fd, LOCK_EX | LOCK_NB)) {
+    if (errno == EWOULDBLOCK)
+      fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n", dir);
+    else
+      fprintf(stderr, "ckptfs: tier=%s: cannot lock it: %s\n", dir,
+              strerror(errno));
     return -1;
   }
   char *real = abs_backing ? realpath(abs_backing, NULL) : NULL;

@@ -109,6 +109,14 @@ class TierCase(CkptfsTestCase):
         self.assertEqual(read_all(self.ck(name, "weights")),
                          self.data if data is None else data)
 
+    def wait_tier_gone(self, name="c", timeout=10):
+        """The tier's copy goes right after `location shared`."""
+        deadline = time.monotonic() + timeout
+        while os.path.exists(os.path.join(self.tier, name)):
+            if time.monotonic() > deadline:
+                self.fail(f"tier copy of {name} kept\n{self.daemon_log()}")
+            time.sleep(0.02)
+
     def records(self):
         d = os.path.join(self.tier, ".flush")
         return sorted(os.listdir(d)) if os.path.isdir(d) else []
@@ -356,7 +364,7 @@ class Crash(TierCase):
         s = self.wait_shared()
         self.assertNotIn("flush failed", s)
         self.assertEqual(self.records(), [])
-        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.wait_tier_gone()
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.read_without_tier()
         self.fsck_clean()
@@ -384,7 +392,7 @@ class Crash(TierCase):
                       cu.wait_log(self.log, "flushed again without replacing"))
         self.wait_shared()
         self.assertEqual(self.records(), [])
-        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.wait_tier_gone()
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.fsck_clean()
 
