@@ -433,8 +433,9 @@ static int verify_copy(ckpt_flush_t *f, const ckpt_metadata_t *m,
     if (rc == 0 && got != want)
       rc = -EBADMSG;
     if (rc) {
-      ckpt__log("tier: the copy of %s is not what was committed (%s): not "
-                "published", what, strerror(-rc));
+      if (what) /* NULL: a file of an earlier run, quietly copied again */
+        ckpt__log("tier: the copy of %s is not what was committed (%s): "
+                  "not published", what, strerror(-rc));
       return rc;
     }
   }
@@ -466,14 +467,33 @@ static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
   return rc;
 }
 
-/* Link the O_TMPFILE fd as dirfd/name. */
+/* Link the O_TMPFILE fd as dirfd/name. A file already there is not a
+ * complete copy (copy_file checked it): replaced. */
 static int link_tmpfile(int fd, int dirfd, const char *name) {
   char from[64];
   snprintf(from, sizeof(from), "/proc/self/fd/%d", fd);
-  return linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) &&
-                 errno != EEXIST
-             ? -errno
-             : 0; /* EEXIST: complete already (only whole copies link) */
+  if (linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) == 0)
+    return 0;
+  if (errno != EEXIST || unlinkat(dirfd, name, 0))
+    return -errno;
+  return linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) ? -errno
+                                                                 : 0;
+}
+
+/* Is held/name, of an earlier run, a complete and verified copy of data
+ * file (rank, k) of size bytes? */
+static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
+                           int held, const char *name, int32_t rank,
+                           uint32_t k, off_t size) {
+  struct stat have;
+  if (fstatat(held, name, &have, AT_SYMLINK_NOFOLLOW) ||
+      !S_ISREG(have.st_mode) || have.st_size != size)
+    return false;
+  int fd = openat(held, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  bool ok = fd >= 0 && verify_copy(f, m, rank, k, fd, NULL) == 0;
+  if (fd >= 0)
+    close(fd);
+  return ok;
 }
 
 /* Copy data file name (rank, k) of the tier's src into held, verified. */
@@ -481,13 +501,13 @@ static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
                      const ckpt_metadata_t *m, int src, int held,
                      const char *name, int32_t rank, uint32_t k) {
   ckpt_fs_t *fs = f->fs;
-  struct stat st, have;
+  struct stat st;
   int in = ckpt_store_open_file(src, name);
   if (in < 0)
     return in;
   int rc = fstat(in, &st) ? -errno : 0;
-  if (rc == 0 && fstatat(held, name, &have, AT_SYMLINK_NOFOLLOW) == 0 &&
-      S_ISREG(have.st_mode) && have.st_size == st.st_size) {
+  if (rc == 0 &&
+      copied_already(f, m, held, name, rank, k, st.st_size)) {
     count_done(fs, j, (uint64_t)st.st_size); /* linked by an earlier run */
     close(in);
     return 0;

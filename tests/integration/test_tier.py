@@ -296,6 +296,37 @@ class Crash(TierCase):
         self.read_without_tier()
         self.fsck_clean()
 
+    def test_resumed_copy_checks_linked_files(self):
+        """Killed while copying the last data file: one linked in
+        BACKING_DIR/.saves/ID by the killed run is damaged there (same
+        size) before the next mount: the resumed flush checks it, copies
+        it again, and publishes the committed bytes."""
+        # six data files (two of the staged files', four empty): killed
+        # at the last one's copy, the others linked
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy:6"})
+        os.mkdir(self.ck("c"))
+        write_file(self.ck("c", "weights"), self.data)
+        write_file(self.ck("c", "other"), self.data[::-1])
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy:6")
+        m.unmount()
+        save_id = self.records()[0]
+        linked = [p for p in glob.glob(self.bk(".saves", save_id, "__*.distcp"))
+                  if os.path.getsize(p) > 0]
+        tier = {os.path.basename(p): os.path.getsize(p)
+                for p in glob.glob(os.path.join(self.tier, "c", "__*.distcp"))}
+        self.assertTrue(linked, f"none linked; tier {tier}")
+        with open(linked[0], "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 0xFF]))
+        self.mounts = []
+        self.tier_mount()
+        self.wait_shared()
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.assertEqual(read_all(self.ck("c", "other")), self.data[::-1])
+        self.fsck_clean()
+
     def test_killed_after_publish(self):
         """Killed once published in BACKING_DIR, before the record went:
         the next mount drops the record, publishes nothing twice."""
