@@ -641,9 +641,18 @@ static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
   if (ours)
     ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
   pthread_mutex_unlock(&fs->tier_publish);
-  if (!ours)
+  if (!ours) {
     ckpt__log("tier: %s: flushed; the tier holds a newer save of it now "
               "(%s), kept", j->name, id[0] ? id : "none");
+    return;
+  }
+  /* A lookup that saw the tier's copy before it went says nothing against
+   * BACKING_DIR's (still_stored ignores presences older than load_gen). */
+  pthread_mutex_lock(&fs->lock);
+  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
+  if (ck)
+    ck->load_gen = atomic_fetch_add(&fs->load_gen, 1) + 1;
+  pthread_mutex_unlock(&fs->lock);
 }
 
 /* Step 4 begins: the record says so (fsynced), so that the next mount

@@ -419,9 +419,10 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
  * system call under it). */
 typedef ckpt_presence_t presence_t;
 
-static presence_t presence(ckpt_fs_t *fs, const char *name) {
-  presence_t p = {.gen = atomic_load(&fs->load_gen)};
-  int root = ckpt__root_of(fs, name); /* a tier's copy, while there */
+static presence_t presence_at(ckpt_fs_t *fs, int root, const char *name,
+                              uint64_t gen) {
+  (void)fs;
+  presence_t p = {.gen = gen};
   ckpt_entry_t e = ckpt_store_entry(root, name, &p.dir);
   p.not_dir = e == CKPT_ENTRY_OTHER;
   p.committed = e == CKPT_ENTRY_COMMITTED;
@@ -447,6 +448,16 @@ static presence_t presence(ckpt_fs_t *fs, const char *name) {
   p.id_unknown = rc != 0 && rc != -ENOENT && rc != -EIO;
   if (rc)
     p.save_id[0] = '\0';
+  return p;
+}
+
+static presence_t presence(ckpt_fs_t *fs, const char *name) {
+  uint64_t gen = atomic_load(&fs->load_gen);
+  int root = ckpt__root_of(fs, name); /* a tier's copy, while there */
+  presence_t p = presence_at(fs, root, name, gen);
+  /* The tier's copy removed meanwhile (flushed): BACKING_DIR's */
+  if (!p.committed && root != fs->backing_fd)
+    p = presence_at(fs, fs->backing_fd, name, gen);
   return p;
 }
 
