@@ -667,9 +667,11 @@ static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
   flush_job_t now;
   if (rc == 0 && (rc = read_record(dfd, j->save_id, &now)) == 0 &&
-      !now.publishing &&
-      write(fd, PUBLISHING, strlen(PUBLISHING)) != (ssize_t)strlen(PUBLISHING))
-    rc = errno ? -errno : -EIO;
+      !now.publishing) {
+    ssize_t w = write(fd, PUBLISHING, strlen(PUBLISHING));
+    if (w != (ssize_t)strlen(PUBLISHING))
+      rc = w < 0 ? -errno : -ENOSPC; /* short: the tier is full */
+  }
   if (rc == 0 && fsync(fd))
     rc = -errno;
   if (fd >= 0)

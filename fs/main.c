@@ -546,6 +546,9 @@ int main(int argc, char **argv) {
   snprintf(max_read, sizeof(max_read), "-omax_read=%u",
            (unsigned)CKPT_MAX_READ);
   char *abs_backing = absolute_backing(fs.opts.backing_dir);
+  if (!fs.opts.tier_dir && fs.opts.flush_rate)
+    fprintf(stderr, "ckptfs: flush_rate= without tier=: nothing is flushed, "
+            "the option has no effect\n");
   if (fs.opts.tier_dir && open_tier(&fs, abs_backing)) {
     free(abs_backing);
     status = EXIT_USAGE;
