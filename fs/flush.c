@@ -821,6 +821,8 @@ static void run_job(ckpt_flush_t *f, const flush_job_t *j) {
     ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
     if (ck) /* counted again from the start */
       atomic_store(&ck->tier.done, 0);
+    if (ck && !again) /* not retried by this mount: may be removed */
+      atomic_store(&ck->tier.failed, true);
     pthread_mutex_unlock(&fs->lock);
     if (!again || !sleep_until(f, ckpt__mono_now() + backoff))
       return;
@@ -930,6 +932,23 @@ void ckpt__flush_stop(ckpt_flush_t *f) {
   pthread_cond_destroy(&f->cond);
   pthread_mutex_destroy(&f->lock);
   free(f);
+}
+
+int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  pthread_mutex_lock(&fs->tier_publish);
+  int rc = save_id_of(fs->tier_fd, name, id);
+  if (rc == 0 && strcmp(id, save_id))
+    rc = -ESTALE; /* another save of the name now: not ours to remove */
+  if (rc == 0)
+    rc = ckpt__checkpoint_remove(fs->tier_fd, name, false);
+  if (rc == 0 || rc == -ENOENT || rc == -ESTALE)
+    ckpt__flush_unrecord(fs, save_id);
+  pthread_mutex_unlock(&fs->tier_publish);
+  if (rc == 0)
+    ckpt__log("tier: %s: removed from the tier, its flush failed: never "
+              "published", name);
+  return rc == -ENOENT || rc == -ESTALE ? 0 : rc;
 }
 
 bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id) {

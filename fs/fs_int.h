@@ -504,6 +504,8 @@ typedef struct ckpt_tier_state {
   _Atomic bool flushed;        /* in BACKING_DIR (flushed, or loaded from
                                   there) */
   _Atomic uint64_t done, total; /* bytes of its data files copied */
+  _Atomic bool failed;         /* its flush failed for good in this mount:
+                                  it may be removed (from the tier only) */
   char *why;                   /* "flush waiting: ..." or "flush failed:
                                   ...", or NULL; fs->lock */
 } ckpt_tier_state_t;
@@ -691,8 +693,9 @@ struct ckpt_fs {
   pthread_mutex_t tier_publish; /* -o tier: held by a commit's publish in
                                    the tier and by the flush while it checks
                                    and removes the tier's copy, so that it
-                                   removes only the save it flushed; taken
-                                   before fs->lock, never inside it */
+                                   removes only the save it flushed; after
+                                   fs->lock when both are held (no
+                                   fs->lock taken while it is held) */
   ckpt_dist_t *dist;
   int rank;
   int world_size;
@@ -760,6 +763,10 @@ void ckpt__flush_stop(ckpt_flush_t *f);
 /* Does a flush record name save_id (its checkpoint is in the tier
  * only)? false without a tier. */
 bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
+/* Remove tier checkpoint name whose flush failed for good, if it is
+ * still save_id, and its record: it is never published. fs->lock may be
+ * held. 0 or -errno. */
+int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id);
 /* The bytes of the data files in checkpoint directory dirfd. */
 uint64_t ckpt__flush_bytes(int dirfd);
 

@@ -1353,8 +1353,17 @@ static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
     return 0;
   if (ck->state != CKPT_COMMITTED || !ck->has_stored)
     return -EROFS;
-  if (unflushed(ck))
+  if (unflushed(ck) && !atomic_load(&ck->tier.failed))
     return -EBUSY;
+  if (unflushed(ck)) {
+    /* Its flush failed for good: in the tier only, for this mount only
+     * (rmdir NAME removes it and its record; BACKING_DIR's NAME, if any,
+     * is another save's and stays). */
+    ckpt__log("%s: removed as a whole (its flush to BACKING_DIR failed: "
+              "from the tier only)", ck->name);
+    ck->removing = true;
+    return 0;
+  }
   int rc = ckpt_store_unpublish(fs->backing_fd, &ck->stored);
   if (rc == -ESTALE) {
     /* Replaced by another checkpoint of the name, or being removed by
@@ -1520,7 +1529,9 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
   if (ck->state == CKPT_COMMITTED) {
     /* Only the checkpoint this mount shows: start_removal found out. */
     int rc = start_removal(fs, ck);
-    if (rc == 0 && !ck->gone)
+    if (rc == 0 && unflushed(ck))
+      rc = ckpt__flush_drop(fs, ck->name, ck->stored.save_id);
+    else if (rc == 0 && !ck->gone)
       rc = ckpt__storage_remove(fs, ck->name);
     if (rc)
       return rc;

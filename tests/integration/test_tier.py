@@ -217,6 +217,19 @@ class Flush(TierCase):
         self.assertFalse(os.path.exists(self.bk("c")))
         self.assertEqual(len(self.records()), 1)
         self.assertTrue(os.path.exists(os.path.join(self.tier, "c", ".metadata")))
+        # failed for good: removed by hand through the mount, for good
+        shutil.rmtree(self.ck("c"))
+        self.assertFalse(os.path.exists(self.ck("c")))
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.assertFalse(os.path.exists(self.bk("c")))
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.tier_mount()
+        self.assertEqual(os.listdir(self.mnt), [])
+        time.sleep(0.3)  # no flush left to publish it
+        self.assertFalse(os.path.exists(self.bk("c")))
 
 
 class Replace(TierCase):
