@@ -91,6 +91,9 @@ typedef struct {
                                  NULL */
   char *metrics_file;         /* owned, -o metrics=FILE (%r not replaced),
                                  or NULL */
+  char *tier_dir;             /* owned, -o tier=DIR, or NULL */
+  uint64_t flush_rate;        /* bytes/s of the flush to BACKING_DIR; 0:
+                                 unlimited */
 } ckpt_opts_t;
 
 /* Parse the command line. Our options are removed from args; what stays is
@@ -490,7 +493,22 @@ struct ckpt_node_pt {
   int32_t id;             /* backing id */
   uint32_t opens;         /* handles using it */
   ckpt_fdref_t ref;       /* the data file, held */
+  struct stat was;        /* its fstat when verified and made the backing
+                             file: a later open shares it only if it is
+                             the open's data file or unchanged since */
 };
+
+/* Where a committed checkpoint is, for .status (ck->tier). */
+typedef struct ckpt_tier_state {
+  bool tiered;                 /* the mount has a tier: .status says where */
+  _Atomic bool flushed;        /* in BACKING_DIR (flushed, or loaded from
+                                  there) */
+  _Atomic uint64_t done, total; /* bytes of its data files copied */
+  _Atomic bool failed;         /* its flush failed for good in this mount:
+                                  it may be removed (from the tier only) */
+  char *why;                   /* "flush waiting: ..." or "flush failed:
+                                  ...", or NULL; fs->lock */
+} ckpt_tier_state_t;
 
 struct ckpt_ckpt {
   char name[256];
@@ -537,6 +555,7 @@ struct ckpt_ckpt {
    * that belong to no single staged entry (.metadata, the views): what
    * every staged file and the checkpoint directory allowed */
   mode_t shared_fmode, shared_dmode;
+  ckpt_tier_state_t tier;  /* COMMITTED with -o tier: its flush */
 };
 
 /* The files staged in ck and their bytes. fs->lock held (ops.c). */
@@ -666,6 +685,19 @@ struct ckpt_fs {
   ckpt_opts_t opts;
   int backing_fd;          /* BACKING_DIR, O_DIRECTORY */
   char *backing_path;      /* absolute */
+  int tier_fd;             /* -o tier=DIR, O_DIRECTORY, or -1 */
+  char *tier_path;         /* absolute, or NULL */
+  /* Where commits and staging go: the tier when there is one, else
+   * BACKING_DIR (the same descriptor and string, not owned). */
+  int commit_fd;
+  const char *commit_path;
+  struct ckpt_flush *flush; /* -o tier: the flush thread (flush.c) */
+  pthread_mutex_t tier_publish; /* -o tier: held by a commit's publish in
+                                   the tier and by the flush while it checks
+                                   and removes the tier's copy, so that it
+                                   removes only the save it flushed; after
+                                   fs->lock when both are held (no
+                                   fs->lock taken while it is held) */
   ckpt_dist_t *dist;
   int rank;
   int world_size;
@@ -703,6 +735,42 @@ int ckpt__drain_start(ckpt_fs_t *fs, ckpt_drain_t **out);
 void ckpt__drain_stop(ckpt_drain_t *d);
 /* Drain n (a staged file whose last passthrough handle was closed). */
 void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
+
+/* ------------------------------------------------------------------------
+ * The flush of a tier (flush.c): each checkpoint committed into TIER is
+ * copied to BACKING_DIR in the background and published there as a
+ * commit would have (TIER/.flush/<save_id> names it until then).
+ * ---------------------------------------------------------------------- */
+#define CKPT_FLUSH_DIR ".flush"
+typedef struct ckpt_flush ckpt_flush_t;
+/* Journal the flush of save_id (NAME name, replace) in the tier: the
+ * record, fsynced, before the checkpoint is published in the tier. */
+int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, const char *name,
+                       bool replace, char **err);
+/* Drop the record of a save whose tier publish failed. */
+void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id);
+/* At mount: -EBUSY with *err when a record of the tier goes to another
+ * BACKING_DIR than backing (absolute; this mount would not flush it). */
+int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err);
+/* At mount, before ckpt__fs_load: records of checkpoints already flushed
+ * or gone are dropped, tier checkpoints with neither record nor shared
+ * copy (removed by a user) are removed. */
+void ckpt__flush_recover(ckpt_fs_t *fs);
+/* Start the thread; it queues every record left by earlier mounts. */
+int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out);
+/* Queue the tier checkpoint name (just committed). */
+void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id);
+/* Stop it: a copy under way is abandoned (the record stays). */
+void ckpt__flush_stop(ckpt_flush_t *f);
+/* Does a flush record name save_id (its checkpoint is in the tier
+ * only)? false without a tier. */
+bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
+/* Remove tier checkpoint name whose flush failed for good, if it is
+ * still save_id, and its record: it is never published. fs->lock may be
+ * held. 0 or -errno. */
+int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id);
+/* The bytes of the data files in checkpoint directory dirfd. */
+uint64_t ckpt__flush_bytes(int dirfd);
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);
@@ -766,7 +834,11 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err);
  * staged is not listed any more (left as it is). */
 int ckpt__fs_load_instead(ckpt_fs_t *fs, ckpt_ckpt_t *staged, char *lost,
                           char **err);
-/* Delete BACKING_DIR/name: .metadata first and durably, then the data. */
+/* The descriptor of the root that holds committed name: the tier while
+ * it has it (unflushed), else BACKING_DIR. */
+int ckpt__root_of(ckpt_fs_t *fs, const char *name);
+/* Delete BACKING_DIR/name (and the tier's): .metadata first and durably,
+ * then the data. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name);
 /* The item a committed tensor or blob node reads. */
 static inline ckpt_item_t ckpt__node_item(const ckpt_node_t *n) {
@@ -836,6 +908,17 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
 void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
                         double until);
 extern const ckpt_save_ops_t ckpt__save_ops;
+/* A complete save directory ROOT/.saves/SAVE_ID to publish as ROOT/NAME. */
+typedef struct {
+  int root_fd;           /* BACKING_DIR or the tier */
+  const char *root_path; /* for messages */
+  int held_fd;           /* .saves/SAVE_ID, held; -1: none */
+  const char *save_id;
+  const char *name;
+  bool replace;          /* replace=NAME: exchanged with the old version */
+  bool flush;            /* the tier's flush, not a commit (no failpoints) */
+} ckpt_publish_t;
+int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err);
 
 /* ------------------------------------------------------------------------
  * FUSE operations (ops.c).

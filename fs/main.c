@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <inttypes.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -104,6 +105,109 @@ static int open_backing(ckpt_fs_t *fs, bool *created) {
     return -1;
   }
   return 0;
+}
+
+/* The filesystem of BACKING_DIR (or, not made yet, of its parent). */
+static int backing_dev(const char *abs_backing, dev_t *dev) {
+  struct stat st;
+  if (stat(abs_backing, &st) == 0) {
+    *dev = st.st_dev;
+    return 0;
+  }
+  char *parent = strdup(abs_backing);
+  char *slash = parent ? strrchr(parent, '/') : NULL;
+  if (slash == parent)
+    slash[1] = '\0'; /* "/" */
+  else if (slash)
+    *slash = '\0';
+  int rc = slash && stat(parent, &st) == 0 ? 0 : -1;
+  free(parent);
+  if (rc == 0)
+    *dev = st.st_dev;
+  return rc;
+}
+
+/* -o tier=DIR: an existing directory on another filesystem than
+ * BACKING_DIR (a tier on the shared store would only copy each checkpoint
+ * twice), and a world of one rank (slice 1: several ranks share a node's
+ * tier, which their publish does not handle yet), used by no other mount
+ * and holding no checkpoint unflushed to another BACKING_DIR. Opened into
+ * fs, or a message on stderr and -1 (the mount is refused, exit 2). */
+static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
+  const char *dir = fs->opts.tier_dir;
+  struct stat st;
+  dev_t bdev;
+  if (fs->world_size > 1) {
+    fprintf(stderr, "ckptfs: tier=%s: a world of %d ranks with a tier is not "
+            "built yet (multi-rank tiers come in a later version); mount "
+            "without tier= or with one rank\n", dir, fs->world_size);
+    return -1;
+  }
+  if (abs_backing && strchr(abs_backing, '\n')) {
+    fprintf(stderr, "ckptfs: tier=%s: BACKING_DIR's path has a newline, "
+            "which the tier's flush records cannot hold\n", dir);
+    return -1;
+  }
+  if (stat(dir, &st)) {
+    fprintf(stderr, "ckptfs: tier=%s: %s (the tier directory must exist)\n",
+            dir, strerror(errno));
+    return -1;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    fprintf(stderr, "ckptfs: tier=%s: not a directory\n", dir);
+    return -1;
+  }
+  if (abs_backing && backing_dev(abs_backing, &bdev) == 0 &&
+      bdev == st.st_dev) {
+    fprintf(stderr, "ckptfs: tier=%s is on the same filesystem as "
+            "BACKING_DIR %s: the tier must be node-local storage of its own "
+            "(tmpfs, NVMe)\n", dir, abs_backing);
+    return -1;
+  }
+  fs->tier_path = realpath(dir, NULL);
+  fs->tier_fd = fs->tier_path ? open(fs->tier_path,
+                                     O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+                              : -1;
+  if (fs->tier_fd < 0) {
+    fprintf(stderr, "ckptfs: cannot open tier=%s: %s\n", dir,
+            strerror(errno));
+    return -1;
+  }
+  /* One mount per tier (held while it runs, let go at a crash): another
+   * one's flush records are not this one's to resume or drop. */
+  if (flock(fs->tier_fd, LOCK_EX | LOCK_NB)) {
+    if (errno == EWOULDBLOCK)
+      fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n", dir);
+    else
+      fprintf(stderr, "ckptfs: tier=%s: cannot lock it: %s\n", dir,
+              strerror(errno));
+    return -1;
+  }
+  char *real = abs_backing ? realpath(abs_backing, NULL) : NULL;
+  char *err = NULL;
+  int rc = ckpt__flush_check(fs, real ? real : abs_backing ? abs_backing : "",
+                             &err);
+  if (rc)
+    fprintf(stderr, "ckptfs: %s\n", err);
+  free(err);
+  free(real);
+  return rc ? -1 : 0;
+}
+
+/* The tier's records first (they say which unfinished saves to keep),
+ * then both roots' cleanup. */
+static void cleanup_roots(ckpt_fs_t *fs) {
+  if (fs->tier_fd < 0) {
+    ckpt_store_cleanup(fs->backing_fd, -1);
+    return;
+  }
+  ckpt__flush_recover(fs);
+  int keep = ckpt_open_beneath(fs->tier_fd, CKPT_FLUSH_DIR,
+                               O_RDONLY | O_DIRECTORY, 0);
+  ckpt_store_cleanup(fs->tier_fd, keep);
+  ckpt_store_cleanup(fs->backing_fd, keep);
+  if (keep >= 0)
+    close(keep);
 }
 
 typedef struct {
@@ -362,7 +466,7 @@ static void preload_unwinder(void) {
 int main(int argc, char **argv) {
   stop_signals_block();
   struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
-  ckpt_fs_t fs = {.backing_fd = -1};
+  ckpt_fs_t fs = {.backing_fd = -1, .tier_fd = -1, .commit_fd = -1};
   char *err = NULL;
   char *mountpoint = NULL;
   struct fuse_session *se = NULL;
@@ -442,6 +546,14 @@ int main(int argc, char **argv) {
   snprintf(max_read, sizeof(max_read), "-omax_read=%u",
            (unsigned)CKPT_MAX_READ);
   char *abs_backing = absolute_backing(fs.opts.backing_dir);
+  if (!fs.opts.tier_dir && fs.opts.flush_rate)
+    fprintf(stderr, "ckptfs: flush_rate= without tier=: nothing is flushed, "
+            "the option has no effect\n");
+  if (fs.opts.tier_dir && open_tier(&fs, abs_backing)) {
+    free(abs_backing);
+    status = EXIT_USAGE;
+    goto out;
+  }
   int named = abs_backing ? name_mount(&args, abs_backing) : -1;
   free(abs_backing);
   if (named || fuse_opt_add_arg(&args, max_read))
@@ -458,13 +570,16 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
     goto out;
   }
-  if (open_backing(&fs, &created) || ckpt__fs_init(&fs)) {
+  if (open_backing(&fs, &created) ||
+      (fs.commit_fd = fs.tier_fd >= 0 ? fs.tier_fd : fs.backing_fd,
+       fs.commit_path = fs.tier_path ? fs.tier_path : fs.backing_path,
+       ckpt__fs_init(&fs))) {
     if (created && fs.backing_path)
       rmdir(fs.backing_path);
     goto out;
   }
   backing_created = created;
-  ckpt_store_cleanup(fs.backing_fd);
+  cleanup_roots(&fs);
   ckpt__fs_load(&fs);
   fs.se = se;
   if (stop_signals_set()) {
@@ -493,6 +608,7 @@ int main(int argc, char **argv) {
       ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout) ||
       stopper_start(&stopper, &fs) ||
       (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain)) ||
+      (fs.tier_fd >= 0 && ckpt__flush_start(&fs, &fs.flush)) ||
       ckpt__metrics_start(&fs, metrics_file, &metrics)) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
     goto out;
@@ -514,6 +630,7 @@ out:
     ckpt_dist_stop(fs.dist);
   ckpt__metrics_stop(metrics); /* the last write: every save counted */
   ckpt__drain_stop(fs.drain); /* before the nodes it holds go */
+  ckpt__flush_stop(fs.flush); /* a copy under way resumes at next mount */
   if (mounted)
     fuse_session_unmount(se);
   stopper_join(&stopper);
@@ -531,6 +648,9 @@ out:
   if (fs.backing_fd >= 0)
     close(fs.backing_fd);
   free(fs.backing_path);
+  if (fs.tier_fd >= 0)
+    close(fs.tier_fd);
+  free(fs.tier_path);
   free(fs.mount_path);
   free(metrics_file);
   free(mountpoint);

@@ -327,6 +327,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   ckpt__views_free(ck->views);
   free(ck->removed);
   free(ck->reason);
+  free(ck->tier.why);
   free(ck->lost);
   free(ck->waiting);
   ckpt__streams_free(ck->streams);
@@ -532,14 +533,18 @@ void ckpt__scan_put(ckpt_scan_t *sc) {
 int ckpt__fs_init(ckpt_fs_t *fs) {
   pthread_mutex_init(&fs->lock, NULL);
   pthread_mutex_init(&fs->scan_lock, NULL);
+  pthread_mutex_init(&fs->tier_publish, NULL);
   fs->hash_size = 1024;
   fs->ino_hash = calloc(fs->hash_size, sizeof(*fs->ino_hash));
   fs->name_hash = calloc(fs->hash_size, sizeof(*fs->name_hash));
   fs->next_ino = FUSE_ROOT_ID + 1;
-  ckpt__staging_init(&fs->staging, fs->opts.staging_mem, fs->backing_fd);
+  /* Staged data spills into the commit root: with a tier, passthrough
+   * files there are linked into the save, still written once. */
+  ckpt__staging_init(&fs->staging, fs->opts.staging_mem, fs->commit_fd);
   if (!fs->ino_hash || !fs->name_hash ||
       ckpt_fdcache_new(fs->backing_fd, 0, &fs->fdcache))
     return -ENOMEM;
+  ckpt_fdcache_set_near(fs->fdcache, fs->tier_fd);
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
                             NULL);
   return fs->root ? 0 : -ENOMEM;
@@ -593,6 +598,7 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
   fs->refused = NULL;
   fs->nrefused = 0;
   pthread_mutex_destroy(&fs->scan_lock);
+  pthread_mutex_destroy(&fs->tier_publish);
   ckpt__staging_destroy(&fs->staging);
   pthread_mutex_destroy(&fs->lock);
 }

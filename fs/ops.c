@@ -247,7 +247,21 @@ void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
 }
 
 /* The .status text of ck. fs->lock held. */
+/* .status of a committed checkpoint with -o tier: where it is, how far
+ * its flush got and what it waits for (docs/tiers.md). fs->lock held. */
+static const char *tier_lines(const ckpt_ckpt_t *ck, char *buf, size_t n) {
+  if (!ck->tier.tiered)
+    return "";
+  snprintf(buf, n, "location %s\nflush bytes %llu of %llu\n%s%s",
+           atomic_load(&ck->tier.flushed) ? "shared" : "local",
+           (unsigned long long)atomic_load(&ck->tier.done),
+           (unsigned long long)atomic_load(&ck->tier.total),
+           ck->tier.why ? ck->tier.why : "", ck->tier.why ? "\n" : "");
+  return buf;
+}
+
 static char *status_text(const ckpt_ckpt_t *ck) {
+  char lines[1200];
   switch (ck->state) {
   case CKPT_STAGING: {
     uint64_t files = 0, bytes = 0;
@@ -286,10 +300,11 @@ static char *status_text(const ckpt_ckpt_t *ck) {
         nb--;
     }
     return ckpt__strdup_printf(
-        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s",
+        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s%s",
         nt, nb,
         ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
-        ck->lost ? ck->lost : "", ck->lost ? "\n" : "");
+        ck->lost ? ck->lost : "", ck->lost ? "\n" : "",
+        tier_lines(ck, lines, sizeof(lines)));
   case CKPT_FAILED:
     return ckpt__strdup_printf("failed\n%s\n",
                                ck->reason ? ck->reason : "unknown error");
@@ -344,7 +359,8 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
     struct stat bst;
     char path[300];
     snprintf(path, sizeof(path), "%s/%s", n->ck->name, CKPT_METADATA_FILE);
-    if (fstatat(fs->backing_fd, path, &bst, AT_SYMLINK_NOFOLLOW) == 0 &&
+    if (fstatat(ckpt__root_of(fs, n->ck->name), path, &bst,
+                AT_SYMLINK_NOFOLLOW) == 0 &&
         S_ISREG(bst.st_mode))
       st->st_size = bst.st_size;
     break;
@@ -381,7 +397,8 @@ static void fill_entry(ckpt_fs_t *fs, ckpt_node_t *n, struct fuse_entry_param *e
  * through a symlink, only a regular file, only in the directory that was
  * loaded. fd or -errno. */
 static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
-  int dfd = ckpt_store_open_dir(fs->backing_fd, ck->name, O_PATH);
+  int dfd = ckpt_store_open_dir(ckpt__root_of(fs, ck->name), ck->name,
+                                O_PATH);
   if (dfd < 0)
     return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
   /* -ESTALE: replaced since it was loaded */
@@ -402,9 +419,11 @@ static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
  * system call under it). */
 typedef ckpt_presence_t presence_t;
 
-static presence_t presence(ckpt_fs_t *fs, const char *name) {
-  presence_t p = {.gen = atomic_load(&fs->load_gen)};
-  ckpt_entry_t e = ckpt_store_entry(fs->backing_fd, name, &p.dir);
+static presence_t presence_at(ckpt_fs_t *fs, int root, const char *name,
+                              uint64_t gen) {
+  (void)fs;
+  presence_t p = {.gen = gen};
+  ckpt_entry_t e = ckpt_store_entry(root, name, &p.dir);
   p.not_dir = e == CKPT_ENTRY_OTHER;
   p.committed = e == CKPT_ENTRY_COMMITTED;
   if (!p.committed)
@@ -412,10 +431,10 @@ static presence_t presence(ckpt_fs_t *fs, const char *name) {
   /* Its identity beyond the inode number, which a directory of a removed
    * checkpoint may pass on: its handle, else its save ID (the inode and
    * the save ID of one directory opened once). */
-  ckpt_store_dir_handle(fs->backing_fd, name, &p.handle);
+  ckpt_store_dir_handle(root, name, &p.handle);
   if (p.handle.len)
     return p;
-  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_PATH);
+  int dfd = ckpt_store_open_dir(root, name, O_PATH);
   if (dfd < 0) {
     p.committed = false; /* gone or replaced meanwhile */
     p.not_dir = dfd == -ENOTDIR || dfd == -ELOOP;
@@ -429,6 +448,16 @@ static presence_t presence(ckpt_fs_t *fs, const char *name) {
   p.id_unknown = rc != 0 && rc != -ENOENT && rc != -EIO;
   if (rc)
     p.save_id[0] = '\0';
+  return p;
+}
+
+static presence_t presence(ckpt_fs_t *fs, const char *name) {
+  uint64_t gen = atomic_load(&fs->load_gen);
+  int root = ckpt__root_of(fs, name); /* a tier's copy, while there */
+  presence_t p = presence_at(fs, root, name, gen);
+  /* The tier's copy removed meanwhile (flushed): BACKING_DIR's */
+  if (!p.committed && root != fs->backing_fd)
+    p = presence_at(fs, fs->backing_fd, name, gen);
   return p;
 }
 
@@ -476,6 +505,35 @@ static double mono_now(void) {
   return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/* The names of BACKING_DIR and, with a tier, of the tier (unflushed
+ * checkpoints), sorted and unique. 0 or -errno. */
+static int root_names(ckpt_fs_t *fs, char ***names, size_t *n) {
+  int rc = ckpt__catalog_names(fs->backing_fd, names, n);
+  char **tn;
+  size_t nt;
+  if (rc || fs->tier_fd < 0 || ckpt__catalog_names(fs->tier_fd, &tn, &nt))
+    return rc;
+  char **all = realloc(*names, (*n + nt + 1) * sizeof(*all));
+  if (!all) {
+    ckpt__catalog_names_free(tn, nt);
+    return 0; /* BACKING_DIR's only, this time */
+  }
+  if (nt) /* an empty listing has no array at all */
+    memcpy(all + *n, tn, nt * sizeof(*tn));
+  free(tn); /* the names moved */
+  size_t total = *n + nt, u = 0;
+  qsort(all, total, sizeof(*all), by_name);
+  for (size_t i = 0; i < total; i++) {
+    if (u && !strcmp(all[u - 1], all[i]))
+      free(all[i]);
+    else
+      all[u++] = all[i];
+  }
+  *names = all;
+  *n = u;
+  return 0;
+}
+
 /* BACKING_DIR's entries with their presence: the last listing while
  * BACKING_DIR's mtime is unchanged and it is younger than
  * CKPT_SCAN_MAX_AGE, else a new one (one fstatat per entry, without
@@ -496,7 +554,7 @@ static ckpt_scan_t *root_scan(ckpt_fs_t *fs) {
   }
   pthread_mutex_unlock(&fs->scan_lock);
   sc = calloc(1, sizeof(*sc));
-  if (!sc || ckpt__catalog_names(fs->backing_fd, &sc->names, &sc->n)) {
+  if (!sc || root_names(fs, &sc->names, &sc->n)) {
     free(sc);
     return NULL;
   }
@@ -863,7 +921,7 @@ static int mkdir_checkpoint(ckpt_fs_t *fs, const char *name,
   ckpt_ckpt_t *ck = ckpt__ckpt_new(fs, name);
   if (!ck)
     return -ENOMEM;
-  ck->streams = ckpt__streams_new(fs->backing_fd, fs->rank, name,
+  ck->streams = ckpt__streams_new(fs->commit_fd, fs->rank, name,
                                   fs->opts.io_threads);
   *out = ck->dir;
   return 0;
@@ -1101,7 +1159,7 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   ckpt_fdref_t ref;
   uint64_t pos;
   size_t len;
-  struct stat st, was;
+  struct stat st;
   if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
       ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
     return;
@@ -1116,20 +1174,46 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   struct ckpt_node_pt *p = NULL;
   pthread_mutex_lock(&fs->lock);
   if (n->cpt) {
-    /* the kernel takes one backing file per inode: this open shares it
-     * if it is still the data file (else, replaced on disk since, this
-     * open goes through the daemon) */
-    if (fstat(n->cpt->ref.fd, &was) == 0 && was.st_dev == st.st_dev &&
-        was.st_ino == st.st_ino) {
+    /* The kernel takes one backing file per inode, and fails (EIO) an
+     * open of another mode while the inode has one: this open shares it
+     * if it is the data file just verified (same inode), or if it is
+     * unchanged since it was verified itself, when the backing file was
+     * made (the data file may be another one by now: a tier's copy
+     * flushed to BACKING_DIR and the tier's removed). Unchanged: same
+     * size, mtime and ctime; with a tier, a file unlinked since (the
+     * flush removes the tier's copy: that unlink is its ctime's change)
+     * needs the same size and mtime. Else (changed on disk since its own
+     * check) this open goes through the daemon, which the kernel fails
+     * with EIO. */
+    struct stat now;
+    const struct stat *was = &n->cpt->was;
+    bool same = fstat(n->cpt->ref.fd, &now) == 0 &&
+                now.st_dev == st.st_dev && now.st_ino == st.st_ino;
+    bool unchanged =
+        !same && fstat(n->cpt->ref.fd, &now) == 0 &&
+        now.st_dev == was->st_dev && now.st_ino == was->st_ino &&
+        now.st_size == was->st_size &&
+        now.st_mtim.tv_sec == was->st_mtim.tv_sec &&
+        now.st_mtim.tv_nsec == was->st_mtim.tv_nsec &&
+        ((now.st_ctim.tv_sec == was->st_ctim.tv_sec &&
+          now.st_ctim.tv_nsec == was->st_ctim.tv_nsec) ||
+         (fs->tier_fd >= 0 && now.st_nlink == 0 && was->st_nlink > 0));
+    if (same || unchanged) {
       p = n->cpt;
       p->opens++;
+      pthread_mutex_unlock(&fs->lock);
+    } else {
+      pthread_mutex_unlock(&fs->lock);
+      ckpt__log("%s: a data file changed on disk since an open handle's "
+                "passthrough backing file was checked: this open fails "
+                "(EIO) until those handles are closed", n->ck->name);
     }
-    pthread_mutex_unlock(&fs->lock);
     ckpt_fdref_put(&ref);
   } else if ((p = calloc(1, sizeof(*p))) != NULL &&
              (p->id = fuse_passthrough_open(req, ref.fd)) > 0) {
     p->opens = 1;
     p->ref = ref;
+    p->was = st;
     n->cpt = p;
     pthread_mutex_unlock(&fs->lock);
   } else {
@@ -1258,11 +1342,28 @@ static void fs_create(fuse_req_t req, fuse_ino_t parent, const char *name,
  * stay in this mount for rm -r to remove (each unlink then only hides
  * one), and rmdir NAME removes its data (or the next mount start does).
  * fs->lock held. */
+/* In the tier only, its flush to BACKING_DIR under way: not removed,
+ * neither whole nor inside (the flush would publish it again). */
+static bool unflushed(ckpt_ckpt_t *ck) {
+  return ck->tier.tiered && !atomic_load(&ck->tier.flushed);
+}
+
 static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   if (ck->removing)
     return 0;
   if (ck->state != CKPT_COMMITTED || !ck->has_stored)
     return -EROFS;
+  if (unflushed(ck) && !atomic_load(&ck->tier.failed))
+    return -EBUSY;
+  if (unflushed(ck)) {
+    /* Its flush failed for good: in the tier only, for this mount only
+     * (rmdir NAME removes it and its record; BACKING_DIR's NAME, if any,
+     * is another save's and stays). */
+    ckpt__log("%s: removed as a whole (its flush to BACKING_DIR failed: "
+              "from the tier only)", ck->name);
+    ck->removing = true;
+    return 0;
+  }
   int rc = ckpt_store_unpublish(fs->backing_fd, &ck->stored);
   if (rc == -ESTALE) {
     /* Replaced by another checkpoint of the name, or being removed by
@@ -1317,6 +1418,8 @@ static int remove_entry(ckpt_fs_t *fs, ckpt_node_t *n) {
     n->hidden = true, rc = 1; /* the whole checkpoint goes already */
   else if (ck->state != CKPT_COMMITTED || !ck->has_stored)
     rc = -EROFS;
+  else if (unflushed(ck))
+    rc = -EBUSY;
   else if (!ck->removed &&
            !(ck->removed = calloc((size_t)ck->meta->n_tensors +
                                       ck->meta->n_blobs + 1,
@@ -1426,7 +1529,9 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
   if (ck->state == CKPT_COMMITTED) {
     /* Only the checkpoint this mount shows: start_removal found out. */
     int rc = start_removal(fs, ck);
-    if (rc == 0 && !ck->gone)
+    if (rc == 0 && unflushed(ck))
+      rc = ckpt__flush_drop(fs, ck->name, ck->stored.save_id);
+    else if (rc == 0 && !ck->gone)
       rc = ckpt__storage_remove(fs, ck->name);
     if (rc)
       return rc;
@@ -1437,7 +1542,7 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
     ckpt__streams_drop_kept(ck->streams);
   ckpt__node_detach(fs, dir);
   ckpt__ckpt_unref(fs, ck);
-  ckpt__staging_tidy(fs->backing_fd);
+  ckpt__staging_tidy(fs->commit_fd);
   return 0;
 }
 

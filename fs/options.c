@@ -30,6 +30,8 @@ enum {
   KEY_SAFETENSORS_SHARD,
   KEY_LOG,
   KEY_METRICS,
+  KEY_TIER,
+  KEY_FLUSH_RATE,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -49,6 +51,8 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("safetensors_shard=", KEY_SAFETENSORS_SHARD),
     FUSE_OPT_KEY("log=", KEY_LOG),
     FUSE_OPT_KEY("metrics=", KEY_METRICS),
+    FUSE_OPT_KEY("tier=", KEY_TIER),
+    FUSE_OPT_KEY("flush_rate=", KEY_FLUSH_RATE),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -120,6 +124,16 @@ void ckpt__opts_help(void) {
       "                          unmount), Prometheus text format; %%r: the "
       "rank; its\n"
       "                          directory must exist (default: none)\n"
+      "  -o tier=DIR             commit into DIR, a node-local directory on "
+"another\n"
+      "                          filesystem than BACKING_DIR (tmpfs, NVMe), "
+"and copy\n"
+      "                          each checkpoint to BACKING_DIR in the "
+"background; one\n"
+      "                          rank only for now (default: none)\n"
+      "  -o flush_rate=SIZE      bytes per second that copy may use, K/M/G "
+"suffixes; 0:\n"
+      "                          unlimited (default: 0)\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
@@ -240,6 +254,17 @@ static int opt_proc(void *data, const char *arg, int key,
     o->metrics_file = strdup(val);
     return 0;
   }
+  case KEY_TIER:
+    if (!*val)
+      return bad(ps, "tier", val, "a directory");
+    free(o->tier_dir);
+    o->tier_dir = strdup(val);
+    return 0;
+  case KEY_FLUSH_RATE:
+    if (ckpt__parse_size(val, &v))
+      return bad(ps, "flush_rate", val, "bytes per second like 200M, or 0");
+    o->flush_rate = v;
+    return 0;
   case KEY_COMMIT_TIMEOUT: {
     char *end;
     errno = 0;
@@ -362,5 +387,7 @@ void ckpt__opts_free(ckpt_opts_t *o) {
   free(o->mountpoint);
   free(o->log_file);
   free(o->metrics_file);
+  free(o->tier_dir);
   o->backing_dir = o->mountpoint = o->log_file = o->metrics_file = NULL;
+  o->tier_dir = NULL;
 }

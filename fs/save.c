@@ -534,33 +534,37 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
  * global_step (coordinator).
  * ---------------------------------------------------------------------- */
 
+/* Committed in BACKING_DIR, or in the tier (not flushed yet, or kept). */
 static bool already_committed(ckpt_fs_t *fs, const char *name) {
-  return ckpt_store_committed(fs->backing_fd, name, NULL);
+  return ckpt_store_committed(fs->backing_fd, name, NULL) ||
+         (fs->tier_fd >= 0 && ckpt_store_committed(fs->tier_fd, name, NULL));
 }
 
-/* Why a save of NAME cannot publish: "NAME is already committed elsewhere
- * (save S, world size W, created at T)", as far as its header says. */
-static char *committed_elsewhere(ckpt_fs_t *fs, const char *name) {
-  ckpt_entry_t e = ckpt_store_entry(fs->backing_fd, name, NULL);
+/* Why a save of NAME cannot publish in root_fd (root_path): "NAME is
+ * already committed elsewhere (save S, world size W, created at T)", as
+ * far as its header says. */
+static char *committed_elsewhere(int root_fd, const char *root_path,
+                                 const char *name) {
+  ckpt_entry_t e = ckpt_store_entry(root_fd, name, NULL);
   if (e == CKPT_ENTRY_OTHER) {
     struct stat st;
-    bool link = fstatat(fs->backing_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+    bool link = fstatat(root_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
                 S_ISLNK(st.st_mode);
     return ckpt__strdup_printf("%s is taken in %s by something else than a "
                                "checkpoint (%s): not replaced",
-                               name, fs->backing_path,
+                               name, root_path,
                                link ? "a symbolic link" : "a file");
   }
   if (e != CKPT_ENTRY_COMMITTED)
     return ckpt__strdup_printf("%s exists in %s as an unfinished save (no %s):"
                                " not replaced; a starting mount removes it "
                                "when no writer holds it",
-                               name, fs->backing_path, CKPT_METADATA_FILE);
+                               name, root_path, CKPT_METADATA_FILE);
   /* Who committed it, as far as its header says. */
   ckpt_metadata_t m;
   char *err = NULL, display[300];
   snprintf(display, sizeof(display), "%s/%s", name, CKPT_METADATA_FILE);
-  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
+  int dfd = ckpt_store_open_dir(root_fd, name, O_RDONLY);
   int rc = dfd < 0 ? dfd : ckpt_metadb_load_header_at(dfd, display, &m, &err);
   if (dfd >= 0)
     close(dfd);
@@ -597,7 +601,10 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
   if (!s->replace && already_committed(fs, job->name)) {
-    *err = committed_elsewhere(fs, job->name);
+    int root = ckpt__root_of(fs, job->name);
+    *err = committed_elsewhere(root, root == fs->tier_fd ? fs->tier_path
+                                                         : fs->backing_path,
+                               job->name);
     return -EEXIST;
   }
   ckpt_local_plan_t *locals = calloc((size_t)n, sizeof(*locals));
@@ -633,11 +640,11 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
     if (!s->gp.meta.name || !s->gp.meta.save_id)
       rc = -ENOMEM;
   }
-  if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->backing_fd,
+  if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->commit_fd,
                                                 s->gp.meta.save_id, true,
                                                 &s->dirfd)) != 0)
     *err = ckpt__strdup_printf("rank 0: creating %s/%s/%s: %s",
-                               fs->backing_path, CKPT_SAVES_DIR,
+                               fs->commit_path, CKPT_SAVES_DIR,
                                s->gp.meta.save_id, strerror(-rc));
   for (int r = 0; r < n && rc == 0; r++) {
     snprintf(s->gp.ranks[r].save_id, sizeof(s->gp.ranks[r].save_id), "%s",
@@ -866,18 +873,18 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
    * every other rank joins it: one that does not see it has a BACKING_DIR
    * of its own. */
   if (s->dirfd < 0 &&
-      (rc = ckpt_store_save_dir_hold(fs->backing_fd, s->rp.save_id, false,
+      (rc = ckpt_store_save_dir_hold(fs->commit_fd, s->rp.save_id, false,
                                      &s->dirfd)) != 0) {
     if (rc == -ENOENT)
       *err = ckpt__strdup_printf(
           "rank %d: BACKING_DIR %s is not the coordinator's (rank 0 made "
           "%s/%s there, this rank does not see it): every rank of a world "
           "must mount one BACKING_DIR shared by all nodes; nothing was "
-          "written", s->rank, fs->backing_path, CKPT_SAVES_DIR,
+          "written", s->rank, fs->commit_path, CKPT_SAVES_DIR,
           s->rp.save_id);
     else
       *err = ckpt__strdup_printf("rank %d: opening %s/%s/%s: %s", s->rank,
-                                 fs->backing_path, CKPT_SAVES_DIR,
+                                 fs->commit_path, CKPT_SAVES_DIR,
                                  s->rp.save_id, strerror(-rc));
     return rc == -ENOENT ? -EXDEV : rc;
   }
@@ -893,7 +900,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     if (k >= 0)
       ckpt_data_file_name(s->rank, (uint32_t)k, name, sizeof(name));
     *err = ckpt__strdup_printf("rank %d: writing %s/%s/%s: %s", s->rank,
-                               fs->backing_path, job->name, name,
+                               fs->commit_path, job->name, name,
                                strerror(-rc));
     return rc;
   }
@@ -917,6 +924,85 @@ static void name_held_dir(char **err, const char *held, const char *dir) {
     free(*err);
     *err = named;
   }
+}
+
+/* The publish half of a commit, in root p->root_fd whose .saves/SAVE_ID
+ * holds the complete checkpoint with its .metadata:
+ *   1. rename it to NAME without replacing anything (or exchange it with
+ *      NAME for replace=): the commit point;
+ *   2. fsync the root (and .saves when exchanged); if that fails, the
+ *      rename is undone, so nothing stays published that is not durable;
+ *   3. replaced: the old version, now at .saves/SAVE_ID, is removed.
+ * Used by commits (into the tier or BACKING_DIR) and by the flush of a
+ * tier (into BACKING_DIR): both publish the same way. 0 or -errno with
+ * *err. */
+int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err) {
+  bool replaced = false;
+  int rc = p->replace ? ckpt_store_publish_replace(p->root_fd, p->save_id,
+                                                   p->name, &replaced)
+                      : ckpt_store_publish(p->root_fd, p->save_id, p->name);
+  if (rc == -EEXIST)
+    *err = committed_elsewhere(p->root_fd, p->root_path, p->name);
+  else if (rc == -EOPNOTSUPP)
+    *err = ckpt__strdup_printf(
+        "replace=%s: the filesystem of %s cannot exchange two directories "
+        "in one step (renameat2 RENAME_EXCHANGE), which an atomic replace "
+        "needs; save under a new name instead",
+        p->name, p->root_path);
+  else if (rc)
+    *err = ckpt__strdup_printf("publishing %s/%s: %s", p->root_path,
+                               p->name, strerror(-rc));
+  /* The save protocol's points are a commit's, not the flush's */
+  if (rc == 0 && !p->flush)
+    ckpt_failpoint("metadata_rename");
+  /* Replaced: both directories changed (NAME and .saves, where the old
+   * checkpoint is now); if that cannot be made durable, the two go back. */
+  if (rc == 0 && replaced && fs->opts.sync_files &&
+      (fsync(p->root_fd) || ckpt_store_sync_saves(p->root_fd))) {
+    rc = -errno;
+    *err = ckpt__strdup_printf("syncing %s: %s", p->root_path,
+                               strerror(errno));
+    if (ckpt_store_unreplace(p->root_fd, p->save_id, p->name)) {
+      /* Cannot be undone (the old version went meanwhile): it is
+       * published, only not known to be durable. */
+      ckpt__log("%s: replaced, but %s; not undone: the exchange back "
+                "failed", p->name, *err);
+      free(*err);
+      *err = NULL;
+      rc = 0;
+    }
+  }
+  /* The NAME entry itself must be durable too; if it cannot be, the
+   * commit fails and nothing may stay published: the directory goes back
+   * to its own name (the discard removes it), if it is still ours. */
+  if (rc == 0 && !replaced && fs->opts.sync_files && fsync(p->root_fd)) {
+    rc = -errno;
+    *err = ckpt__strdup_printf("syncing %s: %s", p->root_path,
+                               strerror(errno));
+    struct stat hst, named;
+    int sfd = -1;
+    if (p->held_fd >= 0 && fstat(p->held_fd, &hst) == 0 &&
+        fstatat(p->root_fd, p->name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+        hst.st_dev == named.st_dev && hst.st_ino == named.st_ino &&
+        (mkdirat(p->root_fd, CKPT_SAVES_DIR, 0700) == 0 || errno == EEXIST) &&
+        (sfd = ckpt_open_beneath(p->root_fd, CKPT_SAVES_DIR,
+                                 O_PATH | O_DIRECTORY, 0)) >= 0)
+      renameat(p->root_fd, p->name, sfd, p->save_id);
+    if (sfd >= 0)
+      close(sfd);
+  }
+  if (rc == 0 && !p->flush)
+    ckpt_failpoint("metadata_synced");
+  if (rc == 0 && replaced) {
+    /* The old checkpoint, now the save's own directory: removed like an
+     * unfinished save (readers that hold its files open keep them). */
+    if (!p->flush)
+      ckpt_failpoint("replace_remove");
+    ckpt_store_save_dir_remove(p->root_fd, p->save_id);
+    if (fs->opts.sync_files)
+      fsync(p->root_fd);
+  }
+  return rc;
 }
 
 static int finish_step(void *ctx, ckpt_dist_job_t *job,
@@ -946,7 +1032,7 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
    * renamed to NAME without replacing anything: of concurrent saves of
    * one NAME, from any mount, exactly one gets there (the commit point). */
   char dir[PATH_MAX], held[64];
-  snprintf(dir, sizeof(dir), "%s/%s/%s", fs->backing_path, CKPT_SAVES_DIR,
+  snprintf(dir, sizeof(dir), "%s/%s/%s", fs->commit_path, CKPT_SAVES_DIR,
            s->gp.meta.save_id);
   /* Written through the held directory itself, not by its path: a symlink
    * put in place of .saves must not take .metadata elsewhere. */
@@ -956,72 +1042,23 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
                                fs->opts.sync_files, err);
   if (rc && via_fd && *err)
     name_held_dir(err, held, dir);
-  bool replaced = false;
+  if (rc == 0 && fs->tier_fd >= 0)
+    rc = ckpt__flush_record(fs, s->gp.meta.save_id, job->name, s->replace,
+                            err);
   if (rc == 0) {
-    rc = s->replace ? ckpt_store_publish_replace(fs->backing_fd,
-                                                 s->gp.meta.save_id, job->name,
-                                                 &replaced)
-                    : ckpt_store_publish(fs->backing_fd, s->gp.meta.save_id,
-                                         job->name);
-    if (rc == -EEXIST)
-      *err = committed_elsewhere(fs, job->name);
-    else if (rc == -EOPNOTSUPP)
-      *err = ckpt__strdup_printf(
-          "replace=%s: the filesystem of %s cannot exchange two directories "
-          "in one step (renameat2 RENAME_EXCHANGE), which an atomic replace "
-          "needs; save under a new name instead",
-          job->name, fs->backing_path);
-    else if (rc)
-      *err = ckpt__strdup_printf("publishing %s/%s: %s", fs->backing_path,
-                                 job->name, strerror(-rc));
-  }
-  if (rc == 0)
-    ckpt_failpoint("metadata_rename");
-  /* Replaced: both directories changed (NAME and .saves, where the old
-   * checkpoint is now); if that cannot be made durable, the two go back. */
-  if (rc == 0 && replaced && fs->opts.sync_files &&
-      (fsync(fs->backing_fd) || ckpt_store_sync_saves(fs->backing_fd))) {
-    rc = -errno;
-    *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
-                               strerror(errno));
-    if (ckpt_store_unreplace(fs->backing_fd, s->gp.meta.save_id, job->name)) {
-      /* Cannot be undone (the old version went meanwhile): it is
-       * published, only not known to be durable. */
-      ckpt__log("%s: replaced, but %s; not undone: the exchange back "
-                "failed", job->name, *err);
-      free(*err);
-      *err = NULL;
-      rc = 0;
-    }
-  }
-  /* The NAME entry itself must be durable too; if it cannot be, the
-   * commit fails and nothing may stay published: the directory goes back
-   * to its own name (the discard removes it), if it is still ours. */
-  if (rc == 0 && !replaced && fs->opts.sync_files && fsync(fs->backing_fd)) {
-    rc = -errno;
-    *err = ckpt__strdup_printf("syncing %s: %s", fs->backing_path,
-                               strerror(errno));
-    struct stat hst, named;
-    int sfd = -1;
-    if (s->dirfd >= 0 && fstat(s->dirfd, &hst) == 0 &&
-        fstatat(fs->backing_fd, job->name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
-        hst.st_dev == named.st_dev && hst.st_ino == named.st_ino &&
-        (mkdirat(fs->backing_fd, CKPT_SAVES_DIR, 0700) == 0 || errno == EEXIST) &&
-        (sfd = ckpt_open_beneath(fs->backing_fd, CKPT_SAVES_DIR,
-                                 O_PATH | O_DIRECTORY, 0)) >= 0)
-      renameat(fs->backing_fd, job->name, sfd, s->gp.meta.save_id);
-    if (sfd >= 0)
-      close(sfd);
-  }
-  if (rc == 0)
-    ckpt_failpoint("metadata_synced");
-  if (rc == 0 && replaced) {
-    /* The old checkpoint, now the save's own directory: removed like an
-     * unfinished save (readers that hold its files open keep them). */
-    ckpt_failpoint("replace_remove");
-    ckpt_store_save_dir_remove(fs->backing_fd, s->gp.meta.save_id);
-    if (fs->opts.sync_files)
-      fsync(fs->backing_fd);
+    ckpt_publish_t p = {.root_fd = fs->commit_fd,
+                        .root_path = fs->commit_path,
+                        .held_fd = s->dirfd,
+                        .save_id = s->gp.meta.save_id,
+                        .name = job->name,
+                        .replace = s->replace};
+    if (fs->tier_fd >= 0)
+      pthread_mutex_lock(&fs->tier_publish);
+    rc = ckpt__publish_save(fs, &p, err);
+    if (fs->tier_fd >= 0)
+      pthread_mutex_unlock(&fs->tier_publish);
+    if (rc && fs->tier_fd >= 0)
+      ckpt__flush_unrecord(fs, s->gp.meta.save_id);
   }
   return rc;
 }
@@ -1044,9 +1081,9 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   /* Coordinator, every rank done: the save's own directory goes (never
    * anything by the checkpoint's name: that is someone else's). */
   if (s->have_gp && s->gp.meta.save_id) {
-    ckpt_store_save_dir_remove(fs->backing_fd, s->gp.meta.save_id);
+    ckpt_store_save_dir_remove(fs->commit_fd, s->gp.meta.save_id);
     if (fs->opts.sync_files)
-      fsync(fs->backing_fd);
+      fsync(fs->commit_fd);
   }
 }
 
@@ -1242,7 +1279,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                                                            : rc,
                                               reason),
                        took);
-  ckpt__staging_tidy(fs->backing_fd);
+  ckpt__staging_tidy(fs->commit_fd);
   if (rc == 0 && s->rank == 0 && fs->opts.keep_last)
     keep_last(fs, job->name);
   if (rc == 0)
@@ -1253,6 +1290,9 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     else
       fuse_reply_err(s->req, rc == -EEXIST ? EEXIST : EIO);
   }
+  /* The writer has its answer: the copy to BACKING_DIR starts behind it. */
+  if (rc == 0 && fs->flush)
+    ckpt__flush_add(fs->flush, job->name, s->rp.save_id);
   save_free(fs, s);
 }
 

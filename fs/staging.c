@@ -289,7 +289,8 @@ static int reopen(int fd, int flags) {
 
 static _Atomic bool low_space_said;
 
-/* Enough room in BACKING_DIR to write a new file there? At least
+/* Enough room in BACKING_DIR (the tier, with -o tier) to write a new
+ * file there? At least
  * CKPT_PT_MIN_FREE (or staging_mem, if smaller) must be free: on a nearly
  * full backing a staged file goes through the daemon into staging
  * memory, so that running out of space fails the commit (which can be
@@ -303,8 +304,9 @@ static bool room_to_write(ckpt_staging_t *b) {
   bool was = false;
   if (free < want &&
       atomic_compare_exchange_strong(&low_space_said, &was, true))
-    ckpt__log("passthrough: BACKING_DIR has %llu MiB free, less than %llu "
-              "MiB: new staged files go through the daemon while so",
+    ckpt__log("passthrough: the staging directory's filesystem (BACKING_DIR, "
+              "or the tier) has %llu MiB free, less than %llu MiB: new "
+              "staged files go through the daemon while so",
               (unsigned long long)(free >> 20),
               (unsigned long long)(want >> 20));
   return free >= want;

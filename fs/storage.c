@@ -125,8 +125,48 @@ int ckpt__pool_run(ckpt_pool_t *p, uint32_t n,
   return rc;
 }
 
+int ckpt__root_of(ckpt_fs_t *fs, const char *name) {
+  return fs->tier_fd >= 0 && ckpt_store_committed(fs->tier_fd, name, NULL)
+             ? fs->tier_fd
+             : fs->backing_fd;
+}
+
+/* BACKING_DIR's copy first: a tier copy left by a crash in between has
+ * no flush record and no shared copy, and the next mount removes it. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
-  return ckpt__checkpoint_remove(fs->backing_fd, name, false);
+  int rc = ckpt__checkpoint_remove(fs->backing_fd, name, false);
+  if (fs->tier_fd >= 0) {
+    int trc = ckpt__checkpoint_remove(fs->tier_fd, name, false);
+    rc = rc ? rc : trc == -ENOENT ? 0 : trc;
+  }
+  return rc;
+}
+
+/* Where the checkpoint of meta, loaded from root (dfd), stands in the
+ * tier's flush (looked up before fs->lock is taken). */
+typedef struct {
+  bool flushed;
+  uint64_t total;
+} tier_look_t;
+
+static tier_look_t tier_look(ckpt_fs_t *fs, const ckpt_metadata_t *meta,
+                             int root, int dfd) {
+  tier_look_t t = {.flushed = true};
+  if (fs->tier_fd < 0)
+    return t;
+  t.total = ckpt__flush_bytes(dfd);
+  t.flushed = root != fs->tier_fd ||
+              !ckpt__flush_unflushed(fs, meta->save_id);
+  return t;
+}
+
+/* fs->lock held. */
+static void set_tier_state(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                           const tier_look_t *t) {
+  ck->tier.tiered = fs->tier_fd >= 0;
+  atomic_store(&ck->tier.flushed, t->flushed);
+  atomic_store(&ck->tier.total, t->total);
+  atomic_store(&ck->tier.done, t->flushed ? t->total : 0);
 }
 
 /* Show committed checkpoint name; with staged (a staged checkpoint of
@@ -134,7 +174,8 @@ int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
  * fs->lock, with lost (moved) as the committed one's .status note. */
 static int load_one(ckpt_fs_t *fs, const char *name, ckpt_ckpt_t *staged,
                     char *lost, char **err) {
-  int dfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
+  int root = ckpt__root_of(fs, name); /* the tier's copy while there */
+  int dfd = ckpt_store_open_dir(root, name, O_RDONLY);
   if (dfd < 0) {
     free(lost);
     *err = ckpt__strdup_printf("opening %s: %s%s", name, strerror(-dfd),
@@ -159,6 +200,7 @@ static int load_one(ckpt_fs_t *fs, const char *name, ckpt_ckpt_t *staged,
     free(meta);
     return rc;
   }
+  tier_look_t tier = tier_look(fs, meta, root, dfd);
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *dir = ckpt__ckpt_lookup(fs, name);
   if (staged && (!staged->dir || dir != staged->dir)) {
@@ -177,6 +219,8 @@ static int load_one(ckpt_fs_t *fs, const char *name, ckpt_ckpt_t *staged,
     rc = -EEXIST; /* already shown */
   else if (rc == 0)
     rc = ckpt__ckpt_set_committed(fs, ck, meta, dfd, err);
+  if (rc == 0)
+    set_tier_state(fs, ck, &tier);
   if (rc && rc != -EEXIST && ck && !dir) {
     /* Made here for it: not shown at all (an empty staging checkpoint of
      * that name would hide it; the next lookup tries again). */
@@ -209,14 +253,15 @@ int ckpt__fs_load_instead(ckpt_fs_t *fs, ckpt_ckpt_t *staged, char *lost,
   return load_one(fs, staged->name, staged, lost, err);
 }
 
-int ckpt__fs_load(ckpt_fs_t *fs) {
+/* The committed checkpoints of root. */
+static int load_root(ckpt_fs_t *fs, int root) {
   char **names;
   size_t n;
-  int rc = ckpt__catalog_names(fs->backing_fd, &names, &n);
+  int rc = ckpt__catalog_names(root, &names, &n);
   if (rc)
     return rc;
   for (size_t i = 0; i < n; i++) {
-    if (!ckpt_store_committed(fs->backing_fd, names[i], NULL))
+    if (!ckpt_store_committed(root, names[i], NULL))
       continue;
     char *err = NULL;
     if (ckpt__fs_load_one(fs, names[i], &err))
@@ -226,4 +271,12 @@ int ckpt__fs_load(ckpt_fs_t *fs) {
   }
   ckpt__catalog_names_free(names, n);
   return 0;
+}
+
+/* The tier's (unflushed) and BACKING_DIR's: load_one takes the tier's copy
+ * of a name in both. */
+int ckpt__fs_load(ckpt_fs_t *fs) {
+  int rc = fs->tier_fd >= 0 ? load_root(fs, fs->tier_fd) : 0;
+  int brc = load_root(fs, fs->backing_fd);
+  return rc ? rc : brc;
 }

@@ -32,6 +32,14 @@
  *   remove_exchanged the new version is NAME, the old one in .saves (not
  *                    synced)
  *   remove_old       synced; the old version is about to be removed
+ *
+ * The flush of a tier (fs/flush.c, -o tier=DIR):
+ *   flush_copy       (also an error point) one data file is being copied
+ *                    into BACKING_DIR/.saves/ID, not linked
+ *   flush_marked     the copy is complete and the record marked
+ *                    'publishing'; not published yet
+ *   flush_published  the checkpoint is published in BACKING_DIR and
+ *                    synced; its flush record is not removed yet
  */
 #ifndef CKPT_FAILPOINT_H
 #define CKPT_FAILPOINT_H

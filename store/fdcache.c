@@ -10,7 +10,9 @@
  * released. A miss opens BACKING_DIR/NAME again, without following
  * symlinks, and checks that it is still the checkpoint that was loaded
  * (its inode and its save ID), so that a handle of a removed checkpoint
- * never reads another one's bytes.
+ * never reads another one's bytes. With a near root (a node-local tier,
+ * ckpt_fdcache_set_near) NAME is looked for there first, and its lineage
+ * checked by save ID: the two copies are different directories.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -39,6 +41,7 @@ struct ckpt_fdent {
 struct ckpt_fdcache {
   pthread_mutex_t lock;   /* protects everything below */
   int backing_fd;         /* not owned */
+  int near_fd;            /* tried first (a tier), or -1; not owned */
   uint32_t cap;
   uint32_t n;             /* entries (open descriptors) */
   uint64_t next_id;
@@ -108,6 +111,7 @@ int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out) {
   if (!c)
     return -ENOMEM;
   c->backing_fd = backing_fd;
+  c->near_fd = -1;
   c->cap = cap ? cap : default_cap();
   c->nbuckets = 64;
   while (c->nbuckets < 2 * (size_t)c->cap)
@@ -135,6 +139,10 @@ void ckpt_fdcache_free(ckpt_fdcache_t *c) {
   free(c->hash);
   pthread_mutex_destroy(&c->lock);
   free(c);
+}
+
+void ckpt_fdcache_set_near(ckpt_fdcache_t *c, int near_fd) {
+  c->near_fd = near_fd;
 }
 
 uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c) {
@@ -200,15 +208,32 @@ static int open_data_file_once(const ckpt_stored_t *s, int backing_fd,
   return fd;
 }
 
+/* The near root (a tier) has the file while its checkpoint is there:
+ * fd, or -ENOENT (not there, or another checkpoint of the name: quietly,
+ * the shared store is tried next) or -errno. */
+static int open_near(const ckpt_stored_t *s, int near_fd, int32_t rank,
+                     uint32_t k) {
+  char name[64];
+  ckpt_data_file_name(rank, k, name, sizeof(name));
+  int dfd = ckpt_store_open_dir(near_fd, s->name, O_PATH);
+  if (dfd < 0)
+    return dfd == -ENOENT || dfd == -ELOOP || dfd == -ENOTDIR ? -ENOENT : dfd;
+  /* by save ID: the copy in BACKING_DIR is another directory */
+  int fd = ckpt_stored_same_lineage(s, dfd) ? -ENOENT
+                                            : ckpt_store_open_file(dfd, name);
+  close(dfd);
+  return fd;
+}
+
 /* A removal inside the checkpoint on another mount may exchange the
  * directory just opened for a later version and remove it before the
  * file is opened in it: then the later version has it (or not: ENOENT
- * again, an item removed since). */
-static int open_data_file(const ckpt_stored_t *s, int backing_fd,
+ * again, an item removed since). With a near root, that first. */
+static int open_data_file(const ckpt_fdcache_t *c, const ckpt_stored_t *s,
                           int32_t rank, uint32_t k) {
-  int fd = -ENOENT;
+  int fd = c->near_fd >= 0 ? open_near(s, c->near_fd, rank, k) : -ENOENT;
   for (int attempt = 0; attempt < 3 && fd == -ENOENT; attempt++)
-    fd = open_data_file_once(s, backing_fd, rank, k);
+    fd = open_data_file_once(s, c->backing_fd, rank, k);
   return fd;
 }
 
@@ -266,12 +291,12 @@ int ckpt_stored_fd(const ckpt_stored_t *s, int32_t rank, uint32_t k,
   shrink(c, c->cap);
   pthread_mutex_unlock(&c->lock);
 
-  int fd = open_data_file(s, c->backing_fd, rank, k);
+  int fd = open_data_file(c, s, rank, k);
   if (fd == -EMFILE || fd == -ENFILE) { /* make room and try once more */
     pthread_mutex_lock(&c->lock);
     shrink(c, 1);
     pthread_mutex_unlock(&c->lock);
-    fd = open_data_file(s, c->backing_fd, rank, k);
+    fd = open_data_file(c, s, rank, k);
   }
   if (fd < 0)
     return fd;
@@ -310,7 +335,7 @@ void ckpt_fdref_put(ckpt_fdref_t *ref) {
 int ckpt__fdcache_reopen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
                          ckpt_fdref_t *ref) {
   ckpt_fdcache_t *c = s->cache;
-  int fd = open_data_file(s, c->backing_fd, rank, k);
+  int fd = open_data_file(c, s, rank, k);
   if (fd < 0)
     return fd;
   struct stat now, was;

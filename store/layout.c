@@ -265,7 +265,7 @@ void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
 }
 
 /* Remove the save directories of .saves that no writer holds. */
-static void cleanup_saves(int backing_fd) {
+static void cleanup_saves(int backing_fd, int keep_fd) {
   int sfd = open_saves(backing_fd, false);
   if (sfd < 0)
     return;
@@ -281,6 +281,10 @@ static void cleanup_saves(int backing_fd) {
   while ((e = readdir(d)) != NULL) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
       continue;
+    struct stat kst;
+    if (keep_fd >= 0 &&
+        fstatat(keep_fd, e->d_name, &kst, AT_SYMLINK_NOFOLLOW) == 0)
+      continue; /* a flush record names it: resumed, not removed */
     int fd = ckpt_open_beneath(sfd, e->d_name, O_RDONLY | O_DIRECTORY, 0);
     if (fd < 0) { /* not a directory: not ours either, but in our space */
       unlinkat(sfd, e->d_name, 0);
@@ -428,7 +432,7 @@ static const char *foreign_entry(int dfd, char *buf, size_t cap) {
   return found;
 }
 
-void ckpt_store_cleanup(int backing_fd) {
+void ckpt_store_cleanup(int backing_fd, int keep_fd) {
   /* Our own open: a dup of backing_fd would share its position. */
   int fd = openat(backing_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
@@ -463,6 +467,6 @@ void ckpt_store_cleanup(int backing_fd) {
     close(dfd);
   }
   closedir(d);
-  cleanup_saves(backing_fd);
+  cleanup_saves(backing_fd, keep_fd);
   cleanup_staging(backing_fd);
 }

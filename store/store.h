@@ -154,8 +154,9 @@ int ckpt__remove_tree(int parent_fd, const char *name);
 int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd);
 /* At mount: remove unfinished saves (directories without .metadata, and
  * those of .saves, that no writer holds), stale .metadata.tmp files and
- * .staging. */
-void ckpt_store_cleanup(int backing_fd);
+ * .staging. keep_fd (a directory, or -1): a .saves/ID is kept when keep_fd
+ * has an entry ID (a tier's flush records: a flush resumes into it). */
+void ckpt_store_cleanup(int backing_fd, int keep_fd);
 
 /* ------------------------------------------------------------------------
  * Data file descriptors (fdcache.c): one cache per process, shared by all
@@ -171,6 +172,11 @@ typedef struct ckpt_fdcache ckpt_fdcache_t;
 #define CKPT_FDCACHE_MAX 256
 int ckpt_fdcache_new(int backing_fd, uint32_t cap, ckpt_fdcache_t **out);
 void ckpt_fdcache_free(ckpt_fdcache_t *c);
+/* A root tried before backing_fd when a data file is opened (a node-local
+ * tier; -1: none, the default): a checkpoint is read from there while it
+ * is there, else from backing_fd. Its lineage is checked by save ID, as
+ * the directories differ. Not owned; set before the first read. */
+void ckpt_fdcache_set_near(ckpt_fdcache_t *c, int near_fd);
 /* Descriptors open now (for tests and the bench). */
 uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c);
 /* Close the unused descriptors of data files that have no name left

@@ -296,6 +296,44 @@ class Passthrough(CkptfsTestCase):
         for name, d in datas.items():
             self.assertEqual(read_all(self.ck("i", name)), d)
 
+    def test_reopen_after_data_file_replaced_and_old_one_changed(self):
+        """A committed file open (its data file X the inode's passthrough
+        backing file); X is then written in place and a good copy renamed
+        over it: a new open meanwhile is not served X's changed bytes (it
+        fails with EIO, as the kernel fails an open of another mode while
+        the inode has a backing file); once the first handle is closed, an
+        open reads the committed bytes from the new file."""
+        self.mount_pt()
+        os.mkdir(self.ck("r"))
+        data = os.urandom(3 * MiB)
+        write_file(self.ck("r", "a"), data)
+        commit(self.ck("r"))
+        fd = os.open(self.ck("r", "a"), os.O_RDONLY)
+        try:
+            self.assertEqual(os.pread(fd, 4096, 0), data[:4096])
+            own = [k for k in data_files(self.bk("r")) if k >= IO_THREADS]
+            self.assertEqual(len(own), 1)
+            path = self.bk("r", f"__0_{own[0]}.distcp")
+            with open(path, "rb") as f:
+                good = f.read()
+            with open(path + ".new", "wb") as f:
+                f.write(good)
+            time.sleep(0.01)
+            with open(path, "r+b") as f:  # X changed after its check
+                f.seek(100)
+                f.write(bytes([good[100] ^ 0xFF]))
+            os.rename(path + ".new", path)
+            try:
+                got = read_all(self.ck("r", "a"))
+            except OSError as e:
+                self.assertEqual(e.errno, errno.EIO)
+            else:
+                self.assertEqual(got, data, "a new open was served the changed "
+                                 "old data file")
+        finally:
+            os.close(fd)
+        self.assertEqual(read_all(self.ck("r", "a")), data)
+
     def test_closed_files_hashed_in_place_or_moved_into_memory(self):
         """After the last close the drain hashes a file of 64 KiB or more
         where it is (reads it once, copies nothing, keeps its backing

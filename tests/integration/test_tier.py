@@ -1,0 +1,513 @@
+#!/usr/bin/env python3
+"""The node-local tier, first slice (-o tier=DIR, -o flush_rate=SIZE; one
+rank; docs/tiers.md): a commit lands in the tier and the background flush
+publishes it in BACKING_DIR as a mount without the tier would have; a
+flush killed midway leaves nothing published and the next mount resumes
+it; one killed after the shared publish is not published twice; the mount
+refuses a tier on BACKING_DIR's filesystem and a world of several ranks.
+
+The tier is a tmpfs mounted in the test's directory (needs root: the test
+fails otherwise, it does not skip), large enough (2 GiB, a limit: only
+what is written takes RAM) that passthrough=1 writes staged files into it;
+BACKING_DIR is on /tmp's filesystem.
+"""
+
+import errno
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptfs_util as cu  # noqa: E402
+from ckptfs_util import (CkptfsTestCase, Mount, commit, main, read_all,  # noqa: E402
+                         status, write_file)
+from mpi_world import MPIRUN  # noqa: E402
+
+MiB = 1 << 20
+SIZE = 64 * MiB
+
+
+def digest(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(8 * MiB)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def data_files(d):
+    return {os.path.basename(p): digest(p)
+            for p in sorted(glob.glob(os.path.join(d, "__*.distcp")))}
+
+
+def commit_before_kill(ckdir):
+    """A sync commit whose daemon a failpoint of the flush kills just after
+    the reply: the write must succeed; the close may find the daemon
+    gone."""
+    fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.write(fd, b"sync\n") == 5
+    finally:
+        try:
+            os.close(fd)
+        except OSError as e:
+            if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED):
+                raise
+
+
+class TierCase(CkptfsTestCase):
+    def setUp(self):
+        super().setUp()
+        self.tier = os.path.join(self.dir, "tier")
+        os.makedirs(self.tier)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", self.tier],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"cannot mount the tier's tmpfs: {r.stderr}")
+        # after the mounts' cleanup (cleanups run last-added first)
+        self.addCleanup(subprocess.run, ["umount", "-l", self.tier], capture_output=True)
+        self.data = os.urandom(SIZE)
+
+    def tier_mount(self, extra="", env=None):
+        opts = f"tier={self.tier}" + (f",{extra}" if extra else "")
+        return self.mount(opts=opts, env=env)
+
+    def stage(self, name="c"):
+        os.mkdir(self.ck(name))
+        write_file(self.ck(name, "weights"), self.data)
+
+    def timed_commit(self, name="c"):
+        t0 = time.monotonic()
+        commit(self.ck(name))
+        return time.monotonic() - t0
+
+    def wait_shared(self, name="c", timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = status(self.ck(name))
+            if "location shared" in s:
+                return s
+            time.sleep(0.05)
+        self.fail(f"not flushed in {timeout}s: {status(self.ck(name))!r}\n{self.daemon_log()}")
+
+    def fsck_clean(self):
+        exe = os.path.join(os.path.dirname(cu.BIN), "ckptfs-fsck")
+        r = subprocess.run([exe, self.backing], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"ckptfs-fsck: {r.stdout}{r.stderr}")
+
+    def read_without_tier(self, name="c", data=None):
+        """A mount without the tier reads the flushed checkpoint bit-exact."""
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.mount()
+        self.assertEqual(read_all(self.ck(name, "weights")),
+                         self.data if data is None else data)
+
+    def wait_tier_gone(self, name="c", timeout=10):
+        """The tier's copy goes right after `location shared`."""
+        deadline = time.monotonic() + timeout
+        while os.path.exists(os.path.join(self.tier, name)):
+            if time.monotonic() > deadline:
+                self.fail(f"tier copy of {name} kept\n{self.daemon_log()}")
+            time.sleep(0.02)
+
+    def records(self):
+        d = os.path.join(self.tier, ".flush")
+        return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+class Flush(TierCase):
+    def test_commit_local_then_shared(self):
+        """A sync commit returns with the checkpoint in the tier only; the
+        flush then publishes the same bytes in BACKING_DIR."""
+        self.tier_mount("flush_rate=32M")  # 2 s: the local state is seen
+        self.stage()
+        commit(self.ck("c"))
+        s = status(self.ck("c"))
+        self.assertEqual(s.splitlines()[0], "committed")
+        self.assertIn("location local", s)
+        in_tier = data_files(os.path.join(self.tier, "c"))
+        meta_mode = os.stat(os.path.join(self.tier, "c", ".metadata")).st_mode
+        self.assertTrue(in_tier)
+        self.assertEqual(len(self.records()), 1)
+        self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
+        # its only copy: not removed (the flush would publish it again)
+        self.assertErrno(errno.EBUSY, os.unlink, self.ck("c", "weights"))
+        # read from the tier meanwhile; a handle open across the flush
+        # reads on
+        fd = os.open(self.ck("c", "weights"), os.O_RDONLY)
+        try:
+            self.assertEqual(os.pread(fd, MiB, 0), self.data[:MiB])
+            self.assertIn("location local", status(self.ck("c")))
+            s = self.wait_shared()
+            self.assertEqual(os.pread(fd, SIZE - MiB, MiB), self.data[MiB:])
+            # a new open meanwhile (its inode has the tier's file as its
+            # passthrough backing) reads the same
+            self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        finally:
+            os.close(fd)
+        fl = [ln for ln in s.splitlines() if ln.startswith("flush bytes")]
+        self.assertEqual(len(fl), 1, s)
+        done, _, total = fl[0].split()[2:5]
+        self.assertEqual(done, total)
+        self.assertGreaterEqual(int(total), SIZE)
+        self.assertEqual(data_files(self.bk("c")), in_tier)
+        # BACKING_DIR holds what a commit without the tier leaves there
+        self.assertEqual(sorted(os.listdir(self.backing)), ["c"])
+        self.assertEqual(sorted(os.listdir(self.bk("c"))), [".metadata"] + sorted(in_tier))
+        self.assertEqual(os.stat(self.bk("c", ".metadata")).st_mode, meta_mode)
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        # the same mount reads it from BACKING_DIR now
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.read_without_tier()
+        self.fsck_clean()
+
+    def test_flush_rate(self):
+        """flush_rate=16M: 64 MiB take 4 s to flush; the commit does not
+        wait for that."""
+        self.tier_mount("flush_rate=16M")
+        self.stage()
+        took = self.timed_commit()
+        t0 = time.monotonic()
+        self.assertIn("location local", status(self.ck("c")))
+        self.wait_shared()
+        flush = time.monotonic() - t0
+        print(f"\n  tier commit {took:.3f} s, flush {flush:.2f} s "
+              f"({SIZE / MiB / flush:.1f} MiB/s at flush_rate=16M)", file=sys.stderr)
+        self.assertLess(took, 0.5)
+        self.assertGreaterEqual(flush, 3.5)
+        # the same commit without a tier, for the record (not asserted:
+        # /tmp's speed is the machine's)
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.mount()
+        self.stage("d")
+        print(f"  commit without tier {self.timed_commit('d'):.3f} s", file=sys.stderr)
+
+
+    def test_bad_copy_not_published(self):
+        """A data file damaged in the tier after the commit: the copy's
+        checksums do not match the .metadata, nothing is published, the
+        tier keeps the checkpoint and its record."""
+        self.tier_mount("flush_rate=16M")  # 4 s: damaged before copied
+        self.stage()
+        commit(self.ck("c"))
+        files = glob.glob(os.path.join(self.tier, "c", "__0_*.distcp"))
+        big = max(files, key=os.path.getsize)
+        with open(big, "r+b") as f:
+            f.seek(os.path.getsize(big) - 1)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([last[0] ^ 0xFF]))
+        deadline, s = time.monotonic() + 30, ""
+        while "flush failed" not in s and time.monotonic() < deadline:
+            s = status(self.ck("c"))
+            time.sleep(0.05)
+        self.assertIn("flush failed: ", s)
+        self.assertIn("location local", s)
+        self.assertIn("is not what was committed", self.daemon_log())
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertEqual(len(self.records()), 1)
+        self.assertTrue(os.path.exists(os.path.join(self.tier, "c", ".metadata")))
+        # failed for good: removed by hand through the mount, for good
+        shutil.rmtree(self.ck("c"))
+        self.assertFalse(os.path.exists(self.ck("c")))
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.assertFalse(os.path.exists(self.bk("c")))
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.tier_mount()
+        self.assertEqual(os.listdir(self.mnt), [])
+        time.sleep(0.3)  # no flush left to publish it
+        self.assertFalse(os.path.exists(self.bk("c")))
+
+
+class Replace(TierCase):
+    def test_replace_racing_flushes(self):
+        """replace= commits of one name, each landing while the flush of
+        the one before is publishing it in BACKING_DIR (its data copied):
+        the flush must not remove the newer commit from the tier. Every
+        sync-committed version reads back at once; the newest is what the
+        mount and BACKING_DIR hold once the flushes are done."""
+        self.tier_mount("flush_rate=8M")  # 1 MiB: 125 ms of copy
+        size, versions, prev = MiB, [], None
+        for i in range(24):
+            data = os.urandom(size)
+            write_file(self.ck("w", "weights"), data)
+            if prev is not None:
+                # the flush of the one before has copied its data: the
+                # metadata, the mark and the publish follow
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    s = status(self.ck("latest"))
+                    fl = [ln.split() for ln in s.splitlines()
+                          if ln.startswith("flush bytes")]
+                    if "location shared" in s or (fl and fl[0][2] == fl[0][4]
+                                                  and fl[0][2] != "0"):
+                        break
+                    time.sleep(0.001)
+                time.sleep((i % 8) * 0.003)
+            commit(self.ck("w"), "sync replace=latest")
+            versions.append(data)
+            prev = data
+            # the flush before is done (or superseded): this version is
+            # still in the tier or flushed, readable
+            deadline = time.monotonic() + 30
+            while len(self.records()) > 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            s = status(self.ck("latest"))
+            self.assertNotIn("flush failed", s, f"version {i}\n{self.daemon_log()}")
+            self.assertTrue("location shared" in s or os.path.exists(
+                os.path.join(self.tier, "latest", ".metadata")),
+                f"version {i} gone from the tier, not flushed\n{self.daemon_log()}")
+            self.assertEqual(read_all(self.ck("latest", "weights")), data, f"version {i}")
+        deadline = time.monotonic() + 60
+        while self.records() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.records(), [], self.daemon_log())
+        self.assertIn("location shared", status(self.ck("latest")))
+        self.assertEqual(read_all(self.ck("latest", "weights")), versions[-1])
+        self.assertNotIn("flush failed", status(self.ck("latest")))
+        met = self.daemon_log().count("a newer save of it now")
+        print(f"\n  {met} flush(es) of 23 met a newer commit", file=sys.stderr)
+        self.read_without_tier("latest", versions[-1])
+        self.fsck_clean()
+
+
+class Crash(TierCase):
+    def test_killed_during_copy(self):
+        """Killed while copying: nothing in BACKING_DIR; the next mount
+        resumes the flush from its record and publishes it."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy")
+        self.assertIn("failpoint reached", self.daemon_log())
+        m.unmount()
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertNothingPublished("c")
+        self.assertEqual(len(self.records()), 1)
+        save_id = self.records()[0]
+        self.assertTrue(os.path.isdir(self.bk(".saves", save_id)))
+        self.mounts = []
+        self.tier_mount()
+        self.wait_shared()
+        # the cleanup of unfinished saves left the one the record names
+        self.assertNotIn(f"removing unfinished save .saves/{save_id}", self.daemon_log())
+        self.assertEqual(self.records(), [])
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.read_without_tier()
+        self.fsck_clean()
+
+    def test_resumed_copy_checks_linked_files(self):
+        """Killed while copying the last data file: one linked in
+        BACKING_DIR/.saves/ID by the killed run is damaged there (same
+        size) before the next mount: the resumed flush checks it, copies
+        it again, and publishes the committed bytes."""
+        # six data files (two of the staged files', four empty): killed
+        # at the last one's copy, the others linked
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy:6"})
+        os.mkdir(self.ck("c"))
+        write_file(self.ck("c", "weights"), self.data)
+        write_file(self.ck("c", "other"), self.data[::-1])
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy:6")
+        m.unmount()
+        save_id = self.records()[0]
+        linked = [p for p in glob.glob(self.bk(".saves", save_id, "__*.distcp"))
+                  if os.path.getsize(p) > 0]
+        tier = {os.path.basename(p): os.path.getsize(p)
+                for p in glob.glob(os.path.join(self.tier, "c", "__*.distcp"))}
+        self.assertTrue(linked, f"none linked; tier {tier}")
+        with open(linked[0], "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 0xFF]))
+        self.mounts = []
+        self.tier_mount()
+        self.wait_shared()
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.assertEqual(read_all(self.ck("c", "other")), self.data[::-1])
+        self.fsck_clean()
+
+    def test_killed_after_publish(self):
+        """Killed once published in BACKING_DIR, before the record went:
+        the next mount drops the record, publishes nothing twice."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
+        self.assertIn("failpoint reached", self.daemon_log())
+        m.unmount()
+        self.assertTrue(os.path.exists(self.bk("c", ".metadata")))
+        self.assertEqual(len(self.records()), 1)
+        before = os.stat(self.bk("c"))
+        self.mounts = []
+        self.tier_mount()
+        self.assertIn("flushed already", cu.wait_log(self.log, "flushed already"))
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        s = status(self.ck("c"))
+        self.assertIn("location shared", s)
+        after = os.stat(self.bk("c"))
+        self.assertEqual((before.st_ino, before.st_mtime_ns), (after.st_ino, after.st_mtime_ns))
+        self.assertEqual(os.listdir(self.backing), ["c"])
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.fsck_clean()
+
+
+    def test_store_full_waits(self):
+        """The shared store full (ENOSPC once): .status says the flush
+        waits; it retries after 1 s and publishes."""
+        self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy=ENOSPC"})
+        self.stage()
+        commit(self.ck("c"))
+        deadline, seen = time.monotonic() + 10, ""
+        while "flush waiting: " not in seen and time.monotonic() < deadline:
+            seen = status(self.ck("c"))
+            time.sleep(0.02)
+        self.assertIn("flush waiting: ", seen)
+        self.assertIn("No space left on device (retry in 1 s)", seen)
+        self.assertIn("location local", seen)
+        s = self.wait_shared()
+        self.assertNotIn("flush waiting", s)
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.fsck_clean()
+
+
+    def test_killed_before_publish_other_mount_cleans(self):
+        """Killed once marked 'publishing', before the publish; then a
+        mount without the tier on the same BACKING_DIR removes the
+        unfinished BACKING_DIR/.saves/ID (its cleanup): the tier's copy is
+        the only one, and the next mount with the tier publishes it."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_marked"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_marked")
+        m.unmount()
+        self.assertEqual(len(self.records()), 1)
+        save_id = self.records()[0]
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.mounts = []
+        other = self.mount()  # without the tier: its cleanup runs
+        self.assertEqual(os.listdir(self.mnt), [])
+        other.stop()
+        self.assertFalse(os.path.exists(self.bk(".saves", save_id)))
+        self.mounts = []
+        self.tier_mount()
+        s = self.wait_shared()
+        self.assertNotIn("flush failed", s)
+        self.assertEqual(self.records(), [])
+        self.wait_tier_gone()
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.read_without_tier()
+        self.fsck_clean()
+
+    def test_removed_after_publish_comes_back(self):
+        """Killed once published, before the record went; then a mount
+        without the tier removes the checkpoint. The next mount with the
+        tier cannot tell that from a cleanup that removed the unpublished
+        copy (above): it keeps the tier's copy and publishes it again
+        (docs/tiers.md), without replacing anything."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_published"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_published")
+        m.unmount()
+        self.assertEqual(len(self.records()), 1)
+        self.mounts = []
+        other = self.mount()  # without the tier
+        shutil.rmtree(self.ck("c"))
+        other.stop()
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.mounts = []
+        self.tier_mount()
+        self.assertIn("flushed again without replacing",
+                      cu.wait_log(self.log, "flushed again without replacing"))
+        self.wait_shared()
+        self.assertEqual(self.records(), [])
+        self.wait_tier_gone()
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+        self.fsck_clean()
+
+
+class Refused(TierCase):
+    def refused(self, opts, want):
+        m = self.mount(opts=opts, start=False)
+        with self.assertRaises(RuntimeError) as cm:
+            m.start()
+        self.assertEqual(m.returncode, 2, str(cm.exception))
+        self.assertIn(want, str(cm.exception))
+        self.assertFalse(os.path.exists(self.backing), "BACKING_DIR made anyway")
+
+    def test_same_filesystem(self):
+        same = os.path.join(self.dir, "same")
+        os.mkdir(same)
+        self.refused(f"tier={same}", "same filesystem as BACKING_DIR")
+
+    def test_missing_or_not_directory(self):
+        self.refused(f"tier={self.dir}/none", "the tier directory must exist")
+        f = os.path.join(self.tier, "file")
+        open(f, "w").close()
+        self.refused(f"tier={f}", "not a directory")
+
+    def test_tier_in_use(self):
+        self.tier_mount()
+        m = Mount(os.path.join(self.dir, "backing2"), os.path.join(self.dir, "mnt2"),
+                  self.log, opts=f"tier={self.tier}")
+        self.mounts.append(m)
+        with self.assertRaises(RuntimeError) as cm:
+            m.start()
+        self.assertEqual(m.returncode, 2, str(cm.exception))
+        self.assertIn("is in use by another mount", str(cm.exception))
+
+    def test_unflushed_for_another_backing_dir(self):
+        """A tier holding a checkpoint unflushed to BACKING_DIR A is refused
+        with BACKING_DIR B (B's mount would not flush it), then flushed by
+        A's."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy"})
+        self.stage()
+        commit_before_kill(self.ck("c"))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_copy")
+        m.unmount()
+        self.mounts = []
+        other = Mount(os.path.join(self.dir, "backing2"), self.mnt, self.log,
+                      opts=f"tier={self.tier}")
+        self.mounts.append(other)
+        with self.assertRaises(RuntimeError) as cm:
+            other.start()
+        self.assertEqual(other.returncode, 2, str(cm.exception))
+        self.assertIn(f"not flushed yet to another BACKING_DIR, {self.backing} "
+                      "(checkpoint c)", str(cm.exception))
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "backing2")))
+        self.mounts = []
+        self.tier_mount()
+        self.wait_shared()
+        self.assertEqual(read_all(self.ck("c", "weights")), self.data)
+
+    def test_world_of_two(self):
+        root = os.path.join(self.dir, "w")
+        os.makedirs(os.path.join(root, "rank0"))
+        os.makedirs(os.path.join(root, "rank1"))
+        r = subprocess.run(MPIRUN + ["-np", "2", cu.BIN, "-f", "-o", f"tier={self.tier}",
+                                     self.backing, os.path.join(root, "rank%r")],
+                           capture_output=True, text=True, timeout=60,
+                           env=cu.daemon_env())
+        out = r.stdout + r.stderr
+        self.assertNotEqual(r.returncode, 0, out)
+        self.assertIn("multi-rank tiers", out)
+        self.assertFalse(os.path.exists(self.backing), "BACKING_DIR made anyway")
+
+
+if __name__ == "__main__":
+    main()
