@@ -845,6 +845,9 @@ static int load_chunks(loader_t *ld) {
                   " length, checksum FROM chunks",
                   &st);
   while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    /* The last row's fqn was SQLite's text of that row, gone with the
+     * step: this row's errors must not print it */
+    r.fqn = NULL;
     if (r.n == m->n_chunks) {
       rc = row_fail(ld, &r, "more rows than counted");
       break;
@@ -852,15 +855,18 @@ static int load_chunks(loader_t *ld) {
     ckpt_chunk_meta_t *c = &m->chunks[r.n++];
     ckpt_dims_t offs, sizes;
     int64_t ti;
-    if ((r.fqn = col_text(ld, st, 0, &r, NULL)) == NULL) {
+    const char *fqn = col_text(ld, st, 0, &r, NULL);
+    if (fqn == NULL) {
       rc = -EINVAL;
       break;
     }
-    if ((ti = find_tensor(m, r.fqn)) < 0) {
+    r.fqn = fqn;
+    if ((ti = find_tensor(m, fqn)) < 0) {
       rc = row_fail(ld, &r, "not a tensor of the tensors table");
       break;
     }
     c->tensor = (uint32_t)ti;
+    r.fqn = m->tensors[ti].fqn; /* the loaded copy: lives as long as m */
     if ((rc = col_dims(ld, st, 1, &r, &offs)) < 0 ||
         (rc = col_dims(ld, st, 2, &r, &sizes)) < 0 ||
         (rc = col_storage(ld, st, 3, &r, &c->rank, &c->file, &c->file_offset,
@@ -885,6 +891,7 @@ static int load_blobs(loader_t *ld) {
                   " FROM blobs ORDER BY fqn COLLATE BINARY",
                   &st);
   while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    r.fqn = NULL; /* the last row's, until this one's is read */
     if (r.n == m->n_blobs) {
       rc = row_fail(ld, &r, "more rows than counted");
       break;
