@@ -86,14 +86,20 @@ class TierCase(CkptfsTestCase):
         commit(self.ck(name))
         return time.monotonic() - t0
 
-    def wait_shared(self, name="c", timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def wait_status(self, phrase, name="c", timeout=60):
+        """NAME's .status once it holds phrase, else the last one read."""
+        deadline, s = time.monotonic() + timeout, ""
+        while phrase not in s and time.monotonic() < deadline:
             s = status(self.ck(name))
-            if "location shared" in s:
-                return s
-            time.sleep(0.05)
-        self.fail(f"not flushed in {timeout}s: {status(self.ck(name))!r}\n{self.daemon_log()}")
+            if phrase not in s:
+                time.sleep(0.02)
+        return s
+
+    def wait_shared(self, name="c", timeout=60):
+        s = self.wait_status("location shared", name, timeout)
+        if "location shared" not in s:
+            self.fail(f"not flushed in {timeout}s: {s!r}\n{self.daemon_log()}")
+        return s
 
     def fsck_clean(self):
         exe = os.path.join(os.path.dirname(cu.BIN), "ckptfs-fsck")
@@ -207,10 +213,7 @@ class Flush(TierCase):
             last = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([last[0] ^ 0xFF]))
-        deadline, s = time.monotonic() + 30, ""
-        while "flush failed" not in s and time.monotonic() < deadline:
-            s = status(self.ck("c"))
-            time.sleep(0.05)
+        s = self.wait_status("flush failed", timeout=30)
         self.assertIn("flush failed: ", s)
         self.assertIn("location local", s)
         self.assertIn("is not what was committed", self.daemon_log())
@@ -386,10 +389,7 @@ class Crash(TierCase):
         self.tier_mount(env={"CKPTFS_FAILPOINT": "flush_copy=ENOSPC"})
         self.stage()
         commit(self.ck("c"))
-        deadline, seen = time.monotonic() + 10, ""
-        while "flush waiting: " not in seen and time.monotonic() < deadline:
-            seen = status(self.ck("c"))
-            time.sleep(0.02)
+        seen = self.wait_status("flush waiting: ", timeout=10)
         self.assertIn("flush waiting: ", seen)
         self.assertIn("No space left on device (retry in 1 s)", seen)
         self.assertIn("location local", seen)
