@@ -79,6 +79,15 @@ int ckpt_dist_rank(const ckpt_dist_t *d);
 int ckpt_dist_size(const ckpt_dist_t *d);
 /* True when started by an MPI launcher. */
 bool ckpt_dist_launched(const ckpt_dist_t *d);
+/* Nodes: ranks that MPI lets share memory (MPI_COMM_TYPE_SHARED) are one
+ * node; node k is the k-th in the order of its lowest world rank. A world
+ * of one, or without MPI, is node 0 of 1. Fixed after ckpt_dist_init. */
+int ckpt_dist_nodes(const ckpt_dist_t *d);
+int ckpt_dist_node_of(const ckpt_dist_t *d, int rank); /* -1: no such rank */
+/* The rank that keeps a partner copy of rank's data: the rank of the same
+ * index among its node's ranks on the next node (node + 1 mod nodes; the
+ * index wraps on a node with fewer ranks). -1 with fewer than 2 nodes. */
+int ckpt_dist_partner(const ckpt_dist_t *d, int rank);
 
 /* Start the dist thread. commit_timeout: seconds a save waits for every
  * rank. A client rank that hears nothing from the coordinator gives up

@@ -997,6 +997,34 @@ int ckpt_dist_rank(const ckpt_dist_t *d) { return d->rank; }
 int ckpt_dist_size(const ckpt_dist_t *d) { return d->size; }
 bool ckpt_dist_launched(const ckpt_dist_t *d) { return d->launched; }
 
+int ckpt_dist_nodes(const ckpt_dist_t *d) { return d->node_of ? d->nodes : 1; }
+
+int ckpt_dist_node_of(const ckpt_dist_t *d, int rank) {
+  if (rank < 0 || rank >= d->size)
+    return -1;
+  return d->node_of ? d->node_of[rank] : 0;
+}
+
+/* The k-th rank of node n in rank order, -1 if it has fewer. */
+static int kth_rank_of(const ckpt_dist_t *d, int n, int k) {
+  for (int r = 0; r < d->size; r++)
+    if (ckpt_dist_node_of(d, r) == n && k-- == 0)
+      return r;
+  return -1;
+}
+
+int ckpt_dist_partner(const ckpt_dist_t *d, int rank) {
+  int n = ckpt_dist_node_of(d, rank), nodes = ckpt_dist_nodes(d);
+  if (n < 0 || nodes < 2)
+    return -1;
+  int k = 0, on_next = 0, next = (n + 1) % nodes;
+  for (int r = 0; r < rank; r++)
+    k += ckpt_dist_node_of(d, r) == n;
+  for (int r = 0; r < d->size; r++)
+    on_next += ckpt_dist_node_of(d, r) == next;
+  return kth_rank_of(d, next, k % on_next);
+}
+
 int ckpt_dist_start(ckpt_dist_t *d, const ckpt_save_ops_t *ops, void *ctx,
                     double commit_timeout) {
   pthread_mutex_lock(&d->lock);
@@ -1059,6 +1087,7 @@ void ckpt_dist_destroy(ckpt_dist_t *d) {
   }
   free(d->init_err);
   free(d->gave_up);
+  free(d->node_of);
   pthread_mutex_destroy(&d->lock);
   pthread_cond_destroy(&d->cond);
   free(d);

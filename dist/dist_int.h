@@ -76,6 +76,9 @@ struct ckpt_dist {
   bool coord_stopped;     /* client: rank 0 sent STOPPED */
   ckpt__pending_t *pending; /* sends not yet completed */
   void *comm;             /* mpi.c's communicator */
+  /* Set before ready, read-only after: */
+  int *node_of;           /* per world rank, its node (NULL: world of one) */
+  int nodes;              /* nodes of the world */
 };
 
 /* mpi.c: the only MPI user. Called on the dist thread only. */

@@ -39,6 +39,42 @@ static char *mpi_error(const char *what, int code) {
   return s;
 }
 
+/* Which ranks share a node (the ranks MPI lets share memory): node k is
+ * the k-th distinct node in the order of its lowest world rank. */
+static int node_map(ckpt_dist_t *d, char **err) {
+  MPI_Comm node;
+  int rc = MPI_Comm_split_type(*(MPI_Comm *)d->comm, MPI_COMM_TYPE_SHARED,
+                               d->rank, MPI_INFO_NULL, &node);
+  if (rc != MPI_SUCCESS) {
+    *err = mpi_error("MPI_Comm_split_type", rc);
+    return -EIO;
+  }
+  int low = d->rank;
+  rc = MPI_Allreduce(MPI_IN_PLACE, &low, 1, MPI_INT, MPI_MIN, node);
+  MPI_Comm_free(&node);
+  int *lows = calloc((size_t)d->size, sizeof(*lows));
+  d->node_of = calloc((size_t)d->size, sizeof(*d->node_of));
+  if (!lows || !d->node_of) {
+    free(lows);
+    *err = strdup("out of memory");
+    return -ENOMEM;
+  }
+  if (rc == MPI_SUCCESS)
+    rc = MPI_Allgather(&low, 1, MPI_INT, lows, 1, MPI_INT,
+                       *(MPI_Comm *)d->comm);
+  if (rc != MPI_SUCCESS) {
+    free(lows);
+    *err = mpi_error("MPI_Allgather", rc);
+    return -EIO;
+  }
+  /* A node's lowest rank is where it first appears in rank order. */
+  d->nodes = 0;
+  for (int r = 0; r < d->size; r++)
+    d->node_of[r] = lows[r] == r ? d->nodes++ : d->node_of[lows[r]];
+  free(lows);
+  return 0;
+}
+
 int ckpt__mpi_init(ckpt_dist_t *d, char **err) {
   int provided = 0;
   int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
@@ -57,7 +93,7 @@ int ckpt__mpi_init(ckpt_dist_t *d, char **err) {
   MPI_Comm_rank(*comm, &d->rank);
   MPI_Comm_size(*comm, &d->size);
   d->comm = comm;
-  return 0;
+  return node_map(d, err);
 }
 
 void ckpt__mpi_finalize(ckpt_dist_t *d) {

@@ -519,6 +519,9 @@ int main(int argc, char **argv) {
     }
     free(path);
   }
+  if (fs.world_size > 1)
+    ckpt__log("rank %d of %d, node %d of %d", fs.rank, fs.world_size,
+              ckpt_dist_node_of(fs.dist, fs.rank), ckpt_dist_nodes(fs.dist));
   if (fs.opts.metrics_file &&
       !(metrics_file = metrics_path(fs.opts.metrics_file, fs.rank))) {
     fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
