@@ -81,7 +81,13 @@ typedef struct {
   bool verify;                /* check each chunk's XXH3 before serving it */
   uint64_t safetensors_shard; /* tensor bytes per NAME/.safetensors shard */
   ckpt_replica_check_t replica_check;
-  uint32_t keep_last;         /* committed checkpoints kept; 0: all */
+  ckpt_keep_policy_t keep;    /* -o keep= (keep_last=N: last:N): what
+                                 the coordinator keeps of BACKING_DIR after
+                                 each commit; no rule: all */
+  char keep_text[160];        /* that option as given, for log lines */
+  uint32_t tier_keep;         /* -o tier_keep=N: flushed checkpoints kept
+                                 in the tier; 0: none (removed once
+                                 flushed) */
   bool foreground;            /* -f */
   bool show_help;             /* -h / --help */
   bool show_version;          /* -V / --version */

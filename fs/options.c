@@ -32,6 +32,8 @@ enum {
   KEY_METRICS,
   KEY_TIER,
   KEY_FLUSH_RATE,
+  KEY_KEEP,
+  KEY_TIER_KEEP,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -53,6 +55,8 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("metrics=", KEY_METRICS),
     FUSE_OPT_KEY("tier=", KEY_TIER),
     FUSE_OPT_KEY("flush_rate=", KEY_FLUSH_RATE),
+    FUSE_OPT_KEY("keep=", KEY_KEEP),
+    FUSE_OPT_KEY("tier_keep=", KEY_TIER_KEEP),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -106,9 +110,17 @@ void ckpt__opts_help(void) {
       "  -o replica_check=error|warn|off\n"
       "                          replicas of one chunk that differ between "
       "ranks (default: error)\n"
-      "  -o keep_last=N          after each commit, remove the committed "
+      "  -o keep=POLICY          after each commit, remove the committed "
       "checkpoints of\n"
-      "                          BACKING_DIR beyond the N newest; 0 keeps all "
+      "                          BACKING_DIR that no rule keeps (ordered by "
+      "step): last:N,\n"
+      "                          every:K (steps that are multiples of K), "
+      "best:M:KEY:min|max\n"
+      "                          (by metric KEY), joined by commas; "
+      "protected ones and\n"
+      "                          the one just committed stay (default: keep "
+      "all)\n"
+      "  -o keep_last=N          the same as keep=last:N; 0 keeps all "
       "(default: 0)\n"
       "  -o safetensors_shard=SIZE\n"
       "                          tensor bytes per file of NAME/.safetensors, "
@@ -133,7 +145,10 @@ void ckpt__opts_help(void) {
       "                          rank only for now (default: none)\n"
       "  -o flush_rate=SIZE      bytes per second that copy may use, K/M/G "
 "suffixes; 0:\n"
-      "                          unlimited (default: 0)\n"
+      "                          unlimited (default: 0)\n"      "  -o tier_keep=N          keep the N newest flushed checkpoints in "
+"the tier as\n"
+      "                          well (by step); unflushed ones always stay "
+"(default: 0)\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
@@ -314,9 +329,27 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "replica_check", val, "error, warn or off");
     return 0;
   case KEY_KEEP_LAST:
+  case KEY_KEEP:
+    if (o->keep_text[0])
+      return bad(ps, key == KEY_KEEP ? "keep" : "keep_last", val,
+                 "one retention option (keep= or keep_last=), once");
+    if (key == KEY_KEEP_LAST) {
+      if (parse_uint(val, UINT32_MAX, &v))
+        return bad(ps, "keep_last", val,
+                   "a number of checkpoints, 0 for all");
+      o->keep.last = (uint32_t)v;
+    } else if (ckpt_keep_policy_parse(val, strlen(val), &o->keep)) {
+      return bad(ps, "keep", val,
+                 "rules last:N, every:K, best:M:KEY:min|max joined by "
+                 "commas, like last:5,every:1000,best:3:loss:min");
+    }
+    snprintf(o->keep_text, sizeof(o->keep_text), "%s=%s",
+             key == KEY_KEEP ? "keep" : "keep_last", val);
+    return 0;
+  case KEY_TIER_KEEP:
     if (parse_uint(val, UINT32_MAX, &v))
-      return bad(ps, "keep_last", val, "a number of checkpoints, 0 for all");
-    o->keep_last = (uint32_t)v;
+      return bad(ps, "tier_keep", val, "a number of checkpoints, or 0");
+    o->tier_keep = (uint32_t)v;
     return 0;
   case KEY_SAFETENSORS_SHARD:
     if (ckpt__parse_size(val, &v) || v == 0)
