@@ -2406,6 +2406,69 @@ static void reply_root_xattr(fuse_req_t req, const ckpt_fs_t *fs,
   reply_xattr_value(req, v, (size_t)len, size);
 }
 
+/* A committed checkpoint's directory tells what retention sees of it:
+ * user.ckpt.step (recorded at commit, else from the name),
+ * user.ckpt.metric.KEY per metric, user.ckpt.protected (0 or 1: the
+ * marker of ckptctl protect, else the commit word). false when n is not
+ * such a directory. */
+#define METRIC_XATTR "user.ckpt.metric."
+static bool committed_ckpt(ckpt_fs_t *fs, const ckpt_node_t *n) {
+  if (n->kind != CKPT_NODE_CKPT)
+    return false;
+  pthread_mutex_lock(&fs->lock);
+  bool yes = n->ck->state == CKPT_COMMITTED && n->ck->meta;
+  pthread_mutex_unlock(&fs->lock);
+  return yes;
+}
+
+static void reply_ckpt_xattr(fuse_req_t req, ckpt_fs_t *fs,
+                             const ckpt_node_t *n, const char *name,
+                             size_t size) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  char v[48];
+  double x;
+  int len = -1;
+  if (strcmp(name, "user.ckpt.step") == 0) {
+    int64_t step = m->has_step ? m->step : ckpt_step_from_name(n->ck->name);
+    if (step >= 0)
+      len = snprintf(v, sizeof(v), "%lld", (long long)step);
+  } else if (strcmp(name, "user.ckpt.protected") == 0) {
+    int dfd = ckpt_store_open_dir(ckpt__root_of(fs, n->ck->name),
+                                  n->ck->name, O_RDONLY);
+    int mark = dfd >= 0 ? ckpt__protect_read(dfd) : -1;
+    if (dfd >= 0)
+      close(dfd);
+    len = snprintf(v, sizeof(v), "%d", mark >= 0 ? mark : m->protect);
+  } else if (strncmp(name, METRIC_XATTR, strlen(METRIC_XATTR)) == 0 &&
+             ckpt_metadata_metric(m, name + strlen(METRIC_XATTR), &x)) {
+    len = ckpt_metric_format(x, v, sizeof(v));
+  }
+  if (len < 0)
+    fuse_reply_err(req, ENODATA);
+  else
+    reply_xattr_value(req, v, (size_t)len, size);
+}
+
+static void list_ckpt_xattrs(fuse_req_t req, const ckpt_node_t *n,
+                             size_t size) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  bool step = m->has_step || ckpt_step_from_name(n->ck->name) >= 0;
+  int rc = step ? ckpt_buf_append(&b, "user.ckpt.step", 15) : 0;
+  if (rc == 0)
+    rc = ckpt_buf_append(&b, "user.ckpt.protected", 20);
+  for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++)
+    rc = ckpt_buf_printf(&b, METRIC_XATTR "%s", m->metrics[i].key) < 0
+             ? -ENOMEM
+             : ckpt_buf_append(&b, "", 1);
+  if (rc)
+    fuse_reply_err(req, ENOMEM);
+  else
+    reply_xattr_value(req, (const char *)b.data, b.len, size);
+  ckpt_buf_free(&b);
+}
+
 static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         size_t size) {
   ckpt__metrics_request(req, CKPT_OP_getxattr);
@@ -2417,6 +2480,8 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   }
   if (n->kind == CKPT_NODE_ROOT) {
     reply_root_xattr(req, fs, name, size);
+  } else if (committed_ckpt(fs, n)) {
+    reply_ckpt_xattr(req, fs, n, name, size);
   } else if (n->kind == CKPT_NODE_SFILE) {
     char *buf = size ? malloc(size) : NULL;
     int rc = size && !buf ? -ENOMEM
@@ -2482,6 +2547,8 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
     free(buf);
   } else if (n->kind == CKPT_NODE_ROOT) {
     reply_xattr_value(req, root_xattrs, sizeof(root_xattrs), size);
+  } else if (committed_ckpt(fs, n)) {
+    list_ckpt_xattrs(req, n, size);
   } else if (n->kind == CKPT_NODE_CBLOCK) {
     static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
     reply_xattr_value(req, names, sizeof(names), size);

@@ -120,8 +120,8 @@ void ckpt__opts_help(void) {
       "protected ones and\n"
       "                          the one just committed stay (default: keep "
       "all)\n"
-      "  -o keep_last=N          the same as keep=last:N; 0 keeps all "
-      "(default: 0)\n"
+      "  -o keep_last=N          the same as keep=last:N; 0 keeps all\n"
+      "                          (default: 0)\n"
       "  -o safetensors_shard=SIZE\n"
       "                          tensor bytes per file of NAME/.safetensors, "
       "K/M/G suffixes\n"
@@ -225,7 +225,18 @@ typedef struct {
   ckpt_opts_t *o;
   char *err; /* first problem */
   int nonopts;
+  /* -o keep=last:5,every:1000: the option parser splits at the commas,
+   * so the rules after the first come as options of their own; they are
+   * gathered here and parsed at the end. */
+  char keep[512];
+  bool keep_open; /* the last option was keep= or one of its rules */
 } parse_state_t;
+
+/* A rule of keep= that came as an option of its own (see keep_open). */
+static bool keep_rule(const char *arg) {
+  return !strncmp(arg, "last:", 5) || !strncmp(arg, "every:", 6) ||
+         !strncmp(arg, "best:", 5);
+}
 
 /* Remember the first problem: "invalid NAME 'VALUE': expected WHAT". */
 static int bad(parse_state_t *ps, const char *name, const char *val,
@@ -241,6 +252,13 @@ static int opt_proc(void *data, const char *arg, int key,
   (void)outargs;
   parse_state_t *ps = data;
   ckpt_opts_t *o = ps->o;
+  bool rule = key == FUSE_OPT_KEY_OPT && ps->keep_open && keep_rule(arg);
+  ps->keep_open = (key == KEY_KEEP || rule) && !ps->err;
+  if (rule) {
+    size_t n = strlen(ps->keep);
+    snprintf(ps->keep + n, sizeof(ps->keep) - n, ",%s", arg);
+    return 0;
+  }
   const char *val = strchr(arg, '=');
   val = val ? val + 1 : "";
   uint64_t v;
@@ -338,10 +356,8 @@ static int opt_proc(void *data, const char *arg, int key,
         return bad(ps, "keep_last", val,
                    "a number of checkpoints, 0 for all");
       o->keep.last = (uint32_t)v;
-    } else if (ckpt_keep_policy_parse(val, strlen(val), &o->keep)) {
-      return bad(ps, "keep", val,
-                 "rules last:N, every:K, best:M:KEY:min|max joined by "
-                 "commas, like last:5,every:1000,best:3:loss:min");
+    } else {
+      snprintf(ps->keep, sizeof(ps->keep), "%s", val); /* parsed at the end */
     }
     snprintf(o->keep_text, sizeof(o->keep_text), "%s=%s",
              key == KEY_KEEP ? "keep" : "keep_last", val);
@@ -403,6 +419,13 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   parse_state_t ps = {.o = o};
   if (fuse_opt_parse(args, &ps, opt_spec, opt_proc) == -1 && !ps.err)
     ps.err = strdup("cannot parse the options");
+  if (!ps.err && o->keep_text[0] == 'k' && !strncmp(o->keep_text, "keep=", 5)) {
+    if (ckpt_keep_policy_parse(ps.keep, strlen(ps.keep), &o->keep))
+      bad(&ps, "keep", ps.keep,
+          "rules last:N, every:K, best:M:KEY:min|max joined by commas, "
+          "each at most once, like last:5,every:1000,best:3:loss:min");
+    snprintf(o->keep_text, sizeof(o->keep_text), "keep=%s", ps.keep);
+  }
   if (!ps.err && !o->show_help && !o->show_version &&
       (!o->backing_dir || !o->mountpoint))
     ps.err = strdup("missing BACKING_DIR or MOUNTPOINT "

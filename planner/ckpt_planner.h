@@ -124,6 +124,9 @@ typedef struct {
   double value;
 } ckpt_metric_t;
 bool ckpt_metric_key_valid(const char *key, size_t len);
+/* v as the shortest decimal text that reads back as v (%.15g, else
+ * %.17g): 0.25, 1e-05. snprintf semantics. */
+int ckpt_metric_format(double v, char *buf, size_t cap);
 /* A metric's value: a finite decimal or exponent number (strtod's, without
  * hex, inf or nan), len bytes. 0 or -EINVAL. */
 int ckpt_metric_value_parse(const char *s, size_t len, double *out);

@@ -88,6 +88,14 @@ int ckpt_metadata_set_retention(ckpt_metadata_t *m,
   return 0;
 }
 
+int ckpt_metric_format(double v, char *buf, size_t cap) {
+  char t[40];
+  snprintf(t, sizeof(t), "%.15g", v);
+  if (strtod(t, NULL) != v)
+    snprintf(t, sizeof(t), "%.17g", v);
+  return snprintf(buf, cap, "%s", t);
+}
+
 bool ckpt_keep_policy_active(const ckpt_keep_policy_t *p) {
   return p->last || p->every || p->best;
 }

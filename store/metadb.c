@@ -13,8 +13,8 @@
  *   checkpoint keys of retention, each only when its commit word was
  *   given (older checkpoints have none; a reader treats them as absent):
  *                   step = N (decimal), protect = "1",
- *                   metric.KEY = VALUE ("%.17g": reads back the same
- *                   double), one row per metric
+ *                   metric.KEY = VALUE (the shortest decimal that
+ *                   reads back the same double), one row per metric
  * created_at is ISO-8601 UTC ("2026-12-02T10:03:00Z"), world_size decimal.
  *
  * Workload: one publish per commit, up to about a million chunk rows, all
@@ -208,7 +208,7 @@ static int insert_retention(writer_t *w, sqlite3_stmt *st,
                     bind_text(st, 1, "protect") | bind_text(st, 2, "1"));
   for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++) {
     snprintf(key, sizeof(key), "metric.%s", m->metrics[i].key);
-    snprintf(val, sizeof(val), "%.17g", m->metrics[i].value);
+    ckpt_metric_format(m->metrics[i].value, val, sizeof(val));
     rc = insert_row(w, st, bind_text(st, 1, key) | bind_text(st, 2, val));
   }
   return rc;

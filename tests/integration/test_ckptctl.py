@@ -268,7 +268,8 @@ class Commands(Base):
         self.assertEqual(sorted(byname), ["a", "b", "bad", "busy", "gone"])
         self.assertEqual([c["name"] for c in doc["checkpoints"]], sorted(byname))
         keys = {"name", "state", "created_at", "created_at_unix", "save_id", "world_size",
-                "tensors", "chunks", "blobs", "bytes", "disk_bytes", "held", "error", "mount"}
+                "tensors", "chunks", "blobs", "bytes", "disk_bytes", "held", "error", "mount",
+                "step", "protected", "metrics"}
         for c in doc["checkpoints"]:
             self.assertEqual(set(c), keys, c["name"])
         for name in ("a", "b"):
@@ -296,7 +297,7 @@ class Commands(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         lines = r.stdout.splitlines()
         self.assertEqual(lines[0].split(), ["NAME", "STATE", "CREATED", "WORLD", "TENSORS",
-                                            "BLOBS", "BYTES"])
+                                            "BLOBS", "BYTES", "STEP"])
         row = {ln.split()[0]: ln for ln in lines[1:]}
         self.assertEqual(row["a"].split()[:7],
                          ["a", "committed", byname["a"]["created_at"], "1", "2", "1", "99"])
@@ -617,7 +618,12 @@ class Commands(Base):
             (["diff", self.backing, "a"], "missing arguments"),
             (["export", self.backing, "a"], "--safetensors FILE or --dcp DIR is required"),
             (["export", self.backing, "a", "--safetensors"], "needs a value"),
-            (["prune", self.backing], "--keep N is required"),
+            (["prune", self.backing], "a rule is required: --keep-last N"),
+            (["prune", self.backing, "--keep", "2", "--keep-last", "3"], "give one of them"),
+            (["prune", self.backing, "--keep-best", "2"], "needs --metric KEY"),
+            (["prune", self.backing, "--keep-last", "2", "--mode", "max"], "go with --keep-best"),
+            (["prune", self.backing, "--keep-best", "2", "--metric", "a b"],
+             "expected a metric key"),
             (["prune", self.backing, "--keep", "0"], "at least 1"),
             (["prune", self.backing, "--keep", "x"], "expected a number"),
         ]
@@ -633,7 +639,7 @@ class Commands(Base):
     def test_help_lists_every_option_with_its_default(self):
         r = ctl("--help")
         self.assertEqual(r.returncode, 0)
-        for cmd in ("ls", "show", "diff", "export", "prune", "wait"):
+        for cmd in ("ls", "show", "diff", "export", "prune", "protect", "unprotect", "wait"):
             self.assertRegex(r.stdout, rf"(?m)^  {cmd} ")
             h = ctl(cmd, "--help")
             self.assertEqual(h.returncode, 0, cmd)
