@@ -748,6 +748,11 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
  * commit would have (TIER/.flush/<save_id> names it until then).
  * ---------------------------------------------------------------------- */
 #define CKPT_FLUSH_DIR ".flush"
+/* -o tier_keep=N (retain.c): after a successful flush, in place of the
+ * removal of the flushed tier copy: keep the last N flushed checkpoints of
+ * the tier (by step), remove the other flushed ones; never one with a
+ * record. */
+void ckpt__tier_retain(ckpt_fs_t *fs);
 typedef struct ckpt_flush ckpt_flush_t;
 /* Journal the flush of save_id (NAME name, replace) in the tier: the
  * record, fsynced, before the checkpoint is published in the tier. */

@@ -513,3 +513,115 @@ int ckpt__checkpoint_protect(int backing_fd, const char *name, bool on) {
   }
   return -EAGAIN;
 }
+
+/* Does an entry of records (n names) name save_id: SAVE_ID or SAVE_ID.R? */
+static bool recorded(char **records, size_t n, const char *save_id) {
+  size_t len = strlen(save_id);
+  for (size_t i = 0; i < n; i++)
+    if (!strncmp(records[i], save_id, len) &&
+        (records[i][len] == '\0' || records[i][len] == '.'))
+      return true;
+  return false;
+}
+
+/* The names in tier_fd/dir (none when it does not exist). 0 or -errno. */
+static int list_records(int tier_fd, const char *dir, char ***names,
+                        size_t *n) {
+  *names = NULL;
+  *n = 0;
+  int fd = openat(tier_fd, dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
+                                    O_CLOEXEC);
+  if (fd < 0)
+    return errno == ENOENT ? 0 : -errno;
+  DIR *d = fdopendir(fd);
+  if (!d) {
+    close(fd);
+    return -ENOMEM;
+  }
+  int rc = 0;
+  struct dirent *e;
+  while (rc == 0 && (e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.')
+      continue;
+    char **grown = realloc(*names, (*n + 1) * sizeof(*grown));
+    if (!grown || !(grown[*n] = strdup(e->d_name))) {
+      if (grown)
+        *names = grown;
+      rc = -ENOMEM;
+      break;
+    }
+    *names = grown;
+    (*n)++;
+  }
+  closedir(d);
+  return rc;
+}
+
+/* Is tier entry en flushed: no record, and BACKING_DIR/NAME the same
+ * save? */
+static bool flushed(const ckpt_cat_entry_t *en, int backing_fd,
+                    char **records, size_t nrec) {
+  if (en->state != CKPT_CAT_COMMITTED || !en->meta.save_id ||
+      recorded(records, nrec, en->meta.save_id))
+    return false;
+  char id[CKPT_SAVE_ID_LEN + 1];
+  int dfd = ckpt_store_open_dir(backing_fd, en->name, O_RDONLY);
+  bool same = dfd >= 0 && ckpt_store_has_metadata(dfd) &&
+              ckpt_store_save_id(dfd, id) == 0 &&
+              !strcmp(id, en->meta.save_id);
+  if (dfd >= 0)
+    close(dfd);
+  return same;
+}
+
+int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
+                     uint32_t keep, char ***removed, size_t *n_removed) {
+  if (removed)
+    *removed = NULL;
+  *n_removed = 0;
+  char **records;
+  size_t nrec;
+  int rc = list_records(tier_fd, records_dir, &records, &nrec);
+  if (rc) {
+    ckpt__catalog_names_free(records, nrec);
+    return rc;
+  }
+  ckpt_catalog_t cat;
+  if ((rc = ckpt__catalog_scan(tier_fd, false, &cat))) {
+    ckpt__catalog_names_free(records, nrec);
+    return rc;
+  }
+  /* Only the flushed ones take part: the others become UNFINISHED here,
+   * which a policy never counts nor selects. */
+  for (size_t i = 0; i < cat.n; i++)
+    if (!flushed(&cat.e[i], backing_fd, records, nrec) &&
+        cat.e[i].state == CKPT_CAT_COMMITTED)
+      cat.e[i].state = CKPT_CAT_UNFINISHED;
+  ckpt__catalog_names_free(records, nrec);
+  bool *rm = calloc(cat.n ? cat.n : 1, sizeof(*rm));
+  char **out = calloc(cat.n ? cat.n : 1, sizeof(*out));
+  if (!rm || !out) {
+    free(rm), free(out);
+    ckpt__catalog_free(&cat);
+    return -ENOMEM;
+  }
+  ckpt_keep_policy_t p = {.last = keep};
+  bool all = keep == 0; /* tier_keep=0: no flushed one stays */
+  ckpt__catalog_select_policy(&cat, &p, NULL, rm, NULL);
+  for (size_t i = 0; i < cat.n; i++) {
+    if (!(all ? cat.e[i].state == CKPT_CAT_COMMITTED : rm[i]))
+      continue;
+    int r = ckpt__checkpoint_remove(tier_fd, cat.e[i].name, false);
+    if (r == 0)
+      out[(*n_removed)++] = cat.e[i].name, cat.e[i].name = NULL;
+    else if (rc == 0)
+      rc = r; /* the first failure; the others are still tried */
+  }
+  free(rm);
+  ckpt__catalog_free(&cat);
+  if (removed && *n_removed)
+    *removed = out;
+  else
+    ckpt__catalog_names_free(out, *n_removed);
+  return rc;
+}

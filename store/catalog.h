@@ -137,4 +137,17 @@ int ckpt__checkpoint_protect(int backing_fd, const char *name, bool on);
  * 0 (also when it does not exist) or -errno. */
 int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle);
 
+/* -o tier_keep=N (fs/retain.c): of the checkpoints of a node-local tier
+ * (tier_fd) that are flushed, keep the last keep by step and remove the
+ * others (as ckpt__checkpoint_remove). Flushed: no flush record of its
+ * save in tier_fd/records_dir (an entry named SAVE_ID or SAVE_ID.SOMETHING)
+ * and BACKING_DIR/NAME (backing_fd) carries the same save ID. Every other
+ * tier checkpoint (unflushed, where it is the only copy; or another save
+ * than BACKING_DIR's) is neither counted nor touched, and nothing is
+ * removed when the records cannot be listed. The caller holds off tier
+ * publishes meanwhile. *removed (malloc'd names, NULL when none; may be
+ * NULL itself) and *n_removed say what went. 0 or -errno. */
+int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
+                     uint32_t keep, char ***removed, size_t *n_removed);
+
 #endif /* CKPT_CATALOG_H */

@@ -318,8 +318,95 @@ static void scan_retention_and_protect(void **state) {
   free(b);
 }
 
+/* NAME with save ID id and step (recorded) into root. */
+static void publish_save(const char *root, const char *name, const char *id,
+                         int64_t step) {
+  char dir[600];
+  snprintf(dir, sizeof(dir), "%s/%s", root, name);
+  assert_int_equal(mkdir(dir, 0700), 0);
+  ckpt_metadata_t m = {.name = (char *)name, .save_id = (char *)id,
+                       .world_size = 1, .created_at = 1000,
+                       .has_step = true, .step = step};
+  char *err = NULL;
+  assert_int_equal(ckpt_metadb_publish(dir, &m, false, &err), 0);
+}
+
+static bool present(const char *root, const char *name) {
+  char p[600];
+  snprintf(p, sizeof(p), "%s/%s", root, name);
+  return access(p, F_OK) == 0;
+}
+
+/* tier_keep: only flushed tier checkpoints (no record, BACKING_DIR's
+ * save) count and go; the last N of them by step stay. */
+static void tier_evict_keeps_unflushed(void **state) {
+  (void)state;
+  int tfd, bfd;
+  char *t = temp_backing(&tfd), *b = temp_backing(&bfd);
+  /* flushed: s1 (step 100), s2 (300), s3 (200); z: flushed, step 50 */
+  publish_save(t, "s1", "aa01", 100), publish_save(b, "s1", "aa01", 100);
+  publish_save(t, "s2", "aa02", 300), publish_save(b, "s2", "aa02", 300);
+  publish_save(t, "s3", "aa03", 200), publish_save(b, "s3", "aa03", 200);
+  publish_save(t, "z", "aa09", 50), publish_save(b, "z", "aa09", 50);
+  /* unflushed: u1 has a record of rank 1 (and is the newest step), u2 a
+   * record of an older mount (SAVE_ID alone), u3 is not in BACKING_DIR,
+   * u4 is another save there (a replace since) */
+  publish_save(t, "u1", "bb01", 900);
+  publish_save(t, "u2", "bb02", 10), publish_save(b, "u2", "bb02", 10);
+  publish_save(t, "u3", "bb03", 20);
+  publish_save(t, "u4", "bb04", 30), publish_save(b, "u4", "cc04", 30);
+  char p[600];
+  snprintf(p, sizeof(p), "%s/.flush", t);
+  assert_int_equal(mkdir(p, 0700), 0);
+  snprintf(p, sizeof(p), "%s/.flush/bb01.1", t);
+  close(open(p, O_WRONLY | O_CREAT, 0600));
+  snprintf(p, sizeof(p), "%s/.flush/bb02", t);
+  close(open(p, O_WRONLY | O_CREAT, 0600));
+  /* a record of another save whose ID begins the same: not s1's */
+  snprintf(p, sizeof(p), "%s/.flush/aa01x", t);
+  close(open(p, O_WRONLY | O_CREAT, 0600));
+
+  char **gone;
+  size_t n;
+  assert_int_equal(ckpt__tier_evict(tfd, bfd, ".flush", 2, &gone, &n), 0);
+  assert_int_equal(n, 2); /* z (50) and s1 (100); s3, s2 the last two */
+  assert_false(present(t, "z"));
+  assert_false(present(t, "s1"));
+  assert_true(present(t, "s2") && present(t, "s3"));
+  assert_true(present(b, "s1") && present(b, "z")); /* BACKING_DIR's stay */
+  for (const char *u = "1234"; *u; u++) {
+    char name[4] = {'u', *u, 0};
+    assert_true(present(t, name));
+  }
+  ckpt__catalog_names_free(gone, n);
+  /* again: nothing more */
+  assert_int_equal(ckpt__tier_evict(tfd, bfd, ".flush", 2, NULL, &n), 0);
+  assert_int_equal(n, 0);
+  /* 0: every flushed one goes, still no unflushed one */
+  assert_int_equal(ckpt__tier_evict(tfd, bfd, ".flush", 0, NULL, &n), 0);
+  assert_int_equal(n, 2);
+  assert_false(present(t, "s2") || present(t, "s3"));
+  assert_true(present(t, "u1") && present(t, "u2") && present(t, "u3") &&
+              present(t, "u4"));
+  /* records that cannot be listed: nothing removed */
+  publish_save(t, "s5", "aa05", 500), publish_save(b, "s5", "aa05", 500);
+  snprintf(p, sizeof(p), "%s/.flush", t);
+  char q[600];
+  snprintf(q, sizeof(q), "%s/.flush-moved", t);
+  assert_int_equal(rename(p, q), 0);
+  assert_int_equal(symlink(q, p), 0);
+  assert_true(ckpt__tier_evict(tfd, bfd, ".flush", 0, NULL, &n) < 0);
+  assert_true(present(t, "s5"));
+  close(tfd), close(bfd);
+  char cmd[1300];
+  snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s'", t, b);
+  assert_int_equal(system(cmd), 0);
+  free(t), free(b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(tier_evict_keeps_unflushed),
       cmocka_unit_test(select_old_keeps_the_newest),
       cmocka_unit_test(select_policy_orders_by_step),
       cmocka_unit_test(scan_retention_and_protect),
