@@ -426,6 +426,9 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
           "each at most once, like last:5,every:1000,best:3:loss:min");
     snprintf(o->keep_text, sizeof(o->keep_text), "keep=%s", ps.keep);
   }
+  if (!ps.err && o->tier_keep && !o->tier_dir)
+    ps.err = strdup("tier_keep=N needs tier=DIR: it is how many flushed "
+                    "checkpoints that tier keeps");
   if (!ps.err && !o->show_help && !o->show_version &&
       (!o->backing_dir || !o->mountpoint))
     ps.err = strdup("missing BACKING_DIR or MOUNTPOINT "

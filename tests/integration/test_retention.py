@@ -205,6 +205,10 @@ class Words(CkptfsTestCase):
                             self.backing, self.mnt], capture_output=True, text=True, timeout=30)
         self.assertEqual(r.returncode, 2)
         self.assertIn("one retention option", r.stderr)
+        r = subprocess.run([ckptfs_util.BIN, "-f", "-o", "tier_keep=2", self.backing, self.mnt],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("tier_keep=N needs tier=DIR", r.stderr)
 
 
 if __name__ == "__main__":
