@@ -6,7 +6,7 @@ the same rules, and ckptctl protect / unprotect.
     python3 tests/integration/test_retention.py --bin build/bin/ckptfs [Class ...]
 
 Classes:
-  Policy   one rank, -o keep=last:2,every:1000,best:1:loss:min over 8
+  Policy   one rank, -o keep=last:2,every:1000,best:1:loss:min over 10
            commits whose names sort, and whose commit times run, in
            another order than their steps: the survivors are exactly
            those the policy names; what the commits recorded (.metadata,
@@ -14,7 +14,9 @@ Classes:
            rules removes nothing and agrees with the mount but for the
            checkpoint the mount kept as its newest commit; protect and
            unprotect (also over a commit's protect word) move a
-           checkpoint in and out of what prune removes
+           checkpoint in and out of what prune removes; so does
+           setxattr user.ckpt.protected through a mount; the mark
+           survives the removal of an entry inside the checkpoint
   Words    bad commit words are refused (EINVAL) and commit nothing;
            keep= errors at mount
 Python standard library only.
@@ -169,6 +171,17 @@ class Policy(CkptfsTestCase):
         os.unlink(self.ck("s-2", "a"))
         self.assertEqual(os.getxattr(self.ck("s-2"), "user.ckpt.protected"), b"1")
         self.assertEqual(ctl_json(self, "show", self.backing, "s-2")["protected"], True)
+        # through the mount: setxattr user.ckpt.protected, as ckptctl does
+        os.setxattr(self.ck("s-1"), "user.ckpt.protected", b"1")
+        self.assertTrue(ctl_json(self, "show", self.backing, "s-1")["protected"])
+        os.setxattr(self.ck("s-1"), "user.ckpt.protected", b"0\n")
+        self.assertFalse(ctl_json(self, "show", self.backing, "s-1")["protected"])
+        for name, value, err in (("user.ckpt.protected", b"yes", errno.EINVAL),
+                                 ("user.ckpt.step", b"5", errno.EROFS),
+                                 ("user.other", b"5", errno.EROFS)):
+            with self.assertRaises(OSError, msg=name) as cm:
+                os.setxattr(self.ck("s-1"), name, value)
+            self.assertEqual(cm.exception.errno, err, name)
         doc = ctl_json(self, "prune", "--keep-last", "1", "--dry-run", self.backing)
         self.assertEqual([(e["name"], e["kept_by"]) for e in doc["kept"]],
                          [("s-2", "last+protected")])
