@@ -18,7 +18,8 @@ Classes:
            setxattr user.ckpt.protected through a mount; the mark
            survives the removal of an entry inside the checkpoint
   Words    bad commit words are refused (EINVAL) and commit nothing;
-           keep= errors at mount
+           the Python client's commit(step=, metrics=, protect=);
+           keep= and tier_keep= errors at mount
 Python standard library only.
 """
 
@@ -206,6 +207,24 @@ class Words(CkptfsTestCase):
         commit(self.ck("w"), "sync metric=a.b-c_d:1e-05 step=0")
         k = keys(self.backing, "w")
         self.assertEqual((k["step"], k["metric.a.b-c_d"]), ("0", "1e-05"))
+
+    def test_python_client_commit_words(self):
+        from pyenv import PACKAGE
+        sys.path.insert(0, PACKAGE)
+        import ckptfs
+        self.mount()
+        os.mkdir(self.ck("p-3"))
+        write_file(self.ck("p-3", "x"), b"x")
+        with self.assertRaises(ValueError):
+            ckptfs.commit(self.mnt, "p-3", step=-1)
+        with self.assertRaises(ValueError):
+            ckptfs.commit(self.mnt, "p-3", metrics={"loss": float("nan")})
+        self.assertFalse(os.path.exists(self.bk("p-3")))
+        ckptfs.commit(self.mnt, "p-3", step=30, metrics={"loss": 0.1 + 0.2, "acc": 1},
+                      protect=True)
+        doc = ctl_json(self, "show", self.backing, "p-3")
+        self.assertEqual((doc["step"], doc["step_recorded"], doc["protected"]), (30, True, True))
+        self.assertEqual(doc["metrics"], {"acc": 1.0, "loss": 0.1 + 0.2})  # the same double
 
     def test_keep_option_errors(self):
         for bad in ("last:0", "last:x", "every:", "best:3:loss", "best:3:loss:avg",
