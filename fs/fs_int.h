@@ -753,6 +753,11 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
  * the tier (by step), remove the other flushed ones; never one with a
  * record. */
 void ckpt__tier_retain(ckpt_fs_t *fs);
+/* -o keep= (save.c): remove the committed checkpoints of BACKING_DIR the
+ * policy does not keep, name (just committed or flushed) always kept. Run
+ * by the coordinator after each commit; with a tier, the flush may run it
+ * again once name is published on BACKING_DIR. */
+void ckpt__keep_policy(ckpt_fs_t *fs, const char *name);
 typedef struct ckpt_flush ckpt_flush_t;
 /* Journal the flush of save_id (NAME name, replace) in the tier: the
  * record, fsynced, before the checkpoint is published in the tier. */

@@ -1097,7 +1097,7 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
  * durably, as rm -r through a mount does. Other ranks' views drop them at
  * their next lookup or listing (still_stored in ops.c). A checkpoint a
  * writer still holds is left for the next commit. */
-static void keep_policy(ckpt_fs_t *fs, const char *name) {
+void ckpt__keep_policy(ckpt_fs_t *fs, const char *name) {
   const ckpt_keep_policy_t *p = &fs->opts.keep;
   /* Cheap first: no .metadata is read while only last:N could remove
    * and there are at most N. */
@@ -1289,7 +1289,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                        took);
   ckpt__staging_tidy(fs->commit_fd);
   if (rc == 0 && s->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep))
-    keep_policy(fs, job->name);
+    ckpt__keep_policy(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");
   if (s->sync) {
