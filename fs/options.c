@@ -27,13 +27,13 @@ enum {
   KEY_VERIFY,
   KEY_REPLICA_CHECK,
   KEY_KEEP_LAST,
+  KEY_KEEP,
+  KEY_TIER_KEEP,
   KEY_SAFETENSORS_SHARD,
   KEY_LOG,
   KEY_METRICS,
   KEY_TIER,
   KEY_FLUSH_RATE,
-  KEY_KEEP,
-  KEY_TIER_KEEP,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -50,13 +50,13 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("verify=", KEY_VERIFY),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
+    FUSE_OPT_KEY("keep=", KEY_KEEP),
+    FUSE_OPT_KEY("tier_keep=", KEY_TIER_KEEP),
     FUSE_OPT_KEY("safetensors_shard=", KEY_SAFETENSORS_SHARD),
     FUSE_OPT_KEY("log=", KEY_LOG),
     FUSE_OPT_KEY("metrics=", KEY_METRICS),
     FUSE_OPT_KEY("tier=", KEY_TIER),
     FUSE_OPT_KEY("flush_rate=", KEY_FLUSH_RATE),
-    FUSE_OPT_KEY("keep=", KEY_KEEP),
-    FUSE_OPT_KEY("tier_keep=", KEY_TIER_KEEP),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -122,6 +122,10 @@ void ckpt__opts_help(void) {
       "all)\n"
       "  -o keep_last=N          the same as keep=last:N; 0 keeps all\n"
       "                          (default: 0)\n"
+      "  -o tier_keep=N          with tier=: keep the last N flushed "
+      "checkpoints (by step)\n"
+      "                          in the tier too; unflushed ones always stay "
+      "(default: 0)\n"
       "  -o safetensors_shard=SIZE\n"
       "                          tensor bytes per file of NAME/.safetensors, "
       "K/M/G suffixes\n"
@@ -145,10 +149,7 @@ void ckpt__opts_help(void) {
       "                          rank only for now (default: none)\n"
       "  -o flush_rate=SIZE      bytes per second that copy may use, K/M/G "
 "suffixes; 0:\n"
-      "                          unlimited (default: 0)\n"      "  -o tier_keep=N          keep the N newest flushed checkpoints in "
-"the tier as\n"
-      "                          well (by step); unflushed ones always stay "
-"(default: 0)\n"
+      "                          unlimited (default: 0)\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
