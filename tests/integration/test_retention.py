@@ -162,7 +162,7 @@ class Policy(CkptfsTestCase):
         os.mkdir(self.ck("s-2"))
         write_file(self.ck("s-2", "a"), b"a")
         write_file(self.ck("s-2", "b"), b"b")
-        commit(self.ck("s-2"))
+        commit(self.ck("s-2"), "sync step=20 metric=loss:0.5")
         r = ctl("protect", self.backing, "nosuch")
         self.assertEqual(r.returncode, 1)
         self.assertIn("no committed checkpoint of that name", r.stderr)
@@ -171,7 +171,9 @@ class Policy(CkptfsTestCase):
         # removing one entry publishes a new version: still protected
         os.unlink(self.ck("s-2", "a"))
         self.assertEqual(os.getxattr(self.ck("s-2"), "user.ckpt.protected"), b"1")
-        self.assertEqual(ctl_json(self, "show", self.backing, "s-2")["protected"], True)
+        doc = ctl_json(self, "show", self.backing, "s-2")
+        self.assertEqual((doc["protected"], doc["step"], doc["metrics"]), (True, 20, {"loss": 0.5}))
+        self.assertEqual(keys(self.backing, "s-2")["version"], "2")  # a new version indeed
         # through the mount: setxattr user.ckpt.protected, as ckptctl does
         os.setxattr(self.ck("s-1"), "user.ckpt.protected", b"1")
         self.assertTrue(ctl_json(self, "show", self.backing, "s-1")["protected"])
@@ -185,7 +187,7 @@ class Policy(CkptfsTestCase):
             self.assertEqual(cm.exception.errno, err, name)
         doc = ctl_json(self, "prune", "--keep-last", "1", "--dry-run", self.backing)
         self.assertEqual([(e["name"], e["kept_by"]) for e in doc["kept"]],
-                         [("s-2", "last+protected")])
+                         [("s-2", "last+protected")])  # step 20 after s-1
         self.assertEqual([e["name"] for e in doc["removed"]], ["s-1"])
 
 
