@@ -81,7 +81,13 @@ typedef struct {
   bool verify;                /* check each chunk's XXH3 before serving it */
   uint64_t safetensors_shard; /* tensor bytes per NAME/.safetensors shard */
   ckpt_replica_check_t replica_check;
-  uint32_t keep_last;         /* committed checkpoints kept; 0: all */
+  ckpt_keep_policy_t keep;    /* -o keep= (keep_last=N: last:N): what
+                                 the coordinator keeps of BACKING_DIR after
+                                 each commit; no rule: all */
+  char keep_text[160];        /* that option as given, for log lines */
+  uint32_t tier_keep;         /* -o tier_keep=N: flushed checkpoints kept
+                                 in the tier; 0: none (removed once
+                                 flushed) */
   bool foreground;            /* -f */
   bool show_help;             /* -h / --help */
   bool show_version;          /* -V / --version */
@@ -742,6 +748,16 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
  * commit would have (TIER/.flush/<save_id> names it until then).
  * ---------------------------------------------------------------------- */
 #define CKPT_FLUSH_DIR ".flush"
+/* -o tier_keep=N (retain.c): after a successful flush, in place of the
+ * removal of the flushed tier copy: keep the last N flushed checkpoints of
+ * the tier (by step), remove the other flushed ones; never one with a
+ * record. */
+void ckpt__tier_retain(ckpt_fs_t *fs);
+/* -o keep= (save.c): remove the committed checkpoints of BACKING_DIR the
+ * policy does not keep, name (just committed or flushed) always kept. Run
+ * by the coordinator after each commit; with a tier, the flush may run it
+ * again once name is published on BACKING_DIR. */
+void ckpt__keep_policy(ckpt_fs_t *fs, const char *name);
 typedef struct ckpt_flush ckpt_flush_t;
 /* Journal the flush of save_id (NAME name, replace) in the tier: the
  * record, fsynced, before the checkpoint is published in the tier. */

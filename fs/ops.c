@@ -2357,6 +2357,92 @@ static bool committed_fqn_derived(const ckpt_node_t *n) {
   return *path == '\0' && *fqn == '\0';
 }
 
+/* A committed checkpoint's directory tells what retention sees of it:
+ * user.ckpt.step (recorded at commit, else from the name),
+ * user.ckpt.metric.KEY per metric, user.ckpt.protected (0 or 1: the
+ * marker of ckptctl protect, else the commit word). false when n is not
+ * such a directory. */
+#define METRIC_XATTR "user.ckpt.metric."
+static bool committed_ckpt(ckpt_fs_t *fs, const ckpt_node_t *n) {
+  if (n->kind != CKPT_NODE_CKPT)
+    return false;
+  pthread_mutex_lock(&fs->lock);
+  bool yes = n->ck->state == CKPT_COMMITTED && n->ck->meta;
+  pthread_mutex_unlock(&fs->lock);
+  return yes;
+}
+
+static void reply_ckpt_xattr(fuse_req_t req, ckpt_fs_t *fs,
+                             const ckpt_node_t *n, const char *name,
+                             size_t size) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  char v[48];
+  double x;
+  int len = -1;
+  if (strcmp(name, "user.ckpt.step") == 0) {
+    int64_t step = m->has_step ? m->step : ckpt_step_from_name(n->ck->name);
+    if (step >= 0)
+      len = snprintf(v, sizeof(v), "%lld", (long long)step);
+  } else if (strcmp(name, "user.ckpt.protected") == 0) {
+    /* the mark is BACKING_DIR's (a tier's copy has none) */
+    int dfd = ckpt_store_open_dir(fs->backing_fd, n->ck->name, O_RDONLY);
+    int mark = dfd >= 0 ? ckpt__protect_read(dfd) : -1;
+    if (dfd >= 0)
+      close(dfd);
+    len = snprintf(v, sizeof(v), "%d", mark >= 0 ? mark : m->protect);
+  } else if (strncmp(name, METRIC_XATTR, strlen(METRIC_XATTR)) == 0 &&
+             ckpt_metadata_metric(m, name + strlen(METRIC_XATTR), &x)) {
+    len = ckpt_metric_format(x, v, sizeof(v));
+  }
+  if (len < 0)
+    fuse_reply_err(req, ENODATA);
+  else
+    reply_xattr_value(req, v, (size_t)len, size);
+}
+
+/* setxattr user.ckpt.protected 1 or 0 on a committed checkpoint's
+ * directory: ckptctl protect / unprotect (catalog.c), on BACKING_DIR. */
+static int set_protected(ckpt_fs_t *fs, const ckpt_node_t *n,
+                         const char *value, size_t size) {
+  if (size && value[size - 1] == '\n')
+    size--;
+  if (size != 1 || (value[0] != '0' && value[0] != '1'))
+    return -EINVAL;
+  int rc = ckpt__checkpoint_protect(fs->backing_fd, n->ck->name,
+                                    value[0] == '1');
+  if (rc == -ENOENT && fs->tier_fd >= 0)
+    rc = -EAGAIN; /* in the tier only: not flushed yet */
+  if (rc)
+    ckpt__log("%s: user.ckpt.protected=%c refused: %s%s", n->ck->name,
+              value[0], strerror(-rc),
+              rc == -EAGAIN ? " (not flushed to BACKING_DIR yet; try again "
+                              "once it is)" : "");
+  else
+    ckpt__log("%s: %s", n->ck->name,
+              value[0] == '1' ? "protected" : "no longer protected");
+  return rc;
+}
+
+static void list_ckpt_xattrs(fuse_req_t req, const ckpt_node_t *n,
+                             size_t size) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  bool step = m->has_step || ckpt_step_from_name(n->ck->name) >= 0;
+  int rc = step ? ckpt_buf_append(&b, "user.ckpt.step", 15) : 0;
+  if (rc == 0)
+    rc = ckpt_buf_append(&b, "user.ckpt.protected", 20);
+  for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++)
+    rc = ckpt_buf_printf(&b, METRIC_XATTR "%s", m->metrics[i].key) < 0
+             ? -ENOMEM
+             : ckpt_buf_append(&b, "", 1);
+  if (rc)
+    fuse_reply_err(req, ENOMEM);
+  else
+    reply_xattr_value(req, (const char *)b.data, b.len, size);
+  ckpt_buf_free(&b);
+}
+
 static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                         const char *value, size_t size, int flags) {
   ckpt__metrics_request(req, CKPT_OP_setxattr);
@@ -2372,6 +2458,11 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   }
   int rc;
   if (is_committed_kind(n->kind)) {
+    rc = -EROFS;
+  } else if (committed_ckpt(fs, n) &&
+             strcmp(name, "user.ckpt.protected") == 0) {
+    rc = set_protected(fs, n, value, size);
+  } else if (committed_ckpt(fs, n)) {
     rc = -EROFS;
   } else if (n->kind != CKPT_NODE_SFILE) {
     rc = -ENOTSUP;
@@ -2417,6 +2508,8 @@ static void fs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   }
   if (n->kind == CKPT_NODE_ROOT) {
     reply_root_xattr(req, fs, name, size);
+  } else if (committed_ckpt(fs, n)) {
+    reply_ckpt_xattr(req, fs, n, name, size);
   } else if (n->kind == CKPT_NODE_SFILE) {
     char *buf = size ? malloc(size) : NULL;
     int rc = size && !buf ? -ENOMEM
@@ -2482,6 +2575,8 @@ static void fs_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
     free(buf);
   } else if (n->kind == CKPT_NODE_ROOT) {
     reply_xattr_value(req, root_xattrs, sizeof(root_xattrs), size);
+  } else if (committed_ckpt(fs, n)) {
+    list_ckpt_xattrs(req, n, size);
   } else if (n->kind == CKPT_NODE_CBLOCK) {
     static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
     reply_xattr_value(req, names, sizeof(names), size);

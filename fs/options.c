@@ -27,6 +27,8 @@ enum {
   KEY_VERIFY,
   KEY_REPLICA_CHECK,
   KEY_KEEP_LAST,
+  KEY_KEEP,
+  KEY_TIER_KEEP,
   KEY_SAFETENSORS_SHARD,
   KEY_LOG,
   KEY_METRICS,
@@ -48,6 +50,8 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("verify=", KEY_VERIFY),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
+    FUSE_OPT_KEY("keep=", KEY_KEEP),
+    FUSE_OPT_KEY("tier_keep=", KEY_TIER_KEEP),
     FUSE_OPT_KEY("safetensors_shard=", KEY_SAFETENSORS_SHARD),
     FUSE_OPT_KEY("log=", KEY_LOG),
     FUSE_OPT_KEY("metrics=", KEY_METRICS),
@@ -106,9 +110,21 @@ void ckpt__opts_help(void) {
       "  -o replica_check=error|warn|off\n"
       "                          replicas of one chunk that differ between "
       "ranks (default: error)\n"
-      "  -o keep_last=N          after each commit, remove the committed "
+      "  -o keep=POLICY          after each commit, remove the committed "
       "checkpoints of\n"
-      "                          BACKING_DIR beyond the N newest; 0 keeps all "
+      "                          BACKING_DIR that no rule keeps (ordered by "
+      "step): last:N,\n"
+      "                          every:K (steps that are multiples of K), "
+      "best:M:KEY:min|max\n"
+      "                          (by metric KEY), joined by commas; "
+      "protected ones and\n"
+      "                          the one just committed stay (default: keep "
+      "all)\n"
+      "  -o keep_last=N          the same as keep=last:N; 0 keeps all\n"
+      "                          (default: 0)\n"
+      "  -o tier_keep=N          with tier=: keep the last N flushed "
+      "checkpoints (by step)\n"
+      "                          in the tier too; unflushed ones always stay "
       "(default: 0)\n"
       "  -o safetensors_shard=SIZE\n"
       "                          tensor bytes per file of NAME/.safetensors, "
@@ -210,7 +226,18 @@ typedef struct {
   ckpt_opts_t *o;
   char *err; /* first problem */
   int nonopts;
+  /* -o keep=last:5,every:1000: the option parser splits at the commas,
+   * so the rules after the first come as options of their own; they are
+   * gathered here and parsed at the end. */
+  char keep[512];
+  bool keep_open; /* the last option was keep= or one of its rules */
 } parse_state_t;
+
+/* A rule of keep= that came as an option of its own (see keep_open). */
+static bool keep_rule(const char *arg) {
+  return !strncmp(arg, "last:", 5) || !strncmp(arg, "every:", 6) ||
+         !strncmp(arg, "best:", 5);
+}
 
 /* Remember the first problem: "invalid NAME 'VALUE': expected WHAT". */
 static int bad(parse_state_t *ps, const char *name, const char *val,
@@ -226,6 +253,13 @@ static int opt_proc(void *data, const char *arg, int key,
   (void)outargs;
   parse_state_t *ps = data;
   ckpt_opts_t *o = ps->o;
+  bool rule = key == FUSE_OPT_KEY_OPT && ps->keep_open && keep_rule(arg);
+  ps->keep_open = (key == KEY_KEEP || rule) && !ps->err;
+  if (rule) {
+    size_t n = strlen(ps->keep);
+    snprintf(ps->keep + n, sizeof(ps->keep) - n, ",%s", arg);
+    return 0;
+  }
   const char *val = strchr(arg, '=');
   val = val ? val + 1 : "";
   uint64_t v;
@@ -314,9 +348,25 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "replica_check", val, "error, warn or off");
     return 0;
   case KEY_KEEP_LAST:
+  case KEY_KEEP:
+    if (o->keep_text[0])
+      return bad(ps, key == KEY_KEEP ? "keep" : "keep_last", val,
+                 "one retention option (keep= or keep_last=), once");
+    if (key == KEY_KEEP_LAST) {
+      if (parse_uint(val, UINT32_MAX, &v))
+        return bad(ps, "keep_last", val,
+                   "a number of checkpoints, 0 for all");
+      o->keep.last = (uint32_t)v;
+    } else {
+      snprintf(ps->keep, sizeof(ps->keep), "%s", val); /* parsed at the end */
+    }
+    snprintf(o->keep_text, sizeof(o->keep_text), "%s=%s",
+             key == KEY_KEEP ? "keep" : "keep_last", val);
+    return 0;
+  case KEY_TIER_KEEP:
     if (parse_uint(val, UINT32_MAX, &v))
-      return bad(ps, "keep_last", val, "a number of checkpoints, 0 for all");
-    o->keep_last = (uint32_t)v;
+      return bad(ps, "tier_keep", val, "a number of checkpoints, or 0");
+    o->tier_keep = (uint32_t)v;
     return 0;
   case KEY_SAFETENSORS_SHARD:
     if (ckpt__parse_size(val, &v) || v == 0)
@@ -370,6 +420,16 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   parse_state_t ps = {.o = o};
   if (fuse_opt_parse(args, &ps, opt_spec, opt_proc) == -1 && !ps.err)
     ps.err = strdup("cannot parse the options");
+  if (!ps.err && o->keep_text[0] == 'k' && !strncmp(o->keep_text, "keep=", 5)) {
+    if (ckpt_keep_policy_parse(ps.keep, strlen(ps.keep), &o->keep))
+      bad(&ps, "keep", ps.keep,
+          "rules last:N, every:K, best:M:KEY:min|max joined by commas, "
+          "each at most once, like last:5,every:1000,best:3:loss:min");
+    snprintf(o->keep_text, sizeof(o->keep_text), "keep=%s", ps.keep);
+  }
+  if (!ps.err && o->tier_keep && !o->tier_dir)
+    ps.err = strdup("tier_keep=N needs tier=DIR: it is how many flushed "
+                    "checkpoints that tier keeps");
   if (!ps.err && !o->show_help && !o->show_version &&
       (!o->backing_dir || !o->mountpoint))
     ps.err = strdup("missing BACKING_DIR or MOUNTPOINT "

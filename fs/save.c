@@ -44,6 +44,8 @@ typedef struct ckpt_save {
   bool replace;          /* replace=TARGET: publish as job.name (TARGET),
                             over a committed TARGET */
   bool sync;             /* a sync commit waits in req */
+  ckpt_commit_words_t words; /* as written to .commit: the coordinator's
+                            retention words go into .metadata */
   fuse_req_t req;
   size_t reply_size;
   uint32_t nfiles;
@@ -232,6 +234,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   s->fs = fs;
   s->ck = ck;
   s->sync = words->sync;
+  s->words = *words;
   s->rank = words->solo ? 0 : fs->rank;
   s->job.solo = words->solo;
   s->replace = words->replace[0] != '\0';
@@ -637,7 +640,8 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
     s->gp.meta.name = strdup(job->name);
     s->gp.meta.save_id = new_save_id();
     s->gp.meta.created_at = (int64_t)time(NULL);
-    if (!s->gp.meta.name || !s->gp.meta.save_id)
+    if (!s->gp.meta.name || !s->gp.meta.save_id ||
+        ckpt_metadata_set_retention(&s->gp.meta, &s->words))
       rc = -ENOMEM;
   }
   if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->commit_fd,
@@ -1087,42 +1091,46 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   }
 }
 
-/* -o keep_last=N, coordinator, after name was committed: remove the
- * committed checkpoints of BACKING_DIR beyond the N newest (name is always
- * kept), .metadata first and durably, as rm -r through a mount does. Other
- * ranks' views drop them at their next lookup or listing (still_stored in
- * ops.c). A checkpoint a writer still holds is left for the next commit. */
-static void keep_last(ckpt_fs_t *fs, const char *name) {
-  /* Cheap first: no .metadata is read while there are at most N. */
+/* -o keep= (or keep_last=N), coordinator, after name was committed:
+ * remove the committed checkpoints of BACKING_DIR that no rule of the
+ * policy keeps (catalog.c; name is always kept), .metadata first and
+ * durably, as rm -r through a mount does. Other ranks' views drop them at
+ * their next lookup or listing (still_stored in ops.c). A checkpoint a
+ * writer still holds is left for the next commit. */
+void ckpt__keep_policy(ckpt_fs_t *fs, const char *name) {
+  const ckpt_keep_policy_t *p = &fs->opts.keep;
+  /* Cheap first: no .metadata is read while only last:N could remove
+   * and there are at most N. */
   char **names;
   size_t n, committed = 0;
-  if (ckpt__catalog_names(fs->backing_fd, &names, &n) == 0) {
+  if (!p->every && !p->best &&
+      ckpt__catalog_names(fs->backing_fd, &names, &n) == 0) {
     for (size_t i = 0; i < n; i++)
       committed += already_committed(fs, names[i]);
     ckpt__catalog_names_free(names, n);
-    if (committed <= fs->opts.keep_last)
+    if (committed <= p->last)
       return;
   }
   ckpt_catalog_t cat;
   int rc = ckpt__catalog_scan(fs->backing_fd, false, &cat);
   if (rc) {
-    ckpt__log("keep_last: cannot list %s: %s", fs->backing_path,
-              strerror(-rc));
+    ckpt__log("%s: cannot list %s: %s", fs->opts.keep_text,
+              fs->backing_path, strerror(-rc));
     return;
   }
   bool *old = calloc(cat.n ? cat.n : 1, sizeof(*old));
-  if (old && ckpt__catalog_select_prunable(fs->backing_fd, &cat,
-                                           fs->opts.keep_last, name, old))
+  if (old && ckpt__catalog_select_prunable(fs->backing_fd, &cat, p, name,
+                                           old, NULL))
     for (size_t i = 0; i < cat.n; i++) {
       if (!old[i])
         continue;
       rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
       if (rc)
-        ckpt__log("keep_last=%u: not removing %s: %s", fs->opts.keep_last,
+        ckpt__log("%s: not removing %s: %s", fs->opts.keep_text,
                   cat.e[i].name, strerror(-rc));
       else
-        ckpt__log("keep_last=%u: removed %s", fs->opts.keep_last,
-                  cat.e[i].name);
+        ckpt__log("%s: removed %s (step %lld)", fs->opts.keep_text,
+                  cat.e[i].name, (long long)cat.e[i].step);
     }
   free(old);
   ckpt__catalog_free(&cat);
@@ -1280,8 +1288,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                                               reason),
                        took);
   ckpt__staging_tidy(fs->commit_fd);
-  if (rc == 0 && s->rank == 0 && fs->opts.keep_last)
-    keep_last(fs, job->name);
+  if (rc == 0 && s->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep))
+    ckpt__keep_policy(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");
   if (s->sync) {

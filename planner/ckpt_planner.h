@@ -115,17 +115,67 @@ bool ckpt_name_valid(const char *name);
  * there itself (.commit, .status, .metadata, .npy, .safetensors, a block
  * file's ".NAME[...]"): -EPERM. */
 int ckpt_entry_name_check(const char *name, size_t len, bool top);
+/* A metric recorded at commit (metric=KEY:VALUE): KEY is 1 to
+ * CKPT_METRIC_KEY_MAX bytes of [A-Za-z0-9_.-], VALUE a finite number. */
+#define CKPT_METRIC_KEY_MAX 64
+#define CKPT_MAX_METRICS 16
+typedef struct {
+  char key[CKPT_METRIC_KEY_MAX + 1];
+  double value;
+} ckpt_metric_t;
+bool ckpt_metric_key_valid(const char *key, size_t len);
+/* v as the shortest decimal text that reads back as v (%.15g, else
+ * %.17g): 0.25, 1e-05. snprintf semantics. */
+int ckpt_metric_format(double v, char *buf, size_t cap);
+/* A metric's value: a finite decimal or exponent number (strtod's, without
+ * hex, inf or nan), len bytes. 0 or -EINVAL. */
+int ckpt_metric_value_parse(const char *s, size_t len, double *out);
+
 /* What was written to NAME/.commit (commit_words.c). */
 typedef struct {
   bool sync;          /* "sync" (else "async") */
   bool solo;          /* "solo": this rank alone, as a world of one */
   char replace[256];  /* "replace=TARGET": TARGET, or "" */
+  /* Retention (docs/saving.md, "Retention"): recorded in .metadata. */
+  bool has_step;      /* "step=N" */
+  int64_t step;       /* N: 0 to 2^63-1 */
+  bool protect;       /* "protect": never removed by a policy */
+  uint32_t n_metrics; /* "metric=KEY:VALUE", each KEY at most once */
+  ckpt_metric_t metrics[CKPT_MAX_METRICS];
 } ckpt_commit_words_t;
 /* Parse buf[0..len): 0, or -EINVAL for anything but "sync"/"async" then
- * "solo" and "replace=TARGET" (each at most once, any order, spaces
- * between; TARGET a checkpoint name without spaces) and a final newline. */
+ * "solo", "replace=TARGET", "step=N", "protect" (each at most once) and
+ * "metric=KEY:VALUE" (up to CKPT_MAX_METRICS, distinct keys), in any
+ * order, spaces between (TARGET a checkpoint name without spaces), and a
+ * final newline. */
 int ckpt_commit_words_parse(const char *buf, size_t len,
                             ckpt_commit_words_t *out);
+
+/* The step of a checkpoint named name when none was recorded at commit:
+ * the last run of decimal digits in it ("epoch=3-step=1200" -> 1200,
+ * "checkpoint-500" -> 500); -1 when it has none or the run does not fit
+ * in an int64. */
+int64_t ckpt_step_from_name(const char *name);
+
+/* A retention policy (-o keep=, ckptctl prune): a committed checkpoint is
+ * kept when any rule keeps it (catalog.c, ckpt__catalog_select_policy). */
+typedef struct {
+  uint32_t last;      /* the last N by step; 0: no such rule */
+  uint64_t every;     /* every step that is a multiple of K; 0: none */
+  uint32_t best;      /* the best M by metric; 0: none */
+  char metric[CKPT_METRIC_KEY_MAX + 1]; /* best: the metric's KEY */
+  bool maximize;      /* best: highest values are best (else lowest) */
+} ckpt_keep_policy_t;
+/* Does p keep anything by a rule (else it removes nothing)? */
+bool ckpt_keep_policy_active(const ckpt_keep_policy_t *p);
+/* Parse "last:5,every:1000,best:3:loss:min" (rules in any order, each at
+ * most once, at least one; numbers >= 1; min or max) of len bytes. 0 or
+ * -EINVAL. */
+int ckpt_keep_policy_parse(const char *s, size_t len,
+                           ckpt_keep_policy_t *out);
+/* The policy as text, in the form parse takes; snprintf semantics. */
+int ckpt_keep_policy_format(const ckpt_keep_policy_t *p, char *buf,
+                            size_t cap);
 /* FQN of a path relative to the checkpoint ("model/l0/w" -> "model.l0.w").
  * Returns a malloc'd string or NULL on ENOMEM. */
 char *ckpt_fqn_from_path(const char *path);
@@ -329,7 +379,21 @@ typedef struct {
                                   what the staged files and directories
                                   were (empty for a checkpoint saved
                                   before this was kept) */
+  /* Retention, recorded at commit (commit words; absent in checkpoints
+   * saved before they were kept): */
+  bool has_step;               /* step=N was given */
+  int64_t step;
+  bool protect;                /* protect was given */
+  uint32_t n_metrics;
+  ckpt_metric_t *metrics;      /* owned, sorted by key, unique */
 } ckpt_metadata_t;
+/* Record the retention words of w (step, protect, metrics) in m.
+ * 0 or -ENOMEM. */
+int ckpt_metadata_set_retention(ckpt_metadata_t *m,
+                                const ckpt_commit_words_t *w);
+/* The value of metric key in m: true and *v, or false. */
+bool ckpt_metadata_metric(const ckpt_metadata_t *m, const char *key,
+                          double *v);
 
 /* The entry of path in m->entries, or NULL. */
 const ckpt_entry_attr_t *ckpt_metadata_entry(const ckpt_metadata_t *m,

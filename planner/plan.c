@@ -75,7 +75,18 @@ void ckpt_metadata_free(ckpt_metadata_t *m) {
   for (uint32_t i = 0; i < m->n_entries; i++)
     free(m->entries[i].path);
   free(m->entries);
+  free(m->metrics);
   memset(m, 0, sizeof(*m));
+}
+
+bool ckpt_metadata_metric(const ckpt_metadata_t *m, const char *key,
+                          double *v) {
+  for (uint32_t i = 0; i < m->n_metrics; i++)
+    if (strcmp(m->metrics[i].key, key) == 0) {
+      *v = m->metrics[i].value;
+      return true;
+    }
+  return false;
 }
 
 static int entry_cmp(const void *a, const void *b) {

@@ -128,12 +128,16 @@ static void describe(int backing_fd, bool full,
   char *err = NULL;
   int rc = full ? ckpt_metadb_load_at(dfd, display, &en->meta, &err)
                 : ckpt_metadb_load_header_at(dfd, display, &en->meta, &err);
+  int mark = rc ? -1 : ckpt__protect_read(dfd);
   close(dfd);
   if (rc) {
     en->state = CKPT_CAT_DAMAGED;
     en->error = err ? err : strdup(strerror(-rc));
   } else {
     en->state = CKPT_CAT_COMMITTED;
+    en->step = en->meta.has_step ? en->meta.step
+                                 : ckpt_step_from_name(en->name);
+    en->is_protected = mark >= 0 ? mark == 1 : en->meta.protect;
   }
 }
 
@@ -274,11 +278,125 @@ size_t ckpt__catalog_select_old(const ckpt_catalog_t *c, uint32_t keep,
   return selected;
 }
 
+/* Oldest first by step (none first), then created_at, .metadata's mtime
+ * and name: the order of a retention policy. */
+static int by_step(const void *pa, const void *pb) {
+  const ckpt_cat_entry_t *a = *(const ckpt_cat_entry_t *const *)pa;
+  const ckpt_cat_entry_t *b = *(const ckpt_cat_entry_t *const *)pb;
+  if (a->step != b->step)
+    return a->step < b->step ? -1 : 1;
+  return -newer_first(pa, pb);
+}
+
+/* best: values in the order that puts the best first (lowest; a metric
+ * to maximize is negated), ties: the later in step order. */
+typedef struct {
+  double v;
+  size_t at; /* index in step order */
+} ranked_t;
+static int better_first(const void *pa, const void *pb) {
+  const ranked_t *a = pa, *b = pb;
+  if (a->v != b->v)
+    return a->v < b->v ? -1 : 1;
+  return a->at > b->at ? -1 : 1;
+}
+
+const char *ckpt__catalog_why_text(unsigned why, char *buf, size_t cap) {
+  static const char *const names[] = {"last",      "every",   "best",
+                                      "unranked",  "protected", "current",
+                                      "no policy"};
+  size_t len = 0;
+  if (cap)
+    buf[0] = '\0';
+  for (unsigned b = 0; b < sizeof(names) / sizeof(names[0]); b++)
+    if (why & (1u << b) && len < cap)
+      len += (size_t)snprintf(buf + len, cap - len, "%s%s", len ? "+" : "",
+                              names[b]);
+  return buf;
+}
+
+/* The best p->best of v[0..nv) by p->metric: their why gets BEST, those
+ * without a value UNRANKED. */
+static void mark_best(const ckpt_cat_entry_t **v, size_t nv,
+                      const ckpt_keep_policy_t *p, unsigned *why) {
+  ranked_t *r = calloc(nv ? nv : 1, sizeof(*r));
+  if (!r) { /* out of memory: every one kept */
+    for (size_t j = 0; j < nv; j++)
+      why[j] |= CKPT_KEPT_UNRANKED;
+    return;
+  }
+  size_t nr = 0;
+  for (size_t j = 0; j < nv; j++) {
+    if (ckpt_metadata_metric(&v[j]->meta, p->metric, &r[nr].v)) {
+      if (p->maximize)
+        r[nr].v = -r[nr].v;
+      r[nr++].at = j;
+    } else {
+      why[j] |= CKPT_KEPT_UNRANKED;
+    }
+  }
+  qsort(r, nr, sizeof(*r), better_first);
+  for (size_t j = 0; j < nr && j < p->best; j++)
+    why[r[j].at] |= CKPT_KEPT_BEST;
+  free(r);
+}
+
+size_t ckpt__catalog_select_policy(const ckpt_catalog_t *c,
+                                   const ckpt_keep_policy_t *p,
+                                   const char *keep_name, bool *remove,
+                                   unsigned *why_out) {
+  for (size_t i = 0; i < c->n; i++) {
+    remove[i] = false;
+    if (why_out)
+      why_out[i] = 0;
+  }
+  const ckpt_cat_entry_t **v = calloc(c->n ? c->n : 1, sizeof(*v));
+  unsigned *why = calloc(c->n ? c->n : 1, sizeof(*why));
+  if (!v || !why) { /* out of memory: remove nothing */
+    free(v), free(why);
+    return 0;
+  }
+  size_t nv = 0;
+  for (size_t i = 0; i < c->n; i++)
+    if (c->e[i].state == CKPT_CAT_COMMITTED)
+      v[nv++] = &c->e[i];
+  qsort(v, nv, sizeof(*v), by_step);
+  bool active = ckpt_keep_policy_active(p);
+  for (size_t j = 0; j < nv; j++) {
+    if (!active)
+      why[j] |= CKPT_KEPT_NO_POLICY;
+    if (p->last && nv - j <= p->last)
+      why[j] |= CKPT_KEPT_LAST;
+    if (p->every && v[j]->step >= 0 && (uint64_t)v[j]->step % p->every == 0)
+      why[j] |= CKPT_KEPT_EVERY;
+    if (v[j]->is_protected)
+      why[j] |= CKPT_KEPT_PROTECTED;
+    if (keep_name && !strcmp(v[j]->name, keep_name))
+      why[j] |= CKPT_KEPT_CURRENT;
+  }
+  if (p->best)
+    mark_best(v, nv, p, why);
+  size_t selected = 0;
+  for (size_t j = 0; j < nv; j++) {
+    size_t i = (size_t)(v[j] - c->e);
+    if (why_out)
+      why_out[i] = why[j];
+    if (!why[j]) {
+      remove[i] = true;
+      selected++;
+    }
+  }
+  free(v);
+  free(why);
+  return selected;
+}
+
 size_t ckpt__catalog_select_prunable(int backing_fd, ckpt_catalog_t *c,
-                                     uint32_t keep, const char *keep_name,
-                                     bool *remove) {
+                                     const ckpt_keep_policy_t *p,
+                                     const char *keep_name, bool *remove,
+                                     unsigned *why) {
   for (;;) {
-    size_t n = ckpt__catalog_select_old(c, keep, keep_name, remove);
+    size_t n = ckpt__catalog_select_policy(c, p, keep_name, remove, why);
     bool refused = false;
     for (size_t i = 0; i < c->n; i++) {
       ckpt_cat_entry_t *en = &c->e[i];
@@ -334,5 +452,176 @@ int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle) {
   rc = ckpt__remove_held_tree(backing_fd, name, dfd);
   close(dfd); /* the flock is held until the directory is gone */
   fsync(backing_fd);
+  return rc;
+}
+
+int ckpt__protect_read(int dfd) {
+  int fd = openat(dfd, CKPT_PROTECT_FILE, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0)
+    return -1;
+  char c = 0;
+  ssize_t n = read(fd, &c, 1);
+  close(fd);
+  return n == 1 && (c == '0' || c == '1') ? c - '0' : -1;
+}
+
+/* Write "1\n" or "0\n" into dfd/.protected.tmp, fsynced, and rename it
+ * to .protected, fsyncing dfd. */
+static int write_marker(int dfd, bool on) {
+  static const char tmp[] = CKPT_PROTECT_FILE ".tmp";
+  int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW |
+                                O_CLOEXEC, 0644);
+  if (fd < 0)
+    return -errno;
+  int rc = 0;
+  if (write(fd, on ? "1\n" : "0\n", 2) != 2)
+    rc = errno ? -errno : -ENOSPC;
+  if (rc == 0 && fsync(fd))
+    rc = -errno;
+  close(fd);
+  if (rc == 0 && renameat(dfd, tmp, dfd, CKPT_PROTECT_FILE))
+    rc = -errno;
+  if (rc == 0 && fsync(dfd))
+    rc = -errno;
+  if (rc)
+    unlinkat(dfd, tmp, 0);
+  return rc;
+}
+
+int ckpt__checkpoint_protect(int backing_fd, const char *name, bool on) {
+  for (int attempt = 0; attempt < 100; attempt++) {
+    int dfd = ckpt_store_open_dir(backing_fd, name, O_RDONLY);
+    if (dfd < 0)
+      return dfd;
+    if (flock(dfd, LOCK_EX)) {
+      int e = errno;
+      close(dfd);
+      return -e;
+    }
+    /* Still the checkpoint of that name (a removal or replace may have
+     * exchanged another one in while this waited)? */
+    struct stat held, named;
+    bool same = fstat(dfd, &held) == 0 &&
+                fstatat(backing_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+                held.st_dev == named.st_dev && held.st_ino == named.st_ino;
+    int rc = !same ? 1
+             : !ckpt_store_has_metadata(dfd) ? -ENOENT
+                                             : write_marker(dfd, on);
+    close(dfd);
+    if (rc != 1)
+      return rc;
+  }
+  return -EAGAIN;
+}
+
+/* Does an entry of records (n names) name save_id: SAVE_ID or SAVE_ID.R? */
+static bool recorded(char **records, size_t n, const char *save_id) {
+  size_t len = strlen(save_id);
+  for (size_t i = 0; i < n; i++)
+    if (!strncmp(records[i], save_id, len) &&
+        (records[i][len] == '\0' || records[i][len] == '.'))
+      return true;
+  return false;
+}
+
+/* The names in tier_fd/dir (none when it does not exist). 0 or -errno. */
+static int list_records(int tier_fd, const char *dir, char ***names,
+                        size_t *n) {
+  *names = NULL;
+  *n = 0;
+  int fd = openat(tier_fd, dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
+                                    O_CLOEXEC);
+  if (fd < 0)
+    return errno == ENOENT ? 0 : -errno;
+  DIR *d = fdopendir(fd);
+  if (!d) {
+    close(fd);
+    return -ENOMEM;
+  }
+  int rc = 0;
+  struct dirent *e;
+  while (rc == 0 && (e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.')
+      continue;
+    char **grown = realloc(*names, (*n + 1) * sizeof(*grown));
+    if (!grown || !(grown[*n] = strdup(e->d_name))) {
+      if (grown)
+        *names = grown;
+      rc = -ENOMEM;
+      break;
+    }
+    *names = grown;
+    (*n)++;
+  }
+  closedir(d);
+  return rc;
+}
+
+/* Is tier entry en flushed: no record, and BACKING_DIR/NAME the same
+ * save? */
+static bool flushed(const ckpt_cat_entry_t *en, int backing_fd,
+                    char **records, size_t nrec) {
+  if (en->state != CKPT_CAT_COMMITTED || !en->meta.save_id ||
+      recorded(records, nrec, en->meta.save_id))
+    return false;
+  char id[CKPT_SAVE_ID_LEN + 1];
+  int dfd = ckpt_store_open_dir(backing_fd, en->name, O_RDONLY);
+  bool same = dfd >= 0 && ckpt_store_has_metadata(dfd) &&
+              ckpt_store_save_id(dfd, id) == 0 &&
+              !strcmp(id, en->meta.save_id);
+  if (dfd >= 0)
+    close(dfd);
+  return same;
+}
+
+int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
+                     uint32_t keep, char ***removed, size_t *n_removed) {
+  if (removed)
+    *removed = NULL;
+  *n_removed = 0;
+  char **records;
+  size_t nrec;
+  int rc = list_records(tier_fd, records_dir, &records, &nrec);
+  if (rc) {
+    ckpt__catalog_names_free(records, nrec);
+    return rc;
+  }
+  ckpt_catalog_t cat;
+  if ((rc = ckpt__catalog_scan(tier_fd, false, &cat))) {
+    ckpt__catalog_names_free(records, nrec);
+    return rc;
+  }
+  /* Only the flushed ones take part: the others become UNFINISHED here,
+   * which a policy never counts nor selects. */
+  for (size_t i = 0; i < cat.n; i++)
+    if (!flushed(&cat.e[i], backing_fd, records, nrec) &&
+        cat.e[i].state == CKPT_CAT_COMMITTED)
+      cat.e[i].state = CKPT_CAT_UNFINISHED;
+  ckpt__catalog_names_free(records, nrec);
+  bool *rm = calloc(cat.n ? cat.n : 1, sizeof(*rm));
+  char **out = calloc(cat.n ? cat.n : 1, sizeof(*out));
+  if (!rm || !out) {
+    free(rm), free(out);
+    ckpt__catalog_free(&cat);
+    return -ENOMEM;
+  }
+  ckpt_keep_policy_t p = {.last = keep};
+  bool all = keep == 0; /* tier_keep=0: no flushed one stays */
+  ckpt__catalog_select_policy(&cat, &p, NULL, rm, NULL);
+  for (size_t i = 0; i < cat.n; i++) {
+    if (!(all ? cat.e[i].state == CKPT_CAT_COMMITTED : rm[i]))
+      continue;
+    int r = ckpt__checkpoint_remove(tier_fd, cat.e[i].name, false);
+    if (r == 0)
+      out[(*n_removed)++] = cat.e[i].name, cat.e[i].name = NULL;
+    else if (rc == 0)
+      rc = r; /* the first failure; the others are still tried */
+  }
+  free(rm);
+  ckpt__catalog_free(&cat);
+  if (removed && *n_removed)
+    *removed = out;
+  else
+    ckpt__catalog_names_free(out, *n_removed);
   return rc;
 }

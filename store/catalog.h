@@ -38,6 +38,11 @@ typedef struct {
   char *mount;            /* not in BACKING_DIR yet: the local mount that
                              stages it (ckptctl ls), or NULL; owned */
   char *mount_state;      /* then the first line of its .status; owned */
+  /* committed, for retention: */
+  int64_t step;           /* step=N recorded at commit, else the last run
+                             of digits in the name, else -1 */
+  bool is_protected;      /* the protect marker (ckptctl protect) if set,
+                             else the commit word protect */
 } ckpt_cat_entry_t;
 
 typedef struct {
@@ -70,13 +75,57 @@ int ckpt__catalog_saves(int backing_fd, ckpt_catalog_t *c);
 size_t ckpt__catalog_select_old(const ckpt_catalog_t *c, uint32_t keep,
                                 const char *keep_name, bool *remove);
 
-/* The same, for a policy that removes them (keep_last, ckptctl prune):
+/* Why a policy keeps a committed entry (bits of why[i]); 0: removed. */
+enum {
+  CKPT_KEPT_LAST = 1,      /* one of the last N by step */
+  CKPT_KEPT_EVERY = 2,     /* its step is a multiple of K */
+  CKPT_KEPT_BEST = 4,      /* one of the best M by the metric */
+  CKPT_KEPT_UNRANKED = 8,  /* best: it has no value of the metric, so it
+                              cannot be ranked (kept, as Orbax does) */
+  CKPT_KEPT_PROTECTED = 16,
+  CKPT_KEPT_CURRENT = 32,  /* keep_name: just committed */
+  CKPT_KEPT_NO_POLICY = 64 /* the policy has no rule: all kept */
+};
+/* "last", "every", "best", ... joined by "+" into buf: why's bits. */
+const char *ckpt__catalog_why_text(unsigned why, char *buf, size_t cap);
+
+/* Which committed entries policy p removes: remove[i] set for those, and
+ * (why non-NULL) why[i] the reasons each other committed entry is kept.
+ * Entries are ordered by step (those without one first), then created_at,
+ * .metadata's mtime and name. A committed entry is kept when one rule
+ * keeps it: the last p->last, those whose step is a multiple of
+ * p->every, the p->best best by metric p->metric (lowest first, or
+ * highest with maximize; ties: the later one) and every one without a
+ * value of it, every protected one, and keep_name (NULL: none). Unfinished
+ * and damaged entries are never selected. Returns how many are selected. */
+size_t ckpt__catalog_select_policy(const ckpt_catalog_t *c,
+                                   const ckpt_keep_policy_t *p,
+                                   const char *keep_name, bool *remove,
+                                   unsigned *why);
+
+/* The same, for a policy that removes them (-o keep=, ckptctl prune):
  * each selected entry is first loaded whole, and one that is refused
  * (a gap, an overlap, ...) becomes DAMAGED with its reason and is never
- * selected: a damaged checkpoint is reported, not removed. */
+ * selected: a damaged checkpoint is reported, not removed. why: as
+ * above, or NULL. */
 size_t ckpt__catalog_select_prunable(int backing_fd, ckpt_catalog_t *c,
-                                     uint32_t keep, const char *keep_name,
-                                     bool *remove);
+                                     const ckpt_keep_policy_t *p,
+                                     const char *keep_name, bool *remove,
+                                     unsigned *why);
+
+/* The protect marker of a committed checkpoint: BACKING_DIR/NAME/.protected
+ * holding "1" (protected) or "0" (not, whatever its commit said), written
+ * by ckptctl protect/unprotect. */
+#define CKPT_PROTECT_FILE ".protected"
+/* The marker in checkpoint directory dfd: 1, 0, or -1 when there is none
+ * (or it cannot be read). */
+int ckpt__protect_read(int dfd);
+/* Set the marker of committed checkpoint name to on, atomically and
+ * durably: .protected.tmp written and fsynced, renamed over .protected,
+ * the directory fsynced; under an exclusive flock of the directory, so
+ * that an entry removal (which carries the marker into its new version)
+ * does not run meanwhile. 0, -ENOENT (not committed) or -errno. */
+int ckpt__checkpoint_protect(int backing_fd, const char *name, bool on);
 
 /* Delete BACKING_DIR/name (committed or not):
  *  1. with if_idle, take an exclusive flock on the directory without
@@ -87,5 +136,18 @@ size_t ckpt__catalog_select_prunable(int backing_fd, ckpt_catalog_t *c,
  *  3. remove the data files and the directory, fsync BACKING_DIR.
  * 0 (also when it does not exist) or -errno. */
 int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle);
+
+/* -o tier_keep=N (fs/retain.c): of the checkpoints of a node-local tier
+ * (tier_fd) that are flushed, keep the last keep by step and remove the
+ * others (as ckpt__checkpoint_remove). Flushed: no flush record of its
+ * save in tier_fd/records_dir (an entry named SAVE_ID or SAVE_ID.SOMETHING)
+ * and BACKING_DIR/NAME (backing_fd) carries the same save ID. Every other
+ * tier checkpoint (unflushed, where it is the only copy; or another save
+ * than BACKING_DIR's) is neither counted nor touched, and nothing is
+ * removed when the records cannot be listed. The caller holds off tier
+ * publishes meanwhile. *removed (malloc'd names, NULL when none; may be
+ * NULL itself) and *n_removed say what went. 0 or -errno. */
+int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
+                     uint32_t keep, char ***removed, size_t *n_removed);
 
 #endif /* CKPT_CATALOG_H */

@@ -10,6 +10,11 @@
  *   checkpoint key  writer = "ckptfs"
  *   index           chunks_fqn ON chunks(fqn), for `sqlite3` users who
  *                   query one tensor's chunks
+ *   checkpoint keys of retention, each only when its commit word was
+ *   given (older checkpoints have none; a reader treats them as absent):
+ *                   step = N (decimal), protect = "1",
+ *                   metric.KEY = VALUE (the shortest decimal that
+ *                   reads back the same double), one row per metric
  * created_at is ISO-8601 UTC ("2026-12-02T10:03:00Z"), world_size decimal.
  *
  * Workload: one publish per commit, up to about a million chunk rows, all
@@ -189,6 +194,26 @@ static int bind_storage(writer_t *w, sqlite3_stmt *st, int i, const char *fqn,
   return 0;
 }
 
+/* The retention keys of m through st (INSERT INTO checkpoint). */
+static int insert_retention(writer_t *w, sqlite3_stmt *st,
+                            const ckpt_metadata_t *m) {
+  char key[CKPT_METRIC_KEY_MAX + 8], val[40];
+  int rc = 0;
+  if (m->has_step) {
+    snprintf(val, sizeof(val), "%" PRId64, m->step);
+    rc = insert_row(w, st, bind_text(st, 1, "step") | bind_text(st, 2, val));
+  }
+  if (rc == 0 && m->protect)
+    rc = insert_row(w, st,
+                    bind_text(st, 1, "protect") | bind_text(st, 2, "1"));
+  for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++) {
+    snprintf(key, sizeof(key), "metric.%s", m->metrics[i].key);
+    ckpt_metric_format(m->metrics[i].value, val, sizeof(val));
+    rc = insert_row(w, st, bind_text(st, 1, key) | bind_text(st, 2, val));
+  }
+  return rc;
+}
+
 static int insert_checkpoint(writer_t *w, const ckpt_metadata_t *m) {
   char world[16], created[32];
   struct tm tm;
@@ -214,6 +239,8 @@ static int insert_checkpoint(writer_t *w, const ckpt_metadata_t *m) {
   for (size_t i = 0; rc == 0 && i < sizeof(kv) / sizeof(kv[0]); i++)
     rc = insert_row(w, st,
                     bind_text(st, 1, kv[i][0]) | bind_text(st, 2, kv[i][1]));
+  if (rc == 0)
+    rc = insert_retention(w, st, m);
   sqlite3_finalize(st);
   return rc;
 }
@@ -675,6 +702,58 @@ static int64_t find_tensor(const ckpt_metadata_t *m, const char *fqn) {
   return -1;
 }
 
+static int by_metric_key(const void *a, const void *b) {
+  return strcmp(((const ckpt_metric_t *)a)->key,
+                ((const ckpt_metric_t *)b)->key);
+}
+
+/* A retention key of the checkpoint table (step, protect, metric.KEY):
+ * 1 when key is not one, else 0 or a negative errno. */
+static int load_retention(loader_t *ld, const row_t *r, const char *key,
+                          const char *val) {
+  ckpt_metadata_t *m = ld->m;
+  if (!strcmp(key, "step")) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(val, &end, 10);
+    if (m->has_step)
+      return row_fail(ld, r, "key step appears twice");
+    if (errno || end == val || *end || v < 0 || !isdigit((unsigned char)*val))
+      return row_fail(ld, r, "step '%.32s' is not a step number", val);
+    m->has_step = true;
+    m->step = v;
+    return 0;
+  }
+  if (!strcmp(key, "protect")) {
+    if (strcmp(val, "1") && strcmp(val, "0"))
+      return row_fail(ld, r, "protect '%.32s' is not 0 or 1", val);
+    m->protect = !strcmp(val, "1");
+    return 0;
+  }
+  if (strncmp(key, "metric.", 7))
+    return 1;
+  const char *k = key + 7;
+  double v;
+  if (!ckpt_metric_key_valid(k, strlen(k)))
+    return row_fail(ld, r, "'%.80s' is not a metric key", key);
+  if (ckpt_metric_value_parse(val, strlen(val), &v))
+    return row_fail(ld, r, "%.80s '%.32s' is not a finite number", key, val);
+  for (uint32_t i = 0; i < m->n_metrics; i++)
+    if (!strcmp(m->metrics[i].key, k))
+      return row_fail(ld, r, "key %.80s appears twice", key);
+  if (m->n_metrics == CKPT_MAX_METRICS)
+    return row_fail(ld, r, "more than %d metrics", CKPT_MAX_METRICS);
+  ckpt_metric_t *grown =
+      realloc(m->metrics, (m->n_metrics + 1) * sizeof(*grown));
+  if (!grown)
+    return nomem(ld);
+  m->metrics = grown;
+  snprintf(grown[m->n_metrics].key, sizeof(grown->key), "%s", k);
+  grown[m->n_metrics++].value = v;
+  qsort(m->metrics, m->n_metrics, sizeof(*m->metrics), by_metric_key);
+  return 0;
+}
+
 static int load_checkpoint(loader_t *ld) {
   enum { K_FORMAT, K_NAME, K_SAVE_ID, K_WORLD, K_CREATED, N_KEYS };
   static const char *const keys[N_KEYS] = {
@@ -699,8 +778,14 @@ static int load_checkpoint(loader_t *ld) {
     int k = 0;
     while (k < N_KEYS && strcmp(key, keys[k]) != 0)
       k++;
-    if (k == N_KEYS) /* keys of later writers are welcome */
+    if (k == N_KEYS) { /* keys of later writers are welcome */
+      rc = load_retention(ld, &r, key, val);
+      if (rc == 1)
+        rc = 0;
+      if (rc)
+        break;
       continue;
+    }
     r.fqn = keys[k];
     if (seen[k]) {
       rc = row_fail(ld, &r, "key appears twice");

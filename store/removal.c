@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "catalog.h"
 #include "failpoint.h"
 #include "metadb.h"
 #include "store_int.h"
@@ -208,6 +209,14 @@ static int build(int odfd, int ndfd, const char *id, const char *display,
   int rc = link_live(p, odfd, ndfd, err);
   if (rc)
     return rc;
+  /* ckptctl protect's marker stays with the checkpoint (catalog.h). */
+  if (linkat(odfd, CKPT_PROTECT_FILE, ndfd, CKPT_PROTECT_FILE, 0) &&
+      errno != ENOENT) {
+    int e = errno;
+    *err = ckpt__strdup_printf("linking %s into the new version: %s",
+                               CKPT_PROTECT_FILE, strerror(e));
+    return -e;
+  }
   ckpt_failpoint("remove_linked");
   ckpt_metadb_drop_t d = {
       .tensor_fqn = !r->dir && !r->blob ? r->fqn : NULL,

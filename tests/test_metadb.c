@@ -728,8 +728,76 @@ static void test_load_inconsistent(void **state) {
   ckpt_metadata_free(&m);
 }
 
+/* Retention keys (step, protect, metric.KEY): written only when given,
+ * read back the same; a .metadata without them (older) loads with none;
+ * a malformed one is refused. */
+static void test_retention_keys(void **state) {
+  char dir[PATH_MAX], path[PATH_MAX];
+  test_path(state, "retention", NULL, dir);
+  test_path(state, "retention", CKPT_METADATA_FILE, path);
+  ckpt_metadata_t m, got;
+  meta_small(&m);
+  publish_ok(dir, &m, false);
+  assert_string_equal(db_query(path, "SELECT count(*) FROM checkpoint WHERE"
+                                     " key IN ('step', 'protect') OR key"
+                                     " LIKE 'metric.%'"),
+                      "0");
+  char *err = NULL;
+  assert_int_equal(ckpt_metadb_load(path, &got, &err), 0);
+  assert_false(got.has_step || got.protect || got.n_metrics);
+  ckpt_metadata_free(&got);
+
+  ckpt_commit_words_t w = {.has_step = true, .step = 1200, .protect = true,
+                           .n_metrics = 2};
+  w.metrics[0] = (ckpt_metric_t){"val_loss", 0.1 + 0.2};
+  w.metrics[1] = (ckpt_metric_t){"acc", 1e-5};
+  assert_int_equal(ckpt_metadata_set_retention(&m, &w), 0);
+  publish_ok(dir, &m, false);
+  assert_string_equal(
+      db_query(path, "SELECT value FROM checkpoint WHERE key='metric.acc'"),
+      "1e-05");
+  assert_string_equal(
+      db_query(path, "SELECT value FROM checkpoint WHERE key='step'"), "1200");
+  assert_int_equal(ckpt_metadb_load_header(path, &got, &err), 0);
+  assert_true(got.has_step && got.step == 1200 && got.protect);
+  assert_int_equal(got.n_metrics, 2);
+  assert_string_equal(got.metrics[0].key, "acc"); /* sorted */
+  assert_true(got.metrics[1].value == 0.1 + 0.2); /* the same double */
+  ckpt_metadata_free(&got);
+
+  static const char *const cases[][2] = {
+      {"UPDATE checkpoint SET value='-3' WHERE key='step'",
+       "step '-3' is not a step number"},
+      {"UPDATE checkpoint SET value='12x' WHERE key='step'",
+       "step '12x' is not a step number"},
+      {"UPDATE checkpoint SET value='99999999999999999999' WHERE key='step'",
+       "is not a step number"},
+      {"UPDATE checkpoint SET value='yes' WHERE key='protect'",
+       "protect 'yes' is not 0 or 1"},
+      {"UPDATE checkpoint SET value='nan' WHERE key='metric.acc'",
+       "metric.acc 'nan' is not a finite number"},
+      {"UPDATE checkpoint SET key='metric.a b' WHERE key='metric.acc'",
+       "'metric.a b' is not a metric key"},
+      {"UPDATE checkpoint SET value=NULL WHERE key='metric.acc'",
+       "value is NULL"},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    publish_ok(dir, &m, false);
+    db_exec(path, cases[i][0]);
+    load_fails(path, cases[i][1]);
+  }
+  /* More metrics than CKPT_MAX_METRICS: refused. */
+  publish_ok(dir, &m, false);
+  db_exec(path, "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM"
+                " n WHERE i < 20) INSERT INTO checkpoint SELECT"
+                " 'metric.m' || i, i FROM n");
+  load_fails(path, "more than 16 metrics");
+  ckpt_metadata_free(&m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_retention_keys),
       cmocka_unit_test(test_round_trip),
       cmocka_unit_test(test_round_trip_empty),
       cmocka_unit_test(test_million_chunks),

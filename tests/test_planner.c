@@ -428,6 +428,106 @@ static void test_commit_words(void **state) {
   assert_int_equal((int)strlen(w.replace), 255);
 }
 
+static void test_retention_words(void **state) {
+  (void)state;
+  ckpt_commit_words_t w;
+  const char *s = "sync step=1200 metric=loss:0.25 protect metric=acc:-1e-3\n";
+  assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
+  assert_true(w.sync && w.has_step && w.protect);
+  assert_int_equal(w.step, 1200);
+  assert_int_equal(w.n_metrics, 2);
+  assert_string_equal(w.metrics[0].key, "loss");
+  assert_true(w.metrics[0].value == 0.25);
+  assert_string_equal(w.metrics[1].key, "acc");
+  assert_true(w.metrics[1].value == -1e-3);
+  s = "async replace=x step=0 solo";
+  assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
+  assert_true(w.has_step && w.step == 0 && !w.protect && w.n_metrics == 0);
+  s = "sync step=9223372036854775807";
+  assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
+  assert_true(w.step == INT64_MAX);
+  static const char *bad[] = {
+      "sync step=", "sync step=-1", "sync step=+1", "sync step=1.5",
+      "sync step=9223372036854775808", "sync step=1 step=1", "sync Step=1",
+      "sync metric=", "sync metric=loss", "sync metric=loss:", "sync metric=:1",
+      "sync metric=loss:nan", "sync metric=loss:inf", "sync metric=loss:1e999",
+      "sync metric=loss:0x1p3", "sync metric=loss: 1", "sync metric=l/s:1",
+      "sync metric=a:1 metric=a:2", "sync protect protect", "sync protected",
+      "sync metric=loss:1:2"};
+  for (size_t i = 0; i < N_OF(bad); i++)
+    assert_int_equal(ckpt_commit_words_parse(bad[i], strlen(bad[i]), &w),
+                     -EINVAL);
+  /* up to CKPT_MAX_METRICS, each key once; a 64-byte key, not 65 */
+  char many[2048] = "sync";
+  for (int i = 0; i < CKPT_MAX_METRICS; i++)
+    snprintf(many + strlen(many), sizeof(many) - strlen(many),
+             " metric=m%d:%d", i, i);
+  assert_int_equal(ckpt_commit_words_parse(many, strlen(many), &w), 0);
+  assert_int_equal(w.n_metrics, CKPT_MAX_METRICS);
+  strcat(many, " metric=one:1");
+  assert_int_equal(ckpt_commit_words_parse(many, strlen(many), &w), -EINVAL);
+  char key[100] = "sync metric=";
+  memset(key + 12, 'k', 64);
+  strcpy(key + 76, ":1");
+  assert_int_equal(ckpt_commit_words_parse(key, strlen(key), &w), 0);
+  memset(key + 12, 'k', 65);
+  strcpy(key + 77, ":1");
+  assert_int_equal(ckpt_commit_words_parse(key, strlen(key), &w), -EINVAL);
+}
+
+static void test_step_from_name(void **state) {
+  (void)state;
+  assert_int_equal(ckpt_step_from_name("epoch=3-step=1200"), 1200);
+  assert_int_equal(ckpt_step_from_name("checkpoint-500"), 500);
+  assert_int_equal(ckpt_step_from_name("step_0042.ckpt"), 42);
+  assert_int_equal(ckpt_step_from_name("7"), 7);
+  assert_int_equal(ckpt_step_from_name("latest"), -1);
+  assert_int_equal(ckpt_step_from_name("s-99999999999999999999"), -1);
+  assert_int_equal(ckpt_step_from_name("s-9223372036854775807"), INT64_MAX);
+}
+
+static void test_keep_policy(void **state) {
+  (void)state;
+  ckpt_keep_policy_t p;
+  const char *s = "last:5,every:1000,best:3:loss:min";
+  assert_int_equal(ckpt_keep_policy_parse(s, strlen(s), &p), 0);
+  assert_int_equal(p.last, 5);
+  assert_int_equal(p.every, 1000);
+  assert_int_equal(p.best, 3);
+  assert_string_equal(p.metric, "loss");
+  assert_false(p.maximize);
+  assert_true(ckpt_keep_policy_active(&p));
+  char text[160];
+  ckpt_keep_policy_format(&p, text, sizeof(text));
+  assert_string_equal(text, s);
+  s = "best:1:val.acc:max,last:2";
+  assert_int_equal(ckpt_keep_policy_parse(s, strlen(s), &p), 0);
+  assert_true(p.maximize && p.best == 1 && p.last == 2 && p.every == 0);
+  ckpt_keep_policy_format(&p, text, sizeof(text));
+  assert_string_equal(text, "last:2,best:1:val.acc:max");
+  s = "every:7";
+  assert_int_equal(ckpt_keep_policy_parse(s, strlen(s), &p), 0);
+  ckpt_keep_policy_format(&p, text, sizeof(text));
+  assert_string_equal(text, "every:7");
+  static const char *bad[] = {
+      "", ",", "last:", "last:0", "last:-1", "last:4294967296", "last:1,",
+      ",last:1", "last:1,last:2", "first:1", "every:0", "every:x",
+      "best:1:loss", "best:1:loss:avg", "best:0:loss:min", "best:1::min",
+      "best:1:a b:min", "last:1 ", "LAST:1", "best:1:loss:min:x"};
+  for (size_t i = 0; i < N_OF(bad); i++) {
+    assert_int_equal(ckpt_keep_policy_parse(bad[i], strlen(bad[i]), &p),
+                     -EINVAL);
+    assert_false(ckpt_keep_policy_active(&p)); /* nothing half-set */
+  }
+  double v;
+  assert_int_equal(ckpt_metric_value_parse("1e-05", 5, &v), 0);
+  ckpt_metric_format(v, text, sizeof(text));
+  assert_string_equal(text, "1e-05");
+  ckpt_metric_format(0.1 + 0.2, text, sizeof(text));
+  assert_int_equal(ckpt_metric_value_parse(text, strlen(text), &v), 0);
+  assert_true(v == 0.1 + 0.2); /* reads back the same double */
+}
+
 static void test_entry_name_check(void **state) {
   (void)state;
   static const struct {
@@ -2748,6 +2848,9 @@ int main(void) {
       cmocka_unit_test(test_names),
       cmocka_unit_test(test_entry_name_check),
       cmocka_unit_test(test_commit_words),
+      cmocka_unit_test(test_retention_words),
+      cmocka_unit_test(test_step_from_name),
+      cmocka_unit_test(test_keep_policy),
       cmocka_unit_test(test_fqn),
       cmocka_unit_test(test_data_file_names),
       cmocka_unit_test(test_local_plan),

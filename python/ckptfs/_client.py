@@ -1185,10 +1185,33 @@ def _discard_staged(ckdir):
     os.rmdir(ckdir)
 
 
-def commit(mount, name, mode="sync", replace=None, solo=False):
+_METRIC_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def retention_words(step=None, metrics=None, protect=False):
+    """The commit words retention reads (docs/saving.md, "Retention"):
+    step=N, metric=KEY:VALUE per item of metrics (a dict), protect."""
+    words = ()
+    if step is not None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r}: a whole number >= 0")
+        words += (f"step={step}",)
+    for key, value in (metrics or {}).items():
+        value = float(value)
+        if not _METRIC_KEY.fullmatch(key) or not math.isfinite(value):
+            raise ValueError(f"metric {key!r}={value!r}: a key of letters, digits, "
+                             "_ . - (up to 64) and a finite number")
+        words += (f"metric={key}:{value!r}",)
+    return words + (("protect",) if protect else ())
+
+
+def commit(mount, name, mode="sync", replace=None, solo=False, step=None,
+           metrics=None, protect=False):
     """Write mode to NAME/.commit (what save() does last). replace=TARGET:
     publish the staged NAME as TARGET, over a committed TARGET; solo: this
-    rank alone, as a world of one (SPEC, Committing)."""
+    rank alone, as a world of one (SPEC, Committing). step, metrics
+    ({"loss": 0.25}) and protect are recorded for retention (-o keep=,
+    ckptctl prune)."""
     if not solo:  # as save() checks: the trainer's world is the mount's
         rank, size = _trainer_world()
         why = world_mismatch(mount, rank, size, saving=True)
@@ -1200,6 +1223,7 @@ def commit(mount, name, mode="sync", replace=None, solo=False):
             raise ValueError(f"replace={replace!r}: a name holding a space cannot "
                              "follow replace= in a commit word")
         words += (f"replace={replace}",)
+    words += retention_words(step, metrics, protect)
     _commit_dir(os.path.join(mount, name), name, mode, words)
 
 

@@ -55,6 +55,25 @@ static void fuzz_commit_words(const char *s, size_t n) {
     return;
   CHECK(w.replace[0] == '\0' || ckpt_name_valid(w.replace));
   CHECK(!memchr(w.replace, ' ', strlen(w.replace)));
+  CHECK(!w.has_step || w.step >= 0);
+  CHECK(w.n_metrics <= CKPT_MAX_METRICS);
+  for (uint32_t i = 0; i < w.n_metrics; i++) {
+    CHECK(ckpt_metric_key_valid(w.metrics[i].key, strlen(w.metrics[i].key)));
+    CHECK(w.metrics[i].value - w.metrics[i].value == 0); /* finite */
+  }
+}
+
+/* A keep= policy that parses formats to text that parses the same. */
+static void fuzz_keep_policy(const char *s, size_t n) {
+  ckpt_keep_policy_t p, q;
+  char text[256];
+  if (ckpt_keep_policy_parse(s, n, &p) < 0)
+    return;
+  CHECK(ckpt_keep_policy_active(&p));
+  int len = ckpt_keep_policy_format(&p, text, sizeof(text));
+  CHECK(len > 0 && (size_t)len < sizeof(text));
+  CHECK(ckpt_keep_policy_parse(text, (size_t)len, &q) == 0);
+  CHECK(memcmp(&p, &q, sizeof(p)) == 0);
 }
 
 /* name: NUL-terminated. */
@@ -74,6 +93,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fuzz_dims(s, size);
   fuzz_dtype(s, size);
   fuzz_commit_words(s, size);
+  fuzz_keep_policy(s, size);
   char *name = malloc(size + 1);
   if (name == NULL)
     return 0;

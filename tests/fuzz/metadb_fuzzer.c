@@ -4,7 +4,7 @@
  * ckpt_metadb_load return 0 or an error with a message, and what loads
  * is consistent (chunk rows point at their tensor, ranks inside the
  * world, lists as long as the tensor's ndim, every tensor covered by its
- * chunks' elements exactly).
+ * chunks' elements exactly; retention keys, present or not, sane).
  *
  * Input: either a raw SQLite file (it starts with "SQLite format 3"), or
  * rows to insert into a database with the real schema, one per line:
@@ -176,6 +176,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       }
       for (uint32_t b = 0; b < m.n_blobs; b++)
         CHECK(m.blobs[b].rank >= 0 && m.blobs[b].rank < m.world_size);
+      /* retention keys, when there: a step >= 0, metrics bounded, sorted
+       * by key, unique, each a valid key and a finite value */
+      CHECK(!m.has_step || m.step >= 0);
+      CHECK(m.n_metrics <= CKPT_MAX_METRICS);
+      for (uint32_t i = 0; i < m.n_metrics; i++) {
+        const ckpt_metric_t *x = &m.metrics[i];
+        CHECK(ckpt_metric_key_valid(x->key, strlen(x->key)));
+        CHECK(x->value - x->value == 0); /* finite */
+        CHECK(i == 0 || strcmp(m.metrics[i - 1].key, x->key) < 0);
+      }
       ckpt_metadata_free(&m);
     }
     free(err);

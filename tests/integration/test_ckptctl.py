@@ -268,7 +268,8 @@ class Commands(Base):
         self.assertEqual(sorted(byname), ["a", "b", "bad", "busy", "gone"])
         self.assertEqual([c["name"] for c in doc["checkpoints"]], sorted(byname))
         keys = {"name", "state", "created_at", "created_at_unix", "save_id", "world_size",
-                "tensors", "chunks", "blobs", "bytes", "disk_bytes", "held", "error", "mount"}
+                "tensors", "chunks", "blobs", "bytes", "disk_bytes", "held", "error", "mount",
+                "step", "protected", "metrics"}
         for c in doc["checkpoints"]:
             self.assertEqual(set(c), keys, c["name"])
         for name in ("a", "b"):
@@ -296,7 +297,7 @@ class Commands(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         lines = r.stdout.splitlines()
         self.assertEqual(lines[0].split(), ["NAME", "STATE", "CREATED", "WORLD", "TENSORS",
-                                            "BLOBS", "BYTES"])
+                                            "BLOBS", "BYTES", "STEP"])
         row = {ln.split()[0]: ln for ln in lines[1:]}
         self.assertEqual(row["a"].split()[:7],
                          ["a", "committed", byname["a"]["created_at"], "1", "2", "1", "99"])
@@ -617,7 +618,12 @@ class Commands(Base):
             (["diff", self.backing, "a"], "missing arguments"),
             (["export", self.backing, "a"], "--safetensors FILE or --dcp DIR is required"),
             (["export", self.backing, "a", "--safetensors"], "needs a value"),
-            (["prune", self.backing], "--keep N is required"),
+            (["prune", self.backing], "a rule is required: --keep-last N"),
+            (["prune", self.backing, "--keep", "2", "--keep-last", "3"], "give one of them"),
+            (["prune", self.backing, "--keep-best", "2"], "needs --metric KEY"),
+            (["prune", self.backing, "--keep-last", "2", "--mode", "max"], "go with --keep-best"),
+            (["prune", self.backing, "--keep-best", "2", "--metric", "a b"],
+             "expected a metric key"),
             (["prune", self.backing, "--keep", "0"], "at least 1"),
             (["prune", self.backing, "--keep", "x"], "expected a number"),
         ]
@@ -633,7 +639,7 @@ class Commands(Base):
     def test_help_lists_every_option_with_its_default(self):
         r = ctl("--help")
         self.assertEqual(r.returncode, 0)
-        for cmd in ("ls", "show", "diff", "export", "prune", "wait"):
+        for cmd in ("ls", "show", "diff", "export", "prune", "protect", "unprotect", "wait"):
             self.assertRegex(r.stdout, rf"(?m)^  {cmd} ")
             h = ctl(cmd, "--help")
             self.assertEqual(h.returncode, 0, cmd)
@@ -825,47 +831,49 @@ class World2(unittest.TestCase):
     def test_3_diff_content_of_differently_chunked_tensors(self):
         from mpi_world import Tensor, stage
         shards = {0: ([0, 0], [3, 4]), 1: ([3, 0], [3, 4])}
-        stage(self.world, "x1", [Tensor("t", "float32", [6, 4], shards, 7),
-                                 Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
-        self.commit_both("x1")
-        stage(self.world, "x2", [Tensor("t", "float32", [6, 4], {0: None, 1: None}, 7),
-                                 Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
-        self.commit_both("x2")
-        doc = ctl_json(self, "diff", self.backing, "x1", "x2", rc=1)
+        stage(self.world, "x11", [Tensor("t", "float32", [6, 4], shards, 7),
+                                  Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
+        self.commit_both("x11")
+        stage(self.world, "x12", [Tensor("t", "float32", [6, 4], {0: None, 1: None}, 7),
+                                  Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
+        self.commit_both("x12")
+        doc = ctl_json(self, "diff", self.backing, "x11", "x12", rc=1)
         self.assertEqual(doc["changed"][0]["fqn"], "t")
         self.assertEqual(doc["changed"][0]["reasons"], ["chunks"])
         self.assertIn("contents not compared", doc["changed"][0]["detail"])
-        doc = ctl_json(self, "diff", "--content", self.backing, "x1", "x2")
+        doc = ctl_json(self, "diff", "--content", self.backing, "x11", "x12")
         self.assertEqual((doc["identical"], doc["unchanged"]), (True, 2))
 
-        stage(self.world, "x3", [Tensor("t", "float32", [6, 4], {0: None, 1: None}, 8),
-                                 Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
-        self.commit_both("x3")  # keep_last=2 removes x1
-        self.assertFalse(os.path.exists(os.path.join(self.backing, "x1")))
-        r = ctl("diff", "--content", self.backing, "x2", "x3")
+        stage(self.world, "x13", [Tensor("t", "float32", [6, 4], {0: None, 1: None}, 8),
+                                  Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
+        # keep_last=2 (keep=last:2, by step: 11 to 14 come after the
+        # earlier tests' w3, w4 and the step-less "late") removes x11
+        self.commit_both("x13")
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "x11")))
+        r = ctl("diff", "--content", self.backing, "x12", "x13")
         self.assertEqual(r.returncode, 1)
         self.assertIn("~ tensor t: data: 1 of 1 chunks differ", r.stdout)
-        stage(self.world, "x4", [Tensor("t", "float32", [6, 4], shards, 8),
-                                 Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
-        self.commit_both("x4")
-        r = ctl("diff", "--content", self.backing, "x3", "x4")
+        stage(self.world, "x14", [Tensor("t", "float32", [6, 4], shards, 8),
+                                  Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
+        self.commit_both("x14")
+        r = ctl("diff", "--content", self.backing, "x13", "x14")
         self.assertEqual(r.returncode, 0, r.stdout)
         self.assertIn("2 unchanged, 0 added, 0 removed, 0 changed: identical", r.stdout)
-        r = ctl("diff", "--content", self.backing, "x2", "x4")
+        r = ctl("diff", "--content", self.backing, "x12", "x14")
         self.assertEqual(r.returncode, 2)  # removed by keep_last
         # a damaged chunk: the comparison fails (exit 2), nothing on stdout
-        (f, off), = query(os.path.join(self.backing, "x4", ".metadata"),
+        (f, off), = query(os.path.join(self.backing, "x14", ".metadata"),
                           "select file, file_offset from chunks where fqn='t' and rank=1")
-        with open(os.path.join(self.backing, "x4", f), "r+b") as fh:
+        with open(os.path.join(self.backing, "x14", f), "r+b") as fh:
             fh.seek(off)
             b = fh.read(1)
             fh.seek(off)
             fh.write(bytes([b[0] ^ 1]))
-        r = ctl("diff", "--content", "--json", self.backing, "x3", "x4")
+        r = ctl("diff", "--content", "--json", self.backing, "x13", "x14")
         self.assertEqual(r.returncode, 2)
         self.assertEqual(r.stdout, "")
         self.assertIn("checksum mismatch", r.stderr)
-        r = ctl("diff", self.backing, "x3", "x4")  # without --content: metadata only
+        r = ctl("diff", self.backing, "x13", "x14")  # without --content: metadata only
         self.assertEqual(r.returncode, 1)
         self.assertIn("~ tensor t: stored in other chunks (1 -> 2", r.stdout)
 

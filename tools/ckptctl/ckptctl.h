@@ -30,6 +30,9 @@ typedef struct {
   const char *safetensors;
   const char *dcp;     /* export --dcp DIR */
   long long keep;      /* -1: not given */
+  ckpt_keep_policy_t policy; /* prune: --keep (as --keep-last),
+                                --keep-last/-every/-best, --metric, --mode */
+  const char *mode;    /* prune --mode, or NULL */
   bool dry_run;
   bool content;        /* diff: compare differently chunked tensors */
   enum { SORT_TIME, SORT_NAME, SORT_SIZE } sort; /* ls */
@@ -47,6 +50,9 @@ int cmd_diff(const args_t *a, int backing_fd);
 int cmd_export(const args_t *a, int backing_fd);
 int cmd_prune(const args_t *a, int backing_fd);
 int cmd_wait(const args_t *a, int backing_fd);
+/* protect / unprotect NAME (cmd_prune.c) */
+int cmd_protect(const args_t *a, int backing_fd);
+int cmd_unprotect(const args_t *a, int backing_fd);
 int cmd_import_dcp(const args_t *a, int backing_fd);
 /* export --dcp (cmd_dcp.c): run by cmd_export. */
 int export_dcp(const args_t *a);

@@ -61,6 +61,14 @@ static void ls_entry_json(json_t *j, const ckpt_cat_entry_t *e) {
   ok ? j_u64(j, m->n_blobs) : j_null(j);
   j_key(j, "bytes");
   ok ? j_u64(j, stored_bytes(m)) : j_null(j);
+  j_key(j, "step");
+  ok && e->step >= 0 ? j_i64(j, e->step) : j_null(j);
+  j_key(j, "protected"), j_bool(j, ok && e->is_protected);
+  j_key(j, "metrics");
+  j_open(j, '{');
+  for (uint32_t i = 0; ok && i < m->n_metrics; i++)
+    j_key(j, m->metrics[i].key), j_metric(j, m->metrics[i].value);
+  j_close(j, '}');
   j_key(j, "disk_bytes"), j_u64(j, e->disk_bytes);
   j_key(j, "held"), j_bool(j, e->held);
   j_key(j, "error"), j_str(j, e->error);
@@ -93,16 +101,20 @@ static void ls_text(const char *backing, const ckpt_catalog_t *cat) {
   for (size_t i = 0; i < cat->n; i++)
     if ((int)strlen(cat->e[i].name) > w)
       w = (int)strlen(cat->e[i].name);
-  printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s\n", w, "NAME", "STATE",
-         "CREATED", "WORLD", "TENSORS", "BLOBS", "BYTES");
+  printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  %s\n", w, "NAME", "STATE",
+         "CREATED", "WORLD", "TENSORS", "BLOBS", "BYTES", "STEP");
   for (size_t i = 0; i < cat->n; i++) {
     const ckpt_cat_entry_t *e = &cat->e[i];
     const ckpt_metadata_t *m = &e->meta;
     if (e->state == CKPT_CAT_COMMITTED) {
-      printf("%-*s  %-10s  %-20s  %5d  %7u  %6u  %10s\n", w, e->name,
+      char step[32] = "-";
+      if (e->step >= 0)
+        snprintf(step, sizeof(step), "%lld", (long long)e->step);
+      printf("%-*s  %-10s  %-20s  %5d  %7u  %6u  %10s  %s%s\n", w, e->name,
              "committed", iso_time(m->created_at, t, sizeof(t)),
              m->world_size, m->n_tensors, m->n_blobs,
-             human_bytes(stored_bytes(m), b, sizeof(b)));
+             human_bytes(stored_bytes(m), b, sizeof(b)), step,
+             e->is_protected ? " protected" : "");
     } else if (e->mount) {
       printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  (on %s%s%s)\n", w,
              e->name, state_name(e), "-", "-", "-", "-",

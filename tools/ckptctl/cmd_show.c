@@ -3,11 +3,14 @@
  * global shape, chunks, ranks holding them, bytes) and the blobs of one
  * committed checkpoint, as tables or one JSON document.
  */
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "catalog.h"
 #include "ckptctl.h"
 #include "json.h"
 #include "metadb.h"
@@ -56,9 +59,43 @@ static void ranks_text(const int32_t *r, uint32_t n, char *buf, size_t cap) {
   }
 }
 
+/* What retention sees of a checkpoint (catalog.h): its step, whether
+ * that was recorded at commit, and whether it is protected. */
+typedef struct {
+  int64_t step; /* -1: none */
+  bool recorded;
+  bool is_protected;
+} retention_t;
+
+static retention_t retention_of(int bfd, const char *name,
+                                const ckpt_metadata_t *m) {
+  retention_t r = {m->has_step ? m->step : ckpt_step_from_name(name),
+                   m->has_step, m->protect};
+  int dfd = ckpt_store_open_dir(bfd, name, O_RDONLY);
+  int mark = dfd >= 0 ? ckpt__protect_read(dfd) : -1;
+  if (dfd >= 0)
+    close(dfd);
+  if (mark >= 0)
+    r.is_protected = mark == 1;
+  return r;
+}
+
+static void retention_json(json_t *j, const ckpt_metadata_t *m,
+                           const retention_t *r) {
+  j_key(j, "step");
+  r->step >= 0 ? j_i64(j, r->step) : j_null(j);
+  j_key(j, "step_recorded"), j_bool(j, r->recorded);
+  j_key(j, "protected"), j_bool(j, r->is_protected);
+  j_key(j, "metrics");
+  j_open(j, '{');
+  for (uint32_t i = 0; i < m->n_metrics; i++)
+    j_key(j, m->metrics[i].key), j_metric(j, m->metrics[i].value);
+  j_close(j, '}');
+}
+
 /* ranks: scratch for tensor_ranks (n_chunks of m). */
 static void show_json(const char *name, const ckpt_metadata_t *m,
-                      int32_t *ranks) {
+                      const retention_t *rt, int32_t *ranks) {
   char t[64];
   json_t j;
   j_begin(&j);
@@ -69,6 +106,7 @@ static void show_json(const char *name, const ckpt_metadata_t *m,
   j_key(&j, "save_id"), j_str(&j, m->save_id);
   j_key(&j, "world_size"), j_i64(&j, m->world_size);
   j_key(&j, "bytes"), j_u64(&j, stored_bytes(m));
+  retention_json(&j, m, rt);
   j_key(&j, "tensors");
   j_open(&j, '[');
   for (uint32_t i = 0; i < m->n_tensors; i++) {
@@ -125,13 +163,23 @@ static void show_widths(const ckpt_metadata_t *m, int *w, int *wd) {
 
 /* ranks: scratch for tensor_ranks (n_chunks of m). */
 static void show_text(const char *name, const ckpt_metadata_t *m,
-                      int32_t *ranks) {
+                      const retention_t *rt, int32_t *ranks) {
   char t[64], b[32], dims[1024], rtext[256];
   printf("%s: committed %s, world size %d, %u tensors in %u chunks, "
          "%u blobs, %s (%" PRIu64 " bytes)\n",
          name, iso_time(m->created_at, t, sizeof(t)), m->world_size,
          m->n_tensors, m->n_chunks, m->n_blobs,
          human_bytes(stored_bytes(m), b, sizeof(b)), stored_bytes(m));
+  if (rt->step >= 0)
+    printf("step %lld (%s)", (long long)rt->step,
+           rt->recorded ? "recorded at commit" : "from the name");
+  else
+    printf("no step");
+  for (uint32_t i = 0; i < m->n_metrics; i++) {
+    ckpt_metric_format(m->metrics[i].value, t, sizeof(t));
+    printf(", %s %s", m->metrics[i].key, t);
+  }
+  printf("%s\n", rt->is_protected ? ", protected" : "");
   int w, wd;
   show_widths(m, &w, &wd);
   if (m->n_tensors) {
@@ -165,10 +213,11 @@ int cmd_show(const args_t *a, int bfd) {
     ckpt_metadata_free(&m);
     return EXIT_NO;
   }
+  retention_t r = retention_of(bfd, name, &m);
   if (a->json)
-    show_json(name, &m, ranks);
+    show_json(name, &m, &r, ranks);
   else
-    show_text(name, &m, ranks);
+    show_text(name, &m, &r, ranks);
   free(ranks);
   ckpt_metadata_free(&m);
   return 0;

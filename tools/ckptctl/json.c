@@ -5,6 +5,7 @@
 #include <inttypes.h>
 #include <string.h>
 
+#include "ckpt_planner.h"
 #include "json.h"
 
 static void j_sep(json_t *j) {
@@ -107,6 +108,13 @@ void j_bool(json_t *j, bool v) {
 void j_null(json_t *j) {
   j_sep(j);
   fputs("null", j->f);
+}
+
+void j_metric(json_t *j, double v) {
+  char t[40];
+  ckpt_metric_format(v, t, sizeof(t));
+  j_sep(j);
+  fputs(t, j->f);
 }
 
 void j_double(json_t *j, double v) {

@@ -39,6 +39,7 @@ void j_i64(json_t *j, int64_t v);
 void j_bool(json_t *j, bool v);
 void j_null(json_t *j);
 void j_double(json_t *j, double v); /* three decimals */
+void j_metric(json_t *j, double v); /* exact: reads back as v (finite) */
 void j_dims(json_t *j, const int64_t *d, int n); /* [d0,d1,...] */
 
 #endif

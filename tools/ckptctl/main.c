@@ -6,7 +6,9 @@
  *   ckptctl show   BACKING_DIR NAME             tensors and blobs of one
  *   ckptctl diff   BACKING_DIR A B              what changed between two
  *   ckptctl export BACKING_DIR NAME --safetensors FILE
- *   ckptctl prune  BACKING_DIR --keep N [--dry-run]
+ *   ckptctl prune  BACKING_DIR --keep-last N [--keep-every K]
+ *                  [--keep-best M --metric KEY [--mode min|max]] [--dry-run]
+ *   ckptctl protect|unprotect BACKING_DIR NAME
  *   ckptctl wait   MOUNT/NAME [--timeout SEC]   follow an async save
  *
  * Every command prints text for people by default and one JSON document
@@ -39,7 +41,8 @@ const char *const prog = "ckptctl";
  * ---------------------------------------------------------------------- */
 
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
-       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT, OPT_DCP };
+       OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT, OPT_DCP,
+       OPT_KEEP_LAST, OPT_KEEP_EVERY, OPT_KEEP_BEST, OPT_METRIC, OPT_MODE };
 #define OPTBIT(o) (1u << ((o) - OPT_JSON))
 
 /* Every option of every command; each command takes --json, --help and
@@ -55,6 +58,11 @@ static const struct option all_options[] = {
     {"content", no_argument, NULL, OPT_CONTENT},
     {"sort", required_argument, NULL, OPT_SORT},
     {"dcp", required_argument, NULL, OPT_DCP},
+    {"keep-last", required_argument, NULL, OPT_KEEP_LAST},
+    {"keep-every", required_argument, NULL, OPT_KEEP_EVERY},
+    {"keep-best", required_argument, NULL, OPT_KEEP_BEST},
+    {"metric", required_argument, NULL, OPT_METRIC},
+    {"mode", required_argument, NULL, OPT_MODE},
     {0, 0, 0, 0}};
 
 typedef struct {
@@ -115,6 +123,35 @@ static int parse_option(int c, char **argv, args_t *a) {
                          "at least 1 (to remove them all, rm -r them)",
                          optarg);
     break;
+  case OPT_KEEP_LAST:
+  case OPT_KEEP_EVERY:
+  case OPT_KEEP_BEST: {
+    errno = 0;
+    long long v = strtoll(optarg, &end, 10);
+    uint64_t max = c == OPT_KEEP_EVERY ? INT64_MAX : UINT32_MAX;
+    if (errno || end == optarg || *end || v < 1 || (uint64_t)v > max)
+      return usage_error("--%s '%s': expected a number, at least 1",
+                         all_options[c - OPT_JSON].name, optarg);
+    if (c == OPT_KEEP_LAST)
+      a->policy.last = (uint32_t)v;
+    else if (c == OPT_KEEP_EVERY)
+      a->policy.every = (uint64_t)v;
+    else
+      a->policy.best = (uint32_t)v;
+    break;
+  }
+  case OPT_METRIC:
+    if (!ckpt_metric_key_valid(optarg, strlen(optarg)))
+      return usage_error("--metric '%s': expected a metric key (letters, "
+                         "digits, _ . -; as in metric=KEY:VALUE)", optarg);
+    snprintf(a->policy.metric, sizeof(a->policy.metric), "%s", optarg);
+    break;
+  case OPT_MODE:
+    if (strcmp(optarg, "min") && strcmp(optarg, "max"))
+      return usage_error("--mode '%s': expected min or max", optarg);
+    a->mode = optarg;
+    a->policy.maximize = !strcmp(optarg, "max");
+    break;
   case OPT_DRY_RUN:
     a->dry_run = true;
     break;
@@ -153,6 +190,23 @@ static int parse_option(int c, char **argv, args_t *a) {
   return 0;
 }
 
+/* prune: the policy its options state, checked whole. */
+static int policy_args(args_t *a) {
+  if (a->keep >= 0 && a->policy.last)
+    return usage_error("--keep N is --keep-last N: give one of them");
+  if (a->keep >= 0)
+    a->policy.last = (uint32_t)a->keep;
+  if (a->policy.best && !a->policy.metric[0])
+    return usage_error("--keep-best M needs --metric KEY: the metric to "
+                       "rank by");
+  if (!a->policy.best && (a->policy.metric[0] || a->mode))
+    return usage_error("--metric and --mode go with --keep-best M");
+  if (!ckpt_keep_policy_active(&a->policy))
+    return usage_error("a rule is required: --keep-last N, --keep-every K "
+                       "or --keep-best M (what to keep)");
+  return 0;
+}
+
 /* Parse argv (argv[0] is the command) for the current command. 0, 1
  * (--help printed) or EXIT_USAGE (message printed). */
 static int parse_args(int argc, char **argv, args_t *a) {
@@ -177,9 +231,8 @@ static int parse_args(int argc, char **argv, args_t *a) {
     return usage_error("--safetensors FILE or --dcp DIR is required");
   if (a->safetensors && a->dcp)
     return usage_error("--safetensors and --dcp: one format at a time");
-  if ((current->required & OPTBIT(OPT_KEEP)) && a->keep < 0)
-    return usage_error("--keep N is required: how many of the newest "
-                       "committed checkpoints to keep");
+  if (current->options & OPTBIT(OPT_KEEP_LAST))
+    return policy_args(a);
   return 0;
 }
 
@@ -283,21 +336,60 @@ static const command_t commands[] = {
      "off)\n"
      "  -h, --help   this help\n"},
     {"prune", cmd_prune, 1, true, EXIT_NO,
-     OPTBIT(OPT_KEEP) | OPTBIT(OPT_DRY_RUN), OPTBIT(OPT_KEEP),
-     "remove all but the newest committed checkpoints",
-     "usage: ckptctl prune [--json] [--dry-run] --keep N BACKING_DIR\n"
+     OPTBIT(OPT_KEEP) | OPTBIT(OPT_DRY_RUN) | OPTBIT(OPT_KEEP_LAST) |
+         OPTBIT(OPT_KEEP_EVERY) | OPTBIT(OPT_KEEP_BEST) | OPTBIT(OPT_METRIC) |
+         OPTBIT(OPT_MODE),
+     0, "remove the committed checkpoints a retention policy does not keep",
+     "usage: ckptctl prune [--json] [--dry-run] [--keep-last N]\n"
+     "           [--keep-every K] [--keep-best M --metric KEY [--mode "
+     "min|max]] BACKING_DIR\n"
      "\n"
-     "Remove the committed checkpoints of BACKING_DIR beyond the N newest\n"
-     "(by created_at), each as `rm -r` through a mount does: .metadata\n"
-     "first and durably, then the data. Unfinished saves and damaged\n"
-     "checkpoints are neither counted nor touched; a checkpoint a writer\n"
-     "still holds is skipped. Mounts drop removed checkpoints from their\n"
-     "view at once.\n"
+     "Remove the committed checkpoints of BACKING_DIR that no rule keeps,\n"
+     "each as `rm -r` through a mount does: .metadata first and durably,\n"
+     "then the data. Checkpoints are ordered by step (step=N recorded at\n"
+     "commit, else the last number in the name; none: oldest), then by\n"
+     "creation time. Protected ones (commit word protect, ckptctl protect)\n"
+     "are kept. Unfinished saves and damaged checkpoints are neither\n"
+     "counted nor touched; a checkpoint a writer still holds is skipped.\n"
+     "The same policy as the mount option -o keep=last:N,every:K,\n"
+     "best:M:KEY:min|max. Mounts drop removed checkpoints from their view\n"
+     "at once. At least one rule is required.\n"
      "\n"
      "options:\n"
-     "  --keep N     how many of the newest committed checkpoints to keep,\n"
-     "               at least 1 (required)\n"
-     "  --dry-run    only print what would be removed (default: off)\n"
+     "  --keep-last N   keep the last N by step (default: none)\n"
+     "  --keep N        the same as --keep-last N (default: none)\n"
+     "  --keep-every K  keep every checkpoint whose step is a multiple of K\n"
+     "                  (default: none)\n"
+     "  --keep-best M   keep the M best by --metric, and every checkpoint\n"
+     "                  without that metric, which cannot be ranked\n"
+     "                  (default: none)\n"
+     "  --metric KEY    the metric of --keep-best, as in the commit word\n"
+     "                  metric=KEY:VALUE; needed by --keep-best\n"
+     "                  (default: none)\n"
+     "  --mode min|max  lowest or highest is best (default: min)\n"
+     "  --dry-run       only print what would be removed, and why each\n"
+     "                  other one is kept (default: off)\n"
+     "  --json          one JSON document (default: off)\n"
+     "  -h, --help      this help\n"},
+    {"protect", cmd_protect, 2, true, EXIT_NO, 0, 0,
+     "mark a checkpoint so that no retention policy removes it",
+     "usage: ckptctl protect [--json] BACKING_DIR NAME\n"
+     "\n"
+     "Mark committed checkpoint NAME protected: -o keep= and ckptctl prune\n"
+     "keep it whatever their rules say (rm -r still removes it). Written\n"
+     "as BACKING_DIR/NAME/.protected, atomically and durably.\n"
+     "\n"
+     "options:\n"
+     "  --json       one JSON document (default: off)\n"
+     "  -h, --help   this help\n"},
+    {"unprotect", cmd_unprotect, 2, true, EXIT_NO, 0, 0,
+     "undo protect (also of a commit's protect word)",
+     "usage: ckptctl unprotect [--json] BACKING_DIR NAME\n"
+     "\n"
+     "Mark committed checkpoint NAME not protected, also when its commit\n"
+     "said protect: retention policies treat it as any other again.\n"
+     "\n"
+     "options:\n"
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
     {"wait", cmd_wait, 1, false, EXIT_USAGE,
