@@ -678,13 +678,14 @@ static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
 static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
                          int held) {
   struct stat st;
+  char tmp[64];
+  snprintf(tmp, sizeof(tmp), "%s.%d", CKPT_METADATA_TMP, j->rank);
+  unlinkat(held, tmp, 0); /* of a run killed before its link */
   if (fstatat(held, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0)
     return 0; /* linked by another rank's flusher */
   int in = ckpt_store_open_file(src, CKPT_METADATA_FILE);
   if (in < 0)
     return in;
-  char tmp[64];
-  snprintf(tmp, sizeof(tmp), "%s.%d", CKPT_METADATA_TMP, j->rank);
   int out = openat(held, tmp,
                    O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
                    0600);
@@ -959,8 +960,12 @@ static int publish_shared(ckpt_flush_t *f, const flush_job_t *j, int held,
       *err = NULL;
       rc = 0;
     }
-    if (rc == 0)
+    if (rc == 0) {
+      ckpt__log("tier: %s published in %s by rank %d's flush (it saw the "
+                "last data file linked)", j->name, fs->backing_path,
+                fs->rank);
       ckpt_failpoint("flush_published");
+    }
   }
   if (mfd >= 0)
     close(mfd);

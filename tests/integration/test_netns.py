@@ -33,6 +33,11 @@ Classes (one cluster each; commit_timeout small where the test waits):
                     own at the same path: every rank's commit fails saying
                     BACKING_DIR must be shared; nothing is removed from
                     either node's directory
+  TierTwoNodes      2 nodes x 1 rank, a node-local tier (-o tier=) each:
+                    node 1 publishes the checkpoint in its own tier too;
+                    rank 1 reads rank 0's file from what rank 0's flush
+                    linked before the shared publish; the flusher that
+                    links the last file (rank 1's, on node 1) publishes
 
 Skipped (exit 0, with the reason) where the namespaces cannot be made: not
 root, no ip, nsenter or unshare, or the kernel refuses. Every namespace,
@@ -262,6 +267,7 @@ class NetnsCase(unittest.TestCase):
 
     NODES = 2
     PRIVATE_BACKING = False  # a BACKING_DIR of each node's own at one path
+    PRIVATE_TIER = False  # self.tier: a node-local tier (tmpfs) per node
     _seq = itertools.count()
 
     def setUp(self):
@@ -279,6 +285,9 @@ class NetnsCase(unittest.TestCase):
         if self.PRIVATE_BACKING:
             self.local_backing = os.path.join(self.dir, "node-backing")
             private.append(self.local_backing)
+        self.tier = os.path.join(self.dir, "tier")
+        if self.PRIVATE_TIER:
+            private.append(self.tier)
         self.worlds = []
         self.cluster = netns.Cluster(self.NODES, self.dir, private_dirs=private)
         self.addCleanup(self._cleanup)
@@ -782,6 +791,57 @@ class PerNodeBacking(NetnsCase):
         for i in range(2):
             self.assertEqual(read_all(c.path(i, os.path.join(self.local_backing, "keep"))),
                              b"node %d" % i)
+
+
+class TierTwoNodes(NetnsCase):
+    NODES = 2
+    PRIVATE_TIER = True
+
+    def test_node_publish_and_leaderless_flush(self):
+        c = self.cluster
+        # rank 1's 12 MiB take 3 s at flush_rate=4M, rank 0's 1 MiB 0.25 s
+        w = self.start_world([1, 1], opts=f"commit_timeout=10,tier={self.tier},flush_rate=4M")
+        data = [os.urandom(1 << 20), os.urandom(12 << 20)]
+        for r in range(2):
+            os.mkdir(os.path.join(w.mnt(r), "c"))
+            write_file(os.path.join(w.mnt(r), "c", f"rank{r}"), data[r])
+        res = self.commit_all(w, "c")
+        self.assertCommitted(res, w, "c")
+        tiers = [c.path(i, os.path.join(self.tier, "c")) for i in range(2)]
+        # node 1 published it in its own tier, from the OUTCOME's .metadata
+        for i in range(2):
+            self.assertTrue(os.path.exists(os.path.join(tiers[i], ".metadata")), f"node {i}")
+            names = [n for n in os.listdir(tiers[i]) if n.endswith(".distcp")]
+            self.assertTrue(names and all(n.startswith(f"__{i}_") for n in names),
+                            f"node {i}'s tier: {names}")
+        # rank 1 reads rank 0's file: in neither node 1's tier nor
+        # BACKING_DIR/c yet, but linked by rank 0's flush (waited for)
+        self.assertEqual(read_all(os.path.join(w.mnt(1), "c", "rank0")), data[0])
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c")),
+                         "published before rank 1's files were flushed")
+        deadline, st = time.monotonic() + 20, ""
+        while "not in the shared store yet" not in st and time.monotonic() < deadline:
+            st = status(os.path.join(w.mnt(0), "c"))
+            time.sleep(0.02)
+        self.assertIn("flush waiting: rank 1 not in the shared store yet", st)
+        for r in range(2):
+            deadline = time.monotonic() + 30
+            while "location shared" not in status(os.path.join(w.mnt(r), "c")):
+                self.assertLess(time.monotonic(), deadline, w.log_text()[-4000:])
+                time.sleep(0.05)
+        pubs = [ln for ln in w.daemon_lines() if "published in" in ln and "flush" in ln]
+        self.assertEqual(len(pubs), 1, pubs)
+        self.assertIn("by rank 1's flush", pubs[0])
+        for i in range(2):
+            deadline = time.monotonic() + 10
+            while os.path.exists(tiers[i]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertFalse(os.path.exists(tiers[i]), f"node {i}'s tier copy kept")
+        for r in range(2):
+            for k in range(2):
+                self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{k}")), data[k])
+        self.umount_ok(w)
+        self.assertFsckClean()
 
 
 if __name__ == "__main__":
