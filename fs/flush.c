@@ -772,6 +772,8 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
   }
   if (ck) {
     atomic_store(&ck->tier.flushed, true);
+    /* (also when another rank's flush published it first) */
+    atomic_store(&ck->tier.done, atomic_load(&ck->tier.total));
     free(ck->tier.why);
     ck->tier.why = NULL;
   }
@@ -1334,7 +1336,7 @@ bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id) {
   return fs->tier_fd >= 0 && has_record(fs, save_id);
 }
 
-uint64_t ckpt__flush_bytes(int dirfd) {
+uint64_t ckpt__flush_bytes(int dirfd, int only) {
   int lfd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
   if (!d) {
@@ -1348,7 +1350,7 @@ uint64_t ckpt__flush_bytes(int dirfd) {
   int32_t rank;
   uint32_t k;
   while ((e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k) &&
+    if (data_file(e->d_name, &rank, &k) && (only < 0 || rank == only) &&
         fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
         S_ISREG(st.st_mode))
       sum += (uint64_t)st.st_size;

@@ -777,8 +777,9 @@ bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
  * still save_id, and its record: it is never published. fs->lock may be
  * held. 0 or -errno. */
 int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id);
-/* The bytes of the data files in checkpoint directory dirfd. */
-uint64_t ckpt__flush_bytes(int dirfd);
+/* The bytes of the data files of rank (-1: every rank's) in checkpoint
+ * directory dirfd. */
+uint64_t ckpt__flush_bytes(int dirfd, int rank);
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);

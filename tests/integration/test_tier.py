@@ -591,7 +591,13 @@ class MultiRank(TierCase):
         self.assertEqual(sorted(n.split(".")[1] for n in recs), ["0", "1"])
         self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
         for r in range(2):
-            self.wait_rank(r, "location shared")
+            s = self.wait_rank(r, "location shared")
+            # each rank counts its own rank's files
+            fl = [ln.split() for ln in s.splitlines() if ln.startswith("flush bytes")]
+            self.assertEqual(len(fl), 1, s)
+            self.assertEqual(fl[0][2], fl[0][4], s)
+            self.assertGreaterEqual(int(fl[0][4]), 16 * MiB)
+            self.assertLess(int(fl[0][4]), 32 * MiB)
         self.assertEqual(data_files(self.bk("c")), in_tier)
         self.assertEqual(sorted(os.listdir(self.backing)), ["c"])
         self.assertEqual(sorted(os.listdir(self.bk("c"))), [".metadata"] + sorted(in_tier))
