@@ -233,14 +233,16 @@ static int open_near(const ckpt_stored_t *s, int near_fd, int32_t rank,
   return fd;
 }
 
-/* BACKING_DIR/NAME's file, quietly -ENOENT when NAME or the file is not
- * there (not flushed yet). */
+/* BACKING_DIR/NAME's file; quietly -ENOENT when NAME is not there (not
+ * flushed yet: *there false) or the file is not. */
 static int open_shared(const ckpt_stored_t *s, int backing_fd, int32_t rank,
-                       uint32_t k) {
+                       uint32_t k, bool *there) {
   struct stat st;
   char name[64];
   ckpt_data_file_name(rank, k, name, sizeof(name));
-  if (fstatat(backing_fd, s->name, &st, AT_SYMLINK_NOFOLLOW) && errno == ENOENT)
+  *there = !(fstatat(backing_fd, s->name, &st, AT_SYMLINK_NOFOLLOW) &&
+             errno == ENOENT);
+  if (!*there)
     return -ENOENT;
   int dfd = ckpt_store_open_dir(backing_fd, s->name, O_PATH);
   if (dfd < 0)
@@ -267,15 +269,23 @@ static int open_flushed(const ckpt_stored_t *s, int backing_fd, int32_t rank,
 }
 
 /* With a near root: the tier's copy, BACKING_DIR's, the file a flush
- * linked already; and when none has it, the same again every 50 ms up to
- * c->near_wait s (another node's flush), then EIO, logged. */
+ * linked already; and when none has it and the checkpoint is not
+ * published in BACKING_DIR yet, the same again every 50 ms up to
+ * c->near_wait s (another node's flush), then EIO, logged. Published
+ * without the file: ENOENT, as without a near root. */
 static int open_nearest(const ckpt_fdcache_t *c, const ckpt_stored_t *s,
                         int32_t rank, uint32_t k) {
   double until = -1;
   for (;;) {
+    bool published = false;
     int fd = open_near(s, c->near_fd, rank, k);
-    if (fd == -ENOENT)
-      fd = open_shared(s, c->backing_fd, rank, k);
+    for (int attempt = 0; attempt < 3 && fd == -ENOENT; attempt++) {
+      fd = open_shared(s, c->backing_fd, rank, k, &published);
+      if (!published)
+        break;
+    }
+    if (fd == -ENOENT && published)
+      return fd;
     if (fd == -ENOENT)
       fd = open_flushed(s, c->backing_fd, rank, k);
     if (fd != -ENOENT)
