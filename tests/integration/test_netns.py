@@ -37,7 +37,8 @@ Classes (one cluster each; commit_timeout small where the test waits):
                     node 1 publishes the checkpoint in its own tier too;
                     rank 1 reads rank 0's file from what rank 0's flush
                     linked before the shared publish; the flusher that
-                    links the last file (rank 1's, on node 1) publishes
+                    links the last file (rank 1's, on node 1) publishes;
+                    a later checkpoint is flushed while that one waits
 
 Skipped (exit 0, with the reason) where the namespaces cannot be made: not
 root, no ip, nsenter or unshare, or the kernel refuses. Every namespace,
@@ -824,12 +825,27 @@ class TierTwoNodes(NetnsCase):
             st = status(os.path.join(w.mnt(0), "c"))
             time.sleep(0.02)
         self.assertIn("flush waiting: rank 1 not in the shared store yet", st)
+        # a later checkpoint is not held up by it: rank 0 copies d's file
+        # while c still waits for rank 1 (busy with c's 12 MiB)
+        small = [os.urandom(4096), os.urandom(4096)]
         for r in range(2):
-            deadline = time.monotonic() + 30
-            while "location shared" not in status(os.path.join(w.mnt(r), "c")):
-                self.assertLess(time.monotonic(), deadline, w.log_text()[-4000:])
-                time.sleep(0.05)
-        pubs = [ln for ln in w.daemon_lines() if "published in" in ln and "flush" in ln]
+            os.mkdir(os.path.join(w.mnt(r), "d"))
+            write_file(os.path.join(w.mnt(r), "d", f"rank{r}"), small[r])
+        self.assertCommitted(self.commit_all(w, "d"), w, "d")
+        deadline, st = time.monotonic() + 20, ""
+        while "not in the shared store yet" not in st and time.monotonic() < deadline:
+            st = status(os.path.join(w.mnt(0), "d"))
+            time.sleep(0.02)
+        self.assertIn("flush waiting: rank 1 not in the shared store yet", st)
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c")))
+        for name in ("c", "d"):
+            for r in range(2):
+                deadline = time.monotonic() + 30
+                while "location shared" not in status(os.path.join(w.mnt(r), name)):
+                    self.assertLess(time.monotonic(), deadline, w.log_text()[-4000:])
+                    time.sleep(0.05)
+        pubs = [ln for ln in w.daemon_lines()
+                if ln.startswith("ckptfs: tier: c published in")]
         self.assertEqual(len(pubs), 1, pubs)
         self.assertIn("by rank 1's flush", pubs[0])
         for i in range(2):
@@ -840,6 +856,7 @@ class TierTwoNodes(NetnsCase):
         for r in range(2):
             for k in range(2):
                 self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{k}")), data[k])
+                self.assertEqual(read_all(os.path.join(w.mnt(r), "d", f"rank{k}")), small[k])
         self.umount_ok(w)
         self.assertFsckClean()
 
