@@ -1142,6 +1142,7 @@ static void publish_step(void *ctx, ckpt_dist_job_t *job,
   if (fs->tier_fd < 0 || s->dirfd < 0 || !s->have_rp || !fs->dist ||
       ckpt_dist_node_of(fs->dist, fs->rank) == ckpt_dist_node_of(fs->dist, 0))
     return; /* the coordinator published in this node's tier */
+  ckpt_failpoint("tier_publish");
   char *err = NULL, id[CKPT_SAVE_ID_LEN + 1] = "";
   int rc = outcome->len ? 0 : -EBADMSG; /* no .metadata in the OUTCOME */
   pthread_mutex_lock(&fs->tier_publish);

@@ -38,7 +38,9 @@ Classes (one cluster each; commit_timeout small where the test waits):
                     rank 1 reads rank 0's file from what rank 0's flush
                     linked before the shared publish; the flusher that
                     links the last file (rank 1's, on node 1) publishes;
-                    a later checkpoint is flushed while that one waits
+                    a later checkpoint is flushed while that one waits;
+                    node 1 killed before its own tier publish: the next
+                    world flushes its files from TIER/.saves/SAVE_ID
 
 Skipped (exit 0, with the reason) where the namespaces cannot be made: not
 root, no ip, nsenter or unshare, or the kernel refuses. Every namespace,
@@ -858,6 +860,66 @@ class TierTwoNodes(NetnsCase):
                 self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{k}")), data[k])
                 self.assertEqual(read_all(os.path.join(w.mnt(r), "d", f"rank{k}")), small[k])
         self.umount_ok(w)
+        self.assertFsckClean()
+
+    def test_node_killed_before_its_tier_publish(self):
+        """Rank 1 (node 1) killed once the checkpoint is committed, before
+        its node publishes it in its tier (failpoint tier_publish): node 1
+        has rank 1's files in TIER/.saves/SAVE_ID only, with its record.
+        The next world flushes them from there, with the .metadata rank 0's
+        flush linked in BACKING_DIR, and publishes the checkpoint once."""
+        c = self.cluster
+        w = self.world([1, 1], f"commit_timeout=10,tier={self.tier}")
+        base = w.mount_argv
+        w.mount_argv = lambda: base()[:1] + ["--mpirun-arg=-x",
+                                             "--mpirun-arg=CKPTFS_FAILPOINT"] + base()[1:]
+        os.environ["CKPTFS_FAILPOINT"] = "tier_publish@1"
+        try:
+            r = w.mount()
+        finally:
+            del os.environ["CKPTFS_FAILPOINT"]
+        self.assertEqual(r.returncode, 0, f"{r.stderr}\n{w.log_text()[-4000:]}")
+        data = [os.urandom(1 << 20), os.urandom(1 << 20)]
+        for k in range(2):
+            os.mkdir(os.path.join(w.mnt(k), "c"))
+            write_file(os.path.join(w.mnt(k), "c", f"rank{k}"), data[k])
+        Commits(w, "c").wait(timeout=60)  # rank 1 dies; rank 0 may too
+        launcher = w.launcher_pid()
+        deadline = time.monotonic() + 60
+        while netns.alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(netns.alive(launcher), "mpirun still runs 60 s after a rank died")
+        self.assertIn("failpoint reached", w.log_text())
+        w.umount()
+        self.assertNoDaemons()
+        tier1 = c.path(1, self.tier)
+        self.assertFalse(os.path.exists(os.path.join(tier1, "c")), "node 1 published it")
+        saves = os.listdir(os.path.join(tier1, ".saves"))
+        self.assertEqual(len(saves), 1, saves)
+        self.assertTrue(glob.glob(os.path.join(tier1, ".saves", saves[0], "__1_*.distcp")))
+        self.assertEqual([n for n in os.listdir(os.path.join(tier1, ".flush"))
+                          if not n.startswith(".")], [saves[0] + ".1"])
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c", ".metadata")))
+        w2 = self.start_world([1, 1], f"commit_timeout=10,tier={self.tier}", tag="again")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.backing, "c", ".metadata")):
+            self.assertLess(time.monotonic(), deadline, w2.log_text()[-4000:])
+            time.sleep(0.05)
+        for i in range(2):
+            t = c.path(i, self.tier)
+            deadline = time.monotonic() + 20
+            while (os.path.exists(os.path.join(t, "c")) or
+                   [n for n in os.listdir(os.path.join(t, ".flush")) if not n.startswith(".")]) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertFalse(os.path.exists(os.path.join(t, "c")), f"node {i}")
+            self.assertFalse(os.path.isdir(os.path.join(t, ".saves")) and
+                             os.listdir(os.path.join(t, ".saves")), f"node {i}")
+        pubs = [ln for ln in w2.daemon_lines() if ln.startswith("ckptfs: tier: c published in")]
+        self.assertEqual(len(pubs), 1, pubs)
+        for k in range(2):
+            self.assertEqual(read_all(os.path.join(w2.mnt(0), "c", f"rank{k}")), data[k])
+        self.umount_ok(w2)
         self.assertFsckClean()
 
 
