@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The node-local tier, first slice (-o tier=DIR, -o flush_rate=SIZE; one
-rank; docs/tiers.md): a commit lands in the tier and the background flush
-publishes it in BACKING_DIR as a mount without the tier would have; a
+"""The node-local tier (-o tier=DIR, -o flush_rate=SIZE; docs/tiers.md):
+a commit lands in the tier and the background flush publishes it in
+BACKING_DIR as a mount without the tier would have; a
 flush killed midway leaves nothing published and the next mount resumes
 it; one killed after the shared publish is not published twice; the mount
 refuses a tier on BACKING_DIR's filesystem. Two ranks of one node (one
