@@ -75,6 +75,8 @@
 #define BACKOFF_MAX 60.0
 /* The line a record gets before the shared publish (step 4). */
 #define PUBLISHING "publishing\n"
+/* The line of a record in another tier than the coordinator's node's. */
+#define REMOTE "remote\n"
 
 typedef struct flush_job {
   char name[256];
@@ -83,6 +85,8 @@ typedef struct flush_job {
   char rec[CKPT_SAVE_ID_LEN + 16]; /* the record's name in .flush */
   bool replace;
   bool publishing;  /* the record says the shared publish was under way */
+  bool remote;      /* the tier is not the coordinator's node's: its
+                       checkpoint is published here from the OUTCOME */
   char backing[PATH_MAX]; /* the BACKING_DIR it goes to (absolute) */
   /* waiting for other ranks' files (step 4): */
   bool copied;      /* this rank's files and .metadata are linked */
@@ -154,7 +158,8 @@ static bool record_of(const char *rec, const char *save_id) {
 }
 
 int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
-                       const char *name, bool replace, char **err) {
+                       const char *name, bool replace, bool remote,
+                       char **err) {
   char rec[CKPT_SAVE_ID_LEN + 16];
   record_name(save_id, rank, rec, sizeof(rec));
   int dfd = open_records(fs, true);
@@ -162,8 +167,9 @@ int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
                    : openat(dfd, rec,
                             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
-  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n", name,
-                         replace, fs->backing_path) < 0)
+  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n%s", name,
+                         replace, fs->backing_path,
+                         remote ? REMOTE : "") < 0)
     rc = -errno;
   if (rc == 0 && (fsync(fd) || fsync(dfd)))
     rc = -errno;
@@ -239,6 +245,9 @@ static int read_record(int dfd, const char *rec, flush_job_t *j) {
       (replace != 0 && replace != 1) || j->backing[0] != '/' ||
       !ckpt_name_valid(j->name) || !ckpt_save_id_valid(save_id))
     return -EINVAL;
+  j->remote = !strncmp(buf + used, REMOTE, strlen(REMOTE));
+  if (j->remote)
+    used += (int)strlen(REMOTE);
   j->publishing = !strcmp(buf + used, PUBLISHING);
   if (!j->publishing && buf[used])
     return -EINVAL;
@@ -341,9 +350,12 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
     else if (trc && trc != -ENOENT)
       ckpt__log("tier: flush record %s: %s/%s unreadable (%s): kept", id,
                 fs->tier_path, j.name, strerror(-trc));
-    else if (strcmp(tier_id, sid) && !saves_dir_exists(fs->tier_fd, sid))
-      /* (its files still in TIER/.saves/SAVE_ID: this node's publish
-       * never happened, the record flushes them) */
+    else if (strcmp(tier_id, sid) &&
+             (!j.remote || !saves_dir_exists(fs->tier_fd, sid)))
+      /* In the coordinator's tier its publish there is the commit point:
+       * never committed. In another node's tier, with its files still in
+       * TIER/.saves/SAVE_ID, this node's publish may be all that never
+       * happened: the record flushes them once the commit is known. */
       why = "its save was never published in the tier";
     else if (j.publishing && !saves_dir_exists(fs->backing_fd, sid))
       /* Published and removed there since, or removed by another
@@ -916,6 +928,13 @@ static bool published(ckpt_fs_t *fs, const flush_job_t *j) {
   return !strcmp(shared, j->save_id);
 }
 
+/* Is TIER/NAME j's save? */
+static bool tier_named(ckpt_fs_t *fs, const flush_job_t *j) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  save_id_at(fs->tier_fd, j->name, id);
+  return !strcmp(id, j->save_id);
+}
+
 /* The tier's copy of j: TIER/NAME while it is j's save, else the save's
  * directory (this node's publish never happened), held. -ESTALE: neither
  * (superseded or removed). */
@@ -1001,8 +1020,15 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
                                      &held)))
     *err = ckpt__strdup_printf("creating %s/%s/%s: %s", fs->backing_path,
                                CKPT_SAVES_DIR, j->save_id, strerror(-rc));
-  /* the .metadata: the tier's, or one another node's flusher linked */
-  int from = rc == 0 && ckpt_store_has_metadata(src) ? src : held;
+  /* The .metadata: the tier's, or one another node's flusher linked.
+   * From TIER/.saves/SAVE_ID (this node never published it), only in
+   * another node's tier than the coordinator's: written there from the
+   * OUTCOME, it says the save was committed; in the coordinator's, the
+   * save was not (its publish there is the commit point). */
+  bool named = rc == 0 && tier_named(fs, j);
+  int from = rc == 0 && (named || j->remote) && ckpt_store_has_metadata(src)
+                 ? src
+                 : held;
   if (rc == 0 && !ckpt_store_has_metadata(from)) {
     rc = -EINPROGRESS;
     *err = ckpt__strdup_printf("the .metadata of %s (from the coordinator's "

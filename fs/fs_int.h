@@ -746,9 +746,12 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
 typedef struct ckpt_flush ckpt_flush_t;
 /* Journal the flush of rank's files of save_id (NAME name, replace) in
  * the tier: the record, fsynced, once they are written (before the
- * rank's RESULT, so before any publish). */
+ * rank's RESULT, so before any publish). remote: the tier is not the
+ * coordinator's node's (there the checkpoint is published from the
+ * OUTCOME, if this node gets it). */
 int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
-                       const char *name, bool replace, char **err);
+                       const char *name, bool replace, bool remote,
+                       char **err);
 /* Drop rank's record of a save that failed. */
 void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id, int rank);
 /* The node's lock on its tier (TIER/.flush/.lock, flock exclusive),

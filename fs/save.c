@@ -844,6 +844,14 @@ static int write_file(void *arg, uint32_t k) {
   return e;
 }
 
+/* Is this rank on another node than the coordinator's (which publishes
+ * the save in its own tier: the commit point)? */
+static bool remote_node(ckpt_fs_t *fs, const ckpt_dist_job_t *job) {
+  return !job->solo && fs->world_size > 1 && fs->dist &&
+         ckpt_dist_node_of(fs->dist, fs->rank) !=
+             ckpt_dist_node_of(fs->dist, 0);
+}
+
 static int write_step(void *ctx, ckpt_dist_job_t *job,
                       const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -911,7 +919,7 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
    * this node never publishes the checkpoint (flush.c). */
   if (fs->tier_fd >= 0 &&
       (rc = ckpt__flush_record(fs, s->rp.save_id, s->rank, job->name,
-                               s->replace, err)) != 0)
+                               s->replace, remote_node(fs, job), err)) != 0)
     return rc;
   ckpt_failpoint("write_done");
   ckpt_write_result_t wr = {.rank = s->rank, .bytes_written = total};
@@ -1139,8 +1147,8 @@ static void publish_step(void *ctx, ckpt_dist_job_t *job,
                          const ckpt_buf_t *outcome) {
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
-  if (fs->tier_fd < 0 || s->dirfd < 0 || !s->have_rp || !fs->dist ||
-      ckpt_dist_node_of(fs->dist, fs->rank) == ckpt_dist_node_of(fs->dist, 0))
+  if (fs->tier_fd < 0 || s->dirfd < 0 || !s->have_rp ||
+      !remote_node(fs, job))
     return; /* the coordinator published in this node's tier */
   ckpt_failpoint("tier_publish");
   char *err = NULL, id[CKPT_SAVE_ID_LEN + 1] = "";

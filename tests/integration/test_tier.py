@@ -322,6 +322,31 @@ class Crash(TierCase):
         self.read_without_tier()
         self.fsck_clean()
 
+    def test_killed_before_tier_publish(self):
+        """Killed after the flush record is written, before the commit
+        publishes in the tier (failpoint metadata_tmp): the commit point
+        never came; the next mount drops the record and the unfinished
+        save, and publishes nothing anywhere."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "metadata_tmp"})
+        self.stage()
+        try:
+            commit(self.ck("c"))
+        except OSError as e:
+            self.assertIn(e.errno, (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at metadata_tmp")
+        m.unmount()
+        self.mounts = []
+        self.assertEqual(len(self.records()), 1)
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.tier_mount()
+        self.assertIn("never published in the tier", self.daemon_log())
+        self.assertEqual(self.records(), [])
+        saves = os.path.join(self.tier, ".saves")
+        self.assertFalse(os.path.isdir(saves) and os.listdir(saves))
+        time.sleep(0.3)  # no flush left to publish it
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertNothingPublished("c")
+
     def test_resumed_copy_checks_linked_files(self):
         """Killed while copying the last data file: one linked in
         BACKING_DIR/.saves/ID by the killed run is damaged there (same
