@@ -10,8 +10,10 @@
  *   scatter
  *   all ranks     write_step   -> write result message
  *   gather to the coordinator
- *   coordinator   finish_step  -> publish the metadata (or a reason)
+ *   coordinator   finish_step  -> publish the metadata (or a reason),
+ *                                 and the outcome's payload
  *   broadcast of the outcome
+ *   other ranks   publish_step (optional) with the outcome's payload
  *   all ranks     done(rc, reason)
  *
  * A step that fails on any rank fails the save on every rank, with the
@@ -56,9 +58,17 @@ typedef struct {
   int (*write_step)(void *ctx, ckpt_dist_job_t *job,
                     const ckpt_buf_t *rank_plan, ckpt_buf_t *result,
                     char **err);
-  /* Coordinator: results[n] in rank order. */
+  /* Coordinator: results[n] in rank order. What it appends to outcome
+   * goes to every other rank's publish_step. */
   int (*finish_step)(void *ctx, ckpt_dist_job_t *job,
-                     const ckpt_buf_t *results, int n, char **err);
+                     const ckpt_buf_t *results, int n, ckpt_buf_t *outcome,
+                     char **err);
+  /* Optional, every rank but the coordinator, once the save is committed
+   * (before done): the coordinator's outcome payload (e.g. the metadata,
+   * for a node-local tier of another node). The save is committed
+   * whatever it does: it reports its own trouble. */
+  void (*publish_step)(void *ctx, ckpt_dist_job_t *job,
+                       const ckpt_buf_t *outcome);
   void (*discard_step)(void *ctx, ckpt_dist_job_t *job, bool all_done);
   /* Every rank, last: rc 0 and reason NULL when the save is committed. */
   void (*done)(void *ctx, ckpt_dist_job_t *job, int rc, const char *reason);

@@ -15,7 +15,8 @@
  *  3. global_step; send each client its PLAN_REPLY (plan or reason);
  *  4. write_step here, collect one RESULT per rank (deadline
  *     commit_timeout after the local writes);
- *  5. finish_step (metadata) unless a rank failed; send the OUTCOME;
+ *  5. finish_step (metadata) unless a rank failed; send the OUTCOME (with
+ *     finish_step's payload, for the clients' publish_step);
  *  6. failed after writes: discard_step here, collect DISCARDED, then
  *     discard_step(all_done);
  *  7. done().
@@ -342,6 +343,10 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
     rc = frame_rc(f);
     goto fail;
   }
+  if (ops->publish_step) {
+    ckpt_buf_t payload = frame_payload(f);
+    ops->publish_step(d->ctx, job, &payload);
+  }
   job_done(d, job, 0, NULL);
   goto out;
 
@@ -559,6 +564,21 @@ static void send_all(ckpt_dist_t *d, const arrival_t *a, int tag,
   }
 }
 
+/* send_all with one payload for every client. */
+static void send_all_same(ckpt_dist_t *d, const arrival_t *a, int tag,
+                          uint32_t round, int rc, const char *reason,
+                          const ckpt_buf_t *payload) {
+  for (int r = 1; r < d->size; r++) {
+    if (!a[r].in)
+      continue;
+    ckpt_buf_t m;
+    ckpt_buf_init(&m);
+    put_u32(&m, round);
+    put_frame(&m, rc, reason, payload);
+    ckpt__mpi_send(d, r, tag, &m);
+  }
+}
+
 /* Coordinator: which clients of expect are not in got, for .status. */
 static void report_collect(ckpt_dist_t *d, ckpt_dist_job_t *job,
                            const arrival_t *expect, const arrival_t *got,
@@ -754,6 +774,8 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
       add_reason(&reasons, arrival_frame(&results[r]), r);
 
   /* 5. the metadata, and the outcome for everyone */
+  ckpt_buf_t outcome;
+  ckpt_buf_init(&outcome);
   if (reasons.len == 0) {
     views = calloc((size_t)n, sizeof(*views));
     if (!views) {
@@ -761,7 +783,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     } else {
       for (int r = 0; r < n; r++)
         views[r] = frame_payload(arrival_frame(&results[r]));
-      rc = ops->finish_step(d->ctx, job, views, n, &err);
+      rc = ops->finish_step(d->ctx, job, views, n, &outcome, &err);
       free(views);
       if (rc)
         ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
@@ -770,8 +792,10 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
       free(err), err = NULL;
     }
   }
-  send_all(d, plans, CKPT__TAG_OUTCOME, round, reasons.len ? fail_rc : 0,
-           (const char *)reasons.data, NULL);
+  send_all_same(d, plans, CKPT__TAG_OUTCOME, round,
+                reasons.len ? fail_rc : 0, (const char *)reasons.data,
+                &outcome);
+  ckpt_buf_free(&outcome);
   if (reasons.len == 0) {
     job_done(d, job, 0, NULL);
     goto out;
@@ -829,8 +853,11 @@ static void solo_round(ckpt_dist_t *d, ckpt_dist_job_t *job) {
     wrote = true;
     rc = ops->write_step(d->ctx, job, &rank_plan, &result, &err);
   }
+  ckpt_buf_t outcome; /* no other rank to tell */
+  ckpt_buf_init(&outcome);
   if (rc == 0)
-    rc = ops->finish_step(d->ctx, job, &result, 1, &err);
+    rc = ops->finish_step(d->ctx, job, &result, 1, &outcome, &err);
+  ckpt_buf_free(&outcome);
   if (rc && wrote) {
     ops->discard_step(d->ctx, job, false);
     ops->discard_step(d->ctx, job, true);

@@ -5,27 +5,41 @@
  * With a tier, a commit publishes into TIER (same layout as BACKING_DIR)
  * and returns; this thread then copies each such checkpoint to BACKING_DIR
  * and publishes it there exactly as a commit without the tier would have,
- * so that every other mount and tool sees the same thing. First slice:
- * one rank, its own files; the tier copy is removed once flushed (reads
- * go to BACKING_DIR from then on).
+ * so that every other mount and tool sees the same thing. The ranks of a
+ * node share its tier; each rank's mount flushes its own rank's files,
+ * and whichever flusher of any node sees the last file linked publishes
+ * (leaderless). The tier copy is removed once flushed and no rank of the
+ * node still needs it (reads go to BACKING_DIR from then on).
  *
- * The journal: TIER/.flush/SAVE_ID ("name NAME\nreplace 0|1\n") exists
- * while the checkpoint of that save is unflushed. Its life, in order:
- *   1. finish_step writes and fsyncs it, then publishes TIER/NAME
- *      (ckpt__flush_record; a torn one cannot name a published save);
- *   2. each data file of TIER/NAME is copied into an O_TMPFILE of
+ * The journal: TIER/.flush/SAVE_ID.R ("name NAME\nreplace 0|1\nbacking
+ * DIR\n") exists while rank R's files of that save are unflushed (a
+ * record "SAVE_ID" of an older mount is rank 0's). Its life, in order:
+ *   1. write_step writes and fsyncs it on every rank before its RESULT
+ *      (ckpt__flush_record), so that a node whose tier publish never
+ *      happened still has its files in TIER/.saves/SAVE_ID, flushable;
+ *      the coordinator, then each other node (publish_step, with the
+ *      .metadata the OUTCOME carries), publishes TIER/NAME;
+ *   2. each data file of rank R in TIER/NAME (or TIER/.saves/SAVE_ID) is
+ *      copied into an O_TMPFILE of
  *      BACKING_DIR/.staging under the token bucket of -o flush_rate,
  *      fsynced, every chunk's XXH3 checked in the copy against the
  *      .metadata, and only then linked into BACKING_DIR/.saves/SAVE_ID
  *      (held, so no starting mount removes it; a file already linked
  *      there by an earlier run is complete and kept);
- *   3. .metadata is copied (.metadata.tmp, fsync, rename, fsync);
- *   4. the record gets a "publishing" line (fsynced), then the same
- *      no-replace publish as a commit (ckpt__publish_save);
- *   5. the record is removed and .flush fsynced; then the tier copy.
+ *   3. .metadata is copied (.metadata.tmp.R, fsync, link: the first
+ *      flusher's stays);
+ *   4. once every data file the .metadata names is linked in
+ *      BACKING_DIR/.saves/SAVE_ID at full size (else the job waits, held,
+ *      behind later ones: "flush waiting: rank ... not in the shared store
+ *      yet"), the record gets a "publishing" line (fsynced), then the same
+ *      no-replace publish as a commit (ckpt__publish_save); ENOENT or
+ *      EEXIST with BACKING_DIR/NAME of this save: another flusher did;
+ *   5. the record is removed and .flush fsynced; then, under the node's
+ *      lock, the tier copy if no record of the save is left in the tier.
  * A crash anywhere leaves the record; the next mount (ckpt__flush_recover)
  * drops it if BACKING_DIR/NAME already has SAVE_ID (crash after 4),
- * TIER/NAME does not (never published), or it says "publishing" and
+ * neither TIER/NAME nor TIER/.saves/SAVE_ID does (never published), or
+ * it says "publishing" and
  * BACKING_DIR/.saves/SAVE_ID is gone (published, then removed by a user
  * before the record went); else the flush resumes. A tier
  * checkpoint without a record is flushed already or was removed by a user
@@ -40,10 +54,12 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -59,13 +75,24 @@
 #define BACKOFF_MAX 60.0
 /* The line a record gets before the shared publish (step 4). */
 #define PUBLISHING "publishing\n"
+/* The line of a record in another tier than the coordinator's node's. */
+#define REMOTE "remote\n"
 
 typedef struct flush_job {
   char name[256];
   char save_id[CKPT_SAVE_ID_LEN + 1];
+  int rank;         /* whose files: the record's R */
+  char rec[CKPT_SAVE_ID_LEN + 16]; /* the record's name in .flush */
   bool replace;
   bool publishing;  /* the record says the shared publish was under way */
+  bool remote;      /* the tier is not the coordinator's node's: its
+                       checkpoint is published here from the OUTCOME */
   char backing[PATH_MAX]; /* the BACKING_DIR it goes to (absolute) */
+  /* waiting for other ranks' files (step 4): */
+  bool copied;      /* this rank's files and .metadata are linked */
+  int held;         /* BACKING_DIR/.saves/SAVE_ID, held, or -1 */
+  double not_before; /* CLOCK_MONOTONIC s of its next try */
+  double backoff;
   struct flush_job *next;
 } flush_job_t;
 
@@ -93,43 +120,116 @@ static int open_records(ckpt_fs_t *fs, bool create) {
                            O_RDONLY | O_DIRECTORY, 0);
 }
 
-int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, const char *name,
-                       bool replace, char **err) {
+/* The name of rank's record of save_id. */
+static void record_name(const char *save_id, int rank, char *out, size_t n) {
+  snprintf(out, n, "%s.%d", save_id, rank);
+}
+
+/* Split a record's name: SAVE_ID.R, or SAVE_ID (an older mount's: rank
+ * 0). false when it is no record's. */
+static bool parse_record_name(const char *rec,
+                              char id[CKPT_SAVE_ID_LEN + 1], int *rank) {
+  size_t len = strlen(rec);
+  if (len < CKPT_SAVE_ID_LEN)
+    return false;
+  snprintf(id, CKPT_SAVE_ID_LEN + 1, "%.*s", CKPT_SAVE_ID_LEN, rec);
+  if (!ckpt_save_id_valid(id))
+    return false;
+  const char *tail = rec + CKPT_SAVE_ID_LEN;
+  if (!*tail) {
+    *rank = 0;
+    return true;
+  }
+  char *end;
+  long r = tail[0] == '.' && tail[1] >= '0' && tail[1] <= '9'
+               ? strtol(tail + 1, &end, 10)
+               : -1;
+  if (r < 0 || r > INT_MAX || *end)
+    return false;
+  *rank = (int)r;
+  return true;
+}
+
+/* Is rec a record of save_id? */
+static bool record_of(const char *rec, const char *save_id) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  int rank;
+  return parse_record_name(rec, id, &rank) && !strcmp(id, save_id);
+}
+
+int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
+                       const char *name, bool replace, bool remote,
+                       char **err) {
+  char rec[CKPT_SAVE_ID_LEN + 16];
+  record_name(save_id, rank, rec, sizeof(rec));
   int dfd = open_records(fs, true);
   int fd = dfd < 0 ? dfd
-                   : openat(dfd, save_id,
+                   : openat(dfd, rec,
                             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
-  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n", name,
-                         replace, fs->backing_path) < 0)
+  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n%s", name,
+                         replace, fs->backing_path,
+                         remote ? REMOTE : "") < 0)
     rc = -errno;
   if (rc == 0 && (fsync(fd) || fsync(dfd)))
     rc = -errno;
   if (fd >= 0)
     close(fd);
   if (rc && fd >= 0)
-    unlinkat(dfd, save_id, 0);
+    unlinkat(dfd, rec, 0);
   if (dfd >= 0)
     close(dfd);
   if (rc)
     *err = ckpt__strdup_printf("writing %s/%s/%s: %s", fs->tier_path,
-                               CKPT_FLUSH_DIR, save_id, strerror(-rc));
+                               CKPT_FLUSH_DIR, rec, strerror(-rc));
   return rc;
 }
 
-void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id) {
+/* Remove record rec. */
+static void unrecord(ckpt_fs_t *fs, const char *rec) {
   int dfd = open_records(fs, false);
   if (dfd < 0)
     return;
-  if (unlinkat(dfd, save_id, 0) == 0)
+  if (unlinkat(dfd, rec, 0) == 0)
     fsync(dfd);
   close(dfd);
 }
 
-/* Read record save_id: its name, replace flag, BACKING_DIR and publishing
- * mark. 0, -EINVAL when torn or malformed, -errno. */
-static int read_record(int dfd, const char *save_id, flush_job_t *j) {
-  int fd = openat(dfd, save_id, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id, int rank) {
+  char rec[CKPT_SAVE_ID_LEN + 16];
+  record_name(save_id, rank, rec, sizeof(rec));
+  unrecord(fs, rec);
+}
+
+int ckpt__tier_lock(ckpt_fs_t *fs) {
+  int dfd = open_records(fs, true);
+  int fd = dfd < 0 ? dfd
+                   : openat(dfd, ".lock", O_RDONLY | O_CREAT | O_CLOEXEC |
+                                              O_NOFOLLOW, 0600);
+  int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
+  if (dfd >= 0)
+    close(dfd);
+  while (rc == 0 && flock(fd, LOCK_EX))
+    if (errno != EINTR) {
+      rc = -errno;
+      close(fd);
+    }
+  return rc ? rc : fd;
+}
+
+void ckpt__tier_unlock(int fd) {
+  if (fd >= 0)
+    close(fd); /* lets go of the flock */
+}
+
+/* Read record rec: its save, rank, name, replace flag, BACKING_DIR and
+ * publishing mark. 0, -EINVAL when torn or malformed, -errno. */
+static int read_record(int dfd, const char *rec, flush_job_t *j) {
+  char save_id[CKPT_SAVE_ID_LEN + 1];
+  int rank;
+  if (!parse_record_name(rec, save_id, &rank))
+    return -EINVAL;
+  int fd = openat(dfd, rec, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0)
     return -errno;
   char buf[PATH_MAX + 400];
@@ -145,12 +245,33 @@ static int read_record(int dfd, const char *save_id, flush_job_t *j) {
       (replace != 0 && replace != 1) || j->backing[0] != '/' ||
       !ckpt_name_valid(j->name) || !ckpt_save_id_valid(save_id))
     return -EINVAL;
+  j->remote = !strncmp(buf + used, REMOTE, strlen(REMOTE));
+  if (j->remote)
+    used += (int)strlen(REMOTE);
   j->publishing = !strcmp(buf + used, PUBLISHING);
   if (!j->publishing && buf[used])
     return -EINVAL;
   j->replace = replace == 1;
   snprintf(j->save_id, sizeof(j->save_id), "%s", save_id);
+  snprintf(j->rec, sizeof(j->rec), "%s", rec);
+  j->rank = rank;
+  j->held = -1;
   return 0;
+}
+
+/* Is record rank this mount's to flush? Its own rank's; and a rank that
+ * is not on this node in the current world (a world started again with
+ * fewer ranks, or other nodes): the node's lowest rank's. */
+static bool mine(const ckpt_fs_t *fs, int rank) {
+  if (rank == fs->rank || fs->world_size <= 1 || !fs->dist)
+    return rank == fs->rank || fs->world_size <= 1;
+  int node = ckpt_dist_node_of(fs->dist, fs->rank);
+  if (rank < fs->world_size && ckpt_dist_node_of(fs->dist, rank) == node)
+    return false; /* that rank's own mount */
+  for (int r = 0; r < fs->rank; r++)
+    if (ckpt_dist_node_of(fs->dist, r) == node)
+      return false; /* a lower rank of this node adopts it */
+  return true;
 }
 
 /* The save ID of root/name: 0, -ENOENT (no such checkpoint or no
@@ -214,6 +335,7 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
   char tier_id[CKPT_SAVE_ID_LEN + 1], shared_id[CKPT_SAVE_ID_LEN + 1];
   const char *why = NULL;
   int rc = read_record(dfd, id, &j), trc = 0;
+  const char *sid = j.save_id;
   if (rc == -EINVAL) {
     why = "torn or malformed (its save was never published)";
   } else if (rc) {
@@ -223,14 +345,19 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
   } else {
     trc = save_id_of(fs->tier_fd, j.name, tier_id);
     save_id_at(fs->backing_fd, j.name, shared_id);
-    if (!strcmp(shared_id, id))
+    if (!strcmp(shared_id, sid))
       why = "flushed already";
     else if (trc && trc != -ENOENT)
       ckpt__log("tier: flush record %s: %s/%s unreadable (%s): kept", id,
                 fs->tier_path, j.name, strerror(-trc));
-    else if (strcmp(tier_id, id))
+    else if (strcmp(tier_id, sid) &&
+             (!j.remote || !saves_dir_exists(fs->tier_fd, sid)))
+      /* In the coordinator's tier its publish there is the commit point:
+       * never committed. In another node's tier, with its files still in
+       * TIER/.saves/SAVE_ID, this node's publish may be all that never
+       * happened: the record flushes them once the commit is known. */
       why = "its save was never published in the tier";
-    else if (j.publishing && !saves_dir_exists(fs->backing_fd, id))
+    else if (j.publishing && !saves_dir_exists(fs->backing_fd, sid))
       /* Published and removed there since, or removed by another
        * mount's cleanup of unfinished saves before the publish: the two
        * cannot be told apart, and the tier's copy may be the only one.
@@ -241,7 +368,7 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
                 "removed there since, or removed by another mount before "
                 "the publish): kept, flushed again without replacing",
                 id, j.name, fs->backing_path, j.name, fs->backing_path,
-                CKPT_SAVES_DIR, id);
+                CKPT_SAVES_DIR, sid);
   }
   if (!why)
     return; /* resumed by the thread */
@@ -280,12 +407,35 @@ int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err) {
   return -EBUSY;
 }
 
-/* Does a record name save_id? */
+/* Records of save_id in .flush (dfd): 1 some, 0 none, -errno unknown. */
+static int any_record(int dfd, const char *save_id) {
+  if (dfd == -ENOENT) /* no .flush: no records */
+    return 0;
+  if (dfd < 0)
+    return dfd;
+  int lfd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d) {
+    int e = errno;
+    if (lfd >= 0)
+      close(lfd);
+    return -e;
+  }
+  int found = 0;
+  struct dirent *e;
+  errno = 0;
+  while (!found && (e = readdir(d)) != NULL)
+    found = record_of(e->d_name, save_id);
+  if (!found && errno)
+    found = -errno;
+  closedir(d);
+  return found;
+}
+
+/* Does a record name save_id (of any rank)? */
 static bool has_record(ckpt_fs_t *fs, const char *save_id) {
   int dfd = open_records(fs, false);
-  struct stat st;
-  bool has = dfd >= 0 && save_id[0] &&
-             fstatat(dfd, save_id, &st, AT_SYMLINK_NOFOLLOW) == 0;
+  bool has = save_id[0] && any_record(dfd, save_id) == 1;
   if (dfd >= 0)
     close(dfd);
   return has;
@@ -293,11 +443,7 @@ static bool has_record(ckpt_fs_t *fs, const char *save_id) {
 
 /* Is there positively no record of save_id (not: one unknown)? */
 static bool no_record(int dfd, const char *save_id) {
-  struct stat st;
-  if (dfd == -ENOENT) /* no .flush: no records */
-    return true;
-  return dfd >= 0 && fstatat(dfd, save_id, &st, AT_SYMLINK_NOFOLLOW) &&
-         errno == ENOENT;
+  return any_record(dfd, save_id) == 0;
 }
 
 void ckpt__flush_recover(ckpt_fs_t *fs) {
@@ -315,6 +461,8 @@ void ckpt__flush_recover(ckpt_fs_t *fs) {
       close(dfd);
     return;
   }
+  /* the node's other mounts (ranks) flush and remove meanwhile */
+  int lock = ckpt__tier_lock(fs);
   for (size_t i = 0; i < n; i++) {
     char id[CKPT_SAVE_ID_LEN + 1];
     if (!ckpt_store_committed(fs->tier_fd, names[i], NULL))
@@ -327,6 +475,7 @@ void ckpt__flush_recover(ckpt_fs_t *fs) {
               fs->backing_path);
     ckpt__checkpoint_remove(fs->tier_fd, names[i], false);
   }
+  ckpt__tier_unlock(lock);
   ckpt__catalog_names_free(names, n);
   if (dfd >= 0)
     close(dfd);
@@ -535,14 +684,21 @@ static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
   return rc;
 }
 
-/* Copy src/.metadata to held/.metadata: through .metadata.tmp, synced. */
+/* Copy src/.metadata to held/.metadata: through .metadata.tmp.R, synced,
+ * then linked (flushers of other ranks do the same with the same bytes:
+ * the first link stays). */
 static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
                          int held) {
+  struct stat st;
+  char tmp[64];
+  snprintf(tmp, sizeof(tmp), "%s.%d", CKPT_METADATA_TMP, j->rank);
+  unlinkat(held, tmp, 0); /* of a run killed before its link */
+  if (fstatat(held, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0)
+    return 0; /* linked by another rank's flusher */
   int in = ckpt_store_open_file(src, CKPT_METADATA_FILE);
   if (in < 0)
     return in;
-  struct stat st;
-  int out = openat(held, CKPT_METADATA_TMP,
+  int out = openat(held, tmp,
                    O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
                    0600);
   /* the mode the commit gave it in the tier */
@@ -557,8 +713,10 @@ static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
   if (out >= 0)
     close(out);
   close(in);
-  if (rc == 0 && renameat(held, CKPT_METADATA_TMP, held, CKPT_METADATA_FILE))
+  if (rc == 0 && linkat(held, tmp, held, CKPT_METADATA_FILE, 0) &&
+      errno != EEXIST)
     rc = -errno;
+  unlinkat(held, tmp, 0);
   if (rc == 0 && f->fs->opts.sync_files && fsync(held))
     rc = -errno;
   return rc;
@@ -578,7 +736,10 @@ static bool data_file(const char *name, int32_t *rank, uint32_t *k) {
   return !strcmp(back, name);
 }
 
-/* Copy every data file of src into held. */
+/* Copy every data file of j's rank in src into held. A file of another
+ * rank in src is either that rank's (its own mount flushes it) or a
+ * partner copy (level partner), to be flushed only when its owner's node
+ * is not in the current world: partner files are not flushed yet. */
 static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
                      const ckpt_metadata_t *m, int src, int held) {
   int lfd = openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -594,7 +755,7 @@ static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
   int32_t rank;
   uint32_t k;
   while (rc == 0 && (e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k))
+    if (data_file(e->d_name, &rank, &k) && rank == j->rank)
       rc = copy_file(f, j, m, src, held, e->d_name, rank, k);
   closedir(d);
   return rc;
@@ -623,29 +784,44 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
   }
   if (ck) {
     atomic_store(&ck->tier.flushed, true);
+    /* (also when another rank's flush published it first) */
+    atomic_store(&ck->tier.done, atomic_load(&ck->tier.total));
     free(ck->tier.why);
     ck->tier.why = NULL;
   }
   pthread_mutex_unlock(&fs->lock);
 }
 
-/* The tier's copy of j, flushed: removed if TIER/NAME is still j's save
- * (a replace= commit may have put a newer one there meanwhile, which is
- * not flushed yet), checked and removed under fs->tier_publish so that no
- * commit publishes in between. */
+/* j's save is flushed: its record goes and then, under the node's lock
+ * (the other ranks' flushers and commits), the tier's copy if no record
+ * of the save is left in the tier (another rank's files may not be
+ * flushed yet: its flusher removes it) and TIER/NAME is still j's save (a
+ * replace= commit may have put a newer one there meanwhile, which is not
+ * flushed yet); also the save's directory of a node whose tier publish
+ * never happened. Under fs->tier_publish too, so that no commit of this
+ * mount publishes in between. */
 static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
   char id[CKPT_SAVE_ID_LEN + 1];
   pthread_mutex_lock(&fs->tier_publish);
+  int lock = ckpt__tier_lock(fs);
+  unrecord(fs, j->rec);
+  int dfd = open_records(fs, false);
+  int left = any_record(dfd, j->save_id);
+  if (dfd >= 0)
+    close(dfd);
   save_id_at(fs->tier_fd, j->name, id);
   bool ours = !strcmp(id, j->save_id);
-  if (ours)
+  if (left == 0 && ours)
     ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
+  if (left == 0)
+    ckpt_store_save_dir_remove(fs->tier_fd, j->save_id);
+  ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
-  if (!ours) {
+  if (left == 0 && !ours && id[0])
     ckpt__log("tier: %s: flushed; the tier holds a newer save of it now "
-              "(%s), kept", j->name, id[0] ? id : "none");
+              "(%s), kept", j->name, id);
+  if (left != 0 || !ours)
     return;
-  }
   /* A lookup that saw the tier's copy before it went says nothing against
    * BACKING_DIR's (still_stored ignores presences older than load_gen). */
   pthread_mutex_lock(&fs->lock);
@@ -662,11 +838,11 @@ static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
 static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
   int dfd = open_records(fs, false);
   int fd = dfd < 0 ? dfd
-                   : openat(dfd, j->save_id,
+                   : openat(dfd, j->rec,
                             O_WRONLY | O_APPEND | O_CLOEXEC | O_NOFOLLOW);
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
   flush_job_t now;
-  if (rc == 0 && (rc = read_record(dfd, j->save_id, &now)) == 0 &&
+  if (rc == 0 && (rc = read_record(dfd, j->rec, &now)) == 0 &&
       !now.publishing) {
     ssize_t w = write(fd, PUBLISHING, strlen(PUBLISHING));
     if (w != (ssize_t)strlen(PUBLISHING))
@@ -680,59 +856,203 @@ static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
     close(dfd);
   if (rc)
     *err = ckpt__strdup_printf("marking %s/%s/%s: %s", fs->tier_path,
-                               CKPT_FLUSH_DIR, j->save_id, strerror(-rc));
+                               CKPT_FLUSH_DIR, j->rec, strerror(-rc));
   return rc;
 }
 
-/* Flush one checkpoint: steps 2-5 of the protocol above. 0 or -errno
- * with *err. */
-static int flush_one(ckpt_flush_t *f, const flush_job_t *j, char **err) {
+/* The ranks of world_size set in b: "rank 1, rank 3". */
+static void put_ranks(ckpt_buf_t *b, const bool *set, int n) {
+  for (int r = 0; r < n; r++)
+    if (set[r])
+      ckpt_buf_printf(b, "%srank %d", b->len ? ", " : "", r);
+}
+
+/* Is every data file that m names linked in held at its full size? 0, or
+ * -EINPROGRESS with *why saying whose files are not there yet, or -errno
+ * with *why. */
+static int complete(const ckpt_metadata_t *m, int held, char **why) {
+  typedef struct { int32_t rank; uint32_t k; uint64_t end; } need_t;
+  uint32_t total = m->n_chunks + m->n_blobs, n = 0;
+  need_t *need = calloc(total ? total : 1, sizeof(*need));
+  int world = m->world_size > 0 ? m->world_size : 1;
+  bool *missing = calloc((size_t)world, sizeof(*missing));
+  if (!need || !missing) {
+    free(need), free(missing);
+    return -ENOMEM;
+  }
+  for (uint32_t i = 0; i < total; i++) {
+    bool chunk = i < m->n_chunks;
+    const ckpt_chunk_meta_t *c = chunk ? &m->chunks[i] : NULL;
+    const ckpt_blob_meta_t *bl = chunk ? NULL : &m->blobs[i - m->n_chunks];
+    need_t x = {chunk ? c->rank : bl->rank, chunk ? c->file : bl->file,
+                chunk ? c->file_offset + c->length
+                      : bl->file_offset + bl->length};
+    uint32_t at = 0;
+    while (at < n && (need[at].rank != x.rank || need[at].k != x.k))
+      at++;
+    if (at == n)
+      need[n++] = x;
+    else if (x.end > need[at].end)
+      need[at].end = x.end;
+  }
+  bool any = false;
+  for (uint32_t i = 0; i < n; i++) {
+    char name[64];
+    struct stat st;
+    ckpt_data_file_name(need[i].rank, need[i].k, name, sizeof(name));
+    if (fstatat(held, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(st.st_mode) && (uint64_t)st.st_size >= need[i].end)
+      continue;
+    if (need[i].rank >= 0 && need[i].rank < world)
+      missing[need[i].rank] = any = true;
+  }
+  int rc = 0;
+  if (any) {
+    ckpt_buf_t b;
+    ckpt_buf_init(&b);
+    put_ranks(&b, missing, world);
+    *why = ckpt__strdup_printf("%.*s not in the shared store yet",
+                               (int)b.len, (const char *)b.data);
+    ckpt_buf_free(&b);
+    rc = -EINPROGRESS;
+  }
+  free(need);
+  free(missing);
+  return rc;
+}
+
+/* Is BACKING_DIR/NAME j's save (published, by any flusher)? */
+static bool published(ckpt_fs_t *fs, const flush_job_t *j) {
+  char shared[CKPT_SAVE_ID_LEN + 1];
+  save_id_at(fs->backing_fd, j->name, shared);
+  return !strcmp(shared, j->save_id);
+}
+
+/* Is TIER/NAME j's save? */
+static bool tier_named(ckpt_fs_t *fs, const flush_job_t *j) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  save_id_at(fs->tier_fd, j->name, id);
+  return !strcmp(id, j->save_id);
+}
+
+/* The tier's copy of j: TIER/NAME while it is j's save, else the save's
+ * directory (this node's publish never happened), held. -ESTALE: neither
+ * (superseded or removed). */
+static int open_source(ckpt_fs_t *fs, const flush_job_t *j) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  int src = ckpt_store_open_dir(fs->tier_fd, j->name, O_RDONLY);
+  int rc = src < 0 ? src : ckpt_store_save_id(src, id);
+  if (rc == 0 && !strcmp(id, j->save_id))
+    return src;
+  if (src >= 0)
+    close(src);
+  rc = ckpt_store_save_dir_hold(fs->tier_fd, j->save_id, false, &src);
+  return rc == 0 ? src : rc == -ENOENT ? -ESTALE : rc;
+}
+
+/* Step 4, once held is complete: the shared publish, by whichever
+ * flusher gets there; under an flock of its .metadata (the same inode
+ * for every flusher, wherever its directory is), so that of two flushers
+ * of a replace= save only one exchanges. */
+static int publish_shared(ckpt_flush_t *f, const flush_job_t *j, int held,
+                          bool replace, char **err) {
+  ckpt_fs_t *fs = f->fs;
+  int mfd = ckpt_store_open_file(held, CKPT_METADATA_FILE);
+  if (mfd >= 0)
+    while (flock(mfd, LOCK_EX) && errno == EINTR)
+      ;
+  int rc = 0;
+  if (!published(fs, j)) {
+    rc = mark_publishing(fs, j, err);
+    if (rc == 0)
+      ckpt_failpoint("flush_marked");
+    if (rc == 0) {
+      ckpt_publish_t p = {.root_fd = fs->backing_fd,
+                          .root_path = fs->backing_path,
+                          .held_fd = held,
+                          .save_id = j->save_id,
+                          .name = j->name,
+                          .replace = replace,
+                          .flush = true};
+      rc = ckpt__publish_save(fs, &p, err);
+    }
+    if ((rc == -ENOENT || rc == -EEXIST) && published(fs, j)) {
+      free(*err); /* another flusher published it meanwhile */
+      *err = NULL;
+      rc = 0;
+    }
+    if (rc == 0) {
+      ckpt__log("tier: %s published in %s by rank %d's flush (it saw the "
+                "last data file linked)", j->name, fs->backing_path,
+                fs->rank);
+      ckpt_failpoint("flush_published");
+    }
+  }
+  if (mfd >= 0)
+    close(mfd);
+  return rc;
+}
+
+/* Flush one checkpoint: steps 2-5 of the protocol above. 0, -EINPROGRESS
+ * (waiting for other ranks' files: j->held kept) or -errno, with *err. */
+static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   ckpt_fs_t *fs = f->fs;
   ckpt_metadata_t m = {0};
-  int held = -1, src = ckpt_store_open_dir(fs->tier_fd, j->name, O_RDONLY);
-  char id[CKPT_SAVE_ID_LEN + 1];
-  int rc = src < 0 ? src : ckpt_store_save_id(src, id);
-  if (rc == 0 && strcmp(id, j->save_id))
-    rc = -ESTALE;
-  if (rc == 0)
-    rc = ckpt_metadb_load_at(src, j->name, &m, err);
+  int held = j->held, src = -1, rc = 0;
+  j->held = -1;
+  if (published(fs, j))
+    goto flushed; /* by another rank's flusher */
+  src = open_source(fs, j);
+  rc = src < 0 ? src : 0;
   /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
    * since (recover_record): published again without replacing anything,
    * so that nothing committed since is replaced by it. */
   bool replace = j->replace;
   flush_job_t rec;
   int rdfd = rc == 0 && replace ? open_records(fs, false) : -1;
-  if (rdfd >= 0 && read_record(rdfd, j->save_id, &rec) == 0 &&
+  if (rdfd >= 0 && read_record(rdfd, j->rec, &rec) == 0 &&
       rec.publishing && !saves_dir_exists(fs->backing_fd, j->save_id))
     replace = false;
   if (rdfd >= 0)
     close(rdfd);
-  if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->backing_fd, j->save_id,
-                                                true, &held)))
+  if (rc == 0 && held < 0 &&
+      (rc = ckpt_store_save_dir_hold(fs->backing_fd, j->save_id, true,
+                                     &held)))
     *err = ckpt__strdup_printf("creating %s/%s/%s: %s", fs->backing_path,
                                CKPT_SAVES_DIR, j->save_id, strerror(-rc));
-  if (rc == 0 && (rc = copy_data(f, j, &m, src, held)) == 0)
-    rc = copy_metadata(f, j, src, held);
+  /* The .metadata: the tier's, or one another node's flusher linked.
+   * From TIER/.saves/SAVE_ID (this node never published it), only in
+   * another node's tier than the coordinator's: written there from the
+   * OUTCOME, it says the save was committed; in the coordinator's, the
+   * save was not (its publish there is the commit point). */
+  bool named = rc == 0 && tier_named(fs, j);
+  int from = rc == 0 && (named || j->remote) && ckpt_store_has_metadata(src)
+                 ? src
+                 : held;
+  if (rc == 0 && !ckpt_store_has_metadata(from)) {
+    rc = -EINPROGRESS;
+    *err = ckpt__strdup_printf("the .metadata of %s (from the coordinator's "
+                               "node) not in the shared store yet",
+                               j->name);
+  }
+  if (rc == 0)
+    rc = ckpt_metadb_load_at(from, j->name, &m, err);
+  if (rc == 0 && !j->copied && (rc = copy_data(f, j, &m, src, held)) == 0 &&
+      (from == held || (rc = copy_metadata(f, j, src, held)) == 0))
+    j->copied = true;
   if (rc && !*err)
     *err = ckpt__strdup_printf("copying %s to %s: %s", j->name,
                                fs->backing_path, strerror(-rc));
   if (rc == 0)
-    rc = mark_publishing(fs, j, err);
+    rc = complete(&m, held, err);
   if (rc == 0)
-    ckpt_failpoint("flush_marked");
-  if (rc == 0) {
-    ckpt_publish_t p = {.root_fd = fs->backing_fd,
-                        .root_path = fs->backing_path,
-                        .held_fd = held,
-                        .save_id = j->save_id,
-                        .name = j->name,
-                        .replace = replace,
-                        .flush = true};
-    rc = ckpt__publish_save(fs, &p, err);
+    rc = publish_shared(f, j, held, replace, err);
+  if (rc == -EINPROGRESS && held >= 0) {
+    j->held = held; /* held while it waits */
+    held = -1;
   }
+flushed:
   if (rc == 0) {
-    ckpt_failpoint("flush_published");
-    ckpt__flush_unrecord(fs, j->save_id);
     rebind_to_shared(fs, j);
     remove_tier_copy(fs, j);
   }
@@ -767,8 +1087,12 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
                 strcmp(id, j->save_id));
   if (dfd >= 0)
     close(dfd);
+  /* its files still in the save's directory: this node's publish never
+   * happened, the flush goes on from there */
+  if (other && saves_dir_exists(fs->tier_fd, j->save_id))
+    other = false;
   if (other)
-    ckpt__flush_unrecord(fs, j->save_id);
+    unrecord(fs, j->rec);
   pthread_mutex_unlock(&fs->tier_publish);
   if (!other)
     return false;
@@ -782,52 +1106,118 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
   return true;
 }
 
-/* Flush j until done, stopped or failed for good. */
-static void run_job(ckpt_flush_t *f, const flush_job_t *j) {
+/* Tell .status that j waits (why: "flush waiting: ..."), or failed. */
+static void report(ckpt_fs_t *fs, const flush_job_t *j, char *why,
+                   bool counted_again, bool failed) {
+  set_why(fs, j, why);
+  pthread_mutex_lock(&fs->lock);
+  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
+  if (ck && counted_again) /* counted again from the start */
+    atomic_store(&ck->tier.done, 0);
+  if (ck && failed) /* not retried by this mount: may be removed */
+    atomic_store(&ck->tier.failed, true);
+  pthread_mutex_unlock(&fs->lock);
+}
+
+/* Waiting for other ranks' files: looked at again after a while, 0.2 s
+ * doubling to 5 s; later checkpoints go meanwhile. */
+#define WAIT_FIRST 0.2
+#define WAIT_MAX 5.0
+
+/* Try to flush j. true when it is over (done, stopped or failed for
+ * good); false: j->not_before says when to try again. */
+static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
   ckpt_fs_t *fs = f->fs;
-  double backoff = BACKOFF_FIRST;
-  for (;;) {
-    char *err = NULL;
-    double t0 = ckpt__mono_now();
-    int rc = flush_one(f, j, &err);
-    if (rc == 0) {
-      ckpt__log("tier: %s flushed to %s in %.2f s", j->name,
-                fs->backing_path, ckpt__mono_now() - t0);
-      free(err);
-      return;
-    }
-    if (rc == -ECANCELED) { /* unmount: the record resumes it */
-      free(err);
-      return;
-    }
-    if (superseded(fs, j)) {
-      free(err);
-      return;
-    }
-    bool again = transient(rc);
-    char *why = ckpt__strdup_printf(
-        "flush %s: %s%s", again ? "waiting" : "failed",
-        err ? err : strerror(-rc),
-        again ? "" : " (the tier copy is kept; the next mount retries)");
-    if (again) {
-      char *more = ckpt__strdup_printf("%s (retry in %.0f s)", why, backoff);
-      free(why);
-      why = more;
-    }
-    ckpt__log("tier: %s: %s", j->name, why ? why : "flush failed");
+  char *err = NULL;
+  double t0 = ckpt__mono_now();
+  int rc = flush_one(f, j, &err);
+  if (rc == 0) {
+    ckpt__log("tier: %s flushed to %s (rank %d's files) in %.2f s", j->name,
+              fs->backing_path, j->rank, ckpt__mono_now() - t0);
     free(err);
-    set_why(fs, j, why);
-    pthread_mutex_lock(&fs->lock);
-    ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
-    if (ck) /* counted again from the start */
-      atomic_store(&ck->tier.done, 0);
-    if (ck && !again) /* not retried by this mount: may be removed */
-      atomic_store(&ck->tier.failed, true);
-    pthread_mutex_unlock(&fs->lock);
-    if (!again || !sleep_until(f, ckpt__mono_now() + backoff))
-      return;
-    backoff = backoff * 2 > BACKOFF_MAX ? BACKOFF_MAX : backoff * 2;
+    return true;
   }
+  if (rc == -ECANCELED) { /* unmount: the record resumes it */
+    free(err);
+    return true;
+  }
+  if (rc == -EINPROGRESS) { /* other ranks' files or .metadata */
+    char *why = ckpt__strdup_printf("flush waiting: %s",
+                                    err ? err : "other ranks");
+    if (j->backoff == 0) /* said once, not at every look */
+      ckpt__log("tier: %s: %s", j->name, why ? why : "flush waiting");
+    free(err);
+    report(fs, j, why, false, false);
+    j->backoff = j->backoff ? j->backoff * 2 : WAIT_FIRST;
+    if (j->backoff > WAIT_MAX)
+      j->backoff = WAIT_MAX;
+    j->not_before = ckpt__mono_now() + j->backoff;
+    return false;
+  }
+  if (j->held >= 0)
+    close(j->held);
+  j->held = -1;
+  j->copied = false;
+  if (superseded(fs, j)) {
+    free(err);
+    return true;
+  }
+  bool again = transient(rc);
+  if (j->backoff < BACKOFF_FIRST)
+    j->backoff = BACKOFF_FIRST;
+  char *why = ckpt__strdup_printf(
+      "flush %s: %s%s", again ? "waiting" : "failed",
+      err ? err : strerror(-rc),
+      again ? "" : " (the tier copy is kept; the next mount retries)");
+  if (again) {
+    char *more = ckpt__strdup_printf("%s (retry in %.0f s)", why, j->backoff);
+    free(why);
+    why = more;
+  }
+  ckpt__log("tier: %s: %s", j->name, why ? why : "flush failed");
+  free(err);
+  report(fs, j, why, true, !again);
+  if (!again)
+    return true;
+  j->not_before = ckpt__mono_now() + j->backoff;
+  j->backoff = j->backoff * 2 > BACKOFF_MAX ? BACKOFF_MAX : j->backoff * 2;
+  return false;
+}
+
+/* The first job due now, unlinked; else NULL and *next, the time the
+ * first one is due. f->lock held. */
+static flush_job_t *take_due(ckpt_flush_t *f, double *next) {
+  double now = ckpt__mono_now();
+  *next = INFINITY;
+  for (flush_job_t **p = &f->head, *prev = NULL; *p; prev = *p, p = &(*p)->next) {
+    flush_job_t *j = *p;
+    if (j->not_before > now) {
+      if (j->not_before < *next)
+        *next = j->not_before;
+      continue;
+    }
+    *p = j->next;
+    if (f->tail == j)
+      f->tail = prev;
+    j->next = NULL;
+    return j;
+  }
+  return NULL;
+}
+
+static void append(ckpt_flush_t *f, flush_job_t *j) {
+  j->next = NULL;
+  if (f->tail)
+    f->tail->next = j;
+  else
+    f->head = j;
+  f->tail = j;
+}
+
+static void free_job(flush_job_t *j) {
+  if (j->held >= 0)
+    close(j->held);
+  free(j);
 }
 
 static void *flush_main(void *arg) {
@@ -838,18 +1228,35 @@ static void *flush_main(void *arg) {
           3 << 13 /* IOPRIO_CLASS_IDLE */);
   pthread_mutex_lock(&f->lock);
   for (;;) {
-    while (!f->stop && !f->head)
-      pthread_cond_wait(&f->cond, &f->lock);
-    if (f->stop)
+    double next = INFINITY;
+    flush_job_t *j = NULL;
+    while (!f->stop && !(j = take_due(f, &next))) {
+      if (next == INFINITY) {
+        pthread_cond_wait(&f->cond, &f->lock);
+        continue;
+      }
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      double wait = next - ckpt__mono_now();
+      wait = wait < 0 ? 0 : wait > 1 ? 1 : wait;
+      ts.tv_sec += (time_t)wait;
+      ts.tv_nsec += (long)((wait - (double)(time_t)wait) * 1e9);
+      if (ts.tv_nsec >= 1000000000L)
+        ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+      pthread_cond_timedwait(&f->cond, &f->lock, &ts);
+    }
+    if (f->stop) {
+      if (j)
+        free_job(j);
       break;
-    flush_job_t *j = f->head;
-    f->head = j->next;
-    if (!f->head)
-      f->tail = NULL;
+    }
     pthread_mutex_unlock(&f->lock);
-    run_job(f, j);
-    free(j);
+    bool over = run_job(f, j);
     pthread_mutex_lock(&f->lock);
+    if (over)
+      free_job(j);
+    else
+      append(f, j); /* behind later checkpoints */
   }
   pthread_mutex_unlock(&f->lock);
   return NULL;
@@ -867,21 +1274,16 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
     return;
   }
   *j = *tmpl;
-  j->next = NULL;
+  j->held = -1;
   pthread_mutex_lock(&f->lock);
-  if (f->tail)
-    f->tail->next = j;
-  else
-    f->head = j;
-  f->tail = j;
+  append(f, j);
   pthread_cond_signal(&f->cond);
   pthread_mutex_unlock(&f->lock);
 }
 
 static void queue_record(ckpt_fs_t *fs, int dfd, const char *id, void *arg) {
-  (void)fs;
   flush_job_t j;
-  if (read_record(dfd, id, &j) == 0)
+  if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank))
     queue(arg, &j);
 }
 
@@ -903,17 +1305,20 @@ int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
   return 0;
 }
 
-void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id) {
+void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
+                     int rank) {
   int dfd = open_records(f->fs, false);
   flush_job_t j;
-  int rc = dfd < 0 ? dfd : read_record(dfd, save_id, &j);
+  char rec[CKPT_SAVE_ID_LEN + 16];
+  record_name(save_id, rank, rec, sizeof(rec));
+  int rc = dfd < 0 ? dfd : read_record(dfd, rec, &j);
   if (dfd >= 0)
     close(dfd);
   if (rc == 0 && !strcmp(j.name, name))
     queue(f, &j);
   else
     ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,
-              save_id, strerror(rc ? -rc : ESTALE));
+              rec, strerror(rc ? -rc : ESTALE));
 }
 
 void ckpt__flush_stop(ckpt_flush_t *f) {
@@ -927,7 +1332,7 @@ void ckpt__flush_stop(ckpt_flush_t *f) {
     pthread_join(f->thread, NULL);
   for (flush_job_t *j = f->head, *nx; j; j = nx) {
     nx = j->next;
-    free(j);
+    free_job(j);
   }
   pthread_cond_destroy(&f->cond);
   pthread_mutex_destroy(&f->lock);
@@ -940,10 +1345,12 @@ int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id) {
   int rc = save_id_of(fs->tier_fd, name, id);
   if (rc == 0 && strcmp(id, save_id))
     rc = -ESTALE; /* another save of the name now: not ours to remove */
+  int lock = ckpt__tier_lock(fs);
   if (rc == 0)
     rc = ckpt__checkpoint_remove(fs->tier_fd, name, false);
   if (rc == 0 || rc == -ENOENT || rc == -ESTALE)
-    ckpt__flush_unrecord(fs, save_id);
+    ckpt__flush_unrecord(fs, save_id, fs->rank);
+  ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
   if (rc == 0)
     ckpt__log("tier: %s: removed from the tier, its flush failed: never "
@@ -955,7 +1362,7 @@ bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id) {
   return fs->tier_fd >= 0 && has_record(fs, save_id);
 }
 
-uint64_t ckpt__flush_bytes(int dirfd) {
+uint64_t ckpt__flush_bytes(int dirfd, int only) {
   int lfd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
   if (!d) {
@@ -969,7 +1376,7 @@ uint64_t ckpt__flush_bytes(int dirfd) {
   int32_t rank;
   uint32_t k;
   while ((e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k) &&
+    if (data_file(e->d_name, &rank, &k) && (only < 0 || rank == only) &&
         fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
         S_ISREG(st.st_mode))
       sum += (uint64_t)st.st_size;

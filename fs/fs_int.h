@@ -745,7 +745,8 @@ void ckpt__drain_add(ckpt_drain_t *d, ckpt_node_t *n);
 /* ------------------------------------------------------------------------
  * The flush of a tier (flush.c): each checkpoint committed into TIER is
  * copied to BACKING_DIR in the background and published there as a
- * commit would have (TIER/.flush/<save_id> names it until then).
+ * commit would have (TIER/.flush/<save_id>.<rank> names each rank's
+ * files until then).
  * ---------------------------------------------------------------------- */
 #define CKPT_FLUSH_DIR ".flush"
 /* -o tier_keep=N (retain.c): after a successful flush, in place of the
@@ -759,12 +760,21 @@ void ckpt__tier_retain(ckpt_fs_t *fs);
  * again once name is published on BACKING_DIR. */
 void ckpt__keep_policy(ckpt_fs_t *fs, const char *name);
 typedef struct ckpt_flush ckpt_flush_t;
-/* Journal the flush of save_id (NAME name, replace) in the tier: the
- * record, fsynced, before the checkpoint is published in the tier. */
-int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, const char *name,
-                       bool replace, char **err);
-/* Drop the record of a save whose tier publish failed. */
-void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id);
+/* Journal the flush of rank's files of save_id (NAME name, replace) in
+ * the tier: the record, fsynced, once they are written (before the
+ * rank's RESULT, so before any publish). remote: the tier is not the
+ * coordinator's node's (there the checkpoint is published from the
+ * OUTCOME, if this node gets it). */
+int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
+                       const char *name, bool replace, bool remote,
+                       char **err);
+/* Drop rank's record of a save that failed. */
+void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id, int rank);
+/* The node's lock on its tier (TIER/.flush/.lock, flock exclusive),
+ * held by every mount of the node while it publishes in the tier or
+ * removes from it: fd, or -errno. ckpt__tier_unlock(fd) lets go. */
+int ckpt__tier_lock(ckpt_fs_t *fs);
+void ckpt__tier_unlock(int fd);
 /* At mount: -EBUSY with *err when a record of the tier goes to another
  * BACKING_DIR than backing (absolute; this mount would not flush it). */
 int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err);
@@ -775,18 +785,20 @@ void ckpt__flush_recover(ckpt_fs_t *fs);
 /* Start the thread; it queues every record left by earlier mounts. */
 int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out);
 /* Queue the tier checkpoint name (just committed). */
-void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id);
+void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
+                     int rank);
 /* Stop it: a copy under way is abandoned (the record stays). */
 void ckpt__flush_stop(ckpt_flush_t *f);
-/* Does a flush record name save_id (its checkpoint is in the tier
- * only)? false without a tier. */
+/* Does a flush record name save_id, of any rank (its checkpoint is not
+ * all in the shared store yet)? false without a tier. */
 bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
 /* Remove tier checkpoint name whose flush failed for good, if it is
  * still save_id, and its record: it is never published. fs->lock may be
  * held. 0 or -errno. */
 int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id);
-/* The bytes of the data files in checkpoint directory dirfd. */
-uint64_t ckpt__flush_bytes(int dirfd);
+/* The bytes of the data files of rank (-1: every rank's) in checkpoint
+ * directory dirfd. */
+uint64_t ckpt__flush_bytes(int dirfd, int rank);
 
 /* Drop a reference to a listing of BACKING_DIR (fs->scan_lock held). */
 void ckpt__scan_put(ckpt_scan_t *sc);

@@ -127,22 +127,121 @@ static int backing_dev(const char *abs_backing, dev_t *dev) {
   return rc;
 }
 
+/* The world a mount of a tier belongs to: its BACKING_DIR, world size and
+ * the launcher's job (PMIx namespace; "" without one). Every rank of one
+ * world on a node says the same; another world (a second job, another
+ * BACKING_DIR) does not. */
+static char *world_id(const ckpt_fs_t *fs, const char *backing) {
+  const char *job = getenv("PMIX_NAMESPACE");
+  if (!job)
+    job = getenv("OMPI_MCA_ess_base_jobid");
+  return ckpt__strdup_printf("backing %s\nworld %d\njob %s\n", backing,
+                             fs->world_size, job ? job : "");
+}
+
+/* TIER/.world says which world mounts the tier (several ranks of a node
+ * do). Written by a rank that holds the tier alone (exclusive flock). */
+#define TIER_WORLD ".world"
+
+static int write_world(int tier_fd, const char *id) {
+  int fd = openat(tier_fd, TIER_WORLD ".tmp",
+                  O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  int rc = fd < 0 ? -errno : 0;
+  if (rc == 0 && write(fd, id, strlen(id)) != (ssize_t)strlen(id))
+    rc = -EIO;
+  if (rc == 0 && fsync(fd))
+    rc = -errno;
+  if (fd >= 0)
+    close(fd);
+  if (rc == 0 && renameat(tier_fd, TIER_WORLD ".tmp", tier_fd, TIER_WORLD))
+    rc = -errno;
+  return rc;
+}
+
+static bool same_world(int tier_fd, const char *id) {
+  char buf[PATH_MAX + 600];
+  int fd = openat(tier_fd, TIER_WORLD, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof(buf) - 1);
+  if (fd >= 0)
+    close(fd);
+  if (n < 0)
+    return false;
+  buf[n] = '\0';
+  return !strcmp(buf, id);
+}
+
+/* One world per tier, held while the mount runs (let go at a crash):
+ * another world's flush records are not this one's to resume or drop.
+ * A world of one rank holds the tier exclusively (flock), as before; the
+ * ranks of a larger world that share a node hold it shared, and the
+ * first of them (alone: exclusive for a moment) writes TIER/.world, which
+ * the others must match. 0, or a message on stderr and -1. */
+static int lock_tier(ckpt_fs_t *fs, const char *dir, const char *backing) {
+  if (fs->world_size <= 1) {
+    if (flock(fs->tier_fd, LOCK_EX | LOCK_NB) == 0)
+      return 0;
+    if (errno == EWOULDBLOCK)
+      fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n", dir);
+    else
+      fprintf(stderr, "ckptfs: tier=%s: cannot lock it: %s\n", dir,
+              strerror(errno));
+    return -1;
+  }
+  char *id = world_id(fs, backing);
+  if (!id)
+    return -1;
+  int rc = -1, i;
+  /* A rank of this world holds it exclusively only while it writes
+   * .world: wait for that, up to 10 s. */
+  for (i = 0; i < 1000; i++) {
+    if (flock(fs->tier_fd, LOCK_EX | LOCK_NB) == 0) {
+      int w = write_world(fs->tier_fd, id);
+      if (w)
+        fprintf(stderr, "ckptfs: tier=%s: writing %s: %s\n", dir,
+                TIER_WORLD, strerror(-w));
+      /* not atomic: a mount of one rank may take it in between (refused) */
+      if (w == 0 && flock(fs->tier_fd, LOCK_SH | LOCK_NB) == 0)
+        rc = 0;
+      else if (w == 0)
+        fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n",
+                dir);
+      break;
+    }
+    if (errno != EWOULDBLOCK) {
+      fprintf(stderr, "ckptfs: tier=%s: cannot lock it: %s\n", dir,
+              strerror(errno));
+      break;
+    }
+    if (flock(fs->tier_fd, LOCK_SH | LOCK_NB) == 0) {
+      if (same_world(fs->tier_fd, id)) {
+        rc = 0;
+        break;
+      }
+      flock(fs->tier_fd, LOCK_UN);
+      fprintf(stderr, "ckptfs: tier=%s is in use by another world (another "
+              "job, world size or BACKING_DIR: %s/%s): a tier serves one "
+              "world at a time\n", dir, fs->tier_path, TIER_WORLD);
+      break;
+    }
+    usleep(10000);
+  }
+  if (i == 1000)
+    fprintf(stderr, "ckptfs: tier=%s is in use by another mount (of one "
+            "rank)\n", dir);
+  free(id);
+  return rc;
+}
+
 /* -o tier=DIR: an existing directory on another filesystem than
  * BACKING_DIR (a tier on the shared store would only copy each checkpoint
- * twice), and a world of one rank (slice 1: several ranks share a node's
- * tier, which their publish does not handle yet), used by no other mount
- * and holding no checkpoint unflushed to another BACKING_DIR. Opened into
- * fs, or a message on stderr and -1 (the mount is refused, exit 2). */
+ * twice), used by no other world (every rank of a node mounts the same
+ * tier) and holding no checkpoint unflushed to another BACKING_DIR.
+ * Opened into fs, or a message on stderr and -1 (the mount is refused,
+ * exit 2). */
 static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
   const char *dir = fs->opts.tier_dir;
   struct stat st;
   dev_t bdev;
-  if (fs->world_size > 1) {
-    fprintf(stderr, "ckptfs: tier=%s: a world of %d ranks with a tier is not "
-            "built yet (multi-rank tiers come in a later version); mount "
-            "without tier= or with one rank\n", dir, fs->world_size);
-    return -1;
-  }
   if (abs_backing && strchr(abs_backing, '\n')) {
     fprintf(stderr, "ckptfs: tier=%s: BACKING_DIR's path has a newline, "
             "which the tier's flush records cannot hold\n", dir);
@@ -173,21 +272,11 @@ static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
             strerror(errno));
     return -1;
   }
-  /* One mount per tier (held while it runs, let go at a crash): another
-   * one's flush records are not this one's to resume or drop. */
-  if (flock(fs->tier_fd, LOCK_EX | LOCK_NB)) {
-    if (errno == EWOULDBLOCK)
-      fprintf(stderr, "ckptfs: tier=%s is in use by another mount\n", dir);
-    else
-      fprintf(stderr, "ckptfs: tier=%s: cannot lock it: %s\n", dir,
-              strerror(errno));
-    return -1;
-  }
   char *real = abs_backing ? realpath(abs_backing, NULL) : NULL;
+  const char *backing = real ? real : abs_backing ? abs_backing : "";
   char *err = NULL;
-  int rc = ckpt__flush_check(fs, real ? real : abs_backing ? abs_backing : "",
-                             &err);
-  if (rc)
+  int rc = lock_tier(fs, dir, backing);
+  if (rc == 0 && (rc = ckpt__flush_check(fs, backing, &err)) != 0)
     fprintf(stderr, "ckptfs: %s\n", err);
   free(err);
   free(real);

@@ -544,7 +544,7 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
   if (!fs->ino_hash || !fs->name_hash ||
       ckpt_fdcache_new(fs->backing_fd, 0, &fs->fdcache))
     return -ENOMEM;
-  ckpt_fdcache_set_near(fs->fdcache, fs->tier_fd);
+  ckpt_fdcache_set_near(fs->fdcache, fs->tier_fd, fs->opts.commit_timeout);
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
                             NULL);
   return fs->root ? 0 : -ENOMEM;

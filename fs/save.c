@@ -7,6 +7,8 @@
  *   write_step        write this rank's items into __R_K.distcp, K <
  *                     io_threads, one worker per file, fsync (sync_files)
  *   finish_step       coordinator: publish .metadata (metadb.c)
+ *   publish_step      other ranks, with a tier: another node publishes the
+ *                     checkpoint in its own tier too
  *   discard_step      failed save: remove what was written
  *   save_done         every rank: show the committed view, or the reason
  *
@@ -846,6 +848,14 @@ static int write_file(void *arg, uint32_t k) {
   return e;
 }
 
+/* Is this rank on another node than the coordinator's (which publishes
+ * the save in its own tier: the commit point)? */
+static bool remote_node(ckpt_fs_t *fs, const ckpt_dist_job_t *job) {
+  return !job->solo && fs->world_size > 1 && fs->dist &&
+         ckpt_dist_node_of(fs->dist, fs->rank) !=
+             ckpt_dist_node_of(fs->dist, 0);
+}
+
 static int write_step(void *ctx, ckpt_dist_job_t *job,
                       const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -875,10 +885,11 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
   }
   /* The coordinator made and holds the save's directory (global_step);
    * every other rank joins it: one that does not see it has a BACKING_DIR
-   * of its own. */
+   * of its own. With a tier, each node has its own: the first rank of
+   * the node to get here makes it. */
   if (s->dirfd < 0 &&
-      (rc = ckpt_store_save_dir_hold(fs->commit_fd, s->rp.save_id, false,
-                                     &s->dirfd)) != 0) {
+      (rc = ckpt_store_save_dir_hold(fs->commit_fd, s->rp.save_id,
+                                     fs->tier_fd >= 0, &s->dirfd)) != 0) {
     if (rc == -ENOENT)
       *err = ckpt__strdup_printf(
           "rank %d: BACKING_DIR %s is not the coordinator's (rank 0 made "
@@ -908,6 +919,12 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
                                strerror(-rc));
     return rc;
   }
+  /* With a tier: this rank's files are to be flushed from now on, even if
+   * this node never publishes the checkpoint (flush.c). */
+  if (fs->tier_fd >= 0 &&
+      (rc = ckpt__flush_record(fs, s->rp.save_id, s->rank, job->name,
+                               s->replace, remote_node(fs, job), err)) != 0)
+    return rc;
   ckpt_failpoint("write_done");
   ckpt_write_result_t wr = {.rank = s->rank, .bytes_written = total};
   return ckpt_msg_encode_write_result(&wr, out);
@@ -1009,8 +1026,30 @@ int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err) {
   return rc;
 }
 
+/* The .metadata in dirfd, appended to out (for the other nodes' tiers). */
+static int read_metadata(int dirfd, ckpt_buf_t *out) {
+  int fd = ckpt_store_open_file(dirfd, CKPT_METADATA_FILE);
+  if (fd < 0)
+    return fd;
+  char buf[65536];
+  ssize_t r;
+  int rc = 0;
+  while (rc == 0 && (r = read(fd, buf, sizeof(buf))) != 0)
+    rc = r < 0 ? (errno == EINTR ? 0 : -errno)
+               : ckpt_buf_append(out, buf, (size_t)r);
+  close(fd);
+  return rc;
+}
+
+/* Do ranks of other nodes than this one's take part in job? */
+static bool other_nodes(ckpt_fs_t *fs, const ckpt_dist_job_t *job) {
+  return !job->solo && fs->world_size > 1 && fs->dist &&
+         ckpt_dist_nodes(fs->dist) > 1;
+}
+
 static int finish_step(void *ctx, ckpt_dist_job_t *job,
-                       const ckpt_buf_t *results, int n, char **err) {
+                       const ckpt_buf_t *results, int n, ckpt_buf_t *outcome,
+                       char **err) {
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
   for (int r = 0; r < n; r++) {
@@ -1046,9 +1085,11 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
                                fs->opts.sync_files, err);
   if (rc && via_fd && *err)
     name_held_dir(err, held, dir);
-  if (rc == 0 && fs->tier_fd >= 0)
-    rc = ckpt__flush_record(fs, s->gp.meta.save_id, job->name, s->replace,
-                            err);
+  /* the other nodes publish the same bytes in their tiers */
+  if (rc == 0 && fs->tier_fd >= 0 && other_nodes(fs, job) &&
+      (rc = read_metadata(s->dirfd, outcome)) != 0)
+    *err = ckpt__strdup_printf("reading %s/%s back: %s", dir,
+                               CKPT_METADATA_FILE, strerror(-rc));
   if (rc == 0) {
     ckpt_publish_t p = {.root_fd = fs->commit_fd,
                         .root_path = fs->commit_path,
@@ -1056,15 +1097,92 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
                         .save_id = s->gp.meta.save_id,
                         .name = job->name,
                         .replace = s->replace};
-    if (fs->tier_fd >= 0)
+    int lock = -1;
+    if (fs->tier_fd >= 0) {
       pthread_mutex_lock(&fs->tier_publish);
+      lock = ckpt__tier_lock(fs);
+    }
     rc = ckpt__publish_save(fs, &p, err);
-    if (fs->tier_fd >= 0)
+    if (fs->tier_fd >= 0) {
+      ckpt__tier_unlock(lock);
       pthread_mutex_unlock(&fs->tier_publish);
-    if (rc && fs->tier_fd >= 0)
-      ckpt__flush_unrecord(fs, s->gp.meta.save_id);
+    }
   }
   return rc;
+}
+
+/* held/.metadata from bytes: through .metadata.tmp.R (R: rank), synced,
+ * linked (another rank of the node may have linked it first: the same
+ * bytes). 0 or -errno. */
+static int link_metadata(int held, int rank, const ckpt_buf_t *bytes,
+                         bool sync) {
+  char tmp[64];
+  snprintf(tmp, sizeof(tmp), "%s.%d", CKPT_METADATA_TMP, rank);
+  int fd = openat(held, tmp,
+                  O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  int rc = fd < 0 ? -errno : 0;
+  for (size_t off = 0; rc == 0 && off < bytes->len;) {
+    ssize_t w = write(fd, bytes->data + off, bytes->len - off);
+    if (w > 0)
+      off += (size_t)w;
+    else if (w == 0 || errno != EINTR)
+      rc = w < 0 ? -errno : -ENOSPC;
+  }
+  if (rc == 0 && sync && fsync(fd))
+    rc = -errno;
+  if (fd >= 0)
+    close(fd);
+  if (rc == 0 && linkat(held, tmp, held, CKPT_METADATA_FILE, 0) &&
+      errno != EEXIST)
+    rc = -errno;
+  unlinkat(held, tmp, 0);
+  if (rc == 0 && sync && fsync(held))
+    rc = -errno;
+  return rc;
+}
+
+/* A node other than the coordinator's: publish the committed checkpoint
+ * in this node's tier too, from the coordinator's .metadata (outcome), as
+ * the coordinator did in its own: of the node's ranks the first does it
+ * (under the node's lock; the others find TIER/NAME of this save). If it
+ * fails, the flush records still flush this node's files (from
+ * TIER/.saves/SAVE_ID); the log says so. */
+static void publish_step(void *ctx, ckpt_dist_job_t *job,
+                         const ckpt_buf_t *outcome) {
+  ckpt_fs_t *fs = ctx;
+  ckpt_save_t *s = job->user;
+  if (fs->tier_fd < 0 || s->dirfd < 0 || !s->have_rp ||
+      !remote_node(fs, job))
+    return; /* the coordinator published in this node's tier */
+  ckpt_failpoint("tier_publish");
+  char *err = NULL, id[CKPT_SAVE_ID_LEN + 1] = "";
+  int rc = outcome->len ? 0 : -EBADMSG; /* no .metadata in the OUTCOME */
+  pthread_mutex_lock(&fs->tier_publish);
+  int lock = ckpt__tier_lock(fs);
+  int dfd = rc ? -1 : ckpt_store_open_dir(fs->tier_fd, job->name, O_RDONLY);
+  bool done = dfd >= 0 && ckpt_store_save_id(dfd, id) == 0 &&
+              !strcmp(id, s->rp.save_id);
+  if (dfd >= 0)
+    close(dfd);
+  if (rc == 0 && !done)
+    rc = link_metadata(s->dirfd, s->rank, outcome, fs->opts.sync_files);
+  if (rc == 0 && !done) {
+    ckpt_publish_t p = {.root_fd = fs->tier_fd,
+                        .root_path = fs->tier_path,
+                        .held_fd = s->dirfd,
+                        .save_id = s->rp.save_id,
+                        .name = job->name,
+                        .replace = s->replace};
+    rc = ckpt__publish_save(fs, &p, &err);
+  }
+  ckpt__tier_unlock(lock);
+  pthread_mutex_unlock(&fs->tier_publish);
+  if (rc)
+    ckpt__log("tier: %s: committed, but not published in this node's tier "
+              "%s: %s; its files are flushed from %s/%s/%s", job->name,
+              fs->tier_path, err ? err : strerror(-rc), fs->tier_path,
+              CKPT_SAVES_DIR, s->rp.save_id);
+  free(err);
 }
 
 static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
@@ -1079,6 +1197,14 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
       char name[64];
       ckpt_data_file_name(s->rank, k, name, sizeof(name));
       unlinkat(s->dirfd, name, 0);
+    }
+    if (fs->tier_fd >= 0 && s->have_rp) {
+      ckpt__flush_unrecord(fs, s->rp.save_id, s->rank);
+      /* another node's save directory: its last rank removes it */
+      char path[CKPT_SAVE_ID_LEN + 16];
+      snprintf(path, sizeof(path), "%s/%s", CKPT_SAVES_DIR, s->rp.save_id);
+      if (s->rank != 0)
+        unlinkat(fs->tier_fd, path, AT_REMOVEDIR);
     }
     return;
   }
@@ -1300,7 +1426,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   }
   /* The writer has its answer: the copy to BACKING_DIR starts behind it. */
   if (rc == 0 && fs->flush)
-    ckpt__flush_add(fs->flush, job->name, s->rp.save_id);
+    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank);
   save_free(fs, s);
 }
 
@@ -1333,8 +1459,9 @@ static int write_noted(void *ctx, ckpt_dist_job_t *job,
 }
 
 static int finish_noted(void *ctx, ckpt_dist_job_t *job,
-                        const ckpt_buf_t *results, int n, char **err) {
-  return noted(job, finish_step(ctx, job, results, n, err));
+                        const ckpt_buf_t *results, int n,
+                        ckpt_buf_t *outcome, char **err) {
+  return noted(job, finish_step(ctx, job, results, n, outcome, err));
 }
 
 const ckpt_save_ops_t ckpt__save_ops = {
@@ -1342,6 +1469,7 @@ const ckpt_save_ops_t ckpt__save_ops = {
     .global_step = global_noted,
     .write_step = write_noted,
     .finish_step = finish_noted,
+    .publish_step = publish_step,
     .discard_step = discard_step,
     .done = save_done,
     .waiting = ckpt__save_waiting,

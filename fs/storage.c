@@ -154,7 +154,8 @@ static tier_look_t tier_look(ckpt_fs_t *fs, const ckpt_metadata_t *meta,
   tier_look_t t = {.flushed = true};
   if (fs->tier_fd < 0)
     return t;
-  t.total = ckpt__flush_bytes(dfd);
+  /* with several ranks, this rank's files: the ones its flush copies */
+  t.total = ckpt__flush_bytes(dfd, fs->world_size > 1 ? fs->rank : -1);
   t.flushed = root != fs->tier_fd ||
               !ckpt__flush_unflushed(fs, meta->save_id);
   return t;

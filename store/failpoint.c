@@ -20,6 +20,7 @@ static const char *const names[] = {
     /* removal of one entry inside a committed checkpoint (removal.c) */
     "remove_linked", "remove_metadata", "remove_exchanged", "remove_old",
     "flush_copy",   "flush_marked",    "flush_published",
+    "tier_publish",
 };
 
 static const char *armed;      /* the point's name, NULL when none */

@@ -40,6 +40,8 @@
  *                    'publishing'; not published yet
  *   flush_published  the checkpoint is published in BACKING_DIR and
  *                    synced; its flush record is not removed yet
+ *   tier_publish     a rank of another node than the coordinator's has the
+ *                    OUTCOME (committed); its node's tier publish not begun
  */
 #ifndef CKPT_FAILPOINT_H
 #define CKPT_FAILPOINT_H

@@ -12,16 +12,22 @@
  * (its inode and its save ID), so that a handle of a removed checkpoint
  * never reads another one's bytes. With a near root (a node-local tier,
  * ckpt_fdcache_set_near) NAME is looked for there first, and its lineage
- * checked by save ID: the two copies are different directories.
+ * checked by save ID: the two copies are different directories. A file
+ * in neither (another node's rank, its flush not done yet) is taken from
+ * BACKING_DIR/.saves/SAVE_ID once a flush linked it there (only complete,
+ * verified copies are linked), waiting for that up to the near root's
+ * wait (commit_timeout).
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "store_int.h"
@@ -42,6 +48,7 @@ struct ckpt_fdcache {
   pthread_mutex_t lock;   /* protects everything below */
   int backing_fd;         /* not owned */
   int near_fd;            /* tried first (a tier), or -1; not owned */
+  double near_wait;       /* s a file in no root waits for a flush */
   uint32_t cap;
   uint32_t n;             /* entries (open descriptors) */
   uint64_t next_id;
@@ -141,8 +148,9 @@ void ckpt_fdcache_free(ckpt_fdcache_t *c) {
   free(c);
 }
 
-void ckpt_fdcache_set_near(ckpt_fdcache_t *c, int near_fd) {
+void ckpt_fdcache_set_near(ckpt_fdcache_t *c, int near_fd, double wait) {
   c->near_fd = near_fd;
+  c->near_wait = wait;
 }
 
 uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c) {
@@ -225,13 +233,95 @@ static int open_near(const ckpt_stored_t *s, int near_fd, int32_t rank,
   return fd;
 }
 
+/* BACKING_DIR/NAME's file; quietly -ENOENT when NAME is not there (not
+ * flushed yet: *there false) or the file is not. */
+static int open_shared(const ckpt_stored_t *s, int backing_fd, int32_t rank,
+                       uint32_t k, bool *there) {
+  struct stat st;
+  char name[64];
+  ckpt_data_file_name(rank, k, name, sizeof(name));
+  *there = !(fstatat(backing_fd, s->name, &st, AT_SYMLINK_NOFOLLOW) &&
+             errno == ENOENT);
+  if (!*there)
+    return -ENOENT;
+  int dfd = ckpt_store_open_dir(backing_fd, s->name, O_PATH);
+  if (dfd < 0)
+    return dfd == -ENOENT ? -ENOENT : dfd;
+  int fd = ckpt_stored_same_lineage(s, dfd);
+  if (fd == 0)
+    fd = ckpt_store_open_file(dfd, name);
+  close(dfd);
+  return fd;
+}
+
+/* BACKING_DIR/.saves/SAVE_ID's file: linked there by a flush once copied
+ * and verified (flush.c), before the checkpoint is published. */
+static int open_flushed(const ckpt_stored_t *s, int backing_fd, int32_t rank,
+                        uint32_t k) {
+  char path[CKPT_SAVE_ID_LEN + 96];
+  const char *id = s->meta ? s->meta->save_id : NULL;
+  if (!id || !ckpt_save_id_valid(id))
+    return -ENOENT;
+  snprintf(path, sizeof(path), "%s/%s/", CKPT_SAVES_DIR, id);
+  ckpt_data_file_name(rank, k, path + strlen(path), 64);
+  int fd = ckpt_store_open_file(backing_fd, path);
+  return fd == -ENOTDIR || fd == -ELOOP ? -ENOENT : fd;
+}
+
+/* With a near root: the tier's copy, BACKING_DIR's, the file a flush
+ * linked already; and when none has it and the checkpoint is not
+ * published in BACKING_DIR yet, the same again every 50 ms up to
+ * c->near_wait s (another node's flush), then EIO, logged. Published
+ * without the file: ENOENT, as without a near root. */
+static int open_nearest(const ckpt_fdcache_t *c, const ckpt_stored_t *s,
+                        int32_t rank, uint32_t k) {
+  double until = -1;
+  for (;;) {
+    bool published = false;
+    int fd = open_near(s, c->near_fd, rank, k);
+    for (int attempt = 0; attempt < 3 && fd == -ENOENT; attempt++) {
+      fd = open_shared(s, c->backing_fd, rank, k, &published);
+      if (!published)
+        break;
+    }
+    if (fd == -ENOENT && published)
+      return fd;
+    if (fd == -ENOENT)
+      fd = open_flushed(s, c->backing_fd, rank, k);
+    if (fd != -ENOENT)
+      return fd;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    char name[64];
+    ckpt_data_file_name(rank, k, name, sizeof(name));
+    if (until < 0) {
+      until = now + c->near_wait;
+      if (c->near_wait > 0)
+        ckpt__log("%s: %s is not in this node's tier nor in BACKING_DIR "
+                  "yet: waiting up to %.0f s for its flush", s->name, name,
+                  c->near_wait);
+    }
+    if (now >= until) {
+      ckpt__log("%s: %s is in no copy this node reaches (its tier, "
+                "BACKING_DIR/%s, BACKING_DIR/%s/%s): EIO", s->name, name,
+                s->name, CKPT_SAVES_DIR, s->meta ? s->meta->save_id : "?");
+      return -EIO;
+    }
+    struct timespec pause = {0, 50 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+  }
+}
+
 /* A removal inside the checkpoint on another mount may exchange the
  * directory just opened for a later version and remove it before the
  * file is opened in it: then the later version has it (or not: ENOENT
- * again, an item removed since). With a near root, that first. */
+ * again, an item removed since). With a near root, the nearest copy. */
 static int open_data_file(const ckpt_fdcache_t *c, const ckpt_stored_t *s,
                           int32_t rank, uint32_t k) {
-  int fd = c->near_fd >= 0 ? open_near(s, c->near_fd, rank, k) : -ENOENT;
+  if (c->near_fd >= 0)
+    return open_nearest(c, s, rank, k);
+  int fd = -ENOENT;
   for (int attempt = 0; attempt < 3 && fd == -ENOENT; attempt++)
     fd = open_data_file_once(s, c->backing_fd, rank, k);
   return fd;

@@ -264,6 +264,26 @@ void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
+/* Does a flush record in keep_fd name save id (SAVE_ID, or SAVE_ID.R of
+ * rank R)? Unknown (an error): yes. */
+static bool kept(int keep_fd, const char *id) {
+  int lfd = openat(keep_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d) {
+    if (lfd >= 0)
+      close(lfd);
+    return true;
+  }
+  size_t n = strlen(id);
+  bool found = false;
+  struct dirent *e;
+  while (!found && (e = readdir(d)) != NULL)
+    found = !strncmp(e->d_name, id, n) &&
+            (e->d_name[n] == '\0' || e->d_name[n] == '.');
+  closedir(d);
+  return found;
+}
+
 /* Remove the save directories of .saves that no writer holds. */
 static void cleanup_saves(int backing_fd, int keep_fd) {
   int sfd = open_saves(backing_fd, false);
@@ -281,9 +301,7 @@ static void cleanup_saves(int backing_fd, int keep_fd) {
   while ((e = readdir(d)) != NULL) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
       continue;
-    struct stat kst;
-    if (keep_fd >= 0 &&
-        fstatat(keep_fd, e->d_name, &kst, AT_SYMLINK_NOFOLLOW) == 0)
+    if (keep_fd >= 0 && kept(keep_fd, e->d_name))
       continue; /* a flush record names it: resumed, not removed */
     int fd = ckpt_open_beneath(sfd, e->d_name, O_RDONLY | O_DIRECTORY, 0);
     if (fd < 0) { /* not a directory: not ours either, but in our space */

@@ -175,8 +175,10 @@ void ckpt_fdcache_free(ckpt_fdcache_t *c);
 /* A root tried before backing_fd when a data file is opened (a node-local
  * tier; -1: none, the default): a checkpoint is read from there while it
  * is there, else from backing_fd. Its lineage is checked by save ID, as
- * the directories differ. Not owned; set before the first read. */
-void ckpt_fdcache_set_near(ckpt_fdcache_t *c, int near_fd);
+ * the directories differ. Not owned; set before the first read. A data
+ * file in neither is taken from backing_fd/.saves/SAVE_ID once a flush
+ * linked it there, waited for up to wait seconds (then EIO). */
+void ckpt_fdcache_set_near(ckpt_fdcache_t *c, int near_fd, double wait);
 /* Descriptors open now (for tests and the bench). */
 uint32_t ckpt_fdcache_open(ckpt_fdcache_t *c);
 /* Close the unused descriptors of data files that have no name left

@@ -33,6 +33,14 @@ Classes (one cluster each; commit_timeout small where the test waits):
                     own at the same path: every rank's commit fails saying
                     BACKING_DIR must be shared; nothing is removed from
                     either node's directory
+  TierTwoNodes      2 nodes x 1 rank, a node-local tier (-o tier=) each:
+                    node 1 publishes the checkpoint in its own tier too;
+                    rank 1 reads rank 0's file from what rank 0's flush
+                    linked before the shared publish; the flusher that
+                    links the last file (rank 1's, on node 1) publishes;
+                    a later checkpoint is flushed while that one waits;
+                    node 1 killed before its own tier publish: the next
+                    world flushes its files from TIER/.saves/SAVE_ID
 
 Skipped (exit 0, with the reason) where the namespaces cannot be made: not
 root, no ip, nsenter or unshare, or the kernel refuses. Every namespace,
@@ -262,6 +270,7 @@ class NetnsCase(unittest.TestCase):
 
     NODES = 2
     PRIVATE_BACKING = False  # a BACKING_DIR of each node's own at one path
+    PRIVATE_TIER = False  # self.tier: a node-local tier (tmpfs) per node
     _seq = itertools.count()
 
     def setUp(self):
@@ -279,6 +288,9 @@ class NetnsCase(unittest.TestCase):
         if self.PRIVATE_BACKING:
             self.local_backing = os.path.join(self.dir, "node-backing")
             private.append(self.local_backing)
+        self.tier = os.path.join(self.dir, "tier")
+        if self.PRIVATE_TIER:
+            private.append(self.tier)
         self.worlds = []
         self.cluster = netns.Cluster(self.NODES, self.dir, private_dirs=private)
         self.addCleanup(self._cleanup)
@@ -782,6 +794,133 @@ class PerNodeBacking(NetnsCase):
         for i in range(2):
             self.assertEqual(read_all(c.path(i, os.path.join(self.local_backing, "keep"))),
                              b"node %d" % i)
+
+
+class TierTwoNodes(NetnsCase):
+    NODES = 2
+    PRIVATE_TIER = True
+
+    def test_node_publish_and_leaderless_flush(self):
+        c = self.cluster
+        # rank 1's 12 MiB take 3 s at flush_rate=4M, rank 0's 1 MiB 0.25 s
+        w = self.start_world([1, 1], opts=f"commit_timeout=10,tier={self.tier},flush_rate=4M")
+        data = [os.urandom(1 << 20), os.urandom(12 << 20)]
+        for r in range(2):
+            os.mkdir(os.path.join(w.mnt(r), "c"))
+            write_file(os.path.join(w.mnt(r), "c", f"rank{r}"), data[r])
+        res = self.commit_all(w, "c")
+        self.assertCommitted(res, w, "c")
+        tiers = [c.path(i, os.path.join(self.tier, "c")) for i in range(2)]
+        # node 1 published it in its own tier, from the OUTCOME's .metadata
+        for i in range(2):
+            self.assertTrue(os.path.exists(os.path.join(tiers[i], ".metadata")), f"node {i}")
+            names = [n for n in os.listdir(tiers[i]) if n.endswith(".distcp")]
+            self.assertTrue(names and all(n.startswith(f"__{i}_") for n in names),
+                            f"node {i}'s tier: {names}")
+        # rank 1 reads rank 0's file: in neither node 1's tier nor
+        # BACKING_DIR/c yet, but linked by rank 0's flush (waited for)
+        self.assertEqual(read_all(os.path.join(w.mnt(1), "c", "rank0")), data[0])
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c")),
+                         "published before rank 1's files were flushed")
+        deadline, st = time.monotonic() + 20, ""
+        while "not in the shared store yet" not in st and time.monotonic() < deadline:
+            st = status(os.path.join(w.mnt(0), "c"))
+            time.sleep(0.02)
+        self.assertIn("flush waiting: rank 1 not in the shared store yet", st)
+        # a later checkpoint is not held up by it: rank 0 copies d's file
+        # while c still waits for rank 1 (busy with c's 12 MiB)
+        small = [os.urandom(4096), os.urandom(4096)]
+        for r in range(2):
+            os.mkdir(os.path.join(w.mnt(r), "d"))
+            write_file(os.path.join(w.mnt(r), "d", f"rank{r}"), small[r])
+        self.assertCommitted(self.commit_all(w, "d"), w, "d")
+        deadline, st = time.monotonic() + 20, ""
+        while "not in the shared store yet" not in st and time.monotonic() < deadline:
+            st = status(os.path.join(w.mnt(0), "d"))
+            time.sleep(0.02)
+        self.assertIn("flush waiting: rank 1 not in the shared store yet", st)
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c")))
+        for name in ("c", "d"):
+            for r in range(2):
+                deadline = time.monotonic() + 30
+                while "location shared" not in status(os.path.join(w.mnt(r), name)):
+                    self.assertLess(time.monotonic(), deadline, w.log_text()[-4000:])
+                    time.sleep(0.05)
+        pubs = [ln for ln in w.daemon_lines()
+                if ln.startswith("ckptfs: tier: c published in")]
+        self.assertEqual(len(pubs), 1, pubs)
+        self.assertIn("by rank 1's flush", pubs[0])
+        for i in range(2):
+            deadline = time.monotonic() + 10
+            while os.path.exists(tiers[i]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertFalse(os.path.exists(tiers[i]), f"node {i}'s tier copy kept")
+        for r in range(2):
+            for k in range(2):
+                self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{k}")), data[k])
+                self.assertEqual(read_all(os.path.join(w.mnt(r), "d", f"rank{k}")), small[k])
+        self.umount_ok(w)
+        self.assertFsckClean()
+
+    def test_node_killed_before_its_tier_publish(self):
+        """Rank 1 (node 1) killed once the checkpoint is committed, before
+        its node publishes it in its tier (failpoint tier_publish): node 1
+        has rank 1's files in TIER/.saves/SAVE_ID only, with its record.
+        The next world flushes them from there, with the .metadata rank 0's
+        flush linked in BACKING_DIR, and publishes the checkpoint once."""
+        c = self.cluster
+        w = self.world([1, 1], f"commit_timeout=10,tier={self.tier}")
+        base = w.mount_argv
+        w.mount_argv = lambda: base()[:1] + ["--mpirun-arg=-x",
+                                             "--mpirun-arg=CKPTFS_FAILPOINT"] + base()[1:]
+        os.environ["CKPTFS_FAILPOINT"] = "tier_publish@1"
+        try:
+            r = w.mount()
+        finally:
+            del os.environ["CKPTFS_FAILPOINT"]
+        self.assertEqual(r.returncode, 0, f"{r.stderr}\n{w.log_text()[-4000:]}")
+        data = [os.urandom(1 << 20), os.urandom(1 << 20)]
+        for k in range(2):
+            os.mkdir(os.path.join(w.mnt(k), "c"))
+            write_file(os.path.join(w.mnt(k), "c", f"rank{k}"), data[k])
+        Commits(w, "c").wait(timeout=60)  # rank 1 dies; rank 0 may too
+        launcher = w.launcher_pid()
+        deadline = time.monotonic() + 60
+        while netns.alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(netns.alive(launcher), "mpirun still runs 60 s after a rank died")
+        self.assertIn("failpoint reached", w.log_text())
+        w.umount()
+        self.assertNoDaemons()
+        tier1 = c.path(1, self.tier)
+        self.assertFalse(os.path.exists(os.path.join(tier1, "c")), "node 1 published it")
+        saves = os.listdir(os.path.join(tier1, ".saves"))
+        self.assertEqual(len(saves), 1, saves)
+        self.assertTrue(glob.glob(os.path.join(tier1, ".saves", saves[0], "__1_*.distcp")))
+        self.assertEqual([n for n in os.listdir(os.path.join(tier1, ".flush"))
+                          if not n.startswith(".")], [saves[0] + ".1"])
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c", ".metadata")))
+        w2 = self.start_world([1, 1], f"commit_timeout=10,tier={self.tier}", tag="again")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.backing, "c", ".metadata")):
+            self.assertLess(time.monotonic(), deadline, w2.log_text()[-4000:])
+            time.sleep(0.05)
+        for i in range(2):
+            t = c.path(i, self.tier)
+            deadline = time.monotonic() + 20
+            while (os.path.exists(os.path.join(t, "c")) or
+                   [n for n in os.listdir(os.path.join(t, ".flush")) if not n.startswith(".")]) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertFalse(os.path.exists(os.path.join(t, "c")), f"node {i}")
+            self.assertFalse(os.path.isdir(os.path.join(t, ".saves")) and
+                             os.listdir(os.path.join(t, ".saves")), f"node {i}")
+        pubs = [ln for ln in w2.daemon_lines() if ln.startswith("ckptfs: tier: c published in")]
+        self.assertEqual(len(pubs), 1, pubs)
+        for k in range(2):
+            self.assertEqual(read_all(os.path.join(w2.mnt(0), "c", f"rank{k}")), data[k])
+        self.umount_ok(w2)
+        self.assertFsckClean()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""The node-local tier, first slice (-o tier=DIR, -o flush_rate=SIZE; one
-rank; docs/tiers.md): a commit lands in the tier and the background flush
-publishes it in BACKING_DIR as a mount without the tier would have; a
+"""The node-local tier (-o tier=DIR, -o flush_rate=SIZE; docs/tiers.md):
+a commit lands in the tier and the background flush publishes it in
+BACKING_DIR as a mount without the tier would have; a
 flush killed midway leaves nothing published and the next mount resumes
 it; one killed after the shared publish is not published twice; the mount
-refuses a tier on BACKING_DIR's filesystem and a world of several ranks.
+refuses a tier on BACKING_DIR's filesystem. Two ranks of one node (one
+mpirun) share a tier: each flushes its own rank's files, the last one
+publishes, a flush killed midway resumes in the next world.
 
 The tier is a tmpfs mounted in the test's directory (needs root: the test
 fails otherwise, it does not skip), large enough (2 GiB, a limit: only
@@ -19,13 +21,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util as cu  # noqa: E402
 from ckptfs_util import (CkptfsTestCase, Mount, commit, main, read_all,  # noqa: E402
                          status, write_file)
-from mpi_world import MPIRUN  # noqa: E402
+from mpi_world import World, commit_all  # noqa: E402
 
 MiB = 1 << 20
 SIZE = 64 * MiB
@@ -124,8 +127,15 @@ class TierCase(CkptfsTestCase):
             time.sleep(0.02)
 
     def records(self):
+        """The flush records, SAVE_ID.RANK (not the node's .lock)."""
         d = os.path.join(self.tier, ".flush")
-        return sorted(os.listdir(d)) if os.path.isdir(d) else []
+        return sorted(n for n in os.listdir(d) if not n.startswith(".")) \
+            if os.path.isdir(d) else []
+
+    def record_save(self):
+        """The save ID of the one record."""
+        self.assertEqual(len(self.records()), 1)
+        return self.records()[0].split(".")[0]
 
 
 class Flush(TierCase):
@@ -300,7 +310,7 @@ class Crash(TierCase):
         self.assertFalse(os.path.exists(self.bk("c")))
         self.assertNothingPublished("c")
         self.assertEqual(len(self.records()), 1)
-        save_id = self.records()[0]
+        save_id = self.record_save()
         self.assertTrue(os.path.isdir(self.bk(".saves", save_id)))
         self.mounts = []
         self.tier_mount()
@@ -311,6 +321,31 @@ class Crash(TierCase):
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.read_without_tier()
         self.fsck_clean()
+
+    def test_killed_before_tier_publish(self):
+        """Killed after the flush record is written, before the commit
+        publishes in the tier (failpoint metadata_tmp): the commit point
+        never came; the next mount drops the record and the unfinished
+        save, and publishes nothing anywhere."""
+        m = self.tier_mount(env={"CKPTFS_FAILPOINT": "metadata_tmp"})
+        self.stage()
+        try:
+            commit(self.ck("c"))
+        except OSError as e:
+            self.assertIn(e.errno, (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO))
+        self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at metadata_tmp")
+        m.unmount()
+        self.mounts = []
+        self.assertEqual(len(self.records()), 1)
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.tier_mount()
+        self.assertIn("never published in the tier", self.daemon_log())
+        self.assertEqual(self.records(), [])
+        saves = os.path.join(self.tier, ".saves")
+        self.assertFalse(os.path.isdir(saves) and os.listdir(saves))
+        time.sleep(0.3)  # no flush left to publish it
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertNothingPublished("c")
 
     def test_resumed_copy_checks_linked_files(self):
         """Killed while copying the last data file: one linked in
@@ -340,7 +375,7 @@ class Crash(TierCase):
         commit_before_kill(self.ck("c"))
         self.assertEqual(m.wait(timeout=60), -9, f"the daemon did not die at flush_copy:{last}")
         m.unmount()
-        save_id = self.records()[0]
+        save_id = self.record_save()
         linked = [p for p in glob.glob(self.bk(".saves", save_id, "__*.distcp"))
                   if os.path.getsize(p) > 0]
         tier = {os.path.basename(p): os.path.getsize(p)
@@ -410,7 +445,7 @@ class Crash(TierCase):
         self.assertEqual(m.wait(timeout=60), -9, "the daemon did not die at flush_marked")
         m.unmount()
         self.assertEqual(len(self.records()), 1)
-        save_id = self.records()[0]
+        save_id = self.record_save()
         self.assertFalse(os.path.exists(self.bk("c")))
         self.mounts = []
         other = self.mount()  # without the tier: its cleanup runs
@@ -509,18 +544,170 @@ class Refused(TierCase):
         self.wait_shared()
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
 
-    def test_world_of_two(self):
-        root = os.path.join(self.dir, "w")
-        os.makedirs(os.path.join(root, "rank0"))
-        os.makedirs(os.path.join(root, "rank1"))
-        r = subprocess.run(MPIRUN + ["-np", "2", cu.BIN, "-f", "-o", f"tier={self.tier}",
-                                     self.backing, os.path.join(root, "rank%r")],
-                           capture_output=True, text=True, timeout=60,
-                           env=cu.daemon_env())
-        out = r.stdout + r.stderr
-        self.assertNotEqual(r.returncode, 0, out)
-        self.assertIn("multi-rank tiers", out)
-        self.assertFalse(os.path.exists(self.backing), "BACKING_DIR made anyway")
+
+class MultiRank(TierCase):
+    """Two ranks of one node (one mpirun) share the tier."""
+
+    def setUp(self):
+        super().setUp()
+        self.root = os.path.join(self.dir, "w")
+        self.world = None
+        self.rank_data = [os.urandom(16 * MiB), os.urandom(16 * MiB)]
+
+    def tearDown(self):
+        if self.world is not None:
+            self.world.stop()
+        super().tearDown()
+
+    def start_world(self, extra="", env=None):
+        opts = f"tier={self.tier}" + (f",{extra}" if extra else "")
+        self.world = World(cu.BIN, 2, self.backing, self.root, self.log, opts=opts,
+                           env_extra=env).start()
+        return self.world
+
+    def stop_world(self):
+        self.world.stop()
+        self.world = None
+
+    def stage_all(self, name="c"):
+        for r in range(2):
+            os.mkdir(os.path.join(self.world.mnt(r), name))
+            write_file(os.path.join(self.world.mnt(r), name, f"rank{r}"), self.rank_data[r])
+
+    def wait_rank(self, rank, phrase, name="c", timeout=60):
+        ck = os.path.join(self.world.mnt(rank), name)
+        deadline, s = time.monotonic() + timeout, ""
+        while phrase not in s and time.monotonic() < deadline:
+            s = status(ck)
+            if phrase not in s:
+                time.sleep(0.02)
+        if phrase not in s:
+            self.fail(f"rank {rank}: no {phrase!r} in {timeout}s: {s!r}\n"
+                      f"{cu.read_log(self.log)}")
+        return s
+
+    def check_without_tier(self, name="c"):
+        """Every rank's file bit-exact through a mount without the tier;
+        fsck clean."""
+        self.mount()
+        for r in range(2):
+            self.assertEqual(read_all(self.ck(name, f"rank{r}")), self.rank_data[r])
+        self.fsck_clean()
+
+    def test_two_ranks_local_then_shared(self):
+        """Both ranks commit into one tier: the checkpoint is `location
+        local` on both, with both ranks' data files in TIER/NAME and one
+        record per rank; each rank's flush copies its own files and the
+        one that sees the last linked publishes; the tier copy goes once
+        both are flushed."""
+        w = self.start_world("flush_rate=8M")  # 2 s per rank: local is seen
+        self.stage_all()
+        res = commit_all(w, "c")
+        self.assertEqual([res[r][0] for r in range(2)], [None, None], cu.read_log(self.log))
+        for r in range(2):
+            s = status(os.path.join(w.mnt(r), "c"))
+            self.assertEqual(s.splitlines()[0], "committed")
+            self.assertIn("location local", s)
+        in_tier = data_files(os.path.join(self.tier, "c"))
+        self.assertTrue(any(n.startswith("__0_") for n in in_tier), in_tier)
+        self.assertTrue(any(n.startswith("__1_") for n in in_tier), in_tier)
+        recs = self.records()
+        self.assertEqual(len(recs), 2, recs)
+        self.assertEqual(sorted(n.split(".")[1] for n in recs), ["0", "1"])
+        self.assertFalse(os.path.exists(self.bk("c", ".metadata")))
+        for r in range(2):
+            s = self.wait_rank(r, "location shared")
+            # each rank counts its own rank's files
+            fl = [ln.split() for ln in s.splitlines() if ln.startswith("flush bytes")]
+            self.assertEqual(len(fl), 1, s)
+            self.assertEqual(fl[0][2], fl[0][4], s)
+            self.assertGreaterEqual(int(fl[0][4]), 16 * MiB)
+            self.assertLess(int(fl[0][4]), 32 * MiB)
+        self.assertEqual(data_files(self.bk("c")), in_tier)
+        self.assertEqual(sorted(os.listdir(self.backing)), ["c"])
+        self.assertEqual(sorted(os.listdir(self.bk("c"))), [".metadata"] + sorted(in_tier))
+        deadline = time.monotonic() + 10
+        while (self.records() or os.path.exists(os.path.join(self.tier, "c"))) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.assertEqual(self.records(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.assertFalse(os.listdir(os.path.join(self.tier, ".saves"))
+                         if os.path.isdir(os.path.join(self.tier, ".saves")) else [])
+        # every rank reads every rank's file, from BACKING_DIR now
+        for r in range(2):
+            for k in range(2):
+                self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{k}")),
+                                 self.rank_data[k])
+        self.stop_world()
+        self.check_without_tier()
+
+    def test_rank_waits_for_the_other(self):
+        """Rank 1's copy fails once (EIO): rank 0's flush has linked its own
+        files and waits, saying for whom, without publishing; rank 1's
+        retry links its files, and then the checkpoint is published."""
+        w = self.start_world(env={"CKPTFS_FAILPOINT": "flush_copy@1=EIO"})
+        self.stage_all()
+        res = commit_all(w, "c")
+        self.assertEqual([res[r][0] for r in range(2)], [None, None], cu.read_log(self.log))
+        s = self.wait_rank(0, "flush waiting: rank 1 not in the shared store yet")
+        self.assertIn("location local", s)
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertTrue(glob.glob(self.bk(".saves", "*", "__0_*.distcp")))
+        for r in range(2):
+            self.wait_rank(r, "location shared")
+        self.assertIn("rank 1's files", cu.read_log(self.log))
+        self.stop_world()
+        self.check_without_tier()
+
+    def test_killed_during_copy(self):
+        """Rank 1 killed while copying (mpirun ends the world): nothing is
+        published in BACKING_DIR; the next world over the same tier resumes
+        both ranks' records and publishes the checkpoint once."""
+        w = self.start_world(env={"CKPTFS_FAILPOINT": "flush_copy@1"})
+        self.stage_all()
+        threads = [threading.Thread(target=commit_before_kill_quiet,
+                                    args=(os.path.join(w.mnt(r), "c"),), daemon=True)
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        w.proc.wait(60)
+        self.assertIn("failpoint reached", cu.read_log(self.log))
+        self.stop_world()
+        self.assertTrue(os.path.exists(os.path.join(self.tier, "c", ".metadata")),
+                        cu.read_log(self.log))
+        self.assertNothingPublished("c")
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertEqual(len(self.records()), 2)
+        self.start_world()
+        for r in range(2):
+            self.wait_rank(r, "location shared")
+        self.assertEqual(self.records(), [])
+        self.stop_world()
+        self.check_without_tier()
+
+    def test_world_and_one_rank_mount_exclude(self):
+        """One world per tier: a mount of one rank is refused while the
+        world runs on the tier."""
+        self.start_world()
+        m = Mount(os.path.join(self.dir, "backing2"), os.path.join(self.dir, "mnt2"),
+                  self.log, opts=f"tier={self.tier}")
+        self.mounts.append(m)
+        with self.assertRaises(RuntimeError) as cm:
+            m.start()
+        self.assertEqual(m.returncode, 2, str(cm.exception))
+        self.assertIn("is in use by another mount", str(cm.exception))
+
+
+def commit_before_kill_quiet(ckdir):
+    """commit_before_kill, where the world may go before the reply."""
+    try:
+        commit_before_kill(ckdir)
+    except OSError as e:
+        if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO):
+            raise
 
 
 if __name__ == "__main__":
