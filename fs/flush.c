@@ -469,6 +469,10 @@ void ckpt__flush_recover(ckpt_fs_t *fs) {
       continue; /* unfinished: ckpt_store_cleanup's */
     if (save_id_of(fs->tier_fd, names[i], id) || !no_record(dfd, id))
       continue; /* unknown: kept */
+    char shared[CKPT_SAVE_ID_LEN + 1];
+    if (fs->opts.tier_keep && save_id_of(fs->backing_fd, names[i], shared) == 0 &&
+        !strcmp(shared, id))
+      continue; /* flushed, kept by tier_keep (its turn comes below) */
     /* Flushed (its copy is BACKING_DIR's now) or removed there by a
      * user: either way not to be published again. */
     ckpt__log("tier: removing %s (flushed, or removed from %s)", names[i],
@@ -479,6 +483,8 @@ void ckpt__flush_recover(ckpt_fs_t *fs) {
   ckpt__catalog_names_free(names, n);
   if (dfd >= 0)
     close(dfd);
+  if (fs->opts.tier_keep)
+    ckpt__tier_retain(fs);
 }
 
 /* ------------------------------------------------------------------------
@@ -811,12 +817,17 @@ static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
     close(dfd);
   save_id_at(fs->tier_fd, j->name, id);
   bool ours = !strcmp(id, j->save_id);
-  if (left == 0 && ours)
+  /* tier_keep: the copy stays for restarts; retention picks what goes */
+  if (left == 0 && ours && !fs->opts.tier_keep)
     ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
   if (left == 0)
     ckpt_store_save_dir_remove(fs->tier_fd, j->save_id);
   ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
+  if (left == 0 && ours && fs->opts.tier_keep) {
+    ckpt__tier_retain(fs);
+    return;
+  }
   if (left == 0 && !ours && id[0])
     ckpt__log("tier: %s: flushed; the tier holds a newer save of it now "
               "(%s), kept", j->name, id);

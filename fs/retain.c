@@ -21,8 +21,10 @@ void ckpt__tier_retain(ckpt_fs_t *fs) {
   /* No tier publish meanwhile: a replace= commit may put a newer,
    * unflushed save of a name there. */
   pthread_mutex_lock(&fs->tier_publish);
+  int lock = ckpt__tier_lock(fs); /* and the node's other mounts */
   int rc = ckpt__tier_evict(fs->tier_fd, fs->backing_fd, CKPT_FLUSH_DIR,
                             fs->opts.tier_keep, &gone, &n);
+  ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
   if (rc)
     ckpt__log("tier_keep=%u: %s: %s%s", fs->opts.tier_keep, fs->tier_path,

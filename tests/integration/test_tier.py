@@ -49,6 +49,12 @@ def data_files(d):
             for p in sorted(glob.glob(os.path.join(d, "__*.distcp")))}
 
 
+def committed_names(root):
+    """The checkpoints published in root (a tier or BACKING_DIR)."""
+    return [n for n in os.listdir(root) if not n.startswith(".")
+            and os.path.exists(os.path.join(root, n, ".metadata"))]
+
+
 def commit_before_kill(ckdir):
     """A sync commit whose daemon a failpoint of the flush kills just after
     the reply: the write must succeed; the close may find the daemon
@@ -243,6 +249,39 @@ class Flush(TierCase):
         self.assertEqual(os.listdir(self.mnt), [])
         time.sleep(0.3)  # no flush left to publish it
         self.assertFalse(os.path.exists(self.bk("c")))
+
+
+    def test_tier_keep_keeps_newest_steps(self):
+        # tier_keep=2: of four flushed checkpoints the tier keeps the two of
+        # the highest steps (names and times ordered otherwise), BACKING_DIR
+        # all four; a remount keeps them; without tier_keep they go.
+        self.tier_mount("tier_keep=2")
+        steps = {"z-old": 10, "b-new": 40, "y-mid": 20, "a-newer": 30}
+        for name, step in steps.items():
+            os.mkdir(self.ck(name))
+            write_file(self.ck(name, "weights"), self.data[:MiB])
+            commit(self.ck(name), f"sync step={step}")
+            self.wait_shared(name)
+        want = {"b-new", "a-newer"}
+        deadline = time.monotonic() + 10
+        while set(committed_names(self.tier)) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(set(committed_names(self.tier)), want, self.daemon_log())
+        self.assertEqual(set(committed_names(self.backing)), set(steps))
+        self.assertEqual(read_all(self.ck("b-new", "weights")), self.data[:MiB])
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.tier_mount("tier_keep=2")
+        self.assertEqual(set(committed_names(self.tier)), want)
+        for name in steps:
+            self.assertEqual(read_all(self.ck(name, "weights")), self.data[:MiB])
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.tier_mount()  # default: the tier keeps nothing flushed
+        self.assertEqual(set(committed_names(self.tier)), set())
+        self.fsck_clean()
 
 
 class Replace(TierCase):
