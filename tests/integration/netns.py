@@ -503,3 +503,70 @@ class Cluster:
             os.unlink(self.map_file)
         except OSError:
             pass
+
+
+# ---- the network's limit ------------------------------------------------------
+
+_RECV = r"""
+import os, socket, sys, time
+port, n, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[4], port)); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+buf = bytearray(8 << 20); got = 0
+while got < n:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    os.write(fd, memoryview(buf)[:k]); got += k
+os.fsync(fd); os.close(fd); os.unlink(path)
+print(time.time(), got, flush=True)
+"""
+
+_SEND = r"""
+import os, socket, sys, time
+addr, port, n, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+data = os.urandom(n)
+c = socket.create_connection((addr, port))
+time.sleep(max(0.0, at - time.time()))
+c.sendall(data); c.close()
+"""
+
+
+def tcp_copy_time(cluster, pairs, nbytes, dest_dir, port=47000):
+    """What the network between the nodes allows a partner copy: for each
+    (sender node, receiver node) in pairs, at once, nbytes sent over one TCP
+    connection and written and fsynced by the receiver into dest_dir (as
+    that node sees it; a tier). Seconds from the common start to the last
+    receiver's fsync."""
+    py = shutil.which("python3") or "python3"
+    recv, send = [], []
+    try:
+        for k, (a, b) in enumerate(pairs):
+            p = cluster.popen(b, [py, "-c", _RECV, str(port + k), str(nbytes),
+                                  os.path.join(dest_dir, f".tcp-copy-{k}"), cluster.addr(b)],
+                              stdout=subprocess.PIPE, text=True)
+            recv.append(p)
+        for p in recv:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a receiver did not start")
+        at = time.time() + 1.0
+        for k, (a, b) in enumerate(pairs):
+            send.append(cluster.popen(a, [py, "-c", _SEND, cluster.addr(b), str(port + k),
+                                          str(nbytes), repr(at)]))
+        ends = []
+        for p in recv:
+            end, got = p.stdout.readline().split()
+            if int(got) != nbytes:
+                raise RuntimeError(f"a receiver got {got} of {nbytes} bytes")
+            ends.append(float(end))
+        return max(ends) - at
+    finally:
+        for p in recv + send:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            if p.stdout:
+                p.stdout.close()

@@ -17,7 +17,9 @@ Classes (one cluster and one store each):
   PartnerCommit  tier_level=partner: the sync commit against a mount
                  without the tier over the same store (>= 10x faster) and
                  against writing the bytes into the tiers directly
-                 (reported; goal 1.3x, a looser bound asserted); location
+                 (reported; goal 1.3x) and sending them to the partners'
+                 tiers over TCP (a looser bound asserted against the
+                 slower of the two: 2 shared cores); location
                  partner, then shared on every rank; the shared copy
                  bit-exact through a mount without the tier; fsck clean
   LocalCommit    the same at tier_level=local (location local)
@@ -153,6 +155,12 @@ class TierNetnsCase(tn.NetnsCase):
         self.assertEqual(r.stdout.splitlines(), [w.local_mnt(k) for k in range(w.n)])
         return w
 
+    def warm_up(self, w):
+        """A first small commit: the ranks' connections are up before a
+        timed one (as in a training run's later checkpoints)."""
+        stage(w, "warm", [Blob(f"warm/rank{r}", {r: b"x"}) for r in range(w.n)])
+        self.timed_commit(w, "warm")
+
     def timed_commit(self, w, name):
         c = tn.Commits(w, name)
         if not c.wait(timeout=600):
@@ -280,6 +288,7 @@ class PartnerCommit(TierNetnsCase):
         opts = "" if self.LEVEL == "local" else f"tier_level={self.LEVEL}"
         w = self.start_tier_world(SLOTS, opts)
         self.slowdown()
+        self.warm_up(w)
         its = items(w.n, seed=1)
         stage(w, "c1", its)
         tier_t = self.timed_commit(w, "c1")
@@ -293,16 +302,24 @@ class PartnerCommit(TierNetnsCase):
         self.umount_ok(w)
         # the same commit without the tier, over the same store
         b = self.start_world(SLOTS, opts="commit_timeout=120", tag="notier")
+        self.warm_up(b)
         its2 = items(b.n, seed=2)
         stage(b, "c2", its2)
         base_t = self.timed_commit(b, "c2")
         self.umount_ok(b)
+        floor, net = direct_t, ""
+        if self.LEVEL == "partner":
+            # each rank's bytes over TCP to its partner's node, written there
+            pairs = [(i, (i + 1) % len(SLOTS)) for i in w.rank_node]
+            net_t = netns.tcp_copy_time(self.cluster, pairs, PER_RANK, self.tier)
+            floor = max(direct_t, net_t)
+            net = f", the bytes sent to the partners' tiers over TCP {net_t:.3f}s"
         say(f"sync commit {b.n} x {PER_RANK >> 20} MiB: tier level {self.LEVEL} {tier_t:.3f}s, "
             f"without the tier {base_t:.2f}s ({base_t / tier_t:.1f}x), the bytes written into "
-            f"the tiers directly {direct_t:.3f}s (commit {tier_t / direct_t:.2f}x that; "
-            f"goal {DIRECT_GOAL}x)")
+            f"the tiers directly {direct_t:.3f}s{net}: the commit {tier_t / direct_t:.2f}x the "
+            f"direct write (goal {DIRECT_GOAL}x), {tier_t / floor:.2f}x its floor")
         self.assertGreaterEqual(base_t / tier_t, TIER_SPEEDUP)
-        self.assertLessEqual(tier_t / direct_t, DIRECT_BOUND)
+        self.assertLessEqual(tier_t / floor, DIRECT_BOUND)
         self.read_without_tier("c1", its, w.n)
         self.assertFsckClean()
 
