@@ -21,7 +21,10 @@ Limits (measured first, every round):
   tier read    the same files read back at once;
   store write  32 MiB written and fsynced into the store (its MiB/s);
   store read   every rank's bytes read from the store at once, its page
-               cache dropped.
+               cache dropped;
+  net copy     every rank's bytes sent over TCP to the next node and
+               written and fsynced into its tier, all at once (the floor
+               of a partner copy; with 2+ nodes).
 
 Rows, per level (a level the binary refuses prints why):
   none     no tier: sync commit (the stall); restart: a new world reads
@@ -38,7 +41,9 @@ Rows, per level (a level the binary refuses prints why):
   shared   a commit `sync level=shared` (returns once published in
            BACKING_DIR).
 The sync commit is also given against the one without the tier (speedup,
-goal >= 10x) and against the tier write (goal <= 1.3x).
+goal >= 10x), against the tier write (goal <= 1.3x) and, for partner,
+against the net copy. Each level's world makes a small first commit
+before the timed one.
 """
 import argparse
 import json
@@ -179,6 +184,15 @@ class Bench:
             os.mkdir(ck)
             write_file(os.path.join(ck, f"rank{r}.bin"), self.data[r])
 
+    def warm_up(self, w, name):
+        """A first small commit: the ranks' connections are up before the
+        timed one (as for a training run's later checkpoints)."""
+        for r in range(w.n):
+            ck = os.path.join(w.mnt(r), name)
+            os.mkdir(ck)
+            write_file(os.path.join(ck, f"rank{r}"), b"x")
+        self.commit(w, name)
+
     def commit(self, w, name, word="sync"):
         """Every rank commits at once: seconds until the last returned."""
         def one(r):
@@ -224,7 +238,11 @@ class Bench:
         sr = parallel([lambda p=p: read_all(p) for p in spaths])
         for p in spaths:
             os.unlink(p)
-        return {"tier_write": tw, "tier_read": tr, "store_write_bps": store_bps, "store_read": sr}
+        L = {"tier_write": tw, "tier_read": tr, "store_write_bps": store_bps, "store_read": sr}
+        if len(self.slots) > 1:
+            pairs = [(i, (i + 1) % len(self.slots)) for i in self.rank_node]
+            L["net_copy"] = netns.tcp_copy_time(c, pairs, self.per, self.tier)
+        return L
 
     # ---- levels
     def level(self, level, k):
@@ -237,6 +255,7 @@ class Bench:
         except NotBuilt as e:
             return {"not_built": str(e)}
         try:
+            self.warm_up(w, f"warm-{name}")
             self.stage(w, name)
             if level == "shared":
                 try:
@@ -323,6 +342,9 @@ def table(args, L, rows):
         else:
             out.append(f"| {level} | sync commit (stall) | {c:.3f} | tier write "
                        f"{L['tier_write']:.3f} | {c / L['tier_write']:.2f}x | <= 1.3x |")
+            if level == "partner" and "net_copy" in L:
+                out.append(f"| {level} | sync commit (stall) | {c:.3f} | net copy "
+                           f"{L['net_copy']:.3f} | {c / L['net_copy']:.2f}x | |")
             if none:
                 out.append(f"| {level} | speedup vs no tier | {c:.3f} | no tier {none:.3f} | "
                            f"{none / c:.1f}x | >= 10x |")
