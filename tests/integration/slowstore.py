@@ -45,7 +45,10 @@ class Unavailable(Exception):
 
 
 def _run(argv):
-    r = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise Unavailable(f"no {argv[0]} on PATH") from None
     if r.returncode != 0:
         raise Unavailable(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
     return r.stdout.strip()
@@ -167,7 +170,10 @@ class SlowStore:
         _run(["mount", self.loop, self.path])
         st = os.stat(self.loop)
         self.dev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-        self.throttle = _V1(self.dev) if _V1.usable() else _V2(self.dev)
+        try:
+            self.throttle = _V1(self.dev) if _V1.usable() else _V2(self.dev)
+        except (OSError, StopIteration) as e:
+            raise Unavailable(f"cannot set up the io controller's cgroup: {e!r}") from None
         self.limit()
         return self
 
