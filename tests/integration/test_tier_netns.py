@@ -158,8 +158,9 @@ class TierNetnsCase(tn.NetnsCase):
     def warm_up(self, w):
         """A first small commit: the ranks' connections are up before a
         timed one (as in a training run's later checkpoints)."""
-        stage(w, "warm", [Blob(f"warm/rank{r}", {r: b"x"}) for r in range(w.n)])
-        self.timed_commit(w, "warm")
+        name = "warm-" + os.path.basename(w.log)
+        stage(w, name, [Blob(f"warm/rank{r}", {r: b"x"}) for r in range(w.n)])
+        self.timed_commit(w, name)
 
     def timed_commit(self, w, name):
         c = tn.Commits(w, name)
@@ -221,6 +222,18 @@ class TierNetnsCase(tn.NetnsCase):
         while any(netns.alive(p) for p in killed) and time.monotonic() < deadline:
             time.sleep(0.05)
         return killed
+
+    def umount_killed(self, w):
+        """ckpt-umount of a world whose daemons were killed: once mpirun
+        has ended the job, no mount, daemon or rank directory is left."""
+        launcher = w.launcher_pid()
+        deadline = time.monotonic() + 60
+        while netns.alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = w.umount()
+        self.assertNoMounts(w, f"\n{r.stderr}")
+        self.assertNoDaemons()
+        self.assertNoRankDirs(w)
 
     def write_tiers_directly(self, w):
         """Each rank's PER_RANK bytes written and fsynced into its node's
@@ -344,9 +357,7 @@ class NodeLoss(TierNetnsCase):
         self.assertEqual(self.cluster.mounts(2, "/"), [])
         # Open MPI ends the world (its ranks on node 2 are gone); the user
         # unmounts what is left on the survivors
-        w.umount()
-        self.assertNoMounts(w)
-        self.assertNoDaemons()
+        self.umount_killed(w)
         s = self.start_tier_world(SLOTS[:2] + [0], "tier_level=partner", tag="survivors")
         # node 2's ranks' bytes from node 0's partner copies
         lost = [r for r in range(w.n) if w.rank_node[r] == 2]
@@ -383,8 +394,7 @@ class FlushKilled(TierNetnsCase):
         self.assertTrue(self.kill_daemons())
         self.assertNotPublished("c1")
         self.assertFsckClean()
-        w.umount()
-        self.assertNoMounts(w)
+        self.umount_killed(w)
         r = self.start_tier_world(SLOTS, tag="resumed")
         self.wait_location(r, "c1", "shared")
         self.verify(r, "c1", its, r.n, borders=False)
