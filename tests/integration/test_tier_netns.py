@@ -31,8 +31,10 @@ Classes (one cluster and one store each):
                  half-published on the shared store (no NAME, fsck clean);
                  the next mount resumes and publishes
   StoreFullDown  the store full, then freed; then down (~4 KiB/s), then
-                 back: the commit returns at tier speed, .status says the
-                 flush waits, the flush catches up
+                 back: the commit returns at tier speed, .status tells the
+                 flush is held up (full: `flush waiting:` with the reason;
+                 down: its flush bytes stop short of the total, or it
+                 waits), the flush catches up
 
 A case whose feature the binary lacks (a tier in a world of several ranks,
 tier_level=) is skipped saying so; so is every case where namespaces or
@@ -49,7 +51,6 @@ import signal
 import sys
 import threading
 import time
-import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptfs_util as cu  # noqa: E402
