@@ -352,10 +352,14 @@ class NodeLoss(TierNetnsCase):
         stage(w, "c1", its)
         self.timed_commit(w, "c1")
         self.wait_location(w, "c1", "partner", timeout=10)
+        node2 = self.cluster.processes(2) + [self.cluster.node_pids[2]]
+        self.assertTrue(any(os.path.basename(netns.cmdline(p)[0]) == b"ckptfs"
+                            for p in node2 if netns.cmdline(p)), "no daemon on node 2")
         self.cluster.kill_node(2)
+        self.assertEqual([p for p in node2 if netns.alive(p)], [],
+                         "node 2's processes (its tmpfs with them) outlived kill_node")
         self.assertFalse(os.path.exists(os.path.join(self.backing, "c1", ".metadata")),
                          "flushed before node 2 was killed (flush_rate too high)")
-        self.assertEqual(self.cluster.mounts(2, "/"), [])
         # Open MPI ends the world (its ranks on node 2 are gone); the user
         # unmounts what is left on the survivors
         self.umount_killed(w)
