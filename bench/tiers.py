@@ -138,7 +138,7 @@ class Bench:
         self.store.start()
         self.backing = os.path.join(self.store.path, "backing")
         self.cluster = netns.Cluster(len(self.slots), self.dir,
-                                     private_dirs=[self.root, self.tier], private_size="2g")
+                                     private_dirs=[self.root, self.tier], private_size="4g")
         self.cluster.start()
         return self
 

@@ -2,9 +2,11 @@
 """Multi-level checkpoints across simulated nodes (issue 27; docs/tiers.md):
 3 nodes x 2 ranks (network namespaces, tests/integration/netns.py, started
 by ckpt-mount as test_netns.py does), each node's tier a private tmpfs
-(TIER, 1 GiB), BACKING_DIR on a slow shared store: an ext4 loop device
-throttled by the block layer (tests/integration/slowstore.py; its factor
-against the tier's tmpfs is measured and must be >= 10).
+(TIER, 4 GiB: a limit, only what is written takes memory; ckptfs stages
+through FUSE passthrough only with 1 GiB free there), BACKING_DIR on a
+slow shared store: an ext4 loop device throttled by the block layer
+(tests/integration/slowstore.py; its factor against the tier's tmpfs is
+measured and must be >= 10).
 
     python3 tests/integration/test_tier_netns.py --bin build/bin/ckptfs [Class ...]
 
@@ -88,7 +90,7 @@ def say(text):
 
 
 class TierNetnsCase(tn.NetnsCase):
-    """A cluster of 3 nodes whose private TIER is a 1 GiB tmpfs each, over a
+    """A cluster of 3 nodes whose private TIER is a 4 GiB tmpfs each, over a
     slow store made first (the nodes copy this machine's mounts when they
     start). BACKING_DIR is on the store."""
 
@@ -117,7 +119,7 @@ class TierNetnsCase(tn.NetnsCase):
         self.root = os.path.join(self.dir, "mnt")
         self.tier = os.path.join(self.dir, "tier")
         self.cluster = netns.Cluster(self.NODES, self.dir, private_dirs=[self.root, self.tier],
-                                     private_size="1g")
+                                     private_size="4g")
         self.addCleanup(self._cleanup)
         try:
             self.cluster.start()
