@@ -226,9 +226,10 @@ class TierNetnsCase(tn.NetnsCase):
             time.sleep(0.05)
         return killed
 
-    def umount_killed(self, w):
+    def umount_killed(self, w, rank_dirs=True):
         """ckpt-umount of a world whose daemons were killed: once mpirun
-        has ended the job, no mount, daemon or rank directory is left."""
+        has ended the job, no mount, daemon or (rank_dirs) rank directory
+        is left."""
         launcher = w.launcher_pid()
         deadline = time.monotonic() + 60
         while netns.alive(launcher) and time.monotonic() < deadline:
@@ -236,7 +237,13 @@ class TierNetnsCase(tn.NetnsCase):
         r = w.umount()
         self.assertNoMounts(w, f"\n{r.stderr}")
         self.assertNoDaemons()
-        self.assertNoRankDirs(w)
+        if rank_dirs:
+            self.assertNoRankDirs(w)
+        else:
+            c = self.cluster
+            left = {i: os.listdir(c.path(i, w.root)) for i in range(c.n) if i not in c.dead}
+            say(f"ckpt-umount after a node's loss (exit {r.returncode}) left under "
+                f"MOUNTROOT: {left}")
 
     def write_tiers_directly(self, w):
         """Each rank's PER_RANK bytes written and fsynced into its node's
@@ -363,8 +370,9 @@ class NodeLoss(TierNetnsCase):
         self.assertFalse(os.path.exists(os.path.join(self.backing, "c1", ".metadata")),
                          "flushed before node 2 was killed (flush_rate too high)")
         # Open MPI ends the world (its ranks on node 2 are gone); the user
-        # unmounts what is left on the survivors
-        self.umount_killed(w)
+        # unmounts what is left on the survivors (ckpt-umount cannot reach
+        # node 2: the rank directories it made may stay, reported)
+        self.umount_killed(w, rank_dirs=False)
         s = self.start_tier_world(SLOTS[:2] + [0], "tier_level=partner", tag="survivors")
         # node 2's ranks' bytes from node 0's partner copies
         lost = [r for r in range(w.n) if w.rank_node[r] == 2]
