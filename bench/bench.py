@@ -9,6 +9,9 @@ mounts, next to the limit of the same machine and to PyTorch DCP.
     python3 bench/bench.py --floor --backing DIR[,DIR] [--size 1G,4G] [--quick] ...
         (issue 26's table: three state dicts against their limits, interleaved
         rounds; see bench/floor_table.py)
+    python3 bench/bench.py --tiers [--per-rank 32M] [--slots 2,2,2] ...
+        (issue 27's rows: levels none, local, partner, shared across simulated
+        nodes over a slow store; see bench/tiers.py)
 
 Run as root (it drops the page cache). It re-runs itself under the project
 venv's python (.venv/bin/python of this tree, else /work/main/.venv/bin/python:
@@ -1536,6 +1539,11 @@ def main():
         in_venv("--no-venv" in sys.argv)
         import floor_table
         return floor_table.main([a for a in sys.argv[1:] if a != "--floor"])
+    ap.add_argument("--tiers", action="store_true",
+                    help="issue 27's rows instead (bench/tiers.py; --tiers --help)")
+    if "--tiers" in sys.argv:        # issue 27's rows: bench/tiers.py (no torch)
+        import tiers
+        return tiers.main([a for a in sys.argv[1:] if a != "--tiers"])
     args = ap.parse_args()
     in_venv(args.no_venv)
     args.dcp_threads = [int(x) for x in args.dcp_threads.split(",") if x.strip()]

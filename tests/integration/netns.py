@@ -2,13 +2,14 @@
 namespaces on this machine, joined by a bridge. Python standard library
 only; needs root, ip(8), nsenter(1) and unshare(1).
 
-    c = Cluster(3, workdir, private_dirs=[mountroot]).start()
+    c = Cluster(3, workdir, private_dirs=[mountroot], private_size="256m").start()
     c.addr(i), c.name(i)           node i's address (10.213.R.(i+1)) and hostname
     c.run(i, argv, ...)            a command inside node i (nsenter -n -m -u)
     c.path(i, p)                   p as node i sees it, for the test's own file
                                    calls: /proc/<holder>/root<p>
     c.mounts(i, under)             node i's mounts under a path
     c.link(i, up)                  node i's cable, pulled (False) or plugged in
+    c.kill_node(i)                 node i lost: its processes, holder, mounts gone
     c.destroy()                    everything gone: processes, mounts, namespaces
 
 The layout, none of it in this machine's own network namespace:
@@ -24,7 +25,8 @@ The layout, none of it in this machine's own network namespace:
     filesystem would be, and unmounts on this machine reach the copies
     (no other test's FUSE mount is held alive by a node). Each of
     private_dirs gets a tmpfs of its own on every node (MOUNTROOT: a
-    local directory per host).
+    local directory per host; a node-local tier), of private_size (a
+    limit: only what is written takes memory).
 
 R is picked per run, different from the subnets of other live clusters
 and from every address and route of this machine. The namespaces live as
@@ -179,10 +181,12 @@ def _used_nets():
 class Cluster:
     """n simulated nodes (see the module's doc)."""
 
-    def __init__(self, n, workdir, private_dirs=()):
+    def __init__(self, n, workdir, private_dirs=(), private_size="256m"):
         self.n = n
         self.workdir = workdir
         self.private_dirs = list(private_dirs)
+        self.private_size = private_size
+        self.dead = set()        # nodes killed by kill_node()
         self.me = (os.getpid(), start_time(os.getpid()))
         self.R = None
         self.switch = None       # holder pid of the switch
@@ -302,13 +306,18 @@ class Cluster:
             self._ns_run(pid, ["-n"], ["ip", "link", "set", "eth0", "up"], node)
             for d in self.private_dirs:
                 os.makedirs(d, exist_ok=True)
-                self._ns_run(pid, ["-m"], ["mount", "-t", "tmpfs", "-o", "mode=0755,size=256m",
+                self._ns_run(pid, ["-m"], ["mount", "-t", "tmpfs", "-o",
+                                           f"mode=0755,size={self.private_size}",
                                            f"ckptfs-netns-n{i}", d], node)
+        self._write_map()
+        self.check_links()
+
+    def _write_map(self):
         with open(self.map_file + ".tmp", "w") as f:
             for i in range(self.n):
-                f.write(f"{self.addr(i)} {self.node_pids[i]} {self.name(i)}\n")
+                if i not in self.dead:
+                    f.write(f"{self.addr(i)} {self.node_pids[i]} {self.name(i)}\n")
         os.replace(self.map_file + ".tmp", self.map_file)
-        self.check_links()
 
     def check_links(self, timeout=10):
         """Every node reaches every other: a TCP connect to a closed port is
@@ -353,9 +362,11 @@ class Cluster:
 
     def mounts(self, i, under, fstype=None):
         """[(mount point, fstype)] of node i's mount namespace under path
-        `under` (not `under` itself)."""
+        `under` (not `under` itself); none on a killed node."""
         under = os.path.abspath(under).rstrip("/") + "/"
         out = []
+        if i in self.dead:
+            return out
         with open(f"/proc/{self.node_pids[i]}/mountinfo") as f:
             for line in f:
                 w = line.split()
@@ -367,8 +378,10 @@ class Cluster:
 
     def processes(self, i):
         """Pids of the processes in node i (its network namespace), the
-        holder not included."""
+        holder not included; none on a killed node."""
         ns = netns_of(self.node_pids[i])
+        if ns is None:
+            return []
         return [p for p in pids() if p != self.node_pids[i] and netns_of(p) == ns]
 
     def node_of_pid(self, pid):
@@ -377,6 +390,30 @@ class Cluster:
             if netns_of(h) == ns:
                 return i
         return None
+
+    def kill_node(self, i):
+        """Node i lost: SIGKILL of every process in it (its daemons, orted,
+        mpirun), then of its holder; the kernel drops its namespaces, so
+        its private tmpfs dirs and their files go too. The other nodes run
+        on (Open MPI may end a world that had ranks on node i). Node i is
+        left out of the agent's map; mounts() and processes() show nothing
+        of it."""
+        h = self.node_pids[i]
+        ns = netns_of(h)
+        if ns:
+            kill_namespace(ns, keep=(h,))
+        p = next(p for p in self._procs if p.pid == h)
+        p.kill()
+        p.wait(10)
+        if p.stderr and not p.stderr.closed:
+            p.stderr.close()
+        self.dead.add(i)
+        self._write_map()
+        # the namespace (and with it the tmpfs) is gone once no process
+        # holds it: every one killed above, the holder reaped
+        deadline = time.monotonic() + 10
+        while any(netns_of(q) == ns for q in pids()) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def link(self, i, up):
         """Plug node i's cable into the switch (up) or pull it: its port on
@@ -404,7 +441,8 @@ class Cluster:
         meanwhile has arrived. Returns the seconds waited."""
         t0 = time.monotonic()
         while True:
-            full = [(i, q) for i in range(self.n) for q in self.tcp_queues(i) if q[2] > 0]
+            full = [(i, q) for i in range(self.n) if i not in self.dead
+                    for q in self.tcp_queues(i) if q[2] > 0]
             if not full:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout:
@@ -459,8 +497,76 @@ class Cluster:
                 p.stderr.close()
         self._procs = []
         self.node_pids = []
+        self.dead = set()
         self.switch = None
         try:
             os.unlink(self.map_file)
         except OSError:
             pass
+
+
+# ---- the network's limit ------------------------------------------------------
+
+_RECV = r"""
+import os, socket, sys, time
+port, n, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[4], port)); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+buf = bytearray(8 << 20); got = 0
+while got < n:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    os.write(fd, memoryview(buf)[:k]); got += k
+os.fsync(fd); os.close(fd); os.unlink(path)
+print(time.time(), got, flush=True)
+"""
+
+_SEND = r"""
+import os, socket, sys, time
+addr, port, n, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+data = os.urandom(n)
+c = socket.create_connection((addr, port))
+time.sleep(max(0.0, at - time.time()))
+c.sendall(data); c.close()
+"""
+
+
+def tcp_copy_time(cluster, pairs, nbytes, dest_dir, port=47000):
+    """What the network between the nodes allows a partner copy: for each
+    (sender node, receiver node) in pairs, at once, nbytes sent over one TCP
+    connection and written and fsynced by the receiver into dest_dir (as
+    that node sees it; a tier). Seconds from the common start to the last
+    receiver's fsync."""
+    py = shutil.which("python3") or "python3"
+    recv, send = [], []
+    try:
+        for k, (a, b) in enumerate(pairs):
+            p = cluster.popen(b, [py, "-c", _RECV, str(port + k), str(nbytes),
+                                  os.path.join(dest_dir, f".tcp-copy-{k}"), cluster.addr(b)],
+                              stdout=subprocess.PIPE, text=True)
+            recv.append(p)
+        for p in recv:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a receiver did not start")
+        at = time.time() + 1.0
+        for k, (a, b) in enumerate(pairs):
+            send.append(cluster.popen(a, [py, "-c", _SEND, cluster.addr(b), str(port + k),
+                                          str(nbytes), repr(at)]))
+        ends = []
+        for p in recv:
+            end, got = p.stdout.readline().split()
+            if int(got) != nbytes:
+                raise RuntimeError(f"a receiver got {got} of {nbytes} bytes")
+            ends.append(float(end))
+        return max(ends) - at
+    finally:
+        for p in recv + send:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            if p.stdout:
+                p.stdout.close()
