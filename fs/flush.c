@@ -569,6 +569,19 @@ static void count_done(ckpt_fs_t *fs, const flush_job_t *j, uint64_t n) {
   pthread_mutex_unlock(&fs->lock);
 }
 
+/* The flush begins (on) or ended (off) a write or fsync on BACKING_DIR:
+ * .status tells a store that stopped answering (tier_lines in ops.c). */
+static void store_busy(ckpt_fs_t *fs, const flush_job_t *j, bool on) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
+  if (ck)
+    atomic_store(&ck->tier.busy_since, on ? now : 0);
+  pthread_mutex_unlock(&fs->lock);
+}
+
 /* Does every chunk and blob of m stored in data file (rank, k) have its
  * checksum in fd? 0, -EBADMSG (logged: the tier's copy is damaged, which
  * no retry mends) or -errno. */
@@ -612,9 +625,12 @@ static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
     size_t n = size - off < step ? (size_t)(size - off) : step;
     if (!take_tokens(f, n))
       rc = -ECANCELED;
-    else if ((rc = ckpt__pread_full(in, buf, n, off)) == 0 &&
-             (errno = 0, pwrite(out, buf, n, (off_t)off)) != (ssize_t)n)
-      rc = errno ? -errno : -ENOSPC; /* short: the store is full */
+    else if ((rc = ckpt__pread_full(in, buf, n, off)) == 0) {
+      store_busy(f->fs, j, true);
+      if ((errno = 0, pwrite(out, buf, n, (off_t)off)) != (ssize_t)n)
+        rc = errno ? -errno : -ENOSPC; /* short: the store is full */
+      store_busy(f->fs, j, false);
+    }
     if (rc == 0 && count)
       count_done(f->fs, j, n);
   }
@@ -676,8 +692,11 @@ static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
     rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, true);
   if (rc == 0)
     ckpt_failpoint("flush_copy");
-  if (rc == 0 && fs->opts.sync_files && fsync(out))
-    rc = -errno;
+  if (rc == 0 && fs->opts.sync_files) {
+    store_busy(fs, j, true);
+    rc = fsync(out) ? -errno : 0;
+    store_busy(fs, j, false);
+  }
   char what[600];
   snprintf(what, sizeof(what), "%s/%s", j->name, name);
   if (rc == 0)

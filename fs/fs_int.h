@@ -510,6 +510,9 @@ typedef struct ckpt_tier_state {
   _Atomic bool flushed;        /* in BACKING_DIR (flushed, or loaded from
                                   there) */
   _Atomic uint64_t done, total; /* bytes of its data files copied */
+  _Atomic uint64_t busy_since; /* CLOCK_MONOTONIC ns when the flush began a
+                                  write or fsync on BACKING_DIR not yet
+                                  returned (0: none): a stalled store */
   _Atomic bool failed;         /* its flush failed for good in this mount:
                                   it may be removed (from the tier only) */
   char *why;                   /* "flush waiting: ..." or "flush failed:

@@ -247,16 +247,31 @@ void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
 }
 
 /* The .status text of ck. fs->lock held. */
+/* Seconds a write of the flush may take before .status calls the store
+ * stalled. */
+#define FLUSH_STALL_S 5.0
+
 /* .status of a committed checkpoint with -o tier: where it is, how far
  * its flush got and what it waits for (docs/tiers.md). fs->lock held. */
 static const char *tier_lines(const ckpt_ckpt_t *ck, char *buf, size_t n) {
   if (!ck->tier.tiered)
     return "";
-  snprintf(buf, n, "location %s\nflush bytes %llu of %llu\n%s%s",
+  char stalled[160] = "";
+  uint64_t busy = atomic_load(&ck->tier.busy_since);
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  double for_s = busy ? ((double)ts.tv_sec + ts.tv_nsec * 1e-9) - busy * 1e-9
+                      : 0;
+  if (!ck->tier.why && for_s >= FLUSH_STALL_S)
+    snprintf(stalled, sizeof(stalled),
+             "flush waiting: BACKING_DIR has not answered a write for %.0f s "
+             "(slow, full or down); the copy goes on when it does\n", for_s);
+  snprintf(buf, n, "location %s\nflush bytes %llu of %llu\n%s%s%s",
            atomic_load(&ck->tier.flushed) ? "shared" : "local",
            (unsigned long long)atomic_load(&ck->tier.done),
            (unsigned long long)atomic_load(&ck->tier.total),
-           ck->tier.why ? ck->tier.why : "", ck->tier.why ? "\n" : "");
+           ck->tier.why ? ck->tier.why : "", ck->tier.why ? "\n" : "",
+           stalled);
   return buf;
 }
 

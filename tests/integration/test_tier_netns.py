@@ -450,20 +450,14 @@ class StoreFullDown(TierNetnsCase):
         self.wait_location(w, "full", "shared")
         self.store.down()
         try:
-            down, took, st = self.commit_held(w, "down", 6, "location ")
-            time.sleep(3)
-            st = self.statuses(w, "down")
+            # a store that stalls rather than fails: a write of the flush
+            # does not return; .status says so after 5 s
+            down, took, st = self.commit_held(w, "down", 6, "has not answered")
             waiting = [ln for s in st.values() for ln in s.splitlines()
                        if ln.startswith("flush ")]
-            say(f"store down: commit {took:.3f}s; .status: {sorted(set(waiting))}")
+            say(f"store down: commit {took:.3f}s; .status: {sorted(set(waiting))[:3]}")
             for r, s in st.items():
                 self.assertNotIn("location shared", s, f"rank {r}")
-            # a store that stalls rather than fails: the flush's bytes stop
-            # short of the total (or it says it waits)
-            stuck = [s for s in st.values() if "flush waiting: " in s or any(
-                int(m.group(1)) < int(m.group(2))
-                for m in re.finditer(r"flush bytes (\d+) of (\d+)", s))]
-            self.assertTrue(stuck, f"no rank shows its flush held up: {st}")
         finally:
             self.store.up()
         self.wait_location(w, "down", "shared")
