@@ -93,6 +93,11 @@ typedef struct flush_job {
   int held;         /* BACKING_DIR/.saves/SAVE_ID, held, or -1 */
   double not_before; /* CLOCK_MONOTONIC s of its next try */
   double backoff;
+  /* A sync commit with level=shared: its writer waits here for the shared
+   * publish (answered when the job is over: done, or not). */
+  fuse_req_t waiter;
+  size_t waiter_size;
+  bool flushed;     /* over because published on BACKING_DIR */
   struct flush_job *next;
 } flush_job_t;
 
@@ -1165,6 +1170,7 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
     ckpt__log("tier: %s flushed to %s (rank %d's files) in %.2f s", j->name,
               fs->backing_path, j->rank, ckpt__mono_now() - t0);
     free(err);
+    j->flushed = true;
     return true;
   }
   if (rc == -ECANCELED) { /* unmount: the record resumes it */
@@ -1244,9 +1250,20 @@ static void append(ckpt_flush_t *f, flush_job_t *j) {
   f->tail = j;
 }
 
+/* The job is over (or the flush stops): a writer waiting for the shared
+ * level gets its answer, EIO when the checkpoint did not get there in this
+ * mount (it stays committed in the tier; .status says why). */
 static void free_job(flush_job_t *j) {
   if (j->held >= 0)
     close(j->held);
+  if (j->waiter && j->flushed)
+    fuse_reply_write(j->waiter, j->waiter_size);
+  else if (j->waiter) {
+    ckpt__log("tier: %s: level=shared: not published in BACKING_DIR by "
+              "this mount; the writer gets EIO (committed in the tier)",
+              j->name);
+    fuse_reply_err(j->waiter, EIO);
+  }
   free(j);
 }
 
@@ -1305,6 +1322,7 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
   }
   *j = *tmpl;
   j->held = -1;
+  j->flushed = false;
   pthread_mutex_lock(&f->lock);
   append(f, j);
   pthread_cond_signal(&f->cond);
@@ -1313,8 +1331,10 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
 
 static void queue_record(ckpt_fs_t *fs, int dfd, const char *id, void *arg) {
   flush_job_t j;
-  if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank))
+  if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank)) {
+    j.waiter = NULL;
     queue(arg, &j);
+  }
 }
 
 int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
@@ -1336,7 +1356,7 @@ int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
 }
 
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
-                     int rank) {
+                     int rank, fuse_req_t waiter, size_t waiter_size) {
   int dfd = open_records(f->fs, false);
   flush_job_t j;
   char rec[CKPT_SAVE_ID_LEN + 16];
@@ -1344,11 +1364,16 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
   int rc = dfd < 0 ? dfd : read_record(dfd, rec, &j);
   if (dfd >= 0)
     close(dfd);
-  if (rc == 0 && !strcmp(j.name, name))
+  if (rc == 0 && !strcmp(j.name, name)) {
+    j.waiter = waiter;
+    j.waiter_size = waiter_size;
     queue(f, &j);
-  else
-    ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,
-              rec, strerror(rc ? -rc : ESTALE));
+    return;
+  }
+  ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,
+            rec, strerror(rc ? -rc : ESTALE));
+  if (waiter)
+    fuse_reply_err(waiter, EIO);
 }
 
 void ckpt__flush_stop(ckpt_flush_t *f) {

@@ -787,9 +787,12 @@ int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err);
 void ckpt__flush_recover(ckpt_fs_t *fs);
 /* Start the thread; it queues every record left by earlier mounts. */
 int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out);
-/* Queue the tier checkpoint name (just committed). */
+/* Queue the tier checkpoint name (just committed). waiter, if not NULL:
+ * a sync commit's write (level=shared), answered with waiter_size once
+ * the checkpoint is published in BACKING_DIR, EIO if it is not in this
+ * mount. */
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
-                     int rank);
+                     int rank, fuse_req_t waiter, size_t waiter_size);
 /* Stop it: a copy under way is abandoned (the record stays). */
 void ckpt__flush_stop(ckpt_flush_t *f);
 /* Does a flush record name save_id, of any rank (its checkpoint is not

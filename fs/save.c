@@ -1418,7 +1418,9 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ckpt__keep_policy(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");
-  if (s->sync) {
+  /* level=shared: a sync writer waits for the flush's shared publish */
+  bool to_flush = rc == 0 && fs->flush && s->sync && s->words.level_shared;
+  if (s->sync && !to_flush) {
     if (rc == 0)
       fuse_reply_write(s->req, s->reply_size);
     else
@@ -1426,7 +1428,8 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   }
   /* The writer has its answer: the copy to BACKING_DIR starts behind it. */
   if (rc == 0 && fs->flush)
-    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank);
+    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank,
+                    to_flush ? s->req : NULL, s->reply_size);
   save_free(fs, s);
 }
 

@@ -135,6 +135,8 @@ int ckpt_metric_value_parse(const char *s, size_t len, double *out);
 typedef struct {
   bool sync;          /* "sync" (else "async") */
   bool solo;          /* "solo": this rank alone, as a world of one */
+  bool level_shared;  /* "level=shared": with a tier, a sync commit returns
+                         once published in BACKING_DIR */
   char replace[256];  /* "replace=TARGET": TARGET, or "" */
   /* Retention (docs/saving.md, "Retention"): recorded in .metadata. */
   bool has_step;      /* "step=N" */
@@ -144,7 +146,8 @@ typedef struct {
   ckpt_metric_t metrics[CKPT_MAX_METRICS];
 } ckpt_commit_words_t;
 /* Parse buf[0..len): 0, or -EINVAL for anything but "sync"/"async" then
- * "solo", "replace=TARGET", "step=N", "protect" (each at most once) and
+ * "solo", "replace=TARGET", "step=N", "protect", "level=shared" (each at
+ * most once) and
  * "metric=KEY:VALUE" (up to CKPT_MAX_METRICS, distinct keys), in any
  * order, spaces between (TARGET a checkpoint name without spaces), and a
  * final newline. */

@@ -9,6 +9,8 @@
  *   metric=KEY:VALUE a number retention may rank by (keep=best:...);
  *                    up to CKPT_MAX_METRICS, each KEY once
  *   protect          never removed by a retention policy
+ *   level=shared     with -o tier: a sync commit returns once the
+ *                    checkpoint is published in BACKING_DIR (the flush)
  *
  * Each at most once (metric= once per KEY); a trailing newline is fine. TARGET is a checkpoint
  * name that runs to the next space or the end, so a name holding a space
@@ -65,7 +67,7 @@ int ckpt_commit_words_parse(const char *buf, size_t len,
     len--;
   size_t i = 0, word = 0;
   bool seen_solo = false, seen_replace = false, seen_step = false,
-       seen_protect = false;
+       seen_protect = false, seen_level = false;
   if (len == 0 || buf[0] == ' ' || buf[len - 1] == ' ')
     return -EINVAL; /* the word first, nothing after the last */
   while (i < len) {
@@ -105,6 +107,8 @@ int ckpt_commit_words_parse(const char *buf, size_t len,
         return -EINVAL;
     } else if (n == 7 && memcmp(w, "protect", 7) == 0 && !seen_protect) {
       out->protect = seen_protect = true;
+    } else if (n == 12 && memcmp(w, "level=shared", 12) == 0 && !seen_level) {
+      out->level_shared = seen_level = true;
     } else {
       return -EINVAL;
     }

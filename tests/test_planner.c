@@ -443,6 +443,9 @@ static void test_retention_words(void **state) {
   s = "async replace=x step=0 solo";
   assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
   assert_true(w.has_step && w.step == 0 && !w.protect && w.n_metrics == 0);
+  s = "sync level=shared replace=x";
+  assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
+  assert_true(w.sync && w.level_shared);
   s = "sync step=9223372036854775807";
   assert_int_equal(ckpt_commit_words_parse(s, strlen(s), &w), 0);
   assert_true(w.step == INT64_MAX);
@@ -453,7 +456,8 @@ static void test_retention_words(void **state) {
       "sync metric=loss:nan", "sync metric=loss:inf", "sync metric=loss:1e999",
       "sync metric=loss:0x1p3", "sync metric=loss: 1", "sync metric=l/s:1",
       "sync metric=a:1 metric=a:2", "sync protect protect", "sync protected",
-      "sync metric=loss:1:2"};
+      "sync metric=loss:1:2", "sync level=shared level=shared",
+      "sync level=partner", "sync level=", "sync level=Shared"};
   for (size_t i = 0; i < N_OF(bad); i++)
     assert_int_equal(ckpt_commit_words_parse(bad[i], strlen(bad[i]), &w),
                      -EINVAL);

@@ -215,6 +215,52 @@ class Flush(TierCase):
         print(f"  commit without tier {self.timed_commit('d'):.3f} s", file=sys.stderr)
 
 
+    def test_level_shared_waits_for_the_flush(self):
+        """`sync level=shared`: the commit returns once the checkpoint is
+        published in BACKING_DIR (64 MiB at flush_rate=16M: 4 s), not at
+        tier speed; a flush that fails for good answers it EIO; without a
+        tier the word changes nothing."""
+        self.tier_mount("flush_rate=16M")
+        self.stage()
+        t0 = time.monotonic()
+        commit(self.ck("c"), "sync level=shared")
+        took = time.monotonic() - t0
+        self.assertTrue(os.path.exists(os.path.join(self.backing, "c", ".metadata")),
+                        f"returned after {took:.2f} s, not in BACKING_DIR")
+        self.assertGreaterEqual(took, 3.5)
+        self.assertIn("location shared", status(self.ck("c")))
+        # NAME published in BACKING_DIR by another mount while the writer
+        # waits: the flush fails for good, the writer gets EIO
+        self.stage("d")
+        got = []
+
+        def waiting_writer():
+            try:
+                commit(self.ck("d"), "sync level=shared")
+                got.append(0)
+            except OSError as e:
+                got.append(e.errno)
+        t = threading.Thread(target=waiting_writer)
+        t.start()
+        time.sleep(1)
+        self.assertEqual(got, [], "returned before the flush")
+        mnt2 = os.path.join(self.dir, "mnt2")
+        os.makedirs(mnt2, exist_ok=True)
+        self.mount(mnt=mnt2)  # no tier, the same BACKING_DIR
+        os.mkdir(os.path.join(mnt2, "d"))
+        write_file(os.path.join(mnt2, "d", "w"), b"other")
+        commit(os.path.join(mnt2, "d"))
+        t.join(30)
+        self.assertEqual(got, [errno.EIO], self.daemon_log())
+        self.assertIn("flush failed", status(self.ck("d")))
+        for m in self.mounts:
+            m.stop()
+        self.mounts = []
+        self.mount()  # without the tier: the word is accepted, a plain sync
+        self.stage("e")
+        commit(self.ck("e"), "sync level=shared")
+        self.assertTrue(os.path.exists(os.path.join(self.backing, "e", ".metadata")))
+
     def test_bad_copy_not_published(self):
         """A data file damaged in the tier after the commit: the copy's
         checksums do not match the .metadata, nothing is published, the
