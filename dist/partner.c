@@ -32,9 +32,11 @@
 
 #include "dist_int.h"
 
-#define FRAME ((size_t)16 << 20) /* data bytes per message */
-#define INFLIGHT 4               /* unfinished DATA sends per sender */
-#define HEAD 17                  /* round, kind, file, offset */
+#define HEAD 17 /* a DATA message's round, kind, file, offset */
+/* Data bytes per message: with its header (and ckpt_buf's NUL), one
+ * buffer of 4 MiB, which ckpt_buf would round up to 8 MiB if larger. */
+#define FRAME (((size_t)4 << 20) - HEAD - 1)
+#define INFLIGHT 8 /* unfinished DATA sends per sender: 32 MiB */
 
 enum { KIND_LIST = 'L', KIND_DATA = 'D', KIND_STOP = 'S' };
 
@@ -192,10 +194,15 @@ static int send_some(xchg_t *x, bool *busy) {
     size_t len = f->size - x->off < FRAME ? (size_t)(f->size - x->off) : FRAME;
     ckpt_buf_t m;
     ckpt_buf_init(&m);
+    int rc = ckpt_buf_reserve(&m, HEAD + len);
+    if (rc) {
+      fail(x, "rank %d: partner copies: out of memory", x->me);
+      return rc;
+    }
     head(&m, x->round, KIND_DATA);
     ckpt__put_u32(&m, x->cur);
     put_u64(&m, x->off);
-    int rc = read_frame(x, f, x->off, len, &m);
+    rc = read_frame(x, f, x->off, len, &m);
     if (rc) {
       ckpt_buf_free(&m);
       return rc;
