@@ -145,6 +145,7 @@ class Copies(PartnerCase):
                 if r in it.copies:
                     self.assertEqual(read_all(os.path.join(w.mnt(r), "step-2", it.path)),
                                      it.data, f"rank {r}: step-2/{it.path}")
+        self.umount_ok(w)
 
     def test_two_nodes_one_rank(self):
         self.one_world([1, 1], 24 * MiB)
@@ -220,6 +221,7 @@ class KilledPartner(PartnerCase):
         stage(w, "next", blobs(4, 4 * MiB, seed=6))
         self.assertCommitted(self.commit_all(w, "next"), w, "next")
         self.assertPartnerCopies(w, "next")
+        self.umount_ok(w, "--discard")  # "full" is still staged, failed
 
 
 class OneNode(PartnerCase):
