@@ -241,7 +241,8 @@ int ckpt__mpi_recv_start(ckpt_dist_t *d, int src, int tag, ckpt_buf_t *buf,
     ckpt_buf_init(buf);
     r->buf.len = 0;
   }
-  if (!r || ckpt_buf_reserve(&r->buf, (size_t)count + 1)) {
+  /* (reserve keeps a byte for a NUL: a 4 MiB frame fits 4 MiB) */
+  if (!r || ckpt_buf_reserve(&r->buf, (size_t)count)) {
     MPI_Mrecv(NULL, 0, MPI_BYTE, &m, MPI_STATUS_IGNORE); /* drop it */
     if (r) {
       *buf = r->buf;
