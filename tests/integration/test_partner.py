@@ -7,7 +7,8 @@ its own; BACKING_DIR is shared.
     python3 tests/integration/test_partner.py --bin build/bin/ckptfs [Class ...]
 
 Classes:
-  Copies        2 nodes x 1 rank and 2 nodes x 2 ranks: once a sync commit
+  Copies        2 nodes x 1 rank, 2 nodes x 2 ranks, and 2 ranks and 1
+                (rank 2 keeps copies for both of node 0): once a sync commit
                 at tier_level=partner returns, every data file of every rank
                 is in its partner's node's tier too (the same names, the
                 same bytes), and the partner copies are the only files of
@@ -152,6 +153,10 @@ class Copies(PartnerCase):
 
     def test_two_nodes_two_ranks(self):
         self.one_world([2, 2], 12 * MiB)
+
+    def test_uneven_nodes(self):
+        # ranks 0 and 1 on node 0 both have rank 2 (node 1) as partner
+        self.one_world([2, 1], 8 * MiB)
 
 
 class KilledPartner(PartnerCase):
