@@ -19,6 +19,10 @@ Classes:
                 commit, naming rank 2; nothing is published in BACKING_DIR
                 or any tier, and the partner copies the survivors received
                 are gone
+  HungPartner   2 nodes x 1 rank: rank 1's daemon stopped (SIGSTOP) while
+                rank 0 waits for its copies: rank 0 fails at commit_timeout
+                saying what did not come, rank 1 too once continued; the
+                next commit drops the late frames and commits exact copies
   OneNode       2 ranks on one node: the commit fails on both, saying that
                 partner copies need two nodes; tier_level=partner without
                 tier= is refused at mount
@@ -33,6 +37,7 @@ import errno
 import glob
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -227,6 +232,46 @@ class KilledPartner(PartnerCase):
         self.assertCommitted(self.commit_all(w, "next"), w, "next")
         self.assertPartnerCopies(w, "next")
         self.umount_ok(w, "--discard")  # "full" is still staged, failed
+
+
+class HungPartner(PartnerCase):
+    NODES = 2
+    OPTS = "commit_timeout=3,io_threads=2,flush_rate=1K"
+
+    def test_partner_stopped_then_next_commit(self):
+        # rank 1's daemon is stopped (SIGSTOP) while rank 0 waits for its
+        # partner copies: rank 0 gives up at commit_timeout saying what
+        # did not come; rank 1, continued, fails too. Its frames of that
+        # round are still on their way to rank 0: the next commit must
+        # drop them and commit with exact copies.
+        w = self.partner_world([1, 1])
+        stage(w, "hung", blobs(2, 96 * MiB, seed=7))
+        pid1 = w.daemon_pid(1)
+        c = Commits(w, "hung")
+        st0 = ""
+        while "partner copies" not in st0 and not c.done([0]):
+            st0 = status(os.path.join(w.mnt(0), "hung"))
+        if c.done([0]):
+            self.skipTest(f"rank 0's exchange ended before it was seen: {c.results}")
+        os.kill(pid1, signal.SIGSTOP)
+        try:
+            self.assertIn("waiting for rank 1 (node 1) to take this rank's partner copies and "
+                          "to send its own (commit_timeout)", st0)
+            self.assertTrue(c.wait([0], timeout=60), "rank 0 still waits")
+        finally:
+            os.kill(pid1, signal.SIGCONT)
+        st = self.assertFailedCommit(w, "hung", 0, c.results[0])
+        self.assertRegex(st, r"rank 0: partner copies not done within 3 s \(commit_timeout\): "
+                             r"\d+ of \d+ bytes came from rank 1 \(node 1\)|nothing came from "
+                             r"rank 1", st)
+        self.assertTrue(c.wait([1], timeout=60), "rank 1's commit did not return")
+        self.assertFailedCommit(w, "hung", 1, c.results[1])
+        self.assertNothingPublished(w, "hung")
+        after = blobs(2, 8 * MiB, seed=8)
+        stage(w, "after", after)
+        self.assertCommitted(self.commit_all(w, "after"), w, "after")
+        self.assertPartnerCopies(w, "after")
+        self.umount_ok(w, "--discard")
 
 
 class OneNode(PartnerCase):
