@@ -23,9 +23,10 @@ Classes:
                 rank 0 waits for its copies: rank 0 fails at commit_timeout
                 saying what did not come, rank 1 too once continued; the
                 next commit drops the late frames and commits exact copies
-  OneNode       2 ranks on one node: the commit fails on both, saying that
-                partner copies need two nodes; tier_level=partner without
-                tier= is refused at mount
+  OneNode       2 ranks on one node, and one daemon without mpirun: the
+                commit fails on every rank, saying that partner copies need
+                two nodes; tier_level=partner without tier= is refused at
+                mount
   Timing        (CKPT_PARTNER_BENCH=1 only) the sync commit of 64 MiB per
                 rank, 2 nodes x 1 rank, at tier_level=partner against local,
                 interleaved rounds; prints the ratio
@@ -288,6 +289,37 @@ class OneNode(PartnerCase):
         self.assertFalse(os.path.exists(os.path.join(self.backing, "alone")))
         self.assertFalse(os.path.exists(self.cluster.path(0, os.path.join(self.tier, "alone"))))
         self.assertEqual(self.tier_files(0, "alone"), {})
+
+    def test_world_of_one(self):
+        # one daemon, no mpirun (a world of one rank, no MPI at all)
+        mnt = os.path.join(self.root, "solo")
+        os.makedirs(self.cluster.path(0, mnt))
+        log = os.path.join(self.dir, "solo.log")
+        argv = [cu.BIN, "-f", "-o", f"tier={self.tier},tier_level=partner,log={log}",
+                self.backing, mnt]
+        p = self.cluster.popen(0, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=cu.daemon_env())
+        try:
+            seen = self.cluster.path(0, mnt)
+            deadline = time.monotonic() + 30
+            while not self.cluster.mounts(0, self.root, "fuse.ckptfs"):
+                self.assertIsNone(p.poll(), f"the daemon exited: {cu.read_log(log)}")
+                self.assertLess(time.monotonic(), deadline, "not mounted in 30 s")
+                time.sleep(0.05)
+            os.mkdir(os.path.join(seen, "one"))
+            cu.write_file(os.path.join(seen, "one", "w"), b"x" * 4096)
+            with self.assertRaises(OSError) as e:
+                cu.commit(os.path.join(seen, "one"))
+            self.assertEqual(e.exception.errno, errno.EIO)
+            st = status(os.path.join(seen, "one"))
+            self.assertIn("the 1 rank(s) of this world are all on one node", st, st)
+        finally:
+            self.cluster.run(0, ["fusermount3", "-u", mnt])
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
     def test_partner_needs_tier(self):
         mnt = os.path.join(self.dir, "solo-mnt")
