@@ -512,6 +512,8 @@ typedef struct ckpt_tier_state {
   bool tiered;                 /* the mount has a tier: .status says where */
   _Atomic bool flushed;        /* in BACKING_DIR (flushed, or loaded from
                                   there) */
+  bool partner;                /* its tier copy holds partner copies:
+                                  committed at level partner */
   _Atomic uint64_t done, total; /* bytes of its data files copied */
   _Atomic uint64_t busy_since; /* CLOCK_MONOTONIC ns when the flush began a
                                   write or fsync on BACKING_DIR not yet
@@ -972,6 +974,10 @@ int ckpt__partner_close(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
  * directory), and forget them. */
 void ckpt__partner_discard(ckpt_partner_rx_t **rx, int dirfd);
 void ckpt__partner_rx_free(ckpt_partner_rx_t *rx);
+/* Does the tier's checkpoint directory dirfd hold a data file of a rank
+ * of another node than this mount's (a partner copy: the checkpoint was
+ * committed at level partner)? */
+bool ckpt__partner_copies_in(ckpt_fs_t *fs, int dirfd);
 /* A complete save directory ROOT/.saves/SAVE_ID to publish as ROOT/NAME. */
 typedef struct {
   int root_fd;           /* BACKING_DIR or the tier */

@@ -11,6 +11,7 @@
  * ranks of the previous node. A save that fails removes the copies it
  * received (discard_step), partial ones too.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -147,6 +148,27 @@ int ckpt__partner_close(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
   else if (ok)
     ckpt_failpoint("partner_synced");
   return rc;
+}
+
+bool ckpt__partner_copies_in(ckpt_fs_t *fs, int dirfd) {
+  int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
+  DIR *d = fd < 0 ? NULL : fdopendir(fd);
+  if (!d) {
+    if (fd >= 0)
+      close(fd);
+    return false;
+  }
+  int own = ckpt_dist_node_of(fs->dist, fs->rank);
+  bool found = false;
+  struct dirent *e;
+  while (!found && (e = readdir(d)) != NULL) {
+    int r, used = 0;
+    unsigned k;
+    found = sscanf(e->d_name, "__%d_%u.distcp%n", &r, &k, &used) == 2 &&
+            e->d_name[used] == '\0' && ckpt_dist_node_of(fs->dist, r) != own;
+  }
+  closedir(d);
+  return found;
 }
 
 void ckpt__partner_discard(ckpt_partner_rx_t **rxp, int dirfd) {
