@@ -9,6 +9,9 @@
  *   coordinator   global_step  -> one plan message per rank (or a reason)
  *   scatter
  *   all ranks     write_step   -> write result message
+ *   all ranks     partner copies (a job with partner set): each rank's
+ *                 files to its partner rank, the files of the ranks it
+ *                 is the partner of from them, written and synced here
  *   gather to the coordinator
  *   coordinator   finish_step  -> publish the metadata (or a reason),
  *                                 and the outcome's payload
@@ -41,9 +44,19 @@ struct ckpt_dist_job {
   char name[256];        /* checkpoint name, the same on every rank */
   bool solo;             /* this rank alone, as a world of one: its steps
                             run here, no message is sent or awaited */
+  bool partner;          /* copy each rank's data files to its partner
+                            rank before its result (partner_files) */
   void *user;            /* the caller's save state */
   ckpt_dist_job_t *next; /* queue link, owned by dist */
 };
+
+/* A data file of this rank for its partner (partner_files). */
+#define CKPT_DIST_FILE_NAME_MAX 64
+typedef struct {
+  char name[CKPT_DIST_FILE_NAME_MAX]; /* the owner's file name */
+  int fd;                             /* open for reading */
+  uint64_t size;                      /* bytes sent: [0, size) */
+} ckpt_dist_file_t;
 
 /*
  * The caller's side of the protocol. Steps return 0, or a negative errno
@@ -72,6 +85,22 @@ typedef struct {
   void (*discard_step)(void *ctx, ckpt_dist_job_t *job, bool all_done);
   /* Every rank, last: rc 0 and reason NULL when the save is committed. */
   void (*done)(void *ctx, ckpt_dist_job_t *job, int rc, const char *reason);
+  /* Partner copies, for a job with partner set, on every rank whose
+   * write_step succeeded, before its result is sent (the coordinator's
+   * too). partner_files: the files to send to rank partner (-1: the world
+   * is on one node, there is none): *files, malloc'd, n of them; dist
+   * closes each fd and frees the array. partner_open: a file of rank
+   * owner comes (name as the owner gave it, size bytes): a descriptor to
+   * write it into, or -errno. partner_close: the file is complete (ok:
+   * make it durable) or the exchange failed (ok false: close only); fd is
+   * closed either way. A received file of a save that then fails is the
+   * caller's to remove (discard_step). All three or none. */
+  int (*partner_files)(void *ctx, ckpt_dist_job_t *job, int partner,
+                       ckpt_dist_file_t **files, uint32_t *n, char **err);
+  int (*partner_open)(void *ctx, ckpt_dist_job_t *job, int owner,
+                      const char *name, uint64_t size, char **err);
+  int (*partner_close)(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
+                       char **err);
   /* Optional: what the save waits for now ("rank 1 and rank 3 to commit
    * NAME", NULL: nothing), and until when (CLOCK_MONOTONIC seconds, 0: no
    * deadline). Called on the dist thread whenever that changes. */

@@ -83,6 +83,16 @@ static uint32_t get_u32(const uint8_t *p) {
          (uint32_t)p[3] << 24;
 }
 
+/* The same, for partner.c. */
+double ckpt__now(void) { return now(); }
+void ckpt__pause_poll(unsigned *spins) { pause_poll(spins); }
+int ckpt__put_u32(ckpt_buf_t *b, uint32_t v) { return put_u32(b, v); }
+uint32_t ckpt__get_u32(const uint8_t *p) { return get_u32(p); }
+void ckpt__waiting(ckpt_dist_t *d, ckpt_dist_job_t *job, const char *what,
+                   double until) {
+  waiting(d, job, what, until);
+}
+
 /* Append a frame: the payload (rc 0) or the reason (rc < 0). */
 static int put_frame(ckpt_buf_t *out, int rc, const char *reason,
                      const ckpt_buf_t *payload) {
@@ -243,6 +253,23 @@ static void job_done(ckpt_dist_t *d, ckpt_dist_job_t *job, int rc,
                rc ? (reason && *reason ? reason : "commit failed") : NULL);
 }
 
+/* A rank's writes are done (rc: write_step's): its partner copies, for a
+ * job that makes them (partner.c), before its result is sent. When the
+ * writes failed, the ranks it exchanges with are told that nothing comes,
+ * and write_step's reason stays. */
+static int after_writes(ckpt_dist_t *d, ckpt_dist_job_t *job, uint32_t round,
+                        int rc, char **err) {
+  if (!job->partner || !d->ops->partner_files)
+    return rc;
+  char *why = NULL;
+  int prc = ckpt__partner_exchange(d, job, round, rc == 0, &why);
+  if (rc)
+    free(why);
+  else
+    rc = prc, *err = why;
+  return rc;
+}
+
 /* ------------------------------------------------------------------------
  * Client ranks.
  * ---------------------------------------------------------------------- */
@@ -314,6 +341,7 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   out.len = 0;
   err = NULL;
   rc = ops->write_step(d->ctx, job, &plan, &out, &err);
+  rc = after_writes(d, job, round, rc, &err);
   msg.len = 0;
   put_u32(&msg, round);
   if ((rc = framed_step(d, rc, err, &out, &msg)) != 0 ||
@@ -754,6 +782,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   ckpt_buf_t own_result;
   ckpt_buf_init(&own_result);
   rc = ops->write_step(d->ctx, job, &rank_plans[0], &own_result, &err);
+  rc = after_writes(d, job, round, rc, &err);
   results[0].in = true;
   framed_step(d, rc, err, &own_result, &results[0].msg);
   err = NULL;
@@ -765,8 +794,10 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
       late[r] = !results[r].in;
     if (late)
       put_ranks(&reasons, late, n);
-    ckpt_buf_printf(&reasons, " did not finish writing %s within %g s "
-                    "(commit_timeout)", job->name, d->commit_timeout);
+    ckpt_buf_printf(&reasons, " did not finish writing %s%s within %g s "
+                    "(commit_timeout)", job->name,
+                    job->partner ? " and its partner copies" : "",
+                    d->commit_timeout);
     free(late);
   }
   for (int r = 0; r < n; r++)

@@ -18,6 +18,9 @@
  *                               gone)
  *   STOPPED      0 -> client    u32 0 (the coordinator has stopped: no
  *                               save can run any more)
+ *   PARTNER      rank <-> rank  u32 round, u8 kind, body (partner.c):
+ *                               the partner copies of a round, between a
+ *                               rank and its partner
  *
  * A frame is one status byte, CKPT__FRAME_OK followed by the payload or
  * CKPT__FRAME_FAIL followed by the reason text. seq counts a client's
@@ -44,9 +47,11 @@ enum {
   CKPT__TAG_OUTCOME,
   CKPT__TAG_DISCARDED,
   CKPT__TAG_STOPPED,
+  CKPT__TAG_PARTNER,
 };
 
 typedef struct ckpt__pending ckpt__pending_t; /* an unfinished send */
+typedef struct ckpt__recv ckpt__recv_t;       /* an unfinished receive */
 
 struct ckpt_dist {
   int rank;
@@ -75,6 +80,8 @@ struct ckpt_dist {
                              up on (NULL until the first round) */
   bool coord_stopped;     /* client: rank 0 sent STOPPED */
   ckpt__pending_t *pending; /* sends not yet completed */
+  ckpt__recv_t *abandoned;  /* receives given up on: their buffers stay
+                               MPI's until it is finalized */
   void *comm;             /* mpi.c's communicator */
   /* Set before ready, read-only after: */
   int *node_of;           /* per world rank, its node (NULL: world of one) */
@@ -95,5 +102,34 @@ int ckpt__mpi_poll(ckpt_dist_t *d, int src, int tag, int *from,
                    ckpt_buf_t *out);
 /* Complete what sends can complete; true when none is pending. */
 bool ckpt__mpi_progress(ckpt_dist_t *d);
+/* Sends of tag whose message begins with the u32 key, not yet complete. */
+int ckpt__mpi_pending(ckpt_dist_t *d, int tag, uint32_t key);
+/* Receives that never block (large messages): start receiving one message
+ * of tag (from any rank if src < 0) if one has come, into buf (taken, and
+ * given back with the message by ckpt__mpi_recv_done): 1 with *r, 0 if
+ * none, < 0 on error. */
+int ckpt__mpi_recv_start(ckpt_dist_t *d, int src, int tag, ckpt_buf_t *buf,
+                         ckpt__recv_t **r);
+/* 1: r is complete and freed, buf holds its message from *from; 0: not
+ * yet; < 0: it failed (r is freed, buf given back empty). */
+int ckpt__mpi_recv_done(ckpt_dist_t *d, ckpt__recv_t *r, int *from,
+                        ckpt_buf_t *buf);
+/* Give up on r, unfinished: MPI may still write into its buffer, which is
+ * freed once MPI is finalized. */
+void ckpt__mpi_recv_abandon(ckpt_dist_t *d, ckpt__recv_t *r);
+
+/* dist.c, for partner.c. */
+double ckpt__now(void);
+void ckpt__pause_poll(unsigned *spins);
+int ckpt__put_u32(ckpt_buf_t *b, uint32_t v);
+uint32_t ckpt__get_u32(const uint8_t *p);
+void ckpt__waiting(ckpt_dist_t *d, ckpt_dist_job_t *job, const char *what,
+                   double until);
+
+/* partner.c: the partner copies of job in round, after this rank's writes
+ * (wrote: write_step succeeded; if not, the ranks it exchanges with are
+ * only told that nothing comes). 0, or -errno with *err (malloc'd). */
+int ckpt__partner_exchange(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                           uint32_t round, bool wrote, char **err);
 
 #endif /* CKPT_DIST_INT_H */

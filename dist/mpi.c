@@ -17,8 +17,15 @@
 
 struct ckpt__pending {
   MPI_Request req;
+  int tag;
   ckpt_buf_t msg; /* kept alive until the send completes */
   ckpt__pending_t *next;
+};
+
+struct ckpt__recv {
+  MPI_Request req;
+  ckpt_buf_t buf; /* MPI writes into it until the receive completes */
+  ckpt__recv_t *next; /* abandoned list */
 };
 
 static MPI_Comm comm_of(ckpt_dist_t *d) { return *(MPI_Comm *)d->comm; }
@@ -110,12 +117,23 @@ void ckpt__mpi_finalize(ckpt_dist_t *d) {
     ckpt_buf_free(&p->msg);
     free(p);
   }
+  /* Receives given up on: their requests go; their buffers only once MPI
+   * can no longer write into them. */
+  for (ckpt__recv_t *r = d->abandoned; r; r = r->next)
+    if (r->req != MPI_REQUEST_NULL)
+      MPI_Request_free(&r->req);
   if (d->comm) {
     MPI_Comm_free((MPI_Comm *)d->comm);
     free(d->comm);
     d->comm = NULL;
   }
   MPI_Finalize();
+  while (d->abandoned) {
+    ckpt__recv_t *r = d->abandoned;
+    d->abandoned = r->next;
+    ckpt_buf_free(&r->buf);
+    free(r);
+  }
 }
 
 void ckpt__mpi_abort(ckpt_dist_t *d, int code) {
@@ -133,6 +151,7 @@ int ckpt__mpi_send(ckpt_dist_t *d, int dest, int tag, ckpt_buf_t *msg) {
     ckpt_buf_free(msg);
     return -ENOMEM;
   }
+  p->tag = tag;
   p->msg = *msg;
   ckpt_buf_init(msg);
   int rc = MPI_Isend(p->msg.data, (int)p->msg.len, MPI_BYTE, dest, tag,
@@ -189,4 +208,78 @@ bool ckpt__mpi_progress(ckpt_dist_t *d) {
     }
   }
   return d->pending == NULL;
+}
+
+int ckpt__mpi_pending(ckpt_dist_t *d, int tag, uint32_t key) {
+  ckpt__mpi_progress(d);
+  int n = 0;
+  for (ckpt__pending_t *p = d->pending; p; p = p->next) {
+    const uint8_t *m = p->msg.data;
+    n += p->tag == tag && p->msg.len >= 4 &&
+         ((uint32_t)m[0] | (uint32_t)m[1] << 8 | (uint32_t)m[2] << 16 |
+          (uint32_t)m[3] << 24) == key;
+  }
+  return n;
+}
+
+int ckpt__mpi_recv_start(ckpt_dist_t *d, int src, int tag, ckpt_buf_t *buf,
+                         ckpt__recv_t **out) {
+  ckpt__mpi_progress(d);
+  int flag = 0;
+  MPI_Message m;
+  MPI_Status st;
+  if (MPI_Improbe(src < 0 ? MPI_ANY_SOURCE : src, tag, comm_of(d), &flag, &m,
+                  &st) != MPI_SUCCESS)
+    return -EIO;
+  if (!flag)
+    return 0;
+  int count = 0;
+  MPI_Get_count(&st, MPI_BYTE, &count);
+  ckpt__recv_t *r = calloc(1, sizeof(*r));
+  if (r) {
+    r->buf = *buf;
+    ckpt_buf_init(buf);
+    r->buf.len = 0;
+  }
+  /* (reserve keeps a byte for a NUL: a 4 MiB frame fits 4 MiB) */
+  if (!r || ckpt_buf_reserve(&r->buf, (size_t)count)) {
+    MPI_Mrecv(NULL, 0, MPI_BYTE, &m, MPI_STATUS_IGNORE); /* drop it */
+    if (r) {
+      *buf = r->buf;
+      free(r);
+    }
+    return -ENOMEM;
+  }
+  if (MPI_Imrecv(r->buf.data, count, MPI_BYTE, &m, &r->req) != MPI_SUCCESS) {
+    *buf = r->buf;
+    free(r);
+    return -EIO;
+  }
+  r->buf.len = (size_t)count;
+  *out = r;
+  return 1;
+}
+
+int ckpt__mpi_recv_done(ckpt_dist_t *d, ckpt__recv_t *r, int *from,
+                        ckpt_buf_t *buf) {
+  ckpt__mpi_progress(d);
+  int done = 0;
+  MPI_Status st;
+  int rc = MPI_Test(&r->req, &done, &st);
+  if (rc == MPI_SUCCESS && !done)
+    return 0;
+  ckpt_buf_free(buf);
+  *buf = r->buf;
+  free(r);
+  if (rc != MPI_SUCCESS) {
+    buf->len = 0;
+    return -EIO;
+  }
+  *from = st.MPI_SOURCE;
+  return 1;
+}
+
+void ckpt__mpi_recv_abandon(ckpt_dist_t *d, ckpt__recv_t *r) {
+  r->next = d->abandoned;
+  d->abandoned = r;
 }

@@ -98,6 +98,9 @@ typedef struct {
   char *metrics_file;         /* owned, -o metrics=FILE (%r not replaced),
                                  or NULL */
   char *tier_dir;             /* owned, -o tier=DIR, or NULL */
+  bool tier_partner;          /* -o tier_level=partner: a commit copies
+                                 each rank's data files to its partner
+                                 rank's tier before it succeeds */
   uint64_t flush_rate;        /* bytes/s of the flush to BACKING_DIR; 0:
                                  unlimited */
 } ckpt_opts_t;
@@ -509,6 +512,8 @@ typedef struct ckpt_tier_state {
   bool tiered;                 /* the mount has a tier: .status says where */
   _Atomic bool flushed;        /* in BACKING_DIR (flushed, or loaded from
                                   there) */
+  bool partner;                /* its tier copy holds partner copies:
+                                  committed at level partner */
   _Atomic uint64_t done, total; /* bytes of its data files copied */
   _Atomic uint64_t busy_since; /* CLOCK_MONOTONIC ns when the flush began a
                                   write or fsync on BACKING_DIR not yet
@@ -942,6 +947,37 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
 void ckpt__save_waiting(void *ctx, ckpt_dist_job_t *job, const char *what,
                         double until);
 extern const ckpt_save_ops_t ckpt__save_ops;
+/* What partner.c needs of a save (save.c). */
+typedef struct ckpt_partner_rx ckpt_partner_rx_t;
+typedef struct {
+  int dirfd;                /* ROOT/.saves/SAVE_ID, held */
+  int rank;                 /* the rank in the save's world */
+  const char *save_id;
+  uint32_t n_files;         /* this rank's data files __RANK_K.distcp */
+  const uint64_t *file_bytes;
+  ckpt_partner_rx_t **rx;   /* the partner copies received */
+} ckpt_save_view_t;
+void ckpt__save_view(ckpt_dist_job_t *job, ckpt_save_view_t *v);
+
+/* ------------------------------------------------------------------------
+ * Partner copies (partner.c, -o tier_level=partner): dist's partner ops.
+ * Each rank's data files go to its partner rank's tier, into the save's
+ * own TIER/.saves/SAVE_ID there, under the owner's names.
+ * ---------------------------------------------------------------------- */
+int ckpt__partner_files(void *ctx, ckpt_dist_job_t *job, int partner,
+                        ckpt_dist_file_t **files, uint32_t *n, char **err);
+int ckpt__partner_open(void *ctx, ckpt_dist_job_t *job, int owner,
+                       const char *name, uint64_t size, char **err);
+int ckpt__partner_close(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
+                        char **err);
+/* A failed save: remove the partner copies it received (dirfd: the save's
+ * directory), and forget them. */
+void ckpt__partner_discard(ckpt_partner_rx_t **rx, int dirfd);
+void ckpt__partner_rx_free(ckpt_partner_rx_t *rx);
+/* Does the tier's checkpoint directory dirfd hold a data file of a rank
+ * of another node than this mount's (a partner copy: the checkpoint was
+ * committed at level partner)? */
+bool ckpt__partner_copies_in(ckpt_fs_t *fs, int dirfd);
 /* A complete save directory ROOT/.saves/SAVE_ID to publish as ROOT/NAME. */
 typedef struct {
   int root_fd;           /* BACKING_DIR or the tier */

@@ -267,7 +267,9 @@ static const char *tier_lines(const ckpt_ckpt_t *ck, char *buf, size_t n) {
              "flush waiting: BACKING_DIR has not answered a write for %.0f s "
              "(slow, full or down); the copy goes on when it does\n", for_s);
   snprintf(buf, n, "location %s\nflush bytes %llu of %llu\n%s%s%s",
-           atomic_load(&ck->tier.flushed) ? "shared" : "local",
+           atomic_load(&ck->tier.flushed) ? "shared"
+           : ck->tier.partner             ? "partner"
+                                          : "local",
            (unsigned long long)atomic_load(&ck->tier.done),
            (unsigned long long)atomic_load(&ck->tier.total),
            ck->tier.why ? ck->tier.why : "", ck->tier.why ? "\n" : "",

@@ -34,6 +34,7 @@ enum {
   KEY_METRICS,
   KEY_TIER,
   KEY_FLUSH_RATE,
+  KEY_TIER_LEVEL,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -57,6 +58,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("metrics=", KEY_METRICS),
     FUSE_OPT_KEY("tier=", KEY_TIER),
     FUSE_OPT_KEY("flush_rate=", KEY_FLUSH_RATE),
+    FUSE_OPT_KEY("tier_level=", KEY_TIER_LEVEL),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -150,6 +152,15 @@ void ckpt__opts_help(void) {
       "  -o flush_rate=SIZE      bytes per second that copy may use, K/M/G "
 "suffixes; 0:\n"
       "                          unlimited (default: 0)\n"
+      "  -o tier_level=local|partner\n"
+      "                          what a commit waits for: the node's tier "
+"(local), or\n"
+      "                          also a copy of each rank's data in the tier "
+"of its\n"
+      "                          partner rank on the next node (partner; "
+"needs tier=\n"
+      "                          and a world on two nodes or more) "
+"(default: local)\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
@@ -299,6 +310,11 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "flush_rate", val, "bytes per second like 200M, or 0");
     o->flush_rate = v;
     return 0;
+  case KEY_TIER_LEVEL:
+    if (strcmp(val, "local") && strcmp(val, "partner"))
+      return bad(ps, "tier_level", val, "local or partner");
+    o->tier_partner = !strcmp(val, "partner");
+    return 0;
   case KEY_COMMIT_TIMEOUT: {
     char *end;
     errno = 0;
@@ -435,6 +451,9 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
     ps.err = strdup("missing BACKING_DIR or MOUNTPOINT "
                     "(usage: ckptfs [-f] [-o OPT,...] BACKING_DIR "
                     "MOUNTPOINT)");
+  if (!ps.err && o->tier_partner && !o->tier_dir)
+    ps.err = strdup("tier_level=partner needs tier=DIR: partner copies are "
+                    "kept in the tier of the partner's node");
   if (ps.err) {
     *err = ps.err;
     return -EINVAL;

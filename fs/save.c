@@ -66,6 +66,7 @@ typedef struct ckpt_save {
   uint64_t *stream_used; /* per stream: bytes its live files use */
   double began;          /* CLOCK_MONOTONIC s of the write to .commit */
   int step_rc;           /* -errno of the first step that failed here */
+  ckpt_partner_rx_t *partner_rx; /* partner copies received (partner.c) */
 } ckpt_save_t;
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
@@ -91,6 +92,7 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
     ckpt_rank_plan_free(&s->rp);
   if (s->dirfd >= 0)
     close(s->dirfd);
+  ckpt__partner_rx_free(s->partner_rx);
   free(s);
 }
 
@@ -239,6 +241,8 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   s->words = *words;
   s->rank = words->solo ? 0 : fs->rank;
   s->job.solo = words->solo;
+  /* a solo save is one rank's own, at the local level */
+  s->job.partner = fs->opts.tier_partner && !words->solo;
   s->replace = words->replace[0] != '\0';
   s->req = req;
   s->reply_size = reply_size;
@@ -1198,6 +1202,7 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
       ckpt_data_file_name(s->rank, k, name, sizeof(name));
       unlinkat(s->dirfd, name, 0);
     }
+    ckpt__partner_discard(&s->partner_rx, s->dirfd);
     if (fs->tier_fd >= 0 && s->have_rp) {
       ckpt__flush_unrecord(fs, s->rp.save_id, s->rank);
       /* another node's save directory: its last rank removes it */
@@ -1467,6 +1472,21 @@ static int finish_noted(void *ctx, ckpt_dist_job_t *job,
   return noted(job, finish_step(ctx, job, results, n, outcome, err));
 }
 
+void ckpt__save_view(ckpt_dist_job_t *job, ckpt_save_view_t *v) {
+  ckpt_save_t *s = job->user;
+  *v = (ckpt_save_view_t){.dirfd = s->dirfd,
+                          .rank = s->rank,
+                          .save_id = s->rp.save_id,
+                          .n_files = s->have_rp ? s->rp.n_files : 0,
+                          .file_bytes = s->rp.file_bytes,
+                          .rx = &s->partner_rx};
+}
+
+static int partner_noted(void *ctx, ckpt_dist_job_t *job, int partner,
+                         ckpt_dist_file_t **files, uint32_t *n, char **err) {
+  return noted(job, ckpt__partner_files(ctx, job, partner, files, n, err));
+}
+
 const ckpt_save_ops_t ckpt__save_ops = {
     .local_step = local_noted,
     .global_step = global_noted,
@@ -1474,6 +1494,9 @@ const ckpt_save_ops_t ckpt__save_ops = {
     .finish_step = finish_noted,
     .publish_step = publish_step,
     .discard_step = discard_step,
+    .partner_files = partner_noted,
+    .partner_open = ckpt__partner_open,
+    .partner_close = ckpt__partner_close,
     .done = save_done,
     .waiting = ckpt__save_waiting,
 };

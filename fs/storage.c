@@ -146,6 +146,7 @@ int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
  * tier's flush (looked up before fs->lock is taken). */
 typedef struct {
   bool flushed;
+  bool partner; /* committed at level partner (fs/partner.c) */
   uint64_t total;
 } tier_look_t;
 
@@ -158,6 +159,7 @@ static tier_look_t tier_look(ckpt_fs_t *fs, const ckpt_metadata_t *meta,
   t.total = ckpt__flush_bytes(dfd, fs->world_size > 1 ? fs->rank : -1);
   t.flushed = root != fs->tier_fd ||
               !ckpt__flush_unflushed(fs, meta->save_id);
+  t.partner = root == fs->tier_fd && ckpt__partner_copies_in(fs, dfd);
   return t;
 }
 
@@ -166,6 +168,7 @@ static void set_tier_state(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                            const tier_look_t *t) {
   ck->tier.tiered = fs->tier_fd >= 0;
   atomic_store(&ck->tier.flushed, t->flushed);
+  ck->tier.partner = t->partner;
   atomic_store(&ck->tier.total, t->total);
   atomic_store(&ck->tier.done, t->flushed ? t->total : 0);
 }

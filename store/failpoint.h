@@ -42,6 +42,12 @@
  *                    synced; its flush record is not removed yet
  *   tier_publish     a rank of another node than the coordinator's has the
  *                    OUTCOME (committed); its node's tier publish not begun
+ *
+ * Partner copies (fs/partner.c, -o tier_level=partner):
+ *   partner_open     (error point) a partner copy of another rank's data
+ *                    file is being made in this rank's tier
+ *   partner_synced   one received partner copy is complete and synced
+ *                    (use :N), the exchange not done
  */
 #ifndef CKPT_FAILPOINT_H
 #define CKPT_FAILPOINT_H
