@@ -261,6 +261,32 @@ class Flush(TierCase):
         commit(self.ck("e"), "sync level=shared")
         self.assertTrue(os.path.exists(os.path.join(self.backing, "e", ".metadata")))
 
+    def test_ckptctl_wait_level(self):
+        """ckptctl wait --level: local returns once committed, shared once
+        flushed (64 MiB at 16 MiB/s); a bad level is a usage error."""
+        ctl = os.path.join(os.path.dirname(cu.BIN), "ckptctl")
+        self.tier_mount("flush_rate=16M")
+        self.stage()
+        commit(self.ck("c"), "async")
+        t0 = time.monotonic()
+        r = subprocess.run([ctl, "wait", "--level", "local", self.ck("c")],
+                           capture_output=True, text=True, timeout=60)
+        local = time.monotonic() - t0
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.backing, "c", ".metadata")))
+        r = subprocess.run([ctl, "wait", "--level", "shared", self.ck("c")],
+                           capture_output=True, text=True, timeout=60)
+        shared = time.monotonic() - t0
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(self.backing, "c", ".metadata")))
+        self.assertIn("location local", r.stdout)
+        self.assertLess(local, 2.0)
+        self.assertGreaterEqual(shared, 3.5)
+        r = subprocess.run([ctl, "wait", "--level", "nowhere", self.ck("c")],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("expected local, partner or shared", r.stderr)
+
     def test_bad_copy_not_published(self):
         """A data file damaged in the tier after the commit: the copy's
         checksums do not match the .metadata, nothing is published, the

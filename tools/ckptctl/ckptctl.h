@@ -38,6 +38,8 @@ typedef struct {
   enum { SORT_TIME, SORT_NAME, SORT_SIZE } sort; /* ls */
   double timeout;      /* seconds; 0: none */
   double interval;     /* seconds */
+  int level;           /* wait --level: 0 none (committed), 1 local,
+                          2 partner, 3 shared */
   char *pos[4];        /* positional arguments */
   int npos;
 } args_t;

@@ -229,6 +229,46 @@ static int wait_end(wait_t *w) {
   return ok ? 0 : EXIT_NO;
 }
 
+/* The level of a committed checkpoint's .status: 3 (shared) without a
+ * location line (no tier: every commit ends on BACKING_DIR). */
+static int location_level(const char *text) {
+  const char *p = strstr(text, "\nlocation ");
+  if (!p)
+    return 3;
+  p += strlen("\nlocation ");
+  return !strncmp(p, "shared", 6) ? 3 : !strncmp(p, "partner", 7) ? 2 : 1;
+}
+
+/* Committed, waiting for --level: a line when the location or the flush's
+ * bytes change (at most each second); true once there. *failed: the
+ * flush failed for good (the reason printed). */
+static bool at_level(wait_t *w, double el, bool *failed) {
+  if (location_level(w->text) >= w->a->level)
+    return true;
+  const char *f = strstr(w->text, "\nflush failed: ");
+  if (f) {
+    *failed = true;
+    fail("%s: committed, but its flush failed: %.*s", w->name,
+         (int)strcspn(f + 16, "\n"), f + 16);
+    return false;
+  }
+  unsigned long long d = 0, t = 0;
+  const char *p = strstr(w->text, "\nflush bytes ");
+  if (p)
+    sscanf(p, "\nflush bytes %llu of %llu", &d, &t);
+  if (!w->a->json && (w->done != d || w->last_line < 0) &&
+      el - w->last_line >= 1) {
+    const char *loc = strstr(w->text, "\nlocation ");
+    printf("%s: committed, location %.*s, flush %llu of %llu bytes\n",
+           w->name, loc ? (int)strcspn(loc + 10, "\n") : 0,
+           loc ? loc + 10 : "", d, t);
+    fflush(stdout);
+    w->last_line = el;
+  }
+  w->done = d, w->total = t;
+  return false;
+}
+
 int cmd_wait(const args_t *a, int bfd) {
   (void)bfd;
   wait_t w;
@@ -238,9 +278,22 @@ int cmd_wait(const args_t *a, int bfd) {
     if (poll_status(&w))
       return EXIT_USAGE;
     double el = now_s() - w.start;
-    if (!strcmp(w.state, "committed") || !strcmp(w.state, "failed"))
+    if (!strcmp(w.state, "failed"))
       break;
-    show_progress(&w, el);
+    if (!strcmp(w.state, "committed")) {
+      bool failed = false;
+      if (!a->level || at_level(&w, el, &failed))
+        break;
+      if (failed) {
+        if (a->json)
+          wait_json(w.dir, "flush failed", w.state, NULL, w.done, w.total,
+                    el);
+        free(w.text);
+        return EXIT_NO;
+      }
+    } else {
+      show_progress(&w, el);
+    }
     snprintf(w.last_state, sizeof(w.last_state), "%s", w.state);
     if (a->timeout > 0 && el >= a->timeout) {
       status = wait_timeout(&w, el);

@@ -42,7 +42,8 @@ const char *const prog = "ckptctl";
 
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
        OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT, OPT_DCP,
-       OPT_KEEP_LAST, OPT_KEEP_EVERY, OPT_KEEP_BEST, OPT_METRIC, OPT_MODE };
+       OPT_KEEP_LAST, OPT_KEEP_EVERY, OPT_KEEP_BEST, OPT_METRIC, OPT_MODE,
+       OPT_LEVEL };
 #define OPTBIT(o) (1u << ((o) - OPT_JSON))
 
 /* Every option of every command; each command takes --json, --help and
@@ -63,6 +64,7 @@ static const struct option all_options[] = {
     {"keep-best", required_argument, NULL, OPT_KEEP_BEST},
     {"metric", required_argument, NULL, OPT_METRIC},
     {"mode", required_argument, NULL, OPT_MODE},
+    {"level", required_argument, NULL, OPT_LEVEL},
     {0, 0, 0, 0}};
 
 typedef struct {
@@ -151,6 +153,15 @@ static int parse_option(int c, char **argv, args_t *a) {
       return usage_error("--mode '%s': expected min or max", optarg);
     a->mode = optarg;
     a->policy.maximize = !strcmp(optarg, "max");
+    break;
+  case OPT_LEVEL:
+    a->level = !strcmp(optarg, "local")     ? 1
+               : !strcmp(optarg, "partner") ? 2
+               : !strcmp(optarg, "shared")  ? 3
+                                            : -1;
+    if (a->level < 0)
+      return usage_error("--level '%s': expected local, partner or shared",
+                         optarg);
     break;
   case OPT_DRY_RUN:
     a->dry_run = true;
@@ -393,9 +404,10 @@ static const command_t commands[] = {
      "  --json       one JSON document (default: off)\n"
      "  -h, --help   this help\n"},
     {"wait", cmd_wait, 1, false, EXIT_USAGE,
-     OPTBIT(OPT_TIMEOUT) | OPTBIT(OPT_INTERVAL), 0, "follow an async save until it ends",
+     OPTBIT(OPT_TIMEOUT) | OPTBIT(OPT_INTERVAL) | OPTBIT(OPT_LEVEL), 0,
+     "follow an async save until it ends",
      "usage: ckptctl wait [--json] [--timeout SEC] [--interval SEC] "
-     "MOUNTPOINT/NAME\n"
+     "[--level L] MOUNTPOINT/NAME\n"
      "\n"
      "Follow NAME/.status on a mount: a progress bar on a terminal, a line\n"
      "per change otherwise, until the save is committed (exit 0) or failed\n"
@@ -406,6 +418,10 @@ static const command_t commands[] = {
      "options:\n"
      "  --timeout SEC   give up after SEC seconds (default: wait forever)\n"
      "  --interval SEC  how often to read .status (default: 0.1)\n"
+     "  --level L       with -o tier: wait on until the checkpoint is at\n"
+     "                  level L (local, partner or shared: its .status\n"
+     "                  location); a flush that failed for good is exit 1\n"
+     "                  (default: committed at the mount's own level)\n"
      "  --json          one JSON document at the end (default: off)\n"
      "  -h, --help      this help\n"},
 };
