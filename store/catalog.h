@@ -43,6 +43,8 @@ typedef struct {
                              of digits in the name, else -1 */
   bool is_protected;      /* the protect marker (ckptctl protect) if set,
                              else the commit word protect */
+  const char *location;   /* ckptctl ls --tier: "shared", "shared+tier",
+                             "tier" (a static string), or NULL */
 } ckpt_cat_entry_t;
 
 typedef struct {

@@ -17,6 +17,7 @@ BACKING_DIR is on /tmp's filesystem.
 import errno
 import glob
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -286,6 +287,38 @@ class Flush(TierCase):
                            capture_output=True, text=True, timeout=60)
         self.assertEqual(r.returncode, 2)
         self.assertIn("expected local, partner or shared", r.stderr)
+
+    def test_ckptctl_ls_tier(self):
+        """ckptctl ls --tier: a LOCATION per checkpoint, tier while not
+        flushed, shared+tier when tier_keep keeps it, shared otherwise."""
+        ctl = os.path.join(os.path.dirname(cu.BIN), "ckptctl")
+        self.tier_mount("tier_keep=1,flush_rate=16M")
+        for name in ("a", "b"):
+            os.mkdir(self.ck(name))
+            write_file(self.ck(name, "w"), self.data[:MiB])
+            commit(self.ck(name), "sync level=shared")
+        self.stage("c")
+        commit(self.ck("c"))  # 64 MiB at 16 MiB/s: in the tier for 4 s
+
+        def locations():
+            r = subprocess.run([ctl, "ls", "--json", "--tier", self.tier, self.backing],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            got = {}
+            for e in json.loads(r.stdout)["checkpoints"]:
+                if e["name"].startswith(".saves/"):
+                    continue  # the flush's copy being written
+                self.assertNotIn(e["name"], got, f"listed twice: {r.stdout}")
+                got[e["name"]] = e.get("location")
+            return got
+        self.assertEqual(locations(), {"a": "shared", "b": "shared+tier", "c": "tier"})
+        r = subprocess.run([ctl, "ls", "--tier", self.tier, self.backing],
+                           capture_output=True, text=True, timeout=60)
+        self.assertIn("LOCATION", r.stdout)
+        self.wait_shared("c")
+        self.assertEqual(locations(), {"a": "shared", "b": "shared", "c": "shared+tier"})
+        r = subprocess.run([ctl, "ls", "--json", self.backing], capture_output=True, text=True)
+        self.assertNotIn("location", r.stdout)  # without --tier: as before
 
     def test_bad_copy_not_published(self):
         """A data file damaged in the tier after the commit: the copy's

@@ -33,6 +33,7 @@ typedef struct {
   ckpt_keep_policy_t policy; /* prune: --keep (as --keep-last),
                                 --keep-last/-every/-best, --metric, --mode */
   const char *mode;    /* prune --mode, or NULL */
+  const char *tier;    /* ls --tier DIR, or NULL */
   bool dry_run;
   bool content;        /* diff: compare differently chunked tensors */
   enum { SORT_TIME, SORT_NAME, SORT_SIZE } sort; /* ls */

@@ -73,6 +73,8 @@ static void ls_entry_json(json_t *j, const ckpt_cat_entry_t *e) {
   j_key(j, "held"), j_bool(j, e->held);
   j_key(j, "error"), j_str(j, e->error);
   j_key(j, "mount"), j_str(j, e->mount);
+  if (e->location)
+    j_key(j, "location"), j_str(j, e->location);
   j_close(j, '}');
 }
 
@@ -101,8 +103,12 @@ static void ls_text(const char *backing, const ckpt_catalog_t *cat) {
   for (size_t i = 0; i < cat->n; i++)
     if ((int)strlen(cat->e[i].name) > w)
       w = (int)strlen(cat->e[i].name);
-  printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  %s\n", w, "NAME", "STATE",
-         "CREATED", "WORLD", "TENSORS", "BLOBS", "BYTES", "STEP");
+  bool tiered = false;
+  for (size_t i = 0; i < cat->n; i++)
+    tiered |= cat->e[i].location != NULL;
+  printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  %s%s\n", w, "NAME", "STATE",
+         "CREATED", "WORLD", "TENSORS", "BLOBS", "BYTES",
+         tiered ? "LOCATION     " : "", "STEP");
   for (size_t i = 0; i < cat->n; i++) {
     const ckpt_cat_entry_t *e = &cat->e[i];
     const ckpt_metadata_t *m = &e->meta;
@@ -110,10 +116,13 @@ static void ls_text(const char *backing, const ckpt_catalog_t *cat) {
       char step[32] = "-";
       if (e->step >= 0)
         snprintf(step, sizeof(step), "%lld", (long long)e->step);
-      printf("%-*s  %-10s  %-20s  %5d  %7u  %6u  %10s  %s%s\n", w, e->name,
+      char loc[16] = "";
+      if (tiered)
+        snprintf(loc, sizeof(loc), "%-11s  ", e->location ? e->location : "-");
+      printf("%-*s  %-10s  %-20s  %5d  %7u  %6u  %10s  %s%s%s\n", w, e->name,
              "committed", iso_time(m->created_at, t, sizeof(t)),
              m->world_size, m->n_tensors, m->n_blobs,
-             human_bytes(stored_bytes(m), b, sizeof(b)), step,
+             human_bytes(stored_bytes(m), b, sizeof(b)), loc, step,
              e->is_protected ? " protected" : "");
     } else if (e->mount) {
       printf("%-*s  %-10s  %-20s  %5s  %7s  %6s  %10s  (on %s%s%s)\n", w,
@@ -429,6 +438,51 @@ static int add_local_mounts(const char *backing, ckpt_catalog_t *cat) {
   return rc;
 }
 
+/* --tier DIR: each committed checkpoint's location, and the tier's own
+ * (not flushed yet, or another save of the name) added to cat. 0 or
+ * -errno. */
+static int add_tier(const char *dir, ckpt_catalog_t *cat) {
+  int tfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (tfd < 0)
+    return -errno;
+  ckpt_catalog_t tc;
+  int rc = ckpt__catalog_scan(tfd, false, &tc);
+  close(tfd);
+  if (rc)
+    return rc;
+  size_t n = cat->n;
+  for (size_t i = 0; i < n; i++)
+    if (cat->e[i].state == CKPT_CAT_COMMITTED)
+      cat->e[i].location = "shared";
+  for (size_t k = 0; k < tc.n && rc == 0; k++) {
+    ckpt_cat_entry_t *t = &tc.e[k];
+    if (t->state != CKPT_CAT_COMMITTED)
+      continue;
+    bool same = false;
+    for (size_t i = 0; i < n && !same; i++)
+      if (cat->e[i].state == CKPT_CAT_COMMITTED &&
+          !strcmp(cat->e[i].name, t->name) &&
+          !strcmp(cat->e[i].meta.save_id ? cat->e[i].meta.save_id : "",
+                  t->meta.save_id ? t->meta.save_id : "")) {
+        cat->e[i].location = "shared+tier";
+        same = true;
+      }
+    if (same)
+      continue;
+    ckpt_cat_entry_t *e = realloc(cat->e, (cat->n + 1) * sizeof(*e));
+    if (!e) {
+      rc = -ENOMEM;
+      break;
+    }
+    cat->e = e;
+    cat->e[cat->n] = *t; /* moved: tc's copy is cleared */
+    cat->e[cat->n++].location = "tier";
+    memset(t, 0, sizeof(*t));
+  }
+  ckpt__catalog_free(&tc);
+  return rc;
+}
+
 int cmd_ls(const args_t *a, int bfd) {
   const char *backing = a->pos[0];
   ckpt_catalog_t cat;
@@ -438,6 +492,11 @@ int cmd_ls(const args_t *a, int bfd) {
     ckpt__catalog_free(&cat);
   if (rc) {
     fail("cannot list %s: %s", backing, strerror(-rc));
+    return EXIT_NO;
+  }
+  if (a->tier && (rc = add_tier(a->tier, &cat)) != 0) {
+    ckpt__catalog_free(&cat);
+    fail("cannot list the tier %s: %s", a->tier, strerror(-rc));
     return EXIT_NO;
   }
   if (cat.n > 1)

@@ -43,7 +43,7 @@ const char *const prog = "ckptctl";
 enum { OPT_JSON = 1000, OPT_HELP, OPT_SAFETENSORS, OPT_KEEP, OPT_DRY_RUN,
        OPT_TIMEOUT, OPT_INTERVAL, OPT_CONTENT, OPT_SORT, OPT_DCP,
        OPT_KEEP_LAST, OPT_KEEP_EVERY, OPT_KEEP_BEST, OPT_METRIC, OPT_MODE,
-       OPT_LEVEL };
+       OPT_LEVEL, OPT_TIER };
 #define OPTBIT(o) (1u << ((o) - OPT_JSON))
 
 /* Every option of every command; each command takes --json, --help and
@@ -65,6 +65,7 @@ static const struct option all_options[] = {
     {"metric", required_argument, NULL, OPT_METRIC},
     {"mode", required_argument, NULL, OPT_MODE},
     {"level", required_argument, NULL, OPT_LEVEL},
+    {"tier", required_argument, NULL, OPT_TIER},
     {0, 0, 0, 0}};
 
 typedef struct {
@@ -153,6 +154,9 @@ static int parse_option(int c, char **argv, args_t *a) {
       return usage_error("--mode '%s': expected min or max", optarg);
     a->mode = optarg;
     a->policy.maximize = !strcmp(optarg, "max");
+    break;
+  case OPT_TIER:
+    a->tier = optarg;
     break;
   case OPT_LEVEL:
     a->level = !strcmp(optarg, "local")     ? 1
@@ -252,9 +256,10 @@ static int parse_args(int argc, char **argv, args_t *a) {
  * ---------------------------------------------------------------------- */
 
 static const command_t commands[] = {
-    {"ls", cmd_ls, 1, true, EXIT_NO, OPTBIT(OPT_SORT), 0,
+    {"ls", cmd_ls, 1, true, EXIT_NO, OPTBIT(OPT_SORT) | OPTBIT(OPT_TIER), 0,
      "list the checkpoints of BACKING_DIR",
-     "usage: ckptctl ls [--json] [--sort time|name|size] BACKING_DIR\n"
+     "usage: ckptctl ls [--json] [--sort time|name|size] [--tier DIR] "
+     "BACKING_DIR\n"
      "\n"
      "List every checkpoint directory of BACKING_DIR: name, state\n"
      "(committed; unfinished: no .metadata, a save in flight or\n"
@@ -265,6 +270,10 @@ static const command_t commands[] = {
      "  --sort KEY   time: oldest committed first, then the others by name;\n"
      "               name: by name, numbers in names by value (step-8 before\n"
      "               step-10); size: largest first (default: time)\n"
+     "  --tier DIR   also the node-local tier DIR of a mount (-o tier=DIR):\n"
+     "               a LOCATION column, shared (BACKING_DIR only),\n"
+     "               shared+tier (flushed, kept in the tier) or tier (not\n"
+     "               flushed yet) (default: BACKING_DIR only)\n"
      "  --json       one JSON document instead of the table (default: off)\n"
      "  -h, --help   this help\n"},
     {"show", cmd_show, 2, true, EXIT_NO, 0, 0,
