@@ -801,6 +801,13 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
             !strcmp(v.save_id, j->save_id);
   if (dfd >= 0)
     close(dfd);
+  /* tier_keep keeps the tier's copy: lookups keep finding it there
+   * (ckpt__root_of), so the view stays bound to it until it is evicted
+   * (retain.c rebinds then) */
+  char kept[CKPT_SAVE_ID_LEN + 1] = "";
+  if (ok && fs->opts.tier_keep && save_id_of(fs->tier_fd, j->name, kept) == 0 &&
+      !strcmp(kept, j->save_id))
+    ok = false;
   if (ok) {
     v.dev = st.st_dev;
     v.ino = st.st_ino;
@@ -820,6 +827,15 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
     ck->tier.why = NULL;
   }
   pthread_mutex_unlock(&fs->lock);
+}
+
+void ckpt__flush_rebind(ckpt_fs_t *fs, const char *name,
+                        const char *save_id) {
+  flush_job_t j;
+  memset(&j, 0, sizeof(j));
+  snprintf(j.name, sizeof(j.name), "%s", name);
+  snprintf(j.save_id, sizeof(j.save_id), "%s", save_id);
+  rebind_to_shared(fs, &j);
 }
 
 /* j's save is flushed: its record goes and then, under the node's lock
@@ -1171,6 +1187,10 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
               fs->backing_path, j->rank, ckpt__mono_now() - t0);
     free(err);
     j->flushed = true;
+    /* keep= with a tier: applied once the new checkpoint is on
+     * BACKING_DIR (rank 0's job is over only after the shared publish) */
+    if (j->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep))
+      ckpt__keep_policy(fs, j->name);
     return true;
   }
   if (rc == -ECANCELED) { /* unmount: the record resumes it */

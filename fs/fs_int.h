@@ -767,6 +767,12 @@ void ckpt__tier_retain(ckpt_fs_t *fs);
  * by the coordinator after each commit; with a tier, the flush may run it
  * again once name is published on BACKING_DIR. */
 void ckpt__keep_policy(ckpt_fs_t *fs, const char *name);
+/* NAME was removed from BACKING_DIR: its flushed copy (save_id, no flush
+ * record) goes from the tier too (retain.c). */
+void ckpt__tier_forget(ckpt_fs_t *fs, const char *name, const char *save_id);
+/* The view of NAME (save_id) reads BACKING_DIR's copy from now on, if
+ * that is the save and the tier keeps no copy of it (flush.c). */
+void ckpt__flush_rebind(ckpt_fs_t *fs, const char *name, const char *save_id);
 typedef struct ckpt_flush ckpt_flush_t;
 /* Journal the flush of rank's files of save_id (NAME name, replace) in
  * the tier: the record, fsynced, once they are written (before the

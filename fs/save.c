@@ -1256,6 +1256,8 @@ void ckpt__keep_policy(ckpt_fs_t *fs, const char *name) {
       if (!old[i])
         continue;
       rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
+      if (rc == 0 && fs->tier_fd >= 0) /* its flushed copy kept there */
+        ckpt__tier_forget(fs, cat.e[i].name, cat.e[i].meta.save_id);
       if (rc)
         ckpt__log("%s: not removing %s: %s", fs->opts.keep_text,
                   cat.e[i].name, strerror(-rc));
@@ -1419,7 +1421,9 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
                                               reason),
                        took);
   ckpt__staging_tidy(fs->commit_fd);
-  if (rc == 0 && s->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep))
+  /* With a tier the flush applies it, once NAME is on BACKING_DIR */
+  if (rc == 0 && s->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep) &&
+      !fs->flush)
     ckpt__keep_policy(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");

@@ -262,6 +262,41 @@ class Flush(TierCase):
         commit(self.ck("e"), "sync level=shared")
         self.assertTrue(os.path.exists(os.path.join(self.backing, "e", ".metadata")))
 
+    def test_retention_across_tiers(self):
+        """keep=last:2 on BACKING_DIR, tier_keep=1 in the tier, by step:
+        each applied once the checkpoint is flushed; an unflushed one is
+        never evicted from the tier; the mount shows what BACKING_DIR
+        keeps (a removed checkpoint's tier copy goes too)."""
+        self.tier_mount("keep=last:2,tier_keep=1,flush_rate=16M")
+        for step in (1, 2, 3, 4):
+            name = f"s-{5 - step}"  # names ordered against the steps
+            os.mkdir(self.ck(name))
+            write_file(self.ck(name, "w"), self.data[:MiB])
+            commit(self.ck(name), f"sync step={step} level=shared")
+        want_shared, want_tier = {"s-2", "s-1"}, {"s-1"}
+        deadline = time.monotonic() + 10
+        while (set(committed_names(self.backing)), set(committed_names(self.tier))) != \
+                (want_shared, want_tier) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(set(committed_names(self.backing)), want_shared, self.daemon_log())
+        self.assertEqual(set(committed_names(self.tier)), want_tier)
+        listed = set(os.listdir(self.mnt)) & {"s-4", "s-3", "s-2", "s-1"}
+        self.assertEqual(listed, want_shared, f"{os.listdir(self.mnt)} {os.path.exists(self.ck('s-1'))}\n{self.daemon_log()}")
+        self.stage("s-0")  # 64 MiB: 4 s in the tier alone
+        commit(self.ck("s-0"), "sync step=5")
+        time.sleep(0.5)
+        self.assertIn("location local", status(self.ck("s-0")))
+        self.assertEqual(set(committed_names(self.tier)), {"s-1", "s-0"})
+        self.assertEqual(set(committed_names(self.backing)), want_shared)
+        self.wait_shared("s-0")
+        deadline = time.monotonic() + 10
+        while set(committed_names(self.tier)) != {"s-0"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(set(committed_names(self.backing)), {"s-1", "s-0"})
+        self.assertEqual(set(committed_names(self.tier)), {"s-0"})
+        self.assertEqual(read_all(self.ck("s-0", "weights")), self.data)
+        self.fsck_clean()
+
     def test_ckptctl_wait_level(self):
         """ckptctl wait --level: local returns once committed, shared once
         flushed (64 MiB at 16 MiB/s); a bad level is a usage error."""
