@@ -8,13 +8,16 @@
  * so that every other mount and tool sees the same thing. The ranks of a
  * node share its tier; each rank's mount flushes its own rank's files,
  * and whichever flusher of any node sees the last file linked publishes
- * (leaderless). Partner copies another node's rank left in this tier are
- * flushed only when that node cannot (gone from the world, or late). The tier copy is removed once flushed and no rank of the
- * node still needs it (reads go to BACKING_DIR from then on).
+ * (leaderless). Partner copies of another node's ranks in this tier are
+ * flushed from here only when that node cannot (gone from the world, or
+ * late). The tier copy is removed once flushed and no rank of the node
+ * still needs it (reads go to BACKING_DIR from then on).
  *
  * The journal: TIER/.flush/SAVE_ID.R ("name NAME\nreplace 0|1\nbacking
- * DIR\n") exists while rank R's files of that save are unflushed (a
- * record "SAVE_ID" of an older mount is rank 0's). Its life, in order:
+ * DIR\n", then "remote\n" in another node's tier than the coordinator's,
+ * "partner HOST\n" for partner copies, "publishing\n" from step 4)
+ * exists while rank R's files of that save are unflushed (a record
+ * "SAVE_ID" of an older mount is rank 0's). Its life, in order:
  *   1. write_step writes and fsyncs it on every rank before its RESULT
  *      (ckpt__flush_record), so that a node whose tier publish never
  *      happened still has its files in TIER/.saves/SAVE_ID, flushable;
@@ -1113,12 +1116,12 @@ static bool owner_linked(ckpt_fs_t *fs, const flush_job_t *j, int src) {
   struct dirent *e;
   int32_t rank;
   uint32_t k;
-  struct stat mine, theirs;
+  struct stat here, there;
   while (all && (e = readdir(d)) != NULL)
     if (data_file(e->d_name, &rank, &k) && rank == j->rank)
-      all = fstatat(src, e->d_name, &mine, AT_SYMLINK_NOFOLLOW) == 0 &&
-            fstatat(sfd, e->d_name, &theirs, AT_SYMLINK_NOFOLLOW) == 0 &&
-            S_ISREG(theirs.st_mode) && theirs.st_size == mine.st_size;
+      all = fstatat(src, e->d_name, &here, AT_SYMLINK_NOFOLLOW) == 0 &&
+            fstatat(sfd, e->d_name, &there, AT_SYMLINK_NOFOLLOW) == 0 &&
+            S_ISREG(there.st_mode) && there.st_size == here.st_size;
   if (d)
     closedir(d);
   if (sfd >= 0)
