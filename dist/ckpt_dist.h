@@ -127,6 +127,11 @@ int ckpt_dist_node_of(const ckpt_dist_t *d, int rank); /* -1: no such rank */
  * index among its node's ranks on the next node (node + 1 mod nodes; the
  * index wraps on a node with fewer ranks). -1 with fewer than 2 nodes. */
 int ckpt_dist_partner(const ckpt_dist_t *d, int rank);
+/* The name of rank's host (its gethostname, gathered at start-up): what
+ * says whether a node of an earlier world is in this one (a flush of
+ * partner copies, fs/flush.c). "" for no such rank. */
+#define CKPT_DIST_HOST_MAX 256
+const char *ckpt_dist_node_name(const ckpt_dist_t *d, int rank);
 
 /* Start the dist thread. commit_timeout: seconds a save waits for every
  * rank. A client rank that hears nothing from the coordinator gives up

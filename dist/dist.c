@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "dist_int.h"
 
@@ -1027,6 +1028,8 @@ int ckpt_dist_init(ckpt_dist_t **out, char **err) {
   d->size = 1;
   d->commit_timeout = 600;
   d->launched = ckpt__mpi_launched();
+  if (gethostname(d->self_host, sizeof(d->self_host) - 1))
+    d->self_host[0] = '\0';
   *out = d;
   if (!d->launched)
     return 0; /* a world of one: no MPI, the thread starts later */
@@ -1061,6 +1064,12 @@ int ckpt_dist_node_of(const ckpt_dist_t *d, int rank) {
   if (rank < 0 || rank >= d->size)
     return -1;
   return d->node_of ? d->node_of[rank] : 0;
+}
+
+const char *ckpt_dist_node_name(const ckpt_dist_t *d, int rank) {
+  if (rank < 0 || rank >= d->size)
+    return "";
+  return d->host ? d->host[rank] : d->self_host;
 }
 
 /* The k-th rank of node n in rank order, -1 if it has fewer. */
@@ -1146,6 +1155,7 @@ void ckpt_dist_destroy(ckpt_dist_t *d) {
   free(d->init_err);
   free(d->gave_up);
   free(d->node_of);
+  free(d->host);
   pthread_mutex_destroy(&d->lock);
   pthread_cond_destroy(&d->cond);
   free(d);

@@ -86,6 +86,10 @@ struct ckpt_dist {
   /* Set before ready, read-only after: */
   int *node_of;           /* per world rank, its node (NULL: world of one) */
   int nodes;              /* nodes of the world */
+  /* per world rank, its host's name (gethostname; NULL: world of one,
+   * self_host) */
+  char (*host)[CKPT_DIST_HOST_MAX];
+  char self_host[CKPT_DIST_HOST_MAX];
 };
 
 /* mpi.c: the only MPI user. Called on the dist thread only. */

@@ -46,6 +46,25 @@ static char *mpi_error(const char *what, int code) {
   return s;
 }
 
+/* Every rank's host name (d->self_host, gathered): a node of an earlier
+ * world is known by it in this one. */
+static int host_map(ckpt_dist_t *d, char **err) {
+  d->host = calloc((size_t)d->size, sizeof(*d->host));
+  if (!d->host) {
+    *err = strdup("out of memory");
+    return -ENOMEM;
+  }
+  int rc = MPI_Allgather(d->self_host, CKPT_DIST_HOST_MAX, MPI_CHAR, d->host,
+                         CKPT_DIST_HOST_MAX, MPI_CHAR, comm_of(d));
+  if (rc != MPI_SUCCESS) {
+    *err = mpi_error("MPI_Allgather", rc);
+    return -EIO;
+  }
+  for (int r = 0; r < d->size; r++)
+    d->host[r][CKPT_DIST_HOST_MAX - 1] = '\0';
+  return 0;
+}
+
 /* Which ranks share a node (the ranks MPI lets share memory): node k is
  * the k-th distinct node in the order of its lowest world rank. */
 static int node_map(ckpt_dist_t *d, char **err) {
@@ -79,7 +98,7 @@ static int node_map(ckpt_dist_t *d, char **err) {
   for (int r = 0; r < d->size; r++)
     d->node_of[r] = lows[r] == r ? d->nodes++ : d->node_of[lows[r]];
   free(lows);
-  return 0;
+  return host_map(d, err);
 }
 
 int ckpt__mpi_init(ckpt_dist_t *d, char **err) {

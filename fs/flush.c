@@ -8,12 +8,16 @@
  * so that every other mount and tool sees the same thing. The ranks of a
  * node share its tier; each rank's mount flushes its own rank's files,
  * and whichever flusher of any node sees the last file linked publishes
- * (leaderless). The tier copy is removed once flushed and no rank of the
- * node still needs it (reads go to BACKING_DIR from then on).
+ * (leaderless). Partner copies of another node's ranks in this tier are
+ * flushed from here only when that node cannot (gone from the world, or
+ * late). The tier copy is removed once flushed and no rank of the node
+ * still needs it (reads go to BACKING_DIR from then on).
  *
  * The journal: TIER/.flush/SAVE_ID.R ("name NAME\nreplace 0|1\nbacking
- * DIR\n") exists while rank R's files of that save are unflushed (a
- * record "SAVE_ID" of an older mount is rank 0's). Its life, in order:
+ * DIR\n", then "remote\n" in another node's tier than the coordinator's,
+ * "partner HOST\n" for partner copies, "publishing\n" from step 4)
+ * exists while rank R's files of that save are unflushed (a record
+ * "SAVE_ID" of an older mount is rank 0's). Its life, in order:
  *   1. write_step writes and fsyncs it on every rank before its RESULT
  *      (ckpt__flush_record), so that a node whose tier publish never
  *      happened still has its files in TIER/.saves/SAVE_ID, flushable;
@@ -36,6 +40,19 @@
  *      EEXIST with BACKING_DIR/NAME of this save: another flusher did;
  *   5. the record is removed and .flush fsynced; then, under the node's
  *      lock, the tier copy if no record of the save is left in the tier.
+ * Partner records (level partner, fs/partner.c): the rank that received
+ * owner rank R's files writes TIER/.flush/SAVE_ID.R with a line "partner
+ * HOST" (R's host), fsynced before its RESULT. Such a record is the
+ * node's lowest rank's (mine) and is flushed only when the owner cannot:
+ * at each look it is over, nothing copied, if BACKING_DIR/NAME is the
+ * save or all of R's data files are linked in BACKING_DIR/.saves/SAVE_ID
+ * at their size (only verified copies are linked: R's node flushed
+ * them); else, if no rank of the current world is on HOST or
+ * partner_grace seconds have passed since this mount queued it, its
+ * files are copied and it goes on exactly like an own record (steps 2-5:
+ * the leaderless publish); meanwhile it waits (-EINPROGRESS, later
+ * checkpoints go), .status saying so. A copy linked second finds the
+ * racing flusher's verified copy: both count (link_tmpfile).
  * A crash anywhere leaves the record; the next mount (ckpt__flush_recover)
  * drops it if BACKING_DIR/NAME already has SAVE_ID (crash after 4),
  * neither TIER/NAME nor TIER/.saves/SAVE_ID does (never published), or
@@ -43,7 +60,11 @@
  * BACKING_DIR/.saves/SAVE_ID is gone (published, then removed by a user
  * before the record went); else the flush resumes. A tier
  * checkpoint without a record is flushed already or was removed by a user
- * from BACKING_DIR: it is removed, never published again.
+ * from BACKING_DIR: it is removed, never published again. Partner records
+ * go through the same checks (their save is the same one: kept while
+ * the tier holds it, in the tier's .saves/SAVE_ID on another node than
+ * the coordinator's), and the tier's copy stays while any record of its
+ * save, own or partner, is left.
  *
  * Workload: one checkpoint at a time, large sequential copies; the thread
  * runs at nice 10 and the idle I/O class, so that training does not wait
@@ -77,6 +98,8 @@
 #define PUBLISHING "publishing\n"
 /* The line of a record in another tier than the coordinator's node's. */
 #define REMOTE "remote\n"
+/* The line of a partner record: "partner HOST\n" (the owner's host). */
+#define PARTNER "partner "
 
 typedef struct flush_job {
   char name[256];
@@ -87,6 +110,12 @@ typedef struct flush_job {
   bool publishing;  /* the record says the shared publish was under way */
   bool remote;      /* the tier is not the coordinator's node's: its
                        checkpoint is published here from the OUTCOME */
+  bool partner;     /* a partner record: rank's copies, kept here for
+                       another node (host), flushed only when it cannot */
+  char host[CKPT_DIST_HOST_MAX];
+  bool taken;       /* partner: this mount flushes them (its turn came) */
+  bool dropped;     /* partner: over, the owner's node flushed them */
+  double queued_at; /* CLOCK_MONOTONIC s this mount queued it */
   char backing[PATH_MAX]; /* the BACKING_DIR it goes to (absolute) */
   /* waiting for other ranks' files (step 4): */
   bool copied;      /* this rank's files and .metadata are linked */
@@ -164,7 +193,11 @@ static bool record_of(const char *rec, const char *save_id) {
 
 int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
                        const char *name, bool replace, bool remote,
-                       char **err) {
+                       const char *partner_host, char **err) {
+  /* a host that is unknown or cannot be written: a node no world has, so
+   * the copies are flushed from here at once (flush.c) */
+  if (partner_host && (!partner_host[0] || strchr(partner_host, '\n')))
+    partner_host = "?";
   char rec[CKPT_SAVE_ID_LEN + 16];
   record_name(save_id, rank, rec, sizeof(rec));
   int dfd = open_records(fs, true);
@@ -172,9 +205,11 @@ int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
                    : openat(dfd, rec,
                             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
-  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n%s", name,
-                         replace, fs->backing_path,
-                         remote ? REMOTE : "") < 0)
+  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n%s%s%s%s",
+                         name, replace, fs->backing_path,
+                         remote ? REMOTE : "", partner_host ? PARTNER : "",
+                         partner_host ? partner_host : "",
+                         partner_host ? "\n" : "") < 0)
     rc = -errno;
   if (rc == 0 && (fsync(fd) || fsync(dfd)))
     rc = -errno;
@@ -237,7 +272,7 @@ static int read_record(int dfd, const char *rec, flush_job_t *j) {
   int fd = openat(dfd, rec, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0)
     return -errno;
-  char buf[PATH_MAX + 400];
+  char buf[PATH_MAX + 400 + CKPT_DIST_HOST_MAX];
   ssize_t n = read(fd, buf, sizeof(buf) - 1);
   close(fd);
   if (n < 0)
@@ -253,6 +288,14 @@ static int read_record(int dfd, const char *rec, flush_job_t *j) {
   j->remote = !strncmp(buf + used, REMOTE, strlen(REMOTE));
   if (j->remote)
     used += (int)strlen(REMOTE);
+  j->partner = !strncmp(buf + used, PARTNER, strlen(PARTNER));
+  if (j->partner) {
+    const char *h = buf + used + strlen(PARTNER), *nl = strchr(h, '\n');
+    if (!nl || nl == h || nl - h >= CKPT_DIST_HOST_MAX)
+      return -EINVAL;
+    snprintf(j->host, sizeof(j->host), "%.*s", (int)(nl - h), h);
+    used = (int)(nl + 1 - buf);
+  }
   j->publishing = !strcmp(buf + used, PUBLISHING);
   if (!j->publishing && buf[used])
     return -EINVAL;
@@ -264,19 +307,32 @@ static int read_record(int dfd, const char *rec, flush_job_t *j) {
   return 0;
 }
 
-/* Is record rank this mount's to flush? Its own rank's; and a rank that
- * is not on this node in the current world (a world started again with
- * fewer ranks, or other nodes): the node's lowest rank's. */
-static bool mine(const ckpt_fs_t *fs, int rank) {
-  if (rank == fs->rank || fs->world_size <= 1 || !fs->dist)
-    return rank == fs->rank || fs->world_size <= 1;
+/* Is this mount its node's lowest rank in the current world? */
+static bool node_lowest(const ckpt_fs_t *fs) {
+  int node = ckpt_dist_node_of(fs->dist, fs->rank);
+  for (int r = 0; r < fs->rank; r++)
+    if (ckpt_dist_node_of(fs->dist, r) == node)
+      return false;
+  return true;
+}
+
+/* Is record rank (partner: a partner record) this mount's to flush? Its
+ * own rank's; and a rank that is not on this node in the current world
+ * (a world started again with fewer ranks, or other nodes) and every
+ * partner record: the node's lowest rank's. */
+static bool mine(const ckpt_fs_t *fs, int rank, bool partner) {
+  if (fs->world_size <= 1)
+    return true;
+  if (!fs->dist)
+    return rank == fs->rank && !partner;
+  if (partner)
+    return node_lowest(fs);
+  if (rank == fs->rank)
+    return true;
   int node = ckpt_dist_node_of(fs->dist, fs->rank);
   if (rank < fs->world_size && ckpt_dist_node_of(fs->dist, rank) == node)
     return false; /* that rank's own mount */
-  for (int r = 0; r < fs->rank; r++)
-    if (ckpt_dist_node_of(fs->dist, r) == node)
-      return false; /* a lower rank of this node adopts it */
-  return true;
+  return node_lowest(fs); /* a lower rank of this node adopts it */
 }
 
 /* The save ID of root/name: 0, -ENOENT (no such checkpoint or no
@@ -567,6 +623,8 @@ static void set_why(ckpt_fs_t *fs, const flush_job_t *j, char *why) {
 
 /* Add n copied bytes to the .status count of j. */
 static void count_done(ckpt_fs_t *fs, const flush_job_t *j, uint64_t n) {
+  if (j->partner)
+    return; /* another rank's bytes: not in this rank's total */
   pthread_mutex_lock(&fs->lock);
   ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
   if (ck)
@@ -643,17 +701,31 @@ static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
   return rc;
 }
 
-/* Link the O_TMPFILE fd as dirfd/name. A file already there is not a
- * complete copy (copy_file checked it): replaced. */
-static int link_tmpfile(int fd, int dirfd, const char *name) {
+static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
+                           int held, const char *name, int32_t rank,
+                           uint32_t k, off_t size);
+
+/* Link the O_TMPFILE fd (a verified copy of data file (rank, k), size
+ * bytes) as dirfd/name. A file that another flusher linked meanwhile (the
+ * owner's and a partner's copies racing) is a verified copy too: kept,
+ * and both count as done. Else a file already there is not a complete
+ * copy (copy_file checked it): replaced. */
+static int link_tmpfile(ckpt_flush_t *f, const ckpt_metadata_t *m, int fd,
+                        int dirfd, const char *name, int32_t rank,
+                        uint32_t k, off_t size) {
   char from[64];
   snprintf(from, sizeof(from), "/proc/self/fd/%d", fd);
-  if (linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) == 0)
-    return 0;
-  if (errno != EEXIST || unlinkat(dirfd, name, 0))
-    return -errno;
-  return linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) ? -errno
-                                                                 : 0;
+  for (int tries = 0; tries < 3; tries++) {
+    if (linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) == 0)
+      return 0;
+    if (errno != EEXIST)
+      return -errno;
+    if (copied_already(f, m, dirfd, name, rank, k, size))
+      return 0; /* another flusher's */
+    if (unlinkat(dirfd, name, 0) && errno != ENOENT)
+      return -errno;
+  }
+  return -EEXIST;
 }
 
 /* Is held/name, of an earlier run, a complete and verified copy of data
@@ -707,7 +779,7 @@ static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
   if (rc == 0)
     rc = verify_copy(f, m, rank, k, out, what);
   if (rc == 0)
-    rc = link_tmpfile(out, held, name);
+    rc = link_tmpfile(f, m, out, held, name, rank, k, st.st_size);
   if (out >= 0)
     close(out);
   close(in);
@@ -768,8 +840,8 @@ static bool data_file(const char *name, int32_t *rank, uint32_t *k) {
 
 /* Copy every data file of j's rank in src into held. A file of another
  * rank in src is either that rank's (its own mount flushes it) or a
- * partner copy (level partner), to be flushed only when its owner's node
- * is not in the current world: partner files are not flushed yet. */
+ * partner copy (level partner), which its partner record's job copies
+ * only when the owner's node cannot (partner_turn). */
 static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
                      const ckpt_metadata_t *m, int src, int held) {
   int lfd = openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -1044,6 +1116,76 @@ static int publish_shared(ckpt_flush_t *f, const flush_job_t *j, int held,
   return rc;
 }
 
+/* Are the owner's data files of partner job j (those in the tier's src)
+ * all linked in BACKING_DIR/.saves/SAVE_ID at their size (linked only
+ * once verified: its node's flush did it)? */
+static bool owner_linked(ckpt_fs_t *fs, const flush_job_t *j, int src) {
+  char path[CKPT_SAVE_ID_LEN + 16];
+  snprintf(path, sizeof(path), "%s/%s", CKPT_SAVES_DIR, j->save_id);
+  int sfd = ckpt_open_beneath(fs->backing_fd, path,
+                              O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
+  int lfd = sfd < 0 ? -1 : openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  if (!d && lfd >= 0)
+    close(lfd);
+  bool all = d != NULL;
+  struct dirent *e;
+  int32_t rank;
+  uint32_t k;
+  struct stat here, there;
+  while (all && (e = readdir(d)) != NULL)
+    if (data_file(e->d_name, &rank, &k) && rank == j->rank)
+      all = fstatat(src, e->d_name, &here, AT_SYMLINK_NOFOLLOW) == 0 &&
+            fstatat(sfd, e->d_name, &there, AT_SYMLINK_NOFOLLOW) == 0 &&
+            S_ISREG(there.st_mode) && there.st_size == here.st_size;
+  if (d)
+    closedir(d);
+  if (sfd >= 0)
+    close(sfd);
+  return all;
+}
+
+/* Is a rank of the current world on host? */
+static bool host_in_world(const ckpt_fs_t *fs, const char *host) {
+  if (!fs->dist) {
+    char self[CKPT_DIST_HOST_MAX] = "";
+    gethostname(self, sizeof(self) - 1);
+    return !strcmp(self, host);
+  }
+  for (int r = 0; r < fs->world_size; r++)
+    if (!strcmp(ckpt_dist_node_name(fs->dist, r), host))
+      return true;
+  return false;
+}
+
+/* Partner job j, not taken yet: 1 when its owner's node flushed the
+ * files (or the checkpoint is published: nothing to copy), 0 when this
+ * mount is to flush them (the node is not in this world, or
+ * partner_grace has passed), -EINPROGRESS with *err while it waits for
+ * that node. */
+static int partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
+                        char **err) {
+  ckpt_fs_t *fs = f->fs;
+  if (published(fs, j) || owner_linked(fs, j, src))
+    return 1;
+  double waited = ckpt__mono_now() - j->queued_at;
+  const char *why = !host_in_world(fs, j->host) ? "is not in this world"
+                    : waited >= fs->opts.partner_grace
+                        ? "has not flushed them within partner_grace"
+                        : NULL;
+  if (why) {
+    ckpt__log("tier: %s: flushing the partner copies of rank %d from this "
+              "tier (rank %d's): its node (%s) %s", j->name, j->rank,
+              fs->rank, j->host, why);
+    return 0;
+  }
+  *err = ckpt__strdup_printf("partner copies of rank %d kept until its node "
+                             "(%s) flushes them (this tier flushes them "
+                             "after %.0f s more)", j->rank, j->host,
+                             fs->opts.partner_grace - waited);
+  return -EINPROGRESS;
+}
+
 /* Flush one checkpoint: steps 2-5 of the protocol above. 0, -EINPROGRESS
  * (waiting for other ranks' files: j->held kept) or -errno, with *err. */
 static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
@@ -1051,10 +1193,24 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   ckpt_metadata_t m = {0};
   int held = j->held, src = -1, rc = 0;
   j->held = -1;
-  if (published(fs, j))
+  if (published(fs, j)) {
+    j->dropped = j->partner && !j->taken; /* nothing of it copied here */
     goto flushed; /* by another rank's flusher */
+  }
   src = open_source(fs, j);
   rc = src < 0 ? src : 0;
+  if (rc == 0 && j->partner && !j->taken) {
+    int turn = partner_turn(f, j, src, err);
+    if (turn == 1) {
+      j->dropped = true;
+      goto flushed;
+    }
+    if (turn < 0) {
+      rc = turn;
+      goto flushed;
+    }
+    j->taken = true;
+  }
   /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
    * since (recover_record): published again without replacing anything,
    * so that nothing committed since is replaced by it. */
@@ -1103,10 +1259,10 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     held = -1;
   }
 flushed:
-  if (rc == 0) {
+  if (rc == 0 && (!j->dropped || published(fs, j)))
     rebind_to_shared(fs, j);
+  if (rc == 0)
     remove_tier_copy(fs, j);
-  }
   ckpt__staging_tidy(fs->backing_fd); /* its copies' directory */
   ckpt_metadata_free(&m);
   if (held >= 0)
@@ -1163,7 +1319,7 @@ static void report(ckpt_fs_t *fs, const flush_job_t *j, char *why,
   set_why(fs, j, why);
   pthread_mutex_lock(&fs->lock);
   ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
-  if (ck && counted_again) /* counted again from the start */
+  if (ck && counted_again && !j->partner) /* counted again from the start */
     atomic_store(&ck->tier.done, 0);
   if (ck && failed) /* not retried by this mount: may be removed */
     atomic_store(&ck->tier.failed, true);
@@ -1182,9 +1338,19 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
   char *err = NULL;
   double t0 = ckpt__mono_now();
   int rc = flush_one(f, j, &err);
+  if (rc == 0 && j->dropped) {
+    ckpt__log("tier: %s: the partner copies of rank %d not flushed from "
+              "this tier: its node's flush did (record dropped)", j->name,
+              j->rank);
+    set_why(fs, j, NULL);
+    free(err);
+    j->flushed = published(fs, j);
+    return true;
+  }
   if (rc == 0) {
-    ckpt__log("tier: %s flushed to %s (rank %d's files) in %.2f s", j->name,
-              fs->backing_path, j->rank, ckpt__mono_now() - t0);
+    ckpt__log("tier: %s flushed to %s (rank %d's files%s) in %.2f s", j->name,
+              fs->backing_path, j->rank, j->partner ? ", partner copies" : "",
+              ckpt__mono_now() - t0);
     free(err);
     j->flushed = true;
     /* keep= with a tier: applied once the new checkpoint is on
@@ -1343,6 +1509,7 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
   *j = *tmpl;
   j->held = -1;
   j->flushed = false;
+  j->queued_at = ckpt__mono_now(); /* partner_grace counts from here */
   pthread_mutex_lock(&f->lock);
   append(f, j);
   pthread_cond_signal(&f->cond);
@@ -1351,9 +1518,26 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
 
 static void queue_record(ckpt_fs_t *fs, int dfd, const char *id, void *arg) {
   flush_job_t j;
-  if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank)) {
+  if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank, j.partner)) {
     j.waiter = NULL;
     queue(arg, &j);
+  }
+}
+
+typedef struct {
+  ckpt_flush_t *f;
+  const char *save_id;
+} partners_t;
+
+/* A partner record of p's save that is this mount's: queued. */
+static void queue_partner(ckpt_fs_t *fs, int dfd, const char *id,
+                          void *arg) {
+  partners_t *p = arg;
+  flush_job_t j;
+  if (record_of(id, p->save_id) && read_record(dfd, id, &j) == 0 &&
+      j.partner && mine(fs, j.rank, true)) {
+    j.waiter = NULL;
+    queue(p->f, &j);
   }
 }
 
@@ -1388,6 +1572,10 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
     j.waiter = waiter;
     j.waiter_size = waiter_size;
     queue(f, &j);
+    /* the partner copies this node received with the save (their records
+     * are all written: before every rank's RESULT) */
+    partners_t p = {.f = f, .save_id = save_id};
+    each_record(f->fs, queue_partner, &p);
     return;
   }
   ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,

@@ -103,6 +103,9 @@ typedef struct {
                                  rank's tier before it succeeds */
   uint64_t flush_rate;        /* bytes/s of the flush to BACKING_DIR; 0:
                                  unlimited */
+  double partner_grace;       /* seconds a partner copy of a rank whose node
+                                 is in the world waits for that node's
+                                 flush before this mount flushes it */
 } ckpt_opts_t;
 
 /* Parse the command line. Our options are removed from args; what stays is
@@ -778,10 +781,13 @@ typedef struct ckpt_flush ckpt_flush_t;
  * the tier: the record, fsynced, once they are written (before the
  * rank's RESULT, so before any publish). remote: the tier is not the
  * coordinator's node's (there the checkpoint is published from the
- * OUTCOME, if this node gets it). */
+ * OUTCOME, if this node gets it). partner_host: NULL for this mount's
+ * own rank; else rank is another node's, whose data files this tier
+ * keeps as partner copies, and partner_host is its host's name (flushed
+ * from here only when that node cannot: flush.c). */
 int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
                        const char *name, bool replace, bool remote,
-                       char **err);
+                       const char *partner_host, char **err);
 /* Drop rank's record of a save that failed. */
 void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id, int rank);
 /* The node's lock on its tier (TIER/.flush/.lock, flock exclusive),
@@ -962,6 +968,9 @@ typedef struct {
   uint32_t n_files;         /* this rank's data files __RANK_K.distcp */
   const uint64_t *file_bytes;
   ckpt_partner_rx_t **rx;   /* the partner copies received */
+  const char *name;         /* the checkpoint's */
+  bool replace;             /* a replace= commit */
+  bool remote;              /* not the coordinator's node (flush records) */
 } ckpt_save_view_t;
 void ckpt__save_view(ckpt_dist_job_t *job, ckpt_save_view_t *v);
 
@@ -977,8 +986,9 @@ int ckpt__partner_open(void *ctx, ckpt_dist_job_t *job, int owner,
 int ckpt__partner_close(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
                         char **err);
 /* A failed save: remove the partner copies it received (dirfd: the save's
- * directory), and forget them. */
-void ckpt__partner_discard(ckpt_partner_rx_t **rx, int dirfd);
+ * directory) and their flush records, and forget them. */
+void ckpt__partner_discard(ckpt_fs_t *fs, ckpt_partner_rx_t **rx, int dirfd,
+                           const char *save_id);
 void ckpt__partner_rx_free(ckpt_partner_rx_t *rx);
 /* Does the tier's checkpoint directory dirfd hold a data file of a rank
  * of another node than this mount's (a partner copy: the checkpoint was

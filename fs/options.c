@@ -35,6 +35,7 @@ enum {
   KEY_TIER,
   KEY_FLUSH_RATE,
   KEY_TIER_LEVEL,
+  KEY_PARTNER_GRACE,
   KEY_FOREGROUND,
   KEY_HELP,
   KEY_VERSION,
@@ -59,6 +60,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("tier=", KEY_TIER),
     FUSE_OPT_KEY("flush_rate=", KEY_FLUSH_RATE),
     FUSE_OPT_KEY("tier_level=", KEY_TIER_LEVEL),
+    FUSE_OPT_KEY("partner_grace=", KEY_PARTNER_GRACE),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-h", KEY_HELP),
     FUSE_OPT_KEY("--help", KEY_HELP),
@@ -161,6 +163,13 @@ void ckpt__opts_help(void) {
 "needs tier=\n"
       "                          and a world on two nodes or more) "
 "(default: local)\n"
+      "  -o partner_grace=SEC    a partner copy of a rank whose node is in "
+"the world\n"
+      "                          is flushed from here only if that node has "
+"not\n"
+      "                          flushed it SEC seconds after this mount "
+"took it\n"
+      "                          (default: 120)\n"
       "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
       "                          standard FUSE mount options (default: off)\n"
       "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
@@ -324,6 +333,15 @@ static int opt_proc(void *data, const char *arg, int key,
     o->commit_timeout = t;
     return 0;
   }
+  case KEY_PARTNER_GRACE: {
+    char *end;
+    errno = 0;
+    double t = strtod(val, &end);
+    if (!*val || *end || errno || !(t >= 0) || t > 1e9)
+      return bad(ps, "partner_grace", val, "seconds >= 0");
+    o->partner_grace = t;
+    return 0;
+  }
   case KEY_IO_THREADS:
     if (parse_uint(val, 256, &v) || v == 0)
       return bad(ps, "io_threads", val, "1 to 256");
@@ -425,6 +443,7 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
   memset(o, 0, sizeof(*o));
   o->staging_mem = default_staging_mem();
   o->commit_timeout = 600;
+  o->partner_grace = 120;
   o->io_threads = 4;
   o->readahead = (uint64_t)16 << 20;
   o->sync_files = true;

@@ -10,6 +10,13 @@
  * node's tier holds its own ranks' files and the copies it keeps for the
  * ranks of the previous node. A save that fails removes the copies it
  * received (discard_step), partial ones too.
+ *
+ * With the first file of each owner rank R, the receiving rank writes a
+ * flush record TIER/.flush/SAVE_ID.R marked "partner HOST" (the owner's
+ * host), fsynced, so before its RESULT: those copies are flushed from
+ * here only if the owner's node cannot (fs/flush.c). R is another node's
+ * rank, so its own record is in another tier: no clash. A failed save
+ * removes these records with the copies.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -26,6 +33,8 @@
 struct ckpt_partner_rx {
   uint32_t n, cap;
   char (*names)[CKPT_DIST_FILE_NAME_MAX];
+  uint32_t n_owners, cap_owners;
+  int *owners; /* whose flush record this save wrote */
 };
 
 int ckpt__partner_files(void *ctx, ckpt_dist_job_t *job, int partner,
@@ -93,6 +102,31 @@ static int remember(ckpt_partner_rx_t **rxp, const char *name) {
   return 0;
 }
 
+/* The flush record of owner's copies, once per owner and save. */
+static int record_owner(ckpt_fs_t *fs, const ckpt_save_view_t *v, int owner,
+                        char **err) {
+  ckpt_partner_rx_t *rx = *v->rx;
+  for (uint32_t i = 0; rx && i < rx->n_owners; i++)
+    if (rx->owners[i] == owner)
+      return 0;
+  if (!rx && !(rx = *v->rx = calloc(1, sizeof(*rx))))
+    return -ENOMEM;
+  if (rx->n_owners == rx->cap_owners) {
+    uint32_t cap = rx->cap_owners ? 2 * rx->cap_owners : 4;
+    void *p = realloc(rx->owners, cap * sizeof(*rx->owners));
+    if (!p)
+      return -ENOMEM;
+    rx->owners = p;
+    rx->cap_owners = cap;
+  }
+  int rc = ckpt__flush_record(fs, v->save_id, owner, v->name, v->replace,
+                              v->remote,
+                              ckpt_dist_node_name(fs->dist, owner), err);
+  if (rc == 0)
+    rx->owners[rx->n_owners++] = owner;
+  return rc;
+}
+
 int ckpt__partner_open(void *ctx, ckpt_dist_job_t *job, int owner,
                        const char *name, uint64_t size, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -104,7 +138,10 @@ int ckpt__partner_open(void *ctx, ckpt_dist_job_t *job, int owner,
                                name);
     return -EPROTO;
   }
-  int rc = ckpt_failpoint_error("partner_open");
+  int rc = record_owner(fs, &v, owner, err);
+  if (rc)
+    return rc;
+  rc = ckpt_failpoint_error("partner_open");
   int fd = rc ? rc
               : ckpt_open_beneath(v.dirfd, name,
                                   O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
@@ -171,10 +208,13 @@ bool ckpt__partner_copies_in(ckpt_fs_t *fs, int dirfd) {
   return found;
 }
 
-void ckpt__partner_discard(ckpt_partner_rx_t **rxp, int dirfd) {
+void ckpt__partner_discard(ckpt_fs_t *fs, ckpt_partner_rx_t **rxp, int dirfd,
+                           const char *save_id) {
   ckpt_partner_rx_t *rx = *rxp;
   for (uint32_t i = 0; rx && dirfd >= 0 && i < rx->n; i++)
     unlinkat(dirfd, rx->names[i], 0);
+  for (uint32_t i = 0; rx && i < rx->n_owners; i++)
+    ckpt__flush_unrecord(fs, save_id, rx->owners[i]);
   ckpt__partner_rx_free(rx);
   *rxp = NULL;
 }
@@ -183,5 +223,6 @@ void ckpt__partner_rx_free(ckpt_partner_rx_t *rx) {
   if (!rx)
     return;
   free(rx->names);
+  free(rx->owners);
   free(rx);
 }

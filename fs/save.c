@@ -927,7 +927,8 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
    * this node never publishes the checkpoint (flush.c). */
   if (fs->tier_fd >= 0 &&
       (rc = ckpt__flush_record(fs, s->rp.save_id, s->rank, job->name,
-                               s->replace, remote_node(fs, job), err)) != 0)
+                               s->replace, remote_node(fs, job), NULL,
+                               err)) != 0)
     return rc;
   ckpt_failpoint("write_done");
   ckpt_write_result_t wr = {.rank = s->rank, .bytes_written = total};
@@ -1202,7 +1203,7 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
       ckpt_data_file_name(s->rank, k, name, sizeof(name));
       unlinkat(s->dirfd, name, 0);
     }
-    ckpt__partner_discard(&s->partner_rx, s->dirfd);
+    ckpt__partner_discard(fs, &s->partner_rx, s->dirfd, s->rp.save_id);
     if (fs->tier_fd >= 0 && s->have_rp) {
       ckpt__flush_unrecord(fs, s->rp.save_id, s->rank);
       /* another node's save directory: its last rank removes it */
@@ -1483,7 +1484,10 @@ void ckpt__save_view(ckpt_dist_job_t *job, ckpt_save_view_t *v) {
                           .save_id = s->rp.save_id,
                           .n_files = s->have_rp ? s->rp.n_files : 0,
                           .file_bytes = s->rp.file_bytes,
-                          .rx = &s->partner_rx};
+                          .rx = &s->partner_rx,
+                          .name = job->name,
+                          .replace = s->replace,
+                          .remote = remote_node(s->fs, job)};
 }
 
 static int partner_noted(void *ctx, ckpt_dist_job_t *job, int partner,

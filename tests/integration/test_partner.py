@@ -23,6 +23,10 @@ Classes:
                 rank 0 waits for its copies: rank 0 fails at commit_timeout
                 saying what did not come, rank 1 too once continued; the
                 next commit drops the late frames and commits exact copies
+  PartnerFlush  2 nodes x 1 rank, every node alive: the owners' flushes
+                copy every file once, the partner records are dropped,
+                nothing of the partner copies is copied (and with
+                partner_grace=0 it is: the count can fail)
   OneNode       2 ranks on one node, and one daemon without mpirun: the
                 commit fails on every rank, saying that partner copies need
                 two nodes; tier_level=partner without tier= is refused at
@@ -37,6 +41,7 @@ Skipped where the namespaces cannot be made (see test_netns.py).
 import errno
 import glob
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -201,6 +206,11 @@ class KilledPartner(PartnerCase):
             left = sorted(self.tier_files(i, name))
             self.assertEqual([f for f in left if f[:f.index("_", 2) + 1] not in owners], [],
                              f"node {i}'s tier still holds files of {name}")
+            # flush records: own (SAVE_ID.R) and partner ones (SAVE_ID.OWNER)
+            recs = [os.path.basename(f) for f in glob.glob(
+                os.path.join(self.cluster.path(i, self.tier), ".flush", "[!.]*"))]
+            self.assertEqual([f for f in recs if f"__{f.rsplit('.', 1)[1]}_" not in owners], [],
+                             f"node {i}'s tier still holds flush records of {name}")
 
     def test_partner_killed_mid_exchange(self):
         # rank 2 (node 1) dies once its copy of rank 0's first data file
@@ -276,6 +286,69 @@ class HungPartner(PartnerCase):
         self.assertCommitted(self.commit_all(w, "after"), w, "after")
         self.assertPartnerCopies(w, "after")
         self.umount_ok(w, "--discard")
+
+
+class PartnerFlush(PartnerCase):
+    """Every node alive: the partner copies are not flushed (fs/flush.c,
+    docs/tiers.md "Flush of partner copies"): each owner's flush copies its
+    files, and each partner record is dropped. Rank 0 has 8 MiB, rank 1
+    1 MiB, flush_rate=4M: node 1's flush looks at rank 0's copies while
+    node 0's still copies them (~2 s), node 0's at rank 1's after node 1
+    linked them. With partner_grace=0 node 1 copies rank 0's files at once
+    (racing its owner: both count), which the count catches: the check
+    that the first world's count can fail."""
+
+    NODES = 2
+    OPTS = "commit_timeout=20,io_threads=2,flush_rate=4M"
+
+    def one(self, name, extra=""):
+        w = self.partner_world([1, 1], extra=extra, tag=name)
+        items = [Blob("rank0/big", {0: os.urandom(8 * MiB)}),
+                 Blob("rank1/small", {1: os.urandom(1 * MiB)})]
+        stage(w, name, items)
+        self.assertCommitted(self.commit_all(w, name), w, name)
+        # over when both ranks say shared and both partner records are gone
+        deadline = time.monotonic() + 120
+        while True:
+            st = [status(os.path.join(w.mnt(r), name)) for r in range(w.n)]
+            log = w.log_text()
+            over = set(re.findall(r"the partner copies of rank (\d+) not flushed", log)) | \
+                set(re.findall(rf"{name} flushed to \S+ \(rank (\d+)'s files, partner", log))
+            records = [f for i in range(2)
+                       for f in glob.glob(os.path.join(self.cluster.path(i, self.tier),
+                                                       ".flush", "[!.]*"))]
+            if all("location shared" in x for x in st) and over == {"0", "1"} and not records:
+                break
+            self.assertLess(time.monotonic(), deadline, f"not over: {st}, {sorted(over)}, "
+                            f"records {records}\n--- log ---\n{log[-4000:]}")
+            time.sleep(0.2)
+        for it in items:
+            for r in range(w.n):
+                self.assertTrue(read_all(os.path.join(w.mnt(r), name, it.path)) == it.data,
+                                f"rank {r}: {name}/{it.path}")
+        self.assertEqual(sorted(f for f in os.listdir(os.path.join(self.backing, name))
+                                if f.endswith(".distcp")), ["__0_0.distcp", "__1_0.distcp"])
+        self.umount_ok(w)
+        copied = lambda kind: sorted(int(r) for r in re.findall(  # noqa: E731
+            rf"{name} flushed to \S+ \(rank (\d+)'s files{kind}\)", log))
+        return copied(""), copied(", partner copies"), log
+
+    def test_all_alive_partners_not_flushed(self):
+        own, partner, log = self.one("alive")
+        self.assertEqual(own, [0, 1], "each rank's own flush, once")
+        self.assertEqual(partner, [], "partner copies flushed with every node alive")
+        self.assertRegex(log, r"flush waiting: partner copies of rank 0 kept until its node "
+                              r"\(\S+\) flushes them")
+        self.assertEqual(sorted(set(re.findall(r"the partner copies of rank (\d+) not flushed "
+                                               r"from this tier", log))), ["0", "1"])
+        # the check can fail: forced to copy at once, node 1 copies rank 0's
+        # files too (rank 1's were linked before node 0 looked)
+        own, partner, log = self.one("grace0", "partner_grace=0")
+        self.assertEqual(own, [0, 1])
+        self.assertEqual(partner, [0], "partner_grace=0: rank 0's copies not flushed by "
+                                       "node 1 (the count above could not fail)")
+        self.assertIn("flushing the partner copies of rank 0 from this tier", log)
+        self.assertFsckClean()
 
 
 class OneNode(PartnerCase):

@@ -374,6 +374,10 @@ class NodeLoss(TierNetnsCase):
         # node 2: the rank directories it made may stay, reported)
         self.umount_killed(w, rank_dirs=False)
         s = self.start_tier_world(SLOTS[:2] + [0], "tier_level=partner", tag="survivors")
+        # the tiers hold partner copies of a checkpoint not on the store
+        # yet (its flush takes >= 7 s at the store's limit)
+        for r, st in self.statuses(s, "c1").items():
+            self.assertIn("\nlocation partner\n", st, f"survivors' rank {r}")
         # node 2's ranks' bytes from node 0's partner copies
         lost = [r for r in range(w.n) if w.rank_node[r] == 2]
         t0 = time.monotonic()
@@ -381,9 +385,20 @@ class NodeLoss(TierNetnsCase):
             for k in lost:
                 p = os.path.join(s.mnt(r), "c1", "data", f"rank{k}.bin")
                 self.assertTrue(read_all(p) == its[k].data, f"rank {r}: rank {k}'s bytes")
+        took = time.monotonic() - t0
+        # against node 0's own ranks' files, read the same way from its tier
+        own = [r for r in range(w.n) if w.rank_node[r] == 0]
+        t1 = time.monotonic()
+        for r in range(SLOTS[0]):
+            for k in own:
+                p = os.path.join(s.mnt(r), "c1", "data", f"rank{k}.bin")
+                self.assertTrue(read_all(p) == its[k].data, f"rank {r}: rank {k}'s bytes")
         say(f"restart from the partner copies: {len(lost)} x {PER_RANK >> 20} MiB read on "
-            f"each of {SLOTS[0]} ranks of node 0 in {time.monotonic() - t0:.2f}s")
+            f"each of {SLOTS[0]} ranks of node 0 in {took:.2f}s (node 0's own {len(own)} x "
+            f"{PER_RANK >> 20} MiB from its tier: {time.monotonic() - t1:.2f}s)")
         self.wait_location(s, "c1", "shared")
+        say(f"the flush completed from the partner copies (location shared on every rank) "
+            f"{time.monotonic() - t0:.2f}s after the survivors' reads began")
         self.verify(s, "c1", its, w.n, ranks=(0, s.n - 1), borders=False)
         self.umount_ok(s)
         self.read_without_tier("c1", its, w.n)
