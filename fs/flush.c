@@ -412,6 +412,12 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
       ckpt__log("tier: flush record %s: %s/%s unreadable (%s): kept", id,
                 fs->tier_path, j.name, strerror(-trc));
     else if (strcmp(tier_id, sid) &&
+             ckpt_store_save_dir_held(fs->tier_fd, sid))
+      /* a save of another rank of this node under way (a solo save while
+       * this mount starts): not ours to judge */
+      ckpt__log("tier: flush record %s: its save is being written: kept",
+                id);
+    else if (strcmp(tier_id, sid) &&
              (!j.remote || !saves_dir_exists(fs->tier_fd, sid)))
       /* In the coordinator's tier its publish there is the commit point:
        * never committed. In another node's tier, with its files still in
@@ -1158,16 +1164,25 @@ static bool host_in_world(const ckpt_fs_t *fs, const char *host) {
   return false;
 }
 
-/* Partner job j, not taken yet: 1 when its owner's node flushed the
- * files (or the checkpoint is published: nothing to copy), 0 when this
+/* Partner job j, not taken yet: 1 when the checkpoint is published
+ * (nothing to copy), 0 when this
  * mount is to flush them (the node is not in this world, or
  * partner_grace has passed), -EINPROGRESS with *err while it waits for
  * that node. */
 static int partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
                         char **err) {
   ckpt_fs_t *fs = f->fs;
-  if (published(fs, j) || owner_linked(fs, j, src))
+  if (published(fs, j))
     return 1;
+  /* Linked, not published: kept until it is (the owner's node may be lost
+   * before the publish, and BACKING_DIR/.saves/SAVE_ID removed by a
+   * cleanup once nothing holds it: these copies are then all there is) */
+  if (owner_linked(fs, j, src)) {
+    *err = ckpt__strdup_printf("partner copies of rank %d kept until the "
+                               "checkpoint is published (its node flushed "
+                               "them)", j->rank);
+    return -EINPROGRESS;
+  }
   double waited = ckpt__mono_now() - j->queued_at;
   const char *why = !host_in_world(fs, j->host) ? "is not in this world"
                     : waited >= fs->opts.partner_grace
@@ -1305,11 +1320,13 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
     return false;
   char shared[CKPT_SAVE_ID_LEN + 1];
   save_id_at(fs->backing_fd, j->name, shared);
+  /* Another rank's flusher may be publishing it (it holds it): then it is
+   * theirs, not a partial copy to remove. */
   if (strcmp(shared, j->save_id))
-    ckpt_store_save_dir_remove(fs->backing_fd, j->save_id);
+    ckpt_store_save_dir_remove_unheld(fs->backing_fd, j->save_id);
   ckpt__log("tier: %s: save %s superseded in the tier (by a replace=): not "
-            "flushed, its record and partial copy removed", j->name,
-            j->save_id);
+            "flushed, its record removed (and its partial copy, unless "
+            "another rank's flush holds it)", j->name, j->save_id);
   return true;
 }
 
@@ -1504,6 +1521,8 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
   if (!j) {
     ckpt__log("tier: out of memory: %s is flushed by the next mount",
               tmpl->name);
+    if (tmpl->waiter) /* level=shared: not there in this mount */
+      fuse_reply_err(tmpl->waiter, EIO);
     return;
   }
   *j = *tmpl;

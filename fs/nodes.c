@@ -544,7 +544,9 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
   if (!fs->ino_hash || !fs->name_hash ||
       ckpt_fdcache_new(fs->backing_fd, 0, &fs->fdcache))
     return -ENOMEM;
-  ckpt_fdcache_set_near(fs->fdcache, fs->tier_fd, fs->opts.commit_timeout);
+  /* one rank has all its files in its tier: nothing to wait for */
+  ckpt_fdcache_set_near(fs->fdcache, fs->tier_fd,
+                        fs->world_size > 1 ? fs->opts.commit_timeout : 0);
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
                             NULL);
   return fs->root ? 0 : -ENOMEM;

@@ -290,6 +290,10 @@ static int open_nearest(const ckpt_fdcache_t *c, const ckpt_stored_t *s,
       fd = open_flushed(s, c->backing_fd, rank, k);
     if (fd != -ENOENT)
       return fd;
+    /* Nowhere, and not in this node's tier either: removed (from
+     * BACKING_DIR after its flush), not a flush still to come */
+    if (faccessat(c->near_fd, s->name, F_OK, AT_SYMLINK_NOFOLLOW))
+      return -ENOENT;
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;

@@ -264,6 +264,40 @@ void ckpt_store_save_dir_remove(int backing_fd, const char *save_id) {
   unlinkat(backing_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
 }
 
+int ckpt_store_save_dir_remove_unheld(int root_fd, const char *save_id) {
+  if (!ckpt_save_id_valid(save_id))
+    return -EINVAL;
+  int sfd = open_saves(root_fd, false);
+  if (sfd < 0)
+    return sfd;
+  int rc = 0, fd = ckpt_open_beneath(sfd, save_id, O_RDONLY | O_DIRECTORY, 0);
+  if (fd < 0)
+    rc = fd;
+  else if (flock(fd, LOCK_EX | LOCK_NB))
+    rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
+  else
+    rc = ckpt__remove_tree(sfd, save_id);
+  if (fd >= 0)
+    close(fd);
+  close(sfd);
+  unlinkat(root_fd, CKPT_SAVES_DIR, AT_REMOVEDIR); /* when empty */
+  return rc;
+}
+
+bool ckpt_store_save_dir_held(int root_fd, const char *save_id) {
+  if (!ckpt_save_id_valid(save_id))
+    return false;
+  int sfd = open_saves(root_fd, false);
+  if (sfd < 0)
+    return false;
+  int fd = ckpt_open_beneath(sfd, save_id, O_RDONLY | O_DIRECTORY, 0);
+  bool held = fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) && errno == EWOULDBLOCK;
+  if (fd >= 0)
+    close(fd);
+  close(sfd);
+  return held;
+}
+
 /* Does a flush record in keep_fd name save id (SAVE_ID, or SAVE_ID.R of
  * rank R)? Unknown (an error): yes. */
 static bool kept(int keep_fd, const char *id) {

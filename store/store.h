@@ -137,6 +137,11 @@ int ckpt_store_sync_saves(int backing_fd);
 /* Remove BACKING_DIR/.saves/save_id (a failed or lost save's own files),
  * and .saves when it is empty. */
 void ckpt_store_save_dir_remove(int backing_fd, const char *save_id);
+/* The same, only if no one holds it (a save or a flush publishing it):
+ * 0, -EBUSY (held: kept) or -errno. */
+int ckpt_store_save_dir_remove_unheld(int root_fd, const char *save_id);
+/* Does a save or flush hold root/.saves/save_id now? */
+bool ckpt_store_save_dir_held(int root_fd, const char *save_id);
 /* Start removing committed checkpoint s for every mount: unlink its
  * .metadata and fsync the directory (from then on it is an unfinished
  * save), if BACKING_DIR/NAME is still that checkpoint

@@ -469,6 +469,32 @@ static void open_beneath_refuses_symlinks(void **state) {
   rm_backing(b, bfd);
 }
 
+/* A save's directory held by a save or a flush (a shared flock) is not
+ * removed by the flush of a superseded save, nor judged abandoned; once
+ * let go it is. */
+static void save_dir_remove_unheld_spares_a_held_one(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  const char *id = "0123456789abcdef0123456789abcdef";
+  int held = -1;
+  assert_int_equal(ckpt_store_save_dir_hold(bfd, id, true, &held), 0);
+  int f = openat(held, "__0_0.distcp", O_WRONLY | O_CREAT, 0600);
+  assert_true(f >= 0);
+  close(f);
+  assert_true(ckpt_store_save_dir_held(bfd, id));
+  assert_int_equal(ckpt_store_save_dir_remove_unheld(bfd, id), -EBUSY);
+  struct stat st;
+  assert_int_equal(fstatat(bfd, ".saves/0123456789abcdef0123456789abcdef/"
+                           "__0_0.distcp", &st, 0), 0);
+  close(held);
+  assert_false(ckpt_store_save_dir_held(bfd, id));
+  assert_int_equal(ckpt_store_save_dir_remove_unheld(bfd, id), 0);
+  assert_int_equal(fstatat(bfd, ".saves", &st, 0), -1);
+  assert_int_equal(ckpt_store_save_dir_remove_unheld(bfd, id), -ENOENT);
+  rm_backing(b, bfd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(fdcache_is_bounded),
@@ -478,6 +504,7 @@ int main(void) {
       cmocka_unit_test(loader_refuses_hostile_metadata),
       cmocka_unit_test(loader_refuses_symlinks),
       cmocka_unit_test(open_beneath_refuses_symlinks),
+      cmocka_unit_test(save_dir_remove_unheld_spares_a_held_one),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
