@@ -1344,9 +1344,9 @@ static void report(ckpt_fs_t *fs, const flush_job_t *j, char *why,
 }
 
 /* Waiting for other ranks' files: looked at again after a while, 0.2 s
- * doubling to 5 s; later checkpoints go meanwhile. */
+ * doubling to 1 s (each look a few stats on BACKING_DIR; a rank that waits notices the publish by another within a second); later checkpoints go meanwhile. */
 #define WAIT_FIRST 0.2
-#define WAIT_MAX 5.0
+#define WAIT_MAX 1.0
 
 /* Try to flush j. true when it is over (done, stopped or failed for
  * good); false: j->not_before says when to try again. */
