@@ -186,19 +186,29 @@ int ckpt__mpi_send(ckpt_dist_t *d, int dest, int tag, ckpt_buf_t *msg) {
   return 0;
 }
 
-int ckpt__mpi_poll(ckpt_dist_t *d, int src, int tag, int *from,
-                   ckpt_buf_t *out) {
+/* A message of tag from src (any rank if src < 0) there now: 1 with *m,
+ * *st and its byte *count, 0 if none, -EIO. Sends progress first. */
+static int probe(ckpt_dist_t *d, int src, int tag, MPI_Message *m,
+                 MPI_Status *st, int *count) {
   ckpt__mpi_progress(d);
   int flag = 0;
-  MPI_Message m;
-  MPI_Status st;
-  if (MPI_Improbe(src < 0 ? MPI_ANY_SOURCE : src, tag, comm_of(d), &flag, &m,
-                  &st) != MPI_SUCCESS)
+  if (MPI_Improbe(src < 0 ? MPI_ANY_SOURCE : src, tag, comm_of(d), &flag, m,
+                  st) != MPI_SUCCESS)
     return -EIO;
   if (!flag)
     return 0;
-  int count = 0;
-  MPI_Get_count(&st, MPI_BYTE, &count);
+  *count = 0;
+  MPI_Get_count(st, MPI_BYTE, count);
+  return 1;
+}
+
+int ckpt__mpi_poll(ckpt_dist_t *d, int src, int tag, int *from,
+                   ckpt_buf_t *out) {
+  MPI_Message m;
+  MPI_Status st;
+  int count, got = probe(d, src, tag, &m, &st, &count);
+  if (got <= 0)
+    return got;
   out->len = 0;
   int rc = ckpt_buf_reserve(out, (size_t)count + 1);
   if (rc) {
@@ -243,17 +253,11 @@ int ckpt__mpi_pending(ckpt_dist_t *d, int tag, uint32_t key) {
 
 int ckpt__mpi_recv_start(ckpt_dist_t *d, int src, int tag, ckpt_buf_t *buf,
                          ckpt__recv_t **out) {
-  ckpt__mpi_progress(d);
-  int flag = 0;
   MPI_Message m;
   MPI_Status st;
-  if (MPI_Improbe(src < 0 ? MPI_ANY_SOURCE : src, tag, comm_of(d), &flag, &m,
-                  &st) != MPI_SUCCESS)
-    return -EIO;
-  if (!flag)
-    return 0;
-  int count = 0;
-  MPI_Get_count(&st, MPI_BYTE, &count);
+  int count, got = probe(d, src, tag, &m, &st, &count);
+  if (got <= 0)
+    return got;
   ckpt__recv_t *r = calloc(1, sizeof(*r));
   if (r) {
     r->buf = *buf;
