@@ -1371,8 +1371,10 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
     free(err);
     j->flushed = true;
     /* keep= with a tier: applied once the new checkpoint is on
-     * BACKING_DIR (rank 0's job is over only after the shared publish) */
-    if (j->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep))
+     * BACKING_DIR (rank 0's job is over only after the shared publish),
+     * by one mount: rank 0's own record's, not its partner copy's */
+    if (j->rank == 0 && !j->partner &&
+        ckpt_keep_policy_active(&fs->opts.keep))
       ckpt__keep_policy(fs, j->name);
     return true;
   }
