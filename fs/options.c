@@ -460,7 +460,9 @@ int ckpt__opts_parse(struct fuse_args *args, ckpt_opts_t *o, char **err) {
       bad(&ps, "keep", ps.keep,
           "rules last:N, every:K, best:M:KEY:min|max joined by commas, "
           "each at most once, like last:5,every:1000,best:3:loss:min");
-    snprintf(o->keep_text, sizeof(o->keep_text), "keep=%s", ps.keep);
+    /* for log lines only: a longer policy is cut */
+    snprintf(o->keep_text, sizeof(o->keep_text), "keep=%.*s",
+             (int)sizeof(o->keep_text) - 6, ps.keep);
   }
   if (!ps.err && o->tier_keep && !o->tier_dir)
     ps.err = strdup("tier_keep=N needs tier=DIR: it is how many flushed "
