@@ -289,10 +289,14 @@ class Flush(TierCase):
         self.assertEqual(set(committed_names(self.tier)), {"s-1", "s-0"})
         self.assertEqual(set(committed_names(self.backing)), want_shared)
         self.wait_shared("s-0")
+        # the tier's eviction comes before keep= on BACKING_DIR (both
+        # after the publish): wait for both
+        want_shared, want_tier = {"s-1", "s-0"}, {"s-0"}
         deadline = time.monotonic() + 10
-        while set(committed_names(self.tier)) != {"s-0"} and time.monotonic() < deadline:
+        while (set(committed_names(self.backing)), set(committed_names(self.tier))) != \
+                (want_shared, want_tier) and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.assertEqual(set(committed_names(self.backing)), {"s-1", "s-0"})
+        self.assertEqual(set(committed_names(self.backing)), {"s-1", "s-0"}, self.daemon_log())
         self.assertEqual(set(committed_names(self.tier)), {"s-0"})
         self.assertEqual(read_all(self.ck("s-0", "weights")), self.data)
         self.fsck_clean()
