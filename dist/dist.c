@@ -941,6 +941,7 @@ static void idle_wait(ckpt_dist_t *d) {
 
 static void *dist_main(void *arg) {
   ckpt_dist_t *d = arg;
+  pthread_setname_np(pthread_self(), "ckptfs-dist"); /* top -H, perf */
   if (d->launched) {
     char *err = NULL;
     int rc = ckpt__mpi_init(d, &err);

@@ -51,6 +51,8 @@ enum {
 };
 
 typedef struct ckpt__pending ckpt__pending_t; /* an unfinished send */
+#define CKPT__SPARES 9 /* partner.c's frames in flight, and one */
+#define CKPT__SPARE_MIN ((size_t)1 << 20) /* smaller buffers are freed */
 typedef struct ckpt__recv ckpt__recv_t;       /* an unfinished receive */
 
 struct ckpt_dist {
@@ -82,6 +84,11 @@ struct ckpt_dist {
   ckpt__pending_t *pending; /* sends not yet completed */
   ckpt__recv_t *abandoned;  /* receives given up on: their buffers stay
                                MPI's until it is finalized */
+  /* Large send buffers whose sends completed, kept for the next ones
+   * (ckpt__mpi_buf): a partner copy's frames reuse memory already mapped
+   * instead of faulting in fresh pages for every frame. */
+  ckpt_buf_t spare[CKPT__SPARES];
+  int nspare;
   void *comm;             /* mpi.c's communicator */
   /* Set before ready, read-only after: */
   int *node_of;           /* per world rank, its node (NULL: world of one) */
@@ -108,6 +115,9 @@ int ckpt__mpi_poll(ckpt_dist_t *d, int src, int tag, int *from,
 bool ckpt__mpi_progress(ckpt_dist_t *d);
 /* Sends of tag whose message begins with the u32 key, not yet complete. */
 int ckpt__mpi_pending(ckpt_dist_t *d, int tag, uint32_t key);
+/* An empty buffer for a message of up to size bytes: a spare one when one
+ * is large enough, else b untouched (ckpt_buf_reserve grows it). */
+void ckpt__mpi_buf(ckpt_dist_t *d, ckpt_buf_t *b, size_t size);
 /* Receives that never block (large messages): start receiving one message
  * of tag (from any rank if src < 0) if one has come, into buf (taken, and
  * given back with the message by ckpt__mpi_recv_done): 1 with *r, 0 if

@@ -147,6 +147,8 @@ void ckpt__mpi_finalize(ckpt_dist_t *d) {
     d->comm = NULL;
   }
   MPI_Finalize();
+  while (d->nspare > 0)
+    ckpt_buf_free(&d->spare[--d->nspare]);
   while (d->abandoned) {
     ckpt__recv_t *r = d->abandoned;
     d->abandoned = r->next;
@@ -230,7 +232,12 @@ bool ckpt__mpi_progress(ckpt_dist_t *d) {
     MPI_Test(&p->req, &done, MPI_STATUS_IGNORE);
     if (done) {
       *pp = p->next;
-      ckpt_buf_free(&p->msg);
+      if (p->msg.cap >= CKPT__SPARE_MIN && d->nspare < CKPT__SPARES) {
+        p->msg.len = 0;
+        d->spare[d->nspare++] = p->msg;
+      } else {
+        ckpt_buf_free(&p->msg);
+      }
       free(p);
     } else {
       pp = &p->next;
@@ -249,6 +256,16 @@ int ckpt__mpi_pending(ckpt_dist_t *d, int tag, uint32_t key) {
           (uint32_t)m[3] << 24) == key;
   }
   return n;
+}
+
+void ckpt__mpi_buf(ckpt_dist_t *d, ckpt_buf_t *b, size_t size) {
+  for (int i = d->nspare - 1; i >= 0; i--)
+    if (d->spare[i].cap > size) { /* (and its NUL) */
+      ckpt_buf_free(b);
+      *b = d->spare[i];
+      d->spare[i] = d->spare[--d->nspare];
+      return;
+    }
 }
 
 int ckpt__mpi_recv_start(ckpt_dist_t *d, int src, int tag, ckpt_buf_t *buf,

@@ -194,6 +194,7 @@ static int send_some(xchg_t *x, bool *busy) {
     size_t len = f->size - x->off < FRAME ? (size_t)(f->size - x->off) : FRAME;
     ckpt_buf_t m;
     ckpt_buf_init(&m);
+    ckpt__mpi_buf(x->d, &m, HEAD + len); /* memory already mapped */
     int rc = ckpt_buf_reserve(&m, HEAD + len);
     if (rc) {
       fail(x, "rank %d: partner copies: out of memory", x->me);

@@ -191,6 +191,7 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
 
 static void *drain_main(void *arg) {
   ckpt_drain_t *d = arg;
+  pthread_setname_np(pthread_self(), "ckptfs-drain");
   /* Behind the trainer: on a busy machine its writes come first (the
    * commit copies what was not drained yet). */
   setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);

@@ -1474,6 +1474,7 @@ static void free_job(flush_job_t *j) {
 
 static void *flush_main(void *arg) {
   ckpt_flush_t *f = arg;
+  pthread_setname_np(pthread_self(), "ckptfs-flush");
   /* Low priority: the training's CPU and I/O first. */
   setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
   syscall(SYS_ioprio_set, 1 /* IOPRIO_WHO_PROCESS */, 0,

@@ -39,6 +39,7 @@ struct ckpt_pool {
 
 static void *pool_main(void *arg) {
   ckpt_pool_t *p = arg;
+  pthread_setname_np(pthread_self(), "ckptfs-io");
   pthread_mutex_lock(&p->lock);
   for (;;) {
     while (!p->stopping && p->next >= p->n)
