@@ -363,10 +363,7 @@ static void each_record(ckpt_fs_t *fs,
   int dfd = open_records(fs, false);
   if (dfd < 0)
     return;
-  int lfd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
-  if (!d && lfd >= 0)
-    close(lfd);
+  DIR *d = ckpt_opendir_at(dfd);
   struct dirent *e;
   while (d && (e = readdir(d)) != NULL)
     if (e->d_name[0] != '.')
@@ -480,14 +477,9 @@ static int any_record(int dfd, const char *save_id) {
     return 0;
   if (dfd < 0)
     return dfd;
-  int lfd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
-  if (!d) {
-    int e = errno;
-    if (lfd >= 0)
-      close(lfd);
-    return -e;
-  }
+  DIR *d = ckpt_opendir_at(dfd);
+  if (!d)
+    return -errno;
   int found = 0;
   struct dirent *e;
   errno = 0;
@@ -850,14 +842,9 @@ static bool data_file(const char *name, int32_t *rank, uint32_t *k) {
  * only when the owner's node cannot (partner_turn). */
 static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
                      const ckpt_metadata_t *m, int src, int held) {
-  int lfd = openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
-  if (!d) {
-    int e = errno;
-    if (lfd >= 0)
-      close(lfd);
-    return -e;
-  }
+  DIR *d = ckpt_opendir_at(src);
+  if (!d)
+    return -errno;
   int rc = 0;
   struct dirent *e;
   int32_t rank;
@@ -1130,10 +1117,7 @@ static bool owner_linked(ckpt_fs_t *fs, const flush_job_t *j, int src) {
   snprintf(path, sizeof(path), "%s/%s", CKPT_SAVES_DIR, j->save_id);
   int sfd = ckpt_open_beneath(fs->backing_fd, path,
                               O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
-  int lfd = sfd < 0 ? -1 : openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
-  if (!d && lfd >= 0)
-    close(lfd);
+  DIR *d = sfd < 0 ? NULL : ckpt_opendir_at(src);
   bool all = d != NULL;
   struct dirent *e;
   int32_t rank;
@@ -1648,13 +1632,9 @@ bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id) {
 }
 
 uint64_t ckpt__flush_bytes(int dirfd, int only) {
-  int lfd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
-  if (!d) {
-    if (lfd >= 0)
-      close(lfd);
+  DIR *d = ckpt_opendir_at(dirfd);
+  if (!d)
     return 0;
-  }
   uint64_t sum = 0;
   struct dirent *e;
   struct stat st;

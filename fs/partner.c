@@ -188,13 +188,9 @@ int ckpt__partner_close(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
 }
 
 bool ckpt__partner_copies_in(ckpt_fs_t *fs, int dirfd) {
-  int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
-  DIR *d = fd < 0 ? NULL : fdopendir(fd);
-  if (!d) {
-    if (fd >= 0)
-      close(fd);
+  DIR *d = ckpt_opendir_at(dirfd);
+  if (!d)
     return false;
-  }
   int own = ckpt_dist_node_of(fs->dist, fs->rank);
   bool found = false;
   struct dirent *e;

@@ -34,15 +34,9 @@ void ckpt__catalog_names_free(char **names, size_t n) {
 int ckpt__catalog_names(int backing_fd, char ***names, size_t *n) {
   *names = NULL;
   *n = 0;
-  /* Our own open: a dup of backing_fd would share its directory position. */
-  int fd = openat(backing_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
-  if (!d) {
-    int e = errno;
-    if (fd >= 0)
-      close(fd);
-    return -e;
-  }
+  DIR *d = ckpt_opendir_at(backing_fd);
+  if (!d)
+    return -errno;
   char **v = NULL;
   size_t len = 0, cap = 0;
   int rc = 0;
@@ -81,13 +75,9 @@ int ckpt__catalog_names(int backing_fd, char ***names, size_t *n) {
 
 /* Sizes of the regular files in BACKING_DIR/name. */
 static uint64_t dir_bytes(int dfd) {
-  int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
-  if (!d) {
-    if (fd >= 0)
-      close(fd);
+  DIR *d = ckpt_opendir_at(dfd);
+  if (!d)
     return 0;
-  }
   uint64_t sum = 0;
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
@@ -169,12 +159,9 @@ int ckpt__catalog_saves(int backing_fd, ckpt_catalog_t *c) {
                    O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (sfd < 0)
     return errno == ENOENT ? 0 : -errno;
-  int lfd = openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  DIR *d = ckpt_opendir_at(sfd);
   if (!d) {
     int e = errno;
-    if (lfd >= 0)
-      close(lfd);
     close(sfd);
     return -e;
   }

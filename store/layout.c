@@ -301,13 +301,9 @@ bool ckpt_store_save_dir_held(int root_fd, const char *save_id) {
 /* Does a flush record in keep_fd name save id (SAVE_ID, or SAVE_ID.R of
  * rank R)? Unknown (an error): yes. */
 static bool kept(int keep_fd, const char *id) {
-  int lfd = openat(keep_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
-  if (!d) {
-    if (lfd >= 0)
-      close(lfd);
+  DIR *d = ckpt_opendir_at(keep_fd);
+  if (!d)
     return true;
-  }
   size_t n = strlen(id);
   bool found = false;
   struct dirent *e;
@@ -323,11 +319,8 @@ static void cleanup_saves(int backing_fd, int keep_fd) {
   int sfd = open_saves(backing_fd, false);
   if (sfd < 0)
     return;
-  int lfd = openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  DIR *d = ckpt_opendir_at(sfd);
   if (!d) {
-    if (lfd >= 0)
-      close(lfd);
     close(sfd);
     return;
   }
@@ -356,14 +349,9 @@ static void cleanup_saves(int backing_fd, int keep_fd) {
 /* Remove every entry of directory dfd (subdirectories whole). 0 or the
  * first -errno. */
 static int empty_dir(int dfd) {
-  int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
-  if (!d) {
-    int e = errno;
-    if (fd >= 0)
-      close(fd);
-    return -e;
-  }
+  DIR *d = ckpt_opendir_at(dfd);
+  if (!d)
+    return -errno;
   int rc = 0;
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
@@ -416,12 +404,8 @@ static void cleanup_staging(int backing_fd) {
     unlinkat(backing_fd, CKPT_STAGING_DIR, 0);
     return;
   }
-  int lfd = sfd >= 0 ? openat(sfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-                     : -1;
-  DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+  DIR *d = sfd >= 0 ? ckpt_opendir_at(sfd) : NULL;
   if (!d) {
-    if (lfd >= 0)
-      close(lfd);
     if (sfd >= 0)
       close(sfd);
     return;
@@ -459,11 +443,8 @@ static void cleanup_staging(int backing_fd) {
  * volume, files put there by hand), never removed. NULL when it is one,
  * else the first other name (in buf). */
 static const char *foreign_entry(int dfd, char *buf, size_t cap) {
-  int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+  DIR *d = ckpt_opendir_at(dfd);
   if (!d) {
-    if (fd >= 0)
-      close(fd);
     snprintf(buf, cap, "(unreadable)");
     return buf;
   }
@@ -485,14 +466,9 @@ static const char *foreign_entry(int dfd, char *buf, size_t cap) {
 }
 
 void ckpt_store_cleanup(int backing_fd, int keep_fd) {
-  /* Our own open: a dup of backing_fd would share its position. */
-  int fd = openat(backing_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
-  if (!d) {
-    if (fd >= 0)
-      close(fd);
+  DIR *d = ckpt_opendir_at(backing_fd);
+  if (!d)
     return;
-  }
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     if (!ckpt_name_valid(e->d_name) || !strcmp(e->d_name, "lost+found"))

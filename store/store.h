@@ -26,6 +26,7 @@
 #ifndef CKPT_STORE_H
 #define CKPT_STORE_H
 
+#include <dirent.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -66,6 +67,9 @@ int ckpt__log_to(const char *path, bool use_syslog, int rank);
  * -ENOTDIR) when a component is a symbolic link, -EINVAL for a path that
  * would leave dirfd. Every open under BACKING_DIR goes through it. */
 int ckpt_open_beneath(int dirfd, const char *relpath, int flags, mode_t mode);
+/* A directory stream of dirfd's directory on a descriptor of its own (a
+ * dup of dirfd would share its position): NULL with errno set. */
+DIR *ckpt_opendir_at(int dirfd);
 /* Read exactly n bytes at off: 0, -EIO when the file ends first, -errno. */
 int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends

@@ -1,6 +1,7 @@
 /*
  * util.c - the small helpers every part of ckptfs uses (store.h).
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -182,6 +183,17 @@ static int open_walk(int dirfd, const char *relpath, int flags, mode_t mode) {
     cur = fd;
     p = slash + 1;
   }
+}
+
+DIR *ckpt_opendir_at(int dirfd) {
+  int fd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+  if (!d && fd >= 0) {
+    int e = errno;
+    close(fd);
+    errno = e;
+  }
+  return d;
 }
 
 int ckpt_open_beneath(int dirfd, const char *relpath, int flags, mode_t mode) {
