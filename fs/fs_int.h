@@ -370,9 +370,11 @@ bool ckpt__sfile_pt_open(ckpt_sfile_t *sf);
  * into segments (drain.c), packed with others into a shared data file. */
 #define CKPT_PT_DRAIN_MIN (64u << 10)
 /* A passthrough file's mtime is its backing file's (the kernel's writes
- * set it): *t becomes that; setting it sets the backing file's. No-ops
- * otherwise. */
-void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t);
+ * set it): *mtime becomes that, and *ctime (unless NULL) the backing
+ * file's ctime where that is later (a write the daemon never saw moved
+ * it); setting the mtime sets the backing file's. No-ops otherwise. */
+void ckpt__sfile_pt_times(ckpt_sfile_t *sf, struct timespec *mtime,
+                          struct timespec *ctime);
 void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t);
 void ckpt__sfile_free(ckpt_sfile_t *sf);
 /* Copy buf into the file at off; -ENOSPC beyond staging_mem, -EFBIG beyond

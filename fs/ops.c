@@ -360,7 +360,8 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   switch (n->kind) {
   case CKPT_NODE_SFILE:
     st->st_size = (off_t)ckpt__sfile_size(n->u.sf);
-    ckpt__sfile_pt_mtime(n->u.sf, &st->st_mtim); /* written by the kernel */
+    /* written by the kernel */
+    ckpt__sfile_pt_times(n->u.sf, &st->st_mtim, &st->st_ctim);
     break;
   case CKPT_NODE_CTENSOR:
   case CKPT_NODE_CBLOB:

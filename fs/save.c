@@ -140,7 +140,7 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
     }
     if (c->kind != CKPT_NODE_SFILE)
       continue;
-    ckpt__sfile_pt_mtime(c->u.sf, &c->mtime); /* the kernel's writes' */
+    ckpt__sfile_pt_times(c->u.sf, &c->mtime, NULL); /* the kernel's writes' */
     if (s->nfiles == *cap) {
       uint32_t ncap = *cap ? *cap * 2 : 64;
       ckpt_node_t **f = realloc(s->files, ncap * sizeof(*f));

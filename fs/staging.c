@@ -547,13 +547,19 @@ char *ckpt__sfile_pt_who(ckpt_sfile_t *sf, uint64_t fino) {
   return ckpt__strdup_printf("%s by process %d (%s)", how, (int)pid, comm);
 }
 
-void ckpt__sfile_pt_mtime(ckpt_sfile_t *sf, struct timespec *t) {
+void ckpt__sfile_pt_times(ckpt_sfile_t *sf, struct timespec *mtime,
+                          struct timespec *ctime) {
   if (atomic_load(&sf->pt_fd) < 0)
     return;
   struct stat st; /* under the lock: a thaw may close the descriptor */
   pthread_mutex_lock(&sf->lock);
-  if (sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0)
-    *t = st.st_mtim;
+  if (sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0) {
+    *mtime = st.st_mtim;
+    if (ctime && (st.st_ctim.tv_sec > ctime->tv_sec ||
+                  (st.st_ctim.tv_sec == ctime->tv_sec &&
+                   st.st_ctim.tv_nsec > ctime->tv_nsec)))
+      *ctime = st.st_ctim;
+  }
   pthread_mutex_unlock(&sf->lock);
 }
 

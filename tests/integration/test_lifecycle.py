@@ -423,6 +423,28 @@ class Options(CkptfsTestCase):
                     call(where)
                 self.assertEqual(e.exception.errno, errno.ENAMETOOLONG, where[-20:])
 
+    def test_staged_ctime_moves_before_close(self):
+        """A write into a staged file open for appending moves its mtime
+        and ctime at once, before the file is closed (written by FUSE
+        passthrough, the write itself never reaches the daemon)."""
+        self.mount()
+        ck = self.ck("t")
+        os.mkdir(ck)
+        f = os.path.join(ck, "f")
+        write_file(f, b"a" * 4096)
+        past = 1_000_000_000 * 10**9
+        fd = os.open(f, os.O_WRONLY | os.O_APPEND)
+        try:
+            for k in range(5):
+                os.utime(f, ns=(past, past))
+                before = os.stat(f)
+                os.write(fd, b"x")
+                after = os.stat(f)
+                self.assertGreater(after.st_mtime_ns, before.st_mtime_ns, k)
+                self.assertGreater(after.st_ctime_ns, before.st_ctime_ns, k)
+        finally:
+            os.close(fd)
+
     def test_staged_times_and_links(self):
         """Staged files and directories keep POSIX times and link counts:
         a write, a truncate and O_TRUNC move mtime and ctime; entries
@@ -438,10 +460,10 @@ class Options(CkptfsTestCase):
         os.utime(f, ns=(past * 10**9, past * 10**9))
         st = os.stat(f)
         self.assertEqual((st.st_atime_ns, st.st_mtime_ns), (past * 10**9, past * 10**9))
-        for change in (lambda: open(f, "ab").write(b"b"),
-                       lambda: os.truncate(f, 1),
-                       lambda: open(f, "wb").close(),
-                       lambda: os.pwrite(fd, b"x", 10)):
+        for i, change in enumerate((lambda: open(f, "ab").write(b"b"),
+                                    lambda: os.truncate(f, 1),
+                                    lambda: open(f, "wb").close(),
+                                    lambda: os.pwrite(fd, b"x", 10))):
             os.utime(f, ns=(past * 10**9, past * 10**9))
             before = os.stat(f)
             fd = os.open(f, os.O_RDWR)
@@ -450,9 +472,9 @@ class Options(CkptfsTestCase):
             finally:
                 os.close(fd)
             after = os.stat(f)
-            self.assertGreater(after.st_mtime_ns, before.st_mtime_ns)
-            self.assertGreater(after.st_ctime_ns, before.st_ctime_ns)
-            self.assertEqual(after.st_atime_ns, past * 10**9)
+            self.assertGreater(after.st_mtime_ns, before.st_mtime_ns, i)
+            self.assertGreater(after.st_ctime_ns, before.st_ctime_ns, i)
+            self.assertEqual(after.st_atime_ns, past * 10**9, i)
         os.utime(f, ns=(past * 10**9 + 5, os.stat(f).st_mtime_ns))  # touch -a
         self.assertEqual(os.stat(f).st_atime_ns, past * 10**9 + 5)
         d = os.path.join(ck, "d")
