@@ -1608,7 +1608,8 @@ void ckpt__flush_stop(ckpt_flush_t *f) {
   free(f);
 }
 
-int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id) {
+int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id,
+                     int rank) {
   char id[CKPT_SAVE_ID_LEN + 1];
   pthread_mutex_lock(&fs->tier_publish);
   int rc = save_id_of(fs->tier_fd, name, id);
@@ -1618,7 +1619,7 @@ int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id) {
   if (rc == 0)
     rc = ckpt__checkpoint_remove(fs->tier_fd, name, false);
   if (rc == 0 || rc == -ENOENT || rc == -ESTALE)
-    ckpt__flush_unrecord(fs, save_id, fs->rank);
+    ckpt__flush_unrecord(fs, save_id, rank);
   ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
   if (rc == 0)

@@ -818,9 +818,11 @@ void ckpt__flush_stop(ckpt_flush_t *f);
  * all in the shared store yet)? false without a tier. */
 bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
 /* Remove tier checkpoint name whose flush failed for good, if it is
- * still save_id, and its record: it is never published. fs->lock may be
- * held. 0 or -errno. */
-int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id);
+ * still save_id, and this mount's record of it (of rank: fs->rank, or 0
+ * for a solo save, a world of one): it is never published. fs->lock may
+ * be held. 0 or -errno. */
+int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id,
+                     int rank);
 /* The bytes of the data files of rank (-1: every rank's) in checkpoint
  * directory dirfd. */
 uint64_t ckpt__flush_bytes(int dirfd, int rank);

@@ -1547,8 +1547,11 @@ static int rmdir_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir) {
   if (ck->state == CKPT_COMMITTED) {
     /* Only the checkpoint this mount shows: start_removal found out. */
     int rc = start_removal(fs, ck);
-    if (rc == 0 && unflushed(ck))
-      rc = ckpt__flush_drop(fs, ck->name, ck->stored.save_id);
+    if (rc == 0 && unflushed(ck)) /* a solo save's files are rank 0's */
+      rc = ckpt__flush_drop(fs, ck->name, ck->stored.save_id,
+                            ck->stored.meta && ck->stored.meta->world_size == 1
+                                ? 0
+                                : fs->rank);
     else if (rc == 0 && !ck->gone)
       rc = ckpt__storage_remove(fs, ck->name);
     if (rc)

@@ -871,6 +871,32 @@ class MultiRank(TierCase):
         self.stop_world()
         self.check_without_tier()
 
+    def test_solo_save_failed_flush_removed(self):
+        """Rank 1's `sync solo` save (recorded as rank 0's files, the only
+        rank of that save) whose flush fails for good (its data file
+        damaged in the tier): removed through rank 1's mount, its record
+        goes with it, and nothing is flushed or left behind."""
+        w = self.start_world("flush_rate=4M")  # 16 MiB: 4 s, damaged first
+        ck = os.path.join(w.mnt(1), "c")
+        os.mkdir(ck)
+        write_file(os.path.join(ck, "w"), self.rank_data[1])
+        commit(ck, "sync solo")
+        self.assertEqual(len(self.records()), 1, self.records())
+        self.assertTrue(self.records()[0].endswith(".0"), self.records())
+        big = max(glob.glob(os.path.join(self.tier, "c", "__0_*.distcp")),
+                  key=os.path.getsize)
+        with open(big, "r+b") as f:
+            f.seek(os.path.getsize(big) - 1)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([last[0] ^ 0xFF]))
+        self.wait_rank(1, "flush failed")
+        shutil.rmtree(ck)
+        self.assertEqual(self.records(), [], cu.read_log(self.log))
+        self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
+        self.stop_world()
+        self.assertFalse(os.path.exists(self.bk("c")))
+
     def test_world_and_one_rank_mount_exclude(self):
         """One world per tier: a mount of one rank is refused while the
         world runs on the tier."""
