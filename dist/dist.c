@@ -941,7 +941,6 @@ static void idle_wait(ckpt_dist_t *d) {
 
 static void *dist_main(void *arg) {
   ckpt_dist_t *d = arg;
-  pthread_setname_np(pthread_self(), "ckptfs-dist"); /* top -H, perf */
   if (d->launched) {
     char *err = NULL;
     int rc = ckpt__mpi_init(d, &err);
@@ -954,6 +953,8 @@ static void *dist_main(void *arg) {
     if (rc)
       return NULL;
   }
+  /* (after MPI's own threads started: they keep their names) */
+  pthread_setname_np(pthread_self(), "ckptfs-dist"); /* top -H, perf */
   /* Wait for the protocol's steps (ckpt_dist_start) or a stop. */
   pthread_mutex_lock(&d->lock);
   while (!d->started && !d->stopping)

@@ -52,7 +52,10 @@ enum {
 
 typedef struct ckpt__pending ckpt__pending_t; /* an unfinished send */
 #define CKPT__SPARES 9 /* partner.c's frames in flight, and one */
-#define CKPT__SPARE_MIN ((size_t)1 << 20) /* smaller buffers are freed */
+/* The sizes of buffer kept: a partner frame's (4 MiB; smaller ones, a
+ * file's last frame, are freed) */
+#define CKPT__SPARE_MIN ((size_t)1 << 20)
+#define CKPT__SPARE_MAX ((size_t)8 << 20)
 typedef struct ckpt__recv ckpt__recv_t;       /* an unfinished receive */
 
 struct ckpt_dist {
@@ -84,9 +87,10 @@ struct ckpt_dist {
   ckpt__pending_t *pending; /* sends not yet completed */
   ckpt__recv_t *abandoned;  /* receives given up on: their buffers stay
                                MPI's until it is finalized */
-  /* Large send buffers whose sends completed, kept for the next ones
-   * (ckpt__mpi_buf): a partner copy's frames reuse memory already mapped
-   * instead of faulting in fresh pages for every frame. */
+  /* Partner frames' buffers whose sends completed, kept for the next
+   * frames and commits (ckpt__mpi_buf; up to 36 MiB until finalize):
+   * memory already mapped instead of fresh pages faulted in for every
+   * frame. */
   ckpt_buf_t spare[CKPT__SPARES];
   int nspare;
   void *comm;             /* mpi.c's communicator */

@@ -232,7 +232,10 @@ bool ckpt__mpi_progress(ckpt_dist_t *d) {
     MPI_Test(&p->req, &done, MPI_STATUS_IGNORE);
     if (done) {
       *pp = p->next;
-      if (p->msg.cap >= CKPT__SPARE_MIN && d->nspare < CKPT__SPARES) {
+      /* a partner frame's buffer (no other message's: a plan or the
+       * .metadata may be far larger, and is sent once) */
+      if (p->tag == CKPT__TAG_PARTNER && p->msg.cap >= CKPT__SPARE_MIN &&
+          p->msg.cap <= CKPT__SPARE_MAX && d->nspare < CKPT__SPARES) {
         p->msg.len = 0;
         d->spare[d->nspare++] = p->msg;
       } else {

@@ -141,8 +141,11 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   }
   bool reuse = false;
   if (go && held && sf->size < CKPT_PT_DRAIN_MIN && sf->stream < 0) {
-    if (fstat(fd, &st) == 0) /* the kernel's writes set the backing file's */
+    if (fstat(fd, &st) == 0) { /* the kernel's writes set the backing
+                                  file's */
       n->mtime = st.st_mtim;
+      ckpt__sfile_pt_ctime(sf, &st, &n->ctime);
+    }
     backing = ckpt__sfile_pt_absorb(sf);
     reuse = !sf->pt_read_opened;
     go = false;

@@ -297,6 +297,9 @@ typedef struct ckpt_sfile {
   bool pt_read_opened;   /* opened read-only once: its backing file is not
                             reused for another file (a read-only mapping
                             may still show it) */
+  struct timespec pt_ctim_seen; /* pt_fd's ctime when last looked at: a
+                                   change since is a write the daemon
+                                   never saw (ckpt__sfile_pt_times) */
   bool pt_sealed;        /* nobody could write it when last checked (by
                             the drain to hash it, by a commit to freeze
                             it); an open for writing unseals it */
@@ -370,10 +373,16 @@ bool ckpt__sfile_pt_open(ckpt_sfile_t *sf);
  * into segments (drain.c), packed with others into a shared data file. */
 #define CKPT_PT_DRAIN_MIN (64u << 10)
 /* A passthrough file's mtime is its backing file's (the kernel's writes
- * set it): *mtime becomes that, and *ctime (unless NULL) the backing
- * file's ctime where that is later (a write the daemon never saw moved
- * it); setting the mtime sets the backing file's. No-ops otherwise. */
+ * set it): *mtime becomes that. With ctime (the node's, fs->lock held),
+ * and the file not sealed: if the backing file's ctime moved since the
+ * last look (a write the daemon never saw), *ctime moves past it
+ * (ckpt__ctime_moved). Setting the mtime sets the backing file's. No-ops
+ * otherwise. */
 void ckpt__sfile_pt_times(ckpt_sfile_t *sf, struct timespec *mtime,
+                          struct timespec *ctime);
+/* The same ctime rule for st, pt_fd's stat (sf->lock held; sealed or
+ * not): the drain's, for a file it takes in. */
+void ckpt__sfile_pt_ctime(ckpt_sfile_t *sf, const struct stat *st,
                           struct timespec *ctime);
 void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t);
 void ckpt__sfile_free(ckpt_sfile_t *sf);

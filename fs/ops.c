@@ -361,7 +361,8 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   case CKPT_NODE_SFILE:
     st->st_size = (off_t)ckpt__sfile_size(n->u.sf);
     /* written by the kernel */
-    ckpt__sfile_pt_times(n->u.sf, &st->st_mtim, &st->st_ctim);
+    ckpt__sfile_pt_times(n->u.sf, &st->st_mtim, &n->ctime);
+    st->st_ctim = n->ctime;
     break;
   case CKPT_NODE_CTENSOR:
   case CKPT_NODE_CBLOB:

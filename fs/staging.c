@@ -357,8 +357,11 @@ int ckpt__sfile_pt_start(ckpt_sfile_t *sf) {
     pt_fd_give(b);
     return fd;
   }
+  struct stat st;
   pthread_mutex_lock(&sf->lock);
   sf->pt_fd = fd;
+  if (fstat(fd, &st) == 0)
+    sf->pt_ctim_seen = st.st_ctim;
   sf->hash_broken = true; /* hashed after its close (drain.c) */
   pthread_mutex_unlock(&sf->lock);
   return 0;
@@ -547,6 +550,24 @@ char *ckpt__sfile_pt_who(ckpt_sfile_t *sf, uint64_t fino) {
   return ckpt__strdup_printf("%s by process %d (%s)", how, (int)pid, comm);
 }
 
+void ckpt__sfile_pt_ctime(ckpt_sfile_t *sf, const struct stat *st,
+                          struct timespec *ctime) {
+  if (st->st_ctim.tv_sec == sf->pt_ctim_seen.tv_sec &&
+      st->st_ctim.tv_nsec == sf->pt_ctim_seen.tv_nsec)
+    return;
+  sf->pt_ctim_seen = st->st_ctim;
+  /* Past both: the backing file's clock may be coarser than the
+   * daemon's (before Linux 6.13, or another host's on NFS), so its time
+   * alone could fall before a change the daemon made just before. */
+  struct timespec next = *ctime;
+  if (++next.tv_nsec >= 1000000000L)
+    next.tv_sec++, next.tv_nsec = 0;
+  bool later = st->st_ctim.tv_sec > next.tv_sec ||
+               (st->st_ctim.tv_sec == next.tv_sec &&
+                st->st_ctim.tv_nsec > next.tv_nsec);
+  *ctime = later ? st->st_ctim : next;
+}
+
 void ckpt__sfile_pt_times(ckpt_sfile_t *sf, struct timespec *mtime,
                           struct timespec *ctime) {
   if (atomic_load(&sf->pt_fd) < 0)
@@ -555,10 +576,10 @@ void ckpt__sfile_pt_times(ckpt_sfile_t *sf, struct timespec *mtime,
   pthread_mutex_lock(&sf->lock);
   if (sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0) {
     *mtime = st.st_mtim;
-    if (ctime && (st.st_ctim.tv_sec > ctime->tv_sec ||
-                  (st.st_ctim.tv_sec == ctime->tv_sec &&
-                   st.st_ctim.tv_nsec > ctime->tv_nsec)))
-      *ctime = st.st_ctim;
+    /* sealed: the commit links or renames the backing file, which moves
+     * its ctime but is no change of the user's */
+    if (ctime && !sf->pt_sealed)
+      ckpt__sfile_pt_ctime(sf, &st, ctime);
   }
   pthread_mutex_unlock(&sf->lock);
 }
@@ -566,9 +587,13 @@ void ckpt__sfile_pt_times(ckpt_sfile_t *sf, struct timespec *mtime,
 void ckpt__sfile_pt_set_mtime(ckpt_sfile_t *sf, const struct timespec *t) {
   if (atomic_load(&sf->pt_fd) < 0)
     return;
+  struct stat st;
   pthread_mutex_lock(&sf->lock);
-  if (sf->pt_fd >= 0)
-    futimens(sf->pt_fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, *t});
+  if (sf->pt_fd >= 0 &&
+      futimens(sf->pt_fd, (struct timespec[2]){{.tv_nsec = UTIME_OMIT}, *t}) ==
+          0 &&
+      fstat(sf->pt_fd, &st) == 0)
+    sf->pt_ctim_seen = st.st_ctim; /* the daemon's own change */
   pthread_mutex_unlock(&sf->lock);
 }
 

@@ -431,7 +431,7 @@ class Options(CkptfsTestCase):
         ck = self.ck("t")
         os.mkdir(ck)
         f = os.path.join(ck, "f")
-        write_file(f, b"a" * 4096)
+        write_file(f, b"a" * (128 * 1024))  # passed through, not drained
         past = 1_000_000_000 * 10**9
         fd = os.open(f, os.O_WRONLY | os.O_APPEND)
         try:
