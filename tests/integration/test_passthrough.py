@@ -211,6 +211,8 @@ class Passthrough(CkptfsTestCase):
         write_file(self.ck("c", "empty"), b"")
         self.assertIn(ino, backing_files(m.proc.pid),
                       "closed, a large file stays in its backing file")
+        self.wait_for("the drain takes the small files in (packed)",
+                      lambda: list(backing_files(m.proc.pid)) == [ino])
         self.assertEqual(os.stat(self.ck("c", "w")).st_size, len(big))
         self.assertEqual(os.stat(self.ck("c", "blob")).st_size, len(odd))
         self.assertEqual(read_all(self.ck("c", "w")), big)   # read passed through
