@@ -317,9 +317,13 @@ class PartnerFlush(PartnerCase):
             records = [f for i in range(2)
                        for f in glob.glob(os.path.join(self.cluster.path(i, self.tier),
                                                        ".flush", "[!.]*"))]
-            if all("location shared" in x for x in st) and over == {"0", "1"} and not records:
+            # each rank's own line is logged after its record went
+            own = set(re.findall(rf"{name} flushed to \S+ \(rank (\d+)'s files\)", log))
+            if all("location shared" in x for x in st) and over == {"0", "1"} and \
+                    own == {"0", "1"} and not records:
                 break
             self.assertLess(time.monotonic(), deadline, f"not over: {st}, {sorted(over)}, "
+                            f"own {sorted(own)}, "
                             f"records {records}\n--- log ---\n{log[-4000:]}")
             time.sleep(0.2)
         for it in items:

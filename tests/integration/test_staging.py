@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
@@ -479,6 +480,11 @@ class StagingMemory(CkptfsTestCase):
         os.close(fd)
         self.assertGreater(spill_file_size(m.proc.pid), 0)
         shutil.rmtree(self.ck("a"))
+        # freed with the node, once the handle's RELEASE (after the close,
+        # asynchronous) let go of it
+        deadline = time.monotonic() + 20
+        while spill_file_size(m.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.assertEqual(spill_file_size(m.proc.pid), 0)
         os.mkdir(self.ck("b"))
         write_file(self.ck("b", "x"), b"\2" * (2 * MiB))

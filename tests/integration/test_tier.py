@@ -133,6 +133,18 @@ class TierCase(CkptfsTestCase):
                 self.fail(f"tier copy of {name} kept\n{self.daemon_log()}")
             time.sleep(0.02)
 
+    def wait_flush_done(self, name="c", timeout=20):
+        """After `location shared` the flush still drops its record,
+        removes the tier's copy and tidies BACKING_DIR/.staging
+        (fs/flush.c, a thread at nice 10): wait for those."""
+        deadline = time.monotonic() + timeout
+        while self.records() or os.path.exists(os.path.join(self.tier, name)) or \
+                os.path.exists(os.path.join(self.backing, ".staging")):
+            if time.monotonic() > deadline:
+                self.fail(f"flush of {name} not over in {timeout}s: records "
+                          f"{self.records()}\n{cu.read_log(self.log)}")
+            time.sleep(0.02)
+
     def records(self):
         """The flush records, SAVE_ID.RANK (not the node's .lock)."""
         d = os.path.join(self.tier, ".flush")
@@ -181,6 +193,7 @@ class Flush(TierCase):
         self.assertEqual(done, total)
         self.assertGreaterEqual(int(total), SIZE)
         self.assertEqual(data_files(self.bk("c")), in_tier)
+        self.wait_flush_done()
         # BACKING_DIR holds what a commit without the tier leaves there
         self.assertEqual(sorted(os.listdir(self.backing)), ["c"])
         self.assertEqual(sorted(os.listdir(self.bk("c"))), [".metadata"] + sorted(in_tier))
@@ -355,7 +368,11 @@ class Flush(TierCase):
                            capture_output=True, text=True, timeout=60)
         self.assertIn("LOCATION", r.stdout)
         self.wait_shared("c")
-        self.assertEqual(locations(), {"a": "shared", "b": "shared", "c": "shared+tier"})
+        # tier_keep=1 evicts b after c's publish (the flush's last step)
+        want, deadline = {"a": "shared", "b": "shared", "c": "shared+tier"}, time.monotonic() + 20
+        while (got := locations()) != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertEqual(got, want)
         r = subprocess.run([ctl, "ls", "--json", self.backing], capture_output=True, text=True)
         self.assertNotIn("location", r.stdout)  # without --tier: as before
 
@@ -500,6 +517,7 @@ class Crash(TierCase):
         self.wait_shared()
         # the cleanup of unfinished saves left the one the record names
         self.assertNotIn(f"removing unfinished save .saves/{save_id}", self.daemon_log())
+        self.wait_flush_done()
         self.assertEqual(self.records(), [])
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.read_without_tier()
@@ -639,8 +657,8 @@ class Crash(TierCase):
         self.tier_mount()
         s = self.wait_shared()
         self.assertNotIn("flush failed", s)
+        self.wait_flush_done()
         self.assertEqual(self.records(), [])
-        self.wait_tier_gone()
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.read_without_tier()
         self.fsck_clean()
@@ -667,8 +685,8 @@ class Crash(TierCase):
         self.assertIn("flushed again without replacing",
                       cu.wait_log(self.log, "flushed again without replacing"))
         self.wait_shared()
+        self.wait_flush_done()
         self.assertEqual(self.records(), [])
-        self.wait_tier_gone()
         self.assertEqual(read_all(self.ck("c", "weights")), self.data)
         self.fsck_clean()
 
@@ -807,12 +825,9 @@ class MultiRank(TierCase):
             self.assertGreaterEqual(int(fl[0][4]), 16 * MiB)
             self.assertLess(int(fl[0][4]), 32 * MiB)
         self.assertEqual(data_files(self.bk("c")), in_tier)
+        self.wait_flush_done()
         self.assertEqual(sorted(os.listdir(self.backing)), ["c"])
         self.assertEqual(sorted(os.listdir(self.bk("c"))), [".metadata"] + sorted(in_tier))
-        deadline = time.monotonic() + 10
-        while (self.records() or os.path.exists(os.path.join(self.tier, "c"))) and \
-                time.monotonic() < deadline:
-            time.sleep(0.02)
         self.assertEqual(self.records(), [])
         self.assertFalse(os.path.exists(os.path.join(self.tier, "c")))
         self.assertFalse(os.listdir(os.path.join(self.tier, ".saves"))
@@ -839,7 +854,7 @@ class MultiRank(TierCase):
         self.assertTrue(glob.glob(self.bk(".saves", "*", "__0_*.distcp")))
         for r in range(2):
             self.wait_rank(r, "location shared")
-        self.assertIn("rank 1's files", cu.read_log(self.log))
+        cu.wait_log(self.log, "rank 1's files")  # logged after the publish
         self.stop_world()
         self.check_without_tier()
 
@@ -867,6 +882,7 @@ class MultiRank(TierCase):
         self.start_world()
         for r in range(2):
             self.wait_rank(r, "location shared")
+        self.wait_flush_done()
         self.assertEqual(self.records(), [])
         self.stop_world()
         self.check_without_tier()
