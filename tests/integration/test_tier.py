@@ -854,7 +854,8 @@ class MultiRank(TierCase):
         self.assertTrue(glob.glob(self.bk(".saves", "*", "__0_*.distcp")))
         for r in range(2):
             self.wait_rank(r, "location shared")
-        cu.wait_log(self.log, "rank 1's files")  # logged after the publish
+        # logged after the publish
+        self.assertIn("rank 1's files", cu.wait_log(self.log, "rank 1's files"))
         self.stop_world()
         self.check_without_tier()
 
