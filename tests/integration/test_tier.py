@@ -125,14 +125,6 @@ class TierCase(CkptfsTestCase):
         self.assertEqual(read_all(self.ck(name, "weights")),
                          self.data if data is None else data)
 
-    def wait_tier_gone(self, name="c", timeout=10):
-        """The tier's copy goes right after `location shared`."""
-        deadline = time.monotonic() + timeout
-        while os.path.exists(os.path.join(self.tier, name)):
-            if time.monotonic() > deadline:
-                self.fail(f"tier copy of {name} kept\n{self.daemon_log()}")
-            time.sleep(0.02)
-
     def wait_flush_done(self, name="c", timeout=20):
         """After `location shared` the flush still drops its record,
         removes the tier's copy and tidies BACKING_DIR/.staging
