@@ -50,7 +50,9 @@ docs/committed.md), so loads work at any world size.
 """
 
 import dataclasses
+import enum
 import errno
+import functools
 import sys
 import hashlib
 import io
@@ -978,8 +980,21 @@ def _admitted_globals():
         g[(mod, "PurePosixPath")] = pathlib.PurePosixPath
     g[("builtins", "set")] = set
     g[("builtins", "frozenset")] = frozenset
+    # Some Python 3.11 releases (Debian 12's 3.11.2; not 3.11.7) pickle an enum member as
+    # getattr(ENUM_CLASS, "NAME"): a lookup of members of admitted enums only
+    enums = {v for v in g.values() if isinstance(v, type) and issubclass(v, enum.Enum)}
+    g[("builtins", "getattr")] = functools.partial(_enum_member, frozenset(enums))
     _admitted.update(g)
     return _admitted
+
+
+def _enum_member(enums, cls, name):
+    """getattr(cls, name) as an enum's pickle asks for it: cls one of the
+    admitted enums, name one of its members' names; else refused."""
+    if cls not in enums or not isinstance(name, str) or name not in cls.__members__:
+        raise CkptfsError(f"refused getattr({cls!r}, {name!r}) in a DCP .metadata: only "
+                          "a member of an admitted enum is looked up; nothing of it was run")
+    return cls.__members__[name]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -999,7 +1014,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     - collections.OrderedDict; pathlib.PosixPath and PurePosixPath (a
       checkpoint_id given as a Path);
     - builtins set and frozenset (dicts, lists, tuples, strings, numbers,
-      bytes, True/False/None are pickle opcodes, not globals).
+      bytes, True/False/None are pickle opcodes, not globals);
+    - builtins.getattr only as a stand-in that looks up a member of an
+      admitted enum by name (how Debian 12's Python 3.11.2 pickles enums).
 
     Any other global, and any persistent id, raises CkptfsError naming it
     before anything is called."""

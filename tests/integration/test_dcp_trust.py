@@ -44,6 +44,23 @@ sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "obj": {"k": [1,
 dcp.save(sd, checkpoint_id=sys.argv[1], no_dist=True)
 '''
 
+# DIR's .metadata pickled again with each enum member as getattr(ENUM,
+# NAME), as Debian 12's Python 3.11.2 pickles it: HOW member (its name) or
+# dunder ("__class__": no member).
+REPICKLE = r'''
+import enum, pickle, sys
+d, how = sys.argv[1:3]
+with open(d + "/.metadata", "rb") as f:
+    md = pickle.load(f)
+class P(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return (getattr, (type(obj), obj.name if how == "member" else "__class__"))
+        return NotImplemented
+with open(d + "/.metadata", "wb") as f:
+    P(f, protocol=4).dump(md)
+'''
+
 # A .metadata of plain DCP classes: DIR KIND TARGET. KIND bytes/tensor: one
 # item of that kind stored at relative_path TARGET; system: a Metadata
 # whose planner_data holds an object that runs os.system(TARGET) when
@@ -132,6 +149,25 @@ class DcpTrustCase(CkptfsTestCase):
 
 
 class HostilePickle(DcpTrustCase):
+
+    def test_enum_pickled_by_getattr(self):
+        """An enum member pickled as builtins.getattr(ENUM, NAME) (Python
+        3.11.2's dcp.save) imports; a getattr of anything but a member of
+        an admitted enum is refused."""
+        for how in ("member", "dunder"):
+            with self.subTest(how=how):
+                d = self.stock(os.path.join(self.dir, f"enum-{how}"))
+                run_py(self, self.py, REPICKLE, d, how)
+                with open(os.path.join(d, ".metadata"), "rb") as f:
+                    self.assertIn(b"getattr", f.read())
+                chown_tree(d)
+                r = self.ctl("import-dcp", d, self.backing, how)
+                if how == "member":
+                    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                    self.assertTrue(os.path.exists(self.bk(how, ".metadata")))
+                else:
+                    self.assertNotImported(r, how)
+                    self.assertIn("refused getattr", r.stderr)
 
     def test_os_system_never_runs(self):
         for kind in ("system", "system-top"):
