@@ -263,15 +263,23 @@ void ckpt__tier_unlock(int fd) {
 }
 
 /* Read record rec: its save, rank, name, replace flag, BACKING_DIR and
- * publishing mark. 0, -EINVAL when torn or malformed, -errno. */
+ * publishing mark. 0, -EINVAL when torn or malformed, -EPERM when it is
+ * not a regular file of the daemon's user (planted: never trusted, even
+ * in a tier checked private at mount), -errno. */
 static int read_record(int dfd, const char *rec, flush_job_t *j) {
   char save_id[CKPT_SAVE_ID_LEN + 1];
   int rank;
   if (!parse_record_name(rec, save_id, &rank))
     return -EINVAL;
-  int fd = openat(dfd, rec, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  int fd = openat(dfd, rec, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0)
     return -errno;
+  struct stat st;
+  if (fstat(fd, &st) || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+      (st.st_mode & S_IWOTH)) {
+    close(fd);
+    return -EPERM;
+  }
   char buf[PATH_MAX + 400 + CKPT_DIST_HOST_MAX];
   ssize_t n = read(fd, buf, sizeof(buf) - 1);
   close(fd);
@@ -396,6 +404,9 @@ static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
   const char *sid = j.save_id;
   if (rc == -EINVAL) {
     why = "torn or malformed (its save was never published)";
+  } else if (rc == -EPERM) {
+    ckpt__log("tier: flush record %s is not a file of the daemon's user: "
+              "ignored, left where it is", id);
   } else if (rc) {
     /* EMFILE, EIO...: proves nothing; kept for the next mount */
     ckpt__log("tier: flush record %s unreadable (%s): kept", id,
@@ -1196,7 +1207,9 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     j->dropped = j->partner && !j->taken; /* nothing of it copied here */
     goto flushed; /* by another rank's flusher */
   }
-  src = open_source(fs, j);
+  /* checked whole at mount; made writable by others since: flush nothing */
+  rc = ckpt_store_check_private(fs->tier_fd, fs->tier_path, false, err);
+  src = rc ? rc : open_source(fs, j);
   rc = src < 0 ? src : 0;
   if (rc == 0 && j->partner && !j->taken) {
     int turn = partner_turn(f, j, src, err);

@@ -694,9 +694,10 @@ void ckpt__metrics_commit(ckpt_fs_t *fs, ckpt_commit_outcome_t outcome,
 void ckpt__metrics_read(fuse_req_t req, uint64_t n);
 /* req, a request of opcode op, arrived (each callback of ops.c, first). */
 void ckpt__metrics_request(fuse_req_t req, ckpt_fuse_op_t op);
-/* Write fs's metrics to path in the Prometheus text format (path.tmp.PID,
- * renamed over it): 0 or -errno. */
-int ckpt__metrics_write(ckpt_fs_t *fs, const char *path);
+/* Write fs's metrics to base in the directory dir_fd, in the Prometheus
+ * text format (a new base.tmp.PID.RANDOM made with O_EXCL | O_NOFOLLOW,
+ * renamed over base): 0 or -errno. */
+int ckpt__metrics_write(ckpt_fs_t *fs, int dir_fd, const char *base);
 /* The daemon's periodic thread, every CKPT_METRICS_PERIOD seconds: writes
  * the metrics to path (when not NULL: -o metrics) and closes the cached
  * descriptors of data files removed since (ckpt_fdcache_sweep); stop

@@ -272,9 +272,25 @@ static int open_tier(ckpt_fs_t *fs, const char *abs_backing) {
             strerror(errno));
     return -1;
   }
+  /* Everything in the tier is served and flushed to BACKING_DIR on its
+   * own word (checkpoints, flush records): no other user may write it. */
+  char *err = NULL;
+  if (ckpt_store_check_private(fs->tier_fd, fs->tier_path, true, &err)) {
+    fprintf(stderr,
+            "ckptfs: tier=%s is not private to the daemon's user (uid %u): "
+            "%s. Another user could plant checkpoints or flush records "
+            "there, which the mount would serve and publish to BACKING_DIR. "
+            "Make the tier the daemon user's alone, e.g. `mount -t tmpfs -o "
+            "mode=0700 tmpfs %s`, or `chown %u %s && chmod 0700 %s` and "
+            "remove what other users put there\n",
+            dir, (unsigned)geteuid(), err ? err : "cannot check it",
+            fs->tier_path, (unsigned)geteuid(), fs->tier_path,
+            fs->tier_path);
+    free(err);
+    return -1;
+  }
   char *real = abs_backing ? realpath(abs_backing, NULL) : NULL;
   const char *backing = real ? real : abs_backing ? abs_backing : "";
-  char *err = NULL;
   int rc = lock_tier(fs, dir, backing);
   if (rc == 0 && (rc = ckpt__flush_check(fs, backing, &err)) != 0)
     fprintf(stderr, "ckptfs: %s\n", err);
@@ -452,7 +468,7 @@ static void stopper_join(stopper_t *st) {
 
 /* -o metrics=FILE for this rank: %r replaced, absolute (the daemon works
  * in / once daemonized), in a directory that exists and can be written
- * (FILE.tmp.PID is made there). NULL with a message on stderr. */
+ * (FILE.tmp.PID.RANDOM is made there). NULL with a message on stderr. */
 static char *metrics_path(const char *tmpl, int rank) {
   char *expanded = expand_mountpoint(tmpl, rank);
   char *path = expanded ? absolute_backing(expanded) : NULL;
@@ -601,8 +617,13 @@ int main(int argc, char **argv) {
     char *path = expand_mountpoint(fs.opts.log_file, fs.rank);
     int lrc = path ? ckpt__log_to(path, false, fs.rank) : -ENOMEM;
     if (lrc) {
-      fprintf(stderr, "ckptfs: cannot open the log %s: %s\n",
-              path ? path : fs.opts.log_file, strerror(-lrc));
+      fprintf(stderr, "ckptfs: cannot open the log %s: %s%s\n",
+              path ? path : fs.opts.log_file, strerror(-lrc),
+              lrc == -EPERM  ? " (it belongs to another user: never "
+                               "written by the daemon)"
+              : lrc == -ELOOP ? " (a symbolic link: never followed)"
+              : lrc == -EINVAL ? " (not a regular file)"
+                               : "");
       free(path);
       goto out;
     }

@@ -1,9 +1,17 @@
 /*
  * metrics.c - -o metrics=FILE: the mount's counters in the Prometheus text
  * exposition format, written every CKPT_METRICS_PERIOD seconds and once
- * more at unmount, the node_exporter textfile collector's way: into
- * FILE.tmp.PID in the same directory, then renamed over FILE, so that a
- * reader always finds a whole file.
+ * more at unmount, the node_exporter textfile collector's way: into a new
+ * FILE.tmp.PID.RANDOM in the same directory, then renamed over FILE, so
+ * that a reader always finds a whole file.
+ *
+ * That directory may belong to another user (node_exporter's textfile
+ * directory belongs to its service user), who can plant any name in it.
+ * So the daemon (root) works through one descriptor of the directory and
+ * only ever creates a name that did not exist (O_CREAT | O_EXCL, which
+ * never follows a symlink, | O_NOFOLLOW | O_NONBLOCK for a FIFO), with a
+ * random suffix it does not reuse; rename(2) replaces whatever FILE is
+ * without following it. Nothing in the directory is read or truncated.
  *
  * The counters are atomics bumped where things happen (save.c, ops.c,
  * views.c, blocks.c; verify failures in the store's reader). Only the
@@ -22,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -296,19 +305,40 @@ static void write_all(ckpt_fs_t *fs, out_t *o) {
         open_fds());
 }
 
-int ckpt__metrics_write(ckpt_fs_t *fs, const char *path) {
-  char tmp[PATH_MAX];
-  if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path,
-                       (long)getpid()) >= sizeof(tmp))
-    return -ENAMETOOLONG;
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+/* A new temporary name beside base in dir_fd, created here and by no one
+ * before (see the header): its descriptor and name, or -errno. */
+static int create_temp(int dir_fd, const char *base, char *tmp, size_t size) {
+  for (int attempt = 0; attempt < 8; attempt++) {
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof(r), GRND_NONBLOCK) != (ssize_t)sizeof(r)) {
+      struct timespec ts;
+      clock_gettime(CLOCK_MONOTONIC, &ts);
+      r = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^
+          ((uint64_t)attempt << 56);
+    }
+    if ((size_t)snprintf(tmp, size, "%s.tmp.%ld.%016llx", base,
+                         (long)getpid(), (unsigned long long)r) >= size)
+      return -ENAMETOOLONG;
+    int fd = openat(dir_fd, tmp,
+                    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK |
+                        O_CLOEXEC,
+                    0644);
+    if (fd >= 0 || errno != EEXIST)
+      return fd >= 0 ? fd : -errno;
+  }
+  return -EEXIST;
+}
+
+int ckpt__metrics_write(ckpt_fs_t *fs, int dir_fd, const char *base) {
+  char tmp[NAME_MAX + 1];
+  int fd = create_temp(dir_fd, base, tmp, sizeof(tmp));
   if (fd < 0)
-    return -errno;
+    return fd;
   out_t o = {.f = fdopen(fd, "w")};
   if (!o.f) {
     int e = errno;
     close(fd);
-    unlink(tmp);
+    unlinkat(dir_fd, tmp, 0);
     return -e;
   }
   char mount[PATH_MAX];
@@ -319,10 +349,10 @@ int ckpt__metrics_write(ckpt_fs_t *fs, const char *path) {
   int rc = ferror(o.f) ? -EIO : 0;
   if (fclose(o.f) && rc == 0)
     rc = -errno;
-  if (rc == 0 && rename(tmp, path))
+  if (rc == 0 && renameat(dir_fd, tmp, dir_fd, base))
     rc = -errno;
   if (rc)
-    unlink(tmp);
+    unlinkat(dir_fd, tmp, 0);
   return rc;
 }
 
@@ -331,6 +361,8 @@ int ckpt__metrics_write(ckpt_fs_t *fs, const char *path) {
 struct ckpt_metrics_writer {
   ckpt_fs_t *fs;
   char *path;          /* NULL without -o metrics */
+  int dir_fd;          /* path's directory (-1 without -o metrics) */
+  const char *base;    /* path's last component, in path */
   pthread_t thread;
   pthread_mutex_t lock;
   pthread_cond_t cond; /* CLOCK_MONOTONIC */
@@ -341,7 +373,7 @@ struct ckpt_metrics_writer {
 static void write_logged(ckpt_metrics_writer_t *w) {
   if (!w->path)
     return;
-  int rc = ckpt__metrics_write(w->fs, w->path);
+  int rc = ckpt__metrics_write(w->fs, w->dir_fd, w->base);
   if (rc && rc != w->last_err)
     ckpt__log("metrics: cannot write %s: %s", w->path, strerror(-rc));
   else if (!rc && w->last_err)
@@ -377,6 +409,22 @@ int ckpt__metrics_start(ckpt_fs_t *fs, const char *path,
     return -ENOMEM;
   }
   w->fs = fs;
+  w->dir_fd = -1;
+  if (path) {
+    /* path is absolute (main.c): its directory, opened once */
+    char *slash = strrchr(w->path, '/');
+    *slash = '\0';
+    w->dir_fd = open(slash == w->path ? "/" : w->path,
+                     O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    *slash = '/';
+    w->base = slash + 1;
+    if (w->dir_fd < 0 || !*w->base) {
+      int e = w->dir_fd < 0 ? errno : EINVAL;
+      free(w->path);
+      free(w);
+      return -e;
+    }
+  }
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -387,6 +435,8 @@ int ckpt__metrics_start(ckpt_fs_t *fs, const char *path,
   if (rc) {
     pthread_cond_destroy(&w->cond);
     pthread_mutex_destroy(&w->lock);
+    if (w->dir_fd >= 0)
+      close(w->dir_fd);
     free(w->path);
     free(w);
     return -rc;
@@ -405,6 +455,8 @@ void ckpt__metrics_stop(ckpt_metrics_writer_t *w) {
   pthread_join(w->thread, NULL);
   pthread_cond_destroy(&w->cond);
   pthread_mutex_destroy(&w->lock);
+  if (w->dir_fd >= 0)
+    close(w->dir_fd);
   free(w->path);
   free(w);
 }

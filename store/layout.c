@@ -498,3 +498,88 @@ void ckpt_store_cleanup(int backing_fd, int keep_fd) {
   cleanup_saves(backing_fd, keep_fd);
   cleanup_staging(backing_fd);
 }
+
+/* ----- a root no other user can write (a tier) ----- */
+
+/* Could a user other than uid (and gid's members) change st, or what it
+ * holds? The owner, or a write bit for others or for another group. */
+static const char *foreign(const struct stat *st, uid_t uid, gid_t gid) {
+  if (st->st_uid != uid)
+    return "owned by another user";
+  if (S_ISLNK(st->st_mode))
+    return NULL; /* never followed; its mode bits mean nothing */
+  if (st->st_mode & S_IWOTH)
+    return "writable by every user";
+  if ((st->st_mode & S_IWGRP) && st->st_gid != gid)
+    return "writable by its group";
+  return NULL;
+}
+
+/* Depth-first over the directory open at fd (path: its name for *why). */
+static int check_tree(int fd, const char *path, uid_t uid, gid_t gid,
+                      int depth, char **why) {
+  if (depth > 64) {
+    *why = ckpt__strdup_printf("%s: nested deeper than 64 directories", path);
+    return -ELOOP;
+  }
+  DIR *d = ckpt_opendir_at(fd);
+  if (!d)
+    return -errno;
+  int rc = 0;
+  struct dirent *e;
+  while (rc == 0 && (e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+      continue;
+    struct stat st;
+    if (fstatat(fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW)) {
+      if (errno != ENOENT) /* removed meanwhile: nothing to trust */
+        rc = -errno;
+      continue;
+    }
+    const char *bad = foreign(&st, uid, gid);
+    if (bad) {
+      *why = ckpt__strdup_printf("%s/%s is %s (uid %u, mode %04o)", path,
+                                 e->d_name, bad, (unsigned)st.st_uid,
+                                 (unsigned)(st.st_mode & 07777));
+      rc = -EPERM;
+    } else if (S_ISDIR(st.st_mode)) {
+      int sub = ckpt_open_beneath(fd, e->d_name, O_RDONLY | O_DIRECTORY, 0);
+      if (sub == -ENOENT)
+        continue;
+      if (sub < 0) {
+        rc = sub;
+        break;
+      }
+      char *subpath = ckpt__strdup_printf("%s/%s", path, e->d_name);
+      rc = subpath ? check_tree(sub, subpath, uid, gid, depth + 1, why)
+                   : -ENOMEM;
+      free(subpath);
+      close(sub);
+    }
+  }
+  closedir(d);
+  if (rc && rc != -EPERM && rc != -ELOOP && !*why)
+    *why = ckpt__strdup_printf("%s: %s", path, strerror(-rc));
+  return rc;
+}
+
+int ckpt_store_check_private(int root_fd, const char *path, bool whole,
+                             char **why) {
+  uid_t uid = geteuid();
+  gid_t gid = getegid();
+  struct stat st;
+  *why = NULL;
+  if (fstat(root_fd, &st)) {
+    int e = errno;
+    *why = ckpt__strdup_printf("%s: %s", path, strerror(e));
+    return -e;
+  }
+  const char *bad = foreign(&st, uid, gid);
+  if (bad) {
+    *why = ckpt__strdup_printf("%s is %s (uid %u, mode %04o)", path, bad,
+                               (unsigned)st.st_uid,
+                               (unsigned)(st.st_mode & 07777));
+    return -EPERM;
+  }
+  return whole ? check_tree(root_fd, path, uid, gid, 0, why) : 0;
+}

@@ -166,6 +166,15 @@ int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd);
  * .staging. keep_fd (a directory, or -1): a .saves/ID is kept when keep_fd
  * has an entry ID (a tier's flush records: a flush resumes into it). */
 void ckpt_store_cleanup(int backing_fd, int keep_fd);
+/* Is the directory open at root_fd (path: its name, for *why) private to
+ * this process's user: owned by the effective uid and writable by no
+ * other user (no write bit for others, none for a group other than the
+ * effective gid)? With whole, so is every entry beneath it (owner and
+ * write bits; symlinks by owner only), so that nothing there can have
+ * been planted by another user. 0, or -EPERM (-errno) with *why (malloc'd)
+ * naming the first entry that is not. A tier must be (fs/main.c). */
+int ckpt_store_check_private(int root_fd, const char *path, bool whole,
+                             char **why);
 
 /* ------------------------------------------------------------------------
  * Data file descriptors (fdcache.c): one cache per process, shared by all

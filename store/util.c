@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdatomic.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <syslog.h>
 #include <time.h>
@@ -33,12 +34,28 @@ static int log_rank = -1;
 
 int ckpt__log_to(const char *path, bool use_syslog, int rank) {
   if (path) {
+    /* A root daemon never writes through a name another user planted: no
+     * symlink, FIFO (O_NONBLOCK: never waits for a reader) or device,
+     * and no file of another user's. */
     int fd = open(path,
                   O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY |
-                      O_NOFOLLOW,
+                      O_NOFOLLOW | O_NONBLOCK,
                   0600);
     if (fd < 0)
       return -errno;
+    struct stat st;
+    int e = fstat(fd, &st) ? errno : 0;
+    if (!e && !S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) /* /dev/null */
+      e = EINVAL;
+    else if (!e && st.st_uid != geteuid() && st.st_uid != 0)
+      e = EPERM;
+    if (e) {
+      close(fd);
+      return -e;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+      fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     if (log_fd >= 0)
       close(log_fd);
     log_fd = fd;

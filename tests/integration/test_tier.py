@@ -76,7 +76,8 @@ class TierCase(CkptfsTestCase):
         super().setUp()
         self.tier = os.path.join(self.dir, "tier")
         os.makedirs(self.tier)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", self.tier],
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=2g", "tmpfs",
+                            self.tier],
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"cannot mount the tier's tmpfs: {r.stderr}")
         # after the mounts' cleanup (cleanups run last-added first)
