@@ -174,7 +174,7 @@ for p in ckptfs ckptctl ckptfs-fsck; do
 done
 echo "libfuse: $(ldd /usr/bin/ckptfs | grep -o 'libfuse3[^ ]* => [^ ]*')"
 ckptfs --version
-grep -qx 'ExecStart=/usr/bin/ckptfs -o ${CKPT_OPTIONS} ${CKPT_BACKING_DIR} ${CKPT_MOUNTPOINT}' \
+grep -qx 'ExecStart=/usr/bin/ckptfs -o default_permissions -o ${CKPT_OPTIONS} ${CKPT_BACKING_DIR} ${CKPT_MOUNTPOINT}' \
   /usr/lib/systemd/system/ckptfs@.service || fail "the unit's ExecStart"
 [[ -f /usr/share/doc/ckptfs/mounting.md ]] || fail "no docs"
 mkdir -p /srv/backing /mnt/a /mnt/b /mnt/w

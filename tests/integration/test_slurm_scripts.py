@@ -68,10 +68,21 @@ class SlurmScripts(CkptfsTestCase):
 
     def job(self, commit=True, differ=False):
         """What a job script does: ckpt-mount 2 ranks in MOUNTROOT, save
-        (differ: replicas that differ, so the commit fails)."""
-        r = subprocess.run([CKPT_MOUNT, "-n", "2", "--bin", ckptfs_util.BIN,
-                            self.backing, self.root], capture_output=True, text=True,
-                           env=scripts_env(), timeout=240, stdin=subprocess.DEVNULL)
+        (differ: replicas that differ, so the commit fails). The job's user
+        would run it; root does here (a FUSE mount as uid 65534 needs a
+        /dev/fuse that user may open), and ckpt-mount as root takes only a
+        MOUNTROOT of root's: the job's is root's while ckpt-mount runs, then
+        the user's again (the epilog then sees root's files in the user's
+        directory, and a launcher of root's it does not signal)."""
+        for d in [self.root] + [os.path.join(self.root, n) for n in os.listdir(self.root)
+                                if n.startswith("rank")]:
+            os.chown(d, 0, 0)   # (rank directories the prolog made stay root's)
+        try:
+            r = subprocess.run([CKPT_MOUNT, "-n", "2", "--bin", ckptfs_util.BIN,
+                                self.backing, self.root], capture_output=True, text=True,
+                               env=scripts_env(), timeout=240, stdin=subprocess.DEVNULL)
+        finally:
+            os.chown(self.root, NOBODY, NOBODY)
         self.assertEqual(r.returncode, 0, r.stderr)
         if commit:
             for rank in range(2):
