@@ -469,7 +469,8 @@ bool ckpt__sfile_pt_committed(const ckpt_sfile_t *sf) {
          atomic_load(&sf->streams->committed);
 }
 
-/* /proc/PID/comm of pid, into buf ("?" when gone). */
+/* /proc/PID/comm of pid, into buf ("?" when gone). A process names
+ * itself: anything but printable ASCII becomes '?'. */
 static void comm_of(pid_t pid, char *buf, size_t cap) {
   char path[64];
   snprintf(path, sizeof(path), "/proc/%d/comm", (int)pid);
@@ -479,40 +480,92 @@ static void comm_of(pid_t pid, char *buf, size_t cap) {
   if (f)
     fclose(f);
   buf[strcspn(buf, "\n")] = '\0';
+  for (char *c = buf; *c; c++)
+    if (*c < 0x20 || *c > 0x7e)
+      *c = '?';
 }
 
-/* A process with a writable shared mapping of the backing file (dev,
- * ino) or of the mount's file (inode fino of the FUSE mount, on an
- * anonymous device: what /proc/PID/maps shows for a mapping made through
- * the mount), from /proc/PID/maps: its pid, or 0. */
-static pid_t find_mapper(dev_t dev, ino_t ino, uint64_t fino) {
+/* How a shared mapping holds the file, best first. */
+enum { MAPPER_NONE, MAPPER_RO_UNKNOWN, MAPPER_RO_WRITABLE_FD, MAPPER_WRITABLE };
+
+/* For a read-only shared mapping [start, end) of process pid:
+ * MAPPER_RO_WRITABLE_FD when the open file description it maps is open for
+ * writing (an mprotect can make the mapping writable, and a lease sees the
+ * file held writable), MAPPER_NONE when it is not (or the mapping is gone),
+ * MAPPER_RO_UNKNOWN when /proc cannot say. The mode of
+ * /proc/PID/map_files/START-END (Linux >= 4.3; a lookup needs the right to
+ * ptrace-read the process, which root has) shows the description's
+ * FMODE_READ and FMODE_WRITE as S_IRUSR and S_IWUSR. */
+static int ro_mapping_kind(long pid, unsigned long start, unsigned long end) {
+  char path[96];
+  struct stat st;
+  snprintf(path, sizeof(path), "/proc/%ld/map_files/%lx-%lx", pid, start,
+           end);
+  if (lstat(path, &st) != 0)
+    return errno == ENOENT && access("/proc/self/map_files", F_OK) == 0
+               ? MAPPER_NONE
+               : MAPPER_RO_UNKNOWN;
+  return (st.st_mode & S_IWUSR) ? MAPPER_RO_WRITABLE_FD : MAPPER_NONE;
+}
+
+/* A process with a shared mapping of the backing file (dev, ino) or of the
+ * mount's file (inode fino of the FUSE mount, on an anonymous device: what
+ * /proc/PID/maps shows for a mapping made through the mount) that can
+ * write it, from /proc/PID/maps (only read, and believed only for a name):
+ * its pid, or 0, and *how it maps it. A writable mapping is searched
+ * first; else a read-only one of a descriptor open for writing (PROT_READ
+ * and MAP_SHARED of an O_RDWR file: its description still holds the file
+ * writable); else one /proc cannot tell about. */
+static pid_t find_mapper(dev_t dev, ino_t ino, uint64_t fino,
+                         const char **how) {
   DIR *d = opendir("/proc");
   if (!d)
     return 0;
   pid_t found = 0;
+  int best = MAPPER_NONE;
   char line[512], path[64];
-  for (struct dirent *e; !found && (e = readdir(d)) != NULL;) {
+  for (struct dirent *e;
+       best != MAPPER_WRITABLE && (e = readdir(d)) != NULL;) {
     char *end;
     long pid = strtol(e->d_name, &end, 10);
     if (*end || pid <= 0)
       continue;
     snprintf(path, sizeof(path), "/proc/%ld/maps", pid);
     FILE *f = fopen(path, "re");
-    while (f && !found && fgets(line, sizeof(line), f)) {
+    while (f && best != MAPPER_WRITABLE && fgets(line, sizeof(line), f)) {
+      /* a line longer than the buffer (a long path): its rest is skipped,
+       * never read as a line of its own */
+      if (!strchr(line, '\n'))
+        for (int c; (c = getc(f)) != EOF && c != '\n';)
+          ;
       char perms[8];
       unsigned maj, min;
+      unsigned long start, stop;
       unsigned long long off, inode;
-      if (sscanf(line, "%*x-%*x %7s %llx %x:%x %llu", perms, &off, &maj, &min,
-                 &inode) == 5 &&
-          perms[1] == 'w' && perms[3] == 's' &&
-          ((inode == (unsigned long long)ino && makedev(maj, min) == dev) ||
-           (inode == fino && maj == 0)))
+      if (sscanf(line, "%lx-%lx %7s %llx %x:%x %llu", &start, &stop, perms,
+                 &off, &maj, &min, &inode) != 7 ||
+          strlen(perms) < 4 || perms[3] != 's' ||
+          !((inode == (unsigned long long)ino && makedev(maj, min) == dev) ||
+            (inode == fino && maj == 0)))
+        continue;
+      int kind = perms[1] == 'w' ? MAPPER_WRITABLE
+                                 : ro_mapping_kind(pid, start, stop);
+      if (kind > best) {
+        best = kind;
         found = (pid_t)pid;
+      }
     }
     if (f)
       fclose(f);
   }
   closedir(d);
+  if (best == MAPPER_WRITABLE)
+    *how = "mapped writable and shared";
+  else if (best == MAPPER_RO_WRITABLE_FD)
+    *how = "mapped shared from a descriptor open for writing";
+  else if (best == MAPPER_RO_UNKNOWN)
+    *how = "mapped shared (read-only, perhaps from a descriptor open for "
+           "writing)";
   return found;
 }
 
@@ -537,10 +590,8 @@ char *ckpt__sfile_pt_who(ckpt_sfile_t *sf, uint64_t fino) {
   bool have = sf->pt_fd >= 0 && fstat(sf->pt_fd, &st) == 0;
   pthread_mutex_unlock(&sf->lock);
   const char *how = "open for writing";
-  if (!pid && have) {
-    pid = find_mapper(st.st_dev, st.st_ino, fino);
-    how = "mapped writable and shared";
-  }
+  if (!pid && have)
+    pid = find_mapper(st.st_dev, st.st_ino, fino, &how);
   if (!pid)
     return strdup("open for writing (by a process not found: a descriptor "
                   "passed on, or a mapping of a process that ended)");

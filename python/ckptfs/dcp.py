@@ -85,6 +85,7 @@ from torch.distributed.checkpoint.storage import (StorageReader,
 from torch.futures import Future
 
 from . import _client
+from .tiling import check_tiling, chunk_desc, dims_text
 from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_commit,
                       _abort_save, _aborted_elsewhere, _commit_dir as _commit,
                       _discard_uncommitted, _Stager, _discard_staged as _discard,
@@ -1079,8 +1080,24 @@ def _check_dims(xs, what):
 
 def _check_metadata(md, dirfd, where):
     """Refuse (CkptfsError) a .metadata that is not the DCP metadata the
-    import understands, or whose items are not regular files named plainly
-    in DCP_DIR; nothing is read from the items."""
+    import understands, whose items are not regular files named plainly
+    in DCP_DIR, or whose sizes those files do not back; nothing is read
+    from the items, only their sizes.
+
+    Every tensor's chunks must tile it exactly (check_tiling); every
+    chunk, and every bytes item, must have its storage_data entry, inside
+    its file's size, the entries of different chunks and items not
+    sharing bytes; and a chunk's entry must be at least as long as the
+    chunk's elements' bytes. That bound is exact for what DCP writes
+    (torch 2.13's FileSystemWriter): a chunk is the torch.save of a
+    tensor whose storage is the chunk's bytes (it clones any other), and
+    torch.save's zip stores its entries uncompressed (ZIP_STORED), after
+    a pickle; with serialization_format=SAFETENSORS the length it records
+    is those bytes exactly; there is no transform (compression) unless
+    the writer is given _extensions, and entries with transforms are
+    refused. So the tensors' total size is at most the item files' total
+    size, whatever the .metadata claims: a 1 KiB .metadata cannot make
+    the import (root) allocate and write terabytes."""
     if not isinstance(md, Metadata):
         raise CkptfsError(f"{where}: not a DCP Metadata but a {type(md).__name__}")
     sdm, storage = md.state_dict_metadata, md.storage_data
@@ -1090,10 +1107,17 @@ def _check_metadata(md, dirfd, where):
         if not isinstance(fqn, str):
             raise CkptfsError(f"{where}: FQN {fqn!r} is not a string")
         if isinstance(m, TensorStorageMetadata):
-            if not isinstance(getattr(m.properties, "dtype", None), torch.dtype):
+            dt = getattr(m.properties, "dtype", None)
+            if not isinstance(dt, torch.dtype):
                 raise CkptfsError(f"{where}: {fqn}: no torch dtype")
+            _dtype_name(dt, f"{where}: tensor {fqn!r}")
             _check_dims(m.size, f"{where}: {fqn}: size")
+            if not isinstance(m.chunks, (list, tuple)):
+                raise CkptfsError(f"{where}: {fqn}: chunks is not a list")
             for c in m.chunks:
+                if not isinstance(c, ChunkStorageMetadata):
+                    raise CkptfsError(f"{where}: {fqn}: a chunk is a {type(c).__name__}, "
+                                      "not a ChunkStorageMetadata")
                 _check_dims(c.offsets, f"{where}: {fqn}: chunk offsets")
                 _check_dims(c.sizes, f"{where}: {fqn}: chunk sizes")
         elif not isinstance(m, BytesStorageMetadata):
@@ -1104,6 +1128,10 @@ def _check_metadata(md, dirfd, where):
         what = f"{where}: {getattr(idx, 'fqn', idx)}"
         if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise CkptfsError(f"{what}: storage_data entry is not MetadataIndex -> _StorageInfo")
+        if not isinstance(idx.fqn, str):
+            raise CkptfsError(f"{what}: storage_data entry's FQN is not a string")
+        if idx.offset is not None:
+            _check_dims(idx.offset, f"{what}: storage_data entry's offset")
         if not _plain_name(info.relative_path):
             raise CkptfsError(f"{what}: relative_path {info.relative_path!r} refused: "
                               "items must be plain file names inside DCP_DIR (no '/', "
@@ -1113,6 +1141,7 @@ def _check_metadata(md, dirfd, where):
             raise CkptfsError(f"{what}: stored with transforms "
                               f"{info.transform_descriptors}: not supported")
         names.add(info.relative_path)
+    file_size = {}
     for n in sorted(names):
         try:
             st = os.stat(n, dir_fd=dirfd, follow_symlinks=False)
@@ -1123,6 +1152,45 @@ def _check_metadata(md, dirfd, where):
                               "(items are read only as regular files in DCP_DIR)")
         if not stat.S_ISREG(st.st_mode):
             raise CkptfsError(f"{where}: item file {n!r} refused: not a regular file")
+        file_size[n] = st.st_size
+    ranges = []  # (file, start, end, who) of every entry the import reads
+
+    def stored(label, key, need=0, elements=""):
+        what = f"{where}: {label}"
+        info = storage.get(key)
+        if info is None:
+            raise CkptfsError(f"{what} has no storage_data entry")
+        n, off, length = info.relative_path, info.offset, info.length
+        if off + length > file_size[n]:
+            raise CkptfsError(f"{what} is stored at bytes {off}..{off + length} of {n!r}, "
+                              f"past the end of that file ({file_size[n]} bytes)")
+        if length < need:
+            raise CkptfsError(f"{what} needs {need} bytes ({elements}) but is stored in "
+                              f"{length} bytes of {n!r}: its size is not backed by the item "
+                              "files (a chunk's torch.save holds every element's bytes)")
+        if length:
+            ranges.append((n, off, off + length, label))
+
+    for fqn, m in sdm.items():
+        if isinstance(m, BytesStorageMetadata):
+            stored(f"bytes item {fqn!r}", MetadataIndex(fqn))
+            continue
+        what = f"{where}: tensor {fqn!r}"
+        size = tuple(m.size)
+        vols = check_tiling(what, size, m.chunks)
+        esize = m.properties.dtype.itemsize
+        for i, (c, v) in enumerate(zip(m.chunks, vols)):
+            if v:
+                stored(f"tensor {fqn!r} (size {dims_text(size)}): {chunk_desc(i, c)}",
+                       MetadataIndex(fqn, torch.Size(c.offsets)), v * esize,
+                       f"{v} elements of {m.properties.dtype}")
+            elif MetadataIndex(fqn, torch.Size(c.offsets)) not in storage:
+                raise CkptfsError(f"{what}: {chunk_desc(i, c)} has no storage_data entry")
+    ranges.sort()
+    for a, b in zip(ranges, ranges[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise CkptfsError(f"{where}: {b[3]} and {a[3]} share stored bytes ({b[1]}..{a[2]} "
+                              f"of {a[0]!r}): the item files do not back their total size")
 
 
 def read_dcp_metadata(dirfd, where):
@@ -1182,7 +1250,9 @@ def import_checkpoint(dcp_dir, target, name, *, binary=None, batch_bytes=1 << 30
     dcp_dir may belong to anyone: its .metadata is read by
     _MetadataUnpickler (DCP's classes only, nothing run) and its items
     only as regular files named plainly in it, never through a symlink;
-    anything else is refused before NAME is created."""
+    each tensor's chunks must tile it exactly and every size be backed by
+    the item files' sizes (_check_metadata); anything else is refused
+    before NAME is created, before target is mounted (or made)."""
     name = checkpoint_name(name)
     dirfd = os.open(dcp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

@@ -22,10 +22,29 @@ Classes:
                   tensor item): refused before anything is read or
                   committed; the secret's bytes appear nowhere under
                   BACKING_DIR
+  Tiling          (issue 33, case 4) chunks that do not tile their tensor
+                  exactly: a tensor with no chunks (its buffer, uninitialised
+                  memory, was committed), a gap, overlapping chunks, overlaps
+                  whose element count hides a gap, a chunk out of bounds or
+                  of another rank than its tensor: refused before anything
+                  is created (not even BACKING_DIR, which a mount would
+                  make), naming the tensor and what is wrong; an exact
+                  irregular tiling (and a scalar, an empty tensor) imports
+                  with the right values
+  Backing         (issue 33, case 4) sizes the item files do not back: a
+                  size bomb (a tensor of 2**40 elements whose chunk claims a
+                  1 KiB torch.save) refused within seconds and with under
+                  256 MiB more memory than a tiny refused import (the
+                  baseline: Python and torch); a chunk or a bytes item
+                  stored past the end of its file, a chunk with no storage
+                  entry, chunks sharing one stored range: refused before
+                  anything is created
 Needs root (chown to another uid) and torch (tests/integration/pyenv.py).
 """
 
+import json
 import os
+import struct
 import subprocess
 import sys
 import unittest
@@ -94,6 +113,77 @@ elif kind == "system-top":
 with open(os.path.join(d, ".metadata"), "wb") as f:
     pickle.dump(obj, f)
 '''
+
+# A DCP directory described by SPEC (JSON): DIR SPEC. SPEC maps each FQN
+# to {"dtype", "size", "chunks": [{"offsets", "sizes", ...}]} (a tensor) or
+# {"bytes": HEX} (a bytes item). Every chunk is stored as stock DCP stores
+# it, a torch.save of the chunk (its elements' values: 1 + their row-major
+# index in the tensor), appended to __0_0.distcp, unless it says otherwise:
+# "store": SHAPE saves a tensor of that shape instead (a size bomb's small
+# file); "storage": "none" gives it no storage_data entry; "same_as": K
+# points its entry at chunk K's stored bytes; "length_add" / "offset_add"
+# move its entry's end / start (past the end of the file).
+FORGE_CHUNKS = r"""
+import io, json, math, os, pickle, sys, torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+    Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+d, spec = sys.argv[1], json.loads(sys.argv[2])
+data = "__0_0.distcp"
+md, storage = {}, {}
+with open(os.path.join(d, data), "wb") as out:
+    for fqn, t in spec.items():
+        if "bytes" in t:
+            b = bytes.fromhex(t["bytes"])
+            pos = out.tell()
+            out.write(b)
+            md[fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn)] = _StorageInfo(data, pos + t.get("offset_add", 0),
+                                                       len(b) + t.get("length_add", 0))
+            continue
+        dt = getattr(torch, t["dtype"])
+        chunks, stored = [], []
+        for c in t["chunks"]:
+            off, sz = torch.Size(c["offsets"]), torch.Size(c["sizes"])
+            chunks.append(ChunkStorageMetadata(off, sz))
+            if "store" in c:
+                x = torch.ones(c["store"], dtype=dt)
+            elif len(sz) == len(t["size"]) and math.prod(t["size"]) <= 1 << 20:
+                whole = torch.arange(1, math.prod(t["size"]) + 1, dtype=torch.float64)
+                x = whole.reshape(t["size"])[tuple(slice(o, o + s) for o, s in zip(off, sz))]
+                x = x.to(dt).contiguous()
+            else:
+                x = torch.ones(4, dtype=dt)
+            if "same_as" in c:
+                pos, length = stored[c["same_as"]]
+            else:
+                buf = io.BytesIO()
+                torch.save(x, buf)
+                pos, length = out.tell(), len(buf.getvalue())
+                out.write(buf.getvalue())
+            stored.append((pos, length))
+            if c.get("storage") != "none":
+                storage[MetadataIndex(fqn, off)] = _StorageInfo(
+                    data, pos + c.get("offset_add", 0), length + c.get("length_add", 0))
+        md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size(t["size"]),
+                                        chunks)
+obj = Metadata(state_dict_metadata=md, planner_data={f: (f,) for f in md},
+               storage_data=storage, storage_meta=StorageMeta(save_id="x"))
+with open(os.path.join(d, ".metadata"), "wb") as f:
+    pickle.dump(obj, f)
+"""
+
+# Runs ARGV; prints {rc, stdout, stderr, seconds, maxrss_kib}: the peak
+# resident set of the largest process of ARGV's tree (ckptctl, the
+# converter it runs, and anything they waited for), in KiB.
+MEASURE = r"""
+import json, resource, subprocess, sys, time
+t0 = time.monotonic()
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+print(json.dumps({"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
+                  "seconds": time.monotonic() - t0,
+                  "maxrss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
 
 # torch.save of a float32 tensor [4] to FILE (a secret in tensor form).
 TSAVE = r'''
@@ -279,6 +369,188 @@ class HostilePaths(DcpTrustCase):
                 self.assertNotImported(r, name)
                 self.assertIn("refused", r.stderr)
                 self.assertSecretNowhere()
+
+
+
+def chunk(offsets, sizes, **kw):
+    return dict(offsets=list(offsets), sizes=list(sizes), **kw)
+
+
+def tensor(size, chunks, dtype="float32"):
+    return dict(dtype=dtype, size=list(size), chunks=chunks)
+
+
+def f32(values):
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+class CheckedCase(DcpTrustCase):
+    """Forged DCP directories (FORGE_CHUNKS) that import-dcp must refuse
+    before it creates anything: not NAME, and not BACKING_DIR either (the
+    test leaves it absent; the converter's mount of it would make it)."""
+
+    def forge_spec(self, label, spec):
+        d = os.path.join(self.dir, f"dcp-{label}")
+        os.makedirs(d)
+        run_py(self, self.py, FORGE_CHUNKS, d, json.dumps(spec))
+        chown_tree(d)
+        return d
+
+    def assertRefusedEarly(self, r, name, *words):
+        out = r.stdout + r.stderr
+        self.assertNotEqual(r.returncode, 0, out)
+        self.assertFalse(os.path.exists(self.bk(name)), f"{name} was created: {out}")
+        self.assertFalse(os.path.exists(self.backing),
+                         f"BACKING_DIR was made (the converter mounted it): {out}")
+        self.assertNotIn("Traceback", out)
+        for w in words:
+            self.assertIn(w, r.stderr)
+
+    def refused(self, label, spec, *words):
+        """Import the forged spec as NAME=label: refused early, stderr
+        holding words."""
+        d = self.forge_spec(label, spec)
+        r = self.ctl("import-dcp", d, self.backing, label)
+        self.assertRefusedEarly(r, label, *words)
+        return r
+
+    def ctl_measured(self, *args):
+        """ckptctl ARGS run under MEASURE: (CompletedProcess-like, seconds,
+        peak RSS in KiB of its largest process)."""
+        r = subprocess.run([sys.executable, "-c", MEASURE, self.ckptctl] + [str(a) for a in args],
+                           capture_output=True, text=True, env=self.env, timeout=300,
+                           stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        m = json.loads(r.stdout)
+        return (subprocess.CompletedProcess(args, m["rc"], m["stdout"], m["stderr"]),
+                m["seconds"], m["maxrss_kib"])
+
+
+GOOD = chunk([0], [4])
+
+
+class Tiling(CheckedCase):
+
+    def test_tensor_without_chunks(self):
+        """A tensor of 16384 elements with no chunks (DCP plans no read
+        for it): its torch.empty buffer was committed."""
+        self.refused("nochunks", {"w": tensor([4], [GOOD]), "t": tensor([16384], [])},
+                     "'t'", "no chunks", "16384")
+
+    def test_chunks_leaving_a_gap(self):
+        for label, spec, gap in [
+                ("gap1d", tensor([8], [chunk([0], [4]), chunk([6], [2])]), "[4]"),
+                ("gap2d", tensor([4, 4], [chunk([0, 0], [2, 4]), chunk([2, 0], [2, 2])]),
+                 "[2, 2]")]:
+            with self.subTest(case=label):
+                self.refused(label, {"t": spec}, "'t'", "gap", gap)
+
+    def test_overlapping_chunks(self):
+        for label, spec in [
+                ("over1d", tensor([8], [chunk([0], [6]), chunk([4], [4])])),
+                ("over2d", tensor([4, 4], [chunk([0, 0], [4, 4]), chunk([1, 1], [2, 2])])),
+                ("twice", tensor([4], [chunk([0], [4]), chunk([0], [4], same_as=0)]))]:
+            with self.subTest(case=label):
+                self.refused(label, {"t": spec}, "'t'", "overlap")
+
+    def test_overlaps_hiding_a_gap(self):
+        """Chunks whose sizes add up to the tensor's element count, but
+        overlap: so they leave a gap."""
+        for label, spec in [
+                ("hide1d", tensor([8], [chunk([0], [4]), chunk([2], [4])])),
+                ("hide2d", tensor([2, 4], [chunk([0, 0], [2, 2]), chunk([0, 1], [2, 2])])),
+                ("hide3", tensor([6], [chunk([0], [2]), chunk([1], [2]), chunk([4], [2])]))]:
+            with self.subTest(case=label):
+                self.refused(label, {"t": spec}, "'t'", "overlap")
+
+    def test_chunk_out_of_bounds(self):
+        for label, spec, words in [
+                ("oob", tensor([8], [chunk([0], [6]), chunk([6], [4])]), ("out of bounds",)),
+                ("oob2d", tensor([4, 4], [chunk([0, 0], [4, 2]), chunk([0, 2], [4, 3])]),
+                 ("out of bounds",)),
+                ("rank", tensor([8], [chunk([0, 0], [8, 1])]), ("2 dimensions", "1")),
+                ("rank0", tensor([2, 2], [chunk([], [])]), ("0 dimensions",)),
+                ("dims", tensor([8], [chunk([0], [8, 1])]), ("dimensions",))]:
+            with self.subTest(case=label):
+                self.refused(label, {"t": spec}, "'t'", *words)
+
+    def test_exact_tiling_imports(self):
+        """Irregular chunks that tile exactly (and a scalar, an empty
+        tensor) import, with every element's value."""
+        spec = {"m": tensor([4, 6], [chunk([0, 0], [2, 6]), chunk([2, 0], [2, 1]),
+                                     chunk([2, 1], [1, 5]), chunk([3, 1], [1, 5])]),
+                "v": tensor([10], [chunk([7], [3]), chunk([0], [7])]),
+                "s": tensor([], [chunk([], [])]),
+                "e": tensor([0, 3], [chunk([0, 0], [0, 3])]),
+                "blob": {"bytes": b"hello".hex()}}
+        d = self.forge_spec("exact", spec)
+        r = self.ctl("import-dcp", d, self.backing, "exact")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.mount()
+        with open(self.ck("exact", "m"), "rb") as f:
+            self.assertEqual(f.read(), f32(range(1, 25)))
+        with open(self.ck("exact", "v"), "rb") as f:
+            self.assertEqual(f.read(), f32(range(1, 11)))
+        with open(self.ck("exact", "s"), "rb") as f:
+            self.assertEqual(f.read(), f32([1]))
+        self.assertEqual(os.path.getsize(self.ck("exact", "e")), 0)
+
+
+class Backing(CheckedCase):
+
+    BOMB = 1 << 40
+
+    def test_size_bomb_refused_quickly_with_little_memory(self):
+        """A tensor of 2**40 float32 elements (4 TiB) whose one chunk claims
+        a torch.save of 4 elements: refused within seconds, its time and
+        peak memory within 5 s and 256 MiB of a tiny refused import's (a
+        gap: Python and torch are most of both)."""
+        base = self.forge_spec("baseline", {"t": tensor([8], [chunk([0], [4])])})
+        bomb = self.forge_spec("bomb", {"t": tensor([self.BOMB], [
+            chunk([0], [self.BOMB], store=[4])])})
+        r, secs, rss = self.ctl_measured("import-dcp", bomb, self.backing, "bomb")
+        sys.stderr.write(f"\n  bomb: {secs:.2f} s, {rss / 1024:.0f} MiB peak; ")
+        self.assertRefusedEarly(r, "bomb", "'t'", "not backed", str(self.BOMB))
+        r0, s0, rss0 = self.ctl_measured("import-dcp", base, self.backing, "baseline")
+        sys.stderr.write(f"baseline (a gap): {s0:.2f} s, {rss0 / 1024:.0f} MiB peak\n")
+        self.assertRefusedEarly(r0, "baseline", "'t'", "gap")
+        # the time and memory are Python's and torch's: the check adds little
+        self.assertLess(secs - s0, 5, "the bomb took too long to refuse")
+        self.assertLess(secs, 60, "the bomb took too long to refuse")
+        self.assertLess(rss - rss0, 256 << 10,
+                        f"the bomb's refusal peaked at {rss} KiB, the baseline at {rss0} KiB")
+
+    def test_bomb_without_chunks(self):
+        """2**40 elements and no chunk at all: refused as such, at once."""
+        r, secs, rss = self.ctl_measured(
+            "import-dcp", self.forge_spec("nochunkbomb", {"t": tensor([self.BOMB], [])}),
+            self.backing, "nochunkbomb")
+        self.assertRefusedEarly(r, "nochunkbomb", "'t'", "no chunks")
+        self.assertLess(secs, 60)
+
+    def test_stored_past_the_end_of_its_file(self):
+        for label, spec, words in [
+                ("end", {"t": tensor([4], [chunk([0], [4], length_add=100)])},
+                 ("'t'", "past the end")),
+                ("start", {"t": tensor([4], [chunk([0], [4], offset_add=1 << 30)])},
+                 ("'t'", "past the end")),
+                ("bytes", {"b": {"bytes": os.urandom(64).hex(), "length_add": 1 << 30}},
+                 ("'b'", "past the end"))]:
+            with self.subTest(case=label):
+                self.refused(label, spec, *words)
+
+    def test_chunk_without_storage_entry(self):
+        self.refused("nostorage", {"t": tensor([8], [chunk([0], [4]),
+                                                     chunk([4], [4], storage="none")])},
+                     "'t'", "no storage_data entry")
+
+    def test_chunks_sharing_stored_bytes(self):
+        """Eight chunks of 2**20 elements, all pointing at one torch.save of
+        2**20 elements: 32 MiB of tensor from 4 MiB of file."""
+        n = 1 << 20
+        chunks = [chunk([0], [n], store=[n])] + [
+            chunk([i * n], [n], same_as=0) for i in range(1, 8)]
+        self.refused("shared", {"t": tensor([8 * n], chunks)}, "'t'", "share")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ smaller ones move into staging memory. Checks that the bytes, sizes and
 times are right staged and committed (verified by checksum); that a
 commit finding a passthrough file still writable (a handle open for
 writing in any process or thread, a writable shared mapping left after
-the close) fails at once with EBUSY naming the file and the process, and
+the close, a read-only shared mapping of a file opened O_RDWR) fails at
+once with EBUSY naming the file and the process, and
 succeeds once it is closed or unmapped; that a failed commit leaves the
 files writable in place; and that -o passthrough=0 makes no backing file.
 
@@ -476,6 +477,56 @@ class Passthrough(CkptfsTestCase):
         m.stop()
         self.mount("verify=1")
         self.assertEqual(read_all(self.ck("m", "b")), b)
+
+    def test_read_only_mapping_of_a_writable_file_names_its_process(self):
+        """A read-only shared mapping (PROT_READ, MAP_SHARED) of a file
+        opened O_RDWR, left after the close, in another process: its file
+        description can still write (mprotect makes the mapping writable),
+        so the commit fails with EBUSY naming that process (issue 33, case
+        5: it said "a process not found"); a read-only mapping of a file
+        opened O_RDONLY does not hold the commit back; after the munmap the
+        commit succeeds."""
+        m = self.mount_pt()
+        os.mkdir(self.ck("r"))
+        data = os.urandom(256 * KiB)
+        write_file(self.ck("r", "b"), data)
+        mapper = (
+            "import ctypes, mmap, os, sys\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.mmap.restype = ctypes.c_void_p\n"
+            "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,\n"
+            "                      ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+            "libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]\n"
+            "fd = os.open(sys.argv[1], int(sys.argv[2]))\n"
+            "n = os.fstat(fd).st_size\n"
+            "addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)\n"
+            "assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()\n"
+            "os.close(fd)\n"
+            "print(ctypes.string_at(addr, 16).hex(), flush=True)\n"
+            "sys.stdin.read()\n"
+            "libc.munmap(addr, n)\n")
+
+        def start(flags):
+            child = subprocess.Popen([sys.executable, "-c", mapper, self.ck("r", "b"),
+                                      str(flags)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+            self.addCleanup(lambda: child.poll() is None and (child.kill(), child.wait()))
+            self.addCleanup(child.stdout.close)
+            self.addCleanup(child.stdin.close)
+            self.assertEqual(child.stdout.readline(), data[:16].hex() + "\n")
+            return child
+        reader = start(os.O_RDONLY)     # a reader only: no writer
+        writer = start(os.O_RDWR)
+        self.assert_busy(self.ck("r"), "b", "mapped shared from a descriptor open for "
+                         "writing", writer.pid)
+        with open(f"/proc/{writer.pid}/comm") as f:
+            self.assertIn(f"({f.read().strip()})", status_of(self.ck("r")))
+        writer.communicate("")                  # unmaps and exits
+        self.assertEqual(writer.returncode, 0)
+        commit(self.ck("r"))                    # the read-only mapping stays
+        reader.communicate("")
+        self.assertEqual(reader.returncode, 0)
+        self.assertEqual(read_all(self.ck("r", "b")), data)
 
     def test_failed_commit_leaves_the_files_writable(self):
         """Failed for its sizes (a tensor 8 bytes short), then for a writer:
