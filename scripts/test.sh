@@ -1,25 +1,88 @@
 #!/usr/bin/env bash
-# Build ckptfs and run the whole test suite: unit and integration tests in
-# a normal build, then the same tests but the package's (label package)
-# under AddressSanitizer and UndefinedBehaviorSanitizer, then the unit
-# tests and the concurrency stress test (label tsan) under ThreadSanitizer.
+# Build ckptfs and run the whole test suite (docs/testing.md says what runs
+# where and why):
+#   1. normal build (RelWithDebInfo): every test but the long runs (label
+#      long), two at a time (ctest -j2; tests that need the machine alone
+#      run alone: RUN_SERIAL);
+#   2. AddressSanitizer + UndefinedBehaviorSanitizer build: the tests that
+#      exercise memory (label sanitize: unit tests, fuzz corpora, the
+#      daemon's stress, concurrency and hostile-input tests, and one world
+#      of each kind);
+#   3. ThreadSanitizer build: unit tests and the concurrency tests (label
+#      tsan);
+#   4. libFuzzer: every parser for 20 s.
+# Each stage prints its time, and the total at the end; past the budget
+# (30 minutes: CI allows 90 and must keep room to grow) a warning names the
+# slowest tests. CKPT_LONG=1 adds the long runs (label long) to stage 1
+# and runs every test but the installed package's under ASan+UBSan in
+# stage 2 (what the suite ran before it had a budget; about an hour).
 # Needs root (FUSE mounts, mpirun as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 jobs=$(nproc)
+budget=${CKPT_TEST_BUDGET:-1800}   # seconds
+long=${CKPT_LONG:-0}
+logs=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-test.XXXXXX")
+t_start=$SECONDS
+stages=()
 
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo
-cmake --build build -j"$jobs"
-(cd build && ctest --output-on-failure -j1)
+stage() {   # NAME COMMAND...: run it, print and keep its time
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  echo "== stage: $name"
+  "$@" || rc=$?
+  local dt=$((SECONDS - t0))
+  stages+=("$(printf '%-34s %5d s (%d:%02d)' "$name" "$dt" $((dt / 60)) $((dt % 60)))")
+  echo "== stage: $name: $dt s$([ $rc = 0 ] || echo ", FAILED (exit $rc)")"
+  return $rc
+}
 
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON
-cmake --build build-asan -j"$jobs"
-# the installed package (label package) is tested in the normal build only
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j1 -LE package)
+summary() {
+  local total=$((SECONDS - t_start))
+  echo "== test.sh timing (budget $((budget / 60)) min):"
+  printf '   %s\n' "${stages[@]}"
+  printf '   %-34s %5d s (%d:%02d)\n' total "$total" $((total / 60)) $((total % 60))
+  if ((total > budget)); then
+    echo "WARNING: the suite took $((total / 60)) min, over its budget of $((budget / 60)) min." \
+         "The slowest tests (seconds, build):"
+    cat "$logs"/*.times 2>/dev/null | sort -rn | head -15 | sed 's/^/   /'
+  fi
+}
+trap 'summary; rm -rf "$logs"' EXIT
 
-cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPT_TSAN=ON
-cmake --build build-tsan -j"$jobs"
-(cd build-tsan && ctest --output-on-failure -j1 -L 'unit|tsan')
-scripts/fuzz.sh 20  # a bounded libFuzzer run of every parser
+run_ctest() {   # BUILD_DIR TAG CTEST_ARGS...: ctest, its per-test times kept
+  local dir=$1 tag=$2 rc=0
+  shift 2
+  (cd "$dir" && ctest --output-on-failure "$@") 2>&1 | tee "$logs/$tag.log" || rc=$?
+  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' \
+    "$logs/$tag.log" | awk -v t="$tag" '{printf "%8.1f  %s (%s)\n", $1, $2, t}' \
+    >"$logs/$tag.times"
+  return $rc
+}
+
+build() {   # BUILD_DIR CMAKE_ARGS...
+  local dir=$1
+  shift
+  cmake -S . -B "$dir" "$@" >/dev/null
+  cmake --build "$dir" -j"$jobs"
+}
+
+if [ "$long" = 1 ]; then
+  normal_sel=() asan_sel=(-LE package)
+else
+  normal_sel=(-LE long) asan_sel=(-L 'unit|fuzz|sanitize' -LE long)
+fi
+
+stage "build (RelWithDebInfo)" build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+stage "ctest (normal, -j$jobs)" run_ctest build normal -j"$jobs" "${normal_sel[@]}"
+
+stage "build (ASan+UBSan)" build build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON
+asan_ctest() { ASAN_OPTIONS=detect_leaks=1 run_ctest build-asan asan "$@"; }
+stage "ctest (ASan+UBSan, -j$jobs)" asan_ctest -j"$jobs" "${asan_sel[@]}"
+
+stage "build (TSan)" build build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPT_TSAN=ON
+stage "ctest (TSan, -j$jobs)" run_ctest build-tsan tsan -j"$jobs" -L 'unit|tsan' -LE long
+
+stage "fuzz (20 s per parser)" scripts/fuzz.sh 20
 echo "all tests passed"
