@@ -25,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
-import ckptfs_util  # noqa: E402
+from ckpttest import util as ckptfs_util  # noqa: E402
 
 
 def pread_once(path, n, off=0):

@@ -29,7 +29,7 @@ import ckptfs  # noqa: E402
 import ckptfs.dcp  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-from ckptfs_util import fuse_requests  # noqa: E402
+from ckpttest.util import fuse_requests  # noqa: E402
 
 
 OPTS = ""  # --opts

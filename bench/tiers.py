@@ -7,11 +7,11 @@ figure a ratio against a limit measured in the same run.
     python3 bench/bench.py --tiers ...   (the same)
 
 Run as root, alone (no other benchmark or test at the same time: 2 cores
-here). The nodes are network namespaces (tests/integration/netns.py; 3 x 2
-ranks by default, started by ckpt-mount as test_netns.py does), each
+here). The nodes are network namespaces (tests/integration/ckpttest/netns.py;
+3 x 2 ranks by default, started by ckpt-mount as test_netns.py does), each
 node's tier a private tmpfs; BACKING_DIR is on a slow shared store, an
 ext4 loop device throttled to --store-bps for writes and reads
-(tests/integration/slowstore.py). Each rank stages --per-rank bytes (one
+(tests/integration/ckpttest/slowstore.py). Each rank stages --per-rank bytes (one
 file), then all commit `sync` at once.
 
 Limits (measured first, every round):
@@ -58,11 +58,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-import ckptfs_util as cu  # noqa: E402
-import netns  # noqa: E402
-import slowstore  # noqa: E402
-import test_netns as tn  # noqa: E402
-from mpi_world import read_all, status, write_file  # noqa: E402
+from ckpttest import netns, slowstore, util as cu  # noqa: E402
+from ckpttest.networld import NetWorld  # noqa: E402
+from ckpttest.world import read_all, status, write_file  # noqa: E402
 
 MiB = 1 << 20
 HOLD = "flush_rate=64K"  # a flush held back: the checkpoint stays in the tier
@@ -154,8 +152,8 @@ class Bench:
     # ---- worlds
     def mount(self, slots, opts):
         self.worlds += 1
-        w = tn.NetWorld(self, slots, f"commit_timeout=300{opts}", self.backing,
-                        f"world{self.worlds}")
+        w = NetWorld(self, slots, f"commit_timeout=300{opts}", self.backing,
+                     f"world{self.worlds}")
         r = w.mount()
         if r.returncode != 0:
             text = r.stderr + w.log_text()

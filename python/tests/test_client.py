@@ -10,10 +10,12 @@ a world of two (solo=True), and the errors a user gets.
 What the client wrote is checked independently of it: the committed files'
 bytes, the xattrs, and .metadata's tensors and chunks tables.
 
-    python3 python/tests/test_client.py --bin build/bin/ckptfs
+    PYTHONPATH=tests/integration:python \\
+        python3 python/tests/test_client.py --bin build/bin/ckptfs
 
 The torch and numpy parts run in an interpreter that has them
-(tests/integration/pyenv.py); the standard-library core runs in this one.
+(tests/integration/ckpttest/pyenv.py); the standard-library core runs in
+this one.
 """
 
 import errno
@@ -28,16 +30,11 @@ import threading
 import time
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, read_all, read_log, state  # noqa: E402
-from mpi_world import World  # noqa: E402
-import pyenv  # noqa: E402
-from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
+from ckpttest import pyenv, util
+from ckpttest.util import CkptfsTestCase, main, read_all, read_log, state
+from ckpttest.pyenv import PACKAGE, require_torch, run_py
 
-sys.path.insert(0, PACKAGE)
-import ckptfs  # noqa: E402  (the client under test)
+import ckptfs  # the client under test: python/ on PYTHONPATH
 
 
 def query(db, sql):
@@ -259,10 +256,7 @@ class Client(CkptfsTestCase):
     def world(self, opts=None):
         """A started world of 2 rank mounts over self.backing (ROOT/rankR),
         its log kept with the test's."""
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
-        return World(ckptfs_util.BIN, 2, self.backing, os.path.join(self.dir, "world"), log,
-                     opts=opts or "").start()
+        return self.start_world(2, opts or "")
 
     def committed_files(self, name):
         """{relative path: bytes} of every file of committed name, through the mount."""
@@ -535,10 +529,10 @@ print("ok")
         load as numpy arrays, other files as bytes."""
         py = require_torch(self)
         self.mount()
-        ckptfs_util.write_tensor(self.ck("plain", "w"), "int16", [2, 2],
-                                 struct.pack("<4h", 1, -2, 3, -4))
-        ckptfs_util.write_file(self.ck("plain", "sub", "note.txt"), b"hello")
-        ckptfs_util.commit(self.ck("plain"))
+        util.write_tensor(self.ck("plain", "w"), "int16", [2, 2],
+                          struct.pack("<4h", 1, -2, 3, -4))
+        util.write_file(self.ck("plain", "sub", "note.txt"), b"hello")
+        util.commit(self.ck("plain"))
         out = run_py(self, py, r'''
 import sys, ckptfs, numpy as np
 out = ckptfs.load(None, sys.argv[1], "plain")
@@ -552,7 +546,7 @@ print("ok")
     def test_errors(self):
         py = require_torch(self)
         self.mount()
-        ckptfs_util.write_file(self.ck("x", "k"), b"")  # staged, not committed
+        util.write_file(self.ck("x", "k"), b"")  # staged, not committed
         out = run_py(self, py, r'''
 import sys, ckptfs, torch, numpy as np
 mnt = sys.argv[1]
@@ -697,8 +691,8 @@ print("ok")
     def test_one_rank_fails_while_staging(self):
         """Issue 23 case 9: rank 1 cannot encode an item (a lambda, pickled)
         while rank 0 stages and commits: both ranks raise within seconds,
-        not after commit_timeout (60 s here; rank 1 starts 3 s late, so
-        rank 0 is waiting in its commit), and NAME is left staged on
+        not after commit_timeout (60 s here; rank 1 starts once rank 0's
+        .status says it waits in its commit), and NAME is left staged on
         neither mount. save, then async_save (whose rank 1 raises while
         copying the state dict, before anything is staged)."""
         py = require_torch(self)
@@ -710,7 +704,17 @@ mnt, rank, how, name = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 sd = {f"w{rank}": torch.arange(4096, dtype=torch.float32), "step": 3}
 if rank == 1:
     sd["bad"] = lambda: 0     # the client cannot encode it
-    time.sleep(3)             # rank 0 is waiting in its commit by then
+    # first rank 0 waits in its commit (for rank 1)
+    st0 = os.path.join(os.path.dirname(mnt), "rank0", name, ".status")
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            with open(st0) as f:
+                if "waiting for" in f.read():
+                    break
+        except OSError:
+            pass
+        time.sleep(0.05)
 t0 = time.monotonic()
 try:
     if how == "save":
@@ -721,7 +725,9 @@ try:
 except Exception as e:
     err = f"{type(e).__name__}: {e} " + " ".join(getattr(e, "__notes__", []))
 took = time.monotonic() - t0
-time.sleep(0.5)  # a discard in the background (async_save's rank 1)
+end = time.monotonic() + 10  # a discard in the background (async_save's rank 1)
+while os.path.exists(os.path.join(mnt, name)) and time.monotonic() < end:
+    time.sleep(0.05)
 print(json.dumps({"took": took, "err": err, "left": os.path.exists(os.path.join(mnt, name))}))
 '''
             for how in ("save", "async_save"):

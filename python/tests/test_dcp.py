@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ckptfs.dcp, the torch.distributed.checkpoint storage backend, with torch
 2.13.0 under mpirun + gloo over real rank mounts (tests/integration/
-mpi_world.py): DCP save at 2 ranks loaded at 1 and 4, at 4 ranks (2-D
+ckpttest/world.py): DCP save at 2 ranks loaded at 1 and 4, at 4 ranks (2-D
 mesh) loaded at 2; DTensors Shard(0) (uneven), Shard(1), Replicate(),
 2-D meshes; rank-unique and replicated plain tensors; object items; FQNs
 that are not path-safe; model and Adam state of a fully_shard'ed model
@@ -13,7 +13,8 @@ safetensors package reading the .safetensors view; import of a stock DCP
 checkpoint and export to one stock DCP loads. All compared bit for bit.
 The jobs are python/tests/dcp_job.py.
 
-    python3 python/tests/test_dcp.py --bin build/bin/ckptfs
+    PYTHONPATH=tests/integration:python \\
+        python3 python/tests/test_dcp.py --bin build/bin/ckptfs
 """
 
 import json
@@ -26,12 +27,10 @@ import sys
 import time
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
-from mpi_world import MPIRUN, World, query  # noqa: E402
-from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
+from ckpttest import util
+from ckpttest.util import CkptfsTestCase, main
+from ckpttest.world import MPIRUN, query
+from ckpttest.pyenv import PACKAGE, require_torch, run_py
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_job.py")
 
@@ -47,20 +46,9 @@ class DcpCase(CkptfsTestCase):
     def setUp(self):
         super().setUp()
         self.py = require_torch(self)
-        self.worlds = []
-        self.addCleanup(self._stop_worlds)
-
-    def _stop_worlds(self):
-        for w in self.worlds:
-            w.stop()
 
     def world(self, n, opts="commit_timeout=120"):
-        root = os.path.join(self.dir, f"w{len(self.worlds)}")
-        log = os.path.join(self.dir, f"world{len(self.worlds)}.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, n, self.backing, root, log, opts=opts)
-        self.worlds.append(w)
-        return w.start()
+        return self.start_world(n, opts)
 
     def stop(self, w):
         rc = w.stop()
@@ -179,7 +167,7 @@ class Replace(DcpCase):
         # saves 2, 3, 5, 6 and 7 replaced it on both ranks, each staged under
         # one working name on every rank (the token comes with DCP's global
         # plan; a cached plan brings its earlier token, which is free again)
-        log = ckptfs_util.read_log(self.extra_logs[-1], 1 << 24)
+        log = util.read_log(w2.log, 1 << 24)
         published = re.findall(r"(again\.replace-[0-9a-f]{12}): published as again "
                                r"\(replace=\)", log)
         self.assertEqual(len(published), 10, log[-3000:])
@@ -279,7 +267,6 @@ assert f.name == "step-1" and f.path == "/m/step-1"
 class Paths(unittest.TestCase):
 
     def test_fqn_paths(self):
-        sys.path.insert(0, PACKAGE)
         py = require_torch(self)
         code = r'''
 from ckptfs.dcp import fqn_paths
@@ -382,7 +369,7 @@ os._exit(0)
 import sys, ckptfs.dcp
 ckptfs.dcp.import_checkpoint(sys.argv[1], sys.argv[2], "imported", binary=sys.argv[3])
 '''
-        run_py(self, self.py, code_imp, stock, self.backing, ckptfs_util.BIN)
+        run_py(self, self.py, code_imp, stock, self.backing, util.BIN)
         self.assertTrue(os.path.exists(os.path.join(self.backing, "imported", ".metadata")))
         m = self.mount()
         code_chk = r'''
@@ -427,7 +414,7 @@ print("ok")
         run_py(self, self.py, code_load, stock, out, os.path.dirname(JOB),
                env={"PYTHONWARNINGS": "ignore"})
         # the same through ckptctl (which runs the package's converter)
-        ckptctl = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptctl")
+        ckptctl = os.path.join(os.path.dirname(util.BIN), "ckptctl")
         env = dict(os.environ, CKPTFS_PYTHON=self.py, PYTHONPATH=PACKAGE,
                    PYTHONWARNINGS="ignore")
         backing2 = os.path.join(self.dir, "backing2")

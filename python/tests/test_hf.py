@@ -22,7 +22,8 @@ process with its own mount as output_dir (python/tests/hf_job.py):
   not a rank mount, or whose world is not the mount's (saying both
   sizes), fails at train begin.
 
-    python3 python/tests/test_hf.py --bin build/bin/ckptfs
+    PYTHONPATH=tests/integration:python \\
+        python3 python/tests/test_hf.py --bin build/bin/ckptfs
 """
 
 import json
@@ -30,14 +31,11 @@ import os
 import re
 import socket
 import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
-from mpi_world import MPIRUN, World, query  # noqa: E402
-from pyenv import PACKAGE, require_modules, run_py  # noqa: E402
+from ckpttest import REPO, util
+from ckpttest.util import CkptfsTestCase, main
+from ckpttest.world import MPIRUN, query
+from ckpttest.pyenv import PACKAGE, require_modules, run_py
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_job.py")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
@@ -55,20 +53,9 @@ class HfCase(CkptfsTestCase):
     def setUp(self):
         super().setUp()
         self.py = require_modules(self, "transformers", "accelerate")
-        self.worlds = []
-        self.addCleanup(self._stop_worlds)
-
-    def _stop_worlds(self):
-        for w in self.worlds:
-            w.stop()
 
     def world(self, n=2):
-        log = os.path.join(self.dir, f"world{len(self.worlds)}.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, n, self.backing, os.path.join(self.dir, "ranks"), log,
-                  opts="commit_timeout=60")
-        self.worlds.append(w)
-        return w.start()
+        return self.start_world(n, "commit_timeout=60", root=os.path.join(self.dir, "ranks"))
 
     def mpirun(self, argv, n=2, **env):
         """argv under mpirun -np n (gloo's rendezvous on a free port)."""
@@ -134,7 +121,7 @@ class Trainer(HfCase):
         self.assertEqual(sorted(os.listdir(os.path.join(self.mnt, "final"))), [
             ".metadata", "config.json", "generation_config.json", "model.safetensors",
             "training_args.bin"])
-        self.assertIn("checkpoint-2: removed as a whole", ckptfs_util.read_log(w.log))
+        self.assertIn("checkpoint-2: removed as a whole", util.read_log(w.log))
 
         # resumed from checkpoint-4 (saving checkpoint-6 again over the
         # committed one), from other initial weights: steps 5 and 6 only
@@ -235,7 +222,7 @@ class DocsExamples(HfCase):
         self.assert_committed(self.mnt, "checkpoint-6", ["rng_state_1.pth"])
         self.assertIn("model.safetensors", os.listdir(os.path.join(self.mnt, "final")))
         self.assert_committed(self.mnt, "step-8", ["random_states_1.pkl"])
-        self.assertEqual(ckptfs_util.read_log(w.log).count(
+        self.assertEqual(util.read_log(w.log).count(
             "published as step-8 (replace=)"), 2)
 
 

@@ -20,22 +20,20 @@ ModelCheckpoint(save_top_k=2, save_last=True, monitor=...) for 6 epochs
   publishes last.ckpt as a copy of the newest top-k checkpoint, where
   Lightning's own ModelCheckpoint fails (a symlink at a mount's root).
 
-    python3 python/tests/test_lightning.py --bin build/bin/ckptfs
+    PYTHONPATH=tests/integration:python \\
+        python3 python/tests/test_lightning.py --bin build/bin/ckptfs
 """
 
 import hashlib
 import json
 import os
 import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, Mount, main  # noqa: E402
-from mpi_world import MPIRUN, World, query  # noqa: E402
-from pyenv import PACKAGE, require_modules, run_py  # noqa: E402
-from test_dcp import free_port  # noqa: E402
+from ckpttest import REPO, util
+from ckpttest.util import CkptfsTestCase, Mount, main
+from ckpttest.world import MPIRUN, query
+from ckpttest.pyenv import PACKAGE, require_modules, run_py
+from test_dcp import free_port
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_job.py")
 RANK_EXEC = os.path.join(REPO, "mount-scripts", "ckpt-rank-exec")
@@ -52,16 +50,12 @@ class LightningCase(CkptfsTestCase):
     def setUp(self):
         super().setUp()
         self.py = require_modules(self, "lightning")
-        self.worlds = []
-        self.addCleanup(lambda: [w.stop() for w in self.worlds])
 
     def world(self, tag):
-        log = os.path.join(self.dir, f"world-{tag}.log")
-        self.extra_logs.append(log)
-        w = World(ckptfs_util.BIN, 2, os.path.join(self.dir, f"backing-{tag}"),
-                  os.path.join(self.dir, f"mnt-{tag}"), log, opts="commit_timeout=120")
-        self.worlds.append(w)
-        return w.start()
+        return self.start_world(2, "commit_timeout=120",
+                                backing=os.path.join(self.dir, f"backing-{tag}"),
+                                root=os.path.join(self.dir, f"mnt-{tag}"),
+                                log=os.path.join(self.dir, f"world-{tag}.log"))
 
     def job(self, tag, dirpath, mount, ckpt_path, wrap=(), kill_epoch=-1, expect_ok=True):
         """Run lightning_job.py under mpirun -np 2 (each rank as wrap +
@@ -283,7 +277,7 @@ class Link(LightningCase):
         # one name saved again (filename="best"): last.ckpt follows each save
         best = os.path.join(self.dir, "mnt-best")
         os.mkdir(os.path.join(self.dir, "backing-best"))
-        m = ckptfs_util.Mount(os.path.join(self.dir, "backing-best"), best, self.log)
+        m = util.Mount(os.path.join(self.dir, "backing-best"), best, self.log)
         self.mounts.append(m)
         m.start()
         out = run_py(self, self.py, LINK_JOB, best, "best")

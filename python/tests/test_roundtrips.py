@@ -9,18 +9,16 @@ fails when a path lookup or a setxattr per xattr comes back (they were 22
 and 13 requests per tensor). Also user.ckpt.meta itself: its fields land
 as the separate xattrs, all or none.
 
-    python3 python/tests/test_roundtrips.py --bin build/bin/ckptfs
+    PYTHONPATH=tests/integration:python \\
+        python3 python/tests/test_roundtrips.py --bin build/bin/ckptfs
 """
 
 import errno
 import os
-import sys
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-from ckptfs_util import CkptfsTestCase, fuse_requests, main  # noqa: E402
-from pyenv import require_torch, run_py  # noqa: E402
+from ckpttest.util import CkptfsTestCase, fuse_requests, main
+from ckpttest.pyenv import require_torch, run_py
 
 N = 200
 # The measured figure (6.2 per tensor at N = 200: 6 per file, 0.2 for the

@@ -9,7 +9,8 @@ ckptfs.commit without torch.distributed, whose world is the launcher's),
 and a 3-process trainer over 2 mounts whose rank 2 finds a plain directory
 at ROOT/rank2 (nothing may be written there).
 
-    python3 python/tests/test_world.py --bin build/bin/ckptfs
+    PYTHONPATH=tests/integration:python \\
+        python3 python/tests/test_world.py --bin build/bin/ckptfs
 """
 
 import errno
@@ -20,15 +21,11 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
-from mpi_world import MPIRUN, World  # noqa: E402
-from pyenv import PACKAGE, require_torch  # noqa: E402
+from ckpttest.util import CkptfsTestCase, main
+from ckpttest.world import MPIRUN
+from ckpttest.pyenv import PACKAGE, require_torch
 
-sys.path.insert(0, PACKAGE)
-import ckptfs  # noqa: E402  (the client under test)
+import ckptfs  # the client under test: python/ on PYTHONPATH
 
 
 def free_port():
@@ -104,13 +101,8 @@ class Mismatch(CkptfsTestCase):
     """A trainer of n processes over a ckptfs world of another size."""
 
     def world_of(self, n, opts="commit_timeout=30"):
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
         # a short commit_timeout: without the check the save fails after it
-        self.w = World(ckptfs_util.BIN, n, self.backing, os.path.join(self.dir, "w"),
-                       log, opts=opts)
-        self.addCleanup(self.w.stop)
-        self.w.start()
+        self.w = self.start_world(n, opts, root=os.path.join(self.dir, "w"))
 
     def trainer(self, n, py, code, *args, env=None):
         """Run code at n processes under mpirun; {rank: its JSON}."""
@@ -193,13 +185,8 @@ class World3Trainer2(CkptfsTestCase):
     def setUp(self):
         super().setUp()
         self.py = require_torch(self)
-        log = os.path.join(self.dir, "world.log")
-        self.extra_logs.append(log)
         # a short commit_timeout: without the check the save fails after it
-        self.w = World(ckptfs_util.BIN, 3, self.backing, os.path.join(self.dir, "w"),
-                       log, opts="commit_timeout=30")
-        self.addCleanup(self.w.stop)
-        self.w.start()
+        self.w = self.start_world(3, "commit_timeout=30", root=os.path.join(self.dir, "w"))
 
     def test_root_tells_the_world(self):
         from ckptfs._client import mount_world

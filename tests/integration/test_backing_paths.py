@@ -26,13 +26,10 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, read_all, status,  # noqa: E402
-                         write_file, write_tensor)
+from ckpttest import util as cu
+from ckpttest.util import CkptfsTestCase, commit, read_all, status, write_file, write_tensor
 
 MiB = 1 << 20
 

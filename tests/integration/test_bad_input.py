@@ -7,11 +7,9 @@ garbage written to .commit, and refused names."""
 import errno
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
-                         state, status, tensor_bytes, write_file, write_tensor)
+from ckpttest.util import (CkptfsTestCase, commit, main, read_all, state, status, tensor_bytes,
+                           write_file, write_tensor)
 
 
 class BadXattrs(CkptfsTestCase):

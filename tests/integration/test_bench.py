@@ -17,10 +17,9 @@ import sys
 import tempfile
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import main  # noqa: E402
-from pyenv import REPO, require_torch  # noqa: E402
+from ckpttest import util
+from ckpttest.util import main
+from ckpttest.pyenv import REPO, require_torch
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import floor_table  # noqa: E402
@@ -53,7 +52,7 @@ class FloorTable(unittest.TestCase):
         with tempfile.TemporaryDirectory(prefix="ckptfs-bench-") as tmp:
             out = os.path.join(tmp, "out.json")
             r = subprocess.run([py, os.path.join(REPO, "bench", "bench.py"), "--floor", "--quick",
-                                "--no-venv", "--bin", ckptfs_util.BIN,
+                                "--no-venv", "--bin", util.BIN,
                                 "--backing", os.path.join(tmp, "b"), "--json", out],
                                capture_output=True, text=True, timeout=600)
             self.assertEqual(r.returncode, 0, r.stderr[-3000:])

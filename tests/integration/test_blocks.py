@@ -31,15 +31,11 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import read_log, sanitizer_report, wait_log  # noqa: E402
-import mpi_world  # noqa: E402
+from ckpttest import util, world
+from ckpttest.util import CkptfsTestCase, wait_log
 
 
 def strides(shape):
@@ -62,8 +58,8 @@ def box_bytes(data, shape, isz, lo, sizes):
 class T:
     def __init__(self, path, dtype, shape, chunks, seed):
         self.path, self.dtype, self.shape, self.chunks = path, dtype, shape, chunks
-        self.isz = mpi_world.itemsize(dtype)
-        self.data = mpi_world.tensor_bytes(dtype, shape, seed)
+        self.isz = world.itemsize(dtype)
+        self.data = world.tensor_bytes(dtype, shape, seed)
 
     def write(self, ckdir, rank):
         if rank not in self.chunks:
@@ -71,11 +67,11 @@ class T:
         p = os.path.join(ckdir, self.path)
         c = self.chunks[rank]
         if c is None:
-            mpi_world.write_file(p, self.data)
-            mpi_world.set_xattrs(p, self.dtype, self.shape or b"")
+            world.write_file(p, self.data)
+            world.set_xattrs(p, self.dtype, self.shape or b"")
         else:
-            mpi_world.write_file(p, box_bytes(self.data, self.shape, self.isz, *c))
-            mpi_world.set_xattrs(p, self.dtype, self.shape, c[0], c[1])
+            world.write_file(p, box_bytes(self.data, self.shape, self.isz, *c))
+            world.set_xattrs(p, self.dtype, self.shape, c[0], c[1])
 
 
 def block_name(path, slices):
@@ -107,28 +103,12 @@ def one_pread(path, n):
         os.close(fd)
 
 
-class World2(unittest.TestCase):
+class World2(CkptfsTestCase):
     N = 2
 
     def setUp(self):
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        self.dir = tempfile.mkdtemp(prefix="ckptfs-blocks-", dir="/tmp")
-        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
-        self.backing = os.path.join(self.dir, "backing")
-        self.world = mpi_world.World(ckptfs_util.BIN, self.N, self.backing,
-                                     os.path.join(self.dir, "mnt"),
-                                     os.path.join(self.dir, "world.log"),
-                                     opts="commit_timeout=120,verify=1")
-        self.addCleanup(self._check_log)
-        self.addCleanup(self.world.stop)
-        self.world.start()
-
-    def _check_log(self):
-        bad = sanitizer_report(read_log(self.world.log, limit=1 << 24))
-        if bad:
-            self.fail(f"sanitizer report in {self.world.log}: {bad}")
+        super().setUp()
+        self.world = self.start_world(self.N, "commit_timeout=120,verify=1")
 
     def assertErrno(self, err, fn, *args):
         with self.assertRaises(OSError, msg=f"{fn.__name__}{args!r}") as cm:
@@ -169,8 +149,8 @@ class World2(unittest.TestCase):
             # damaged below, never read before (verify checks a chunk once)
             T("m/dmg", "float32", [20, 8], {0: ([0, 0], [12, 8]), 1: ([12, 0], [8, 8])}, 7),
         ]
-        mpi_world.stage(self.world, "w", items)
-        res = mpi_world.commit_all(self.world, "w")
+        world.stage(self.world, "w", items)
+        res = world.commit_all(self.world, "w")
         self.assertTrue(all(e is None for e, _ in res.values()), res)
         ck = os.path.join(self.world.mnt(0), "w")
         rows, cols, cube, vec, big, scalar, dmg = items
@@ -274,13 +254,13 @@ class World2(unittest.TestCase):
         self.assertErrno(errno.ENOTDIR, os.stat, os.path.join(ck, "m", ".rows[:]", "x"))
         self.assertErrno(errno.ENOENT, os.stat, os.path.join(ck, ".npy", ".vec[0:1]"))
         # The 0-d tensor itself still reads.
-        self.assertEqual(mpi_world.read_all(os.path.join(ck, "s")), scalar.data)
+        self.assertEqual(world.read_all(os.path.join(ck, "s")), scalar.data)
 
         # Staged checkpoints have no block files.
         st = os.path.join(self.world.mnt(0), "staged")
         os.mkdir(st)
-        mpi_world.write_file(os.path.join(st, "x"), bytes(16))
-        mpi_world.set_xattrs(os.path.join(st, "x"), "float32", [4])
+        world.write_file(os.path.join(st, "x"), bytes(16))
+        world.set_xattrs(os.path.join(st, "x"), "float32", [4])
         self.assertErrno(errno.ENOENT, os.stat, os.path.join(st, ".x[0:2]"))
         self.assertErrno(errno.EPERM, os.open, os.path.join(st, ".x[0:2]"),
                          os.O_WRONLY | os.O_CREAT, 0o644)
@@ -318,7 +298,7 @@ class World2(unittest.TestCase):
 
         # A damaged chunk: EIO for the blocks that read it, only those.
         db = os.path.join(self.backing, "w", ".metadata")
-        (f, off, ln), = mpi_world.query(
+        (f, off, ln), = world.query(
             db, "SELECT file, file_offset, length FROM chunks WHERE fqn=? AND offsets=?",
             ("m.dmg", "[12,0]"))
         path = os.path.join(self.backing, "w", f)
@@ -350,12 +330,12 @@ class World2(unittest.TestCase):
                             for i in range(4) for j in (c0, c0 + 1))
             with open(p, "wb") as f:
                 f.write(data)
-            mpi_world.set_xattrs(p, "float32", (4, 4), (0, c0), (4, 2))
+            world.set_xattrs(p, "float32", (4, 4), (0, c0), (4, 2))
             os.setxattr(p, "user.ckpt.fqn", b"c")
-        res = mpi_world.commit_all(self.world, "cols")
+        res = world.commit_all(self.world, "cols")
         self.assertTrue(all(e is None for e, _ in res.values()), res)
         db = os.path.join(self.backing, "cols", ".metadata")
-        (f, off, ln), = mpi_world.query(
+        (f, off, ln), = world.query(
             db, "SELECT file, file_offset, length FROM chunks WHERE fqn='c' AND offsets='[0,2]'")
         with open(os.path.join(self.backing, "cols", f), "r+b") as fh:
             fh.seek(off)
@@ -379,4 +359,4 @@ class World2(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    ckptfs_util.main()
+    util.main()

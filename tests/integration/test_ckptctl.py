@@ -31,15 +31,13 @@ import shutil
 import sqlite3
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, read_all, tensor_bytes,  # noqa: E402
-                         wait_state, write_file, write_tensor)
+from ckpttest import util
+from ckpttest.util import (CkptfsTestCase, commit, read_all, tensor_bytes, wait_state, write_file,
+                           write_tensor)
 
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
             "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
@@ -54,13 +52,13 @@ ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
 
 def ctl_bin():
-    return os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptctl")
+    return os.path.join(os.path.dirname(util.BIN), "ckptctl")
 
 
 def ctl(*args, timeout=120):
     r = subprocess.run([ctl_bin()] + [str(a) for a in args], capture_output=True,
                        text=True, timeout=timeout)
-    bad = ckptfs_util.sanitizer_report(r.stderr)
+    bad = util.sanitizer_report(r.stderr)
     if bad:  # the ASan+UBSan build
         raise AssertionError(f"ckptctl {args}: sanitizer report: {bad}\n{r.stderr[-6000:]}")
     return r
@@ -484,7 +482,7 @@ class Commands(Base):
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
 
-        fsck = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptfs-fsck")
+        fsck = os.path.join(os.path.dirname(util.BIN), "ckptfs-fsck")
         for _ in range(2):  # every chunk checked twice: reopened files too
             r = subprocess.run([fsck, self.backing, "wide", "wide"], capture_output=True,
                                text=True, preexec_fn=low_limit)
@@ -544,7 +542,7 @@ class Commands(Base):
         doc = ctl_json(self, "prune", self.backing, "--keep", "1")
         self.assertEqual([c["name"] for c in doc["removed"]], ["c3"])
         self.assertEqual(sorted(os.listdir(self.mnt)), ["c4"])
-        fsck = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptfs-fsck")
+        fsck = os.path.join(os.path.dirname(util.BIN), "ckptfs-fsck")
         r = subprocess.run([fsck, self.backing, "c4"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stdout)
 
@@ -690,9 +688,9 @@ class KeepLast(Base):
         self.assertRaises(OSError, open, self.ck("r1", "w"), "rb")
 
     def test_option_help_and_errors(self):
-        r = subprocess.run([ckptfs_util.BIN, "--help"], capture_output=True, text=True)
+        r = subprocess.run([util.BIN, "--help"], capture_output=True, text=True)
         self.assertRegex(r.stdout, r"-o keep_last=N .*\n.*\(default: 0\)")
-        r = subprocess.run([ckptfs_util.BIN, "-f", "-o", "keep_last=some", self.backing, self.mnt],
+        r = subprocess.run([util.BIN, "-f", "-o", "keep_last=some", self.backing, self.mnt],
                            capture_output=True, text=True, timeout=30)
         self.assertEqual(r.returncode, 2)
         self.assertIn("invalid keep_last 'some'", r.stderr)
@@ -703,30 +701,20 @@ class World2(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        from mpi_world import World
+        from ckpttest.world import World
         if not shutil.which("mpirun"):
             raise RuntimeError("mpirun is missing: cannot start a world")
         cls.dir = tempfile.mkdtemp(prefix="ckptfs-ctl-", dir="/tmp")
         cls.backing = os.path.join(cls.dir, "backing")
         cls.log = os.path.join(cls.dir, "world.log")
-        cls.world = World(ckptfs_util.BIN, 2, cls.backing, os.path.join(cls.dir, "mnt"),
+        cls.world = World(util.BIN, 2, cls.backing, os.path.join(cls.dir, "mnt"),
                           cls.log, opts="keep_last=2,commit_timeout=60")
         cls.addClassCleanup(shutil.rmtree, cls.dir, True)
-        cls.addClassCleanup(cls._stop)
+        cls.addClassCleanup(cls.world.stop_checked)
         cls.world.start()
 
-    @classmethod
-    def _stop(cls):
-        rc = cls.world.stop()
-        text = ckptfs_util.read_log(cls.log, limit=1 << 24)
-        bad = ckptfs_util.sanitizer_report(text)
-        if bad:
-            raise AssertionError(f"sanitizer report: {bad}\n{text[-6000:]}")
-        if rc != 0:
-            raise AssertionError(f"mpirun exited with {rc}:\n{text[-4000:]}")
-
     def items(self, seed):
-        from mpi_world import Blob, Tensor
+        from ckpttest.world import Blob, Tensor
         return [
             Tensor("model/rows", "float32", [6, 4], {0: ([0, 0], [3, 4]), 1: ([3, 0], [3, 4])}, seed),
             Tensor("model/cols", "int16", [5, 6], {0: ([0, 0], [5, 2]), 1: ([0, 2], [5, 4])}, seed + 1),
@@ -736,13 +724,13 @@ class World2(unittest.TestCase):
         ]
 
     def commit_both(self, name, mode="sync"):
-        from mpi_world import commit_all
+        from ckpttest.world import commit_all
         res = commit_all(self.world, name, mode)
         for r, (err, _) in res.items():
             self.assertIsNone(err, f"rank {r}: {err}")
 
     def test_1_keep_last_show_and_export(self):
-        from mpi_world import stage
+        from ckpttest.world import stage
         items = {}
         # w4 also holds a column-sharded tensor larger than export's 16 MiB
         # window: its chunks are read window by window, front to back.
@@ -792,7 +780,7 @@ class World2(unittest.TestCase):
         self.assertEqual(doc["added"], [{"kind": "tensor", "fqn": "big"}])
 
     def test_2_wait_progress_bar_and_timeout(self):
-        from mpi_world import commit, stage
+        from ckpttest.world import commit, stage
         stage(self.world, "late", self.items(99))
         ck0 = os.path.join(self.world.mnt(0), "late")
         commit(ck0, "async")  # rank 1 commits later: rank 0 stays committing
@@ -829,7 +817,7 @@ class World2(unittest.TestCase):
         self.assertRegex(text, r"late: committed \(tensors 3, blobs 2, world size 2\)")
 
     def test_3_diff_content_of_differently_chunked_tensors(self):
-        from mpi_world import Tensor, stage
+        from ckpttest.world import Tensor, stage
         shards = {0: ([0, 0], [3, 4]), 1: ([3, 0], [3, 4])}
         stage(self.world, "x11", [Tensor("t", "float32", [6, 4], shards, 7),
                                   Tensor("u", "int8", [5], {0: None, 1: None}, 1)])
@@ -879,4 +867,4 @@ class World2(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    ckptfs_util.main()
+    util.main()

@@ -18,18 +18,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, Mount, commit, read_all, read_log,  # noqa: E402
-                         sanitizer_report, status, wait_state, write_file,
-                         write_tensor)
-import mpi_world as mw  # noqa: E402
+from ckpttest import util as cu, world as mw
+from ckpttest.util import (CkptfsTestCase, commit, read_all, read_log, status, wait_state,
+                           write_file, write_tensor)
 
 MiB = 1 << 20
 
@@ -238,60 +232,20 @@ class KillFromOutside(CkptfsTestCase, CrashChecks):
 
 # ---- worlds ------------------------------------------------------------------
 
-class FailWorld(mw.World):
-    """A world whose daemons get CKPTFS_FAILPOINT."""
-
-    def __init__(self, *a, failpoint=None, **kw):
-        super().__init__(*a, **kw)
-        self.failpoint = failpoint
-
-    def argv(self):
-        cmd = super().argv()
-        if self.failpoint:
-            cmd[1:1] = ["-x", "CKPTFS_FAILPOINT"]
-        return cmd
-
-    def env(self):
-        env = super().env()
-        if self.failpoint:
-            env["CKPTFS_FAILPOINT"] = self.failpoint
-        return env
-
-    def dead(self):
-        return self.proc is None or self.proc.poll() is not None
-
-
-class WorldCase(unittest.TestCase, CrashChecks):
+class WorldCase(CkptfsTestCase, CrashChecks):
     """Worlds of 2 ranks save; the remount is at 1 or 3 ranks."""
 
     OPTS = "staging_mem=8M,commit_timeout=20"
 
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="ckptfs-crash-", dir="/tmp")
-        self.backing = os.path.join(self.dir, "backing")
-        self.worlds = []
-        self.addCleanup(self._cleanup)
-
-    def _cleanup(self):
-        for w in self.worlds:
-            w.stop(timeout=30)
-        with open("/proc/self/mountinfo") as f:
-            left = [line.split()[4] for line in f if line.split()[4].startswith(self.dir)]
-        for p in left:
-            subprocess.run(["fusermount3", "-uz", p], capture_output=True)
-        text = "".join(read_log(w.log, limit=1 << 24) for w in self.worlds)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        bad = sanitizer_report(text)
-        if bad:
-            self.fail(f"sanitizer report: {bad}\n{text[text.index(bad):][:6000]}")
-
-    def world(self, n, failpoint=None):
-        i = len(self.worlds)
-        w = FailWorld(cu.BIN, n, self.backing, os.path.join(self.dir, f"mnt{i}"),
-                      os.path.join(self.dir, f"world{i}.log"), opts=self.OPTS,
-                      failpoint=failpoint, leak_check=False)
-        self.worlds.append(w)
-        return w.start()
+    def world(self, n, failpoint=None, recovery=False):
+        """A started world of n ranks over self.backing, leaks not checked
+        (a killed rank's memory is never freed); failpoint: the ranks'
+        CKPTFS_FAILPOINT; recovery: mpirun --enable-recovery, over TCP (the
+        job goes on when a rank dies)."""
+        more = {"mpirun_args": ["--enable-recovery"], "transport": "tcp"} if recovery else {}
+        return self.start_world(n, self.OPTS, leak_check=False, stop_timeout=30,
+                                env_extra={"CKPTFS_FAILPOINT": failpoint} if failpoint else None,
+                                **more)
 
     def stage_commit(self, w, content, mode, stage=True):
         """Stage content on every rank and commit; the commits' errors."""
@@ -375,15 +329,6 @@ for _point, _rank, _mode, _n in WORLD_CASES:
             _world_case(_point, _rank, _mode, _n))
 
 
-class RecoveryWorld(FailWorld):
-    """mpirun --enable-recovery: the job goes on when a rank dies."""
-
-    def argv(self):
-        cmd = super().argv()
-        cmd[1:1] = ["--enable-recovery"]
-        return cmd
-
-
 class RankDies(WorldCase):
     """A client rank dies during the collective save, and the launcher
     keeps the job going: the surviving ranks' commits fail within
@@ -394,16 +339,6 @@ class RankDies(WorldCase):
 
     TIMEOUT = 15
     OPTS = f"staging_mem=8M,commit_timeout={TIMEOUT}"
-
-    def world(self, n, failpoint=None, recovery=False):
-        if not recovery:
-            return super().world(n, failpoint)
-        i = len(self.worlds)
-        w = RecoveryWorld(cu.BIN, n, self.backing, os.path.join(self.dir, f"mnt{i}"),
-                          os.path.join(self.dir, f"world{i}.log"), opts=self.OPTS,
-                          failpoint=failpoint, leak_check=False, transport="tcp")
-        self.worlds.append(w)
-        return w.start()
 
     def dies_at(self, point, mode):
         before = Content("before", 3)

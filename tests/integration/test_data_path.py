@@ -10,13 +10,11 @@ import mmap
 import os
 import re
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
-                         state, write_file, write_tensor)
+from ckpttest import util
+from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, state, write_file,
+                           write_tensor)
 
 MiB = 1 << 20
 
@@ -37,7 +35,7 @@ def bdi_readahead_kb(mnt, want, timeout=10):
 
 def libfuse_version():
     """(major, minor) of the libfuse the binary runs with (--version)."""
-    out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
+    out = subprocess.run([util.BIN, "--version"], capture_output=True,
                          text=True).stdout
     m = re.search(r"FUSE (\d+)\.(\d+)", out)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)

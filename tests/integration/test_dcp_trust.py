@@ -39,7 +39,7 @@ Classes:
                   stored past the end of its file, a chunk with no storage
                   entry, chunks sharing one stored range: refused before
                   anything is created
-Needs root (chown to another uid) and torch (tests/integration/pyenv.py).
+Needs root (chown to another uid) and torch (tests/integration/ckpttest/pyenv.py).
 """
 
 import json
@@ -49,10 +49,9 @@ import subprocess
 import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
-from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
+from ckpttest import util
+from ckpttest.util import CkptfsTestCase, main
+from ckpttest.pyenv import PACKAGE, require_torch, run_py
 
 NOBODY = 65534
 
@@ -213,9 +212,9 @@ class DcpTrustCase(CkptfsTestCase):
     def setUp(self):
         super().setUp()
         self.py = require_torch(self)
-        self.ckptctl = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptctl")
+        self.ckptctl = os.path.join(os.path.dirname(util.BIN), "ckptctl")
         self.env = dict(os.environ, CKPTFS_PYTHON=self.py, PYTHONPATH=PACKAGE,
-                        PYTHONWARNINGS="ignore", CKPTFS_BIN=ckptfs_util.BIN)
+                        PYTHONWARNINGS="ignore", CKPTFS_BIN=util.BIN)
         # uid 65534 must reach its own directories in here
         os.chmod(self.dir, 0o755)
 

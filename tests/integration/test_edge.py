@@ -8,12 +8,10 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all, state,  # noqa: E402
-                         status, tensor_bytes, wait_state, write_file, write_tensor)
+from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, state, status,
+                           tensor_bytes, wait_state, write_file, write_tensor)
 
 MiB = 1 << 20
 

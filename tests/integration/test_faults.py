@@ -12,18 +12,13 @@ retry after the fault is gone commits it.
 
 import errno
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, read_all, read_log, status,  # noqa: E402
-                         tensor_bytes, wait_state, write_file, write_tensor)
-from test_crash import Content, FailWorld, fsck, pattern, unmount_dead, write_backwards  # noqa: E402
+from ckpttest import util as cu
+from ckpttest.util import (CkptfsTestCase, commit, read_all, read_log, status, tensor_bytes,
+                           wait_state, write_file, write_tensor)
+from test_crash import Content, fsck, pattern, unmount_dead, write_backwards
 
 MiB = 1 << 20
 
@@ -180,23 +175,18 @@ class KilledWhileDiscarding(FaultCase):
         self.assertEqual(m.stop(), 0)
 
 
-class WorldBackingFull(unittest.TestCase):
+class WorldBackingFull(CkptfsTestCase):
     """Two ranks, one backing filesystem that fills up during the writes:
     every rank's commit fails and says why; the retry commits."""
 
     def test_every_rank_fails_then_retry(self):
-        d = tempfile.mkdtemp(prefix="ckptfs-fault-", dir="/tmp")
-        self.addCleanup(shutil.rmtree, d, True)
-        backing = os.path.join(d, "backing")
+        backing = self.backing
         os.makedirs(backing)
         r = run("mount", "-t", "tmpfs", "-o", "size=40m", "ckptfs-fault", backing)
         if r.returncode:
             self.skipTest(f"cannot mount a tmpfs: {r.stderr.strip()}")
         self.addCleanup(run, "umount", "-l", backing)
-        w = FailWorld(cu.BIN, 2, backing, os.path.join(d, "mnt"), os.path.join(d, "log"),
-                      opts="commit_timeout=30", leak_check=False)
-        w.start()
-        self.addCleanup(w.stop, 30)
+        w = self.start_world(2, "commit_timeout=30", leak_check=False, stop_timeout=30)
         before = Content("before", 2)  # 2 x (20 MiB + 3 MiB) does not fit
         small = {r: pattern(f"small{r}", MiB) for r in range(2)}
         for r in range(2):

@@ -11,14 +11,11 @@ import os
 import random
 import shutil
 import sqlite3
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, block_bytes, commit, main, pread, read_all,  # noqa: E402
-                         state, status, tensor_bytes, wait_state, write_file, write_tensor,
-                         xxh3_hex)
+from ckpttest.util import (CkptfsTestCase, block_bytes, commit, main, pread, read_all, state,
+                           status, tensor_bytes, wait_state, write_file, write_tensor, xxh3_hex)
 
 W_SHAPE = [8, 6]       # float32, 2 x 2 blocks of [4, 3] on ranks 0..3
 C_SHAPE = [5, 8]       # float64, two column halves on ranks 2 and 3

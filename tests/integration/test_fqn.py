@@ -23,19 +23,12 @@ Classes:
 import errno
 import json
 import os
-import shutil
 import sqlite3
 import struct
-import sys
-import tempfile
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, pread, read_all, read_log,  # noqa: E402
-                         sanitizer_report, status, tensor_bytes, block_bytes,
-                         write_file, write_tensor)
-import mpi_world  # noqa: E402
+from ckpttest import util, world
+from ckpttest.util import (CkptfsTestCase, commit, pread, read_all, status, tensor_bytes,
+                           block_bytes, write_file, write_tensor)
 
 FQN = "user.ckpt.fqn"
 LONG = "m." + "p" * 300 + ".w"
@@ -209,27 +202,12 @@ class OneRank(CkptfsTestCase):
         self.failing("dup", "t (p): rank 0 holds chunk offsets [0] sizes [3] twice: p and q")
 
 
-class World2(unittest.TestCase):
+class World2(CkptfsTestCase):
     N = 2
 
     def setUp(self):
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        self.dir = tempfile.mkdtemp(prefix="ckptfs-fqn-", dir="/tmp")
-        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
-        self.world = mpi_world.World(ckptfs_util.BIN, self.N, os.path.join(self.dir, "backing"),
-                                     os.path.join(self.dir, "mnt"),
-                                     os.path.join(self.dir, "world.log"),
-                                     opts="commit_timeout=120,sync_files=0")
-        self.addCleanup(self._check_log)
-        self.addCleanup(self.world.stop)
-        self.world.start()
-
-    def _check_log(self):
-        bad = sanitizer_report(read_log(self.world.log, limit=1 << 24))
-        if bad:
-            self.fail(f"sanitizer report in {self.world.log}: {bad}")
+        super().setUp()
+        self.world = self.start_world(self.N, "commit_timeout=120,sync_files=0")
 
     def ck(self, r, *parts):
         return os.path.join(self.world.mnt(r), *parts)
@@ -248,7 +226,7 @@ class World2(unittest.TestCase):
             p = self.ck(r, "w", f"cfg{r}")
             write_file(p, b"config")
             set_fqn(p, "cfg")
-        res = mpi_world.commit_all(self.world, "w")
+        res = world.commit_all(self.world, "w")
         self.assertTrue(all(e is None for e, _ in res.values()), res)
         for r in range(self.N):
             ck = self.ck(r, "w")
@@ -271,7 +249,7 @@ class World2(unittest.TestCase):
             os.mkdir(self.ck(r, "clash"))
             write_file(self.ck(r, "clash", "x"), b"r%d" % r)
             set_fqn(self.ck(r, "clash", "x"), f"f{r}")
-        res = mpi_world.commit_all(self.world, "clash")
+        res = world.commit_all(self.world, "clash")
         for r in range(self.N):
             e, _ = res[r]
             self.assertIsInstance(e, OSError, res)
@@ -281,4 +259,4 @@ class World2(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    ckptfs_util.main()
+    util.main()

@@ -28,10 +28,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, mountinfo_has, read_all  # noqa: E402
-from pyenv import PACKAGE, REPO  # noqa: E402
+from ckpttest import util
+from ckpttest.util import CkptfsTestCase, main, mountinfo_has, read_all
+from ckpttest.pyenv import PACKAGE, REPO
 
 UNIT = os.path.join(REPO, "mount-scripts", "ckptfs@.service")
 FSTAB_NOISE = ("rw,nodev,nosuid,noatime,noauto,nofail,_netdev,users,"
@@ -120,7 +119,7 @@ class Fstab(CkptfsTestCase):
         need_root(self)
         self.sbin = os.path.join(self.dir, "sbin")
         os.makedirs(self.sbin)
-        os.symlink(ckptfs_util.BIN, os.path.join(self.sbin, "ckptfs"))
+        os.symlink(util.BIN, os.path.join(self.sbin, "ckptfs"))
         os.makedirs(self.backing)
         self.addCleanup(self.kill_daemons)
 
@@ -217,16 +216,16 @@ class Fstab(CkptfsTestCase):
     def test_helper_with_program_path(self):
         """mount -t fuse 'PROGRAM#SOURCE': the helper runs PROGRAM by its
         path, no PATH needed; visible to this process, umount(8) stops it."""
-        r = subprocess.run(["mount", "-t", "fuse", f"{ckptfs_util.BIN}#{self.backing}",
+        r = subprocess.run(["mount", "-t", "fuse", f"{util.BIN}#{self.backing}",
                             self.mnt, "-o", FSTAB_NOISE + ",io_threads=2"],
                            capture_output=True, text=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertTrue(mountinfo_has(self.mnt))
         try:
-            pid = ckptfs_util.find_daemon(self.mnt)
+            pid = util.find_daemon(self.mnt)
             self.assertIsNotNone(pid)
-            ckptfs_util.write_file(self.ck("h", "x"), b"helper")
-            ckptfs_util.commit(self.ck("h"))
+            util.write_file(self.ck("h", "x"), b"helper")
+            util.commit(self.ck("h"))
             self.assertEqual(read_all(self.ck("h", "x")), b"helper")
             f = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", self.mnt],
                                capture_output=True, text=True)
@@ -243,16 +242,16 @@ class Fstab(CkptfsTestCase):
     def test_fstab_only_options_run_by_hand(self):
         """ckptfs itself drops the options only fstab and systemd use."""
         self.mount(opts=FSTAB_NOISE + ",comment=x,defaults,io_threads=2")
-        ckptfs_util.write_file(self.ck("o", "x"), b"1")
-        ckptfs_util.commit(self.ck("o"))
-        self.assertEqual(ckptfs_util.state(self.ck("o")), "committed")
+        util.write_file(self.ck("o", "x"), b"1")
+        util.commit(self.ck("o"))
+        self.assertEqual(util.state(self.ck("o")), "committed")
 
 
 class Errors(CkptfsTestCase):
     """Errors at start-up say what was wrong and what to do."""
 
     def run_bin(self, *args):
-        return subprocess.run([ckptfs_util.BIN, *args], capture_output=True, text=True,
+        return subprocess.run([util.BIN, *args], capture_output=True, text=True,
                               timeout=60, stdin=subprocess.DEVNULL)
 
     def test_mountpoint_problems(self):
@@ -343,7 +342,7 @@ class SystemdUnit(CkptfsTestCase):
         d = os.path.join(self.dir, "units")
         os.makedirs(d)
         with open(UNIT) as f:
-            text = f.read().replace("/usr/local/bin/ckptfs", ckptfs_util.BIN)
+            text = f.read().replace("/usr/local/bin/ckptfs", util.BIN)
         path = os.path.join(d, "ckptfs@ci.service")
         with open(path, "w") as f:
             f.write(text)
@@ -368,16 +367,16 @@ class SystemdUnit(CkptfsTestCase):
         pre = argv(s["ExecStartPre"][0])
         start = argv(s["ExecStart"][0])
         stop = argv(s["ExecStop"][0])
-        start[0] = ckptfs_util.BIN
+        start[0] = util.BIN
         self.assertEqual(subprocess.run(pre).returncode, 0)
         r = subprocess.run(start, capture_output=True, text=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr)  # forked: the mount is ready
         mnt = conf["CKPT_MOUNTPOINT"]
         self.assertTrue(mountinfo_has(mnt))
-        pid = ckptfs_util.find_daemon(mnt)
+        pid = util.find_daemon(mnt)
         try:
-            ckptfs_util.write_file(os.path.join(mnt, "svc", "x"), b"unit")
-            ckptfs_util.commit(os.path.join(mnt, "svc"), "async")
+            util.write_file(os.path.join(mnt, "svc", "x"), b"unit")
+            util.commit(os.path.join(mnt, "svc"), "async")
         finally:
             r = subprocess.run(stop, capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)

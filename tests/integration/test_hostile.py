@@ -26,11 +26,10 @@ import sys
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
-                         rss_kib, sanitizer_report, state, status, tensor_bytes, wait_state,
-                         write_file, write_tensor)
+from ckpttest import util as cu
+from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, rss_kib,
+                           sanitizer_report, state, status, tensor_bytes, wait_state, write_file,
+                           write_tensor)
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 NOBODY = 65534

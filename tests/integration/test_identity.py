@@ -28,8 +28,7 @@ import sys
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import CkptfsTestCase, commit, read_all  # noqa: E402
+from ckpttest.util import CkptfsTestCase, commit, read_all
 
 ROUNDS = 6
 
@@ -190,5 +189,5 @@ class ForeignSaveId(CkptfsTestCase):
 
 
 if __name__ == "__main__":
-    import ckptfs_util
-    ckptfs_util.main()
+    from ckpttest import util
+    util.main()

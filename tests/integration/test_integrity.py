@@ -9,18 +9,15 @@ import errno
 import os
 import sqlite3
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all, state,  # noqa: E402
-                         write_file, write_tensor)
+from ckpttest import util
+from ckpttest.util import CkptfsTestCase, commit, main, read_all, state, write_file, write_tensor
 
 MiB = 1 << 20
 
 
 def fsck(*args):
-    exe = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptfs-fsck")
+    exe = os.path.join(os.path.dirname(util.BIN), "ckptfs-fsck")
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
 
 

@@ -11,14 +11,11 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, mountinfo_has, pread,  # noqa: E402
-                         read_all, state, status, tensor_bytes, wait_state,
-                         write_file, write_tensor)
+from ckpttest import sanenv, util
+from ckpttest.util import (CkptfsTestCase, commit, main, mountinfo_has, pread, read_all, state,
+                           status, tensor_bytes, wait_state, write_file, write_tensor)
 
 MiB = 1 << 20
 
@@ -351,7 +348,7 @@ class MountStart(CkptfsTestCase):
 
 class Options(CkptfsTestCase):
     def run_bin(self, *args, timeout=60):
-        return subprocess.run([ckptfs_util.BIN, *args], capture_output=True, text=True,
+        return subprocess.run([util.BIN, *args], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
     def test_malformed_options(self):
@@ -368,7 +365,7 @@ class Options(CkptfsTestCase):
             key = bad.split("=")[0]
             self.assertIn(key, r.stderr, f"-o {bad}: the message does not name it")
             self.assertFalse(mountinfo_has(self.mnt), bad)
-            self.assertIsNone(ckptfs_util.sanitizer_report(r.stderr), r.stderr)
+            self.assertIsNone(util.sanitizer_report(r.stderr), r.stderr)
         self.assertFalse(os.path.exists(os.path.join(self.mnt, "x")))
 
     def test_usage_errors(self):
@@ -376,7 +373,7 @@ class Options(CkptfsTestCase):
             r = self.run_bin(*args)
             self.assertEqual(r.returncode, 2, f"{args}: {r.stderr}")
             self.assertTrue(r.stderr.strip())
-            self.assertIsNone(ckptfs_util.sanitizer_report(r.stderr), r.stderr)
+            self.assertIsNone(util.sanitizer_report(r.stderr), r.stderr)
         r = self.run_bin("--help")
         self.assertEqual(r.returncode, 0)
         self.assertIn("staging_mem", r.stdout)
@@ -563,25 +560,23 @@ class Options(CkptfsTestCase):
         self.assertFalse(mountinfo_has(self.mnt))
 
     def background_env(self):
-        """A daemon's stderr goes to /dev/null: sanitizer reports to files."""
+        """The environment of a daemonized mount: its stderr goes to
+        /dev/null, so sanitizer reports go to files (checked in cleanup)."""
         asan_log = os.path.join(self.dir, "asan")
         self.addCleanup(lambda: self.extra_logs.extend(glob.glob(asan_log + "*")))
-        return {"ASAN_OPTIONS": (os.environ.get("ASAN_OPTIONS", "") + f":log_path={asan_log}").lstrip(":"),
-                "UBSAN_OPTIONS": (os.environ.get("UBSAN_OPTIONS", "print_stacktrace=1")
-                                  + f":log_path={asan_log}")}
+        return sanenv.env(log_path=asan_log)
 
     def test_daemonize(self):
-        env = self.background_env()
-        m = ckptfs_util.Mount(self.backing, self.mnt, self.log, foreground=False, env=env)
+        m = util.Mount(self.backing, self.mnt, self.log, foreground=False)
         self.mounts.append(m)
         launcher = m.argv()
         t0 = time.monotonic()
         r = subprocess.run(launcher, capture_output=True, text=True, timeout=60,
-                           env=ckptfs_util.daemon_env(env), stdin=subprocess.DEVNULL)
+                           env=self.background_env(), stdin=subprocess.DEVNULL)
         self.assertEqual(r.returncode, 0, r.stderr)
         # ready when the launching command returns
         self.assertTrue(mountinfo_has(self.mnt), "not mounted when the command returned")
-        pid = ckptfs_util.find_daemon(self.mnt)
+        pid = util.find_daemon(self.mnt)
         self.assertIsNotNone(pid, "no daemon process")
         self.assertNotEqual(os.getsid(pid), os.getsid(0), "the daemon did not leave our session")
         os.mkdir(self.ck("bg"))
@@ -603,11 +598,11 @@ class Options(CkptfsTestCase):
         refused .commit word and a staged checkpoint discarded at unmount
         each leave a line (issue 13)."""
         logfile = os.path.join(self.dir, "daemon.log")
-        r = subprocess.run([ckptfs_util.BIN, "-o", "log=" + logfile, self.backing, self.mnt],
+        r = subprocess.run([util.BIN, "-o", "log=" + logfile, self.backing, self.mnt],
                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-                           env=ckptfs_util.daemon_env(self.background_env()))
+                           env=self.background_env())
         self.assertEqual(r.returncode, 0, r.stderr)
-        pid = ckptfs_util.find_daemon(self.mnt)
+        pid = util.find_daemon(self.mnt)
         self.assertIsNotNone(pid)
         os.mkdir(self.ck("good"))
         write_file(self.ck("good", "f"), b"x" * 100)
@@ -750,14 +745,14 @@ class Options(CkptfsTestCase):
         cwd = os.getcwd()
         os.chdir(self.dir)
         try:
-            r = subprocess.run([ckptfs_util.BIN, "backing", "mnt"], capture_output=True,
+            r = subprocess.run([util.BIN, "backing", "mnt"], capture_output=True,
                                text=True, timeout=60, stdin=subprocess.DEVNULL,
-                               env=ckptfs_util.daemon_env(self.background_env()))
+                               env=self.background_env())
         finally:
             os.chdir(cwd)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertTrue(mountinfo_has(self.mnt))
-        pid = ckptfs_util.find_daemon("mnt")
+        pid = util.find_daemon("mnt")
         self.assertIsNotNone(pid)
         os.mkdir(self.ck("rel"))
         write_file(self.ck("rel", "f"), b"rel")

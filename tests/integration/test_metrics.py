@@ -11,16 +11,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, mountinfo_has,  # noqa: E402
-                         read_all, tensor_bytes, write_file, write_tensor)
-from pyenv import require_modules, run_py  # noqa: E402
-from test_integrity import flip, stored  # noqa: E402
+from ckpttest import sanenv, util
+from ckpttest.util import (CkptfsTestCase, commit, main, mountinfo_has, read_all, tensor_bytes,
+                           write_file, write_tensor)
+from ckpttest.pyenv import require_modules, run_py
+from test_integrity import flip, stored
 
 # Parse FILE with prometheus_client: print {"name{k=v,...}": value} (the
 # rank and mount labels checked here and left out of the key), or exit 1
@@ -257,9 +255,9 @@ class Metrics(CkptfsTestCase):
                           ("metrics=" + os.path.join(self.dir, "no", "m.prom"),
                            "No such file or directory"),
                           ("metrics=" + os.path.join(self.log, "m.prom"), "not a directory")]:
-            r = subprocess.run([ckptfs_util.BIN, "-f", "-o", bad, self.backing, self.mnt],
+            r = subprocess.run([util.BIN, "-f", "-o", bad, self.backing, self.mnt],
                                capture_output=True, text=True, timeout=60,
-                               stdin=subprocess.DEVNULL, env=ckptfs_util.daemon_env())
+                               stdin=subprocess.DEVNULL, env=sanenv.env())
             self.assertEqual(r.returncode, 2, f"-o {bad}: rc {r.returncode}\n{r.stderr}")
             self.assertIn("invalid metrics", r.stderr, bad)
             self.assertIn(says, r.stderr, bad)

@@ -19,41 +19,10 @@ import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (block_bytes, commit, main, mountinfo_has, pread,  # noqa: E402
-                         read_all, read_log, sanitizer_report, state, status,
-                         tensor_bytes, write_file, write_tensor)
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CKPT_MOUNT = os.path.join(REPO, "mount-scripts", "ckpt-mount")
-CKPT_UMOUNT = os.path.join(REPO, "mount-scripts", "ckpt-umount")
-LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
-
-
-def scripts_env():
-    """The environment of the scripts, so of mpirun and the ranks. In the
-    ASan build Open MPI's own never-freed allocations are reported at exit:
-    suppress those (lsan-openmpi.supp only matches frames inside Open MPI,
-    with full unwinding, as Open MPI has no frame pointers), or with
-    CKPT_MR_LEAK_CHECK=0 (or no suppression file) do no leak check."""
-    env = ckptfs_util.daemon_env()
-
-    def with_opt(var, opt, replace=False):
-        key = opt.split("=", 1)[0]
-        parts = [p for p in env.get(var, "").split(":") if p]
-        if replace:
-            parts = [p for p in parts if p.split("=", 1)[0] != key]
-        if not any(p.split("=", 1)[0] == key for p in parts):
-            parts.append(opt)
-        env[var] = ":".join(parts)
-
-    if os.environ.get("CKPT_MR_LEAK_CHECK", "1") != "0" and os.path.exists(LSAN_SUPP):
-        with_opt("ASAN_OPTIONS", "fast_unwind_on_malloc=0")
-        with_opt("LSAN_OPTIONS", "suppressions=" + LSAN_SUPP)
-    else:
-        with_opt("ASAN_OPTIONS", "detect_leaks=0", replace=True)
-    return env
+from ckpttest import sanenv, util
+from ckpttest.util import (CKPT_MOUNT, CKPT_UMOUNT, block_bytes, commit, main, mountinfo_has, pread,
+                           read_all, read_log, sanitizer_report, state, status, tensor_bytes,
+                           write_file, write_tensor)
 
 
 def mounts_under(root):
@@ -122,12 +91,12 @@ class MountScripts(unittest.TestCase):
     def run_script(self, argv, timeout=240):
         t0 = time.monotonic()
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL, env=scripts_env())
+                           stdin=subprocess.DEVNULL, env=sanenv.env(mpi=True))
         r.seconds = time.monotonic() - t0
         return r
 
     def ckpt_mount(self, *args, root=None, bin=None):
-        return self.run_script([CKPT_MOUNT, "--bin", bin or ckptfs_util.BIN, *args,
+        return self.run_script([CKPT_MOUNT, "--bin", bin or util.BIN, *args,
                                 self.backing, root or self.root])
 
     def ckpt_umount(self, *args, root=None):
@@ -370,7 +339,7 @@ class MountScripts(unittest.TestCase):
                     'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then\n'
                     f'  set -- "${{@:1:$#-1}}" {self.dir}/nonexistent/rank%r\n'
                     "fi\n"
-                    f"exec {ckptfs_util.BIN} \"$@\"\n")
+                    f"exec {util.BIN} \"$@\"\n")
         os.chmod(wrapper, 0o755)
         r = self.ckpt_mount("-n", "3", "--timeout", "60", bin=wrapper)
         self.assertEqual(r.returncode, 1, r.stderr)
@@ -466,7 +435,7 @@ class MountScripts(unittest.TestCase):
         r = self.run_script([CKPT_MOUNT, "--bin", "/nonexistent/ckptfs", "a", "b"])
         self.assertEqual(r.returncode, 2)
         self.assertIn("/nonexistent/ckptfs", r.stderr)
-        r = self.run_script([CKPT_MOUNT, "--dry-run", "--bin", ckptfs_util.BIN, "-n", "5",
+        r = self.run_script([CKPT_MOUNT, "--dry-run", "--bin", util.BIN, "-n", "5",
                              "-o", "io_threads=2", "/b", "/m"])
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertRegex(r.stdout, r"mpirun .*--oversubscribe .*-np 5 .*ckptfs -f -o io_threads=2 /b /m/rank%r")

@@ -31,10 +31,9 @@ Classes:
 
 Set CKPT_MR_VERBOSE=1 to print the failure reasons, CKPT_MR_KEEP=1 to keep
 the temporary directories (logs, backing), CKPT_MR_LEAK_CHECK=0 to turn
-LeakSanitizer off for the worlds (see mpi_world.World).
+LeakSanitizer off for the worlds (see ckpttest/sanenv.py).
 """
 
-import argparse
 import errno
 import itertools
 import math
@@ -48,14 +47,10 @@ import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpi_world import (Blob, Tensor, World, block, commit, commit_all,  # noqa: E402
-                       cuts, errname, mountinfo_has, query, rank_pid, read_all, read_log,
-                       sanitizer_report, split, stage, state, status, strides,
-                       wait_state, write_file)
-
-BIN = None
-
+from ckpttest import util
+from ckpttest.world import (Blob, Tensor, World, block, commit, commit_all, cuts, errname,
+                            mountinfo_has, query, rank_pid, read_all, read_log, sanitizer_report,
+                            split, stage, state, status, strides, wait_state, write_file)
 
 # ---- the main scenario -------------------------------------------------------
 
@@ -180,21 +175,14 @@ class WorldTestCase(unittest.TestCase):
     def new_world(cls, n, transport, opts, tag):
         root = os.path.join(cls.dir, f"mnt-{tag}-{len(cls.worlds)}")
         log = os.path.join(cls.dir, f"{tag}-{len(cls.worlds)}.log")
-        w = World(BIN, n, cls.backing, root, log, transport=transport, opts=opts)
+        w = World(util.BIN, n, cls.backing, root, log, transport=transport, opts=opts)
         cls.worlds.append(w)
         cls.addClassCleanup(cls._stop_world, w)
         return w
 
     @classmethod
     def _stop_world(cls, w):
-        rc = w.stop()
-        text = read_log(w.log, limit=1 << 24)
-        bad = sanitizer_report(text)
-        if bad:
-            raise AssertionError(f"sanitizer report in {w.log}: {bad}\n"
-                                 f"{text[text.index(bad):][:6000]}")
-        if rc != 0:
-            raise AssertionError(f"mpirun exited with {rc} after the unmounts:\n{text[-4000:]}")
+        w.stop_checked()
 
     @classmethod
     def _rmdir(cls):
@@ -1191,18 +1179,5 @@ class StopOneRankTcp3(WorldTestCase):
         self.assertFalse(os.path.exists(os.path.join(d, ".metadata")), d)
 
 
-# ---- entry point ------------------------------------------------------------------
-
-def main():
-    global BIN
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", "build/bin/ckptfs"))
-    args, rest = ap.parse_known_args()
-    BIN = os.path.abspath(args.bin)
-    if not os.access(BIN, os.X_OK):
-        sys.exit(f"no ckptfs binary at {BIN}")
-    unittest.main(module="__main__", argv=[sys.argv[0]] + rest, verbosity=2)
-
-
 if __name__ == "__main__":
-    main()
+    util.main()

@@ -10,11 +10,9 @@ import errno
 import os
 import stat
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all, state,  # noqa: E402
-                         tensor_bytes, write_file, write_tensor)
+from ckpttest.util import (CkptfsTestCase, commit, main, read_all, state, tensor_bytes, write_file,
+                           write_tensor)
 
 
 def tree(root):

@@ -38,15 +38,14 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
-from pyenv import PACKAGE, REPO, VENV_PYTHON, require_torch  # noqa: E402
+from ckpttest import util
+from ckpttest.util import CkptfsTestCase, main
+from ckpttest.pyenv import PACKAGE, REPO, VENV_PYTHON, require_torch
 
 
 def build_dir():
     """The build tree of --bin (bin/ckptfs in it)."""
-    return os.path.dirname(os.path.dirname(ckptfs_util.BIN))
+    return os.path.dirname(os.path.dirname(util.BIN))
 
 
 def cmake_tool(name):
@@ -456,7 +455,7 @@ class Wheel(CkptfsTestCase):
         """Twice: a venv whose ckptfs-dcp starts "#!VENV/bin/python", and one
         with a space in its path, for which pip writes "#!/bin/sh" and an
         exec line naming the interpreter."""
-        ckptctl = os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptctl")
+        ckptctl = os.path.join(os.path.dirname(util.BIN), "ckptctl")
         stock = os.path.join(self.dir, "stock")
         for name, first_line in (("venv", "#!{}/bin/python"), ("a venv", "#!/bin/sh")):
             venv = self.make_venv(name)

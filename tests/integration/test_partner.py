@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Partner copies (-o tier=DIR,tier_level=partner) across simulated nodes
-(network namespaces, tests/integration/netns.py; ranks started by
-ckpt-mount --hostfile as in test_netns.py). Each node's tier is a tmpfs of
-its own; BACKING_DIR is shared.
+(network namespaces, ckpttest/netns.py; ranks started by ckpt-mount
+--hostfile as in test_netns.py: ckpttest/networld.py). Each node's tier is
+a tmpfs of its own; BACKING_DIR is shared.
 
     python3 tests/integration/test_partner.py --bin build/bin/ckptfs [Class ...]
 
@@ -50,11 +50,9 @@ import sys
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-import netns  # noqa: E402
-from mpi_world import Blob, read_all, stage, status  # noqa: E402
-from test_netns import Commits, NetnsCase, scripts_env  # noqa: E402
+from ckpttest import netns, sanenv, util as cu
+from ckpttest.networld import Commits, NetnsCase
+from ckpttest.world import Blob, read_all, stage, status
 
 MiB = 1 << 20
 
@@ -186,7 +184,7 @@ class KilledPartner(PartnerCase):
         argv[1:1] = ["--mpirun-arg=-x", "--mpirun-arg=CKPTFS_FAILPOINT"]
         if recovery:
             argv[1:1] = ["--mpirun-arg=--enable-recovery"]
-        env = dict(self.cluster.env(scripts_env()), CKPTFS_FAILPOINT=failpoint)
+        env = dict(self.cluster.env(sanenv.env(mpi=True)), CKPTFS_FAILPOINT=failpoint)
         r = self.cluster.run(0, argv, env=env, timeout=180)
         if r.returncode != 0 and recovery and "enable-recovery" in r.stderr + w.log_text():
             self.skipTest(f"this mpirun has no --enable-recovery: {r.stderr[-500:]}")
@@ -378,7 +376,7 @@ class OneNode(PartnerCase):
         argv = [cu.BIN, "-f", "-o", f"tier={self.tier},tier_level=partner,log={log}",
                 self.backing, mnt]
         p = self.cluster.popen(0, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=cu.daemon_env())
+                               env=sanenv.env())
         try:
             seen = self.cluster.path(0, mnt)
             deadline = time.monotonic() + 30

@@ -31,10 +31,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
-                         set_tensor_xattrs, state, wait_state, write_file)
+from ckpttest import util
+from ckpttest.util import (CkptfsTestCase, commit, main, read_all, set_tensor_xattrs, state,
+                           wait_state, write_file)
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -140,7 +139,7 @@ class Mapping:
 def skip_without_passthrough(case):
     """Skip case where the binary's libfuse (< 3.16) or the kernel (< 6.9)
     has no FUSE passthrough."""
-    out = subprocess.run([ckptfs_util.BIN, "--version"], capture_output=True,
+    out = subprocess.run([util.BIN, "--version"], capture_output=True,
                          text=True).stdout
     fuse = version(out.split("FUSE", 1)[1]) if "FUSE" in out else (0, 0)
     if fuse < (3, 16):

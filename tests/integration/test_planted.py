@@ -28,13 +28,10 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
-                         write_file)
+from ckpttest import sanenv, util as cu
+from ckpttest.util import CkptfsTestCase, commit, main, read_all, write_file
 
 NOBODY = 65534
 
@@ -56,7 +53,7 @@ class PlantedCase(CkptfsTestCase):
         with open(out, "wb") as f:
             p = subprocess.Popen([cu.BIN, "-f", "-o", opts, self.backing, mnt],
                                  stdin=subprocess.DEVNULL, stdout=f,
-                                 stderr=subprocess.STDOUT, env=cu.daemon_env())
+                                 stderr=subprocess.STDOUT, env=sanenv.env())
         served = None
         deadline = time.monotonic() + timeout
         while p.poll() is None and time.monotonic() < deadline:

@@ -19,16 +19,13 @@ import os
 import socket
 import sqlite3
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, mountinfo_has, read_log  # noqa: E402
-from pyenv import EXAMPLES, REPO, require_torch  # noqa: E402
-from test_mount_scripts import CKPT_MOUNT, CKPT_UMOUNT, scripts_env  # noqa: E402
+from ckpttest import sanenv, util
+from ckpttest.util import CKPT_MOUNT, CKPT_UMOUNT, CkptfsTestCase, main, mountinfo_has, read_log
+from ckpttest.pyenv import EXAMPLES, REPO, require_torch
+from ckpttest.world import MPIRUN
 
 EXAMPLE = os.path.join(EXAMPLES, "train_dcp.py")
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
 
 def free_port():
@@ -40,7 +37,7 @@ def free_port():
 class PytorchDcp(CkptfsTestCase):
 
     def run_cmd(self, argv, timeout=600, env=None):
-        e = scripts_env()
+        e = sanenv.env(mpi=True)
         e.setdefault("OMP_NUM_THREADS", "1")
         e["MASTER_PORT"] = str(free_port())
         e["PYTHONWARNINGS"] = "ignore"
@@ -52,7 +49,7 @@ class PytorchDcp(CkptfsTestCase):
     def world_run(self, n, root, args):
         """ckpt-mount -n n over the backing directory at root, the example
         under mpirun -np n with --mount root/rank%r, ckpt-umount."""
-        r = self.run_cmd([CKPT_MOUNT, "-n", str(n), "--bin", ckptfs_util.BIN,
+        r = self.run_cmd([CKPT_MOUNT, "-n", str(n), "--bin", util.BIN,
                           self.backing, root], timeout=240)
         self.assertEqual(r.returncode, 0, f"ckpt-mount -n {n}:\n{r.stdout}\n{r.stderr}")
         log_copy = os.path.join(self.dir, f"world{n}.log")

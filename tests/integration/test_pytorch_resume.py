@@ -18,13 +18,11 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, mountinfo_has, read_log  # noqa: E402
-from pyenv import EXAMPLES, REPO, require_torch  # noqa: E402
-from test_mount_scripts import CKPT_MOUNT, CKPT_UMOUNT, scripts_env  # noqa: E402
+from ckpttest import sanenv, util
+from ckpttest.util import CKPT_MOUNT, CKPT_UMOUNT, CkptfsTestCase, main, mountinfo_has, read_log
+from ckpttest.pyenv import EXAMPLES, REPO, require_torch
+from ckpttest.world import MPIRUN
 
 EXAMPLE = os.path.join(EXAMPLES, "train_resume.py")
 
@@ -32,7 +30,7 @@ EXAMPLE = os.path.join(EXAMPLES, "train_resume.py")
 class PytorchResume(CkptfsTestCase):
 
     def run_cmd(self, argv, timeout=600, env=None):
-        e = scripts_env()
+        e = sanenv.env(mpi=True)
         e.setdefault("OMP_NUM_THREADS", "1")
         if env:
             e.update(env)
@@ -43,15 +41,14 @@ class PytorchResume(CkptfsTestCase):
         py = require_torch(self)
         root = os.path.join(self.dir, "ranks")
         ref = os.path.join(self.dir, "ref.json")
-        r = self.run_cmd([CKPT_MOUNT, "-n", "2", "--bin", ckptfs_util.BIN,
+        r = self.run_cmd([CKPT_MOUNT, "-n", "2", "--bin", util.BIN,
                           self.backing, root], timeout=240)
         self.assertEqual(r.returncode, 0, f"ckpt-mount:\n{r.stdout}\n{r.stderr}")
         self.extra_logs.append(os.path.join(self.dir, "world.log"))
         try:
-            train = self.run_cmd(["mpirun", "--allow-run-as-root", "--oversubscribe",
-                                  "-np", "2", "-x", "OMP_NUM_THREADS", py, EXAMPLE,
-                                  "--mount", os.path.join(root, "rank%r"), "--steps", "10",
-                                  "--save-every", "4", "--ref", ref])
+            train = self.run_cmd(MPIRUN + ["-np", "2", "-x", "OMP_NUM_THREADS", py, EXAMPLE,
+                                           "--mount", os.path.join(root, "rank%r"),
+                                           "--steps", "10", "--save-every", "4", "--ref", ref])
         finally:
             log = read_log(os.path.join(root, ".ckpt-mount.log"), limit=1 << 24)
             with open(os.path.join(self.dir, "world.log"), "w") as f:

@@ -27,10 +27,9 @@ import subprocess
 import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, mountinfo_has  # noqa: E402
-from pyenv import REPO, require_torch  # noqa: E402
+from ckpttest import sanenv, util
+from ckpttest.util import CkptfsTestCase, main, mountinfo_has
+from ckpttest.pyenv import REPO, require_torch
 
 README = os.path.join(REPO, "README.md")
 
@@ -103,7 +102,7 @@ os._exit(0)  # without torch's teardown: its gloo threads sometimes abort there
 
 class QuickStarts(CkptfsTestCase):
     def paths(self, code):
-        return (code.replace("build/bin/ckptfs", ckptfs_util.BIN)
+        return (code.replace("build/bin/ckptfs", util.BIN)
                     .replace("/var/tmp/ckpt-data", self.backing)
                     .replace("/mnt/ckpt", self.mnt))
 
@@ -112,7 +111,7 @@ class QuickStarts(CkptfsTestCase):
             if not shutil.which(tool):
                 self.fail(f"no {tool}: scripts/install-deps.sh installs it")
         script = "set -euo pipefail\n" + self.paths(block("Quick start from the shell", "sh"))
-        env = ckptfs_util.daemon_env()
+        env = sanenv.env()
         r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
                            env=env, cwd=REPO, stdin=subprocess.DEVNULL)
         self.assertEqual(r.returncode, 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}")
@@ -156,7 +155,6 @@ class QuickStarts(CkptfsTestCase):
 
     def test_pytorch_shell(self):
         py = require_torch(self)
-        from test_mount_scripts import scripts_env
         root = os.path.join(self.dir, "ranks")
         ref = os.path.join(self.dir, "ref.json")
         code = block(PYTORCH, "sh")
@@ -171,9 +169,9 @@ class QuickStarts(CkptfsTestCase):
                     .replace("@REF@", ref)
                     .replace("@ROOT@", root)
                     .replace("mount-scripts/ckpt-mount ",
-                             f"mount-scripts/ckpt-mount --bin {ckptfs_util.BIN} ")
+                             f"mount-scripts/ckpt-mount --bin {util.BIN} ")
                     .replace(".venv/bin/python", py))
-        env = scripts_env()
+        env = sanenv.env(mpi=True)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONWARNINGS"] = "ignore"
         with socket.socket() as s:

@@ -48,9 +48,8 @@ import sys
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import CkptfsTestCase, commit, read_all, write_tensor  # noqa: E402
+from ckpttest import util as cu
+from ckpttest.util import CkptfsTestCase, commit, read_all, write_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -394,16 +393,8 @@ class StaleView(Base):
 
 class World2(Base):
     def test_single_removal_seen_by_both_ranks(self):
-        import shutil
-        from mpi_world import World, commit_all
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        w = World(cu.BIN, 2, self.backing, os.path.join(self.dir, "w"),
-                  os.path.join(self.dir, "world.log"), opts="commit_timeout=20")
-        self.extra_logs.append(w.log)
-        self.addCleanup(w.stop)
-        w.start()
+        from ckpttest.world import commit_all
+        w = self.start_world(2, "commit_timeout=20")
         m = w.mnts()
         files = {r: {f"r{r}_{i}.ckpt": blob(r * 10 + i, 100 * 1024) for i in range(3)}
                  for r in range(2)}

@@ -17,10 +17,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, main, read_all, read_log, state,  # noqa: E402
-                         status, tensor_bytes, wait_state, write_file, write_tensor)
+from ckpttest import util as cu
+from ckpttest.util import (CkptfsTestCase, main, read_all, read_log, state, status, tensor_bytes,
+                           wait_state, write_file, write_tensor)
 
 MiB = 1 << 20
 
@@ -259,14 +258,7 @@ class ReplaceRaces(CkptfsTestCase):
 
 class ReplaceWorld(CkptfsTestCase):
     def test_world_of_two(self):
-        from mpi_world import World, commit_all
-        if not shutil.which("mpirun"):
-            self.fail("mpirun is missing")
-        w = World(cu.BIN, 2, self.backing, os.path.join(self.dir, "w"),
-                  os.path.join(self.dir, "world.log"), opts="commit_timeout=30")
-        self.extra_logs.append(w.log)
-        self.addCleanup(w.stop)
-        w.start()
+        w = self.start_world(2, "commit_timeout=30")
         for gen in range(3):
             names = {}
             for r in range(2):

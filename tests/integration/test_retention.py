@@ -27,13 +27,11 @@ import errno
 import os
 import sqlite3
 import subprocess
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, commit, write_file  # noqa: E402
-from test_ckptctl import ctl, ctl_json  # noqa: E402
+from ckpttest import util
+from ckpttest.util import CkptfsTestCase, commit, write_file
+from test_ckptctl import ctl, ctl_json
 
 POLICY = "last:2,every:1000,best:1:loss:min"
 PRUNE_FLAGS = ["--keep-last", "2", "--keep-every", "1000", "--keep-best", "1",
@@ -152,7 +150,7 @@ class Policy(CkptfsTestCase):
         self.assertEqual(set(os.listdir(self.mnt)), SURVIVORS - {"mid"} | {"step-900"})
         self.save("late", "step=8000 metric=loss:0.98")  # step-900 goes
         self.assertEqual(set(os.listdir(self.mnt)), SURVIVORS - {"mid"} | {"late"})
-        r = subprocess.run([os.path.join(os.path.dirname(ckptfs_util.BIN), "ckptfs-fsck"),
+        r = subprocess.run([os.path.join(os.path.dirname(util.BIN), "ckptfs-fsck"),
                             self.backing], capture_output=True, text=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
@@ -211,9 +209,8 @@ class Words(CkptfsTestCase):
         self.assertEqual((k["step"], k["metric.a.b-c_d"]), ("0", "1e-05"))
 
     def test_python_client_commit_words(self):
-        from pyenv import PACKAGE
-        sys.path.insert(0, PACKAGE)
-        import ckptfs
+        from ckpttest.pyenv import import_client
+        ckptfs = import_client()
         self.mount()
         os.mkdir(self.ck("p-3"))
         write_file(self.ck("p-3", "x"), b"x")
@@ -231,19 +228,19 @@ class Words(CkptfsTestCase):
     def test_keep_option_errors(self):
         for bad in ("last:0", "last:x", "every:", "best:3:loss", "best:3:loss:avg",
                     "last:2,last:3", "", "first:2", "best:1:a b:min"):
-            r = subprocess.run([ckptfs_util.BIN, "-f", "-o", "keep=" + bad, self.backing,
+            r = subprocess.run([util.BIN, "-f", "-o", "keep=" + bad, self.backing,
                                 self.mnt], capture_output=True, text=True, timeout=30)
             self.assertEqual(r.returncode, 2, bad)
             self.assertIn(f"invalid keep '{bad}'", r.stderr)
-        r = subprocess.run([ckptfs_util.BIN, "-f", "-o", "keep=last:2,keep_last=3",
+        r = subprocess.run([util.BIN, "-f", "-o", "keep=last:2,keep_last=3",
                             self.backing, self.mnt], capture_output=True, text=True, timeout=30)
         self.assertEqual(r.returncode, 2)
         self.assertIn("one retention option", r.stderr)
-        r = subprocess.run([ckptfs_util.BIN, "-f", "-o", "tier_keep=2", self.backing, self.mnt],
+        r = subprocess.run([util.BIN, "-f", "-o", "tier_keep=2", self.backing, self.mnt],
                            capture_output=True, text=True, timeout=30)
         self.assertEqual(r.returncode, 2)
         self.assertIn("tier_keep=N needs tier=DIR", r.stderr)
 
 
 if __name__ == "__main__":
-    ckptfs_util.main()
+    util.main()

@@ -9,11 +9,9 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all, state,  # noqa: E402
-                         status, tensor_bytes, write_file, write_tensor)
+from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, state, status,
+                           tensor_bytes, write_file, write_tensor)
 
 # (path, dtype, shape): nested directories, several dtypes.
 TENSORS = [

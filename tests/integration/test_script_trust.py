@@ -19,17 +19,13 @@ import shlex
 import signal
 import stat
 import subprocess
-import sys
 import time
 import traceback
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, mountinfo_has, read_all  # noqa: E402
-from pyenv import REPO  # noqa: E402
-from test_mount_scripts import (CKPT_MOUNT, CKPT_UMOUNT, alive, mounts_under,  # noqa: E402
-                                processes_naming, scripts_env)
+from ckpttest import REPO, sanenv, util
+from ckpttest.util import CKPT_MOUNT, CKPT_UMOUNT, CkptfsTestCase, main, mountinfo_has, read_all
+from test_mount_scripts import alive, mounts_under, processes_naming
 
 RANK_EXEC = os.path.join(REPO, "mount-scripts", "ckpt-rank-exec")
 PROLOG = os.path.join(REPO, "mount-scripts", "slurm-prolog.sh")
@@ -83,7 +79,7 @@ def run(argv, timeout=120, env=None, **kw):
     t0 = time.monotonic()
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          stdin=subprocess.DEVNULL, start_new_session=True,
-                         env=env if env is not None else scripts_env(), **kw)
+                         env=env if env is not None else sanenv.env(mpi=True), **kw)
     hung = False
     try:
         out, err = p.communicate(timeout=timeout)
@@ -140,7 +136,7 @@ class TrustCase(CkptfsTestCase):
         self.assertEqual((st.st_uid, stat.S_IMODE(st.st_mode)), (0, 0o600))
 
     def ckpt_mount(self, root, *args, timeout=120):
-        return run([CKPT_MOUNT, "--bin", ckptfs_util.BIN, "--timeout", "30", *args,
+        return run([CKPT_MOUNT, "--bin", util.BIN, "--timeout", "30", *args,
                     self.backing, root], timeout=timeout)
 
     def ckpt_umount(self, root, *args, timeout=120):
@@ -428,8 +424,8 @@ class RankExec(TrustCase):
         os.mkdir(rank0)
         self.mount(mnt=rank0)
         os.mkdir(os.path.join(rank0, "c"))
-        ckptfs_util.write_file(os.path.join(rank0, "c", "weights"), b"real weights\n")
-        ckptfs_util.commit(os.path.join(rank0, "c"))
+        util.write_file(os.path.join(rank0, "c", "weights"), b"real weights\n")
+        util.commit(os.path.join(rank0, "c"))
         argv[-1] = os.path.join(path, "c", "weights")
         r = run(argv, timeout=60)
         self.assertEqual((r.returncode, r.stdout), (0, "real weights\n"), r.stderr)
@@ -443,7 +439,7 @@ class SlurmTrust(TrustCase):
     touched."""
 
     def env(self, base, **extra):
-        env = scripts_env()
+        env = sanenv.env(mpi=True)
         env.update(CKPT_MOUNT_BASE=base, SLURM_JOB_ID=JOB, SLURM_JOB_UID=str(NOBODY),
                    SLURM_JOB_GID=str(NOBODY), CKPT_LOG_DIR=os.path.join(self.dir, "logs"))
         env.update({k: str(v) for k, v in extra.items()})
@@ -606,7 +602,7 @@ class SystemdUnitExample(TrustCase):
                     for w in shlex.split(line)]
 
         start = argv(service["ExecStart"][0])
-        start[0] = ckptfs_util.BIN
+        start[0] = util.BIN
         r = subprocess.run(start, capture_output=True, text=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr)
         try:
@@ -615,10 +611,10 @@ class SystemdUnitExample(TrustCase):
             opts = line.split(" - ", 1)[1].split()[2].split(",")
             os.mkdir(os.path.join(mnt, "c"))
             secret = os.path.join(mnt, "c", "root-only")
-            ckptfs_util.write_file(secret, b"root's checkpoint\n")
+            util.write_file(secret, b"root's checkpoint\n")
             os.chmod(secret, 0o600)
             os.chmod(os.path.join(mnt, "c"), 0o755)
-            ckptfs_util.commit(os.path.join(mnt, "c"))
+            util.commit(os.path.join(mnt, "c"))
 
             def read_it():
                 try:

@@ -52,18 +52,14 @@ Needs root (FUSE). Python standard library only.
 import array
 import errno
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, read_all, status,  # noqa: E402
-                         write_tensor, wait_state)
+from ckpttest import util as cu
+from ckpttest.util import CkptfsTestCase, commit, read_all, status, write_tensor, wait_state
 
 ROUNDS = 25
 CKPT_SCAN_MAX_AGE = 1.0  # fs_int.h
@@ -354,37 +350,17 @@ class RemovedSpace(CkptfsTestCase):
         self.assertEqual(keep.read(), data["t0"], "an open file of a removed checkpoint keeps reading")
 
 
-class PerNodeBacking(unittest.TestCase):
+class PerNodeBacking(CkptfsTestCase):
     def test_commit_refused_on_every_rank(self):
-        import shutil
-        import tempfile
-        from mpi_world import MPIRUN, TRANSPORTS, World
-        if not shutil.which("mpirun"):
-            self.fail("mpirun is missing")
-        d = tempfile.mkdtemp(prefix="ckptfs-pernode-", dir="/tmp")
-        self.addCleanup(shutil.rmtree, d, True)
-        backs = [os.path.join(d, f"node{r}", "backing") for r in range(2)]
+        backs = [os.path.join(self.dir, f"node{r}", "backing") for r in range(2)]
         for b in backs:
             os.makedirs(b)
         # something of each "node" that must survive
         for b in backs:
             with open(os.path.join(b, "keep"), "wb") as f:
                 f.write(b"mine")
-
-        class PerRank(World):
-            def argv(self):
-                cmd = MPIRUN + ["--mca", "btl", TRANSPORTS["vader"]]
-                for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS"):
-                    cmd += ["-x", var]
-                for r in range(self.n):
-                    if r:
-                        cmd.append(":")
-                    cmd += ["-np", "1", self.binary, "-f", "-o", "commit_timeout=30",
-                            backs[r], self.mnt(r)]
-                return cmd
-        w = PerRank(cu.BIN, 2, backs[0], os.path.join(d, "mnt"), os.path.join(d, "log"))
-        w.start()
-        self.addCleanup(w.stop, 60)
+        # a BACKING_DIR of each rank's own (an mpirun app context per rank)
+        w = self.start_world(2, "commit_timeout=30", backing=backs, stop_timeout=60)
         for r in range(2):
             ck = os.path.join(w.mnt(r), "step")
             os.mkdir(ck)
@@ -453,15 +429,7 @@ class MixedWorlds(CkptfsTestCase):
 
     def setUp(self):
         super().setUp()
-        from mpi_world import World
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        self.world = World(cu.BIN, 2, self.backing, os.path.join(self.dir, "w"),
-                           os.path.join(self.dir, "world.log"), opts=self.OPTS)
-        self.extra_logs.append(self.world.log)
-        self.addCleanup(self.world.stop)
-        self.world.start()
+        self.world = self.start_world(2, self.OPTS)
         self.writers = []  # (writer name, [mountpoint of rank r])
         for wn in ("a", "b"):
             mnt = os.path.join(self.dir, wn)

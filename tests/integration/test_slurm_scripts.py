@@ -12,15 +12,11 @@ ones after Slurm killed the daemons. The checkpoints in BACKING_DIR stay.
 import os
 import signal
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import CkptfsTestCase, main, read_all  # noqa: E402
-from pyenv import REPO  # noqa: E402
-from test_mount_scripts import (CKPT_MOUNT, mounts_under, processes_naming,  # noqa: E402
-                                scripts_env)
+from ckpttest import REPO, sanenv, util
+from ckpttest.util import CKPT_MOUNT, CkptfsTestCase, main, read_all, wait_until
+from test_mount_scripts import alive, mounts_under, processes_naming
 
 PROLOG = os.path.join(REPO, "mount-scripts", "slurm-prolog.sh")
 EPILOG = os.path.join(REPO, "mount-scripts", "slurm-epilog.sh")
@@ -46,7 +42,7 @@ class SlurmScripts(CkptfsTestCase):
             os.kill(pid, signal.SIGKILL)
 
     def slurm_env(self, **extra):
-        env = scripts_env()
+        env = sanenv.env(mpi=True)
         for k in ("CKPT_LOG_DIR", "CKPT_KEEP_LOGS", "CKPT_LOG_DAYS"):
             env.pop(k, None)
         env.update(CKPT_MOUNT_BASE=self.base, SLURM_JOB_ID=JOB,
@@ -78,20 +74,20 @@ class SlurmScripts(CkptfsTestCase):
                                 if n.startswith("rank")]:
             os.chown(d, 0, 0)   # (rank directories the prolog made stay root's)
         try:
-            r = subprocess.run([CKPT_MOUNT, "-n", "2", "--bin", ckptfs_util.BIN,
+            r = subprocess.run([CKPT_MOUNT, "-n", "2", "--bin", util.BIN,
                                 self.backing, self.root], capture_output=True, text=True,
-                               env=scripts_env(), timeout=240, stdin=subprocess.DEVNULL)
+                               env=sanenv.env(mpi=True), timeout=240, stdin=subprocess.DEVNULL)
         finally:
             os.chown(self.root, NOBODY, NOBODY)
         self.assertEqual(r.returncode, 0, r.stderr)
         if commit:
             for rank in range(2):
-                ckptfs_util.write_file(os.path.join(self.root, f"rank{rank}", "s", "x"),
-                                       b"replica%d" % rank if differ else b"replica")
+                util.write_file(os.path.join(self.root, f"rank{rank}", "s", "x"),
+                                b"replica%d" % rank if differ else b"replica")
             import threading
             def commit(r):
                 try:
-                    ckptfs_util.commit(os.path.join(self.root, f"rank{r}", "s"))
+                    util.commit(os.path.join(self.root, f"rank{r}", "s"))
                 except OSError:
                     pass   # the state says
             ts = [threading.Thread(target=commit, args=(r,)) for r in range(2)]
@@ -99,7 +95,7 @@ class SlurmScripts(CkptfsTestCase):
                 t.start()
             for t in ts:
                 t.join()
-            self.assertEqual(ckptfs_util.state(os.path.join(self.root, "rank0", "s")),
+            self.assertEqual(util.state(os.path.join(self.root, "rank0", "s")),
                              "failed" if differ else "committed")
 
     def assert_cleared(self, r):
@@ -158,9 +154,10 @@ class SlurmScripts(CkptfsTestCase):
         """Slurm killed the job's processes, daemons included: dead mounts."""
         self.prolog(CKPT_PRECREATE_RANKS=2)
         self.job()
-        for pid in processes_naming(self.root):
+        killed = processes_naming(self.root)
+        for pid in killed:
             os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
+        wait_until(lambda: not any(alive(p) for p in killed), 30, "the killed processes gone")
         self.assertEqual(len(mounts_under(self.root)), 2)  # dead, still there
         r = self.run_script(EPILOG, self.slurm_env(CKPT_KEEP_LOGS=os.path.join(self.dir, "logs")))
         self.assert_cleared(r)
@@ -200,12 +197,12 @@ class SlurmScripts(CkptfsTestCase):
         os.makedirs(self.logs)
         old, recent = (os.path.join(self.logs, f"ckpt-mount.{j}.node9.log") for j in (1, 2))
         for path, days in ((old, 40), (recent, 20)):
-            ckptfs_util.write_file(path, b"an earlier job\n")
+            util.write_file(path, b"an earlier job\n")
             t = time.time() - days * 86400
             os.utime(path, (t, t))
         for log_dir in (self.logs, "none"):
             self.prolog()
-            ckptfs_util.write_file(os.path.join(self.root, ".ckpt-mount.log"), b"why\n")
+            util.write_file(os.path.join(self.root, ".ckpt-mount.log"), b"why\n")
             r = self.run_script(EPILOG, self.slurm_env(CKPT_LOG_DIR=log_dir))
             self.assertEqual((r.returncode, r.stderr), (0, ""))
             self.assertFalse(os.path.exists(self.root))

@@ -7,15 +7,11 @@ world's collective commits go on as before."""
 
 import errno
 import os
-import shutil
 import sqlite3
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, main, read_all, state, status,  # noqa: E402
-                         tensor_bytes, wait_state, write_file, write_tensor)
+from ckpttest.util import (CkptfsTestCase, main, read_all, state, status, tensor_bytes, wait_state,
+                           wait_until, write_file, write_tensor)
 
 MiB = 1 << 20
 
@@ -34,16 +30,9 @@ class World2(CkptfsTestCase):
 
     def setUp(self):
         super().setUp()
-        from mpi_world import World, commit_all
+        from ckpttest.world import commit_all
         self.commit_all = commit_all
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        self.world = World(cu.BIN, 2, self.backing, os.path.join(self.dir, "w"),
-                           os.path.join(self.dir, "world.log"), opts=self.OPTS)
-        self.extra_logs.append(self.world.log)
-        self.addCleanup(self.world.stop)
-        self.world.start()
+        self.world = self.start_world(2, self.OPTS)
         self.m = self.world.mnts()
 
     def solo_commit(self, rank, name, mode="sync"):
@@ -98,7 +87,8 @@ class World2(CkptfsTestCase):
         t = threading.Thread(target=lambda: res0.update(
             self.commit_all(self.world, "both", ranks=[0], timeout=60)))
         t.start()
-        time.sleep(0.5)
+        both0 = os.path.join(self.m[0], "both")
+        wait_until(lambda: "waiting for" in status(both0), 30, "rank 0 waiting in its commit")
         self.solo_commit(1, "solo")
         self.assertEqual(state(os.path.join(self.m[1], "solo")), "committed")
         res1 = self.commit_all(self.world, "both", ranks=[1], timeout=60)
@@ -126,7 +116,9 @@ class World2(CkptfsTestCase):
         t = threading.Thread(target=lambda: res.update(
             self.commit_all(self.world, coll, ranks=[other], timeout=60)))
         t.start()
-        time.sleep(1.0)
+        waiting = os.path.join(self.m[other], coll)
+        wait_until(lambda: "waiting for" in status(waiting), 30,
+                   f"rank {other} waiting in its commit of {coll}")
         t0 = time.monotonic()
         self.solo_commit(solo_rank, solo)
         self.assertLess(time.monotonic() - t0, 10)

@@ -7,14 +7,11 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, commit, main, pread, read_all,  # noqa: E402
-                         rss_kib, set_tensor_xattrs, state, tensor_bytes, write_file,
-                         write_tensor)
+from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, rss_kib,
+                           set_tensor_xattrs, state, tensor_bytes, write_file, write_tensor)
 
 MiB = 1 << 20
 
@@ -467,7 +464,7 @@ class StagingMemory(CkptfsTestCase):
             write_tensor(self.ck(name, "w"), "uint8", [5 * MiB], datas[name])
             commit(self.ck(name), "async")
         for name, data in datas.items():
-            from ckptfs_util import wait_state
+            from ckpttest.util import wait_state
             self.assertTrue(wait_state(self.ck(name)).startswith("committed\n"))
             self.assertEqual(read_all(self.ck(name, "w")), data)
 

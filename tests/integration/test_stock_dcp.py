@@ -12,11 +12,9 @@ with a ckptfs storage writer (and `ckptctl import-dcp` for a DCP directory
 saved elsewhere). Nothing is left half-written."""
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import CkptfsTestCase, main, read_all, state  # noqa: E402
-from pyenv import require_torch, run_py  # noqa: E402
+from ckpttest.util import CkptfsTestCase, main, read_all, state
+from ckpttest.pyenv import require_torch, run_py
 
 STOCK_SAVE = r"""
 import errno, os, sys, warnings

@@ -8,11 +8,9 @@ commit) keeps the bytes right."""
 import errno
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import (CkptfsTestCase, commit, main, read_all,  # noqa: E402
-                         set_tensor_xattrs, state, write_file, write_tensor)
+from ckpttest.util import (CkptfsTestCase, commit, main, read_all, set_tensor_xattrs, state,
+                           write_file, write_tensor)
 
 MiB = 1 << 20
 

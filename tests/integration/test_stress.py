@@ -50,17 +50,14 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, pread, read_all, read_log,  # noqa: E402
-                         sanitizer_report, state, status, wait_state, write_file)
-from mpi_world import World, block, csv, set_xattrs, split  # noqa: E402
+from ckpttest import util
+from ckpttest.util import (CkptfsTestCase, commit, pread, read_all, read_log, sanitizer_report,
+                           state, status, wait_state, write_file)
+from ckpttest.world import block, csv, set_xattrs, split
 
 SECONDS = float(os.environ.get("CKPT_STRESS_SECONDS", "20"))
 HANG = 240  # seconds after the busy phase: a worker still running then hangs
@@ -798,34 +795,14 @@ class RemovedWhileOpen(CkptfsTestCase):
         self.assertEqual(rc, 0, text[-6000:])
 
 
-class World2(unittest.TestCase):
+class World2(CkptfsTestCase):
     N = 2
     OPTS = "commit_timeout=300,staging_mem=16M,direct_reads=0"
     PARTS = ("t", "u", "c")  # 2 writer threads and a writer process per rank
 
     def setUp(self):
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        self.dir = tempfile.mkdtemp(prefix="ckptfs-stress-", dir="/tmp")
-        self.log_checked = False
-        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
-        self.backing = os.path.join(self.dir, "backing")
-        self.world = World(ckptfs_util.BIN, self.N, self.backing,
-                           os.path.join(self.dir, "mnt"), os.path.join(self.dir, "world.log"),
-                           transport="vader", opts=self.OPTS)
-        self.addCleanup(self._check_log)
-        self.addCleanup(self.world.stop)
-        self.world.start()
-
-    def _check_log(self):
-        if self.log_checked:
-            return
-        text = read_log(self.world.log, limit=1 << 24)
-        bad = sanitizer_report(text)
-        if bad:
-            self.fail(f"sanitizer report in {self.world.log}: {bad}\n"
-                      f"{text[text.index(bad):][:8000]}")
+        super().setUp()
+        self.world = self.start_world(self.N, self.OPTS, transport="vader")
 
     def test_stress(self):
         t0 = time.monotonic()
@@ -954,7 +931,7 @@ class World2(unittest.TestCase):
         self.assertEqual(sorted(x for x in os.listdir(self.backing) if not x.startswith(".")),
                          names)
         rc = w.stop()
-        self.log_checked = True
+        self.extra_logs.remove(w.log)  # checked here, not again in cleanup
         text = read_log(w.log, limit=1 << 24)
         bad = sanitizer_report(text)
         if bad:
@@ -968,4 +945,4 @@ class World2(unittest.TestCase):
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         sys.exit(child_main(json.loads(sys.argv[2])))
-    ckptfs_util.main()
+    util.main()

@@ -25,11 +25,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, Mount, commit, main, read_all,  # noqa: E402
-                         status, write_file)
-from mpi_world import World, commit_all  # noqa: E402
+from ckpttest import util as cu
+from ckpttest.util import CkptfsTestCase, Mount, commit, main, read_all, status, write_file
+from ckpttest.world import commit_all
 
 MiB = 1 << 20
 SIZE = 64 * MiB
@@ -748,15 +746,11 @@ class MultiRank(TierCase):
         self.world = None
         self.rank_data = [os.urandom(16 * MiB), os.urandom(16 * MiB)]
 
-    def tearDown(self):
-        if self.world is not None:
-            self.world.stop()
-        super().tearDown()
-
-    def start_world(self, extra="", env=None):
+    def start_tier_world(self, extra="", env=None):
+        """A world of 2 ranks over the tier (extra: more options, env: more
+        variables for the ranks), its log the daemon's; stopped in cleanup."""
         opts = f"tier={self.tier}" + (f",{extra}" if extra else "")
-        self.world = World(cu.BIN, 2, self.backing, self.root, self.log, opts=opts,
-                           env_extra=env).start()
+        self.world = self.start_world(2, opts, root=self.root, log=self.log, env_extra=env)
         return self.world
 
     def stop_world(self):
@@ -794,7 +788,7 @@ class MultiRank(TierCase):
         record per rank; each rank's flush copies its own files and the
         one that sees the last linked publishes; the tier copy goes once
         both are flushed."""
-        w = self.start_world("flush_rate=8M")  # 2 s per rank: local is seen
+        w = self.start_tier_world("flush_rate=8M")  # 2 s per rank: local is seen
         self.stage_all()
         res = commit_all(w, "c")
         self.assertEqual([res[r][0] for r in range(2)], [None, None], cu.read_log(self.log))
@@ -837,7 +831,7 @@ class MultiRank(TierCase):
         """Rank 1's copy fails once (EIO): rank 0's flush has linked its own
         files and waits, saying for whom, without publishing; rank 1's
         retry links its files, and then the checkpoint is published."""
-        w = self.start_world(env={"CKPTFS_FAILPOINT": "flush_copy@1=EIO"})
+        w = self.start_tier_world(env={"CKPTFS_FAILPOINT": "flush_copy@1=EIO"})
         self.stage_all()
         res = commit_all(w, "c")
         self.assertEqual([res[r][0] for r in range(2)], [None, None], cu.read_log(self.log))
@@ -856,7 +850,7 @@ class MultiRank(TierCase):
         """Rank 1 killed while copying (mpirun ends the world): nothing is
         published in BACKING_DIR; the next world over the same tier resumes
         both ranks' records and publishes the checkpoint once."""
-        w = self.start_world(env={"CKPTFS_FAILPOINT": "flush_copy@1"})
+        w = self.start_tier_world(env={"CKPTFS_FAILPOINT": "flush_copy@1"})
         self.stage_all()
         threads = [threading.Thread(target=commit_before_kill_quiet,
                                     args=(os.path.join(w.mnt(r), "c"),), daemon=True)
@@ -873,7 +867,7 @@ class MultiRank(TierCase):
         self.assertNothingPublished("c")
         self.assertFalse(os.path.exists(self.bk("c")))
         self.assertEqual(len(self.records()), 2)
-        self.start_world()
+        self.start_tier_world()
         for r in range(2):
             self.wait_rank(r, "location shared")
         self.wait_flush_done()
@@ -886,7 +880,7 @@ class MultiRank(TierCase):
         rank of that save) whose flush fails for good (its data file
         damaged in the tier): removed through rank 1's mount, its record
         goes with it, and nothing is flushed or left behind."""
-        w = self.start_world("flush_rate=4M")  # 16 MiB: 4 s, damaged first
+        w = self.start_tier_world("flush_rate=4M")  # 16 MiB: 4 s, damaged first
         ck = os.path.join(w.mnt(1), "c")
         os.mkdir(ck)
         write_file(os.path.join(ck, "w"), self.rank_data[1])
@@ -910,7 +904,7 @@ class MultiRank(TierCase):
     def test_world_and_one_rank_mount_exclude(self):
         """One world per tier: a mount of one rank is refused while the
         world runs on the tier."""
-        self.start_world()
+        self.start_tier_world()
         m = Mount(os.path.join(self.dir, "backing2"), os.path.join(self.dir, "mnt2"),
                   self.log, opts=f"tier={self.tier}")
         self.mounts.append(m)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Multi-level checkpoints across simulated nodes (issue 27; docs/tiers.md):
-3 nodes x 2 ranks (network namespaces, tests/integration/netns.py, started
-by ckpt-mount as test_netns.py does), each node's tier a private tmpfs
-(TIER, 4 GiB: a limit, only what is written takes memory; ckptfs stages
-through FUSE passthrough only with 1 GiB free there), BACKING_DIR on a
-slow shared store: an ext4 loop device throttled by the block layer
-(tests/integration/slowstore.py; its factor against the tier's tmpfs is
-measured and must be >= 10).
+3 nodes x 2 ranks (network namespaces, ckpttest/netns.py, started by
+ckpt-mount as test_netns.py does: ckpttest/networld.py), each node's tier
+a private tmpfs (TIER, 4 GiB: a limit, only what is written takes memory;
+ckptfs stages through FUSE passthrough only with 1 GiB free there),
+BACKING_DIR on a slow shared store: an ext4 loop device throttled by the
+block layer (ckpttest/slowstore.py; its factor against the tier's tmpfs
+is measured and must be >= 10).
 
     python3 tests/integration/test_tier_netns.py --bin build/bin/ckptfs [Class ...]
 
@@ -54,12 +54,8 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-import netns  # noqa: E402
-import slowstore  # noqa: E402
-import test_netns as tn  # noqa: E402
-from mpi_world import Blob, Tensor, read_all, split, stage, status  # noqa: E402
+from ckpttest import netns, networld as nw, slowstore, util as cu
+from ckpttest.world import Blob, Tensor, read_all, split, stage, status
 
 MiB = 1 << 20
 PER_RANK = int(os.environ.get("CKPT_TIER_NETNS_MIB", "32")) * MiB
@@ -89,7 +85,7 @@ def say(text):
     sys.stderr.flush()
 
 
-class TierNetnsCase(tn.NetnsCase):
+class TierNetnsCase(nw.NetnsCase):
     """A cluster of 3 nodes whose private TIER is a 4 GiB tmpfs each, over a
     slow store made first (the nodes copy this machine's mounts when they
     start). BACKING_DIR is on the store."""
@@ -102,8 +98,8 @@ class TierNetnsCase(tn.NetnsCase):
         if not shutil.which("mpirun"):
             self.fail("mpirun is missing: cannot start a world")
         netns.sweep_stale()
-        tn.sweep_stale_dirs()
-        self.dir = f"{tn.DIR_PREFIX}{os.getpid()}-{next(self._seq)}"
+        nw.sweep_stale_dirs()
+        self.dir = f"{nw.DIR_PREFIX}{os.getpid()}-{next(self._seq)}"
         os.makedirs(self.dir)
         self.worlds = []
         self.cluster = None
@@ -166,7 +162,7 @@ class TierNetnsCase(tn.NetnsCase):
         self.timed_commit(w, name)
 
     def timed_commit(self, w, name):
-        c = tn.Commits(w, name)
+        c = nw.Commits(w, name)
         if not c.wait(timeout=600):
             self.fail(f"commits of {name} did not return: {sorted(c.results)} returned")
         self.assertCommitted(c.results, w, name)

@@ -47,10 +47,9 @@ import sys
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util as cu  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, Mount, commit, read_all, read_log,  # noqa: E402
-                         status, tensor_bytes, write_file, write_tensor)
+from ckpttest import sanenv, util as cu
+from ckpttest.util import (CkptfsTestCase, Mount, commit, read_all, read_log, status, tensor_bytes,
+                           write_file, write_tensor)
 
 MiB = 1 << 20
 NOBODY = 65534
@@ -429,7 +428,7 @@ class RecursiveView(TrustCase):
         with open(m.log, "ab") as logf:
             m.proc = subprocess.Popen(m.argv(), stdin=subprocess.DEVNULL, stdout=logf,
                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                      env=cu.daemon_env(m.env))
+                                      env=sanenv.env(m.env))
         deadline = time.monotonic() + secs
         while time.monotonic() < deadline:
             if m.mounted():

@@ -20,17 +20,15 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import CkptfsTestCase, commit, main, read_all, write_tensor  # noqa: E402
-from pyenv import PACKAGE, require_torch, run_py  # noqa: E402
-from test_integrity import flip  # noqa: E402
-
-import sqlite3  # noqa: E402
+from ckpttest.util import CkptfsTestCase, commit, main, read_all, write_tensor
+from ckpttest.pyenv import PACKAGE, require_torch, run_py
+from test_integrity import flip
 
 MiB = 1 << 20
 

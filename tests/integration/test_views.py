@@ -42,14 +42,10 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ckptfs_util  # noqa: E402
-from ckptfs_util import (CkptfsTestCase, commit, read_all, read_log,  # noqa: E402
-                         sanitizer_report, write_tensor)
-import mpi_world  # noqa: E402
+from ckpttest import util, world
+from ckpttest.util import CkptfsTestCase, commit, read_all, write_tensor
 
 # dtype -> (itemsize, numpy descr as the view writes it, safetensors name)
 DT = {
@@ -437,8 +433,8 @@ class OneRank(CkptfsTestCase, ViewChecks):
         stage_one(ck, cases)
         # Flip a byte of tensor a's stored chunk: the views' reads of it fail
         # with EIO, b's still read.
-        rows = mpi_world.query(self.bk("v3", ".metadata"),
-                               "SELECT file, file_offset FROM chunks WHERE fqn = 'a'")
+        rows = world.query(self.bk("v3", ".metadata"),
+                           "SELECT file, file_offset FROM chunks WHERE fqn = 'a'")
         self.assertEqual(len(rows), 1, rows)
         f, at = rows[0]
         with open(self.bk("v3", f), "r+b") as fh:
@@ -500,38 +496,23 @@ class OneRank(CkptfsTestCase, ViewChecks):
 
     def test_bad_option(self):
         for bad in ("safetensors_shard=0", "safetensors_shard=5X", "safetensors_shard="):
-            r = subprocess.run([ckptfs_util.BIN, "-f", "-o", bad, self.backing, self.mnt],
+            r = subprocess.run([util.BIN, "-f", "-o", bad, self.backing, self.mnt],
                                capture_output=True, text=True, timeout=30)
             self.assertEqual(r.returncode, 2, bad)
             self.assertIn("safetensors_shard", r.stderr)
-        r = subprocess.run([ckptfs_util.BIN, "--help"], capture_output=True, text=True)
+        r = subprocess.run([util.BIN, "--help"], capture_output=True, text=True)
         self.assertIn("safetensors_shard=SIZE", r.stdout)
 
 
-class World2(unittest.TestCase, ViewChecks):
+class World2(CkptfsTestCase, ViewChecks):
     N = 2
 
     def setUp(self):
-        for tool in ("mpirun", "fusermount3"):
-            if not shutil.which(tool):
-                self.fail(f"{tool} is missing")
-        self.dir = tempfile.mkdtemp(prefix="ckptfs-views-", dir="/tmp")
-        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
-        self.world = mpi_world.World(ckptfs_util.BIN, self.N, os.path.join(self.dir, "backing"),
-                                     os.path.join(self.dir, "mnt"),
-                                     os.path.join(self.dir, "world.log"),
-                                     opts="commit_timeout=120,safetensors_shard=300000")
-        self.addCleanup(self._check_log)
-        self.addCleanup(self.world.stop)
-        self.world.start()
-
-    def _check_log(self):
-        bad = sanitizer_report(read_log(self.world.log, limit=1 << 24))
-        if bad:
-            self.fail(f"sanitizer report in {self.world.log}: {bad}")
+        super().setUp()
+        self.world = self.start_world(self.N, "commit_timeout=120,safetensors_shard=300000")
 
     def test_sharded_world(self):
-        T = mpi_world.Tensor
+        T = world.Tensor
         items = [
             T("rows/w", "float32", [300, 257], {0: ([0, 0], [150, 257]), 1: ([150, 0], [150, 257])}),
             T("cols/w", "bfloat16", [64, 100], {0: ([0, 0], [64, 37]), 1: ([0, 37], [64, 63])}),
@@ -540,8 +521,8 @@ class World2(unittest.TestCase, ViewChecks):
             T("rep/b", "float64", [33], {0: None, 1: None}),
             T("one/s", "complex64", [], {1: None}, shape_attr=b""),
         ]
-        mpi_world.stage(self.world, "w", items)
-        res = mpi_world.commit_all(self.world, "w")
+        world.stage(self.world, "w", items)
+        res = world.commit_all(self.world, "w")
         self.assertTrue(all(e is None for e, _ in res.values()), res)
         cases = []
         for it in items:
@@ -558,4 +539,4 @@ class World2(unittest.TestCase, ViewChecks):
 
 
 if __name__ == "__main__":
-    ckptfs_util.main()
+    util.main()

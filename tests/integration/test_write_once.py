@@ -22,9 +22,8 @@ import os
 import sqlite3
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import CkptfsTestCase, commit, main, state  # noqa: E402
-from test_passthrough import backing_files, skip_without_passthrough  # noqa: E402
+from ckpttest.util import CkptfsTestCase, commit, main, state
+from test_passthrough import backing_files, skip_without_passthrough
 
 MiB = 1 << 20
 

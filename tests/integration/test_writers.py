@@ -41,9 +41,8 @@ CKPT_ALLOW_NO_TORCH=1). cp -a of trees with dot-files is test_names.py's.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ckptfs_util import CkptfsTestCase, main  # noqa: E402
-from pyenv import require_modules, run_py  # noqa: E402
+from ckpttest.util import CkptfsTestCase, main
+from ckpttest.pyenv import require_modules, run_py
 
 # Nothing reaches the network or the user's caches.
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

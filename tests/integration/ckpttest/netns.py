@@ -39,8 +39,9 @@ Cluster.start() (sweep_stale()).
 
 Open MPI starts its daemons on the other nodes through netns-agent (next
 to this file) as it would through ssh: `--mca plm_rsh_agent
-tests/integration/netns-agent`, with CKPT_NETNS_MAP=<the map file> in
-mpirun's environment (Cluster.env()).
+tests/integration/ckpttest/netns-agent`, with CKPT_NETNS_MAP=<the map
+file> in mpirun's environment (Cluster.env()). The worlds started on the
+nodes by ckpt-mount, and their test case, are in networld.py.
 """
 
 import ipaddress

@@ -1,16 +1,17 @@
-"""Helpers for the multi-rank integration tests: a real ckptfs world of N
-rank mounts started by mpirun, the trainers' side (tensors split into
-chunks, bytes items), and the expected bytes of every tensor computed in
-Python with struct. Python standard library only.
+"""Worlds of N rank mounts for the multi-rank tests: a real ckptfs world
+started by mpirun (World), the trainers' side (tensors split into chunks,
+bytes items), and the expected bytes of every tensor computed in Python
+with struct. Python standard library only.
 
     w = World(BIN, 4, backing, root, log, transport="vader").start()
     ...                  # w.mnt(r) is rank r's mount
     rc = w.stop()        # fusermount3 -u on every rank, wait for mpirun
 
-A world's stdout and stderr (every rank's, through mpirun) go to one log
-file; the tests fail when it shows a sanitizer report. Mounts are always
-unmounted by stop(), lazily as a last resort, and stragglers of the
-launched session are killed by pid.
+A test of util.CkptfsTestCase gets one with self.start_world(n, opts),
+stopped and checked in its cleanup. A world's stdout and stderr (every
+rank's, through mpirun) go to one log file; the tests fail when it shows a
+sanitizer report. Mounts are always unmounted by stop(), lazily as a last
+resort, and stragglers of the launched session are killed by pid.
 """
 
 import errno
@@ -25,11 +26,10 @@ import subprocess
 import threading
 import time
 
-from ckptfs_util import (TSAN_DEFAULTS, add_options, read_log,  # noqa: F401
-                         sanitizer_report, state, status, wait_state)
+from . import sanenv
+from .util import read_log, sanitizer_report, state, status, wait_state  # noqa: F401
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
-LSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lsan-openmpi.supp")
 TRANSPORTS = {"vader": "self,vader", "tcp": "self,tcp", "any": "self,vader,tcp"}
 
 
@@ -66,24 +66,29 @@ def rank_pid(world, rank):
 class World:
     """N rank mounts of one ckptfs world (one mpirun) over one backing dir.
 
-    In the ASan build, Open MPI's own allocations that it never frees are
-    reported by LeakSanitizer at exit. With leak_check (the default; env
-    CKPT_MR_LEAK_CHECK=0 turns it off) leaks stay checked, with the
-    suppressions of lsan-openmpi.supp, which only match allocations made
-    inside Open MPI, and full stack unwinding (Open MPI has no frame
-    pointers). Without it, ASAN_OPTIONS gets detect_leaks=0 for this mpirun
-    world only. Every other ASan and UBSan report fails the test either way.
+    Its environment is sanenv.env(env_extra, mpi=True, leak_check=...):
+    in the ASan build, with leak_check (the default; env
+    CKPT_MR_LEAK_CHECK=0 turns it off) leaks stay checked, Open MPI's own
+    never-freed allocations suppressed; without it, ASAN_OPTIONS gets
+    detect_leaks=0 for this mpirun world only. Every other ASan and UBSan
+    report fails the test either way.
+
+    env_extra: more variables for every rank (mpirun -x). mpirun_args:
+    more mpirun options (say --enable-recovery). backing may be a list, a
+    BACKING_DIR per rank (each node's own directory at its own path): one
+    mpirun app context per rank.
     """
 
     def __init__(self, binary, n, backing, root, log, transport="vader",
-                 opts="", leak_check=None, env_extra=None):
+                 opts="", leak_check=None, env_extra=None, mpirun_args=()):
         self.binary, self.n = binary, n
         self.env_extra = dict(env_extra or {})  # for every rank (mpirun -x)
+        self.mpirun_args = list(mpirun_args)
         self.backing, self.root, self.log = backing, root, log
         self.transport = transport
         self.opts = opts
         if leak_check is None:
-            leak_check = os.environ.get("CKPT_MR_LEAK_CHECK", "1") != "0"
+            leak_check = sanenv.leak_check_default()
         self.leak_check = leak_check
         self.proc = None
         self.returncode = None
@@ -94,41 +99,29 @@ class World:
     def mnts(self):
         return [self.mnt(r) for r in range(self.n)]
 
+    def per_rank_backing(self):
+        return isinstance(self.backing, (list, tuple))
+
     def argv(self):
-        cmd = MPIRUN + ["-np", str(self.n), "--mca", "btl", TRANSPORTS[self.transport]]
-        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS",
-                    *sorted(self.env_extra)):
+        cmd = MPIRUN + self.mpirun_args
+        if not self.per_rank_backing():
+            cmd += ["-np", str(self.n)]
+        cmd += ["--mca", "btl", TRANSPORTS[self.transport]]
+        for var in (*sanenv.VARS, *sorted(self.env_extra)):
             cmd += ["-x", var]
-        cmd += [self.binary, "-f"]
-        if self.opts:
-            cmd += ["-o", self.opts]
-        return cmd + [self.backing, os.path.join(self.root, "rank%r")]
+        daemon = [self.binary, "-f"] + (["-o", self.opts] if self.opts else [])
+        if not self.per_rank_backing():
+            return cmd + daemon + [self.backing, os.path.join(self.root, "rank%r")]
+        for r, b in enumerate(self.backing):  # an app context per rank
+            cmd += ([":"] if r else []) + ["-np", "1"] + daemon + [b, self.mnt(r)]
+        return cmd
 
     def env(self):
-        env = dict(os.environ)
-        env.update(self.env_extra)
-
-        def with_opt(var, opt, replace=False):
-            key = opt.split("=", 1)[0]
-            parts = [p for p in env.get(var, "").split(":") if p]
-            if replace:
-                parts = [p for p in parts if p.split("=", 1)[0] != key]
-            if not any(p.split("=", 1)[0] == key for p in parts):
-                parts.append(opt)
-            env[var] = ":".join(parts)
-
-        if self.leak_check:
-            with_opt("ASAN_OPTIONS", "fast_unwind_on_malloc=0")
-            with_opt("LSAN_OPTIONS", "suppressions=" + LSAN_SUPP)
-        else:
-            with_opt("ASAN_OPTIONS", "detect_leaks=0", replace=True)
-        with_opt("UBSAN_OPTIONS", "print_stacktrace=1")
-        env.setdefault("LSAN_OPTIONS", "")
-        env["TSAN_OPTIONS"] = add_options(env.get("TSAN_OPTIONS", ""), TSAN_DEFAULTS)
-        return env
+        return sanenv.env(self.env_extra, mpi=True, leak_check=self.leak_check)
 
     def start(self, timeout=90):
-        os.makedirs(self.backing, exist_ok=True)
+        for b in (self.backing if self.per_rank_backing() else [self.backing]):
+            os.makedirs(b, exist_ok=True)
         for m in self.mnts():
             os.makedirs(m, exist_ok=True)
         with open(self.log, "ab") as logf:
@@ -208,6 +201,22 @@ class World:
             if mountinfo_has(m):
                 subprocess.run(["fusermount3", "-uz", m], capture_output=True)
         return self.returncode
+
+    def dead(self):
+        """mpirun has exited (or was never started)."""
+        return self.proc is None or self.proc.poll() is not None
+
+    def stop_checked(self, timeout=120):
+        """stop(), then AssertionError when the log shows a sanitizer report
+        or mpirun did not exit 0 (a class's world, in its class cleanup)."""
+        rc = self.stop(timeout)
+        text = read_log(self.log, limit=1 << 24)
+        bad = sanitizer_report(text)
+        if bad:
+            raise AssertionError(f"sanitizer report in {self.log}: {bad}\n"
+                                 f"{text[text.index(bad):][:6000]}")
+        if rc != 0:
+            raise AssertionError(f"mpirun exited with {rc} after the unmounts:\n{text[-4000:]}")
 
 
 # ---- the trainer's side ---------------------------------------------------

@@ -1,11 +1,15 @@
-"""Helpers for the ckptfs integration tests: real FUSE mounts of a world of
-one rank, driven with plain file calls. Python standard library only.
+"""One-rank mounts for the ckptfs tests: real FUSE mounts of a world of one
+rank, driven with plain file calls; the test case every test of a mount
+derives from (CkptfsTestCase), with its world fixture (start_world: a
+world.World of N rank mounts); main(), the entry point of every test file.
+Python standard library only.
 
     python3 tests/integration/test_x.py --bin build/bin/ckptfs [unittest args]
 
-Every daemon's stderr goes to a log file in the test's temporary directory;
-a test fails when the log shows a sanitizer report (the ASan+UBSan and TSan
-builds). Mounts are always unmounted in cleanup, lazily as a last resort.
+Every daemon's stderr goes to a log file in the test's temporary directory,
+its environment is sanenv.env()'s; a test fails when the log shows a
+sanitizer report (the ASan+UBSan and TSan builds). Mounts are always
+unmounted in cleanup, lazily as a last resort.
 """
 
 import argparse
@@ -21,7 +25,12 @@ import tempfile
 import time
 import unittest
 
+from . import REPO, sanenv
+
 BIN = None  # absolute path of the ckptfs binary, set by main()
+# the checkout's mount scripts
+CKPT_MOUNT = os.path.join(REPO, "mount-scripts", "ckpt-mount")
+CKPT_UMOUNT = os.path.join(REPO, "mount-scripts", "ckpt-umount")
 
 SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "LeakSanitizer",
                    "ERROR: ThreadSanitizer", "WARNING: ThreadSanitizer")
@@ -48,35 +57,9 @@ def mountinfo_has(path):
     return False
 
 
-# ThreadSanitizer (build-tsan): report every race and go on (halt_on_error=0),
-# then exit 66 instead of 0, so that the test sees both; the suppressions
-# only match reports inside the uninstrumented Open MPI, libfuse and SQLite.
-TSAN_SUPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tsan.supp")
-TSAN_DEFAULTS = ("suppressions=" + TSAN_SUPP, "halt_on_error=0", "exitcode=66",
-                 "second_deadlock_stack=1")
-
-
-def add_options(value, opts):
-    """A sanitizer's colon-separated options value, with each of opts whose
-    key it does not set yet appended (the caller's settings win)."""
-    parts = [p for p in value.split(":") if p]
-    keys = {p.split("=", 1)[0] for p in parts}
-    parts += [o for o in opts if o.split("=", 1)[0] not in keys]
-    return ":".join(parts)
-
-
-def daemon_env(extra=None):
-    env = dict(os.environ)
-    # Sanitizer reports must reach the log; keep the caller's options first.
-    env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1")
-    env["TSAN_OPTIONS"] = add_options(env.get("TSAN_OPTIONS", ""), TSAN_DEFAULTS)
-    if extra:
-        env.update(extra)
-    return env
-
-
 class Mount:
-    """One ckptfs daemon (world of one rank) on mnt over backing."""
+    """One ckptfs daemon (world of one rank) on mnt over backing; env: more
+    variables for it (sanenv.env(env) is its environment)."""
 
     def __init__(self, backing, mnt, log, opts=None, foreground=True, env=None):
         self.backing, self.mnt, self.log = backing, mnt, log
@@ -107,7 +90,7 @@ class Mount:
             self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL,
                                          stdout=logf, stderr=subprocess.STDOUT,
                                          start_new_session=True,
-                                         env=daemon_env(self.env))
+                                         env=sanenv.env(self.env))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if mountinfo_has(self.mnt):
@@ -220,6 +203,27 @@ def wait_log(path, text, timeout=15, limit=1 << 24):
         time.sleep(0.05)
 
 
+def wait_until(pred, timeout, what, interval=0.05):
+    """Poll pred() until it returns something true, and return that: for
+    a test that waits for a daemon to do something. TimeoutError naming
+    what when it has not after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        time.sleep(interval)
+
+
+def require_tools(test, *tools):
+    """Fail test when one of tools is not on PATH."""
+    for tool in tools:
+        if not shutil.which(tool):
+            test.fail(f"{tool} is missing")
+
+
 def fuse_requests(metrics):
     """{op: count} of ckptfs_fuse_requests_total in a -o metrics= file."""
     out = {}
@@ -241,7 +245,8 @@ def sanitizer_report(text):
 
 class CkptfsTestCase(unittest.TestCase):
     """A temporary directory per test with BACKING and MNT in it; mounts made
-    with self.mount() are stopped in cleanup and their logs checked."""
+    with self.mount() and worlds started with self.start_world() are
+    stopped in cleanup and their logs checked."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="ckptfs-it-", dir="/tmp")
@@ -250,6 +255,7 @@ class CkptfsTestCase(unittest.TestCase):
         self.log = os.path.join(self.dir, "daemon.log")
         os.makedirs(self.mnt)
         self.mounts = []
+        self.worlds = []      # started by start_world()
         self.extra_logs = []  # more files to check for sanitizer reports
         self.addCleanup(self._cleanup)
 
@@ -277,6 +283,26 @@ class CkptfsTestCase(unittest.TestCase):
                   foreground=foreground, env=env)
         self.mounts.append(m)
         return m.start() if start else m
+
+    def start_world(self, n, opts="", root=None, log=None, backing=None,
+                    stop_timeout=120, **kw):
+        """The test's world fixture: a started world.World of n rank mounts
+        (mpirun) over backing (self.backing), root/rank<r> each (root:
+        DIR/world<k>), its log (DIR/world<k>.log) checked for sanitizer
+        reports with the daemon's; stopped in cleanup (before the check).
+        kw: World's (transport, leak_check, env_extra, mpirun_args). Fails
+        when mpirun or fusermount3 is missing."""
+        from .world import World
+        require_tools(self, "mpirun", "fusermount3")
+        k = len(self.worlds)
+        w = World(BIN, n, backing or self.backing,
+                  root or os.path.join(self.dir, f"world{k}"),
+                  log or os.path.join(self.dir, f"world{k}.log"), opts=opts, **kw)
+        self.worlds.append(w)
+        if w.log != self.log and w.log not in self.extra_logs:
+            self.extra_logs.append(w.log)
+        self.addCleanup(w.stop, stop_timeout)
+        return w.start()
 
     def daemon_log(self):
         return read_log(self.log, limit=1 << 24)

@@ -20,8 +20,7 @@ mkfs.ext4(8) and a block throttle:
         s.fill() / s.unfill()   full (ENOSPC), then freed
         s.drop_cache()          its files' pages dropped (for restart timing)
 
-Make it before the network namespaces of a cluster (tests/integration/
-netns.py): the nodes get a copy of this machine's mounts when they start,
+Make it before the network namespaces of a cluster (ckpttest/netns.py): the nodes get a copy of this machine's mounts when they start,
 so a store mounted later is not seen on them. For the same reason
 drop_cache() drops the files' pages (syncfs, then fadvise DONTNEED on each
 file) rather than remounting. Teardown (exit, also on errors): the limit

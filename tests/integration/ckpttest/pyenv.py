@@ -8,7 +8,8 @@ torch_python() tries $CKPT_PYTHON, .venv/bin/python, then
 sys.executable. Without one that has torch and numpy, the test fails,
 unless the environment sets CKPT_ALLOW_NO_TORCH=1: then it is skipped.
 Code run by run_py finds the package (python/) and examples/python on
-sys.path, so the tests use this checkout's sources.
+sys.path, so the tests use this checkout's sources; import_client()
+imports that package into the test's own process.
 """
 
 import os
@@ -16,7 +17,8 @@ import subprocess
 import sys
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from . import REPO
+
 EXAMPLES = os.path.join(REPO, "examples", "python")
 PACKAGE = os.path.join(REPO, "python")
 VENV_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
@@ -65,6 +67,15 @@ def require_modules(test, *modules):
     if os.environ.get("CKPT_ALLOW_NO_TORCH") == "1":
         raise unittest.SkipTest(why + " (skipped: CKPT_ALLOW_NO_TORCH=1)")
     test.fail(why + "; set CKPT_ALLOW_NO_TORCH=1 to skip instead")
+
+
+def import_client():
+    """This checkout's ckptfs package (python/), imported into this
+    process (the system python3 has no ckptfs installed); returns it."""
+    if PACKAGE not in sys.path:
+        sys.path.insert(0, PACKAGE)
+    import ckptfs
+    return ckptfs
 
 
 def run_py(test, py, code, *args, timeout=600, env=None):
