@@ -127,49 +127,54 @@ import io, json, math, os, pickle, sys, torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
     Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-d, spec = sys.argv[1], json.loads(sys.argv[2])
-data = "__0_0.distcp"
-md, storage = {}, {}
-with open(os.path.join(d, data), "wb") as out:
-    for fqn, t in spec.items():
-        if "bytes" in t:
-            b = bytes.fromhex(t["bytes"])
-            pos = out.tell()
-            out.write(b)
-            md[fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(fqn)] = _StorageInfo(data, pos + t.get("offset_add", 0),
-                                                       len(b) + t.get("length_add", 0))
-            continue
-        dt = getattr(torch, t["dtype"])
-        chunks, stored = [], []
-        for c in t["chunks"]:
-            off, sz = torch.Size(c["offsets"]), torch.Size(c["sizes"])
-            chunks.append(ChunkStorageMetadata(off, sz))
-            if "store" in c:
-                x = torch.ones(c["store"], dtype=dt)
-            elif len(sz) == len(t["size"]) and math.prod(t["size"]) <= 1 << 20:
-                whole = torch.arange(1, math.prod(t["size"]) + 1, dtype=torch.float64)
-                x = whole.reshape(t["size"])[tuple(slice(o, o + s) for o, s in zip(off, sz))]
-                x = x.to(dt).contiguous()
-            else:
-                x = torch.ones(4, dtype=dt)
-            if "same_as" in c:
-                pos, length = stored[c["same_as"]]
-            else:
-                buf = io.BytesIO()
-                torch.save(x, buf)
-                pos, length = out.tell(), len(buf.getvalue())
-                out.write(buf.getvalue())
-            stored.append((pos, length))
-            if c.get("storage") != "none":
-                storage[MetadataIndex(fqn, off)] = _StorageInfo(
-                    data, pos + c.get("offset_add", 0), length + c.get("length_add", 0))
-        md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size(t["size"]),
-                                        chunks)
-obj = Metadata(state_dict_metadata=md, planner_data={f: (f,) for f in md},
-               storage_data=storage, storage_meta=StorageMeta(save_id="x"))
-with open(os.path.join(d, ".metadata"), "wb") as f:
-    pickle.dump(obj, f)
+def forge(d, spec):
+    data = "__0_0.distcp"
+    md, storage = {}, {}
+    with open(os.path.join(d, data), "wb") as out:
+        for fqn, t in spec.items():
+            if "bytes" in t:
+                b = bytes.fromhex(t["bytes"])
+                pos = out.tell()
+                out.write(b)
+                md[fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(fqn)] = _StorageInfo(data, pos + t.get("offset_add", 0),
+                                                           len(b) + t.get("length_add", 0))
+                continue
+            dt = getattr(torch, t["dtype"])
+            chunks, stored = [], []
+            for c in t["chunks"]:
+                off, sz = torch.Size(c["offsets"]), torch.Size(c["sizes"])
+                chunks.append(ChunkStorageMetadata(off, sz))
+                if "store" in c:
+                    x = torch.ones(c["store"], dtype=dt)
+                elif len(sz) == len(t["size"]) and math.prod(t["size"]) <= 1 << 20:
+                    whole = torch.arange(1, math.prod(t["size"]) + 1, dtype=torch.float64)
+                    x = whole.reshape(t["size"])[tuple(slice(o, o + s) for o, s in zip(off, sz))]
+                    x = x.to(dt).contiguous()
+                else:
+                    x = torch.ones(4, dtype=dt)
+                if "same_as" in c:
+                    pos, length = stored[c["same_as"]]
+                else:
+                    buf = io.BytesIO()
+                    torch.save(x, buf)
+                    pos, length = out.tell(), len(buf.getvalue())
+                    out.write(buf.getvalue())
+                stored.append((pos, length))
+                if c.get("storage") != "none":
+                    storage[MetadataIndex(fqn, off)] = _StorageInfo(
+                        data, pos + c.get("offset_add", 0), length + c.get("length_add", 0))
+            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size(t["size"]),
+                                            chunks)
+    obj = Metadata(state_dict_metadata=md, planner_data={f: (f,) for f in md},
+                   storage_data=storage, storage_meta=StorageMeta(save_id="x"))
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        pickle.dump(obj, f)
+
+# argv[1]: a JSON file of [[DIR, SPEC], ...]: every forged directory in one
+# process (one import of torch)
+for d, spec in json.load(open(sys.argv[1])):
+    forge(d, spec)
 """
 
 # Runs ARGV; prints {rc, stdout, stderr, seconds, maxrss_kib}: the peak
@@ -388,12 +393,22 @@ class CheckedCase(DcpTrustCase):
     before it creates anything: not NAME, and not BACKING_DIR either (the
     test leaves it absent; the converter's mount of it would make it)."""
 
+    def forge_specs(self, cases):
+        """Forge DCP directories dcp-LABEL for [(label, spec), ...], all in
+        one process: {label: directory}."""
+        dirs = {label: os.path.join(self.dir, f"dcp-{label}") for label, _ in cases}
+        for d in dirs.values():
+            os.makedirs(d)
+        listing = os.path.join(self.dir, f"forge-{len(os.listdir(self.dir))}.json")
+        with open(listing, "w") as f:
+            json.dump([[dirs[label], spec] for label, spec in cases], f)
+        run_py(self, self.py, FORGE_CHUNKS, listing)
+        for d in dirs.values():
+            chown_tree(d)
+        return dirs
+
     def forge_spec(self, label, spec):
-        d = os.path.join(self.dir, f"dcp-{label}")
-        os.makedirs(d)
-        run_py(self, self.py, FORGE_CHUNKS, d, json.dumps(spec))
-        chown_tree(d)
-        return d
+        return self.forge_specs([(label, spec)])[label]
 
     def assertRefusedEarly(self, r, name, *words):
         out = r.stdout + r.stderr
@@ -412,6 +427,14 @@ class CheckedCase(DcpTrustCase):
         r = self.ctl("import-dcp", d, self.backing, label)
         self.assertRefusedEarly(r, label, *words)
         return r
+
+    def all_refused(self, cases):
+        """refused() for each (label, spec, words...), forged at once."""
+        dirs = self.forge_specs([(c[0], c[1]) for c in cases])
+        for label, _, *words in cases:
+            with self.subTest(case=label):
+                r = self.ctl("import-dcp", dirs[label], self.backing, label)
+                self.assertRefusedEarly(r, label, *words)
 
     def ctl_measured(self, *args):
         """ckptctl ARGS run under MEASURE: (CompletedProcess-like, seconds,
@@ -437,41 +460,36 @@ class Tiling(CheckedCase):
                      "'t'", "no chunks", "16384")
 
     def test_chunks_leaving_a_gap(self):
-        for label, spec, gap in [
-                ("gap1d", tensor([8], [chunk([0], [4]), chunk([6], [2])]), "[4]"),
-                ("gap2d", tensor([4, 4], [chunk([0, 0], [2, 4]), chunk([2, 0], [2, 2])]),
-                 "[2, 2]")]:
-            with self.subTest(case=label):
-                self.refused(label, {"t": spec}, "'t'", "gap", gap)
+        self.all_refused([
+            ("gap1d", {"t": tensor([8], [chunk([0], [4]), chunk([6], [2])])}, "'t'", "gap",
+             "[4]"),
+            ("gap2d", {"t": tensor([4, 4], [chunk([0, 0], [2, 4]), chunk([2, 0], [2, 2])])},
+             "'t'", "gap", "[2, 2]")])
 
     def test_overlapping_chunks(self):
-        for label, spec in [
+        self.all_refused([
+            (label, {"t": spec}, "'t'", "overlap") for label, spec in [
                 ("over1d", tensor([8], [chunk([0], [6]), chunk([4], [4])])),
                 ("over2d", tensor([4, 4], [chunk([0, 0], [4, 4]), chunk([1, 1], [2, 2])])),
-                ("twice", tensor([4], [chunk([0], [4]), chunk([0], [4], same_as=0)]))]:
-            with self.subTest(case=label):
-                self.refused(label, {"t": spec}, "'t'", "overlap")
+                ("twice", tensor([4], [chunk([0], [4]), chunk([0], [4], same_as=0)]))]])
 
     def test_overlaps_hiding_a_gap(self):
         """Chunks whose sizes add up to the tensor's element count, but
         overlap: so they leave a gap."""
-        for label, spec in [
+        self.all_refused([
+            (label, {"t": spec}, "'t'", "overlap") for label, spec in [
                 ("hide1d", tensor([8], [chunk([0], [4]), chunk([2], [4])])),
                 ("hide2d", tensor([2, 4], [chunk([0, 0], [2, 2]), chunk([0, 1], [2, 2])])),
-                ("hide3", tensor([6], [chunk([0], [2]), chunk([1], [2]), chunk([4], [2])]))]:
-            with self.subTest(case=label):
-                self.refused(label, {"t": spec}, "'t'", "overlap")
+                ("hide3", tensor([6], [chunk([0], [2]), chunk([1], [2]), chunk([4], [2])]))]])
 
     def test_chunk_out_of_bounds(self):
-        for label, spec, words in [
+        self.all_refused([(label, {"t": spec}, "'t'", *words) for label, spec, words in [
                 ("oob", tensor([8], [chunk([0], [6]), chunk([6], [4])]), ("out of bounds",)),
                 ("oob2d", tensor([4, 4], [chunk([0, 0], [4, 2]), chunk([0, 2], [4, 3])]),
                  ("out of bounds",)),
                 ("rank", tensor([8], [chunk([0, 0], [8, 1])]), ("2 dimensions", "1")),
                 ("rank0", tensor([2, 2], [chunk([], [])]), ("0 dimensions",)),
-                ("dims", tensor([8], [chunk([0], [8, 1])]), ("dimensions",))]:
-            with self.subTest(case=label):
-                self.refused(label, {"t": spec}, "'t'", *words)
+                ("dims", tensor([8], [chunk([0], [8, 1])]), ("dimensions",))]])
 
     def test_exact_tiling_imports(self):
         """Irregular chunks that tile exactly (and a scalar, an empty
@@ -504,9 +522,10 @@ class Backing(CheckedCase):
         a torch.save of 4 elements: refused within seconds, its time and
         peak memory within 5 s and 256 MiB of a tiny refused import's (a
         gap: Python and torch are most of both)."""
-        base = self.forge_spec("baseline", {"t": tensor([8], [chunk([0], [4])])})
-        bomb = self.forge_spec("bomb", {"t": tensor([self.BOMB], [
-            chunk([0], [self.BOMB], store=[4])])})
+        dirs = self.forge_specs([
+            ("baseline", {"t": tensor([8], [chunk([0], [4])])}),
+            ("bomb", {"t": tensor([self.BOMB], [chunk([0], [self.BOMB], store=[4])])})])
+        base, bomb = dirs["baseline"], dirs["bomb"]
         r, secs, rss = self.ctl_measured("import-dcp", bomb, self.backing, "bomb")
         sys.stderr.write(f"\n  bomb: {secs:.2f} s, {rss / 1024:.0f} MiB peak; ")
         self.assertRefusedEarly(r, "bomb", "'t'", "not backed", str(self.BOMB))
@@ -528,15 +547,13 @@ class Backing(CheckedCase):
         self.assertLess(secs, 60)
 
     def test_stored_past_the_end_of_its_file(self):
-        for label, spec, words in [
+        self.all_refused([(label, spec, *words) for label, spec, words in [
                 ("end", {"t": tensor([4], [chunk([0], [4], length_add=100)])},
                  ("'t'", "past the end")),
                 ("start", {"t": tensor([4], [chunk([0], [4], offset_add=1 << 30)])},
                  ("'t'", "past the end")),
                 ("bytes", {"b": {"bytes": os.urandom(64).hex(), "length_add": 1 << 30}},
-                 ("'b'", "past the end"))]:
-            with self.subTest(case=label):
-                self.refused(label, spec, *words)
+                 ("'b'", "past the end"))]])
 
     def test_chunk_without_storage_entry(self):
         self.refused("nostorage", {"t": tensor([8], [chunk([0], [4]),
