@@ -345,8 +345,12 @@ class Writer(StorageWriter):
 
     # -- the protocol
     def reset(self, checkpoint_id=None):
-        self.checkpoint_id = checkpoint_id
-        self.name = None if checkpoint_id is None else checkpoint_name(checkpoint_id)
+        # None keeps the checkpoint this writer was given (stock
+        # FileSystemWriter keeps its path): DCP's deprecated
+        # save_state_dict calls reset() with no id
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+            self.name = checkpoint_name(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._local_items = None
 
@@ -698,8 +702,10 @@ class Reader(StorageReader):
             self.reset(checkpoint_id)
 
     def reset(self, checkpoint_id=None):
-        self.checkpoint_id = checkpoint_id
-        self.name = None if checkpoint_id is None else checkpoint_name(checkpoint_id)
+        # None keeps the checkpoint this reader was given (as the Writer's)
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+            self.name = checkpoint_name(checkpoint_id)
         self._tensors = self._blobs = None
 
     @classmethod

@@ -406,6 +406,20 @@ def resave(mount, name):
     result(refused=refused, refused_seconds=refused_s, failed=failed, failed_seconds=failed_s)
 
 
+def deprecated_api(mount, name):
+    """DCP's deprecated save_state_dict / load_state_dict (still in
+    torch 2.13) call reset() with no id: the name given to the Writer and
+    the Reader is kept, as stock FileSystemWriter keeps its path."""
+    sd = build_state(False)
+    dcp.save_state_dict(sd, storage_writer=ckptfs.dcp.Writer(mount, checkpoint_id=name))
+    st = open(os.path.join(mount_of(mount), name, ".status")).read().split("\n")[0]
+    assert st == "committed", st
+    back = build_state(True)
+    dcp.load_state_dict(back, storage_reader=ckptfs.dcp.Reader(mount, checkpoint_id=name))
+    check_state(back)
+    result()
+
+
 def load_version(mount, name, k):
     check_version(mount, name, int(k))
     result()

@@ -113,6 +113,13 @@ class SaveLoad(DcpCase):
         w1 = self.world(1)
         self.job(1, "load", self.spec(w1), "s2", 2, "odd")
 
+    def test_deprecated_save_state_dict_keeps_the_name(self):
+        """save_state_dict/load_state_dict reset() the storage with no
+        checkpoint_id: every rank raised 'pass checkpoint_id=NAME'."""
+        w = self.world(2)
+        self.job(2, "deprecated_api", self.spec(w), "old-api")
+        self.stop(w)
+
     def test_save_4_two_d_mesh_load_2(self):
         w4 = self.world(4)
         self.job(4, "save", self.spec(w4), "s4", "2d")
