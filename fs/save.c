@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +51,11 @@ typedef struct ckpt_save {
                             retention words go into .metadata */
   fuse_req_t req;
   size_t reply_size;
+  /* A sync writer killed while its save runs (fuse_req_interrupt_func):
+   * answered at once with EINTR, so that it leaves the kernel; the save
+   * goes on. Lock order: libfuse's lock of req, then reply_lock. */
+  pthread_mutex_t reply_lock;
+  bool replied;          /* req answered (by the interrupt); reply_lock */
   uint32_t nfiles;
   ckpt_node_t **files;   /* the frozen staged files, referenced */
   char **paths;          /* their paths in the checkpoint */
@@ -68,6 +74,64 @@ typedef struct ckpt_save {
   int step_rc;           /* -errno of the first step that failed here */
   ckpt_partner_rx_t *partner_rx; /* partner copies received (partner.c) */
 } ckpt_save_t;
+
+/* ----- the sync writer's request ----- */
+
+/* Is SIGKILL pending for thread tid (a fatal signal: every thread of a
+ * dying process gets it)? /proc/TID/status's SigPnd (the thread's own)
+ * or ShdPnd (the process's). */
+static bool being_killed(pid_t tid) {
+  char path[64], line[160];
+  snprintf(path, sizeof(path), "/proc/%d/status", (int)tid);
+  FILE *f = fopen(path, "re");
+  if (!f)
+    return true; /* gone already */
+  bool killed = false;
+  unsigned long long mask;
+  while (!killed && fgets(line, sizeof(line), f))
+    if ((sscanf(line, "SigPnd: %llx", &mask) == 1 ||
+         sscanf(line, "ShdPnd: %llx", &mask) == 1) &&
+        (mask & (1ull << (SIGKILL - 1))))
+      killed = true;
+  fclose(f);
+  return killed;
+}
+
+/* libfuse calls this (holding req's lock) when the kernel interrupts the
+ * writer's write to .commit. A dying writer (SIGKILL, or a fatal signal
+ * the kernel turned into one) gets EINTR now: else it would wait in the
+ * kernel (state D) until the save ends, up to twice commit_timeout; the
+ * save goes on without it, as a commit whose writer left. Any other
+ * signal is the writer's to handle once the save ends (answering it
+ * EINTR would let the caller's restart of the write commit twice). */
+static void commit_interrupted(fuse_req_t req, void *arg) {
+  ckpt_save_t *s = arg;
+  pid_t tid = fuse_req_ctx(req)->pid;
+  if (!being_killed(tid))
+    return;
+  pthread_mutex_lock(&s->reply_lock);
+  bool answer = !s->replied;
+  s->replied = true;
+  pthread_mutex_unlock(&s->reply_lock);
+  if (answer) {
+    ckpt__log("%s/.commit: its writer (thread %d) was killed: answered, "
+              "the save goes on", s->ck->name, (int)tid);
+    fuse_reply_err(req, EINTR);
+  }
+}
+
+/* Take the writer's request back from the interrupt: true when it is
+ * still unanswered (then it is ours to answer, and no interrupt touches it
+ * again), false when the interrupt answered it. */
+static bool claim_reply(ckpt_save_t *s) {
+  pthread_mutex_lock(&s->reply_lock);
+  bool ours = !s->replied;
+  s->replied = true;
+  pthread_mutex_unlock(&s->reply_lock);
+  if (ours) /* waits for a callback running now (it finds replied) */
+    fuse_req_interrupt_func(s->req, NULL, NULL);
+  return ours;
+}
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
   pthread_mutex_lock(&fs->lock);
@@ -93,6 +157,7 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
   if (s->dirfd >= 0)
     close(s->dirfd);
   ckpt__partner_rx_free(s->partner_rx);
+  pthread_mutex_destroy(&s->reply_lock);
   free(s);
 }
 
@@ -246,6 +311,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   s->replace = words->replace[0] != '\0';
   s->req = req;
   s->reply_size = reply_size;
+  pthread_mutex_init(&s->reply_lock, NULL);
   s->dirfd = -1;
   s->failed_file = -1;
   s->job.user = s;
@@ -376,14 +442,21 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     for (uint32_t i = 0; i < s->n_attrs; i++)
       free(s->attrs[i].path);
     free(s->attrs);
+    pthread_mutex_destroy(&s->reply_lock);
     free(s);
     if (freeze_failed) /* a commit that failed before its save began */
       ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED,
                            ckpt__metrics_classify(rc, NULL), -1);
     return rc;
   }
+  /* from here the writer may be killed: answered at once (above) */
+  if (s->req)
+    fuse_req_interrupt_func(s->req, commit_interrupted, s);
   if (ckpt_dist_submit(fs->dist, &s->job) == 0)
     return 0;
+  /* the caller answers the writer, unless the interrupt did (then as if
+   * answered: 0 with a sync writer means "replied") */
+  bool answered = s->req && !claim_reply(s);
   ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED, CKPT_FAIL_OTHER, -1);
   /* The daemon stops (SIGTERM, unmount): no save starts any more. */
   pthread_mutex_lock(&fs->lock);
@@ -398,7 +471,7 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   if (ck->streams)
     ckpt__streams_freeze(ck->streams, false, 0);
   save_free(fs, s);
-  return -EIO;
+  return answered ? 0 : -EIO;
 }
 
 /* ------------------------------------------------------------------------
@@ -1430,7 +1503,9 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     ckpt_failpoint("committed");
   /* level=shared: a sync writer waits for the flush's shared publish */
   bool to_flush = rc == 0 && fs->flush && s->sync && s->words.level_shared;
-  if (s->sync && !to_flush) {
+  /* a writer killed meanwhile was answered by the interrupt */
+  bool writer = s->sync && s->req && claim_reply(s);
+  if (writer && !to_flush) {
     if (rc == 0)
       fuse_reply_write(s->req, s->reply_size);
     else
@@ -1439,7 +1514,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   /* The writer has its answer: the copy to BACKING_DIR starts behind it. */
   if (rc == 0 && fs->flush)
     ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank,
-                    to_flush ? s->req : NULL, s->reply_size);
+                    to_flush && writer ? s->req : NULL, s->reply_size);
   save_free(fs, s);
 }
 

@@ -230,6 +230,40 @@ class KillFromOutside(CkptfsTestCase, CrashChecks):
         self.assertIn(False, outcomes)
 
 
+class KilledWriter(CkptfsTestCase):
+    """The trainer killed while its sync commit waits for the other rank
+    (the commit runs inside its write to .commit): it leaves the kernel at
+    once (the daemon answers the kernel's interrupt with EINTR), not after
+    the save (up to 2 x commit_timeout in state D); the save goes on and
+    commits once the other rank commits."""
+
+    def test_killed_writer_leaves_the_kernel_at_once(self):
+        w = self.start_world(2, "commit_timeout=60")
+        for r in range(2):
+            os.mkdir(os.path.join(w.mnt(r), "c"))
+            write_file(os.path.join(w.mnt(r), "c", f"w{r}"), os.urandom(4096) * (r + 1))
+        ck0 = os.path.join(w.mnt(0), "c")
+        writer = subprocess.Popen(["sh", "-c", f"echo sync > {ck0}/.commit"])
+        # rank 0's save waits for rank 1 in the collective
+        cu.wait_until(lambda: "waiting for" in status(ck0), 30,
+                      "rank 0 waiting for rank 1")
+        time.sleep(0.2)  # the writer is inside its write (state D)
+        t0 = time.monotonic()
+        writer.kill()
+        try:
+            writer.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.fail("the writer killed during its sync commit was still in the "
+                      f"kernel 5 s after SIGKILL: {status(ck0)!r}")
+        took = time.monotonic() - t0
+        self.assertLess(took, 1.0, f"left the kernel {took:.2f} s after SIGKILL")
+        # the save went on: rank 1's commit completes it on both ranks
+        commit(os.path.join(w.mnt(1), "c"))
+        wait_state(ck0, ("committed",), timeout=60)
+        self.assertEqual(status(ck0).split("\n")[0], "committed")
+        self.assertIn("killed: answered", read_log(w.log))
+
+
 # ---- worlds ------------------------------------------------------------------
 
 class WorldCase(CkptfsTestCase, CrashChecks):
