@@ -38,14 +38,33 @@ cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCKPT_FUZZ=ON \
   -DBUILD_TESTING=ON >/dev/null
 targets=$(ls tests/fuzz/*_fuzzer.c | xargs -n1 basename | sed 's/\.c$//')
 cmake --build build-fuzz -j"$(nproc)" --target $targets >/dev/null
-for t in $targets; do
+# One target per core at a time: each gets its SECONDS of one core.
+run_one() {   # TARGET: fuzz it; its log in $work/TARGET.log
+  local t=$1
   mkdir -p "$work/$t"
   cp tests/fuzz/corpus/"$t"/* "$work/$t"/
   build-fuzz/bin/"$t" -max_total_time="$secs" -print_final_stats=1 \
-    "$work/$t" >"$work/$t.log" 2>&1 || {
-    tail -50 "$work/$t.log"
-    echo "fuzz.sh: $t found a crash (log above)" >&2
-    exit 1
-  }
-  echo "$t: $(grep -E '^Done' "$work/$t.log")"
+    "$work/$t" >"$work/$t.log" 2>&1
+}
+pids=() names=() failed=0
+for t in $targets; do
+  run_one "$t" &
+  pids+=($!) names+=("$t")
+  if ((${#pids[@]} >= $(nproc))); then
+    wait "${pids[0]}" || failed=1
+    [ $failed = 0 ] || { t=${names[0]}; break; }
+    echo "${names[0]}: $(grep -E '^Done' "$work/${names[0]}.log")"
+    pids=("${pids[@]:1}") names=("${names[@]:1}")
+  fi
 done
+while [ $failed = 0 ] && ((${#pids[@]})); do
+  wait "${pids[0]}" || { failed=1; t=${names[0]}; break; }
+  echo "${names[0]}: $(grep -E '^Done' "$work/${names[0]}.log")"
+  pids=("${pids[@]:1}") names=("${names[@]:1}")
+done
+if [ $failed = 1 ]; then
+  wait || true
+  tail -50 "$work/$t.log"
+  echo "fuzz.sh: $t found a crash (log above)" >&2
+  exit 1
+fi
