@@ -196,12 +196,15 @@ class VerifyDefault(CkptfsTestCase):
         os.mkdir(keep)
         for f in files:
             shutil.copy(self.bk("r", f), os.path.join(keep, f))
-        stop = time.monotonic() + 5
+        # the changer starts once a read got through (a slow build under
+        # load could otherwise see every chunk changed before its first
+        # read), then races the readers for 5 s
+        first_read, done = threading.Event(), threading.Event()
         seen = {"eio": 0, "read": 0}
 
         def reader(seed):
             rnd = random.Random(seed)
-            while time.monotonic() < stop:
+            while not done.is_set():
                 i = rnd.randrange(len(want))
                 off = rnd.randrange(len(want[i]))
                 try:
@@ -212,12 +215,15 @@ class VerifyDefault(CkptfsTestCase):
                         os.close(fd)
                     self.assertEqual(len(got), min(1 << 20, len(want[i]) - off))
                     seen["read"] += 1
+                    first_read.set()
                 except OSError as e:
                     self.assertEqual(e.errno, errno.EIO)
                     seen["eio"] += 1
 
         def changer():
             rnd = random.Random(1)
+            first_read.wait(60)
+            stop = time.monotonic() + 5
             while time.monotonic() < stop:
                 f, off, ln = rnd.choice(rows)
                 if rnd.random() < 0.5:
@@ -227,11 +233,13 @@ class VerifyDefault(CkptfsTestCase):
                     os.rename(self.bk("r", f + ".tmp"), self.bk("r", f))
                 time.sleep(0.01)
 
-        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
-        threads.append(threading.Thread(target=changer))
-        for t in threads:
+        readers = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        change = threading.Thread(target=changer)
+        for t in readers + [change]:
             t.start()
-        for t in threads:
+        change.join()
+        done.set()
+        for t in readers:
             t.join()
         for f in files:  # put right, by a rename
             shutil.copy(os.path.join(keep, f), self.bk("r", f + ".tmp"))
