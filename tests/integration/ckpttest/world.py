@@ -27,25 +27,14 @@ import threading
 import time
 
 from . import sanenv
-from .util import read_log, sanitizer_report, state, status, wait_state  # noqa: F401
+from .util import (commit, csv, mountinfo_has, pread, read_all,  # noqa: F401
+                   read_log, sanitizer_report, state, status, wait_state)
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 TRANSPORTS = {"vader": "self,vader", "tcp": "self,tcp", "any": "self,vader,tcp"}
 
 
 # ---- the world ---------------------------------------------------------------
-
-def mountinfo_has(path):
-    """Is path a mount point? Never stats path itself: a mount whose daemon
-    stopped answering would hang the test."""
-    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].replace("\\040", " ").replace("\\011", "\t")
-            if mp == path:
-                return True
-    return False
-
 
 def rank_pid(world, rank):
     """Pid of the ckptfs process of rank in world, or None."""
@@ -221,18 +210,6 @@ class World:
 
 # ---- the trainer's side ---------------------------------------------------
 
-def commit(ckdir, mode="sync"):
-    """One commit write as `echo MODE > NAME/.commit` does it; raises OSError."""
-    fd = os.open(os.path.join(ckdir, ".commit"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        data = mode if isinstance(mode, bytes) else (mode + "\n").encode()
-        n = os.write(fd, data)
-        if n != len(data):
-            raise AssertionError(f"short commit write: {n} of {len(data)}")
-    finally:
-        os.close(fd)
-
-
 def commit_all(world, names, mode="sync", ranks=None, timeout=180):
     """Commit on several ranks at once, one thread per rank.
 
@@ -284,10 +261,6 @@ def write_file(path, data):
         os.close(fd)
 
 
-def csv(xs):
-    return ",".join(str(int(x)) for x in xs)
-
-
 def set_xattrs(path, dtype, shape, offsets=None, sizes=None):
     """user.ckpt.*; shape may be bytes (given as is, e.g. b"" or b"[]")."""
     os.setxattr(path, "user.ckpt.dtype", dtype.encode())
@@ -297,26 +270,6 @@ def set_xattrs(path, dtype, shape, offsets=None, sizes=None):
         os.setxattr(path, "user.ckpt.offsets", csv(offsets).encode())
     if sizes is not None:
         os.setxattr(path, "user.ckpt.sizes", csv(sizes).encode())
-
-
-def pread(path, length, offset):
-    """Up to length bytes at offset, one pread after the other."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        out = bytearray()
-        while len(out) < length:
-            b = os.pread(fd, length - len(out), offset + len(out))
-            if not b:
-                break
-            out += b
-        return bytes(out)
-    finally:
-        os.close(fd)
-
-
-def read_all(path):
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def query(db, sql, args=()):
