@@ -35,8 +35,9 @@ static int log_rank = -1;
 int ckpt__log_to(const char *path, bool use_syslog, int rank) {
   if (path) {
     /* A root daemon never writes through a name another user planted: no
-     * symlink, FIFO (O_NONBLOCK: never waits for a reader) or device,
-     * and no file of another user's. */
+     * symlink, FIFO (O_NONBLOCK: never waits for a reader) or socket, and
+     * no file of another user's (a character device of root's, such as
+     * /dev/null, is fine). */
     int fd = open(path,
                   O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY |
                       O_NOFOLLOW | O_NONBLOCK,
