@@ -32,9 +32,15 @@
 #ifndef CKPT_DIST_H
 #define CKPT_DIST_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "ckpt_planner.h"
+
+/* The reason of a save cancelled because its job is gone. */
+#define CKPT_DIST_ABANDONED                                                 \
+  "abandoned: the job that wrote it is gone (it exited before every rank " \
+  "committed this checkpoint)"
 
 typedef struct ckpt_dist ckpt_dist_t;
 typedef struct ckpt_dist_job ckpt_dist_job_t;
@@ -47,6 +53,12 @@ struct ckpt_dist_job {
   bool partner;          /* copy each rank's data files to its partner
                             rank before its result (partner_files) */
   void *user;            /* the caller's save state */
+  /* Set by the caller when the job that wrote the save is gone (its
+   * process exited before every rank committed it): a save whose plans
+   * are not all in 2 s later fails on every rank, as abandoned (the clients'
+   * cancel travels to the coordinator as a gave-up PLAN, which fails the
+   * round there); once every plan is in, the save goes on. */
+  _Atomic bool cancel;
   ckpt_dist_job_t *next; /* queue link, owned by dist */
 };
 

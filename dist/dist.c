@@ -246,6 +246,28 @@ static void put_stopped(ckpt_dist_t *d, ckpt_buf_t *reasons,
                   job->name, d->rank);
 }
 
+/* A save whose job is gone still takes the plans on their way for this
+ * long (seconds): a round that gets every plan meanwhile goes on. */
+#define CANCEL_GRACE 2.0
+
+/* The reason of a save whose job is gone (job->cancel). */
+static void put_abandoned(ckpt_dist_t *d, ckpt_buf_t *reasons,
+                          const ckpt_dist_job_t *job) {
+  ckpt_buf_printf(reasons, "rank %d: %s", d->rank, CKPT_DIST_ABANDONED);
+  (void)job;
+}
+
+/* Client: tell the coordinator that this client gave up on save seq (no
+ * answer in time, or its job is gone): a PLAN with no name. */
+static void send_gave_up(ckpt_dist_t *d, uint32_t seq) {
+  ckpt_buf_t m;
+  ckpt_buf_init(&m);
+  put_u32(&m, seq);
+  uint8_t none[2] = {0, 0};
+  ckpt_buf_append(&m, none, 2);
+  ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &m);
+}
+
 /* rc: 0, -EEXIST (the name was committed elsewhere) or another failure
  * (-EIO for the save). */
 static void job_done(ckpt_dist_t *d, ckpt_dist_job_t *job, int rc,
@@ -292,6 +314,11 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
     rc = -ESHUTDOWN;
     goto fail;
   }
+  if (atomic_load(&job->cancel)) { /* gone before its turn: nothing sent */
+    put_abandoned(d, &reasons, job);
+    rc = -ECANCELED;
+    goto fail;
+  }
 
   /* PLAN: seq, name, local plan frame */
   uint32_t seq = ++d->seq;
@@ -309,7 +336,25 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
   double until = now() + client_wait(d);
   waiting(d, job, "rank 0 (the coordinator): it plans once every rank "
           "committed this checkpoint", until);
-  rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, until, &from, &reply);
+  /* Its job gone meanwhile (cancel): the coordinator is told (a gave-up
+   * PLAN), and its answer decides: the round fails for every rank while
+   * plans are missing; a round that had every plan goes on. */
+  bool told = false;
+  double cancel_at = 0;
+  for (;;) {
+    double step = told ? until : now() + 0.05;
+    rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, step < until ? step : until,
+                  &from, &reply);
+    if (rc != 0 || now() >= until)
+      break;
+    if (!told && cancel_at == 0 && atomic_load(&job->cancel))
+      cancel_at = now();
+    /* after a grace: the other ranks' plans may be on their way */
+    if (!told && cancel_at > 0 && now() >= cancel_at + CANCEL_GRACE) {
+      send_gave_up(d, seq);
+      told = true;
+    }
+  }
   if (rc == -ESHUTDOWN) {
     put_stopped(d, &reasons, job);
     goto fail;
@@ -320,11 +365,8 @@ static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
     rc = -ETIMEDOUT;
     /* Our PLAN may still be on its way (a link down): say that we gave
      * up on it, behind it, so that it never counts in a later round. */
-    msg.len = 0;
-    put_u32(&msg, seq);
-    uint8_t none[2] = {0, 0};
-    ckpt_buf_append(&msg, none, 2);
-    ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &msg);
+    if (!told)
+      send_gave_up(d, seq);
     goto fail;
   }
   round = get_u32(reply.data + 4);
@@ -403,6 +445,8 @@ out:
 
 typedef struct {
   bool in;         /* its PLAN (or result) arrived */
+  bool abandoned;  /* then its client gave up on it: its job is gone, or it
+                      waited too long (the round fails) */
   uint32_t seq;    /* the client's save number */
   char name[256];  /* the checkpoint it commits */
   ckpt_buf_t msg;  /* the message; the frame starts at frame_off */
@@ -422,6 +466,7 @@ static bool take_plan(arrival_t *a, ckpt_buf_t *msg) {
     return false;
   ckpt_buf_free(&a->msg);
   a->in = true;
+  a->abandoned = false;
   a->seq = get_u32(msg->data);
   memcpy(a->name, msg->data + 6, nlen);
   a->name[nlen] = '\0';
@@ -449,12 +494,25 @@ static bool take_plan_msg(ckpt_dist_t *d, arrival_t *plans, int from,
   if (abandon) {
     if (seq > d->gave_up[from])
       d->gave_up[from] = seq;
-    if (plans && plans[from].in && plans[from].seq <= seq) {
-      ckpt_buf_free(&plans[from].msg);
-      plans[from].in = false;
+    if (plans && plans[from].in && plans[from].seq == seq) {
+      plans[from].abandoned = true; /* the round fails; it gets the reply */
       return true;
     }
-    return false;
+    if (plans && plans[from].in && plans[from].seq < seq) {
+      ckpt_buf_free(&plans[from].msg); /* an older save's, superseded */
+      plans[from].in = false;
+    }
+    /* Not in this round: its client may still wait for an answer (a
+     * cancel waits for one) */
+    ckpt_buf_t m;
+    ckpt_buf_init(&m);
+    put_u32(&m, seq);
+    put_u32(&m, 0);
+    char why[160];
+    snprintf(why, sizeof(why), "rank %d: %s", from, CKPT_DIST_ABANDONED);
+    put_frame(&m, -ECANCELED, why, NULL);
+    ckpt__mpi_send(d, from, CKPT__TAG_PLAN_REPLY, &m);
+    return plans != NULL;
   }
   if (seq <= d->gave_up[from])
     return false; /* late: its client no longer waits for it */
@@ -700,6 +758,7 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   unsigned spins = 0;
   bool stopped = false; /* this rank stops without a save of its own */
   double differ_until = 0; /* names differ: a moment for late messages */
+  double cancel_at = 0;    /* when its own job was found gone */
   for (;;) {
     int from;
     int got = n > 1 ? ckpt__mpi_poll(d, -1, CKPT__TAG_PLAN, &from, &m) : 0;
@@ -709,10 +768,19 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
       continue;
     }
     int in = 0;
-    for (int r = 0; r < n; r++)
+    /* Its own job gone: the round still takes the plans on their way
+     * (CANCEL_GRACE), then fails if some are missing */
+    if (job && cancel_at == 0 && atomic_load(&job->cancel))
+      cancel_at = now();
+    bool gone = cancel_at > 0 && now() >= cancel_at + CANCEL_GRACE;
+    for (int r = 0; r < n; r++) {
       in += plans[r].in;
+      gone |= plans[r].in && plans[r].abandoned;
+    }
     if (!job && in == 0)
       goto out; /* its only plan was given up on: nobody waits */
+    if (gone)
+      break; /* a rank's job is gone before every rank committed */
     if (in == n) {
       bool differ = false;
       for (int r = 1; r < n; r++)
@@ -751,6 +819,17 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
                         plans[r].name);
     goto fail_early;
   }
+  bool all_in = true;
+  for (int r = 0; r < n; r++)
+    all_in &= plans[r].in && !plans[r].abandoned;
+  if (job && atomic_load(&job->cancel) && !all_in)
+    ckpt_buf_printf(&reasons, "rank 0: %s", CKPT_DIST_ABANDONED);
+  for (int r = 1; r < n; r++)
+    if (plans[r].in && plans[r].abandoned)
+      ckpt_buf_printf(&reasons, "%srank %d: %s", reasons.len ? "; " : "", r,
+                      CKPT_DIST_ABANDONED);
+  if (reasons.len)
+    goto fail_early;
   check_arrivals(d, plans, &reasons);
   for (int r = 0; r < n && reasons.len == 0; r++)
     if (!frame_ok(arrival_frame(&plans[r])))

@@ -553,6 +553,9 @@ struct ckpt_ckpt {
                              fs->lock */
   double waiting_until;   /* its deadline (CLOCK_MONOTONIC s), 0: none */
   struct ckpt_save *save; /* in-flight save, or NULL */
+  pid_t job;              /* the job process (jobs.c) whose save this is:
+                             it made NAME or committed it; 0: none;
+                             fs->lock */
   ckpt_streams_t *streams; /* staged: write-behind streams, or NULL */
   /* COMMITTED: */
   ckpt_metadata_t *meta;  /* owned */
@@ -755,7 +758,31 @@ struct ckpt_fs {
   struct ckpt_drain *drain; /* passthrough=1: the drain thread (drain.c) */
   ckpt_metrics_t metrics;  /* metrics.c */
   char *mount_path;        /* MOUNTPOINT, %r replaced (a metrics label) */
+  struct ckpt_jobs *jobs;  /* the job processes' watcher (jobs.c) */
 };
+
+/* ------------------------------------------------------------------------
+ * Job processes (jobs.c): a process that declared itself a job of the
+ * mount (setxattr MOUNTPOINT user.ckpt.job LABEL) is watched; when it
+ * exits without "end", its saves that are not committed are abandoned
+ * (ckpt__jobs_gone).
+ * ---------------------------------------------------------------------- */
+#define CKPT_JOB_XATTR "user.ckpt.job"
+#define CKPT_JOB_LABEL_MAX 128
+typedef struct ckpt_jobs ckpt_jobs_t;
+int ckpt__jobs_start(ckpt_fs_t *fs);
+void ckpt__jobs_stop(ckpt_fs_t *fs);
+/* setxattr user.ckpt.job by thread tid: declare its process a job (value
+ * its label), or "end" it. 0 or -errno. */
+int ckpt__job_declare(ckpt_fs_t *fs, pid_t tid, const char *value,
+                      size_t size);
+/* The job process of thread tid (its tgid), or 0 if it is none. No lock
+ * held (reads /proc). */
+pid_t ckpt__job_of(ckpt_fs_t *fs, pid_t tid);
+pid_t ckpt__tgid_of(pid_t tid);
+/* Job process tgid (label) exited without "end": abandon its saves that
+ * are not committed (save.c). Called by the watcher, no lock held. */
+void ckpt__jobs_gone(ckpt_fs_t *fs, pid_t tgid, const char *label);
 
 /* The drain thread: closed passthrough files hashed where they are. */
 typedef struct ckpt_drain ckpt_drain_t;

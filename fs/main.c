@@ -722,7 +722,8 @@ int main(int argc, char **argv) {
       stopper_start(&stopper, &fs) ||
       (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain)) ||
       (fs.tier_fd >= 0 && ckpt__flush_start(&fs, &fs.flush)) ||
-      ckpt__metrics_start(&fs, metrics_file, &metrics)) {
+      ckpt__metrics_start(&fs, metrics_file, &metrics) ||
+      ckpt__jobs_start(&fs)) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
     goto out;
   }
@@ -737,6 +738,7 @@ int main(int argc, char **argv) {
   status = rc < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 
 out:
+  ckpt__jobs_stop(&fs); /* no save is abandoned from here on */
   /* Saves queued or running finish first; a sync commit still gets its
    * reply while the mount is there. */
   if (fs.dist)

@@ -959,15 +959,20 @@ static void fs_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
   ckpt_node_t *n = NULL;
   int rc;
   presence_t pr = {.committed = false};
-  if (parent == FUSE_ROOT_ID)
+  pid_t job = 0; /* a job process's: abandoned if it exits (jobs.c) */
+  if (parent == FUSE_ROOT_ID) {
     pr = presence(fs, name);
+    job = ckpt__job_of(fs, ctx->pid);
+  }
   pthread_mutex_lock(&fs->lock);
   ckpt_node_t *p = ckpt__node_by_ino(fs, parent);
   if (!p)
     rc = -ESTALE;
   else if (p->kind == CKPT_NODE_ROOT) {
-    if ((rc = mkdir_checkpoint(fs, name, &pr, &n)) == 0)
+    if ((rc = mkdir_checkpoint(fs, name, &pr, &n)) == 0) {
       n->mode = S_IFDIR | (mode & 07777); /* the commit keeps it */
+      n->ck->job = job;
+    }
   } else if ((rc = can_add(fs, p, name)) == 0)
     rc = (n = ckpt__node_new(fs, p, name, CKPT_NODE_SDIR,
                              S_IFDIR | (mode & 07777), p->ck))
@@ -2060,6 +2065,13 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
                 n->ck->name, size, shown);
     }
     bool sync = words.sync;
+    /* committed by a job process: its save (jobs.c) */
+    pid_t job = rc == 0 ? ckpt__job_of(fs, fuse_req_ctx(req)->pid) : 0;
+    if (job) {
+      pthread_mutex_lock(&fs->lock);
+      n->ck->job = job;
+      pthread_mutex_unlock(&fs->lock);
+    }
     if (rc == 0)
       rc = ckpt__save_begin(fs, n->ck, &words, sync ? req : NULL, size);
     if (rc == 0 && sync)
@@ -2479,7 +2491,9 @@ static void fs_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     return;
   }
   int rc;
-  if (is_committed_kind(n->kind)) {
+  if (n->kind == CKPT_NODE_ROOT && strcmp(name, CKPT_JOB_XATTR) == 0) {
+    rc = ckpt__job_declare(fs, fuse_req_ctx(req)->pid, value, size);
+  } else if (is_committed_kind(n->kind)) {
     rc = -EROFS;
   } else if (committed_ckpt(fs, n) &&
              strcmp(name, "user.ckpt.protected") == 0) {
@@ -2632,7 +2646,9 @@ static void fs_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
     return;
   }
   int rc;
-  if (is_committed_kind(n->kind)) {
+  if (n->kind == CKPT_NODE_ROOT && strcmp(name, CKPT_JOB_XATTR) == 0) {
+    rc = ckpt__job_declare(fs, fuse_req_ctx(req)->pid, "end", 3);
+  } else if (is_committed_kind(n->kind)) {
     rc = -EROFS;
   } else if (n->kind != CKPT_NODE_SFILE) {
     rc = -ENODATA;

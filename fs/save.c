@@ -73,6 +73,7 @@ typedef struct ckpt_save {
   double began;          /* CLOCK_MONOTONIC s of the write to .commit */
   int step_rc;           /* -errno of the first step that failed here */
   ckpt_partner_rx_t *partner_rx; /* partner copies received (partner.c) */
+  char *abandoned;       /* job.cancel: why (ckpt__jobs_gone); fs->lock */
 } ckpt_save_t;
 
 /* ----- the sync writer's request ----- */
@@ -157,6 +158,7 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
   if (s->dirfd >= 0)
     close(s->dirfd);
   ckpt__partner_rx_free(s->partner_rx);
+  free(s->abandoned);
   pthread_mutex_destroy(&s->reply_lock);
   free(s);
 }
@@ -1403,6 +1405,87 @@ static bool yield_to_winner(ckpt_fs_t *fs, ckpt_ckpt_t *ck, const char *name,
   return discarded;
 }
 
+/* ------------------------------------------------------------------------
+ * Abandoned saves: the job that wrote them is gone (jobs.c).
+ * ---------------------------------------------------------------------- */
+
+/* ck (staged, or its save just failed as abandoned) leaves the mount as
+ * rm -r NAME would make it: its name is free for the restarted job; the
+ * log says why. */
+static void abandon_staged(ckpt_fs_t *fs, ckpt_ckpt_t *ck, const char *why) {
+  uint64_t files = 0, bytes = 0;
+  pthread_mutex_lock(&fs->lock);
+  bool go = ck->dir && ck->state != CKPT_COMMITTING &&
+            ck->state != CKPT_COMMITTED;
+  if (go) {
+    ckpt__ckpt_staged_size(ck, &files, &bytes);
+    ck->state = CKPT_FAILED;
+    free(ck->reason);
+    ck->reason = strdup(why);
+    ck->job = 0;
+    ckpt__streams_drop_kept(ck->streams);
+    ckpt__node_detach(fs, ck->dir);
+    ckpt__ckpt_unref(fs, ck);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (!go)
+    return;
+  ckpt__staging_tidy(fs->commit_fd);
+  ckpt__log("%s: %s: its staged files (%llu files, %llu bytes) were "
+            "discarded; the name is free", ck->name, why,
+            (unsigned long long)files, (unsigned long long)bytes);
+}
+
+static char *abandoned_why(pid_t tgid, const char *label) {
+  return ckpt__strdup_printf("abandoned: the job that wrote it is gone "
+                             "(process %d%s%s exited before every rank "
+                             "committed it)",
+                             (int)tgid, label && *label ? ", " : "",
+                             label ? label : "");
+}
+
+void ckpt__jobs_gone(ckpt_fs_t *fs, pid_t tgid, const char *label) {
+  char *why = abandoned_why(tgid, label);
+  size_t n = 0, cap = 0;
+  ckpt_ckpt_t **staged = NULL;
+  int cancelled = 0;
+  pthread_mutex_lock(&fs->lock);
+  for (ckpt_node_t *c = fs->root->children; c; c = c->next) {
+    ckpt_ckpt_t *ck = c->kind == CKPT_NODE_CKPT ? c->ck : NULL;
+    if (!ck || ck->job != tgid || ck->state == CKPT_COMMITTED)
+      continue;
+    if (ck->state == CKPT_COMMITTING) {
+      if (ck->save && !atomic_exchange(&ck->save->job.cancel, true)) {
+        ck->save->abandoned = why ? strdup(why) : NULL;
+        cancelled++;
+      }
+      continue;
+    }
+    if (n == cap) {
+      size_t ncap = cap ? 2 * cap : 8;
+      ckpt_ckpt_t **more = realloc(staged, ncap * sizeof(*more));
+      if (!more)
+        break;
+      staged = more, cap = ncap;
+    }
+    ck->refs++;
+    staged[n++] = ck;
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (cancelled || n)
+    ckpt__log("job: process %d%s%s exited without \"end\": abandoning its "
+              "%zu staged and %d committing save(s)", (int)tgid,
+              label && *label ? ": " : "", label ? label : "", n, cancelled);
+  for (size_t i = 0; i < n; i++) {
+    abandon_staged(fs, staged[i], why ? why : "abandoned");
+    pthread_mutex_lock(&fs->lock);
+    ckpt__ckpt_unref(fs, staged[i]);
+    pthread_mutex_unlock(&fs->lock);
+  }
+  free(staged);
+  free(why);
+}
+
 /* replace=TARGET committed: the staged checkpoint leaves this mount (its
  * files are TARGET's now), and TARGET is shown anew, at once (an old view
  * of it goes; handles open on it keep reading the old bytes). */
@@ -1480,9 +1563,16 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
       pthread_mutex_lock(&fs->lock);
       ck->state = CKPT_FAILED;
       ck->reason = strdup(reason ? reason : "unknown error");
+      char *gone = atomic_load(&job->cancel) && s->abandoned
+                       ? strdup(s->abandoned)
+                       : NULL;
       pthread_mutex_unlock(&fs->lock);
       if (ck->streams) /* staged again: files may stream anew */
         ckpt__streams_freeze(ck->streams, false, 0);
+      /* its job is gone: nobody commits it again */
+      if (gone)
+        abandon_staged(fs, ck, gone);
+      free(gone);
     }
   }
   pthread_mutex_lock(&fs->lock);
