@@ -682,13 +682,15 @@ static int verify_copy(ckpt_flush_t *f, const ckpt_metadata_t *m,
   return 0;
 }
 
-/* Copy fd in to fd out, [0, size), under the token bucket. */
+/* Copy fd in to fd out, [0, size), under the token bucket. *writing:
+ * whether the write (BACKING_DIR's side) failed, else the read. */
 static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
-                      uint64_t size, bool count) {
+                      uint64_t size, bool count, bool *writing) {
   size_t step = FLUSH_STEP;
   if (f->fs->opts.flush_rate && f->fs->opts.flush_rate / 4 < step)
     step = f->fs->opts.flush_rate / 4 ? (size_t)(f->fs->opts.flush_rate / 4)
                                       : 4096; /* smooth at low rates */
+  *writing = false;
   char *buf = malloc(step);
   if (!buf)
     return -ENOMEM;
@@ -701,6 +703,7 @@ static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
       store_busy(f->fs, j, true);
       if ((errno = 0, pwrite(out, buf, n, (off_t)off)) != (ssize_t)n)
         rc = errno ? -errno : -ENOSPC; /* short: the store is full */
+      *writing = rc != 0;
       store_busy(f->fs, j, false);
     }
     if (rc == 0 && count)
@@ -708,6 +711,43 @@ static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
   }
   free(buf);
   return rc;
+}
+
+/* Tries of staging_file, and its first pause (doubled at each). */
+#define STAGING_TRIES 4
+#define STAGING_PAUSE 0.02
+
+/* An unnamed file in BACKING_DIR/.staging for the copy of file: fd, or
+ * -errno with *err. The other mounts on BACKING_DIR (this node's ranks,
+ * other nodes) remove .staging whenever it is empty (ckpt__staging_tidy),
+ * so that it may go between ckpt__staging_tmpfile's open of it and of the
+ * file: ENOENT (ELOOP from ckpt__staging_dir once it lost that race each
+ * time), tried again after a short pause; still lost: -EAGAIN, a race
+ * that the job retries later in this mount (transient). */
+static int staging_file(ckpt_flush_t *f, const flush_job_t *j,
+                        const char *file, char **err) {
+  ckpt_fs_t *fs = f->fs;
+  int fd = -ENOENT;
+  double pause = STAGING_PAUSE;
+  for (int t = 0; t < STAGING_TRIES; t++, pause *= 2) {
+    if (t && !sleep_until(f, ckpt__mono_now() + pause))
+      return -ECANCELED; /* unmount: the record resumes it */
+    fd = ckpt__staging_tmpfile(fs->backing_fd);
+    if (fd >= 0 || (fd != -ENOENT && fd != -ELOOP))
+      break;
+  }
+  if (fd >= 0)
+    return fd;
+  struct stat st;
+  bool alive = fstat(fs->backing_fd, &st) == 0 && st.st_nlink > 0;
+  bool raced = alive && (fd == -ENOENT || fd == -ELOOP);
+  *err = ckpt__strdup_printf(
+      "creating the copy of %s/%s in %s/%s: %s%s", j->name, file,
+      fs->backing_path, CKPT_STAGING_DIR, strerror(-fd),
+      raced ? " (the directory removed by another mount each time: "
+              "retried)"
+            : !alive ? " (BACKING_DIR removed)" : "");
+  return raced ? -EAGAIN : fd;
 }
 
 static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
@@ -718,7 +758,8 @@ static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
  * bytes) as dirfd/name. A file that another flusher linked meanwhile (the
  * owner's and a partner's copies racing) is a verified copy too: kept,
  * and both count as done. Else a file already there is not a complete
- * copy (copy_file checked it): replaced. */
+ * copy (copy_file checked it): replaced. -EAGAIN when another flusher
+ * linked one each time (racing: retried later). */
 static int link_tmpfile(ckpt_flush_t *f, const ckpt_metadata_t *m, int fd,
                         int dirfd, const char *name, int32_t rank,
                         uint32_t k, off_t size) {
@@ -734,7 +775,7 @@ static int link_tmpfile(ckpt_flush_t *f, const ckpt_metadata_t *m, int fd,
     if (unlinkat(dirfd, name, 0) && errno != ENOENT)
       return -errno;
   }
-  return -EEXIST;
+  return -EAGAIN;
 }
 
 /* Is held/name, of an earlier run, a complete and verified copy of data
@@ -753,83 +794,128 @@ static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
   return ok;
 }
 
-/* Copy data file name (rank, k) of the tier's src into held, verified. */
+/* Copy data file name (rank, k) of the tier's src into held, verified.
+ * Every failure says its step in *err. */
 static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
                      const ckpt_metadata_t *m, int src, int held,
-                     const char *name, int32_t rank, uint32_t k) {
+                     const char *name, int32_t rank, uint32_t k,
+                     char **err) {
   ckpt_fs_t *fs = f->fs;
   struct stat st;
-  int in = ckpt_store_open_file(src, name);
-  if (in < 0)
-    return in;
-  int rc = fstat(in, &st) ? -errno : 0;
+  const char *step = "opening the tier's copy of";
+  int in = ckpt_store_open_file(src, name), out = -1;
+  int rc = in < 0 ? in : 0;
+  if (rc == 0 && fstat(in, &st)) {
+    rc = -errno;
+    step = "reading the tier's copy of";
+  }
   if (rc == 0 &&
       copied_already(f, m, held, name, rank, k, st.st_size)) {
     count_done(fs, j, (uint64_t)st.st_size); /* linked by an earlier run */
     close(in);
     return 0;
   }
-  int out = rc ? -1 : ckpt__staging_tmpfile(fs->backing_fd);
-  if (rc == 0 && out < 0)
+  if (rc == 0 && (out = staging_file(f, j, name, err)) < 0) {
     rc = out;
-  if (rc == 0)
-    rc = ckpt_failpoint_error("flush_copy");
-  if (rc == 0)
-    rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, true);
+    step = NULL; /* *err says it */
+  }
+  if (rc == 0 && (rc = ckpt_failpoint_error("flush_copy")) != 0)
+    step = "copying (failpoint flush_copy)";
+  bool writing = false;
+  if (rc == 0 &&
+      (rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, true,
+                       &writing)) != 0)
+    step = writing ? "writing the copy (in BACKING_DIR/.staging) of"
+                   : "reading the tier's copy of";
   if (rc == 0)
     ckpt_failpoint("flush_copy");
   if (rc == 0 && fs->opts.sync_files) {
     store_busy(fs, j, true);
-    rc = fsync(out) ? -errno : 0;
+    if (fsync(out)) {
+      rc = -errno;
+      step = "syncing the copy (in BACKING_DIR/.staging) of";
+    }
     store_busy(fs, j, false);
   }
   char what[600];
   snprintf(what, sizeof(what), "%s/%s", j->name, name);
-  if (rc == 0)
-    rc = verify_copy(f, m, rank, k, out, what);
-  if (rc == 0)
-    rc = link_tmpfile(f, m, out, held, name, rank, k, st.st_size);
+  if (rc == 0 && (rc = verify_copy(f, m, rank, k, out, what)) != 0)
+    step = "verifying the copy against the .metadata of";
+  if (rc == 0 &&
+      (rc = link_tmpfile(f, m, out, held, name, rank, k, st.st_size)) != 0)
+    step = rc == -EAGAIN ? "linking the copy (another flusher's linked "
+                           "each time: retried) of"
+                         : "linking the copy into BACKING_DIR/" CKPT_SAVES_DIR
+                           "/SAVE_ID of";
+  if (rc && step && !*err)
+    *err = ckpt__strdup_printf("%s %s (to %s/%s/%s): %s", step, what,
+                               fs->backing_path, CKPT_SAVES_DIR, j->save_id,
+                               strerror(-rc));
   if (out >= 0)
     close(out);
-  close(in);
+  if (in >= 0)
+    close(in);
   return rc;
 }
 
 /* Copy src/.metadata to held/.metadata: through .metadata.tmp.R, synced,
  * then linked (flushers of other ranks do the same with the same bytes:
- * the first link stays). */
+ * the first link stays). Every failure says its step in *err. */
 static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
-                         int held) {
+                         int held, char **err) {
   struct stat st;
   char tmp[64];
   snprintf(tmp, sizeof(tmp), "%s.%d", CKPT_METADATA_TMP, j->rank);
   unlinkat(held, tmp, 0); /* of a run killed before its link */
   if (fstatat(held, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0)
     return 0; /* linked by another rank's flusher */
-  int in = ckpt_store_open_file(src, CKPT_METADATA_FILE);
-  if (in < 0)
-    return in;
-  int out = openat(held, tmp,
-                   O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
-                   0600);
-  /* the mode the commit gave it in the tier */
-  int rc = out < 0 || fstat(in, &st) || fchmod(out, st.st_mode & 0777)
-               ? -errno
-               : 0;
-  /* not counted in .status's flush bytes (data files only) */
-  if (rc == 0)
-    rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, false);
-  if (rc == 0 && f->fs->opts.sync_files && fsync(out))
+  const char *step = "opening the tier's";
+  int in = ckpt_store_open_file(src, CKPT_METADATA_FILE), out = -1;
+  int rc = in < 0 ? in : 0;
+  if (rc == 0 && fstat(in, &st)) {
     rc = -errno;
+    step = "reading the tier's";
+  }
+  if (rc == 0 &&
+      (out = openat(held, tmp,
+                    O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
+                    0600)) < 0) {
+    rc = -errno;
+    step = "creating the copy (" CKPT_METADATA_TMP ".R) of";
+  }
+  /* the mode the commit gave it in the tier */
+  if (rc == 0 && fchmod(out, st.st_mode & 0777)) {
+    rc = -errno;
+    step = "setting the mode of the copy of";
+  }
+  /* not counted in .status's flush bytes (data files only) */
+  bool writing = false;
+  if (rc == 0 &&
+      (rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, false,
+                       &writing)) != 0)
+    step = writing ? "writing the copy of" : "reading the tier's";
+  if (rc == 0 && f->fs->opts.sync_files && fsync(out)) {
+    rc = -errno;
+    step = "syncing the copy of";
+  }
   if (out >= 0)
     close(out);
-  close(in);
+  if (in >= 0)
+    close(in);
   if (rc == 0 && linkat(held, tmp, held, CKPT_METADATA_FILE, 0) &&
-      errno != EEXIST)
+      errno != EEXIST) {
     rc = -errno;
+    step = "linking the copy of";
+  }
   unlinkat(held, tmp, 0);
-  if (rc == 0 && f->fs->opts.sync_files && fsync(held))
+  if (rc == 0 && f->fs->opts.sync_files && fsync(held)) {
     rc = -errno;
+    step = "syncing the directory of the copy of";
+  }
+  if (rc && !*err)
+    *err = ckpt__strdup_printf("%s %s/%s (to %s/%s/%s): %s", step, j->name,
+                               CKPT_METADATA_FILE, f->fs->backing_path,
+                               CKPT_SAVES_DIR, j->save_id, strerror(-rc));
   return rc;
 }
 
@@ -850,19 +936,27 @@ static bool data_file(const char *name, int32_t *rank, uint32_t *k) {
 /* Copy every data file of j's rank in src into held. A file of another
  * rank in src is either that rank's (its own mount flushes it) or a
  * partner copy (level partner), which its partner record's job copies
- * only when the owner's node cannot (partner_turn). */
+ * only when the owner's node cannot (partner_turn). *staged: a file was
+ * made in BACKING_DIR/.staging (to be tidied). */
 static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
-                     const ckpt_metadata_t *m, int src, int held) {
+                     const ckpt_metadata_t *m, int src, int held,
+                     bool *staged, char **err) {
   DIR *d = ckpt_opendir_at(src);
-  if (!d)
-    return -errno;
+  if (!d) {
+    int e = errno;
+    *err = ckpt__strdup_printf("listing the tier's copy of %s: %s",
+                               j->name, strerror(e));
+    return -e;
+  }
   int rc = 0;
   struct dirent *e;
   int32_t rank;
   uint32_t k;
   while (rc == 0 && (e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k) && rank == j->rank)
-      rc = copy_file(f, j, m, src, held, e->d_name, rank, k);
+    if (data_file(e->d_name, &rank, &k) && rank == j->rank) {
+      *staged = true;
+      rc = copy_file(f, j, m, src, held, e->d_name, rank, k, err);
+    }
   closedir(d);
   return rc;
 }
@@ -1005,6 +1099,8 @@ static int complete(const ckpt_metadata_t *m, int held, char **why) {
   bool *missing = calloc((size_t)world, sizeof(*missing));
   if (!need || !missing) {
     free(need), free(missing);
+    *why = ckpt__strdup_printf("checking that every rank's files are in "
+                               "the shared store: %s", strerror(ENOMEM));
     return -ENOMEM;
   }
   for (uint32_t i = 0; i < total; i++) {
@@ -1197,11 +1293,15 @@ static int partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
 }
 
 /* Flush one checkpoint: steps 2-5 of the protocol above. 0, -EINPROGRESS
- * (waiting for other ranks' files: j->held kept) or -errno, with *err. */
+ * (waiting for other ranks' files: j->held kept) or -errno, with *err
+ * naming the step that failed. */
 static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   ckpt_fs_t *fs = f->fs;
   ckpt_metadata_t m = {0};
   int held = j->held, src = -1, rc = 0;
+  /* the step under way, for an error that did not say it (*err) */
+  const char *step = "checking that the tier is private";
+  bool staged = false; /* a file made in BACKING_DIR/.staging */
   j->held = -1;
   if (published(fs, j)) {
     j->dropped = j->partner && !j->taken; /* nothing of it copied here */
@@ -1209,8 +1309,18 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   }
   /* checked whole at mount; made writable by others since: flush nothing */
   rc = ckpt_store_check_private(fs->tier_fd, fs->tier_path, false, err);
-  src = rc ? rc : open_source(fs, j);
-  rc = src < 0 ? src : 0;
+  if (rc == 0) {
+    step = "opening the tier's copy";
+    src = open_source(fs, j);
+    rc = src < 0 ? src : 0;
+    if (rc && rc != -ESTALE)
+      *err = ckpt__strdup_printf("opening the tier's copy of %s (%s/%s or "
+                                 "%s/%s/%s): %s", j->name, fs->tier_path,
+                                 j->name, fs->tier_path, CKPT_SAVES_DIR,
+                                 j->save_id, strerror(-rc));
+  }
+  if (rc == 0 && j->partner && !j->taken)
+    step = "deciding whether this tier flushes the partner copies";
   if (rc == 0 && j->partner && !j->taken) {
     int turn = partner_turn(f, j, src, err);
     if (turn == 1) {
@@ -1234,6 +1344,8 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     replace = false;
   if (rdfd >= 0)
     close(rdfd);
+  if (rc == 0 && held < 0)
+    step = "holding the save's directory in the shared store";
   if (rc == 0 && held < 0 &&
       (rc = ckpt_store_save_dir_hold(fs->backing_fd, j->save_id, true,
                                      &held)))
@@ -1254,18 +1366,31 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
                                "node) not in the shared store yet",
                                j->name);
   }
-  if (rc == 0)
+  if (rc == 0) {
+    step = "loading the .metadata";
     rc = ckpt_metadb_load_at(from, j->name, &m, err);
-  if (rc == 0 && !j->copied && (rc = copy_data(f, j, &m, src, held)) == 0 &&
-      (from == held || (rc = copy_metadata(f, j, src, held)) == 0))
-    j->copied = true;
-  if (rc && !*err)
-    *err = ckpt__strdup_printf("copying %s to %s: %s", j->name,
-                               fs->backing_path, strerror(-rc));
-  if (rc == 0)
+  }
+  if (rc == 0 && !j->copied) {
+    step = "copying the data files";
+    rc = copy_data(f, j, &m, src, held, &staged, err);
+    if (rc == 0 && from != held) {
+      step = "copying the .metadata";
+      rc = copy_metadata(f, j, src, held, err);
+    }
+    if (rc == 0)
+      j->copied = true;
+  }
+  if (rc == 0) {
+    step = "checking that every rank's files are in the shared store";
     rc = complete(&m, held, err);
-  if (rc == 0)
+  }
+  if (rc == 0) {
+    step = "publishing in the shared store";
     rc = publish_shared(f, j, held, replace, err);
+  }
+  if (rc && !*err) /* a step that did not say why: named here */
+    *err = ckpt__strdup_printf("%s of %s (to %s): %s", step, j->name,
+                               fs->backing_path, strerror(-rc));
   if (rc == -EINPROGRESS && held >= 0) {
     j->held = held; /* held while it waits */
     held = -1;
@@ -1275,7 +1400,11 @@ flushed:
     rebind_to_shared(fs, j);
   if (rc == 0)
     remove_tier_copy(fs, j);
-  ckpt__staging_tidy(fs->backing_fd); /* its copies' directory */
+  /* its copies' directory, if this look made any: every look tidying it
+   * (a job waiting for other ranks looks every second) would remove it
+   * under the other mounts' ckpt__staging_tmpfile far more often */
+  if (staged)
+    ckpt__staging_tidy(fs->backing_fd);
   ckpt_metadata_free(&m);
   if (held >= 0)
     close(held);

@@ -214,7 +214,37 @@ DIR *ckpt_opendir_at(int dirfd) {
   return d;
 }
 
+static int open_beneath(int dirfd, const char *relpath, int flags,
+                        mode_t mode);
+
+/* Is directory relpath beneath dirfd one that was removed (no link left,
+ * still open here)? */
+static bool dir_removed(int dirfd, const char *relpath) {
+  int fd = open_walk(dirfd, relpath, O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
+  struct stat st;
+  bool removed = fd >= 0 && fstat(fd, &st) == 0 && st.st_nlink == 0;
+  if (fd >= 0)
+    close(fd);
+  return removed;
+}
+
 int ckpt_open_beneath(int dirfd, const char *relpath, int flags, mode_t mode) {
+  int fd = open_beneath(dirfd, relpath, flags, mode);
+  /* An unnamed file (O_TMPFILE) in a directory removed meanwhile (another
+   * mount's rmdir of an empty BACKING_DIR/.staging between our open of it
+   * and this one): ext4 answers EPERM (__ext4_new_inode: no file in a
+   * deleted directory) where the VFS answers ENOENT for a name made there
+   * and tmpfs makes the file. ENOENT here too, so that the callers' "the
+   * directory went meanwhile: again" (ckpt__staging_tmpfile) sees it and
+   * no EPERM reads as a refusal. */
+  if (fd == -EPERM && (flags & O_TMPFILE) == O_TMPFILE &&
+      dir_removed(dirfd, relpath))
+    fd = -ENOENT;
+  return fd;
+}
+
+static int open_beneath(int dirfd, const char *relpath, int flags,
+                        mode_t mode) {
   /* Checked here, so that the walk needs no RESOLVE_BENEATH: no absolute
    * path, no empty, "." or ".." component (a directory itself is "."
    * only when it is the whole path). */

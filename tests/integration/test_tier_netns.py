@@ -173,12 +173,19 @@ class TierNetnsCase(nw.NetnsCase):
                 for r in (range(w.n) if ranks is None else ranks)}
 
     def wait_location(self, w, name, where, timeout=300, ranks=None):
-        """Every rank's .status of NAME says `location WHERE`."""
+        """Every rank's .status of NAME says `location WHERE`. A flush that
+        failed for good (`flush failed:`, retried only by the next mount)
+        fails at once, with the step it names, rather than at the timeout."""
         deadline = time.monotonic() + timeout
         while True:
             st = self.statuses(w, name, ranks)
             if all(f"location {where}" in s for s in st.values()):
                 return st
+            failed = {r: ln for r, s in st.items() for ln in s.splitlines()
+                      if ln.startswith("flush failed")}
+            if failed:
+                self.fail(f"{name}: the flush failed (rank: .status line): {failed}\n"
+                          f"--- log ---\n{w.log_text()[-4000:]}")
             if time.monotonic() > deadline:
                 self.fail(f"{name} not `location {where}` on every rank in {timeout}s: {st}\n"
                           f"--- log ---\n{w.log_text()[-4000:]}")
