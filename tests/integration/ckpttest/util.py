@@ -47,16 +47,164 @@ DTYPES = {
 
 # ---- mounts ----------------------------------------------------------------
 
-def mountinfo_has(path):
-    """Is path a mount point? Never stats path itself: a mount whose daemon
-    stopped answering would hang the test."""
+def _unescape(field):
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+
+
+def mountinfo_dev(path, pid="self"):
+    """MAJOR:MINOR of the mount at path (the FUSE connection's superblock)
+    in the mount namespace of pid, or None. Never stats path itself: a
+    mount whose daemon stopped answering would hang the test."""
     path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    with open("/proc/self/mountinfo") as f:
+    with open(f"/proc/{pid}/mountinfo") as f:
         for line in f:
-            mp = line.split()[4].replace("\\040", " ").replace("\\011", "\t")
-            if mp == path:
-                return True
-    return False
+            fields = line.split()
+            if _unescape(fields[4]) == path:
+                return fields[2]
+    return None
+
+
+def mountinfo_has(path):
+    """Is path a mount point? Never stats path itself."""
+    return mountinfo_dev(path) is not None
+
+
+def foreign_copies(dev, source):
+    """The copies of superblock dev (MAJOR:MINOR, alive while its daemon
+    is; a FUSE mount of source, its BACKING_DIR) in mount namespaces other
+    than ours: {ns: (pid, [mount points])},
+    one process of each namespace (one whose root is its namespace's /,
+    so that its mountinfo shows every mount). A namespace made while the
+    mount was there (unshare -m of a test running beside, a service's
+    PrivateTmp) holds a copy of it; its private (or, under a private /,
+    slave) copy does not go with our unmount and keeps the connection
+    alive: the daemon never learns of the unmount."""
+    mine = os.readlink("/proc/self/ns/mnt")
+    source = os.path.realpath(source)
+    def ours(line):
+        fields = line.split()
+        tail = line.split(" - ", 1)[1].split()
+        return (fields[2] == dev and tail[0].startswith("fuse")
+                and _unescape(tail[1]) == source)
+    out = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            ns = os.readlink(f"/proc/{p}/ns/mnt")
+            if ns == mine or ns in out or os.readlink(f"/proc/{p}/root") != "/":
+                continue
+            with open(f"/proc/{p}/mountinfo") as f:
+                pts = [_unescape(line.split()[4]) for line in f if ours(line)]
+        except OSError:  # gone, or a kernel thread
+            continue
+        if pts:
+            out[ns] = (int(p), pts)
+    return out
+
+
+def cmdline(pid, limit=160):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
+    except OSError:
+        return "?"
+
+
+def release_copies(dev, source, mnt):
+    """Unmount (lazily) the copies of our mount dev in other mount
+    namespaces (foreign_copies), so that the daemon sees its unmount. Says
+    on stderr what it did; the copies it found (what diagnose reports)."""
+    copies = foreign_copies(dev, source)
+    notes = []
+    for ns, (pid, pts) in copies.items():
+        for mp in sorted(pts, key=len, reverse=True):
+            try:
+                r = subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "umount", "-l", mp],
+                                   capture_output=True, text=True, timeout=30)
+                how = "ok" if r.returncode == 0 else (r.stderr.strip() or f"exit {r.returncode}")
+            except (OSError, subprocess.SubprocessError) as e:
+                how = str(e)
+            notes.append(f"a copy at {mp} in {ns} (pid {pid}: {cmdline(pid)}); "
+                         f"umount -l there: {how}")
+    for n in notes:
+        print(f"\n  [ckpttest] {mnt} (dev {dev}) unmounted here, the daemon still "
+              f"serving {n}", file=sys.stderr)
+    return notes
+
+
+def abort_connection(dev):
+    """Abort FUSE connection dev (MAJOR:MINOR) through fusectl (mounted
+    first if it is not: systemd does at boot): the daemon's reads get
+    ENODEV, as on an unmount; whoever still has the mount gets ENOTCONN.
+    What happened, in words."""
+    major, minor = (int(x) for x in dev.split(":"))
+    conns = "/sys/fs/fuse/connections"
+    path = f"{conns}/{(major << 20) | minor}/abort"
+    if not os.path.exists(path) and not os.listdir(conns):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", conns], capture_output=True)
+    try:
+        with open(path, "w") as f:
+            f.write("1")
+        return f"aborted the connection ({path})"
+    except OSError as e:
+        return f"cannot abort the connection: {e}"
+
+
+def holders_of(mnt):
+    """Processes with a file, directory, mapping, cwd or root under mnt
+    (what keeps it busy): ["PID (cmdline): what", ...]. readlink of /proc
+    entries only, nothing under mnt is touched."""
+    mnt = os.path.realpath(os.path.dirname(mnt)) + "/" + os.path.basename(mnt)
+    under = lambda t: t == mnt or t.startswith(mnt + "/")
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) == os.getpid():
+            continue
+        what = []
+        try:
+            for link in ("cwd", "root"):
+                t = os.readlink(f"/proc/{p}/{link}")
+                if under(t):
+                    what.append(f"{link} {t}")
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                t = os.readlink(f"/proc/{p}/fd/{fd}")
+                if under(t):
+                    what.append(f"fd {fd} {t}")
+            with open(f"/proc/{p}/maps") as f:
+                what += sorted({"mapped " + line.split(None, 5)[5].strip() for line in f
+                                if len(line.split(None, 5)) == 6
+                                and under(line.split(None, 5)[5].strip())})
+        except OSError:
+            continue
+        if what:
+            out.append(f"{p} ({cmdline(p, 80)}): {', '.join(what[:5])}")
+    return out
+
+
+def threads_of(pid):
+    """What the threads of pid are doing: comm, state, wchan and kernel
+    stack (root only), threads doing the same thing together."""
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError as e:
+        return [f"no /proc/{pid}/task: {e}"]
+    groups = {}
+    for t in tids:
+        d = f"/proc/{pid}/task/{t}"
+        def rd(name):
+            try:
+                with open(f"{d}/{name}") as f:
+                    return f.read().strip()
+            except OSError as e:
+                return f"({e.strerror})"
+        st = rd("stat")
+        state = st.rsplit(")", 1)[1].split()[0] if ")" in st else "?"
+        stack = [line.split("] ", 1)[-1] for line in rd("stack").splitlines()[:8]]
+        key = (f"{rd('comm')} state {state} wchan {rd('wchan')}", tuple(stack))
+        groups.setdefault(key, []).append(t)
+    return [f"{','.join(ts)} {head}" + "".join(f"\n        {line}" for line in stack)
+            for (head, stack), ts in groups.items()]
 
 
 class Mount:
@@ -71,6 +219,9 @@ class Mount:
         self.proc = None
         self.returncode = None
         self.daemon_pid = None  # the background daemon (no -f)
+        self.dev = None         # MAJOR:MINOR of the mount, once mounted
+        self.unmounted = ""     # how the last unmount went (for a report)
+        self.copies = []        # copies of it release_copies found
 
     def argv(self):
         args = [BIN]
@@ -95,7 +246,8 @@ class Mount:
                                          env=sanenv.env(self.env))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if mountinfo_has(self.mnt):
+            self.dev = mountinfo_dev(self.mnt)
+            if self.dev:
                 if not self.foreground:
                     self.daemon_pid = find_daemon(self.mnt)
                 return self
@@ -112,19 +264,74 @@ class Mount:
         return mountinfo_has(self.mnt)
 
     def unmount(self):
-        """fusermount3 -u, retried while busy; lazy unmount as the last resort."""
-        for _ in range(50):
+        """fusermount3 -u, retried while busy; lazy unmount as the last
+        resort (then says on stderr who kept it busy)."""
+        t0, err = time.monotonic(), ""
+        for i in range(50):
             if not self.mounted():
+                self.unmounted = f"gone after {i} fusermount3 -u"
                 return True
             r = subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
             if r.returncode == 0:
+                self.unmounted = f"fusermount3 -u ok (try {i + 1})"
                 return True
+            err = r.stderr.decode(errors="replace").strip()
             time.sleep(0.1)
+        holders = holders_of(self.mnt)
         subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
+        self.unmounted = (f"busy for {time.monotonic() - t0:.1f} s ({err}), "
+                          f"detached (fusermount3 -uz)")
+        print(f"\n  [ckpttest] {self.mnt} {self.unmounted}; held by:"
+              + "".join(f"\n    {h}" for h in holders or ["(no process found)"]),
+              file=sys.stderr)
         return False
 
+    def diagnose(self, pid, waited):
+        """Say on stderr why daemon pid has not exited: the unmount, where
+        the mount still is, its threads, its log's tail."""
+        copies = foreign_copies(self.dev, self.backing) if self.dev else {}
+        lines = [f"\n  [ckpttest] daemon {pid} on {self.mnt} (dev {self.dev}) still running "
+                 f"{waited:.0f} s after the unmount ({self.unmounted}); mounted here: "
+                 f"{'yes' if self.mounted() else 'no'}"]
+        lines += [f"    released: {n}" for n in self.copies]
+        for ns, (p, pts) in copies.items():
+            lines.append(f"    still mounted in {ns} at {', '.join(pts)} "
+                         f"(pid {p}: {cmdline(p)})")
+        lines.append("    threads:")
+        lines += ["      " + t for t in threads_of(pid)]
+        lines.append("    log tail:")
+        lines += ["      " + line for line in read_log(self.log, 3000).splitlines()[-25:]]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def _wait_pid(self, pid, alive, timeout):
+        """Wait until alive() is false, at most timeout s. A daemon that
+        has not exited 1 s after its mount left our namespace may be
+        serving a copy of it in another one: those are unmounted
+        (release_copies), and if that was not enough (a copy busy there)
+        5 s later, its connection is aborted. When it does not exit,
+        diagnose before the caller kills it. Did it exit?"""
+        t0 = time.monotonic()
+        released = aborted = False
+        self.copies = []
+        while alive():
+            waited = time.monotonic() - t0
+            if waited >= timeout:
+                self.diagnose(pid, waited)
+                return False
+            if not released and waited >= 1 and self.dev and not self.mounted():
+                released = True
+                self.copies = release_copies(self.dev, self.backing, self.mnt)
+            if self.copies and not aborted and waited >= 6:
+                aborted = True
+                how = abort_connection(self.dev)
+                self.copies.append(how)
+                print(f"  [ckpttest] daemon {pid} still running: {how}", file=sys.stderr)
+            time.sleep(0.02 if waited < 1 else 0.1)
+        return True
+
     def wait(self, timeout=120):
-        """Wait for the daemon's exit; its exit code, or None if killed."""
+        """Wait for the daemon's exit; its exit code, or None if killed
+        (after saying why on stderr: diagnose)."""
         if self.proc is None:
             return self.returncode
         if not self.foreground:
@@ -132,17 +339,14 @@ class Mount:
             # daemon itself (not our child: poll /proc).
             self.proc.wait(timeout)
             pid, self.daemon_pid = self.daemon_pid, None
-            deadline = time.monotonic() + timeout
-            while pid and os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if pid and os.path.exists(f"/proc/{pid}"):
+            if pid and not self._wait_pid(pid, lambda: os.path.exists(f"/proc/{pid}"), timeout):
                 os.kill(pid, signal.SIGKILL)
             rc, self.proc = self.proc.returncode, None
             self.returncode = rc
             return rc
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        if self._wait_pid(self.proc.pid, lambda: self.proc.poll() is None, timeout):
+            rc = self.proc.returncode
+        else:
             self.proc.kill()
             self.proc.wait()
             rc = None
