@@ -19,12 +19,13 @@ save_state/load_state) imports transformers, and ckptfs.lightning (a
 Lightning CheckpointIO) imports lightning, when first used.
 """
 
+from . import job
 from ._client import (DTYPES, CkptfsError, CommitError, Shard, StagingBuffers,
-                      async_save, commit, load, save, status, wait)
+                      async_save, commit, latest, load, save, status, wait)
 
 __version__ = "0.3.0"
 __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
-           "commit", "Shard",
+           "commit", "latest", "job", "Shard",
            "CommitError", "CkptfsError", "DTYPES"]
 
 

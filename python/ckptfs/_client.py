@@ -53,6 +53,7 @@ rank whose save raises before it commits aborts the save on every rank at
 once (_abort_save), and every rank discards what it staged.
 """
 
+
 import errno
 import hashlib
 import json
@@ -66,6 +67,8 @@ import time
 import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from . import job
 
 __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
            "commit", "Shard", "CommitError", "CkptfsError", "DTYPES"]
@@ -622,6 +625,33 @@ def status(mount, name):
     return text.split("\n", 1)[0].strip(), text
 
 
+def latest(mount, prefix=""):
+    """The name of the newest committed checkpoint in mount (whose name
+    starts with prefix), or None: newest by the step retention sees
+    (user.ckpt.step: recorded at commit, else the digits of the name),
+    then by time. Never a staged, committing or failed one: what a resumed
+    job loads."""
+    best, best_key = None, None
+    for name in os.listdir(mount):
+        if name.startswith(".") or not name.startswith(prefix):
+            continue
+        ckdir = os.path.join(mount, name)
+        if _status_of(ckdir)[0] != "committed":
+            continue
+        try:
+            step = int(os.getxattr(ckdir, "user.ckpt.step"))
+        except (OSError, ValueError):
+            step = -1
+        try:
+            when = os.stat(ckdir).st_mtime_ns
+        except OSError:
+            continue
+        key = (step, when, name)
+        if best_key is None or key > best_key:
+            best, best_key = name, key
+    return best
+
+
 def _status_of(ckdir):
     """status() of the checkpoint directory ckdir; ("", "") if unreadable."""
     try:
@@ -803,6 +833,7 @@ def _make_checkpoint_dir(mount, name, exist_ok, overwrite=False, solo=False):
     and overwrite is set; its path. A staged NAME that exist_ok does not
     allow is aborted (_abort_commit: the other ranks wait for this rank's
     commit; not in a solo save) and left staged."""
+    job.declare(mount)  # its leftovers are abandoned if this process dies
     ckdir = os.path.join(mount, name)
     try:
         os.mkdir(ckdir)

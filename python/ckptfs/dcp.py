@@ -84,7 +84,7 @@ from torch.distributed.checkpoint.storage import (StorageReader,
                                                   StorageWriter, WriteResult)
 from torch.futures import Future
 
-from . import _client
+from . import _client, job
 from .tiling import check_tiling, chunk_desc, dims_text
 from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_commit,
                       _abort_save, _aborted_elsewhere, _commit_dir as _commit,
@@ -376,6 +376,7 @@ class Writer(StorageWriter):
             raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
                               "(is the rank's ckptfs mounted there?)")
         _check_world(self.mount, self.rank, default_world_size(), saving=True)
+        job.declare(self.mount)  # its leftovers are abandoned if this process dies
 
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)

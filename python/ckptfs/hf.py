@@ -20,6 +20,7 @@ docs/pytorch.md has complete examples.
 import os
 import shutil
 
+from . import job
 from ._client import (CkptfsError, _abort_save, _make_checkpoint_dir, _save_words, commit,
                       commit_staged, mount_world, status, world_mismatch)
 
@@ -67,6 +68,7 @@ class CommitCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         check_mount(args.output_dir, args.process_index, args.world_size)
+        job.declare(args.output_dir)  # its leftovers are abandoned if this process dies
         if args.save_total_limit == 1:
             # the Trainer rotates before on_save commits the new checkpoint
             raise CkptfsError("save_total_limit=1 with ckptfs: the Trainer removes the "

@@ -531,6 +531,80 @@ def optim_load(mount, name):
     result(how=how, digest=_digest(model, optim))
 
 
+RESTART_STEPS = 8
+
+
+def _kill_point(kill, step):
+    """(when, delay) where this rank dies at the save of step under kill
+    ("RANKS:WHEN:STEP", RANKS "all" or a rank, WHEN before / after /
+    staging), or (None, 0)."""
+    if kill == "none":
+        return None, 0
+    ranks, when, at = kill.split(":")
+    if int(at) != step or (ranks != "all" and int(ranks) != RANK):
+        return None, 0
+    return when, 0.02
+
+
+def _die():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), 9)
+
+
+def train_restart(mount, phase, kill="none"):
+    """A training run of RESTART_STEPS steps (FSDP2 where this torch can,
+    Adam) that saves step-N with async DCP saves every 2 steps; phase
+    "run": from scratch; "resume": from ckptfs.latest() of the mount, with
+    the same names saved again. kill: where this rank SIGKILLs itself
+    (_kill_point). The result: the digest of the final state."""
+    import threading
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = _model()
+    how = _fsdp(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    first, resumed = 0, None
+    if phase == "resume":
+        resumed = ckptfs.latest(mount_of(mount), "step-")
+        everyone = [None] * WS
+        dist.all_gather_object(everyone, resumed)
+        assert len(set(everyone)) == 1, f"ranks resume from different checkpoints: {everyone}"
+        if resumed is not None:
+            msd, osd = get_state_dict(model, optim)
+            sd = {"model": msd, "optim": osd, "step": 0}
+            dcp.load(sd, checkpoint_id=resumed, storage_reader=ckptfs.dcp.Reader(mount))
+            set_state_dict(model, optim, model_state_dict=sd["model"],
+                           optim_state_dict=sd["optim"])
+            first = int(sd["step"])
+    ckpt_pg = dist.new_group(backend="gloo")
+    fut = None
+    for k in range(first, RESTART_STEPS):
+        _step(model, optim, k)
+        step = k + 1
+        if step % 2:
+            continue
+        if fut is not None:
+            fut.result()
+        when, delay = _kill_point(kill, step)
+        if when == "before":
+            _die()
+        msd, osd = get_state_dict(model, optim)
+        if when == "staging":
+            threading.Timer(delay, _die).start()
+        fut = dcp.async_save({"model": msd, "optim": osd, "step": step},
+                             checkpoint_id=f"step-{step}",
+                             storage_writer=ckptfs.dcp.Writer(mount, commit="async"),
+                             process_group=ckpt_pg)
+        if when == "after":
+            _die()
+    fut.result()
+    name = f"step-{RESTART_STEPS}"
+    ckptfs.wait(mount_of(mount), name)
+    st = open(os.path.join(mount_of(mount), name, ".status")).read().split("\n")[0]
+    assert st == "committed", st
+    result(how=how, digest=_digest(model, optim), resumed=resumed)
+
+
 class Unpicklable:
     def __reduce__(self):
         raise RuntimeError(f"rank {RANK}: this object refuses to be saved")
