@@ -780,6 +780,9 @@ int ckpt__job_declare(ckpt_fs_t *fs, pid_t tid, const char *value,
  * held (reads /proc). */
 pid_t ckpt__job_of(ckpt_fs_t *fs, pid_t tid);
 pid_t ckpt__tgid_of(pid_t tid);
+/* Is job process tgid alive (watched)? Its label into buf. Any lock may
+ * be held (jobs.c's lock is a leaf). */
+bool ckpt__job_label(ckpt_fs_t *fs, pid_t tgid, char *buf, size_t size);
 /* Job process tgid (label) exited without "end": abandon its saves that
  * are not committed (save.c). Called by the watcher, no lock held. */
 void ckpt__jobs_gone(ckpt_fs_t *fs, pid_t tgid, const char *label);

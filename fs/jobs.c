@@ -149,6 +149,18 @@ pid_t ckpt__job_of(ckpt_fs_t *fs, pid_t tid) {
   return out;
 }
 
+bool ckpt__job_label(ckpt_fs_t *fs, pid_t tgid, char *buf, size_t size) {
+  ckpt_jobs_t *j = fs->jobs;
+  if (!j || tgid <= 0)
+    return false;
+  pthread_mutex_lock(&j->lock);
+  job_proc_t *p = find(j, tgid);
+  if (p)
+    snprintf(buf, size, "%s", p->label);
+  pthread_mutex_unlock(&j->lock);
+  return p != NULL;
+}
+
 /* The watcher: a process of the list exits -> its saves, unless it said
  * "end". */
 static void *watch(void *arg) {

@@ -277,16 +277,24 @@ static const char *tier_lines(const ckpt_ckpt_t *ck, char *buf, size_t n) {
   return buf;
 }
 
-static char *status_text(const ckpt_ckpt_t *ck) {
+/* fs->lock held. */
+static char *status_text(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
   char lines[1200];
   switch (ck->state) {
   case CKPT_STAGING: {
     uint64_t files = 0, bytes = 0;
     if (ck->dir) /* NULL: removed (rmdir), while .status was open */
       ckpt__count_staged(ck->dir, &files, &bytes);
-    return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n",
+    /* who stages it: a job process alive (a dead one's saves are gone);
+     * no line when no job declared itself (ckpt-umount's advice differs) */
+    char job[CKPT_JOB_LABEL_MAX + 64] = "";
+    char label[CKPT_JOB_LABEL_MAX];
+    if (ck->job && ckpt__job_label(fs, ck->job, label, sizeof(label)))
+      snprintf(job, sizeof(job), "job %d alive%s%s\n", (int)ck->job,
+               *label ? ": " : "", label);
+    return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n%s",
                                (unsigned long long)files,
-                               (unsigned long long)bytes);
+                               (unsigned long long)bytes, job);
   }
   case CKPT_COMMITTING: {
     char left[48] = "";
@@ -369,7 +377,7 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
     st->st_size = (off_t)ckpt_stored_size(&n->ck->stored, ckpt__node_item(n));
     break;
   case CKPT_NODE_STATUS: {
-    char *t = status_text(n->ck);
+    char *t = status_text(fs, n->ck);
     st->st_size = t ? (off_t)strlen(t) : 0;
     free(t);
     break;
@@ -1819,7 +1827,7 @@ static void fs_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     fi->direct_io = 1;
   } else if (n->kind == CKPT_NODE_STATUS) {
     pthread_mutex_lock(&fs->lock);
-    h->text = writing ? NULL : status_text(n->ck);
+    h->text = writing ? NULL : status_text(fs, n->ck);
     pthread_mutex_unlock(&fs->lock);
     rc = writing ? -EACCES : h->text ? 0 : -ENOMEM;
     h->len = h->text ? strlen(h->text) : 0;

@@ -384,8 +384,27 @@ class MountScripts(unittest.TestCase):
         write_file(os.path.join(mnts[1], "also lost", "sub", "a"), b"x" * 1000)
         write_file(os.path.join(mnts[1], "also lost", "b"), b"y" * 24)
         os.mkdir(os.path.join(mnts[1], "empty"))
+        # a live trainer (a job of its mount) stages "live"
+        job = subprocess.Popen(
+            [sys.executable, "-c", "import os, sys, time\n"
+             "os.setxattr(sys.argv[1], 'user.ckpt.job', b'trainer 7')\n"
+             "os.mkdir(os.path.join(sys.argv[1], 'live'))\n"
+             "open(os.path.join(sys.argv[1], 'live', 'w'), 'wb').write(b'z')\n"
+             "print('ready', flush=True); time.sleep(300)", mnts[0]],
+            stdout=subprocess.PIPE, text=True)
+        self.addCleanup(job.wait)
+        self.addCleanup(job.kill)
+        self.assertEqual(job.stdout.readline().strip(), "ready")
+        job.stdout.close()
         r = self.ckpt_umount()
         self.assertEqual(r.returncode, 1, r.stderr)
+        # what to do depends on who writes it: never "commit" a leftover
+        self.assertIn(f"{mnts[0]}/live: staging, 1 file, 1 bytes; written by a live "
+                      f"job ({job.pid} alive: trainer 7): commit it or wait for it", r.stderr)
+        self.assertIn(f"{mnts[0]}/lost: staging, 1 file, 5 bytes; no live job writes it",
+                      r.stderr)
+        self.assertIn("commit it only if you know it is complete", r.stderr)
+        self.assertIn("half-written files included", r.stderr)
         self.assertIn(f"{mnts[0]}/lost: staging, 1 file, 5 bytes", r.stderr)
         self.assertIn(f"{mnts[1]}/also lost: staging, 2 files, 1024 bytes", r.stderr)
         self.assertIn(f"{mnts[1]}/empty: staging, 0 files, 0 bytes", r.stderr)
@@ -395,6 +414,10 @@ class MountScripts(unittest.TestCase):
             self.assertTrue(mountinfo_has(p), f"{p} was unmounted")
         self.assertEqual(read_all(os.path.join(mnts[0], "lost", "f")), b"data\n")
         # committed, the refusal is gone
+        job.kill()  # its "live" goes with it: abandoned
+        job.wait()
+        util.wait_until(lambda: not os.path.exists(os.path.join(mnts[0], "live")), 10,
+                        "the killed job's live abandoned")
         os.unlink(os.path.join(mnts[1], "also lost", "b"))
         r = self.ckpt_umount("--discard")
         self.assertEqual(r.returncode, 0, r.stderr)
