@@ -124,7 +124,7 @@ typedef struct flush_job {
   double backoff;
   /* A sync commit with level=shared: its writer waits here for the shared
    * publish (answered when the job is over: done, or not). */
-  fuse_req_t waiter;
+  ckpt_waiter_t *waiter;
   size_t waiter_size;
   bool flushed;     /* over because published on BACKING_DIR */
   struct flush_job *next;
@@ -1587,14 +1587,17 @@ static void append(ckpt_flush_t *f, flush_job_t *j) {
 static void free_job(flush_job_t *j) {
   if (j->held >= 0)
     close(j->held);
-  if (j->waiter && j->flushed)
-    fuse_reply_write(j->waiter, j->waiter_size);
-  else if (j->waiter) {
+  /* (NULL: killed meanwhile, answered then) */
+  fuse_req_t req = j->waiter ? ckpt__waiter_claim(j->waiter) : NULL;
+  if (req && j->flushed)
+    fuse_reply_write(req, j->waiter_size);
+  else if (req) {
     ckpt__log("tier: %s: level=shared: not published in BACKING_DIR by "
               "this mount; the writer gets EIO (committed in the tier)",
               j->name);
-    fuse_reply_err(j->waiter, EIO);
+    fuse_reply_err(req, EIO);
   }
+  ckpt__waiter_free(j->waiter);
   free(j);
 }
 
@@ -1650,8 +1653,10 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
   if (!j) {
     ckpt__log("tier: out of memory: %s is flushed by the next mount",
               tmpl->name);
-    if (tmpl->waiter) /* level=shared: not there in this mount */
-      fuse_reply_err(tmpl->waiter, EIO);
+    fuse_req_t req = tmpl->waiter ? ckpt__waiter_claim(tmpl->waiter) : NULL;
+    if (req) /* level=shared: not there in this mount */
+      fuse_reply_err(req, EIO);
+    ckpt__waiter_free(tmpl->waiter);
     return;
   }
   *j = *tmpl;
@@ -1708,7 +1713,7 @@ int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
 }
 
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
-                     int rank, fuse_req_t waiter, size_t waiter_size) {
+                     int rank, ckpt_waiter_t *waiter, size_t waiter_size) {
   int dfd = open_records(f->fs, false);
   flush_job_t j;
   char rec[CKPT_SAVE_ID_LEN + 16];
@@ -1728,8 +1733,10 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
   }
   ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,
             rec, strerror(rc ? -rc : ESTALE));
-  if (waiter)
-    fuse_reply_err(waiter, EIO);
+  fuse_req_t req = waiter ? ckpt__waiter_claim(waiter) : NULL;
+  if (req)
+    fuse_reply_err(req, EIO);
+  ckpt__waiter_free(waiter);
 }
 
 void ckpt__flush_stop(ckpt_flush_t *f) {

@@ -780,6 +780,14 @@ int ckpt__job_declare(ckpt_fs_t *fs, pid_t tid, const char *value,
  * held (reads /proc). */
 pid_t ckpt__job_of(ckpt_fs_t *fs, pid_t tid);
 pid_t ckpt__tgid_of(pid_t tid);
+/* A sync writer's request that waits on after its save (save.c):
+ * answered EINTR by itself if the writer is killed meanwhile. claim: the
+ * request if it is still the caller's to answer, else NULL; free after
+ * claim. */
+typedef struct ckpt_waiter ckpt_waiter_t;
+ckpt_waiter_t *ckpt__waiter_new(fuse_req_t req, const char *name);
+fuse_req_t ckpt__waiter_claim(ckpt_waiter_t *w);
+void ckpt__waiter_free(ckpt_waiter_t *w);
 /* Is job process tgid alive (watched)? Its label into buf. Any lock may
  * be held (jobs.c's lock is a leaf). */
 bool ckpt__job_label(ckpt_fs_t *fs, pid_t tgid, char *buf, size_t size);
@@ -846,12 +854,12 @@ int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err);
 void ckpt__flush_recover(ckpt_fs_t *fs);
 /* Start the thread; it queues every record left by earlier mounts. */
 int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out);
-/* Queue the tier checkpoint name (just committed). waiter, if not NULL:
- * a sync commit's write (level=shared), answered with waiter_size once
- * the checkpoint is published in BACKING_DIR, EIO if it is not in this
- * mount. */
+/* Queue the tier checkpoint name (just committed). waiter, if not NULL
+ * (taken): a sync commit's write (level=shared), answered with
+ * waiter_size once the checkpoint is published in BACKING_DIR, EIO if it
+ * is not in this mount, EINTR at once if its writer is killed. */
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
-                     int rank, fuse_req_t waiter, size_t waiter_size);
+                     int rank, ckpt_waiter_t *waiter, size_t waiter_size);
 /* Stop it: a copy under way is abandoned (the record stays). */
 void ckpt__flush_stop(ckpt_flush_t *f);
 /* Does a flush record name save_id, of any rank (its checkpoint is not

@@ -113,12 +113,12 @@ static void commit_interrupted(fuse_req_t req, void *arg) {
   pthread_mutex_lock(&s->reply_lock);
   bool answer = !s->replied;
   s->replied = true;
-  pthread_mutex_unlock(&s->reply_lock);
-  if (answer) {
+  if (answer) /* here: s may be freed once replied is seen */
     ckpt__log("%s/.commit: its writer (thread %d) was killed: answered, "
               "the save goes on", s->ck->name, (int)tid);
+  pthread_mutex_unlock(&s->reply_lock);
+  if (answer)
     fuse_reply_err(req, EINTR);
-  }
 }
 
 /* Take the writer's request back from the interrupt: true when it is
@@ -132,6 +132,65 @@ static bool claim_reply(ckpt_save_t *s) {
   if (ours) /* waits for a callback running now (it finds replied) */
     fuse_req_interrupt_func(s->req, NULL, NULL);
   return ours;
+}
+
+/* A sync writer that waits on after its save, for the flush's shared
+ * publish (level=shared): killed meanwhile, it is answered EINTR at once
+ * too. The flush answers it through ckpt__waiter_claim. */
+struct ckpt_waiter {
+  fuse_req_t req;
+  pthread_mutex_t lock;
+  bool replied; /* lock */
+  char name[256];
+};
+
+static void waiter_interrupted(fuse_req_t req, void *arg) {
+  ckpt_waiter_t *w = arg;
+  pid_t tid = fuse_req_ctx(req)->pid;
+  if (!being_killed(tid))
+    return;
+  /* logged first: w may be freed once replied is seen */
+  pthread_mutex_lock(&w->lock);
+  bool answer = !w->replied;
+  if (answer)
+    ckpt__log("%s/.commit: its writer (thread %d) was killed while it "
+              "waited for the shared level: answered", w->name, (int)tid);
+  w->replied = true;
+  pthread_mutex_unlock(&w->lock);
+  if (answer)
+    fuse_reply_err(req, EINTR);
+}
+
+ckpt_waiter_t *ckpt__waiter_new(fuse_req_t req, const char *name) {
+  ckpt_waiter_t *w = calloc(1, sizeof(*w));
+  if (!w)
+    return NULL;
+  w->req = req;
+  pthread_mutex_init(&w->lock, NULL);
+  snprintf(w->name, sizeof(w->name), "%s", name);
+  /* (an interrupt that came meanwhile is delivered here at once) */
+  fuse_req_interrupt_func(req, waiter_interrupted, w);
+  return w;
+}
+
+fuse_req_t ckpt__waiter_claim(ckpt_waiter_t *w) {
+  pthread_mutex_lock(&w->lock);
+  bool ours = !w->replied;
+  w->replied = true;
+  pthread_mutex_unlock(&w->lock);
+  if (!ours)
+    return NULL;
+  fuse_req_interrupt_func(w->req, NULL, NULL);
+  return w->req;
+}
+
+void ckpt__waiter_free(ckpt_waiter_t *w) {
+  if (!w)
+    return;
+  pthread_mutex_lock(&w->lock); /* an interrupt still inside */
+  pthread_mutex_unlock(&w->lock);
+  pthread_mutex_destroy(&w->lock);
+  free(w);
 }
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
@@ -159,6 +218,8 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
     close(s->dirfd);
   ckpt__partner_rx_free(s->partner_rx);
   free(s->abandoned);
+  pthread_mutex_lock(&s->reply_lock); /* an interrupt still inside */
+  pthread_mutex_unlock(&s->reply_lock);
   pthread_mutex_destroy(&s->reply_lock);
   free(s);
 }
@@ -1601,10 +1662,14 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
     else
       fuse_reply_err(s->req, rc == -EEXIST ? EEXIST : EIO);
   }
-  /* The writer has its answer: the copy to BACKING_DIR starts behind it. */
+  /* The writer has its answer: the copy to BACKING_DIR starts behind it
+   * (or it waits for it, interruptible: level=shared). */
+  ckpt_waiter_t *w = NULL;
+  if (to_flush && writer && !(w = ckpt__waiter_new(s->req, job->name)))
+    fuse_reply_err(s->req, ENOMEM);
   if (rc == 0 && fs->flush)
-    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank,
-                    to_flush && writer ? s->req : NULL, s->reply_size);
+    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank, w,
+                    s->reply_size);
   save_free(fs, s);
 }
 

@@ -220,6 +220,25 @@ class Flush(TierCase):
         print(f"  commit without tier {self.timed_commit('d'):.3f} s", file=sys.stderr)
 
 
+    def test_level_shared_writer_killed_leaves_at_once(self):
+        """A sync level=shared writer killed while it waits for the flush
+        (64 MiB at flush_rate=4M: 16 s) leaves the kernel within a second
+        (the daemon answers the kernel's interrupt); the flush goes on."""
+        self.tier_mount("flush_rate=4M")
+        self.stage()
+        writer = subprocess.Popen(["sh", "-c", f"echo 'sync level=shared' > {self.ck('c')}/.commit"])
+        self.wait_status("flush bytes")  # committed in the tier: the wait is the flush's
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        writer.kill()
+        try:
+            writer.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.fail(f"the writer was still in the kernel 5 s after SIGKILL: {status(self.ck('c'))!r}")
+        self.assertLess(time.monotonic() - t0, 1.0)
+        self.assertIn("waited for the shared level: answered", self.daemon_log())
+        self.wait_shared(timeout=60)
+
     def test_level_shared_waits_for_the_flush(self):
         """`sync level=shared`: the commit returns once the checkpoint is
         published in BACKING_DIR (64 MiB at flush_rate=16M: 4 s), not at
