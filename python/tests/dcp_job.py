@@ -597,7 +597,8 @@ def train_restart(mount, phase, kill="none"):
                              process_group=ckpt_pg)
         if when == "after":
             _die()
-    fut.result()
+    if fut is not None:  # (None: resumed from the last step, committed whole)
+        fut.result()
     name = f"step-{RESTART_STEPS}"
     ckptfs.wait(mount_of(mount), name)
     st = open(os.path.join(mount_of(mount), name, ".status")).read().split("\n")[0]
