@@ -741,6 +741,56 @@ static char *new_save_id(void) {
   return id;
 }
 
+/* The item a client commits to abort a save on every rank (python/ckptfs
+ * _abort_commit): ABORT_PATH at the checkpoint's top, a float32 tensor of
+ * shape [1] with no bytes, which no save can hold (so that a ckptfs that
+ * does not know it fails the save too); its user.ckpt.fqn, when given, is
+ * the rank's reason. */
+#define ABORT_PATH "_ckptfs_abort"
+#define ABORT_REASON_MAX 300
+
+static bool is_abort_item(const ckpt_write_item_t *it) {
+  return it->kind == CKPT_ITEM_TENSOR && it->length == 0 &&
+         it->dtype == CKPT_DTYPE_FLOAT32 && it->ndim == 1 &&
+         strcmp(it->path, ABORT_PATH) == 0;
+}
+
+/* Why the save fails when some rank aborted it: "rank R aborted the save:
+ * REASON", one line per such rank, the client's item never named (the
+ * planner would say "_ckptfs_abort (...): rank R wrote 0 bytes, 4
+ * expected"). NULL when no rank aborted (or out of memory). */
+static char *aborted_by(const ckpt_local_plan_t *locals, int n) {
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  int rc = 0;
+  for (int r = 0; r < n && rc == 0; r++) {
+    for (uint32_t i = 0; i < locals[r].n_items; i++) {
+      const ckpt_write_item_t *it = &locals[r].items[i];
+      if (!is_abort_item(it))
+        continue;
+      char why[ABORT_REASON_MAX + 4] = "";
+      if (it->fqn_explicit && it->fqn) {
+        size_t k = 0;
+        for (const char *c = it->fqn; *c && k < ABORT_REASON_MAX; c++, k++)
+          why[k] = (unsigned char)*c < 0x20 || *c == 0x7f ? '?' : *c;
+        if (it->fqn[k])
+          memcpy(why + k, "...", 4);
+        else
+          why[k] = '\0';
+      }
+      rc = ckpt_buf_printf(&b, "%srank %d aborted the save: %s",
+                           b.len ? "\n" : "", (int)locals[r].rank,
+                           why[0] ? why : "it failed before its commit");
+      break;
+    }
+  }
+  if (rc || b.len == 0) {
+    ckpt_buf_free(&b);
+    return NULL;
+  }
+  return ckpt_buf_steal(&b);
+}
+
 static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
                        int n, ckpt_buf_t *rank_plans, char **err) {
   ckpt_fs_t *fs = ctx;
@@ -767,6 +817,8 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
   }
   ckpt_plan_opts_t opts = {.io_threads = fs->opts.io_threads,
                            .replica_check = fs->opts.replica_check};
+  if (rc == 0 && (*err = aborted_by(locals, n)) != NULL)
+    rc = -ECANCELED; /* not a refusal of what was staged: metrics "other" */
   if (rc == 0)
     rc = ckpt_plan_global(locals, n, &opts, &s->gp);
   if (rc == 0) {

@@ -61,6 +61,7 @@ import math
 import os
 import pickle
 import re
+import stat
 import sys
 import threading
 import time
@@ -493,6 +494,31 @@ def _read_text(path):
         return f.read()
 
 
+def mount_gone(path):
+    """What a dead ckptfs mount at path is, in words."""
+    return (f"the ckptfs mount at {path} is gone (ENOTCONN): its daemon exited; "
+            "see its log")
+
+
+def check_dir(mount, who=""):
+    """CkptfsError (prefixed by who) unless mount is a directory this
+    process can use: a ckptfs mount whose daemon exited (stat gives
+    ENOTCONN, or ECONNABORTED once its connection was aborted) is named as
+    a dead mount, not as a path that is no directory."""
+    try:
+        st = os.stat(mount)
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            raise CkptfsError(who + mount_gone(mount)) from None
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise CkptfsError(f"{who}cannot use {mount}: {e.strerror}") from None
+        st = None
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise CkptfsError(f"{who}{mount} is not a directory (is the rank's ckptfs "
+                          "mounted there? mount it with ckptfs or "
+                          "mount-scripts/ckpt-mount)")
+
+
 def mount_world(mount):
     """(rank, world_size) of the ckptfs mount at mount, from the xattrs
     user.ckpt.rank and user.ckpt.world_size of its root; None when it has
@@ -652,6 +678,38 @@ def latest(mount, prefix=""):
     return best
 
 
+_JOB_ALIVE = re.compile(r"^job \d+ alive\b", re.M)
+
+
+def leftovers(mount, match=None):
+    """[(name, state)] of the checkpoints of mount (those whose name
+    match(name) accepts; all when None) that are staged or failed with no
+    live job writing them: no `job PID alive` line in their .status (the
+    daemon shows one while a process that declared itself a job of the
+    mount, ckptfs.job, stages it). A killed run's unfinished save, or one
+    written by a process that never declared itself (cp, a shell)."""
+    out = []
+    try:
+        names = sorted(os.listdir(mount))
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith(".") or (match is not None and not match(name)):
+            continue
+        st, text = _status_of(os.path.join(mount, name))
+        if st in ("staging", "failed") and not _JOB_ALIVE.search(text):
+            out.append((name, st))
+    return out
+
+
+def discard_leftovers(mount, match=None):
+    """Discard each of leftovers(mount, match) on this rank (rm -r of a
+    staged checkpoint: other mounts keep their own parts); [(name,
+    state)] of those discarded."""
+    return [(name, st) for name, st in leftovers(mount, match)
+            if _discard_uncommitted(os.path.join(mount, name))]
+
+
 def _status_of(ckdir):
     """status() of the checkpoint directory ckdir; ("", "") if unreadable."""
     try:
@@ -738,13 +796,12 @@ def _check_save_args(state_dict, mount, mode_arg, mode, objects):
         raise ValueError(f"objects must be 'pickle' or 'json', not {objects!r}")
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    if not os.path.isdir(mount):
-        raise CkptfsError(f"{mount} is not a directory (is the ckptfs rank mount "
-                          "there? mount it with ckptfs or mount-scripts/ckpt-mount)")
+    check_dir(mount)
 
 
 def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
-         exist_ok=False, threads=4, overwrite=False, solo=False):
+         exist_ok=False, threads=4, overwrite=False, solo=False, step=None,
+         metrics=None, protect=False):
     """Write state_dict into MOUNT/NAME and commit it.
 
     mount: this rank's ckptfs mount; name: the checkpoint name
@@ -757,14 +814,22 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     the commit failed), discard what is staged and save again;
     overwrite: replace a committed name (it is staged under a working name
     and committed with replace=NAME, on every rank: give every rank the same
-    overwrite); without it a committed name is never replaced;
+    overwrite). False by default, unlike DCP's Writer and Accelerate's
+    save_state (ckptfs.dcp, ckptfs.hf), which overwrite as their frameworks
+    do: this is ckptfs's own API, whose committed names are write-once
+    unless asked, so a save under a name already published raises before
+    anything is staged instead of replacing it for every reader;
     solo: this rank alone saves name, as a checkpoint of world size 1 (the
     other ranks do not call save); threads: files written at once (the
-    mount's io_threads streams take that many in parallel). Raises
-    CommitError when the commit fails.
+    mount's io_threads streams take that many in parallel).
+    step, metrics ({"loss": 0.25}) and protect: recorded at the commit for
+    retention, as commit() does (step: the trainer's global step, which
+    retention and latest() order by; without it the last run of digits in
+    NAME counts). Raises CommitError when the commit fails.
     """
     _check_save_args(state_dict, mount, "mode", mode, objects)
     _check_world(mount, rank, solo)
+    kept = retention_words(step, metrics, protect)  # bad values raise here
     stager = _Stager(threads)
     words = _save_words(name, overwrite, solo)
     try:
@@ -791,16 +856,17 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     except BaseException:
         _abort_save(ckdir, name, words)
         raise
-    commit_staged(ckdir, mount, name, mode, words)
+    commit_staged(ckdir, mount, name, mode, words, kept)
 
 
-def commit_staged(ckdir, mount, name, mode, words):
+def commit_staged(ckdir, mount, name, mode, words, kept=()):
     """Commit what a save staged in ckdir (MOUNT/NAME, or its working name)
-    with mode and words; on failure leave nothing of it staged where no
-    retry can use it (a working name is this save's own), and fail a
-    commit the other ranks wait for when this rank stops before it."""
+    with mode and words, and kept (retention_words: step=N ...); on
+    failure leave nothing of it staged where no retry can use it (a
+    working name is this save's own), and fail a commit the other ranks
+    wait for when this rank stops before it."""
     try:
-        _commit_dir(ckdir, name, mode, words)
+        _commit_dir(ckdir, name, mode, tuple(words) + tuple(kept))
     except CommitError as e:
         aborted = _aborted_elsewhere(e, ckdir, name)
         if aborted is not None:
@@ -854,7 +920,9 @@ def _make_checkpoint_dir(mount, name, exist_ok, overwrite=False, solo=False):
                 f"another name, or remove it for every rank with rm -r {ckdir}") from None
         if not exist_ok:
             if not solo:
-                _abort_commit(ckdir, name)
+                _abort_commit(ckdir, name, reason=(
+                    f"an earlier save of {name!r} was left staged on its mount "
+                    "(exist_ok=True discards it)"))
             raise CkptfsError(
                 f"checkpoint {name!r} is already staged ({st}) on this rank in "
                 f"{mount}: choose another name, discard it with rm -r {ckdir}, "
@@ -946,14 +1014,42 @@ def _replacing(mount, name):
 # seconds, each rank discards what it staged, and the others raise
 # CommitError saying another rank failed. ckpt.save, ckptfs.async_save and
 # ckptfs.dcp.Writer all do this. A solo save has no other rank to tell.
+# The item's user.ckpt.fqn is the rank's reason: the daemon fails the save
+# with "rank R aborted the save: REASON" (fs/save.c, aborted_by), never
+# naming the item (a daemon older than that names it:
+# "_ckptfs_abort (...): rank R wrote 0 bytes, 4 expected").
 
-def _abort_commit(ckdir, name, words=()):
+ABORTED = re.compile(r"^rank \d+ aborted the save: ", re.M)
+ABORT_REASON_MAX = 300
+
+
+def _abort_reason(reason=None):
+    """The reason an abort gives the other ranks: reason, else the error
+    being handled (sys.exc_info), one line of at most ABORT_REASON_MAX
+    bytes of UTF-8 (the daemon cuts a longer one)."""
+    if reason is None:
+        err = sys.exc_info()[1]
+        if err is None:
+            reason = "it failed before its commit"
+        else:
+            text = str(err).strip().splitlines()
+            reason = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+    reason = "".join(c if c >= " " and c != "\x7f" else "?" for c in reason)
+    raw = reason.encode("utf-8", "replace")
+    if len(raw) > ABORT_REASON_MAX:
+        reason = raw[:ABORT_REASON_MAX - 3].decode("utf-8", "ignore") + "..."
+    return reason
+
+
+def _abort_commit(ckdir, name, words=(), reason=None):
     """Fail this save on every rank now rather than at commit_timeout:
-    commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes),
-    with the save's own words (replace=NAME: the ranks match by NAME).
-    Returns once the commit failed (when every rank committed)."""
+    commit a chunk ckptfs refuses (a float32 of shape [1] with no bytes,
+    its user.ckpt.fqn the reason: _abort_reason), with the save's own
+    words (replace=NAME: the ranks match by NAME). Returns once the commit
+    failed (when every rank committed)."""
     if "solo" in words:
         return
+    why = _abort_reason(reason)
     try:
         if not os.path.isdir(ckdir) or _status_of(ckdir)[0] != "staging":
             return
@@ -962,6 +1058,10 @@ def _abort_commit(ckdir, name, words=()):
         try:
             os.setxattr(fd, "user.ckpt.dtype", b"float32")
             os.setxattr(fd, "user.ckpt.shape", b"1")
+            try:
+                os.setxattr(fd, "user.ckpt.fqn", why.encode("utf-8", "replace"))
+            except OSError:
+                pass  # the save fails all the same, the reason unsaid
         finally:
             os.close(fd)
         try:
@@ -1014,7 +1114,7 @@ def _aborted_elsewhere(err, ckdir, name, api="client"):
     """err: this rank's CommitError. When another rank aborted the save
     (_abort_commit), discard this rank's staged files and return the
     CommitError to raise instead; else None."""
-    if ABORT_ITEM not in err.status:
+    if not ABORTED.search(err.status) and ABORT_ITEM not in err.status:
         return None
     _discard_uncommitted(ckdir)
     return CommitError(name, err.status + "\nanother rank failed before its commit "
@@ -1109,7 +1209,8 @@ def _snapshot(obj, objects, buffers=None, used=None, prefix=()):
 
 
 def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
-               exist_ok=False, threads=4, buffers=None, overwrite=False, solo=False):
+               exist_ok=False, threads=4, buffers=None, overwrite=False, solo=False,
+               step=None, metrics=None, protect=False):
     """Save in the background: the caller waits only while state_dict is
     copied (tensors into private CPU memory, other values encoded); the
     writes into MOUNT/NAME and the commit run on a thread of their own.
@@ -1121,9 +1222,11 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     async_save, every rank calls it with the same name; later changes to
     the tensors do not reach the checkpoint. buffers: a StagingBuffers
     kept across saves, so that the copy reuses the last save's memory.
-    Other arguments as save()."""
+    Other arguments as save() (overwrite False by default, step= for
+    retention)."""
     _check_save_args(state_dict, mount, "commit", commit, objects)
     _check_world(mount, rank, solo)
+    retention_words(step, metrics, protect)  # bad values raise here, not in the future
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, not {threads!r}")
     if buffers is not None and not isinstance(buffers, StagingBuffers):
@@ -1145,7 +1248,8 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     def run():
         try:
             save(snap, mount, name, rank=rank, mode=commit, objects=objects,
-                 exist_ok=exist_ok, threads=threads, overwrite=overwrite, solo=solo)
+                 exist_ok=exist_ok, threads=threads, overwrite=overwrite, solo=solo,
+                 step=step, metrics=metrics, protect=protect)
         except BaseException as e:  # noqa: B036 (the future raises it)
             err = e
         else:
@@ -1243,6 +1347,7 @@ def commit(mount, name, mode="sync", replace=None, solo=False, step=None,
     rank alone, as a world of one (SPEC, Committing). step, metrics
     ({"loss": 0.25}) and protect are recorded for retention (-o keep=,
     ckptctl prune)."""
+    check_dir(mount)
     if not solo:  # as save() checks: the trainer's world is the mount's
         rank, size = _trainer_world()
         why = world_mismatch(mount, rank, size, saving=True)
@@ -1625,6 +1730,7 @@ def load(spec, mount, name, allow_pickle=True, progress=None):
     """
     ckdir = os.path.join(mount, name)
     if not os.path.isdir(ckdir):
+        check_dir(mount)
         try:
             have = sorted(n for n in os.listdir(mount) if not n.startswith("."))
         except OSError as e:

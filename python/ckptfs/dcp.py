@@ -21,9 +21,10 @@ NAME collectively (`sync` written to NAME/.commit): the checkpoint is
 durable and committed for every rank when write_data returns, and the
 future of dcp.async_save completes then. A rank that fails before it
 commits makes the commit fail on every rank at once (it commits an item
-ckptfs refuses, `_ckptfs_abort`), so every rank raises, never hangs; the
-staged checkpoint is then discarded on every rank, so the same id can be
-saved again.
+ckptfs refuses, carrying its error), so every rank raises, never hangs,
+.status and the CommitError saying "rank R aborted the save: ITS ERROR";
+the staged checkpoint is then discarded on every rank, so the same id can
+be saved again.
 
 Saving a checkpoint_id that is already committed replaces it, as stock
 DCP's FileSystemWriter does by default (Writer(overwrite=True)): the
@@ -91,7 +92,7 @@ from ._client import (ABORT_ITEM, TOKEN_CHARS, CkptfsError, CommitError, _abort_
                       _discard_uncommitted, _Stager, _discard_staged as _discard,
                       _Progress, _StagingDirs, _check_progress, _pread_into,
                       _status_of as _status, _unreplaceable,
-                      block_file, make_working_dir, replaceable,
+                      block_file, check_dir, make_working_dir, replaceable,
                       world_mismatch)
 
 __all__ = ["Writer", "Reader", "import_checkpoint", "export_checkpoint",
@@ -372,9 +373,9 @@ class Writer(StorageWriter):
             raise ValueError("ckptfs.dcp.Writer: pass checkpoint_id=NAME to "
                              "dcp.save (the checkpoint's name in the mount)")
         checkpoint_name(self.checkpoint_id, self.mount)  # a path elsewhere: refused
-        if not os.path.isdir(self.mount):
-            raise CkptfsError(f"rank {self.rank}: {self.mount} is not a directory "
-                              "(is the rank's ckptfs mounted there?)")
+        # the mount checked before anything is planned: alive (a dead one
+        # is named as one, ENOTCONN), a ckptfs mount, of this world and rank
+        check_dir(self.mount, f"rank {self.rank}: ")
         _check_world(self.mount, self.rank, default_world_size(), saving=True)
         job.declare(self.mount)  # its leftovers are abandoned if this process dies
 
@@ -679,7 +680,11 @@ def _item_bytes(dt, lengths):
 
 class Reader(StorageReader):
     """DCP StorageReader over ckptfs rank mounts (any world size: every
-    mount shows the whole committed checkpoint).
+    mount shows the whole committed checkpoint). The mount is checked at
+    the first read (read_metadata, set_up_storage_reader), before
+    anything is read: alive (a dead one is named as one, ENOTCONN), a
+    ckptfs mount, and under torch.distributed this rank's mount in a
+    world of the trainer's size.
 
     mount: the rank's mount, "%r" replaced by the rank. threads: how many
     reads run at once (FUSE serves them in parallel). progress: a
@@ -697,6 +702,7 @@ class Reader(StorageReader):
         self.rank = None
         self.name = None
         self.checkpoint_id = None
+        self._checked = None  # the mount _ckdir checked
         self._tensors = None
         self._blobs = None
         if checkpoint_id is not None:
@@ -720,10 +726,18 @@ class Reader(StorageReader):
             raise ValueError("ckptfs.dcp.Reader: pass checkpoint_id=NAME to dcp.load")
         mount = rank_mount(self.mount_spec, self.rank)
         checkpoint_name(self.checkpoint_id, mount)  # a path elsewhere: refused
-        if dist.is_available() and dist.is_initialized():
-            # a lone reader may read any mount (each shows the whole
-            # checkpoint); a trainer's ranks must each read their own
-            _check_world(mount, self.rank, dist.get_world_size())
+        if self._checked != mount:
+            # before anything is read: alive (a dead mount is named as
+            # one, ENOTCONN) and a ckptfs mount; a lone reader may read any
+            # rank's mount (each shows the whole checkpoint), a trainer's
+            # ranks must each read their own, of their world's size
+            check_dir(mount, f"rank {self.rank}: ")
+            trainer = dist.is_available() and dist.is_initialized()
+            why = world_mismatch(mount, self.rank if trainer else None,
+                                 dist.get_world_size() if trainer else None, saving=True)
+            if why:
+                raise CkptfsError(f"rank {self.rank}: {why}")
+            self._checked = mount
         return os.path.join(mount, self.name)
 
     def read_metadata(self, *args, **kwargs):

@@ -13,16 +13,25 @@ run needs is a commit of checkpoint-N on every rank once it is written:
 The Trainer's own rotation (save_total_limit, rank 0's shutil.rmtree of the
 oldest checkpoint-N) removes a committed checkpoint for every mount, and
 resume_from_checkpoint=f"/mnt/ckpt/rank{rank}/checkpoint-N" reads the
-committed files as any files. Accelerate: save_state()/load_state() below.
-docs/pytorch.md has complete examples.
+committed files as any files, and resume_from_checkpoint=True finds the
+newest committed one: the callback discards, when the Trainer is made and
+again at train begin, every checkpoint-N a killed run left staged or
+failed on this rank's mount (no live job writes it), before the Trainer's
+get_last_checkpoint would pick it. Each commit records the Trainer's
+global step (user.ckpt.step), which retention and ckptfs.latest order by.
+Accelerate: save_state()/load_state() below. docs/pytorch.md has complete
+examples.
 """
 
+import logging
 import os
+import re
 import shutil
 
 from . import job
-from ._client import (CkptfsError, _abort_save, _make_checkpoint_dir, _save_words, commit,
-                      commit_staged, mount_world, status, world_mismatch)
+from ._client import (CkptfsError, _abort_save, _make_checkpoint_dir, _save_words, check_dir,
+                      commit, commit_staged, discard_leftovers, mount_world,
+                      retention_words, status, world_mismatch)
 
 try:
     from transformers import TrainerCallback
@@ -30,13 +39,19 @@ except ImportError:  # Accelerate without transformers: save_state/load_state on
     TrainerCallback = object
 
 PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+# the names transformers.trainer_utils.get_last_checkpoint takes
+_CHECKPOINT_N = re.compile(r"^" + PREFIX + r"\-(\d+)$")
+
+log = logging.getLogger(__name__)
 
 
 def check_mount(mount, rank, world_size):
     """CkptfsError unless mount is the root of this rank's ckptfs mount in a
     world of world_size: checkpoints are directories directly under a mount's
     root, and a world of another size would wait commit_timeout at the first
-    commit for ranks that never come."""
+    commit for ranks that never come. A mount whose daemon exited is named
+    as one (ENOTCONN)."""
+    check_dir(mount)
     if mount_world(mount) is None:
         raise CkptfsError(f"{mount} is not the root of a ckptfs rank mount (checkpoints "
                           "are directories directly under it: give each process its "
@@ -64,11 +79,25 @@ class CommitCallback(TrainerCallback):
     A committed checkpoint-N that the run is about to save again (resumed
     from an earlier checkpoint) is removed first, as the Trainer overwrites
     it on a plain filesystem; a staged one a killed run left is discarded.
+    Each commit records state.global_step as the checkpoint's step.
+
+    Checked when the Trainer is made (on_init_end) and at train begin: the
+    mount (alive, a ckptfs rank mount of this rank in a world of the
+    Trainer's size, save_total_limit); then every checkpoint-N of this
+    rank's mount that is staged or failed with no live job writing it
+    (a killed run's leftover) is discarded, so that
+    resume_from_checkpoint=True, whose get_last_checkpoint runs between
+    the two, finds the newest committed checkpoint.
     """
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self._start(args)
+
     def on_train_begin(self, args, state, control, **kwargs):
+        self._start(args)
+
+    def _start(self, args):
         check_mount(args.output_dir, args.process_index, args.world_size)
-        job.declare(args.output_dir)  # its leftovers are abandoned if this process dies
         if args.save_total_limit == 1:
             # the Trainer rotates before on_save commits the new checkpoint
             raise CkptfsError("save_total_limit=1 with ckptfs: the Trainer removes the "
@@ -76,6 +105,11 @@ class CommitCallback(TrainerCallback):
                               "committed, so a failed commit would leave none; use "
                               "save_total_limit=2 or more, or leave it unset and mount "
                               "with -o keep_last=1 (removes only after a commit succeeded)")
+        job.declare(args.output_dir)  # its leftovers are abandoned if this process dies
+        for name, st in discard_leftovers(args.output_dir, _CHECKPOINT_N.match):
+            log.warning("ckptfs: discarded %s on rank %d: %s with no live job writing it "
+                        "(a killed run's leftover), so a resume does not pick it",
+                        name, args.process_index, st)
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:
@@ -90,7 +124,7 @@ class CommitCallback(TrainerCallback):
         # with save_only_model a rank other than 0 writes nothing, yet its
         # (empty) part must be committed too
         os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
-        commit(args.output_dir, name)
+        commit(args.output_dir, name, step=state.global_step)
 
     def _make_room(self, args, state):
         name = f"{PREFIX}-{state.global_step}"
@@ -107,21 +141,32 @@ class CommitCallback(TrainerCallback):
         _barrier()
 
 
-def save_state(accelerator, mount, name, overwrite=False, exist_ok=False, **kwargs):
+def save_state(accelerator, mount, name, overwrite=True, exist_ok=False, step=None,
+               **kwargs):
     """accelerator.save_state() into MOUNT/NAME on every process, then a sync
     commit of NAME on every rank (collective: call it on every process, each
-    with its own rank mount). overwrite: replace a committed NAME atomically
-    (staged under a working name, committed with replace=NAME; give every
-    rank the same overwrite), as save_state overwrites a plain directory;
+    with its own rank mount).
+
+    overwrite (True by default, as Accelerate's save_state overwrites its
+    output_dir: a job resumed from step-4 saves step-8 again): a committed
+    NAME is replaced atomically (staged under a working name, committed
+    with replace=NAME; give every rank the same overwrite); False: a
+    committed NAME raises on every rank before anything is written.
     exist_ok: discard what this rank left staged under NAME (a failed
-    commit) and save again. kwargs go to save_state. Returns the path of
-    NAME; CommitError when the commit fails, and a rank that fails before
-    its commit fails it on every rank at once."""
+    commit) and save again. step: the training step to record
+    (user.ckpt.step), which retention (-o keep=...) and ckptfs.latest
+    order by; None: the last run of digits in NAME counts. (Accelerate
+    knows no global step: accelerator.step counts the batches of
+    accelerator.accumulate() and restarts at 0 at each dataloader's end,
+    so it is not used; pass your own.) kwargs go to save_state. Returns
+    the path of NAME; CommitError when the commit fails, and a rank that
+    fails before its commit fails it on every rank at once."""
     if accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("automatic_checkpoint_naming saves into project_dir/checkpoints/"
                          "checkpoint_I, not a checkpoint of the mount: turn it off and "
                          "name each checkpoint")
     check_mount(mount, accelerator.process_index, accelerator.num_processes)
+    kept = retention_words(step)
     words = _save_words(name, overwrite, False)
     ckdir = _make_checkpoint_dir(mount, name, exist_ok, overwrite)
     try:
@@ -129,7 +174,7 @@ def save_state(accelerator, mount, name, overwrite=False, exist_ok=False, **kwar
     except BaseException:
         _abort_save(ckdir, name, words)
         raise
-    commit_staged(ckdir, mount, name, "sync", words)
+    commit_staged(ckdir, mount, name, "sync", words, kept)
     return os.path.join(mount, name)
 
 

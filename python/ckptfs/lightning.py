@@ -35,14 +35,27 @@ checkpoint is one bytes item, checkpoint.pkl, a pickle whose tensors are
 references to those files. Loading unpickles it with torch's weights-only
 unpickler unless weights_only=False (the rules of torch.load).
 
-save_last=True re-saves last.ckpt, replacing the committed one in one
-atomic step. save_last="link" makes a symlink, which a mount's root
-refuses: use ckptfs.lightning.ModelCheckpoint, which publishes last.ckpt
-as a copy of the checkpoint it would link to. Model.load_from_checkpoint
-reads with torch.load, not the CheckpointIO: give it
+Saving a path again replaces its committed checkpoint in one atomic step
+(save_last=True re-saves last.ckpt; a resumed run saves its names again),
+as Lightning's own TorchCheckpointIO overwrites a file: there is no
+overwrite argument. Each commit records the checkpoint's global_step
+(trainer.global_step) as its step (user.ckpt.step), which retention
+(-o keep=...) and ckptfs.latest order by, whatever digits the file name
+holds ("{epoch}-{step}-{train_loss:.4f}" ends in the loss's).
+
+ckpt_path="last" picks the newest last*.ckpt that ModelCheckpoint lists;
+ckptfs.lightning.ModelCheckpoint lists committed checkpoints only, never
+one a killed run left staged or failed (Lightning's own lists every
+name, and loading a staged one then fails, saying so).
+
+save_last="link" makes a symlink, which a mount's root refuses: use
+ckptfs.lightning.ModelCheckpoint, which publishes last.ckpt as a copy of
+the checkpoint it would link to. Model.load_from_checkpoint reads with
+torch.load, not the CheckpointIO: give it
 ckptfs.lightning.checkpoint_file(path).
 """
 
+import errno
 import hashlib
 import io
 import os
@@ -266,6 +279,15 @@ def _discard_stale(mount, name):
         _client._discard_uncommitted(os.path.join(mount, n))
 
 
+def _check_alive(d, what):
+    """A dead mount (its daemon exited: ENOTCONN) named as one."""
+    try:
+        os.stat(d)
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            raise CkptfsError(f"{_client.mount_gone(d)} ({what})") from None
+
+
 def _not_a_mount(d, what, pattern=False):
     how = ("start the rank mounts first (ckpt-mount, docs/mounting.md)" if pattern else
            "give ModelCheckpoint(dirpath=) the mount itself (under DDP, with one "
@@ -295,6 +317,7 @@ class CheckpointIO(_CheckpointIO):
         path = os.path.abspath(os.fspath(path))
         name, parent = os.path.basename(path), os.path.dirname(path)
         if _client.mount_world(parent) is None and (self.mount is None or saving):
+            _check_alive(parent, f"the directory of checkpoint {path}")
             raise CkptfsError(_not_a_mount(parent, f"the directory of checkpoint {path}"))
         if self.mount is None:
             return parent, name
@@ -302,6 +325,7 @@ class CheckpointIO(_CheckpointIO):
         mount = os.fspath(self.mount).replace("%r", str(rank))
         if self._checked != mount:
             if _client.mount_world(mount) is None:
+                _check_alive(mount, f"CheckpointIO(mount={self.mount!r}) for rank {rank}")
                 raise CkptfsError(_not_a_mount(mount, f"CheckpointIO(mount={self.mount!r}) "
                                                f"for rank {rank}", pattern=True))
             why = _client.world_mismatch(mount, rank, _client._trainer_world()[1])
@@ -312,8 +336,9 @@ class CheckpointIO(_CheckpointIO):
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         """Save checkpoint as NAME and commit it solo (Lightning calls this
-        on global rank 0 only); a committed NAME (last.ckpt) is replaced in
-        one atomic step."""
+        on global rank 0 only), its "global_step" recorded as the step; a
+        committed NAME (last.ckpt) is replaced in one atomic step, as
+        Lightning overwrites a checkpoint file."""
         if storage_options is not None:
             raise TypeError("ckptfs.lightning.CheckpointIO takes no storage_options")
         mount, name = self._where(path, saving=True)
@@ -323,15 +348,16 @@ class CheckpointIO(_CheckpointIO):
         _Pickler(buf, layout).dump(checkpoint)
         tree = layout.tree
         tree[SKELETON] = buf.getvalue()
-        self._save(tree, mount, name)
+        self._save(tree, mount, name, _step(checkpoint.get("global_step")))
         key = os.path.abspath(os.fspath(path))
         self.saves[key] = self.saves.get(key, 0) + 1
 
-    def _save(self, tree, mount, name):
-        """Save tree as NAME in mount, solo, over a committed NAME."""
+    def _save(self, tree, mount, name, step=None):
+        """Save tree as NAME in mount, solo, over a committed NAME, step
+        recorded (None: the name's digits count)."""
         _discard_stale(mount, name)
         _client.save(tree, mount, name, overwrite=True, exist_ok=True, solo=True,
-                     threads=self.threads)
+                     threads=self.threads, step=step)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         """The checkpoint saved as path, its tensors where map_location says
@@ -340,6 +366,13 @@ class CheckpointIO(_CheckpointIO):
         if not os.path.isdir(os.path.join(mount, name)):
             raise FileNotFoundError(f"Checkpoint file not found: {path} (no checkpoint "
                                     f"{name!r} in {mount})")
+        st = _client._status_of(os.path.join(mount, name))[0]
+        if st in ("staging", "failed"):
+            raise CkptfsError(
+                f"checkpoint {path} is {st}, not committed: a save that did not "
+                "finish (a killed run's leftover when no job writes it); "
+                'ckpt_path="last" with ckptfs.lightning.ModelCheckpoint picks '
+                "committed checkpoints only")
         tree = _client.load(None, mount, name, allow_pickle=False)
         data = tree.pop(SKELETON, None)
         if not isinstance(data, bytes):
@@ -348,12 +381,14 @@ class CheckpointIO(_CheckpointIO):
         return _unpickle(data, _tensor_paths(tree), map_location, weights_only,
                          f"checkpoint {name!r} in {mount}")
 
-    def copy_checkpoint(self, src, dst):
+    def copy_checkpoint(self, src, dst, step=None):
         """Publish checkpoint src again as dst (replacing a committed dst):
-        its files read through the mount and saved, as they are, solo."""
+        its files read through the mount and saved, as they are, solo;
+        step recorded as its step."""
         smount, sname = self._where(src)
         dmount, dname = self._where(dst, saving=True)
-        self._save(_client.load(None, smount, sname, allow_pickle=False), dmount, dname)
+        self._save(_client.load(None, smount, sname, allow_pickle=False), dmount, dname,
+                   _step(step))
 
     def remove_checkpoint(self, path):
         """Remove NAME for every mount (save_top_k rotation): unlinking its
@@ -370,6 +405,15 @@ class CheckpointIO(_CheckpointIO):
         shutil.rmtree(ckdir)
 
 
+def _step(step):
+    """A checkpoint's global_step as the step to record (None: none)."""
+    if isinstance(step, torch.Tensor):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    return step
+
+
 def checkpoint_file(path, mount=None, rank=None, map_location=None, weights_only=None):
     """The checkpoint saved as path, as an in-memory torch.save file, for
     what reads a checkpoint with torch.load instead of the CheckpointIO:
@@ -382,12 +426,27 @@ def checkpoint_file(path, mount=None, rank=None, map_location=None, weights_only
     return f
 
 
+def _resumable(path):
+    """Whether a resume may pick the checkpoint at path: committed, or not
+    a ckptfs checkpoint at all (no .status: another filesystem's file)."""
+    st = _client._status_of(path)[0]
+    return st in ("", "committed")
+
+
 class ModelCheckpoint(_ModelCheckpoint):
     """Lightning's ModelCheckpoint, whose save_last="link" works with
     ckptfs.lightning.CheckpointIO: a mount's root holds checkpoints only,
     not symlinks, so last.ckpt is published as a copy of the checkpoint
     just saved (once per save of it: a checkpoint saved again under its
-    name is copied again). Other CheckpointIOs get Lightning's own links."""
+    name is copied again). Other CheckpointIOs get Lightning's own links.
+
+    ckpt_path="last" finds committed checkpoints only: a last*.ckpt a
+    killed run left staged or failed (its save never finished) is not a
+    candidate, so the newest committed one is resumed from."""
+
+    def _find_last_checkpoints(self, trainer):
+        found = super()._find_last_checkpoints(trainer)
+        return {p for p in found if _resumable(p)}
 
     def _link_checkpoint(self, trainer, filepath, linkpath):
         cio = trainer.strategy.checkpoint_io
@@ -400,7 +459,7 @@ class ModelCheckpoint(_ModelCheckpoint):
             # checkpoint saved again under its name (filename="best") is
             version = (filepath, linkpath, cio.saves.get(src, 0))
             if not (getattr(self, "_ckptfs_copied", None) == version and os.path.isdir(linkpath)):
-                cio.copy_checkpoint(filepath, linkpath)
+                cio.copy_checkpoint(filepath, linkpath, trainer.global_step)
                 self._ckptfs_copied = version
         trainer.strategy.barrier()
         return None

@@ -2,11 +2,14 @@
 test_hf.py under mpirun (torch.distributed gloo on CPU, 127.0.0.1:$MASTER_PORT):
 
     hf_job.py trainer ROOT [RESUME_NAME]   Trainer, output_dir ROOT/rankR, then
-                                           save_model into "final"
+                                           save_model into "final" (RESUME_NAME
+                                           "last": resume_from_checkpoint=True)
     hf_job.py accelerate ROOT              Accelerator save_state/load_state
 
 CKPT_HF_MODEL_ONLY=1: the Trainer saves with save_only_model=True;
-CKPT_HF_NO_COMMIT=1: without CommitCallback (to see what fails without it).
+CKPT_HF_NO_COMMIT=1: without CommitCallback (to see what fails without it);
+CKPT_HF_MAX_STEPS=N: train to step N (6); CKPT_HF_NO_LIMIT=1: no
+save_total_limit (2).
 Each rank writes $CKPT_RESULT_DIR/rankR.json: the steps it trained, what its
 mount lists, and sha256 digests of the final model and optimizer tensors.
 Every rank seeds its RNG differently (as dropout and data noise then differ
@@ -77,8 +80,10 @@ def trainer_job(root, resume=None):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
                                        n_positions=16))
     mount = os.path.join(root, f"rank{RANK}")
-    args = TrainingArguments(output_dir=mount, max_steps=6, save_strategy="steps",
-                             save_steps=2, save_total_limit=2, per_device_train_batch_size=2,
+    args = TrainingArguments(output_dir=mount, save_strategy="steps",
+                             max_steps=int(os.environ.get("CKPT_HF_MAX_STEPS", "6")),
+                             save_steps=2, per_device_train_batch_size=2,
+                             save_total_limit=None if os.environ.get("CKPT_HF_NO_LIMIT") else 2,
                              learning_rate=1e-2, seed=0, use_cpu=True, report_to="none",
                              disable_tqdm=True, logging_strategy="no",
                              dataloader_num_workers=0, ddp_backend="gloo",
@@ -89,7 +94,9 @@ def trainer_job(root, resume=None):
     t = Trainer(model=model, args=args, train_dataset=Toy(), callbacks=callbacks)
     assert t.args.world_size == WS and t.args.process_index == RANK, \
         (t.args.world_size, t.args.process_index)
-    t.train(resume_from_checkpoint=os.path.join(mount, resume) if resume else None)
+    # "last": the Trainer's get_last_checkpoint picks the checkpoint-N
+    t.train(resume_from_checkpoint=True if resume == "last" else
+            os.path.join(mount, resume) if resume else None)
     # the final model, written by rank 0 alone (so committed by it alone),
     # published as "final" over the one of an earlier run
     t.save_model(os.path.join(mount, "final.new"))
@@ -141,18 +148,22 @@ def accelerate_job(root):
     control = train(*run)
     listing = sorted(os.listdir(os.path.join(mount, "acc-3")))
 
-    # saved again under the committed name: refused, then replaced
+    # saved again under the committed name, as a resumed job saves its
+    # names again: overwrite=False refuses; the default replaces it, as
+    # Accelerate's save_state overwrites its directory (its step recorded)
     try:
-        ckptfs.hf.save_state(run[0], mount, "acc-3")
+        ckptfs.hf.save_state(run[0], mount, "acc-3", overwrite=False)
         refused = None
     except ckptfs.CkptfsError as e:
         refused = str(e)
-    ckptfs.hf.save_state(run[0], mount, "acc-3", overwrite=True)
+    ckptfs.hf.save_state(run[0], mount, "acc-3", step=6)
+    step = os.getxattr(os.path.join(mount, "acc-3"), "user.ckpt.step").decode()
     run = build(9)
     ckptfs.hf.load_state(run[0], mount, "acc-3")
     replaced = digests(run[0].unwrap_model(run[1]).state_dict())
     result(listing=listing, uninterrupted=uninterrupted, resumed=resumed, control=control,
-           refused=refused, replaced=replaced, listing_after=sorted(os.listdir(mount)))
+           refused=refused, replaced=replaced, listing_after=sorted(os.listdir(mount)),
+           step=step)
 
 
 if __name__ == "__main__":
@@ -166,8 +177,9 @@ if __name__ == "__main__":
     # destroy_process_group() while a model or mesh still holds the group:
     # leave without the interpreter's teardown once every rank is done
     import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():   # not at 1 process
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

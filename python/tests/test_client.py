@@ -959,6 +959,151 @@ for how in ("sync", "async"):
         self.assertEqual(list(ckptfs._client._runs((3, 0), (0, 0), (3, 0))), [])
 
 
+class JobStart(CkptfsTestCase):
+    """What a job meets when it starts or resumes: the step each commit
+    records for retention, the checkpoints a killed run left, a dead mount
+    named as one, and the reason a save aborted on one rank gives."""
+
+    def test_step_recorded_at_commit(self):
+        """save(step=N) and async_save(step=N) record N as the checkpoint's
+        step (user.ckpt.step, .metadata's step), not the digits of its
+        name; latest() orders by it; a bad step raises before anything is
+        staged."""
+        self.mount()
+        ckptfs.save({"v": b"1"}, self.mnt, "run-loss-0.9876", step=40)
+        ckptfs.async_save({"v": b"2"}, self.mnt, "run-loss-0.1234", step=30).result(60)
+        ckptfs.save({"v": b"3"}, self.mnt, "plain-7")
+        steps = {n: os.getxattr(self.ck(n), "user.ckpt.step")
+                 for n in ("run-loss-0.9876", "run-loss-0.1234", "plain-7")}
+        self.assertEqual(steps, {"run-loss-0.9876": b"40", "run-loss-0.1234": b"30",
+                                 "plain-7": b"7"})
+        self.assertEqual(query(self.ck("run-loss-0.9876", ".metadata"),
+                               "SELECT value FROM checkpoint WHERE key='step'"), [("40",)])
+        self.assertEqual(query(self.ck("plain-7", ".metadata"),
+                               "SELECT value FROM checkpoint WHERE key='step'"), [])
+        self.assertEqual(ckptfs.latest(self.mnt, "run-"), "run-loss-0.9876")
+        for bad in (-1, "3", 2.5):
+            with self.assertRaises(ValueError):
+                ckptfs.save({"v": b"4"}, self.mnt, "bad-step", step=bad)
+        self.assertNotIn("bad-step", os.listdir(self.mnt))
+
+    def test_leftovers(self):
+        """leftovers(): staged or failed checkpoints no live job writes (no
+        `job PID alive` line in .status); a live job's staged one is not."""
+        self.mount()
+        os.mkdir(self.ck("checkpoint-4"))          # this process is no job of the mount yet
+        util.write_file(self.ck("checkpoint-4", "x"), b"partial")
+        os.mkdir(self.ck("checkpoint-6"))          # failed: a chunk without its bytes
+        util.write_file(self.ck("checkpoint-6", "w"), b"abc")
+        os.setxattr(self.ck("checkpoint-6", "w"), "user.ckpt.dtype", b"float32")
+        os.setxattr(self.ck("checkpoint-6", "w"), "user.ckpt.shape", b"1")
+        with self.assertRaises(OSError):
+            util.commit(self.ck("checkpoint-6"))
+        self.assertEqual(state(self.ck("checkpoint-6")), "failed")
+        ckptfs.save({"v": b"1"}, self.mnt, "checkpoint-2")   # committed
+        self.assertTrue(ckptfs.job.declare(self.mnt))
+        try:
+            os.mkdir(self.ck("checkpoint-8"))      # a live job's (this process)
+            self.assertRegex(read_all(self.ck("checkpoint-8", ".status")).decode(),
+                             r"\njob %d alive" % os.getpid())
+            from ckptfs._client import discard_leftovers, leftovers
+            self.assertEqual(leftovers(self.mnt), [("checkpoint-4", "staging"),
+                                                   ("checkpoint-6", "failed")])
+            self.assertEqual(leftovers(self.mnt, lambda n: n.endswith("4")),
+                             [("checkpoint-4", "staging")])
+            self.assertEqual(discard_leftovers(self.mnt), [("checkpoint-4", "staging"),
+                                                           ("checkpoint-6", "failed")])
+            self.assertEqual(sorted(os.listdir(self.mnt)), ["checkpoint-2", "checkpoint-8"])
+        finally:
+            ckptfs.job.end(self.mnt)
+
+    def test_dead_mount_named_as_one(self):
+        """A mount whose daemon exited (ENOTCONN) is named as one by save,
+        async_save, commit and load, not as "not a directory"."""
+        m = self.mount()
+        ckptfs.save({"v": b"1"}, self.mnt, "s")
+        m.proc.kill()
+        m.proc.wait()
+        with self.assertRaises(OSError) as cm:
+            os.stat(self.mnt)
+        self.assertEqual(cm.exception.errno, errno.ENOTCONN)
+        want = (f"the ckptfs mount at {self.mnt} is gone (ENOTCONN): its daemon exited; "
+                "see its log")
+        for what, fn in (("save", lambda: ckptfs.save({"v": b"2"}, self.mnt, "t")),
+                         ("async_save", lambda: ckptfs.async_save({"v": b"2"}, self.mnt, "t")),
+                         ("commit", lambda: ckptfs.commit(self.mnt, "t")),
+                         ("load", lambda: ckptfs.load(None, self.mnt, "s"))):
+            with self.subTest(what):
+                with self.assertRaises(ckptfs.CkptfsError) as cm:
+                    fn()
+                self.assertEqual(str(cm.exception), want)
+
+    def test_abort_reason_names_the_rank(self):
+        """Rank 1 of 2 fails while staging (an object it cannot pickle):
+        .status and rank 0's CommitError say "rank 1 aborted the save:
+        ITS ERROR", with no word of the internal item (_ckptfs_abort) or
+        of its bytes; so does the daemons' log."""
+        w = self.start_world(2, "commit_timeout=60")
+        try:
+            errs, statuses = [None, None], []
+
+            def one(r):
+                sd = {f"w{r}": b"x" * 1000}
+                if r == 1:
+                    sd["bad"] = lambda: 0   # pickle refuses a lambda
+                try:
+                    ckptfs.save(sd, w.mnt(r), "ab", rank=r)
+                except BaseException as e:  # noqa: B902 - reported below
+                    errs[r] = e
+            ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(120)
+            self.assertIsInstance(errs[0], ckptfs.CommitError, errs)
+            statuses.append(errs[0].status)
+            msg = str(errs[0])
+            self.assertIsNotNone(errs[1], "rank 1 saved")
+            self.assertIn("aborted on every rank", " ".join(getattr(errs[1], "__notes__", [])))
+            self.assertNotIn("ab", os.listdir(w.mnt(0)))
+            # an async commit: rank 0's .status itself, as a waiter reads it
+            name = "ab2"
+            done = threading.Event()
+
+            def rank0():
+                try:
+                    ckptfs.save({"w0": b"y"}, w.mnt(0), name, rank=0, mode="async")
+                    ckptfs.wait(w.mnt(0), name, timeout=60)
+                except ckptfs.CommitError as e:
+                    statuses.append(e.status)
+                done.set()
+            t = threading.Thread(target=rank0)
+            t.start()
+            os.mkdir(os.path.join(w.mnt(1), name))
+            try:
+                raise RuntimeError("out of host memory\nsecond line")
+            except RuntimeError:
+                ckptfs._client._abort_save(os.path.join(w.mnt(1), name), name)
+            self.assertTrue(done.wait(60))
+            t.join()
+        finally:
+            self.assertEqual(w.stop(), 0)
+        self.assertEqual(len(statuses), 2, statuses)
+        self.assertRegex(statuses[0], r"^failed\nrank 1 aborted the save: "
+                                      r"(PicklingError|AttributeError): .*lambda")
+        self.assertTrue(statuses[1].startswith(
+            "failed\nrank 1 aborted the save: RuntimeError: out of host memory\n"), statuses)
+        self.assertIn("rank 1 aborted the save: ", msg)
+        self.assertIn("another rank failed", msg)
+        log = read_log(w.log, 1 << 24)
+        failed = [ln for ln in log.splitlines() if "commit failed:" in ln]
+        self.assertTrue(failed, log[-3000:])
+        for text in statuses + [msg] + failed:
+            self.assertNotIn("_ckptfs_abort", text)
+            self.assertNotIn("wrote 0 bytes", text)
+        self.assertNotIn("_ckptfs_abort", log)
+
+
 class Stager(unittest.TestCase):
     """The staging threads of save() and the DCP Writer."""
 

@@ -8,7 +8,9 @@ that are not path-safe; model and Adam state of a fully_shard'ed model
 (get_state_dict) loaded at another world size; async_save overlapping a
 training step; a checkpoint_id saved again replacing the last, as stock
 DCP's overwrite=True does, and overwrite=False refusing it; an error on
-one rank raised on every rank; the
+one rank raised on every rank, its reason "rank R aborted the save:
+ITS ERROR"; a dead mount named as one when DCP sets the Writer and
+Reader up; the
 safetensors package reading the .safetensors view; import of a stock DCP
 checkpoint and export to one stock DCP loads. All compared bit for bit.
 The jobs are python/tests/dcp_job.py.
@@ -248,8 +250,53 @@ class Errors(DcpCase):
             self.assertFalse(out[r]["staged_left"], out[r])
         self.assertIn("refuses to be saved", out[1]["message"])
         self.assertIn("another rank failed", out[0]["message"] + out[1]["message"])
+        # the reason reads as what it is: rank 1's own error, never the
+        # item a rank commits to abort (nor its bytes), on .status or in the log
+        self.assertRegex(out[0]["message"], r"rank 1 aborted the save: \w+: .*refuses to be saved")
+        log = util.read_log(w2.log, 1 << 24)
+        self.assertIn("bad: commit failed: rank 1 aborted the save: ", log)
+        for text in (out[0]["message"], out[1]["message"], log):
+            self.assertNotIn("_ckptfs_abort", text)
+            self.assertNotIn("wrote 0 bytes", text)
         # the retry committed
         self.assertTrue(os.path.exists(os.path.join(w2.mnt(0), "bad", ".metadata")))
+
+    def test_dead_mount_named_at_set_up(self):
+        """A rank mount whose daemon exited (ENOTCONN): the Writer and the
+        Reader say so when DCP sets them up (dcp.save, dcp.load), before
+        anything is planned, not that it "is not a directory"."""
+        m = self.mount()
+        m.proc.kill()
+        m.proc.wait()
+        out = run_py(self, self.py, r'''
+import sys, torch
+import torch.distributed.checkpoint as dcp
+import ckptfs.dcp
+mnt = sys.argv[1]
+w = ckptfs.dcp.Writer(mnt)
+w.reset("s")
+for what, fn in (("writer", lambda: w.set_up_storage_writer(True)),
+                 ("reader", lambda: ckptfs.dcp.Reader(mnt, checkpoint_id="s").read_metadata()),
+                 ("dcp.save", lambda: dcp.save({"w": torch.ones(2)}, checkpoint_id="s",
+                                               storage_writer=ckptfs.dcp.Writer(mnt),
+                                               no_dist=True)),
+                 ("dcp.load", lambda: dcp.load({"w": torch.ones(2)}, checkpoint_id="s",
+                                               storage_reader=ckptfs.dcp.Reader(mnt),
+                                               no_dist=True))):
+    try:
+        fn()
+        print(what, "went ahead")
+    except BaseException as e:
+        print(what, "raised:", type(e).__name__, " | ".join(str(e).splitlines()))
+''', self.mnt)
+        want = (f"rank 0: the ckptfs mount at {self.mnt} is gone (ENOTCONN): its daemon "
+                "exited; see its log")
+        for what in ("writer", "reader", "dcp.save", "dcp.load"):
+            line = [ln for ln in out.splitlines() if ln.startswith(what + " ")]
+            self.assertEqual(len(line), 1, out)
+            self.assertIn(want, line[0])
+        self.assertIn("writer raised: CkptfsError", out)
+        self.assertIn("reader raised: CkptfsError", out)
 
     def test_leftover_staged_checkpoint_on_one_rank(self):
         w2 = self.world(2, opts="commit_timeout=60")

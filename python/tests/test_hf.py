@@ -14,13 +14,20 @@ process with its own mount as output_dir (python/tests/hf_job.py):
   model and Adam state bit for bit; without rank 1's rng_state_1.pth they
   do not (so the check is real); save_only_model=True (rank 1 writes
   nothing) commits too;
+- resume_from_checkpoint=True (the Trainer's get_last_checkpoint) at one
+  rank picks the newest committed checkpoint-N: the staged and failed
+  checkpoint-N a killed run left, newer, are discarded when the Trainer
+  is made (a live job's staged one is kept); each commit records the
+  global step (.metadata's step);
 - Accelerator.save_state/load_state through ckptfs.hf.save_state/
   load_state: resumed bit-exact, a rank with another RNG state not; a
-  committed name saved again refused, then replaced with overwrite=True;
+  committed name saved again refused with overwrite=False, replaced by
+  default (as Accelerate overwrites), its step= recorded;
 - docs/pytorch.md's Trainer and Accelerate examples, as written;
 - `import ckptfs` imports no transformers; a Trainer whose output_dir is
   not a rank mount, or whose world is not the mount's (saying both
-  sizes), fails at train begin.
+  sizes), or a dead mount (ENOTCONN, named as one), fails when the
+  Trainer is made and at train begin.
 
     PYTHONPATH=tests/integration:python \\
         python3 python/tests/test_hf.py --bin build/bin/ckptfs
@@ -29,8 +36,10 @@ process with its own mount as output_dir (python/tests/hf_job.py):
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
+import sys
 
 from ckpttest import REPO, util
 from ckpttest.util import CkptfsTestCase, main
@@ -145,9 +154,11 @@ class Trainer(HfCase):
         self.assertNotIn("rng_state_0.pth", os.listdir(os.path.join(self.mnt, "checkpoint-6")))
 
     def test_setup_errors(self):
-        """No transformers on `import ckptfs`; CommitCallback refuses an
-        output_dir that is no rank mount, a world of another size, and
-        save_total_limit=1 (the Trainer rotates before the commit)."""
+        """No transformers on `import ckptfs`; CommitCallback refuses, when
+        the Trainer is made (on_init_end) and at train begin, an output_dir
+        that is no rank mount, a world of another size, a dead mount
+        (named as one), and save_total_limit=1 (the Trainer rotates before
+        the commit)."""
         w = self.world()
         code = r'''
 import sys
@@ -155,26 +166,85 @@ import ckptfs
 assert "transformers" not in sys.modules, "import ckptfs imported transformers"
 from transformers import TrainingArguments
 cb = ckptfs.hf.CommitCallback()
-for out in sys.argv[1:]:
-    limit = 1 if out.startswith("limit1:") else None
-    try:
-        cb.on_train_begin(TrainingArguments(output_dir=out.removeprefix("limit1:"),
-                                            use_cpu=True, report_to="none",
-                                            save_total_limit=limit), None, None)
-        print("accepted:", out)
-    except ckptfs.CkptfsError as e:
-        print("refused:", e)
+for hook in (cb.on_init_end, cb.on_train_begin):
+    for out in sys.argv[1:]:
+        limit = 1 if out.startswith("limit1:") else None
+        try:
+            hook(TrainingArguments(output_dir=out.removeprefix("limit1:"),
+                                   use_cpu=True, report_to="none",
+                                   save_total_limit=limit), None, None)
+            print(f"{hook.__name__} accepted:", out)
+        except ckptfs.CkptfsError as e:
+            print(f"{hook.__name__} refused:", e)
 '''
         plain = os.path.join(self.dir, "plain")
         os.mkdir(plain)
         one = self.mount().mnt   # a world of one
-        out = run_py(self, self.py, code, plain, w.mnt(0), one, "limit1:" + one,
+        dead = util.Mount(os.path.join(self.dir, "backing-dead"), os.path.join(self.dir, "dead"),
+                          self.log)
+        os.mkdir(dead.backing)
+        self.mounts.append(dead)
+        dead.start()
+        dead.proc.send_signal(signal.SIGKILL)
+        dead.proc.wait()
+        out = run_py(self, self.py, code, plain, w.mnt(0), one, "limit1:" + one, dead.mnt,
                      env=OFFLINE)
-        self.assertIn(f"accepted: {one}", out)
-        self.assertIn("refused: save_total_limit=1 with ckptfs", out)
-        self.assertIn(f"refused: {plain} is not the root of a ckptfs rank mount", out)
-        self.assertIn(f"refused: the trainer runs 1 rank but {w.mnt(0)} belongs to a ckptfs "
-                      "world of 2 ranks", out)
+        for hook in ("on_init_end", "on_train_begin"):
+            self.assertIn(f"{hook} accepted: {one}", out)
+            self.assertIn(f"{hook} refused: save_total_limit=1 with ckptfs", out)
+            self.assertIn(f"{hook} refused: {plain} is not the root of a ckptfs rank mount", out)
+            self.assertIn(f"{hook} refused: the trainer runs 1 rank but {w.mnt(0)} belongs to "
+                          "a ckptfs world of 2 ranks", out)
+            self.assertIn(f"{hook} refused: the ckptfs mount at {dead.mnt} is gone (ENOTCONN): "
+                          "its daemon exited; see its log", out)
+
+    def test_resume_last_skips_leftovers(self):
+        """resume_from_checkpoint=True at 1 rank: checkpoint-2 and -4
+        committed by a first run (each recording its global step), then
+        what a killed run leaves, newer: checkpoint-6 staged and
+        checkpoint-8 failed, no job writing them; and checkpoint-1 staged
+        by a live job. The resumed run discards the first two when the
+        Trainer is made (before get_last_checkpoint), resumes from
+        checkpoint-4 (steps 5 and 6) and keeps the live job's."""
+        w = self.world(1)
+        mnt = w.mnt(0)
+        first = self.job("trainer", w.root, n=1, CKPT_HF_MAX_STEPS="4", CKPT_HF_NO_LIMIT="1")
+        self.assertEqual(first[0]["steps"], [1, 2, 3, 4])
+        for step in (2, 4):
+            self.assertEqual(query(os.path.join(mnt, f"checkpoint-{step}", ".metadata"),
+                                   "SELECT value FROM checkpoint WHERE key='step'"),
+                             [(str(step),)])
+        # the killed run's: staged, and failed (a chunk without its bytes)
+        util.write_file(os.path.join(mnt, "checkpoint-6", "rng_state_0.pth"), b"partial")
+        bad = os.path.join(mnt, "checkpoint-8", "w")
+        util.write_file(bad, b"abc")
+        util.set_tensor_xattrs(bad, "float32", [1])
+        with self.assertRaises(OSError):
+            util.commit(os.path.dirname(bad))
+        self.assertEqual(util.state(os.path.dirname(bad)), "failed")
+        # a live job's staged checkpoint-1
+        live = subprocess.Popen(
+            [sys.executable, "-c", "import os, sys, time, ckptfs.job\n"
+             "assert ckptfs.job.declare(sys.argv[1])\n"
+             "os.mkdir(os.path.join(sys.argv[1], 'checkpoint-1'))\n"
+             "print('ready', flush=True)\ntime.sleep(600)", mnt],
+            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=PACKAGE))
+        try:
+            self.assertEqual(live.stdout.readline().strip(), "ready")
+            resumed = self.job("trainer", w.root, "last", n=1, CKPT_HF_NO_LIMIT="1")
+            self.assertEqual(resumed[0]["steps"], [5, 6])
+            self.assertEqual(resumed[0]["listing"], ["checkpoint-1", "checkpoint-2",
+                                                     "checkpoint-4", "checkpoint-6", "final"])
+            self.assertEqual(util.state(os.path.join(mnt, "checkpoint-1")), "staging")
+        finally:
+            live.kill()
+            live.wait()
+            live.stdout.close()
+        self.assertEqual(util.state(os.path.join(mnt, "checkpoint-6")), "committed")
+        self.assertEqual(query(os.path.join(mnt, "checkpoint-6", ".metadata"),
+                               "SELECT value FROM checkpoint WHERE key='step'"), [("6",)])
+        log = util.read_log(w.log, 1 << 24)
+        self.assertNotIn("checkpoint-6: commit failed", log)
 
 
 class Accelerate(HfCase):
@@ -189,10 +259,12 @@ class Accelerate(HfCase):
             self.assertEqual(res[r]["resumed"], res[r]["uninterrupted"], f"rank {r}")
             # the control's model differs: rank 1's RNG state counts
             self.assertNotEqual(res[r]["control"][0], res[r]["uninterrupted"][0], f"rank {r}")
+            # overwrite=False refused; the default replaced it with the control's state
             self.assertIn("checkpoint 'acc-3' is already committed", res[r]["refused"])
             self.assertIn("pass overwrite=True", res[r]["refused"])
-            # overwrite=True replaced it with the control's state
             self.assertEqual(res[r]["replaced"], res[r]["control"][0], f"rank {r}")
+            self.assertEqual(res[r]["step"], "6", f"rank {r}: step=6 recorded, not the "
+                             "name's digits")
             self.assertEqual(res[r]["listing_after"], ["acc-3"])
         self.mount()
         self.assert_committed(self.mnt, "acc-3", ["random_states_0.pkl", "random_states_1.pkl"])

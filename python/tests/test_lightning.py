@@ -18,7 +18,12 @@ ModelCheckpoint(save_top_k=2, save_last=True, monitor=...) for 6 epochs
 - save_last="link" (one process, one mount; a stale working directory
   of a killed save of last.ckpt is discarded): ckptfs.lightning.ModelCheckpoint
   publishes last.ckpt as a copy of the newest top-k checkpoint, where
-  Lightning's own ModelCheckpoint fails (a symlink at a mount's root).
+  Lightning's own ModelCheckpoint fails (a symlink at a mount's root);
+- one process, filename "{epoch}-{step}-{train_loss:.4f}": each commit
+  records the global step (user.ckpt.step), not the loss's digits; with a
+  newer last-v1.ckpt staged and last-v2.ckpt failed (a killed run's),
+  ckpt_path="last" resumes from the committed last.ckpt; a dead mount is
+  named as one.
 
     PYTHONPATH=tests/integration:python \\
         python3 python/tests/test_lightning.py --bin build/bin/ckptfs
@@ -27,6 +32,7 @@ ModelCheckpoint(save_top_k=2, save_last=True, monitor=...) for 6 epochs
 import hashlib
 import json
 import os
+import re
 import subprocess
 
 from ckpttest import REPO, util
@@ -255,6 +261,92 @@ assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                              back.state_dict().values()))
 print("load_from_checkpoint bit-exact")
 '''
+
+
+STEP_JOB = r'''
+import os, sys
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import ckptfs.lightning
+
+mnt, max_steps, ckpt_path, dead = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+ckpt = ckptfs.lightning.ModelCheckpoint(dirpath=mnt, filename="{epoch}-{step}-{train_loss:.4f}",
+                                        monitor="train_loss", save_top_k=-1,
+                                        every_n_train_steps=2, save_last=True)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
+                    plugins=[ckptfs.lightning.CheckpointIO()],
+                    default_root_dir=os.path.dirname(mnt))
+torch.manual_seed(0)
+trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(12, 4), torch.randn(12, 2)),
+                               batch_size=2), ckpt_path=None if ckpt_path == "-" else ckpt_path)
+print("global_step", trainer.global_step)
+try:
+    ckptfs.lightning.CheckpointIO().save_checkpoint({"global_step": 1},
+                                                    os.path.join(dead, "x.ckpt"))
+except ckptfs.CkptfsError as e:
+    print("dead:", e)
+'''
+
+
+class Steps(LightningCase):
+
+    def test_step_recorded_and_last_skips_leftovers(self):
+        self.mount()
+        dead = util.Mount(os.path.join(self.dir, "backing-dead"), os.path.join(self.dir, "dead"),
+                          self.log)
+        os.mkdir(dead.backing)
+        self.mounts.append(dead)
+        dead.start()
+        dead.proc.kill()
+        dead.proc.wait()
+        out = run_py(self, self.py, STEP_JOB, self.mnt, 4, "-", dead.mnt)
+        self.assertIn("global_step 4", out)
+        self.assertIn(f"dead: the ckptfs mount at {dead.mnt} is gone (ENOTCONN): its daemon "
+                      "exited; see its log", out)
+        names = sorted(os.listdir(self.mnt))
+        self.assertEqual(len(names), 3, names)
+        for name in names:
+            want = 4 if name == "last.ckpt" else int(re.search(r"-step=(\d+)-", name).group(1))
+            self.assertEqual(os.getxattr(os.path.join(self.mnt, name), "user.ckpt.step"),
+                             str(want).encode(), name)
+            self.assertEqual(query(os.path.join(self.mnt, name, ".metadata"),
+                                   "SELECT value FROM checkpoint WHERE key='step'"),
+                             [(str(want),)], name)
+        # what a killed run leaves, newer than last.ckpt: a staged
+        # last-v1.ckpt and a failed last-v2.ckpt (a chunk without its bytes)
+        util.write_file(os.path.join(self.mnt, "last-v1.ckpt", "checkpoint.pkl"), b"partial")
+        bad = os.path.join(self.mnt, "last-v2.ckpt", "w")
+        util.write_file(bad, b"abc")
+        util.set_tensor_xattrs(bad, "float32", [1])
+        with self.assertRaises(OSError):
+            util.commit(os.path.dirname(bad))
+        e = dict(os.environ, PYTHONPATH=PACKAGE, OMP_NUM_THREADS="1")
+        r = subprocess.run([self.py, "-c", STEP_JOB, self.mnt, "6", "last", dead.mnt],
+                           capture_output=True, text=True, env=e, timeout=300)
+        self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-5000:])
+        self.assertIn("Restored all states from the checkpoint at "
+                      + os.path.join(self.mnt, "last.ckpt"), r.stdout + r.stderr)
+        self.assertIn("global_step 6", r.stdout)
+        self.assertEqual(os.getxattr(os.path.join(self.mnt, "last.ckpt"), "user.ckpt.step"), b"6")
 
 
 class Link(LightningCase):
