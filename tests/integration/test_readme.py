@@ -210,7 +210,7 @@ class QuickStarts(CkptfsTestCase):
     def test_pytorch_trainer(self):
         py = require_torch(self)
         code = block(PYTORCH, "python")
-        marker = "# resume, at any world size\n"
+        marker = "# resume, at any world size, from the newest committed checkpoint\n"
         self.assertEqual(code.count(marker), 1)
         self.assertIn('mount = "/tmp/ckpt/rank%r"', code)
         self.mount()
