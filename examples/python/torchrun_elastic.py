@@ -131,8 +131,10 @@ def main():
 
     rank, size = init_distributed()
 
-    def say(msg):
-        print(f"rank {rank} (attempt {RESTART}, pid {os.getpid()}): {msg}", flush=True)
+    def say(msg):  # one write(2): the ranks share torchrun's stdout
+        line = f"rank {rank} (attempt {RESTART}, pid {os.getpid()}): {msg}\n"
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())
 
     mount = ckptfs.dcp.rank_mount(args.mount, rank)
     model, opt = build(size)
