@@ -22,6 +22,7 @@
  * jobs->lock is a leaf: nothing else is taken while it is held.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
