@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import ckptfs
 import ckptfs.dcp
+from restart_kill import die, kill_when
 
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 WS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
@@ -534,30 +535,12 @@ def optim_load(mount, name):
 RESTART_STEPS = 8
 
 
-def _kill_point(kill, step):
-    """(when, delay) where this rank dies at the save of step under kill
-    ("RANKS:WHEN:STEP", RANKS "all" or a rank, WHEN before / after /
-    staging), or (None, 0)."""
-    if kill == "none":
-        return None, 0
-    ranks, when, at = kill.split(":")
-    if int(at) != step or (ranks != "all" and int(ranks) != RANK):
-        return None, 0
-    return when, 0.02
-
-
-def _die():
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), 9)
-
-
 def train_restart(mount, phase, kill="none"):
     """A training run of RESTART_STEPS steps (FSDP2 where this torch can,
     Adam) that saves step-N with async DCP saves every 2 steps; phase
     "run": from scratch; "resume": from ckptfs.latest() of the mount, with
     the same names saved again. kill: where this rank SIGKILLs itself
-    (_kill_point). The result: the digest of the final state."""
+    (restart_kill). The result: the digest of the final state."""
     import threading
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model = _model()
@@ -585,18 +568,18 @@ def train_restart(mount, phase, kill="none"):
             continue
         if fut is not None:
             fut.result()
-        when, delay = _kill_point(kill, step)
+        when = kill_when(kill, step)
         if when == "before":
-            _die()
+            die()
         msd, osd = get_state_dict(model, optim)
         if when == "staging":
-            threading.Timer(delay, _die).start()
+            threading.Timer(0.02, die).start()
         fut = dcp.async_save({"model": msd, "optim": osd, "step": step},
                              checkpoint_id=f"step-{step}",
                              storage_writer=ckptfs.dcp.Writer(mount, commit="async"),
                              process_group=ckpt_pg)
         if when == "after":
-            _die()
+            die()
     if fut is not None:  # (None: resumed from the last step, committed whole)
         fut.result()
     name = f"step-{RESTART_STEPS}"

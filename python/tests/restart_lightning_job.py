@@ -33,7 +33,6 @@ resumed from, what its mount lists.
 import hashlib
 import json
 import os
-import signal
 import sys
 
 RANK = int(os.environ["OMPI_COMM_WORLD_RANK"])
@@ -47,28 +46,11 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ckptfs  # noqa: E402
+from restart_kill import die, kill_when  # noqa: E402
 import ckptfs._client  # noqa: E402
 import ckptfs.lightning  # noqa: E402
 
 STEPS = 8
-
-
-def kill_when(kill, step):
-    """WHEN this rank dies at the saves of step under KILL, else None."""
-    if kill == "none":
-        return None
-    ranks, when, at = kill.split(":")
-    if int(at) != step or (ranks != "all" and int(ranks) != RANK):
-        return None
-    return when
-
-
-def die(why):
-    """SIGKILL this process, saying why (the test looks for it)."""
-    print(f"ckpt-kill rank {RANK}: {why}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Tiny(L.LightningModule):

@@ -24,7 +24,7 @@ import os
 import time
 
 from ckpttest import util
-from ckpttest.util import main, read_log, status
+from ckpttest.util import main, read_log
 from test_dcp import DcpCase
 
 QUICK = ["0:before:4", "1:after:4", "all:staging:6"]
@@ -35,18 +35,7 @@ ALL = [f"{r}:{w}:{s}" for s in (2, 4, 6, 8) for w in ("before", "staging", "afte
 class Restart(DcpCase):
 
     def leftovers(self, w):
-        """{rank: {name: state}} of what is not committed on the mounts."""
-        out = {}
-        for r in range(w.n):
-            mnt = w.mnt(r)
-            for name in os.listdir(mnt):
-                try:
-                    st = status(os.path.join(mnt, name)).split("\n")[0]
-                except OSError:
-                    continue  # abandoned meanwhile
-                if st != "committed":
-                    out.setdefault(r, {})[name] = st
-        return out
+        return util.leftovers([w.mnt(r) for r in range(w.n)])
 
     def test_kill_points(self):
         ref_world = self.start_world(2, "commit_timeout=120",

@@ -56,7 +56,7 @@ import subprocess
 import time
 
 from ckpttest import util
-from ckpttest.util import CkptfsTestCase, main, read_log, status
+from ckpttest.util import CkptfsTestCase, main, read_log
 from ckpttest.world import MPIRUN
 from ckpttest.pyenv import PACKAGE, require_modules
 from test_dcp import free_port
@@ -126,18 +126,7 @@ class RestartCase(CkptfsTestCase):
         return out
 
     def leftovers(self, w):
-        """{rank: {name: state}} of what is not committed on the mounts."""
-        out = {}
-        for r in range(w.n):
-            mnt = w.mnt(r)
-            for name in os.listdir(mnt):
-                try:
-                    st = status(os.path.join(mnt, name)).split("\n")[0]
-                except OSError:
-                    continue  # abandoned meanwhile
-                if st != "committed":
-                    out.setdefault(r, {})[name] = st
-        return out
+        return util.leftovers([w.mnt(r) for r in range(w.n)])
 
     def newest(self, mnt):
         """The newest committed checkpoint a resume may pick, and its step

@@ -613,6 +613,21 @@ def status(ckdir):
         return f.read()
 
 
+def leftovers(mounts):
+    """{rank: {name: state}} of the checkpoints not committed on the rank
+    mounts (a list): what a crash left (one abandoned meanwhile is gone)."""
+    out = {}
+    for r, mnt in enumerate(mounts):
+        for name in os.listdir(mnt):
+            try:
+                st = status(os.path.join(mnt, name)).split("\n")[0]
+            except OSError:
+                continue
+            if st != "committed":
+                out.setdefault(r, {})[name] = st
+    return out
+
+
 def state(ckdir):
     return status(ckdir).split("\n", 1)[0].strip()
 
