@@ -29,6 +29,7 @@ import time
 from ckpttest import REPO
 from ckpttest.pyenv import EXAMPLES, PACKAGE, require_torch
 from ckpttest.util import CkptfsTestCase, main, read_log, status
+from test_dcp import free_port
 
 EXAMPLE = os.path.join(EXAMPLES, "torchrun_elastic.py")
 RANK_EXEC = os.path.join(REPO, "mount-scripts", "ckpt-rank-exec")
@@ -47,8 +48,11 @@ class TorchrunRestart(CkptfsTestCase):
         (returncode, stdout, stderr, seconds)."""
         path = os.path.join(self.dir, f"ckpt-{os.path.basename(w.root)}")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PACKAGE)
-        cmd = [self.py, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "--max-restarts", "1", "--no-python",
+        # 127.0.0.1, not --standalone's "localhost": a minimal system
+        # (a fresh debootstrap) has no /etc/hosts to resolve it
+        cmd = [self.py, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "--max-restarts", "1", "--no-python",
                RANK_EXEC, w.root, path, "--",
                self.py, EXAMPLE, "--mount", path, *args]
         t0 = time.monotonic()
