@@ -428,6 +428,56 @@ class MountScripts(unittest.TestCase):
         self.assertRegex(log, r"warning: unmounted with checkpoint lost staged but not "
                               r"committed \(1 file, 5 bytes\): its staged data is discarded")
 
+    def test_umount_reads_the_code_written_after_mpirun_exits(self):
+        """mpirun exits (before ckpt-umount runs, or as soon as its ranks are
+        unmounted) and its wrapper writes the exit code a moment later:
+        ckpt-umount waits for that code and reports it ("exited with code
+        0"), not "not running" (CI failure of
+        integration_tier_netns_slow_baseline: whether mpirun ran was asked
+        only after the unmounts had made it exit, and the code not waited
+        for)."""
+        for exits in ("before", "on unmount"):
+            with self.subTest(mpirun_exits=exits):
+                self.check_umount_reads_late_code(exits == "before")
+
+    def check_umount_reads_late_code(self, exit_at_once):
+        os.makedirs(self.root, exist_ok=True)
+        rank0 = os.path.join(self.root, "rank0")
+        m = util.Mount(self.backing, rank0, os.path.join(self.dir, "rank0.log"))
+        m.start()
+        self.addCleanup(m.stop)
+        # a stand-in for mpirun (its command line names the rank template,
+        # as ckpt-mount's does): exits at once, or once rank0 is unmounted
+        fake_mpirun = ("import sys, time\n"
+                       "while sys.argv[1] == 'wait' and "
+                       "' %s ' % sys.argv[2] in open('/proc/self/mountinfo').read():\n"
+                       "    time.sleep(0.005)\n")
+        wrapper = ('"$@" & echo $! >"$P.tmp" && mv -f "$P.tmp" "$P"; wait $!; c=$?; '
+                   'sleep 0.8; echo $c >"$R"')
+        pidfile = os.path.join(self.root, ".ckpt-mount.pid")
+        rcfile = os.path.join(self.root, ".ckpt-mount.rc")
+        env = dict(os.environ, P=pidfile, R=rcfile)
+        launcher = subprocess.Popen(
+            ["bash", "-c", wrapper, "fake-launcher", sys.executable, "-c", fake_mpirun,
+             "exit" if exit_at_once else "wait", os.path.realpath(rank0),
+             os.path.join(self.root, "rank%r")], env=env)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(pidfile) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        while exit_at_once and alive(self.launcher_pid()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        try:
+            r = self.ckpt_umount()
+        finally:
+            launcher.wait(30)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("exited with code 0", r.stderr)
+        self.assertNotIn("not running", r.stderr)
+        self.assertNotIn("No such file", r.stderr)
+        self.assertEqual(mounts_under(self.root), [])
+        for f in (pidfile, rcfile):
+            self.assertFalse(os.path.exists(f), f)
+
     def test_umount_nothing(self):
         os.makedirs(self.root)
         r = self.ckpt_umount()
