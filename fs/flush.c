@@ -127,6 +127,9 @@ typedef struct flush_job {
   ckpt_waiter_t *waiter;
   size_t waiter_size;
   bool flushed;     /* over because published on BACKING_DIR */
+  bool superseded;  /* its publish found BACKING_DIR/NAME changed since
+                       its commit (a later save, or removed): never
+                       published (resolve.c's rule) */
   struct flush_job *next;
 } flush_job_t;
 
@@ -1177,8 +1180,8 @@ static int open_source(ckpt_fs_t *fs, const flush_job_t *j) {
  * flusher gets there; under an flock of its .metadata (the same inode
  * for every flusher, wherever its directory is), so that of two flushers
  * of a replace= save only one exchanges. */
-static int publish_shared(ckpt_flush_t *f, const flush_job_t *j, int held,
-                          bool replace, char **err) {
+static int publish_shared(ckpt_flush_t *f, flush_job_t *j, int held,
+                          bool replace, const char *replaces, char **err) {
   ckpt_fs_t *fs = f->fs;
   int mfd = ckpt_store_open_file(held, CKPT_METADATA_FILE);
   if (mfd >= 0)
@@ -1196,8 +1199,10 @@ static int publish_shared(ckpt_flush_t *f, const flush_job_t *j, int held,
                           .save_id = j->save_id,
                           .name = j->name,
                           .replace = replace,
-                          .flush = true};
+                          .flush = true,
+                          .replaces = replaces};
       rc = ckpt__publish_save(fs, &p, err);
+      j->superseded = rc == -ESTALE && replaces;
     }
     if ((rc == -ENOENT || rc == -EEXIST) && published(fs, j)) {
       free(*err); /* another flusher published it meanwhile */
@@ -1336,12 +1341,12 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
    * since (recover_record): published again without replacing anything,
    * so that nothing committed since is replaced by it. */
-  bool replace = j->replace;
+  bool replace = j->replace, recovered = false;
   flush_job_t rec;
   int rdfd = rc == 0 && replace ? open_records(fs, false) : -1;
   if (rdfd >= 0 && read_record(rdfd, j->rec, &rec) == 0 &&
       rec.publishing && !saves_dir_exists(fs->backing_fd, j->save_id))
-    replace = false;
+    replace = false, recovered = true;
   if (rdfd >= 0)
     close(rdfd);
   if (rc == 0 && held < 0)
@@ -1386,7 +1391,11 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   }
   if (rc == 0) {
     step = "publishing in the shared store";
-    rc = publish_shared(f, j, held, replace, err);
+    /* Compare-and-swap: published only while BACKING_DIR/NAME is what
+     * the commit replaced (resolve.c); not so for a save published once
+     * already and removed since, which goes back without replacing */
+    rc = publish_shared(f, j, held, replace, recovered ? NULL : m.replaces,
+                        err);
   }
   if (rc && !*err) /* a step that did not say why: named here */
     *err = ckpt__strdup_printf("%s of %s (to %s): %s", step, j->name,
@@ -1454,6 +1463,37 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
             "flushed, its record removed (and its partial copy, unless "
             "another rank's flush holds it)", j->name, j->save_id);
   return true;
+}
+
+/* j's publish found BACKING_DIR/NAME changed after its commit (why: the
+ * CAS's words): the later change stays NAME (resolve.c); j's record, its
+ * partial copy in BACKING_DIR/.saves/ID and its tier copy go, and the
+ * log and NAME's .status say so. */
+static void lost_to_later(ckpt_fs_t *fs, flush_job_t *j, const char *why) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  ckpt__resolve_superseded(fs, j->name, j->save_id, why);
+  pthread_mutex_lock(&fs->tier_publish);
+  int lock = ckpt__tier_lock(fs);
+  unrecord(fs, j->rec);
+  int dfd = open_records(fs, false);
+  int left = any_record(dfd, j->save_id);
+  if (dfd >= 0)
+    close(dfd);
+  save_id_at(fs->tier_fd, j->name, id);
+  /* the last record of the save (of the node's ranks): its copy goes,
+   * tier_keep or not (it is no save of NAME's any more) */
+  if (left == 0 && !strcmp(id, j->save_id))
+    ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
+  if (left == 0)
+    ckpt_store_save_dir_remove(fs->tier_fd, j->save_id);
+  ckpt__tier_unlock(lock);
+  pthread_mutex_unlock(&fs->tier_publish);
+  ckpt_store_save_dir_remove_unheld(fs->backing_fd, j->save_id);
+  ckpt__log("tier: %s: save %s superseded, not published: %s; its flush "
+            "record%s removed", j->name, j->save_id,
+            why ? why : "NAME changed after its commit",
+            left == 0 ? " and tier copy" : "");
+  set_why(fs, j, NULL);
 }
 
 /* Tell .status that j waits (why: "flush waiting: ..."), or failed. */
@@ -1525,6 +1565,11 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
     close(j->held);
   j->held = -1;
   j->copied = false;
+  if (j->superseded) {
+    lost_to_later(fs, j, err);
+    free(err);
+    return true;
+  }
   if (superseded(fs, j)) {
     free(err);
     return true;
@@ -1593,8 +1638,10 @@ static void free_job(flush_job_t *j) {
     fuse_reply_write(req, j->waiter_size);
   else if (req) {
     ckpt__log("tier: %s: level=shared: not published in BACKING_DIR by "
-              "this mount; the writer gets EIO (committed in the tier)",
-              j->name);
+              "this mount; the writer gets EIO (%s)", j->name,
+              j->superseded ? "superseded by a later change of the name: "
+                              "see its .status"
+                            : "committed in the tier");
     fuse_reply_err(req, EIO);
   }
   ckpt__waiter_free(j->waiter);

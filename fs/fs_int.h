@@ -937,9 +937,36 @@ int ckpt__fs_load_one(ckpt_fs_t *fs, const char *name, char **err);
  * staged is not listed any more (left as it is). */
 int ckpt__fs_load_instead(ckpt_fs_t *fs, ckpt_ckpt_t *staged, char *lost,
                           char **err);
-/* The descriptor of the root that holds committed name: the tier while
- * it has it (unflushed), else BACKING_DIR. */
+/* ------------------------------------------------------------------------
+ * Which save of NAME this mount serves (resolve.c, whose head states the
+ * rule): BACKING_DIR's, or this node's tier copy while it is that save or
+ * the node's unflushed save of NAME that nothing on BACKING_DIR
+ * superseded. No lock needed (looks in the directories; may be called
+ * with fs->lock held).
+ * ---------------------------------------------------------------------- */
+typedef struct {
+  int root;         /* where NAME is served from: fs->tier_fd or
+                       fs->backing_fd */
+  char stale[CKPT_SAVE_ID_LEN + 1]; /* a kept tier copy of a save NAME is
+                                       no more (to drop), or "" */
+  bool superseded;  /* the tier's unflushed save of NAME was superseded on
+                       BACKING_DIR (its flush drops it) */
+} ckpt_resolved_t;
+void ckpt__resolve(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out);
+/* ckpt__resolve's root. */
 int ckpt__root_of(ckpt_fs_t *fs, const char *name);
+/* For a commit of NAME into the tier: the saves it replaces (the
+ * "replaces" of its .metadata: BACKING_DIR/NAME's save key or "none",
+ * and the tier's unflushed save of NAME that it replaces in the tier);
+ * NULL without a tier or when BACKING_DIR cannot be read now (published
+ * then without the check, as before). malloc'd. */
+char *ckpt__resolve_replaces(ckpt_fs_t *fs, const char *name, bool replace);
+/* The flush of save_id of name found NAME changed after its commit (why):
+ * NAME's .status says so from now on (ckpt__resolve_note). */
+void ckpt__resolve_superseded(ckpt_fs_t *fs, const char *name,
+                              const char *save_id, const char *why);
+/* The "superseded: ..." line of name, malloc'd, or NULL. */
+char *ckpt__resolve_note(const char *name);
 /* Delete BACKING_DIR/name (and the tier's): .metadata first and durably,
  * then the data. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name);
@@ -1055,6 +1082,10 @@ typedef struct {
   const char *name;
   bool replace;          /* replace=NAME: exchanged with the old version */
   bool flush;            /* the tier's flush, not a commit (no failpoints) */
+  const char *replaces;  /* the flush of a save that recorded what it
+                            replaced: published only while NAME is one of
+                            them (ckpt_store_publish_if); -ESTALE with
+                            *err saying which save NAME is now */
 } ckpt_publish_t;
 int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err);
 

@@ -324,12 +324,16 @@ static char *status_text(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
       else if (ck->removed[i])
         nb--;
     }
-    return ckpt__strdup_printf(
-        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s%s",
+    char *note = ck->tier.tiered ? ckpt__resolve_note(ck->name) : NULL;
+    char *text = ckpt__strdup_printf(
+        "committed\ntensors %u\nblobs %u\nworld_size %d\n%s%s%s%s%s%s",
         nt, nb,
         ck->meta ? ck->meta->world_size : 0, ck->lost ? "lost: " : "",
         ck->lost ? ck->lost : "", ck->lost ? "\n" : "",
-        tier_lines(ck, lines, sizeof(lines)));
+        tier_lines(ck, lines, sizeof(lines)), note ? note : "",
+        note ? "\n" : "");
+    free(note);
+    return text;
   case CKPT_FAILED:
     return ckpt__strdup_printf("failed\n%s\n",
                                ck->reason ? ck->reason : "unknown error");
@@ -480,10 +484,13 @@ static presence_t presence_at(ckpt_fs_t *fs, int root, const char *name,
 
 static presence_t presence(ckpt_fs_t *fs, const char *name) {
   uint64_t gen = atomic_load(&fs->load_gen);
-  int root = ckpt__root_of(fs, name); /* a tier's copy, while there */
-  presence_t p = presence_at(fs, root, name, gen);
+  ckpt_resolved_t r; /* the save of NAME this mount serves (resolve.c) */
+  ckpt__resolve(fs, name, &r);
+  if (r.stale[0]) /* a kept tier copy of a save NAME is no more */
+    ckpt__tier_forget(fs, name, r.stale);
+  presence_t p = presence_at(fs, r.root, name, gen);
   /* The tier's copy removed meanwhile (flushed): BACKING_DIR's */
-  if (!p.committed && root != fs->backing_fd)
+  if (!p.committed && r.root != fs->backing_fd)
     p = presence_at(fs, fs->backing_fd, name, gen);
   return p;
 }

@@ -681,8 +681,9 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
 
 /* Committed in BACKING_DIR, or in the tier (not flushed yet, or kept). */
 static bool already_committed(ckpt_fs_t *fs, const char *name) {
+  /* a tier copy counts only when it is what this mount serves as NAME */
   return ckpt_store_committed(fs->backing_fd, name, NULL) ||
-         (fs->tier_fd >= 0 && ckpt_store_committed(fs->tier_fd, name, NULL));
+         (fs->tier_fd >= 0 && ckpt__root_of(fs, name) == fs->tier_fd);
 }
 
 /* Why a save of NAME cannot publish in root_fd (root_path): "NAME is
@@ -1152,10 +1153,21 @@ static void name_held_dir(char **err, const char *held, const char *dir) {
  * *err. */
 int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err) {
   bool replaced = false;
-  int rc = p->replace ? ckpt_store_publish_replace(p->root_fd, p->save_id,
-                                                   p->name, &replaced)
-                      : ckpt_store_publish(p->root_fd, p->save_id, p->name);
-  if (rc == -EEXIST)
+  char now[CKPT_SAVE_ID_LEN + 1] = "";
+  int rc = p->replaces ? ckpt_store_publish_if(p->root_fd, p->save_id, p->name,
+                                               p->replaces, &replaced, now)
+           : p->replace ? ckpt_store_publish_replace(p->root_fd, p->save_id,
+                                                     p->name, &replaced)
+                        : ckpt_store_publish(p->root_fd, p->save_id, p->name);
+  if (rc == -ESTALE)
+    *err = now[0] ? ckpt__strdup_printf(
+                        "%s/%s is save %s, committed after this save (%s) "
+                        "through another mount", p->root_path, p->name, now,
+                        p->save_id)
+                  : ckpt__strdup_printf(
+                        "%s/%s was removed after this save (%s) was "
+                        "committed", p->root_path, p->name, p->save_id);
+  else if (rc == -EEXIST)
     *err = committed_elsewhere(p->root_fd, p->root_path, p->name);
   else if (rc == -EOPNOTSUPP)
     *err = ckpt__strdup_printf(
@@ -1274,6 +1286,17 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
    * put in place of .saves must not take .metadata elsewhere. */
   snprintf(held, sizeof(held), "/proc/self/fd/%d", s->dirfd);
   bool via_fd = s->dirfd >= 0 && access(held, F_OK) == 0;
+  /* Into a tier: what it replaces, so that its flush publishes it only
+   * while NAME on BACKING_DIR is still that (resolve.c) */
+  free(s->gp.meta.replaces);
+  s->gp.meta.replaces = ckpt__resolve_replaces(fs, job->name, s->replace);
+  /* A tier copy of NAME that this mount does not serve (kept of a save
+   * NAME is no more, or superseded): in the way of a plain commit, so
+   * exchanged like a replace's (its flush record, if any, then finds it
+   * gone and drops it). */
+  ckpt_resolved_t was = {.root = fs->backing_fd};
+  if (fs->tier_fd >= 0)
+    ckpt__resolve(fs, job->name, &was);
   int rc = ckpt_metadb_publish(via_fd ? held : dir, &s->gp.meta,
                                fs->opts.sync_files, err);
   if (rc && via_fd && *err)
@@ -1289,7 +1312,8 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
                         .held_fd = s->dirfd,
                         .save_id = s->gp.meta.save_id,
                         .name = job->name,
-                        .replace = s->replace};
+                        .replace = s->replace || was.stale[0] ||
+                                   was.superseded};
     int lock = -1;
     if (fs->tier_fd >= 0) {
       pthread_mutex_lock(&fs->tier_publish);
@@ -1350,6 +1374,8 @@ static void publish_step(void *ctx, ckpt_dist_job_t *job,
   ckpt_failpoint("tier_publish");
   char *err = NULL, id[CKPT_SAVE_ID_LEN + 1] = "";
   int rc = outcome->len ? 0 : -EBADMSG; /* no .metadata in the OUTCOME */
+  ckpt_resolved_t was; /* a tier copy not served is exchanged (finish_step) */
+  ckpt__resolve(fs, job->name, &was);
   pthread_mutex_lock(&fs->tier_publish);
   int lock = ckpt__tier_lock(fs);
   int dfd = rc ? -1 : ckpt_store_open_dir(fs->tier_fd, job->name, O_RDONLY);
@@ -1365,7 +1391,8 @@ static void publish_step(void *ctx, ckpt_dist_job_t *job,
                         .held_fd = s->dirfd,
                         .save_id = s->rp.save_id,
                         .name = job->name,
-                        .replace = s->replace};
+                        .replace = s->replace || was.stale[0] ||
+                                   was.superseded};
     rc = ckpt__publish_save(fs, &p, &err);
   }
   ckpt__tier_unlock(lock);

@@ -126,12 +126,6 @@ int ckpt__pool_run(ckpt_pool_t *p, uint32_t n,
   return rc;
 }
 
-int ckpt__root_of(ckpt_fs_t *fs, const char *name) {
-  return fs->tier_fd >= 0 && ckpt_store_committed(fs->tier_fd, name, NULL)
-             ? fs->tier_fd
-             : fs->backing_fd;
-}
-
 /* BACKING_DIR's copy first: a tier copy left by a crash in between has
  * no flush record and no shared copy, and the next mount removes it. */
 int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {

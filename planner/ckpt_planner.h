@@ -389,6 +389,11 @@ typedef struct {
   bool protect;                /* protect was given */
   uint32_t n_metrics;
   ckpt_metric_t *metrics;      /* owned, sorted by key, unique */
+  /* A commit into a node-local tier (-o tier): the saves of NAME it
+   * replaced, space-separated save keys, "none" for no checkpoint of that
+   * name; its flush publishes it on BACKING_DIR only while NAME there is
+   * one of them (fs/resolve.c). NULL: not recorded (no tier). Owned. */
+  char *replaces;
 } ckpt_metadata_t;
 /* Record the retention words of w (step, protect, metrics) in m.
  * 0 or -ENOMEM. */

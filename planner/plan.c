@@ -76,6 +76,7 @@ void ckpt_metadata_free(ckpt_metadata_t *m) {
     free(m->entries[i].path);
   free(m->entries);
   free(m->metrics);
+  free(m->replaces);
   memset(m, 0, sizeof(*m));
 }
 

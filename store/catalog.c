@@ -544,21 +544,30 @@ static int list_records(int tier_fd, const char *dir, char ***names,
   return rc;
 }
 
-/* Is tier entry en flushed: no record, and BACKING_DIR/NAME the same
- * save? */
-static bool flushed(const ckpt_cat_entry_t *en, int backing_fd,
-                    char **records, size_t nrec) {
+/* Where tier entry en stands: */
+typedef enum {
+  TIER_OTHER,   /* not committed, or a flush record names it: left alone */
+  TIER_FLUSHED, /* no record, and BACKING_DIR/NAME the same save */
+  TIER_STALE,   /* no record, and BACKING_DIR/NAME another save or none:
+                   a copy of a save NAME is no more (fs/resolve.c) */
+} tier_entry_t;
+
+static tier_entry_t tier_entry(const ckpt_cat_entry_t *en, int backing_fd,
+                               char **records, size_t nrec) {
   if (en->state != CKPT_CAT_COMMITTED || !en->meta.save_id ||
       recorded(records, nrec, en->meta.save_id))
-    return false;
+    return TIER_OTHER;
   char id[CKPT_SAVE_ID_LEN + 1];
   int dfd = ckpt_store_open_dir(backing_fd, en->name, O_RDONLY);
-  bool same = dfd >= 0 && ckpt_store_has_metadata(dfd) &&
-              ckpt_store_save_id(dfd, id) == 0 &&
-              !strcmp(id, en->meta.save_id);
+  int rc = dfd < 0 ? dfd
+           : ckpt_store_has_metadata(dfd) ? ckpt_store_save_id(dfd, id)
+                                          : -ENOENT;
   if (dfd >= 0)
     close(dfd);
-  return same;
+  if (rc == 0)
+    return strcmp(id, en->meta.save_id) ? TIER_STALE : TIER_FLUSHED;
+  /* unknown now (EMFILE, EIO): left for the next look */
+  return rc == -ENOENT || rc == -ENOTDIR ? TIER_STALE : TIER_OTHER;
 }
 
 int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
@@ -579,24 +588,28 @@ int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
     return rc;
   }
   /* Only the flushed ones take part: the others become UNFINISHED here,
-   * which a policy never counts nor selects. */
-  for (size_t i = 0; i < cat.n; i++)
-    if (!flushed(&cat.e[i], backing_fd, records, nrec) &&
-        cat.e[i].state == CKPT_CAT_COMMITTED)
-      cat.e[i].state = CKPT_CAT_UNFINISHED;
-  ckpt__catalog_names_free(records, nrec);
+   * which a policy never counts nor selects; the stale ones go. */
   bool *rm = calloc(cat.n ? cat.n : 1, sizeof(*rm));
+  bool *stale = calloc(cat.n ? cat.n : 1, sizeof(*stale));
   char **out = calloc(cat.n ? cat.n : 1, sizeof(*out));
-  if (!rm || !out) {
-    free(rm), free(out);
+  if (!rm || !out || !stale) {
+    free(rm), free(out), free(stale);
+    ckpt__catalog_names_free(records, nrec);
     ckpt__catalog_free(&cat);
     return -ENOMEM;
   }
+  for (size_t i = 0; i < cat.n; i++) {
+    tier_entry_t t = tier_entry(&cat.e[i], backing_fd, records, nrec);
+    stale[i] = t == TIER_STALE;
+    if (t != TIER_FLUSHED && cat.e[i].state == CKPT_CAT_COMMITTED)
+      cat.e[i].state = CKPT_CAT_UNFINISHED;
+  }
+  ckpt__catalog_names_free(records, nrec);
   ckpt_keep_policy_t p = {.last = keep};
   bool all = keep == 0; /* tier_keep=0: no flushed one stays */
   ckpt__catalog_select_policy(&cat, &p, NULL, rm, NULL);
   for (size_t i = 0; i < cat.n; i++) {
-    if (!(all ? cat.e[i].state == CKPT_CAT_COMMITTED : rm[i]))
+    if (!stale[i] && !(all ? cat.e[i].state == CKPT_CAT_COMMITTED : rm[i]))
       continue;
     int r = ckpt__checkpoint_remove(tier_fd, cat.e[i].name, false);
     if (r == 0)
@@ -605,6 +618,7 @@ int ckpt__tier_evict(int tier_fd, int backing_fd, const char *records_dir,
       rc = r; /* the first failure; the others are still tried */
   }
   free(rm);
+  free(stale);
   ckpt__catalog_free(&cat);
   if (removed && *n_removed)
     *removed = out;

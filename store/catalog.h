@@ -143,9 +143,11 @@ int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle);
  * (tier_fd) that are flushed, keep the last keep by step and remove the
  * others (as ckpt__checkpoint_remove). Flushed: no flush record of its
  * save in tier_fd/records_dir (an entry named SAVE_ID or SAVE_ID.SOMETHING)
- * and BACKING_DIR/NAME (backing_fd) carries the same save ID. Every other
- * tier checkpoint (unflushed, where it is the only copy; or another save
- * than BACKING_DIR's) is neither counted nor touched, and nothing is
+ * and BACKING_DIR/NAME (backing_fd) carries the same save ID. A tier
+ * checkpoint without a record whose BACKING_DIR/NAME is another save or
+ * none is stale (a copy of a save NAME is no more: fs/resolve.c) and
+ * removed too, whatever keep; an unflushed one (a record names it: it may
+ * be the only copy) is neither counted nor touched, and nothing is
  * removed when the records cannot be listed. The caller holds off tier
  * publishes meanwhile. *removed (malloc'd names, NULL when none; may be
  * NULL itself) and *n_removed say what went. 0 or -errno. */

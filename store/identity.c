@@ -56,12 +56,23 @@ bool ckpt_dir_handle_same(const ckpt_dir_handle_t *a,
 }
 
 int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
+  return ckpt_store_save_look(dirfd, out, NULL);
+}
+
+int ckpt_store_save_look(int dirfd, char out[CKPT_SAVE_ID_LEN + 1],
+                         char **replaces) {
   ckpt_metadata_t m;
   char *err = NULL;
   memset(&m, 0, sizeof(m));
+  if (replaces)
+    *replaces = NULL;
   int rc = ckpt_metadb_load_header_at(dirfd, CKPT_METADATA_FILE, &m, &err);
   if (rc == 0)
     ckpt__save_key(m.save_id, out);
+  if (rc == 0 && replaces) {
+    *replaces = m.replaces;
+    m.replaces = NULL;
+  }
   free(err);
   ckpt_metadata_free(&m);
   return rc == 0 || rc == -ENOENT || rc == -ENOMEM || rc == -EMFILE ||

@@ -206,6 +206,9 @@ static int insert_retention(writer_t *w, sqlite3_stmt *st,
   if (rc == 0 && m->protect)
     rc = insert_row(w, st,
                     bind_text(st, 1, "protect") | bind_text(st, 2, "1"));
+  if (rc == 0 && m->replaces)
+    rc = insert_row(w, st, bind_text(st, 1, "replaces") |
+                               bind_text(st, 2, m->replaces));
   for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++) {
     snprintf(key, sizeof(key), "metric.%s", m->metrics[i].key);
     ckpt_metric_format(m->metrics[i].value, val, sizeof(val));
@@ -722,6 +725,17 @@ static int load_retention(loader_t *ld, const row_t *r, const char *key,
       return row_fail(ld, r, "step '%.32s' is not a step number", val);
     m->has_step = true;
     m->step = v;
+    return 0;
+  }
+  if (!strcmp(key, "replaces")) {
+    if (m->replaces)
+      return row_fail(ld, r, "key replaces appears twice");
+    for (const char *c = val; *c; c++)
+      if (!isalnum((unsigned char)*c) && !strchr(" #-_", *c))
+        return row_fail(ld, r, "replaces '%.80s' is not a list of save keys",
+                        val);
+    if (!(m->replaces = strdup(val)))
+      return nomem(ld);
     return 0;
   }
   if (!strcmp(key, "protect")) {

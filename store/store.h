@@ -134,6 +134,22 @@ int ckpt_store_publish(int backing_fd, const char *save_id, const char *name);
 int ckpt_store_publish_replace(int backing_fd, const char *save_id,
                                const char *name, bool *replaced);
 /* Undo a replace whose durability failed: exchange the two back. */
+/* The flush of a tier's save (fs/flush.c): publish .saves/save_id as
+ * name only while name is one of the saves its commit replaced
+ * (replaces: space-separated save keys, "none" for no checkpoint of that
+ * name; ckpt_metadata_t's): exchanged with it, or published without
+ * replacing where there is none and "none" is listed. Under an exclusive
+ * flock of name's directory, as every replace and removal inside takes
+ * it, so that nothing changes name between the look and the exchange.
+ * 0 (*replaced: an old checkpoint is now at .saves/save_id); -ESTALE
+ * when name is another save, committed after this one (*now: its save
+ * key, "" for none); -EEXIST when name is not a checkpoint; -EOPNOTSUPP
+ * or -errno. */
+int ckpt_store_publish_if(int backing_fd, const char *save_id,
+                          const char *name, const char *replaces,
+                          bool *replaced, char now[CKPT_SAVE_ID_LEN + 1]);
+/* Is key (a save key, "" for no checkpoint) one of replaces? */
+bool ckpt_store_replaces_has(const char *replaces, const char *key);
 int ckpt_store_unreplace(int backing_fd, const char *save_id,
                          const char *name);
 /* fsync BACKING_DIR/.saves (an exchange changed it too). */
@@ -273,6 +289,11 @@ void ckpt_stored_destroy(ckpt_stored_t *s);
  * only: one small table) into out, as ckpt_stored_t keeps it: 0, or
  * -errno (-ENOENT: no .metadata; -EIO: one that does not load). */
 int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]);
+/* The same, and *replaces: the saves its commit replaced, when it
+ * recorded them (a commit into a tier: ckpt_metadata_t's; NULL else),
+ * malloc'd. */
+int ckpt_store_save_look(int dirfd, char out[CKPT_SAVE_ID_LEN + 1],
+                         char **replaces);
 /* Is directory dirfd (opened by s's name) still the checkpoint s was
  * loaded from: the same device, inode and save ID? 0, -ESTALE when it is
  * another one (logged with what), or -errno. A directory whose .metadata

@@ -254,7 +254,8 @@ class Flush(TierCase):
         self.assertGreaterEqual(took, 3.5)
         self.assertIn("location shared", status(self.ck("c")))
         # NAME published in BACKING_DIR by another mount while the writer
-        # waits: the flush fails for good, the writer gets EIO
+        # waits: that later commit stays d (resolve.c), the flush publishes
+        # nothing, the writer gets EIO and .status says why
         self.stage("d")
         got = []
 
@@ -276,7 +277,9 @@ class Flush(TierCase):
         commit(os.path.join(mnt2, "d"))
         t.join(30)
         self.assertEqual(got, [errno.EIO], self.daemon_log())
-        self.assertIn("flush failed", status(self.ck("d")))
+        self.assertIn("superseded: save", status(self.ck("d")))
+        self.assertIn("is save", status(self.ck("d")))
+        self.assertEqual(read_all(self.ck("d", "w")), b"other")
         for m in self.mounts:
             m.stop()
         self.mounts = []

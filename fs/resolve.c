@@ -1,0 +1,170 @@
+/*
+ * resolve.c - which save of a checkpoint NAME this mount serves: the one
+ * truth of every mount and every tier.
+ *
+ * The rule (docs/committed.md, docs/tiers.md):
+ *   1. BACKING_DIR/NAME holds the committed save of NAME (by save ID) for
+ *      every mount; without a tier that is all.
+ *   2. With a tier, this node's tier copy TIER/NAME is served instead
+ *      only when it is that same save (a copy kept by tier_keep: a cache
+ *      of one save ID), or when it is this node's unflushed save of NAME
+ *      (a flush record names it) and BACKING_DIR/NAME is still what that
+ *      commit replaced (the save keys its .metadata lists in "replaces",
+ *      "none" for no checkpoint of that name).
+ *   3. Anything else in the tier is served by nobody: a kept copy of a
+ *      save NAME no longer is (removed, replaced or rewritten through
+ *      another mount) is dropped at the next look (ckpt__tier_forget), an
+ *      unflushed save whose NAME changed on BACKING_DIR after its commit
+ *      is superseded: its flush publishes nothing (ckpt_store_publish_if,
+ *      the compare-and-swap of the flush) and removes it, and NAME's
+ *      .status says so ("superseded: ...").
+ * "Later" between a commit into a tier and one on BACKING_DIR is the order
+ * in which they reach BACKING_DIR/NAME: a tier commit is ordered just
+ * after the save of NAME it saw there; any change of BACKING_DIR/NAME
+ * after that (a commit, a replace, a removal, through any mount) is later,
+ * and stays.
+ *
+ * Window: a mount looks again at BACKING_DIR/NAME (one stat, and its save
+ * ID where the tier has a copy) at each lookup the kernel sends (entries of
+ * committed checkpoints are cached for COMMITTED_TIMEOUT, 1 s) and at each
+ * listing older than CKPT_SCAN_MAX_AGE (1 s): a change made through
+ * another mount is seen within about a second. An open file keeps reading
+ * the save it opened.
+ *
+ * No lock is needed: everything is looked up in the directories; the
+ * notes of superseded saves have their own leaf lock.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fs_int.h"
+
+/* The save key and "replaces" of ROOT/NAME's .metadata: 0, -ENOENT (no
+ * committed checkpoint there) or another -errno (unknown now). */
+static int look(int root, const char *name, char id[CKPT_SAVE_ID_LEN + 1],
+                char **replaces) {
+  id[0] = '\0';
+  if (replaces)
+    *replaces = NULL;
+  int dfd = ckpt_store_open_dir(root, name, O_RDONLY);
+  if (dfd < 0)
+    return dfd == -ENOTDIR || dfd == -ELOOP ? -ENOENT : dfd;
+  int rc = ckpt_store_save_look(dfd, id, replaces);
+  close(dfd);
+  return rc;
+}
+
+void ckpt__resolve(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out) {
+  memset(out, 0, sizeof(*out));
+  out->root = fs->backing_fd;
+  if (fs->tier_fd < 0 || !ckpt_store_committed(fs->tier_fd, name, NULL))
+    return;
+  char tier[CKPT_SAVE_ID_LEN + 1], shared[CKPT_SAVE_ID_LEN + 1];
+  char *replaces = NULL;
+  int trc = look(fs->tier_fd, name, tier, &replaces);
+  if (trc) { /* gone meanwhile, or unreadable: the tier's own load says */
+    free(replaces);
+    if (trc != -ENOENT)
+      out->root = fs->tier_fd;
+    return;
+  }
+  int src = look(fs->backing_fd, name, shared, NULL);
+  if (src && src != -ENOENT) {
+    /* BACKING_DIR cannot be read now (out of descriptors, I/O error): the
+     * tier's copy, as before this look */
+    out->root = fs->tier_fd;
+  } else if (src == 0 && !strcmp(shared, tier)) {
+    out->root = fs->tier_fd; /* the same save: a cache of it */
+  } else if (ckpt__flush_unflushed(fs, tier)) {
+    /* this node's own unflushed save: NAME's until a later change of
+     * BACKING_DIR/NAME (a save of an older ckptfs recorded none) */
+    if (!replaces || ckpt_store_replaces_has(replaces, src ? "" : shared))
+      out->root = fs->tier_fd;
+    else
+      out->superseded = true;
+  } else {
+    snprintf(out->stale, sizeof(out->stale), "%s", tier);
+  }
+  free(replaces);
+}
+
+int ckpt__root_of(ckpt_fs_t *fs, const char *name) {
+  ckpt_resolved_t r;
+  ckpt__resolve(fs, name, &r);
+  return r.root;
+}
+
+char *ckpt__resolve_replaces(ckpt_fs_t *fs, const char *name, bool replace) {
+  if (fs->tier_fd < 0)
+    return NULL;
+  char shared[CKPT_SAVE_ID_LEN + 1], tier[CKPT_SAVE_ID_LEN + 1];
+  int src = replace ? look(fs->backing_fd, name, shared, NULL) : -ENOENT;
+  if (src && src != -ENOENT)
+    return NULL; /* not known: the flush publishes as before (no check) */
+  ckpt_resolved_t r;
+  bool unflushed = false;
+  if (replace) {
+    ckpt__resolve(fs, name, &r);
+    unflushed = r.root == fs->tier_fd &&
+                look(fs->tier_fd, name, tier, NULL) == 0 &&
+                (src || strcmp(tier, shared));
+  }
+  return ckpt__strdup_printf("%s%s%s", src ? "none" : shared,
+                             unflushed ? " " : "", unflushed ? tier : "");
+}
+
+/* ------------------------------------------------------------------------
+ * Notes of superseded saves, for NAME's .status.
+ * ---------------------------------------------------------------------- */
+#define NOTES_MAX 64
+static struct {
+  pthread_mutex_t lock; /* a leaf: taken with any other lock held */
+  struct note {
+    char name[256];
+    char *text;
+    uint64_t seq;
+  } notes[NOTES_MAX];
+  uint64_t seq;
+} notes = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+void ckpt__resolve_superseded(ckpt_fs_t *fs, const char *name,
+                              const char *save_id, const char *why) {
+  (void)fs;
+  char *text = ckpt__strdup_printf("superseded: save %s of %s, committed "
+                                   "through this mount's tier, was not "
+                                   "published: %s", save_id, name,
+                                   why ? why : "NAME changed after its "
+                                               "commit");
+  if (!text)
+    return;
+  pthread_mutex_lock(&notes.lock);
+  struct note *slot = &notes.notes[0];
+  for (int i = 0; i < NOTES_MAX; i++) {
+    struct note *n = &notes.notes[i];
+    if (!strcmp(n->name, name)) {
+      slot = n;
+      break;
+    }
+    if (n->seq < slot->seq)
+      slot = n; /* the oldest (or an empty one) */
+  }
+  free(slot->text);
+  snprintf(slot->name, sizeof(slot->name), "%s", name);
+  slot->text = text;
+  slot->seq = ++notes.seq;
+  pthread_mutex_unlock(&notes.lock);
+}
+
+char *ckpt__resolve_note(const char *name) {
+  char *out = NULL;
+  pthread_mutex_lock(&notes.lock);
+  for (int i = 0; i < NOTES_MAX && !out; i++)
+    if (notes.notes[i].text && !strcmp(notes.notes[i].name, name))
+      out = strdup(notes.notes[i].text);
+  pthread_mutex_unlock(&notes.lock);
+  return out;
+}
