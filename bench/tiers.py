@@ -38,8 +38,8 @@ Rows, per level (a level the binary refuses prints why):
            loss: node 2 killed before the flush, a world on the 2
            survivors reads every rank's bytes (node 2's from the partner
            copies on node 0);
-  shared   a commit `sync level=shared` (returns once published in
-           BACKING_DIR).
+  shared   a commit `sync level=shared` (written to BACKING_DIR
+           directly, as without the tier: returns once published there).
 The sync commit is also given against the one without the tier (speedup,
 goal >= 10x), against the tier write (goal <= 1.3x) and, for partner,
 against the net copy. Each level's world makes a small first commit

@@ -122,11 +122,6 @@ typedef struct flush_job {
   int held;         /* BACKING_DIR/.saves/SAVE_ID, held, or -1 */
   double not_before; /* CLOCK_MONOTONIC s of its next try */
   double backoff;
-  /* A sync commit with level=shared: its writer waits here for the shared
-   * publish (answered when the job is over: done, or not). */
-  ckpt_waiter_t *waiter;
-  size_t waiter_size;
-  bool flushed;     /* over because published on BACKING_DIR */
   bool superseded;  /* its publish found BACKING_DIR/NAME changed since
                        its commit (a later save, or removed): never
                        published (resolve.c's rule) */
@@ -1471,6 +1466,9 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
  * log and NAME's .status say so. */
 static void lost_to_later(ckpt_fs_t *fs, flush_job_t *j, const char *why) {
   char id[CKPT_SAVE_ID_LEN + 1];
+  ckpt__log("tier: %s: save %s superseded, not published: %s; its flush "
+            "record (and, with the node's last, its tier copy) removed",
+            j->name, j->save_id, why ? why : "NAME changed after its commit");
   ckpt__resolve_superseded(fs, j->name, j->save_id, why);
   pthread_mutex_lock(&fs->tier_publish);
   int lock = ckpt__tier_lock(fs);
@@ -1489,10 +1487,6 @@ static void lost_to_later(ckpt_fs_t *fs, flush_job_t *j, const char *why) {
   ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
   ckpt_store_save_dir_remove_unheld(fs->backing_fd, j->save_id);
-  ckpt__log("tier: %s: save %s superseded, not published: %s; its flush "
-            "record%s removed", j->name, j->save_id,
-            why ? why : "NAME changed after its commit",
-            left == 0 ? " and tier copy" : "");
   set_why(fs, j, NULL);
 }
 
@@ -1527,7 +1521,6 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
               j->rank);
     set_why(fs, j, NULL);
     free(err);
-    j->flushed = published(fs, j);
     return true;
   }
   if (rc == 0) {
@@ -1535,7 +1528,6 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
               fs->backing_path, j->rank, j->partner ? ", partner copies" : "",
               ckpt__mono_now() - t0);
     free(err);
-    j->flushed = true;
     /* keep= with a tier: applied once the new checkpoint is on
      * BACKING_DIR (rank 0's job is over only after the shared publish),
      * by one mount: rank 0's own record's, not its partner copy's */
@@ -1626,25 +1618,10 @@ static void append(ckpt_flush_t *f, flush_job_t *j) {
   f->tail = j;
 }
 
-/* The job is over (or the flush stops): a writer waiting for the shared
- * level gets its answer, EIO when the checkpoint did not get there in this
- * mount (it stays committed in the tier; .status says why). */
+/* The job is over (or the flush stops). */
 static void free_job(flush_job_t *j) {
   if (j->held >= 0)
     close(j->held);
-  /* (NULL: killed meanwhile, answered then) */
-  fuse_req_t req = j->waiter ? ckpt__waiter_claim(j->waiter) : NULL;
-  if (req && j->flushed)
-    fuse_reply_write(req, j->waiter_size);
-  else if (req) {
-    ckpt__log("tier: %s: level=shared: not published in BACKING_DIR by "
-              "this mount; the writer gets EIO (%s)", j->name,
-              j->superseded ? "superseded by a later change of the name: "
-                              "see its .status"
-                            : "committed in the tier");
-    fuse_reply_err(req, EIO);
-  }
-  ckpt__waiter_free(j->waiter);
   free(j);
 }
 
@@ -1700,15 +1677,10 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
   if (!j) {
     ckpt__log("tier: out of memory: %s is flushed by the next mount",
               tmpl->name);
-    fuse_req_t req = tmpl->waiter ? ckpt__waiter_claim(tmpl->waiter) : NULL;
-    if (req) /* level=shared: not there in this mount */
-      fuse_reply_err(req, EIO);
-    ckpt__waiter_free(tmpl->waiter);
     return;
   }
   *j = *tmpl;
   j->held = -1;
-  j->flushed = false;
   j->queued_at = ckpt__mono_now(); /* partner_grace counts from here */
   pthread_mutex_lock(&f->lock);
   append(f, j);
@@ -1719,7 +1691,6 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
 static void queue_record(ckpt_fs_t *fs, int dfd, const char *id, void *arg) {
   flush_job_t j;
   if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank, j.partner)) {
-    j.waiter = NULL;
     queue(arg, &j);
   }
 }
@@ -1736,7 +1707,6 @@ static void queue_partner(ckpt_fs_t *fs, int dfd, const char *id,
   flush_job_t j;
   if (record_of(id, p->save_id) && read_record(dfd, id, &j) == 0 &&
       j.partner && mine(fs, j.rank, true)) {
-    j.waiter = NULL;
     queue(p->f, &j);
   }
 }
@@ -1760,7 +1730,7 @@ int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
 }
 
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
-                     int rank, ckpt_waiter_t *waiter, size_t waiter_size) {
+                     int rank) {
   int dfd = open_records(f->fs, false);
   flush_job_t j;
   char rec[CKPT_SAVE_ID_LEN + 16];
@@ -1769,8 +1739,6 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
   if (dfd >= 0)
     close(dfd);
   if (rc == 0 && !strcmp(j.name, name)) {
-    j.waiter = waiter;
-    j.waiter_size = waiter_size;
     queue(f, &j);
     /* the partner copies this node received with the save (their records
      * are all written: before every rank's RESULT) */
@@ -1780,10 +1748,6 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
   }
   ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,
             rec, strerror(rc ? -rc : ESTALE));
-  fuse_req_t req = waiter ? ckpt__waiter_claim(waiter) : NULL;
-  if (req)
-    fuse_reply_err(req, EIO);
-  ckpt__waiter_free(waiter);
 }
 
 void ckpt__flush_stop(ckpt_flush_t *f) {

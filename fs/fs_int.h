@@ -553,6 +553,8 @@ struct ckpt_ckpt {
                              fs->lock */
   double waiting_until;   /* its deadline (CLOCK_MONOTONIC s), 0: none */
   struct ckpt_save *save; /* in-flight save, or NULL */
+  bool tier_full_said;    /* staged: a write's ENOSPC in a full tier was
+                             logged, with what to do; fs->lock */
   pid_t job;              /* the job process (jobs.c) whose save this is:
                              it made NAME or committed it; 0: none;
                              fs->lock */
@@ -780,14 +782,6 @@ int ckpt__job_declare(ckpt_fs_t *fs, pid_t tid, const char *value,
  * held (reads /proc). */
 pid_t ckpt__job_of(ckpt_fs_t *fs, pid_t tid);
 pid_t ckpt__tgid_of(pid_t tid);
-/* A sync writer's request that waits on after its save (save.c):
- * answered EINTR by itself if the writer is killed meanwhile. claim: the
- * request if it is still the caller's to answer, else NULL; free after
- * claim. */
-typedef struct ckpt_waiter ckpt_waiter_t;
-ckpt_waiter_t *ckpt__waiter_new(fuse_req_t req, const char *name);
-fuse_req_t ckpt__waiter_claim(ckpt_waiter_t *w);
-void ckpt__waiter_free(ckpt_waiter_t *w);
 /* Is job process tgid alive (watched)? Its label into buf. Any lock may
  * be held (jobs.c's lock is a leaf). */
 bool ckpt__job_label(ckpt_fs_t *fs, pid_t tgid, char *buf, size_t size);
@@ -854,12 +848,9 @@ int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err);
 void ckpt__flush_recover(ckpt_fs_t *fs);
 /* Start the thread; it queues every record left by earlier mounts. */
 int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out);
-/* Queue the tier checkpoint name (just committed). waiter, if not NULL
- * (taken): a sync commit's write (level=shared), answered with
- * waiter_size once the checkpoint is published in BACKING_DIR, EIO if it
- * is not in this mount, EINTR at once if its writer is killed. */
+/* Queue the tier checkpoint name (just committed). */
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
-                     int rank, ckpt_waiter_t *waiter, size_t waiter_size);
+                     int rank);
 /* Stop it: a copy under way is abandoned (the record stays). */
 void ckpt__flush_stop(ckpt_flush_t *f);
 /* Does a flush record name save_id, of any rank (its checkpoint is not
@@ -955,6 +946,11 @@ typedef struct {
 void ckpt__resolve(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out);
 /* ckpt__resolve's root. */
 int ckpt__root_of(ckpt_fs_t *fs, const char *name);
+/* "tier full: ...\n" when the tier has less than CKPT_TIER_FULL_FREE
+ * bytes free, with what to do; else "". No lock needed. */
+#define CKPT_TIER_FULL_FREE ((uint64_t)64 << 20)
+#define CKPT_TIER_FULL_MAX 512
+void ckpt__tier_full_line(ckpt_fs_t *fs, char *buf, size_t size);
 /* For a commit of NAME into the tier: the saves it replaces (the
  * "replaces" of its .metadata: BACKING_DIR/NAME's save key or "none",
  * and the tier's unflushed save of NAME that it replaces in the tier);

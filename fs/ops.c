@@ -292,9 +292,12 @@ static char *status_text(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
     if (ck->job && ckpt__job_label(fs, ck->job, label, sizeof(label)))
       snprintf(job, sizeof(job), "job %d alive%s%s\n", (int)ck->job,
                *label ? ": " : "", label);
-    return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n%s",
+    /* a full tier: staged writes fail (ENOSPC); say what to do */
+    char full[CKPT_TIER_FULL_MAX] = "";
+    ckpt__tier_full_line(fs, full, sizeof(full));
+    return ckpt__strdup_printf("staging\nfiles %llu\nbytes %llu\n%s%s",
                                (unsigned long long)files,
-                               (unsigned long long)bytes, job);
+                               (unsigned long long)bytes, job, full);
   }
   case CKPT_COMMITTING: {
     char left[48] = "";
@@ -1938,10 +1941,22 @@ static void release_handle(fuse_req_t req, struct fuse_file_info *fi) {
   fuse_reply_err(req, 0);
 }
 
+static void tier_full_said(ckpt_fs_t *fs, ckpt_ckpt_t *ck);
+
 static void fs_release(fuse_req_t req, fuse_ino_t ino,
                        struct fuse_file_info *fi) {
   (void)ino;
   ckpt__metrics_request(req, CKPT_OP_release);
+  ckpt_fs_t *fs = fs_of(req);
+  /* a passthrough write's ENOSPC never reaches the daemon: a staged file
+   * closed while the tier is full is the moment to say it */
+  ckpt_node_t *n = handle_of(fi)->node;
+  if (fs->tier_fd >= 0 && n->kind == CKPT_NODE_SFILE && n->ck) {
+    char line[CKPT_TIER_FULL_MAX];
+    ckpt__tier_full_line(fs, line, sizeof(line));
+    if (line[0])
+      tier_full_said(fs, n->ck);
+  }
   release_handle(req, fi);
 }
 
@@ -2061,6 +2076,21 @@ static void fs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
 /* "sync" or "async", with an optional trailing newline. */
 
+/* A staged write of ck failed with ENOSPC and the mount has a tier: the
+ * log says so once per checkpoint, with what to do (nothing staged is
+ * lost; its .status says the same while the tier is full). */
+static void tier_full_said(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  char line[CKPT_TIER_FULL_MAX] = "";
+  ckpt__tier_full_line(fs, line, sizeof(line));
+  pthread_mutex_lock(&fs->lock);
+  bool said = ck->tier_full_said;
+  ck->tier_full_said = true;
+  pthread_mutex_unlock(&fs->lock);
+  if (!said)
+    ckpt__log("%s: a staged write got ENOSPC: %s", ck->name,
+              line[0] ? line : "the tier is full\n");
+}
+
 static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
                      size_t size, off_t off, struct fuse_file_info *fi) {
   ckpt__metrics_request(req, CKPT_OP_write);
@@ -2103,6 +2133,8 @@ static void fs_write(fuse_req_t req, fuse_ino_t ino, const char *buf,
   }
   if ((rc = staged_change_begin(fs, n->ck)) == 0) {
     rc = ckpt__sfile_write(n->u.sf, buf, size, (uint64_t)off);
+    if (rc == -ENOSPC && fs->tier_fd >= 0)
+      tier_full_said(fs, n->ck);
     if (rc > 0) {
       write_kills_suidgid(fs, req, n);
       touch_data(fs, n);

@@ -25,6 +25,7 @@
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -67,7 +68,13 @@ typedef struct ckpt_save {
   bool have_gp;
   ckpt_rank_plan_t rp;   /* this rank's plan */
   bool have_rp;
-  int dirfd;             /* BACKING_DIR/NAME, flock'ed shared, or -1 */
+  int dirfd;             /* ROOT/.saves/SAVE_ID, flock'ed shared, or -1 */
+  /* Where the save goes: the tier, or BACKING_DIR (no tier, or a direct
+   * save: `level=shared` with a tier, written as a mount without the
+   * tier would, no flush) */
+  bool direct;
+  int root_fd;
+  const char *root_path;
   _Atomic int failed_file; /* K of the first data file that failed, or -1 */
   uint64_t *stream_used; /* per stream: bytes its live files use */
   double began;          /* CLOCK_MONOTONIC s of the write to .commit */
@@ -132,65 +139,6 @@ static bool claim_reply(ckpt_save_t *s) {
   if (ours) /* waits for a callback running now (it finds replied) */
     fuse_req_interrupt_func(s->req, NULL, NULL);
   return ours;
-}
-
-/* A sync writer that waits on after its save, for the flush's shared
- * publish (level=shared): killed meanwhile, it is answered EINTR at once
- * too. The flush answers it through ckpt__waiter_claim. */
-struct ckpt_waiter {
-  fuse_req_t req;
-  pthread_mutex_t lock;
-  bool replied; /* lock */
-  char name[256];
-};
-
-static void waiter_interrupted(fuse_req_t req, void *arg) {
-  ckpt_waiter_t *w = arg;
-  pid_t tid = fuse_req_ctx(req)->pid;
-  if (!being_killed(tid))
-    return;
-  /* logged first: w may be freed once replied is seen */
-  pthread_mutex_lock(&w->lock);
-  bool answer = !w->replied;
-  if (answer)
-    ckpt__log("%s/.commit: its writer (thread %d) was killed while it "
-              "waited for the shared level: answered", w->name, (int)tid);
-  w->replied = true;
-  pthread_mutex_unlock(&w->lock);
-  if (answer)
-    fuse_reply_err(req, EINTR);
-}
-
-ckpt_waiter_t *ckpt__waiter_new(fuse_req_t req, const char *name) {
-  ckpt_waiter_t *w = calloc(1, sizeof(*w));
-  if (!w)
-    return NULL;
-  w->req = req;
-  pthread_mutex_init(&w->lock, NULL);
-  snprintf(w->name, sizeof(w->name), "%s", name);
-  /* (an interrupt that came meanwhile is delivered here at once) */
-  fuse_req_interrupt_func(req, waiter_interrupted, w);
-  return w;
-}
-
-fuse_req_t ckpt__waiter_claim(ckpt_waiter_t *w) {
-  pthread_mutex_lock(&w->lock);
-  bool ours = !w->replied;
-  w->replied = true;
-  pthread_mutex_unlock(&w->lock);
-  if (!ours)
-    return NULL;
-  fuse_req_interrupt_func(w->req, NULL, NULL);
-  return w->req;
-}
-
-void ckpt__waiter_free(ckpt_waiter_t *w) {
-  if (!w)
-    return;
-  pthread_mutex_lock(&w->lock); /* an interrupt still inside */
-  pthread_mutex_unlock(&w->lock);
-  pthread_mutex_destroy(&w->lock);
-  free(w);
 }
 
 static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
@@ -372,6 +320,12 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   /* a solo save is one rank's own, at the local level */
   s->job.partner = fs->opts.tier_partner && !words->solo;
   s->replace = words->replace[0] != '\0';
+  s->direct = fs->tier_fd >= 0 && words->level_shared;
+  s->root_fd = s->direct ? fs->backing_fd : fs->commit_fd;
+  s->root_path = s->direct ? fs->backing_path : fs->commit_path;
+  /* a solo save is one rank's own, at the local level; a direct one
+   * needs no partner copies */
+  s->job.partner = s->job.partner && !s->direct;
   s->req = req;
   s->reply_size = reply_size;
   pthread_mutex_init(&s->reply_lock, NULL);
@@ -640,8 +594,9 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
     const char *fqn = sf->xattr[CKPT_X_FQN];
     if (rc == 0 && lp.n_items > before && fqn)
       rc = ckpt_local_plan_set_fqn(&lp, before, fqn, strlen(fqn));
-    /* Written behind already: its bytes stay where they are. */
-    if (rc == 0 && lp.n_items > before && sf->stream >= 0)
+    /* Written behind already: its bytes stay where they are (in the
+     * tier: a direct save writes them anew, read from the stream) */
+    if (rc == 0 && lp.n_items > before && sf->stream >= 0 && !s->direct)
       rc = ckpt_local_plan_pin(&lp, before, (uint32_t)sf->stream,
                                sf->stream_base);
   }
@@ -656,6 +611,8 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
     if (sf->stream >= 0 && sf->stream_base + sf->size > s->stream_used[sf->stream])
       s->stream_used[sf->stream] = sf->stream_base + sf->size;
   }
+  if (s->direct) /* nothing of its data files is written yet */
+    memset(s->stream_used, 0, (nstreams ? nstreams : 1) * sizeof(*s->stream_used));
   for (uint32_t k = 0; rc == 0 && k < nstreams; k++)
     if (s->stream_used[k])
       rc = ckpt_local_plan_reserve(&lp, k, s->stream_used[k]);
@@ -839,11 +796,11 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
         ckpt_metadata_set_retention(&s->gp.meta, &s->words))
       rc = -ENOMEM;
   }
-  if (rc == 0 && (rc = ckpt_store_save_dir_hold(fs->commit_fd,
+  if (rc == 0 && (rc = ckpt_store_save_dir_hold(s->root_fd,
                                                 s->gp.meta.save_id, true,
                                                 &s->dirfd)) != 0)
     *err = ckpt__strdup_printf("rank 0: creating %s/%s/%s: %s",
-                               fs->commit_path, CKPT_SAVES_DIR,
+                               s->root_path, CKPT_SAVES_DIR,
                                s->gp.meta.save_id, strerror(-rc));
   for (int r = 0; r < n && rc == 0; r++) {
     snprintf(s->gp.ranks[r].save_id, sizeof(s->gp.ranks[r].save_id), "%s",
@@ -996,7 +953,7 @@ static int write_file(void *arg, uint32_t k) {
   w->file = name;
   /* A stream file linked as this data file holds the pinned items. */
   bool streamed = s->ck->streams && k < s->ck->streams->n &&
-                  s->stream_used[k] > 0;
+                  s->stream_used[k] > 0; /* (never in a direct save) */
   /* The save's own directory: a data file there is ours or nothing. */
   int injected = ckpt_failpoint_error("write_open");
   if (injected)
@@ -1012,7 +969,8 @@ static int write_file(void *arg, uint32_t k) {
     const ckpt_assignment_t *as = &s->rp.assign[a];
     const ckpt_sfile_t *sf = s->files[as->local_id]->u.sf;
     if (as->file != k || as->length == 0 ||
-        (sf->stream == (int32_t)k && sf->stream_base == as->file_offset))
+        (streamed && sf->stream == (int32_t)k &&
+         sf->stream_base == as->file_offset))
       continue; /* nothing, or already there */
     if (as->file_offset != w->batch_off + w->batch_len &&
         (rc = flush_batch(w)) == 0)
@@ -1039,6 +997,24 @@ static int write_file(void *arg, uint32_t k) {
   int e = rc ? (w->err ? -w->err : rc) : 0;
   free(w);
   return e;
+}
+
+/* Why a commit into the tier cannot be: the tier is full (need: bytes
+ * this rank still writes there), and what to do. */
+static char *tier_full(ckpt_fs_t *fs, const ckpt_save_t *s, uint64_t need) {
+  struct statvfs tv;
+  uint64_t avail = fstatvfs(fs->tier_fd, &tv) == 0
+                       ? (uint64_t)tv.f_bavail * tv.f_frsize
+                       : 0;
+  return ckpt__strdup_printf(
+      "rank %d: the tier %s is full: %.1f MiB free, this rank writes %.1f "
+      "MiB of %s there; not committed, nothing is lost: it stays staged. "
+      "Commit it again with `sync level=shared` (written to BACKING_DIR "
+      "directly, as a mount without the tier would), or make room in the "
+      "tier (a lower tier_keep, or `ckptctl wait --level shared` until "
+      "earlier checkpoints are flushed out of it) and commit again",
+      s->rank, fs->tier_path, (double)avail / 1048576.0,
+      (double)need / 1048576.0, s->job.name);
 }
 
 /* Is this rank on another node than the coordinator's (which publishes
@@ -1081,22 +1057,38 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
    * of its own. With a tier, each node has its own: the first rank of
    * the node to get here makes it. */
   if (s->dirfd < 0 &&
-      (rc = ckpt_store_save_dir_hold(fs->commit_fd, s->rp.save_id,
-                                     fs->tier_fd >= 0, &s->dirfd)) != 0) {
+      (rc = ckpt_store_save_dir_hold(s->root_fd, s->rp.save_id,
+                                     fs->tier_fd >= 0 && !s->direct,
+                                     &s->dirfd)) != 0) {
     if (rc == -ENOENT)
       *err = ckpt__strdup_printf(
           "rank %d: BACKING_DIR %s is not the coordinator's (rank 0 made "
           "%s/%s there, this rank does not see it): every rank of a world "
-          "must mount one BACKING_DIR shared by all nodes; nothing was "
-          "written", s->rank, fs->commit_path, CKPT_SAVES_DIR,
+          "must mount one BACKING_DIR shared by all nodes (and write the "
+          "same level= word to .commit); nothing was "
+          "written", s->rank, s->root_path, CKPT_SAVES_DIR,
           s->rp.save_id);
     else
       *err = ckpt__strdup_printf("rank %d: opening %s/%s/%s: %s", s->rank,
-                                 fs->commit_path, CKPT_SAVES_DIR,
+                                 s->root_path, CKPT_SAVES_DIR,
                                  s->rp.save_id, strerror(-rc));
     return rc == -ENOENT ? -EXDEV : rc;
   }
-  if (s->ck->streams &&
+  /* A tier too full for this rank's files: said before anything is
+   * written, with what to do (the rest of the node's ranks write there
+   * too: a write that finds it full says the same) */
+  uint64_t streamed = 0;
+  for (uint32_t k = 0; s->ck->streams && !s->direct && k < s->ck->streams->n;
+       k++)
+    streamed += s->stream_used[k];
+  struct statvfs tv;
+  if (fs->tier_fd >= 0 && !s->direct && fstatvfs(fs->tier_fd, &tv) == 0 &&
+      total > streamed &&
+      (uint64_t)tv.f_bavail * tv.f_frsize < total - streamed) {
+    *err = tier_full(fs, s, total - streamed);
+    return -ENOSPC;
+  }
+  if (s->ck->streams && !s->direct &&
       (rc = ckpt__streams_link(s->ck->streams, s->stream_used, s->dirfd,
                                err)) != 0)
     return rc;
@@ -1107,14 +1099,16 @@ static int write_step(void *ctx, ckpt_dist_job_t *job,
     int k = atomic_load(&s->failed_file);
     if (k >= 0)
       ckpt_data_file_name(s->rank, (uint32_t)k, name, sizeof(name));
-    *err = ckpt__strdup_printf("rank %d: writing %s/%s/%s: %s", s->rank,
-                               fs->commit_path, job->name, name,
-                               strerror(-rc));
+    *err = rc == -ENOSPC && fs->tier_fd >= 0 && !s->direct
+               ? tier_full(fs, s, total - streamed)
+               : ckpt__strdup_printf("rank %d: writing %s/%s/%s: %s",
+                                     s->rank, s->root_path, job->name, name,
+                                     strerror(-rc));
     return rc;
   }
   /* With a tier: this rank's files are to be flushed from now on, even if
    * this node never publishes the checkpoint (flush.c). */
-  if (fs->tier_fd >= 0 &&
+  if (fs->tier_fd >= 0 && !s->direct &&
       (rc = ckpt__flush_record(fs, s->rp.save_id, s->rank, job->name,
                                s->replace, remote_node(fs, job), NULL,
                                err)) != 0)
@@ -1280,7 +1274,7 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
    * renamed to NAME without replacing anything: of concurrent saves of
    * one NAME, from any mount, exactly one gets there (the commit point). */
   char dir[PATH_MAX], held[64];
-  snprintf(dir, sizeof(dir), "%s/%s/%s", fs->commit_path, CKPT_SAVES_DIR,
+  snprintf(dir, sizeof(dir), "%s/%s/%s", s->root_path, CKPT_SAVES_DIR,
            s->gp.meta.save_id);
   /* Written through the held directory itself, not by its path: a symlink
    * put in place of .saves must not take .metadata elsewhere. */
@@ -1289,26 +1283,27 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
   /* Into a tier: what it replaces, so that its flush publishes it only
    * while NAME on BACKING_DIR is still that (resolve.c) */
   free(s->gp.meta.replaces);
-  s->gp.meta.replaces = ckpt__resolve_replaces(fs, job->name, s->replace);
+  s->gp.meta.replaces =
+      s->direct ? NULL : ckpt__resolve_replaces(fs, job->name, s->replace);
   /* A tier copy of NAME that this mount does not serve (kept of a save
    * NAME is no more, or superseded): in the way of a plain commit, so
    * exchanged like a replace's (its flush record, if any, then finds it
    * gone and drops it). */
   ckpt_resolved_t was = {.root = fs->backing_fd};
-  if (fs->tier_fd >= 0)
+  if (fs->tier_fd >= 0 && !s->direct)
     ckpt__resolve(fs, job->name, &was);
   int rc = ckpt_metadb_publish(via_fd ? held : dir, &s->gp.meta,
                                fs->opts.sync_files, err);
   if (rc && via_fd && *err)
     name_held_dir(err, held, dir);
   /* the other nodes publish the same bytes in their tiers */
-  if (rc == 0 && fs->tier_fd >= 0 && other_nodes(fs, job) &&
+  if (rc == 0 && fs->tier_fd >= 0 && !s->direct && other_nodes(fs, job) &&
       (rc = read_metadata(s->dirfd, outcome)) != 0)
     *err = ckpt__strdup_printf("reading %s/%s back: %s", dir,
                                CKPT_METADATA_FILE, strerror(-rc));
   if (rc == 0) {
-    ckpt_publish_t p = {.root_fd = fs->commit_fd,
-                        .root_path = fs->commit_path,
+    ckpt_publish_t p = {.root_fd = s->root_fd,
+                        .root_path = s->root_path,
                         .held_fd = s->dirfd,
                         .save_id = s->gp.meta.save_id,
                         .name = job->name,
@@ -1368,7 +1363,7 @@ static void publish_step(void *ctx, ckpt_dist_job_t *job,
                          const ckpt_buf_t *outcome) {
   ckpt_fs_t *fs = ctx;
   ckpt_save_t *s = job->user;
-  if (fs->tier_fd < 0 || s->dirfd < 0 || !s->have_rp ||
+  if (fs->tier_fd < 0 || s->direct || s->dirfd < 0 || !s->have_rp ||
       !remote_node(fs, job))
     return; /* the coordinator published in this node's tier */
   ckpt_failpoint("tier_publish");
@@ -1410,7 +1405,8 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   ckpt_save_t *s = job->user;
   ckpt_failpoint("discard");
   if (!all_done) {
-    if (s->ck->streams && s->dirfd >= 0) /* kept aside for the retry */
+    if (s->ck->streams && s->dirfd >= 0 && !s->direct) /* kept aside for
+                                                          the retry */
       ckpt__streams_unlink(s->ck->streams, s->dirfd);
     for (uint32_t k = 0; s->have_rp && s->dirfd >= 0 && k < s->rp.n_files;
          k++) {
@@ -1419,7 +1415,7 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
       unlinkat(s->dirfd, name, 0);
     }
     ckpt__partner_discard(fs, &s->partner_rx, s->dirfd, s->rp.save_id);
-    if (fs->tier_fd >= 0 && s->have_rp) {
+    if (fs->tier_fd >= 0 && !s->direct && s->have_rp) {
       ckpt__flush_unrecord(fs, s->rp.save_id, s->rank);
       /* another node's save directory: its last rank removes it */
       char path[CKPT_SAVE_ID_LEN + 16];
@@ -1432,9 +1428,9 @@ static void discard_step(void *ctx, ckpt_dist_job_t *job, bool all_done) {
   /* Coordinator, every rank done: the save's own directory goes (never
    * anything by the checkpoint's name: that is someone else's). */
   if (s->have_gp && s->gp.meta.save_id) {
-    ckpt_store_save_dir_remove(fs->commit_fd, s->gp.meta.save_id);
+    ckpt_store_save_dir_remove(s->root_fd, s->gp.meta.save_id);
     if (fs->opts.sync_files)
-      fsync(fs->commit_fd);
+      fsync(s->root_fd);
   }
 }
 
@@ -1727,28 +1723,21 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   ckpt__staging_tidy(fs->commit_fd);
   /* With a tier the flush applies it, once NAME is on BACKING_DIR */
   if (rc == 0 && s->rank == 0 && ckpt_keep_policy_active(&fs->opts.keep) &&
-      !fs->flush)
+      (!fs->flush || s->direct))
     ckpt__keep_policy(fs, job->name);
   if (rc == 0)
     ckpt_failpoint("committed");
-  /* level=shared: a sync writer waits for the flush's shared publish */
-  bool to_flush = rc == 0 && fs->flush && s->sync && s->words.level_shared;
   /* a writer killed meanwhile was answered by the interrupt */
-  bool writer = s->sync && s->req && claim_reply(s);
-  if (writer && !to_flush) {
+  if (s->sync && s->req && claim_reply(s)) {
     if (rc == 0)
       fuse_reply_write(s->req, s->reply_size);
     else
       fuse_reply_err(s->req, rc == -EEXIST ? EEXIST : EIO);
   }
   /* The writer has its answer: the copy to BACKING_DIR starts behind it
-   * (or it waits for it, interruptible: level=shared). */
-  ckpt_waiter_t *w = NULL;
-  if (to_flush && writer && !(w = ckpt__waiter_new(s->req, job->name)))
-    fuse_reply_err(s->req, ENOMEM);
-  if (rc == 0 && fs->flush)
-    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank, w,
-                    s->reply_size);
+   * (a direct save, level=shared, is there already). */
+  if (rc == 0 && fs->flush && !s->direct)
+    ckpt__flush_add(fs->flush, job->name, s->rp.save_id, s->rank);
   save_free(fs, s);
 }
 

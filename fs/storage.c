@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "catalog.h"
@@ -278,4 +279,20 @@ int ckpt__fs_load(ckpt_fs_t *fs) {
   int rc = fs->tier_fd >= 0 ? load_root(fs, fs->tier_fd) : 0;
   int brc = load_root(fs, fs->backing_fd);
   return rc ? rc : brc;
+}
+
+void ckpt__tier_full_line(ckpt_fs_t *fs, char *buf, size_t size) {
+  struct statvfs v;
+  buf[0] = '\0';
+  if (fs->tier_fd < 0 || fstatvfs(fs->tier_fd, &v))
+    return;
+  uint64_t free = (uint64_t)v.f_bavail * v.f_frsize;
+  if (free >= CKPT_TIER_FULL_FREE)
+    return;
+  snprintf(buf, size,
+           "tier full: %s has %llu MiB free: staged writes fail with ENOSPC "
+           "(nothing staged is lost); commit what is staged with `sync "
+           "level=shared` (written to BACKING_DIR directly), or make room "
+           "in the tier (a lower tier_keep, `ckptctl wait --level shared`)\n",
+           fs->tier_path, (unsigned long long)(free >> 20));
 }

@@ -467,5 +467,76 @@ class KeepTierCopies(OneTruthCase):
                     "what BACKING_DIR no longer holds")
 
 
+
+class FullTier(OneTruthCase):
+    """Case 5: a checkpoint larger than its tier (a 32 MiB tmpfs)."""
+
+    def small_tier(self):
+        subprocess.run(["umount", "-l", self.tier], capture_output=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=32m", "tmpfs",
+                            self.tier], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"cannot mount the tier's tmpfs: {r.stderr}")
+
+    def test_commit_larger_than_the_tier(self):
+        """Staged in RAM (passthrough=0), 48 MiB: the commit into the 32 MiB
+        tier fails at once saying the tier is full and what to do, nothing
+        is discarded (every staged byte reads back), and the remedy it
+        names, `sync level=shared`, commits it to BACKING_DIR directly:
+        served by this mount and one without the tier, no flush record,
+        nothing left in the tier."""
+        self.small_tier()
+        m1 = self.mount_at("m1", f"tier={self.tier},passthrough=0,staging_mem=256M")
+        ck = os.path.join(m1, "big")
+        stage(ck, "big", 48 * MiB, blobs=("config.json",))
+        with self.assertRaises(OSError) as cm:
+            commit(ck)
+        self.assertEqual(cm.exception.errno, errno.EIO)
+        st = status(ck)
+        self.assertTrue(st.startswith("failed"), st)
+        self.assertIn("is full", st)
+        self.assertIn("sync level=shared", st)
+        self.assertIn("nothing is lost", st)
+        # nothing discarded: the staged files read back whole
+        self.assertEqual(read_all(os.path.join(ck, "model", "w")), tagged("big", 48 * MiB))
+        self.assertEqual(read_all(os.path.join(ck, "config.json")), b'{"version": "big"}')
+        commit(ck, "sync level=shared")
+        self.assertTrue(status(ck).startswith("committed"), status(ck))
+        self.assertIn("location shared", status(ck))
+        self.assertEqual(save_id(self.backing, "big") is not None, True)
+        self.assertEqual(self.records(), [])
+        self.assertEqual(committed_names(self.tier), [])
+        m2 = self.mount_at("m2")
+        self.assertEqual(read_all(os.path.join(m2, "big", "model", "w")), tagged("big", 48 * MiB))
+        self.assertEqual(head_tag(os.path.join(m1, "big", "model", "w")), "big")
+
+    def test_staged_writes_into_a_full_tier(self):
+        """Staged into a 32 MiB tier (RAM for 8 MiB, then the tier): a 40
+        MiB file gets ENOSPC; the files staged before it are intact, the
+        checkpoint's .status and the log say the tier is full and what to
+        do; with the big file removed, `sync level=shared` commits the
+        rest."""
+        self.small_tier()
+        m1 = self.mount_at("m1", f"tier={self.tier},staging_mem=8M")
+        ck = os.path.join(m1, "c")
+        stage(ck, "small", 1 * MiB, blobs=("config.json",))
+        big = os.path.join(ck, "big.bin")
+        chunk = b"x" * MiB
+        with self.assertRaises(OSError) as cm:
+            with open(big, "wb") as f:
+                for _ in range(40):
+                    f.write(chunk)
+        self.assertEqual(cm.exception.errno, errno.ENOSPC)
+        st = status(ck)
+        self.assertIn("tier full", st)
+        self.assertIn("sync level=shared", st)
+        self.assertIn("c: a staged write got ENOSPC: tier full", self.daemon_log())
+        os.unlink(big)
+        self.assertEqual(read_all(os.path.join(ck, "model", "w")), tagged("small", 1 * MiB))
+        commit(ck, "sync level=shared")
+        self.assertTrue(status(ck).startswith("committed"), status(ck))
+        m2 = self.mount_at("m2")
+        self.assertEqual(head_tag(os.path.join(m2, "c", "model", "w")), "small")
+        self.assertEqual(self.records(), [])
+
 if __name__ == "__main__":
     main()
