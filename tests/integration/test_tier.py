@@ -845,6 +845,25 @@ class MultiRank(TierCase):
         self.stop_world()
         self.check_without_tier()
 
+    def test_two_ranks_level_shared_direct(self):
+        """`sync level=shared` on both ranks: written to BACKING_DIR
+        directly by each rank (no record, nothing in the tier), published
+        there when the commit returns, `location shared` on both; the
+        write-behind streams in the tier are read back, not linked."""
+        w = self.start_tier_world("flush_rate=1M")
+        self.stage_all()
+        res = commit_all(w, "c", "sync level=shared")
+        self.assertEqual([res[r][0] for r in range(2)], [None, None], cu.read_log(self.log))
+        self.assertTrue(os.path.exists(self.bk("c", ".metadata")))
+        self.assertEqual(self.records(), [])
+        self.assertEqual(committed_names(self.tier), [])
+        for r in range(2):
+            self.assertIn("location shared", status(os.path.join(w.mnt(r), "c")))
+            self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{r}")),
+                             self.rank_data[r])
+        self.stop_world()
+        self.check_without_tier()
+
     def test_rank_waits_for_the_other(self):
         """Rank 1's copy fails once (EIO): rank 0's flush has linked its own
         files and waits, saying for whom, without publishing; rank 1's
