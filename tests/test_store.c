@@ -1,6 +1,7 @@
 /*
  * test_store.c - store/: the bounded cache of data file descriptors, the
- * opens that refuse symlinks, the reader, and the .metadata loader's
+ * opens that refuse symlinks, the reader, the flush's compare-and-swap
+ * publish (ckpt_store_publish_if), and the .metadata loader's
  * refusals of what an attacker with write access to BACKING_DIR could put
  * there (symlinks, views, triggers, gaps, overlaps, huge indexes).
  */
@@ -495,6 +496,101 @@ static void save_dir_remove_unheld_spares_a_held_one(void **state) {
   rm_backing(b, bfd);
 }
 
+/* A committed checkpoint at b/rel (a directory made here) of save id,
+ * with no tensor; replaces: its "replaces" key, or NULL. */
+static void make_save(const char *b, const char *rel, const char *id,
+                      const char *replaces) {
+  char dir[600];
+  snprintf(dir, sizeof(dir), "%s/%s", b, rel);
+  assert_int_equal(mkdir(dir, 0700), 0);
+  ckpt_metadata_t m = {0};
+  m.name = strdup("x");
+  m.save_id = strdup(id);
+  m.world_size = 1;
+  m.created_at = 1700000000;
+  m.replaces = replaces ? strdup(replaces) : NULL;
+  char *err = NULL;
+  assert_int_equal(ckpt_metadb_publish(dir, &m, false, &err), 0);
+  ckpt_metadata_free(&m);
+}
+
+static void key_of(int bfd, const char *name, char out[CKPT_SAVE_ID_LEN + 1]) {
+  int dfd = ckpt_store_open_dir(bfd, name, O_RDONLY);
+  assert_true(dfd >= 0);
+  assert_int_equal(ckpt_store_save_id(dfd, out), 0);
+  close(dfd);
+}
+
+/* The flush's compare-and-swap (ckpt_store_publish_if): published only
+ * while NAME is one of the saves its commit replaced; the replaces list
+ * round-trips through .metadata. */
+static void publish_if_compares_and_swaps(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  const char *a = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+  const char *n1 = "11111111111111111111111111111111";
+  const char *n2 = "22222222222222222222222222222222";
+  const char *n3 = "33333333333333333333333333333333";
+  char now[CKPT_SAVE_ID_LEN + 1], key[CKPT_SAVE_ID_LEN + 1];
+  bool replaced;
+  assert_true(ckpt_store_replaces_has("none", ""));
+  assert_true(ckpt_store_replaces_has(" x  none", ""));
+  assert_false(ckpt_store_replaces_has("nonexistent", ""));
+  assert_true(ckpt_store_replaces_has("ab cd", "cd"));
+  assert_false(ckpt_store_replaces_has("abcd", "cd"));
+  assert_false(ckpt_store_replaces_has("cd", "c"));
+  assert_false(ckpt_store_replaces_has(NULL, "cd"));
+  make_save(b, "X", a, NULL);
+  char saves[600];
+  snprintf(saves, sizeof(saves), "%s/.saves", b);
+  assert_int_equal(mkdir(saves, 0700), 0);
+  /* n1 replaced a: exchanged */
+  snprintf(saves, sizeof(saves), ".saves/%s", n1);
+  make_save(b, saves, n1, "none aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+  assert_int_equal(ckpt_store_publish_if(bfd, n1, "X", "none " "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+                                         &replaced, now), 0);
+  assert_true(replaced);
+  key_of(bfd, "X", key);
+  assert_string_equal(key, n1);
+  /* its replaces key loaded back */
+  int dfd = ckpt_store_open_dir(bfd, "X", O_RDONLY);
+  char *rep = NULL;
+  assert_int_equal(ckpt_store_save_look(dfd, key, &rep), 0);
+  close(dfd);
+  assert_string_equal(rep, "none aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+  free(rep);
+  /* n2 replaced a too, but X is n1 now (later): superseded, X stays */
+  snprintf(saves, sizeof(saves), ".saves/%s", n2);
+  make_save(b, saves, n2, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+  assert_int_equal(ckpt_store_publish_if(bfd, n2, "X", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+                                         &replaced, now), -ESTALE);
+  assert_false(replaced);
+  assert_string_equal(now, n1);
+  key_of(bfd, "X", key);
+  assert_string_equal(key, n1);
+  /* already published: nothing to do */
+  assert_int_equal(ckpt_store_publish_if(bfd, n1, "X", "zz", &replaced, now), 0);
+  assert_false(replaced);
+  /* a plain commit ("none") of a name that exists: superseded */
+  snprintf(saves, sizeof(saves), ".saves/%s", n3);
+  make_save(b, saves, n3, "none");
+  assert_int_equal(ckpt_store_publish_if(bfd, n3, "X", "none", &replaced, now), -ESTALE);
+  /* ... of a name that does not: published */
+  assert_int_equal(ckpt_store_publish_if(bfd, n3, "Y", "none", &replaced, now), 0);
+  assert_false(replaced);
+  key_of(bfd, "Y", key);
+  assert_string_equal(key, n3);
+  /* a name removed after the commit that replaced it: superseded */
+  assert_int_equal(ckpt_store_publish_if(bfd, n2, "Z", n1, &replaced, now), -ESTALE);
+  assert_string_equal(now, "");
+  /* not a checkpoint (a file): refused */
+  snprintf(saves, sizeof(saves), "%s/F", b);
+  close(open(saves, O_WRONLY | O_CREAT, 0600));
+  assert_int_equal(ckpt_store_publish_if(bfd, n2, "F", "none", &replaced, now), -EEXIST);
+  rm_backing(b, bfd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(fdcache_is_bounded),
@@ -505,6 +601,7 @@ int main(void) {
       cmocka_unit_test(loader_refuses_symlinks),
       cmocka_unit_test(open_beneath_refuses_symlinks),
       cmocka_unit_test(save_dir_remove_unheld_spares_a_held_one),
+      cmocka_unit_test(publish_if_compares_and_swaps),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
