@@ -500,10 +500,12 @@ static int any_record(int dfd, const char *save_id) {
   return found;
 }
 
-/* Does a record name save_id (of any rank)? */
+/* Does a record name save_id (of any rank), or may one (the records
+ * cannot be read now: EMFILE, EIO)? Unknown counts as unflushed, so that
+ * nothing is removed on a failed look. */
 static bool has_record(ckpt_fs_t *fs, const char *save_id) {
   int dfd = open_records(fs, false);
-  bool has = save_id[0] && any_record(dfd, save_id) == 1;
+  bool has = save_id[0] && any_record(dfd, save_id) != 0;
   if (dfd >= 0)
     close(dfd);
   return has;
@@ -1171,6 +1173,28 @@ static int open_source(ckpt_fs_t *fs, const flush_job_t *j) {
   return rc == 0 ? src : rc == -ENOENT ? -ESTALE : rc;
 }
 
+/* Is BACKING_DIR/NAME positively no save that j's commit replaced (nor
+ * j's own)? Then *err (replacing any) says which save it is now. */
+static bool changed_after(ckpt_fs_t *fs, const flush_job_t *j,
+                          const char *replaces, char **err) {
+  char now[CKPT_SAVE_ID_LEN + 1] = "";
+  int dfd = ckpt_store_open_dir(fs->backing_fd, j->name, O_RDONLY);
+  int rc = dfd == -ENOENT ? -ENOENT : dfd < 0 ? dfd : ckpt_store_save_id(dfd, now);
+  if (dfd >= 0)
+    close(dfd);
+  if ((rc && rc != -ENOENT) || !strcmp(now, j->save_id) ||
+      ckpt_store_replaces_has(replaces, rc ? "" : now))
+    return false;
+  free(*err);
+  *err = rc ? ckpt__strdup_printf("%s/%s was removed after this save (%s) was "
+                                  "committed", fs->backing_path, j->name,
+                                  j->save_id)
+            : ckpt__strdup_printf("%s/%s is save %s, committed after this save "
+                                  "(%s) through another mount",
+                                  fs->backing_path, j->name, now, j->save_id);
+  return true;
+}
+
 /* Step 4, once held is complete: the shared publish, by whichever
  * flusher gets there; under an flock of its .metadata (the same inode
  * for every flusher, wherever its directory is), so that of two flushers
@@ -1383,6 +1407,13 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   if (rc == 0) {
     step = "checking that every rank's files are in the shared store";
     rc = complete(&m, held, err);
+  }
+  /* Waiting for other ranks while NAME changed on BACKING_DIR after the
+   * commit: it will never be published (their flushes find the same) */
+  if (rc == -EINPROGRESS && m.replaces && !recovered &&
+      changed_after(fs, j, m.replaces, err)) {
+    j->superseded = true;
+    rc = -ESTALE;
   }
   if (rc == 0) {
     step = "publishing in the shared store";

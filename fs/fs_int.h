@@ -854,7 +854,8 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
 /* Stop it: a copy under way is abandoned (the record stays). */
 void ckpt__flush_stop(ckpt_flush_t *f);
 /* Does a flush record name save_id, of any rank (its checkpoint is not
- * all in the shared store yet)? false without a tier. */
+ * all in the shared store yet), or can that not be known now? false
+ * without a tier. */
 bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id);
 /* Remove tier checkpoint name whose flush failed for good, if it is
  * still save_id, and this mount's record of it (of rank: fs->rank, or 0

@@ -357,6 +357,19 @@ static void touch_data(ckpt_fs_t *fs, ckpt_node_t *n) {
   pthread_mutex_unlock(&fs->lock);
 }
 
+/* The root committed ck was loaded from: the tier while TIER/NAME is that
+ * directory, else BACKING_DIR (one stat; the resolver decides which save
+ * NAME is at lookups, this only finds the loaded one's files). May be
+ * called with fs->lock held. */
+static int loaded_root(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
+  struct stat st;
+  if (fs->tier_fd >= 0 && ck->has_stored &&
+      fstatat(fs->tier_fd, ck->name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      st.st_dev == ck->stored.dev && st.st_ino == ck->stored.ino)
+    return fs->tier_fd;
+  return fs->backing_fd;
+}
+
 /* fs->lock held. */
 static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   (void)fs;
@@ -393,7 +406,7 @@ static void fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
     struct stat bst;
     char path[300];
     snprintf(path, sizeof(path), "%s/%s", n->ck->name, CKPT_METADATA_FILE);
-    if (fstatat(ckpt__root_of(fs, n->ck->name), path, &bst,
+    if (fstatat(loaded_root(fs, n->ck), path, &bst,
                 AT_SYMLINK_NOFOLLOW) == 0 &&
         S_ISREG(bst.st_mode))
       st->st_size = bst.st_size;
@@ -431,8 +444,7 @@ static void fill_entry(ckpt_fs_t *fs, ckpt_node_t *n, struct fuse_entry_param *e
  * through a symlink, only a regular file, only in the directory that was
  * loaded. fd or -errno. */
 static int open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
-  int dfd = ckpt_store_open_dir(ckpt__root_of(fs, ck->name), ck->name,
-                                O_PATH);
+  int dfd = ckpt_store_open_dir(loaded_root(fs, ck), ck->name, O_PATH);
   if (dfd < 0)
     return dfd == -ELOOP || dfd == -ENOTDIR ? -EIO : dfd;
   /* -ESTALE: replaced since it was loaded */

@@ -39,6 +39,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fs_int.h"
@@ -58,10 +60,133 @@ static int look(int root, const char *name, char id[CKPT_SAVE_ID_LEN + 1],
   return rc;
 }
 
+/* ------------------------------------------------------------------------
+ * The last answers, by name: a lookup of a tier mount costs three stats
+ * (TIER/NAME, BACKING_DIR/NAME, TIER/.flush) instead of two .metadata
+ * loads and a listing while none of the three changed (identity, mtime
+ * and ctime: a directory replaced, a .metadata removed in it, a record
+ * added or dropped all change one).
+ * ---------------------------------------------------------------------- */
+#define CACHE_SLOTS 64
+typedef struct {
+  dev_t dev;
+  ino_t ino;
+  struct timespec mtime, ctime;
+  bool there;
+} ident_t;
+
+static struct {
+  pthread_mutex_t lock; /* a leaf */
+  struct slot {
+    const ckpt_fs_t *fs;
+    char name[256];
+    ident_t tier, shared, recs;
+    ckpt_resolved_t r;
+    uint64_t used;
+  } slots[CACHE_SLOTS];
+  uint64_t clock;
+} cache = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static ident_t ident(int dirfd, const char *path) {
+  struct stat st;
+  ident_t id = {0};
+  if (fstatat(dirfd, path, &st, AT_SYMLINK_NOFOLLOW) == 0)
+    id = (ident_t){st.st_dev, st.st_ino, st.st_mtim, st.st_ctim, true};
+  return id;
+}
+
+static bool same(const ident_t *a, const ident_t *b) {
+  return a->there == b->there && a->dev == b->dev && a->ino == b->ino &&
+         a->mtime.tv_sec == b->mtime.tv_sec &&
+         a->mtime.tv_nsec == b->mtime.tv_nsec &&
+         a->ctime.tv_sec == b->ctime.tv_sec &&
+         a->ctime.tv_nsec == b->ctime.tv_nsec;
+}
+
+static bool cached(const ckpt_fs_t *fs, const char *name, const ident_t k[3],
+                   ckpt_resolved_t *out) {
+  bool hit = false;
+  pthread_mutex_lock(&cache.lock);
+  for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
+    struct slot *s = &cache.slots[i];
+    if (s->fs == fs && !strcmp(s->name, name) && same(&s->tier, &k[0]) &&
+        same(&s->shared, &k[1]) && same(&s->recs, &k[2])) {
+      *out = s->r;
+      s->used = ++cache.clock;
+      hit = true;
+    }
+  }
+  pthread_mutex_unlock(&cache.lock);
+  return hit;
+}
+
+/* Was any of k changed less than RACY_S ago? Then a change in the same
+ * tick of the filesystem's clock could leave its times as they are (the
+ * "racy" case of git's index): not remembered. */
+#define RACY_S 0.1
+static bool racy(const ident_t k[3]) {
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  double t = (double)now.tv_sec + now.tv_nsec * 1e-9;
+  for (int i = 0; i < 3; i++) {
+    double m = (double)k[i].mtime.tv_sec + k[i].mtime.tv_nsec * 1e-9;
+    double c = (double)k[i].ctime.tv_sec + k[i].ctime.tv_nsec * 1e-9;
+    if (k[i].there && (t - m < RACY_S || t - c < RACY_S))
+      return true;
+  }
+  return false;
+}
+
+static void remember(const ckpt_fs_t *fs, const char *name,
+                     const ident_t k[3], const ckpt_resolved_t *r) {
+  if (strlen(name) >= sizeof(cache.slots[0].name) || racy(k))
+    return;
+  pthread_mutex_lock(&cache.lock);
+  struct slot *s = &cache.slots[0];
+  for (int i = 0; i < CACHE_SLOTS; i++) {
+    struct slot *c = &cache.slots[i];
+    if (c->fs == fs && !strcmp(c->name, name)) {
+      s = c;
+      break;
+    }
+    if (c->used < s->used)
+      s = c; /* the least recently used (or an empty one) */
+  }
+  s->fs = fs;
+  snprintf(s->name, sizeof(s->name), "%s", name);
+  s->tier = k[0];
+  s->shared = k[1];
+  s->recs = k[2];
+  s->r = *r;
+  s->used = ++cache.clock;
+  pthread_mutex_unlock(&cache.lock);
+}
+
+/* The rule, looked up in the directories; definite: whether it may be
+ * remembered (nothing that could not be read). */
+static void resolve_now(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out,
+                        bool *definite);
+
 void ckpt__resolve(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out) {
   memset(out, 0, sizeof(*out));
   out->root = fs->backing_fd;
-  if (fs->tier_fd < 0 || !ckpt_store_committed(fs->tier_fd, name, NULL))
+  if (fs->tier_fd < 0)
+    return;
+  ident_t k[3] = {ident(fs->tier_fd, name), ident(fs->backing_fd, name),
+                  ident(fs->tier_fd, CKPT_FLUSH_DIR)};
+  if (!k[0].there)
+    return; /* nothing of NAME in the tier: BACKING_DIR's */
+  if (cached(fs, name, k, out))
+    return;
+  bool definite = false;
+  resolve_now(fs, name, out, &definite);
+  if (definite)
+    remember(fs, name, k, out);
+}
+
+static void resolve_now(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out,
+                        bool *definite) {
+  if (!ckpt_store_committed(fs->tier_fd, name, NULL))
     return;
   char tier[CKPT_SAVE_ID_LEN + 1], shared[CKPT_SAVE_ID_LEN + 1];
   char *replaces = NULL;
@@ -73,6 +198,7 @@ void ckpt__resolve(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out) {
     return;
   }
   int src = look(fs->backing_fd, name, shared, NULL);
+  *definite = src == 0 || src == -ENOENT;
   if (src && src != -ENOENT) {
     /* BACKING_DIR cannot be read now (out of descriptors, I/O error): the
      * tier's copy, as before this look */

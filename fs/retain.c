@@ -7,6 +7,7 @@
  * the rest. A tier checkpoint with a flush record is never removed here:
  * unflushed, it may be the only copy (catalog.c, ckpt__tier_evict).
  */
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,20 +54,34 @@ void ckpt__tier_retain(ckpt_fs_t *fs) {
   ckpt__catalog_names_free(gone, n);
 }
 
+/* The save key of ROOT/NAME: 0, -ENOENT (no committed checkpoint there)
+ * or another -errno (not known now). */
+static int key_at(int root, const char *name, char id[CKPT_SAVE_ID_LEN + 1]) {
+  int dfd = ckpt_store_open_dir(root, name, O_RDONLY);
+  if (dfd < 0)
+    return dfd == -ENOTDIR || dfd == -ELOOP ? -ENOENT : dfd;
+  int rc = ckpt_store_save_id(dfd, id);
+  close(dfd);
+  return rc;
+}
+
 void ckpt__tier_forget(ckpt_fs_t *fs, const char *name, const char *save_id) {
-  char id[CKPT_SAVE_ID_LEN + 1] = "";
+  char id[CKPT_SAVE_ID_LEN + 1] = "", shared[CKPT_SAVE_ID_LEN + 1] = "";
   if (fs->tier_fd < 0 || !save_id)
     return;
   pthread_mutex_lock(&fs->tier_publish);
   int lock = ckpt__tier_lock(fs);
-  int dfd = ckpt_store_open_dir(fs->tier_fd, name, O_RDONLY);
-  int rc = dfd < 0 ? dfd : ckpt_store_save_id(dfd, id);
-  if (dfd >= 0)
-    close(dfd);
-  if (rc == 0 && !strcmp(id, save_id) && !ckpt__flush_unflushed(fs, save_id) &&
-      ckpt__checkpoint_remove(fs->tier_fd, name, false) == 0)
-    ckpt__log("%s: removed from the tier too (removed from BACKING_DIR)",
-              name);
-  ckpt__tier_unlock(lock);
+  /* Looked at again under the node's lock, every answer positive: the
+   * copy is save_id, no record of it (its flush may have published it
+   * just now), and BACKING_DIR/NAME another save or none */
+  int src = lock < 0 ? lock : key_at(fs->backing_fd, name, shared);
+  bool stale = lock >= 0 && key_at(fs->tier_fd, name, id) == 0 &&
+               !strcmp(id, save_id) && !ckpt__flush_unflushed(fs, save_id) &&
+               (src == -ENOENT || (src == 0 && strcmp(shared, save_id)));
+  if (stale && ckpt__checkpoint_remove(fs->tier_fd, name, false) == 0)
+    ckpt__log("%s: its tier copy (save %s) removed: BACKING_DIR's %s is %s%s",
+              name, save_id, name, src ? "gone" : "save ", src ? "" : shared);
+  if (lock >= 0)
+    ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
 }

@@ -582,6 +582,7 @@ static int local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
   ckpt_local_plan_t lp;
   ckpt__save_waiting(fs, job, NULL, 0);
   ckpt_local_plan_init(&lp, s->rank);
+  lp.direct = s->direct; /* the coordinator checks that every rank agrees */
   s->checksums = calloc(s->nfiles ? s->nfiles : 1, sizeof(*s->checksums));
   int rc = s->checksums ? 0 : -ENOMEM;
   if (rc == 0)
@@ -777,6 +778,17 @@ static int global_step(void *ctx, ckpt_dist_job_t *job, const ckpt_buf_t *plans,
                            .replica_check = fs->opts.replica_check};
   if (rc == 0 && (*err = aborted_by(locals, n)) != NULL)
     rc = -ECANCELED; /* not a refusal of what was staged: metrics "other" */
+  /* Where the save goes is one decision: a direct save's files and a
+   * tier save's would end up in two places */
+  for (int r = 1; r < n && rc == 0; r++)
+    if (locals[r].direct != locals[0].direct) {
+      rc = -EINVAL;
+      *err = ckpt__strdup_printf(
+          "ranks 0 and %d wrote different level= words to .commit (%s and "
+          "%s): every rank of a world commits with the same words; nothing "
+          "was written", r, locals[0].direct ? "level=shared" : "none",
+          locals[r].direct ? "level=shared" : "none");
+    }
   if (rc == 0)
     rc = ckpt_plan_global(locals, n, &opts, &s->gp);
   if (rc == 0) {

@@ -257,6 +257,9 @@ typedef struct {
   uint32_t cap_items;
   ckpt_write_item_t *items; /* owned */
   char *errors;             /* owned, NULL or newline-separated reasons */
+  bool direct;              /* the rank's commit words ask its tier to be
+                               bypassed (level=shared): every rank of a
+                               save must agree */
   /* Write-behind: reserved[K] = bytes at the start of this rank's data file
    * K that the rank has already written (its pinned items live there, the
    * rest of that range is dead space that must not be overwritten). Files

@@ -197,6 +197,7 @@ int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
   put_header(&w, magic_local_plan);
   put_i32(&w, lp->rank);
   put_opt_str(&w, lp->errors);
+  put_u8(&w, lp->direct);
   put_u32(&w, lp->n_reserved);
   for (uint32_t k = 0; k < lp->n_reserved; k++)
     put_u64(&w, lp->reserved[k]);
@@ -283,6 +284,10 @@ int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
   if (lp->rank < 0)
     fail(&r);
   lp->errors = get_opt_str(&r);
+  uint8_t direct = get_u8(&r);
+  if (direct > 1)
+    fail(&r);
+  lp->direct = direct == 1;
   uint32_t n_reserved = get_u32(&r);
   if (n_reserved > r.left / 8)
     fail(&r);

@@ -311,7 +311,9 @@ int ckpt_store_publish_if(int backing_fd, const char *save_id,
       *replaced = true;
     return rc;
   }
-  return -EAGAIN;
+  /* a directory that kept no .metadata for a second: not a checkpoint
+   * (a crashed removal, something else), not replaced */
+  return -EEXIST;
 }
 
 int ckpt_store_unreplace(int backing_fd, const char *save_id,

@@ -730,6 +730,8 @@ static int load_retention(loader_t *ld, const row_t *r, const char *key,
   if (!strcmp(key, "replaces")) {
     if (m->replaces)
       return row_fail(ld, r, "key replaces appears twice");
+    if (!*val) /* "none" says no checkpoint: empty says nothing */
+      return row_fail(ld, r, "replaces is empty");
     for (const char *c = val; *c; c++)
       if (!isalnum((unsigned char)*c) && !strchr(" #-_", *c))
         return row_fail(ld, r, "replaces '%.80s' is not a list of save keys",

@@ -864,6 +864,42 @@ class MultiRank(TierCase):
         self.stop_world()
         self.check_without_tier()
 
+    def test_ranks_disagree_on_level_shared(self):
+        """Rank 0 commits `sync level=shared`, rank 1 plain `sync`: one
+        save cannot go to BACKING_DIR on one rank and into the tier on
+        the other (rank 1's files would be lost), so the commit fails on
+        both with the reason, nothing is published, and both stay staged:
+        the same words then commit."""
+        w = self.start_tier_world()
+        self.stage_all()
+        got = {}
+
+        def one(r, words):
+            try:
+                commit(os.path.join(w.mnt(r), "c"), words)
+                got[r] = None
+            except OSError as e:
+                got[r] = e.errno
+        ts = [threading.Thread(target=one, args=(0, "sync level=shared")),
+              threading.Thread(target=one, args=(1, "sync"))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        self.assertEqual(got, {0: errno.EIO, 1: errno.EIO}, cu.read_log(self.log))
+        for r in range(2):
+            st = status(os.path.join(w.mnt(r), "c"))
+            self.assertTrue(st.startswith("failed"), st)
+            self.assertIn("different level= words", st)
+            self.assertEqual(read_all(os.path.join(w.mnt(r), "c", f"rank{r}")),
+                             self.rank_data[r])
+        self.assertFalse(os.path.exists(self.bk("c")))
+        self.assertEqual(self.records(), [])
+        res = commit_all(w, "c", "sync level=shared")
+        self.assertEqual([res[r][0] for r in range(2)], [None, None], cu.read_log(self.log))
+        self.stop_world()
+        self.check_without_tier()
+
     def test_rank_waits_for_the_other(self):
         """Rank 1's copy fails once (EIO): rank 0's flush has linked its own
         files and waits, saying for whom, without publishing; rank 1's
