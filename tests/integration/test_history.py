@@ -87,6 +87,8 @@ import subprocess
 import sys
 import threading
 import time
+from bisect import bisect_left, bisect_right
+from operator import itemgetter
 
 from ckpttest.util import CkptfsTestCase, main, write_file, write_tensor
 
@@ -243,6 +245,9 @@ def backing_leftovers(backing):
 # ---- the checker -------------------------------------------------------------
 
 INF = float("inf")
+# what a name is made of: it is one of these in a text that names it
+TOKEN = re.compile(r"[\w.-]+")
+LOSS_WORDS = re.compile(r"supersed|lost|not published|flush failed")
 
 
 class History:
@@ -268,21 +273,60 @@ def _fmt(t, t0):
 
 
 def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
-    """The violations of history h: [(kind, text)], and counts."""
+    """The violations of history h: [(kind, text)], and counts.
+
+    Indexed so that a long history is checked in about n log n: each
+    name's monitor samples are in time order (one monitor thread appends
+    them, inv and comp both nondecreasing: checked here), so the samples
+    of a time range are found by bisection; a version's sightings are kept
+    as runs of its name's samples; commits, removals and keep= lines are
+    sorted per name with prefix/suffix extrema for "any later/earlier ...".
+    Same violations, in the same order, as the plain scans it replaces."""
     vs, t0 = h.versions, min([o["inv"] for o in h.ops] or [0])
     viol = []
     T = lambda t: _fmt(t, t0)
     samples = h.samples
+    inv_of, comp_of = itemgetter(0), itemgetter(1)
 
-    def name_of(v):
-        return v["name"]
-
-    # sightings of each version in BACKING_DIR: [(inv, comp, paths)]
+    # sightings of each version in BACKING_DIR, as runs of samples: vid ->
+    # [(name, lo, hi)], samples[name][lo:hi] all showing vid (in the order
+    # of samples' names, then time)
     seen = {}
     for name, ss in samples.items():
-        for inv, comp, st in ss:
-            if isinstance(st, tuple) and st[0] is not None:
-                seen.setdefault(st[0], []).append((inv, comp, st[1]))
+        prev, lo = None, 0
+        p_inv = p_comp = -INF
+        for i, (inv, comp, st) in enumerate(ss):
+            if inv < p_inv or comp < p_comp:
+                raise AssertionError(f"monitor samples of {name} out of time order at {i}")
+            p_inv, p_comp = inv, comp
+            vid = st[0] if isinstance(st, tuple) else None
+            if vid != prev:
+                if prev is not None:
+                    seen.setdefault(prev, []).append((name, lo, i))
+                prev, lo = vid, i
+        if prev is not None:
+            seen.setdefault(prev, []).append((name, lo, len(ss)))
+
+    def name_re(name):
+        return re.compile(r"(?<![\w.-])" + re.escape(name) + r"(?![\w.-])")
+
+    def first_sight(vid):
+        n, lo, _ = seen[vid][0]
+        return samples[n][lo]
+
+    def last_sight(vid):
+        n, _, hi = seen[vid][-1]
+        return samples[n][hi - 1]
+
+    def next_change(ss, t, vid=None):
+        """The first of ss invoked after t that is not 'err' (nor shows vid)."""
+        i = bisect_right(ss, t, key=inv_of)
+        while i < len(ss):
+            st = ss[i][2]
+            if st != "err" and not (vid is not None and isinstance(st, tuple) and st[0] == vid):
+                return ss[i]
+            i += 1
+        return None
 
     def committed(v):
         return v.get("outcome") == "ok"
@@ -293,7 +337,7 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
         if committed(v) and not h.mounts[v["mount"]]["tier"]:
             e = v["c_comp"]
         if v["vid"] in seen:
-            e = min(e, seen[v["vid"]][0][1])
+            e = min(e, first_sight(v["vid"])[1])
         return e
 
     ev = {vid: in_s_evidence(v) for vid, v in vs.items()}
@@ -302,65 +346,147 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
     for v in vs.values():
         by_name.setdefault(v["name"], []).append(v)
 
+    def by_c_inv(us, keep):
+        """[(c_inv, k, u)] of the u of us that keep takes, by c_inv (k: u's
+        place in us, which breaks ties)."""
+        return sorted(((u["c_inv"], k, u) for k, u in enumerate(us) if keep(u)),
+                      key=itemgetter(0, 1))
+
+    def suffix_min(cs, val):
+        """suf[j] = the least (val(u), k) of cs[j:] ((INF, -1) if none)."""
+        suf = [(INF, -1)] * (len(cs) + 1)
+        for j in range(len(cs) - 1, -1, -1):
+            c = (val(cs[j][2]), cs[j][1])
+            suf[j] = c if c < suf[j + 1] else suf[j + 1]
+        return suf
+
+    # per name, its commits by c_inv, and the least ev of those invoked after
+    # a time (the first of them, in by_name's order, on a tie)
+    later = {}
+    for name, us in by_name.items():
+        cs = by_c_inv(us, lambda u: u["c_inv"] is not None)
+        later[name] = ([c[0] for c in cs], suffix_min(cs, lambda u: ev[u["vid"]]), cs)
+
     s_end, s_end_why = {}, {}
     for vid, v in vs.items():
         end, why = INF, ""
         e = ev[vid]
         if e < INF:
-            for inv, comp, st in samples.get(v["name"], []):
-                if inv > e and st != "err" and not (isinstance(st, tuple) and st[0] == vid):
-                    if comp < end:
-                        what = "absent" if st is None else f"version {st[0]}"
-                        end, why = comp, f"the monitor saw {v['name']} {what} at {T(comp)}"
-                    break
+            s = next_change(samples.get(v["name"], []), e, vid)
+            if s is not None:
+                inv, comp, st = s
+                if comp < end:
+                    what = "absent" if st is None else f"version {st[0]}"
+                    end, why = comp, f"the monitor saw {v['name']} {what} at {T(comp)}"
         if v.get("c_comp") is not None and v.get("outcome") in ("ok", "unknown"):
-            for u in by_name[v["name"]]:
-                if u is v or u["c_inv"] is None or u["c_inv"] <= v["c_comp"]:
-                    continue
-                if ev[u["vid"]] < end:
-                    end = ev[u["vid"]]
-                    why = (f"version {u['vid']} (committed on {u['mount']} at "
-                           f"{T(u['c_inv'])}..{T(u['c_comp'])}, after this one's commit "
-                           f"returned at {T(v['c_comp'])}) was in BACKING_DIR at {T(end)}")
+            # the versions of NAME whose commit began after V's returned
+            # (V itself is not: its c_inv <= its c_comp)
+            c_invs, suf, cs = later[v["name"]]
+            m, k = suf[bisect_right(c_invs, v["c_comp"])]
+            if k >= 0 and m < end:
+                u = by_name[v["name"]][k]
+                end = m
+                why = (f"version {u['vid']} (committed on {u['mount']} at "
+                       f"{T(u['c_inv'])}..{T(u['c_comp'])}, after this one's commit "
+                       f"returned at {T(v['c_comp'])}) was in BACKING_DIR at {T(end)}")
         s_end[vid], s_end_why[vid] = end, why
+
+    # per (name, mount), its committed versions by c_inv, and the earliest
+    # c_comp of those invoked after a time
+    mine = {}
+    for name, us in by_name.items():
+        for mount in {u["mount"] for u in us}:
+            cs = by_c_inv(us, lambda u: u["mount"] == mount and committed(u))
+            mine[name, mount] = ([c[0] for c in cs], suffix_min(cs, itemgetter("c_comp")))
 
     def mount_end(v, mount):
         """The mount committed a later version of NAME: it shows that one."""
         end, why = INF, ""
-        if v.get("c_comp") is None:
+        if v.get("c_comp") is None or (v["name"], mount) not in mine:
             return end, why
-        for u in by_name[v["name"]]:
-            if (u["mount"] == mount and committed(u) and u["c_inv"] > v["c_comp"]
-                    and u["c_comp"] < end):
-                end = u["c_comp"]
-                why = f"{mount} itself committed version {u['vid']} of {v['name']} at {T(end)}"
+        c_invs, suf = mine[v["name"], mount]
+        m, k = suf[bisect_right(c_invs, v["c_comp"])]
+        if k >= 0 and m < end:
+            u = by_name[v["name"]][k]
+            end = m
+            why = f"{mount} itself committed version {u['vid']} of {v['name']} at {T(end)}"
         return end, why
 
+    entry_ends = {}
+
     def entry_end(vid, f):
-        for inv, comp, paths in seen.get(vid, []):
-            if f not in paths:
-                return comp
-        return INF
+        if (vid, f) not in entry_ends:
+            entry_ends[vid, f] = INF
+            for n, lo, hi in seen.get(vid, []):
+                ss = samples[n]
+                i = next((i for i in range(lo, hi) if f not in ss[i][2][1]), None)
+                if i is not None:
+                    entry_ends[vid, f] = ss[i][1]
+                    break
+        return entry_ends[vid, f]
 
-    removals = [o for o in h.ops if o["kind"] in ("rm_r", "rm_entry")]
-    keep_lines = [(t, ln) for t, ln in h.log if "keep=" in ln and ": removed " in ln]
+    def seen_between(vid, a, b):
+        """A sighting of vid with comp >= a and inv <= b."""
+        for n, lo, hi in seen.get(vid, []):
+            ss = samples[n]
+            i = bisect_left(ss, a, lo, hi, key=comp_of)
+            if i < hi and ss[i][0] <= b:
+                return True
+        return False
 
-    def name_re(name):
-        return re.compile(r"(?<![\w.-])" + re.escape(name) + r"(?![\w.-])")
+    # removals, per name (rm -r: any outcome, an rm -r may fail with ENOENT
+    # after removing .metadata) and per (name, entry) (not ENOENT): sorted by
+    # inv, with the latest comp so far
+    def overlaps_index(os_):
+        os_ = sorted(os_, key=itemgetter("inv"))
+        pmax, m = [], -INF
+        for o in os_:
+            m = max(m, o["comp"])
+            pmax.append(m)
+        return [o["inv"] for o in os_], pmax
+
+    def overlaps(ix, a, b):
+        """An operation of index ix with inv <= b and comp >= a."""
+        if ix is None:
+            return False
+        k = bisect_right(ix[0], b)
+        return k > 0 and ix[1][k - 1] >= a
+
+    rm_r, rm_entry = {}, {}
+    for o in h.ops:
+        if o["kind"] == "rm_r":
+            rm_r.setdefault(o["name"], []).append(o)
+        elif o["kind"] == "rm_entry" and o["res"] != "enoent":
+            rm_entry.setdefault((o["name"], o["file"]), []).append(o)
+    rm_r = {k: overlaps_index(x) for k, x in rm_r.items()}
+    rm_entry = {k: overlaps_index(x) for k, x in rm_entry.items()}
+
+    # a name matches NAME_RE(name) in a text iff it is one of the text's
+    # TOKENs (a name made of [\w.-] only); other names are searched for
+    keep_lines = [(t, ln.split(": removed ", 1)[1]) for t, ln in h.log
+                  if "keep=" in ln and ": removed " in ln]
+    keep_at = {}   # token -> [time of a keep= line removing it]
+    for t, tail in keep_lines:
+        for tok in set(TOKEN.findall(tail)):
+            keep_at.setdefault(tok, []).append(t)
+    keep_at = {tok: sorted(ts) for tok, ts in keep_at.items()}
+
+    def kept_at(name):
+        if name not in keep_at and not TOKEN.fullmatch(name):
+            rx = name_re(name)
+            keep_at[name] = sorted(t for t, tail in keep_lines if rx.search(tail))
+        return keep_at.get(name, [])
 
     def removal_near(name, a, b, f=None):
-        for o in removals:
-            if o["name"] != name or (o["kind"] == "rm_entry" and o["res"] == "enoent"):
-                continue   # (an rm -r may fail with ENOENT after removing .metadata)
-            if o["kind"] == "rm_entry" and (f is None or o["file"] != f):
-                continue
-            if o["inv"] <= b and o["comp"] >= a:
-                return o
-        rx = name_re(name)
-        for t, ln in keep_lines:
-            if a <= t and t - 1.0 <= b and rx.search(ln.split(": removed ", 1)[1]):
-                return {"kind": "keep", "line": ln}
-        return None
+        """Whether a removal of NAME (or of its entry f) or a keep= line
+        removing it came near [a, b]."""
+        if overlaps(rm_r.get(name), a, b):
+            return True
+        if f is not None and overlaps(rm_entry.get((name, f)), a, b):
+            return True
+        ts = kept_at(name)
+        k = bisect_left(ts, a)
+        return k < len(ts) and ts[k] - 1.0 <= b
 
     # -- reads
     reads = [o for o in h.ops if o["kind"] in ("read", "held") and o["valid"]]
@@ -394,7 +520,10 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
         if res[0] == "enoent":
             stats["enoent"] += 1
             a, b = r["inv"] - window, r["comp"]
-            ss = [s for s in samples.get(r["name"], []) if s[1] >= a - gap and s[0] <= b + gap]
+            # the samples with comp >= a - gap and inv <= b + gap: a range
+            all_ss = samples.get(r["name"], [])
+            ss = all_ss[bisect_left(all_ss, a - gap, key=comp_of):
+                        bisect_right(all_ss, b + gap, key=inv_of)]
             if not ss or ss[0][1] > a or ss[-1][0] < b:
                 continue
             if any(not isinstance(st, tuple) or r["file"] not in st[1] for _, _, st in ss):
@@ -426,8 +555,7 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
         m_end, m_why = mount_end(v, r["mount"])
         if m_end < end:
             end, why = m_end, m_why
-        if end < r["inv"] - window and any(c >= r["inv"] - window and i <= r["comp"]
-                                           for i, c, _ in seen.get(vid, [])):
+        if end < r["inv"] - window and seen_between(vid, r["inv"] - window, r["comp"]):
             viol.append(("UNDONE", f"{where}: read version {vid}, which BACKING_DIR held "
                                    f"again then, though no longer {r['name']}'s since "
                                    f"{T(end)}: {why} (BACKING_DIR went back: see ORDER)"))
@@ -448,35 +576,98 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
     # -- order of BACKING_DIR's NAME against the commits' real-time order
     for name, ss in samples.items():
         since_absent = {}   # vid -> time first seen since the last absence
+        # since_absent's committed versions: their c_inv, sorted, and their
+        # places in since_absent (so those invoked after a time, in order)
+        order, c_invs, places = [], [], []
         reported = set()
+        # a version u shown again with since_absent unchanged finds nothing
+        # new: its pairs were reported or a removal came near (and a
+        # removal near [when, comp] is near [when, a later comp])
+        state, last = 0, None
+
+        def add(vid, when):
+            if vid in since_absent:
+                return
+            since_absent[vid] = when
+            v = vs.get(vid)
+            if v is not None and v.get("c_inv") is not None:
+                k = bisect_right(c_invs, v["c_inv"])
+                c_invs.insert(k, v["c_inv"])
+                places.insert(k, len(order))
+            order.append(vid)
+
         for inv, comp, st in ss:
             if st is None:
-                since_absent = {}
+                if since_absent:
+                    since_absent, order, c_invs, places = {}, [], [], []
+                state += 1
                 continue
             if not isinstance(st, tuple) or st[0] is None:
                 continue
             u = vs.get(st[0])
             if u is None or u.get("c_comp") is None:
-                since_absent.setdefault(st[0], inv)
+                add(st[0], inv)
                 continue
-            for vid, when in since_absent.items():
-                v = vs.get(vid)
-                if vid == u["vid"] or v is None or v.get("c_inv") is None:
-                    continue
-                if u["c_comp"] < v["c_inv"] and (u["vid"], vid) not in reported \
-                        and not removal_near(name, when, comp):
-                    reported.add((u["vid"], vid))
-                    viol.append(("ORDER", f"{name}: BACKING_DIR held version {vid} (committed on "
-                                          f"{v['mount']} at {T(v['c_inv'])}..{T(v['c_comp'])}, "
-                                          f"{v['outcome']}) at {T(when)}, then version {u['vid']} "
-                                          f"at {T(comp)}, whose commit (on {u['mount']}) returned "
-                                          f"at {T(u['c_comp'])}, before {vid}'s began: "
-                                          f"a later commit undone"))
-            since_absent.setdefault(u["vid"], inv)
+            if (state, len(since_absent), u["vid"]) != last:
+                last = (state, len(since_absent), u["vid"])
+                for p in sorted(places[bisect_right(c_invs, u["c_comp"]):]):
+                    vid = order[p]
+                    when = since_absent[vid]
+                    v = vs[vid]
+                    if vid == u["vid"]:
+                        continue
+                    if (u["vid"], vid) not in reported and not removal_near(name, when, comp):
+                        reported.add((u["vid"], vid))
+                        viol.append(("ORDER", f"{name}: BACKING_DIR held version {vid} (committed on "
+                                              f"{v['mount']} at {T(v['c_inv'])}..{T(v['c_comp'])}, "
+                                              f"{v['outcome']}) at {T(when)}, then version {u['vid']} "
+                                              f"at {T(comp)}, whose commit (on {u['mount']}) returned "
+                                              f"at {T(u['c_comp'])}, before {vid}'s began: "
+                                              f"a later commit undone"))
+            add(u["vid"], inv)
 
     # -- committed versions lost without a word
     texts = [ln for _, ln in h.log] + h.reports
-    commits = [v for v in vs.values() if v.get("c_inv") is not None]
+    joined = "\n".join(texts)
+    flagged = [t for t in texts if LOSS_WORDS.search(t)]
+    flagged_tokens = {tok for t in flagged for tok in TOKEN.findall(t)}
+
+    def said_of(name, sid):
+        """A log or .status line with sid in it, or naming NAME with
+        supersed|lost|not published|flush failed."""
+        if sid and (sid in joined if "\n" not in sid else any(sid in t for t in texts)):
+            return True
+        if TOKEN.fullmatch(name):
+            return name in flagged_tokens
+        rx = name_re(name)
+        return any(rx.search(t) for t in flagged)
+
+    # per (name, on a tier mount), the commits that did not fail, by c_inv,
+    # with the two latest c_comps so far (the latest and which version's)
+    others = {}
+    for name, us in by_name.items():
+        for tier in (False, True):
+            cs = by_c_inv(us, lambda u: u["c_inv"] is not None and u.get("outcome") != "fail"
+                          and bool(h.mounts[u["mount"]]["tier"]) == tier)
+            top, m1, u1, m2 = [], -INF, None, -INF
+            for _, _, u in cs:
+                if u["c_comp"] > m1:
+                    m1, u1, m2 = u["c_comp"], u, m1
+                elif u["c_comp"] > m2:
+                    m2 = u["c_comp"]
+                top.append((m1, u1, m2))
+            others[name, tier] = ([c[0] for c in cs], top)
+
+    def commit_after(v, tier, a, b):
+        """Another commit of NAME invoked by b that returned at or after
+        a (and after V was invoked)."""
+        c_invs, top = others[v["name"], tier]
+        k = bisect_right(c_invs, b)
+        if k == 0:
+            return False
+        m1, u1, m2 = top[k - 1]
+        return (m1 if u1 is not v else m2) >= a
+
     for v in vs.values():
         if not committed(v):
             continue
@@ -486,33 +677,23 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
         if isinstance(final, tuple) and final[0] == v["vid"]:
             continue
         if sights:
-            a = sights[-1][0]
-            b = next((c for i, c, st in ss if i > sights[-1][1] and st != "err"), INF)
+            a, last_comp, _ = last_sight(v["vid"])
+            s = next_change(ss, last_comp)
+            b = s[1] if s is not None else INF
         elif not h.mounts[v["mount"]]["tier"]:
             a = v["c_inv"]
-            b = next((c for i, c, st in ss if i > v["c_comp"] and st != "err"), INF)
+            s = next_change(ss, v["c_comp"])
+            b = s[1] if s is not None else INF
         else:
             a, b = v["c_inv"], INF
-        explained = None
-        for u in commits:
-            if u is v or u["name"] != name or u.get("outcome") == "fail":
-                continue
-            if u["c_comp"] < v["c_inv"]:
-                continue   # entirely before V: cannot undo it
-            if u["c_inv"] <= b and (h.mounts[u["mount"]]["tier"] or u["c_comp"] >= a):
-                explained = f"version {u['vid']}"
-                break
-        if not explained:
-            o = removal_near(name, a, b)
-            if o and o["kind"] != "rm_entry":
-                explained = o["kind"]
-        if explained:
+        # a later or concurrent commit of NAME (not entirely before V): one
+        # on a tier mount invoked by b, or one elsewhere that returned after a
+        if commit_after(v, True, v["c_inv"], b) or commit_after(v, False, max(v["c_inv"], a), b):
             continue
-        sid = sights and next((st[2] for i, c, st in ss
-                               if isinstance(st, tuple) and st[0] == v["vid"]), None)
-        rx = name_re(name)
-        if any((sid and sid in t) or (rx.search(t) and re.search(
-                r"supersed|lost|not published|flush failed", t)) for t in texts):
+        if removal_near(name, a, b):
+            continue
+        sid = next((samples[n][lo][2][2] for n, lo, _ in sights if n == name), None)
+        if said_of(name, sid):
             continue
         viol.append(("LOST", f"{name}: version {v['vid']} (committed on {v['mount']} with "
                              f"'{v['words']}' at {T(v['c_inv'])}..{T(v['c_comp'])}) "
