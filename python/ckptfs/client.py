@@ -78,6 +78,15 @@ from .protocol import (MANIFEST_DIR, commit, commit_dir, discard_leftovers, disc
 from .snapshot import StagingBuffers, encode_object, give_back, snapshot
 from .staging import Stager, StagingDirs, dims_csv
 from .world import check_dir, check_save_world, mount_world
+# names ckptfs._client had before the package was split by concern, kept
+# there for code written against it
+from .abort import ABORT_ITEM, ABORT_REASON_MAX, ABORTED  # noqa: F401
+from .blocks import IO_STEP, block_file  # noqa: F401
+from .dtypes import NUMPY_NAMES  # noqa: F401
+from .errors import CkptfsIOError  # noqa: F401
+from .protocol import TOKEN_CHARS, working_prefix  # noqa: F401
+from .staging import META_XATTR  # noqa: F401
+from .world import mount_gone, trainer_rank, world_mismatch  # noqa: F401
 
 __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
            "commit", "latest", "Shard", "CommitError", "CkptfsError", "DTYPES",
