@@ -20,8 +20,8 @@ Lightning CheckpointIO) imports lightning, when first used.
 """
 
 from . import job
-from ._client import (DTYPES, CkptfsError, CommitError, Shard, StagingBuffers,
-                      async_save, commit, latest, load, save, status, wait)
+from .client import (DTYPES, CkptfsError, CommitError, Shard, StagingBuffers,
+                     async_save, commit, latest, load, save, status, wait)
 
 __version__ = "0.3.0"
 __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
@@ -31,8 +31,9 @@ __all__ = ["save", "async_save", "StagingBuffers", "load", "wait", "status",
 
 def __getattr__(name):
     # ckptfs.hf and ckptfs.lightning on first use: importing ckptfs must
-    # import neither transformers nor lightning
-    if name in ("hf", "lightning"):
+    # import neither transformers nor lightning (ckptfs._client: the old
+    # name of ckptfs.client)
+    if name in ("hf", "lightning", "_client"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,9 +29,11 @@ import re
 import shutil
 
 from . import job
-from ._client import (CkptfsError, _abort_save, _make_checkpoint_dir, _save_words, check_dir,
-                      commit, commit_staged, discard_leftovers, mount_world,
-                      retention_words, status, world_mismatch)
+from .abort import abort_save
+from .client import commit_staged, make_checkpoint_dir, save_words
+from .errors import CkptfsError
+from .protocol import commit, discard_leftovers, retention_words, status
+from .world import check_dir, mount_world, world_mismatch
 
 try:
     from transformers import TrainerCallback
@@ -167,12 +169,12 @@ def save_state(accelerator, mount, name, overwrite=True, exist_ok=False, step=No
                          "name each checkpoint")
     check_mount(mount, accelerator.process_index, accelerator.num_processes)
     kept = retention_words(step)
-    words = _save_words(name, overwrite, False)
-    ckdir = _make_checkpoint_dir(mount, name, exist_ok, overwrite)
+    words = save_words(name, overwrite, False)
+    ckdir = make_checkpoint_dir(mount, name, exist_ok, overwrite)
     try:
         accelerator.save_state(ckdir, **kwargs)
     except BaseException:
-        _abort_save(ckdir, name, words)
+        abort_save(ckdir, name, words)
         raise
     commit_staged(ckdir, mount, name, "sync", words, kept)
     return os.path.join(mount, name)

@@ -67,14 +67,14 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as _ModelCheckpoint
 
-from . import _client
-from ._client import CkptfsError
+from . import client, dtypes, protocol, world
+from .errors import CkptfsError
 
 __all__ = ["CheckpointIO", "ModelCheckpoint", "checkpoint_file"]
 
 SKELETON = "checkpoint.pkl"   # the checkpoint with its tensors as references
 OTHER = "_tensors"            # tensors without a path of dict keys: _tensors/N
-RESERVED = (SKELETON, OTHER, _client.MANIFEST_DIR)   # top-level names of ckptfs.lightning
+RESERVED = (SKELETON, OTHER, protocol.MANIFEST_DIR)   # top-level names of ckptfs.lightning
 LABEL_MAX = 200               # bytes of a key's file name; longer ones are hashed
 PROTOCOL = 2                  # torch.save's pickle protocol (the weights-only unpickler reads it)
 
@@ -108,7 +108,7 @@ def _storable(t):
     pickles it): a plain dense tensor of a dtype ckptfs has."""
     return (type(t) is torch.Tensor and t.layout == torch.strided
             and t.device.type != "meta" and not t.is_conj() and not t.is_neg()
-            and str(t.dtype).replace("torch.", "") in _client.DTYPES)
+            and str(t.dtype).replace("torch.", "") in dtypes.DTYPES)
 
 
 class _Layout:
@@ -121,7 +121,7 @@ class _Layout:
         self.paths = {}
         self.held = []   # the tensors, so that their ids stay theirs
         # FQNs taken: the pickle's and the manifest's (a solo save is rank 0)
-        self.fqns = {SKELETON, f"{_client.MANIFEST_DIR}.rank0.json"}
+        self.fqns = {SKELETON, f"{protocol.MANIFEST_DIR}.rank0.json"}
 
     def walk(self, obj, keys=(), seen=None):
         """Give every tensor reachable through dicts, lists and tuples the
@@ -257,11 +257,11 @@ def _tensor_paths(tree, prefix=""):
 
 def _global_rank():
     """This process's global rank: torch.distributed's when it is up, else
-    the launcher's (ckptfs._client.trainer_rank)."""
+    the launcher's (ckptfs.world.trainer_rank)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return _client.trainer_rank()
+    return world.trainer_rank()
 
 
 def _discard_stale(mount, name):
@@ -270,13 +270,13 @@ def _discard_stale(mount, name):
     last.ckpt was saved again). Only rank 0 saves, one save at a time, so
     none of them is a save in progress; the name itself is restaged by
     exist_ok."""
-    prefix = _client.working_prefix(name)
+    prefix = protocol.working_prefix(name)
     try:
         names = [n for n in os.listdir(mount) if n.startswith(prefix)]
     except OSError:
         return
     for n in names:
-        _client._discard_uncommitted(os.path.join(mount, n))
+        protocol.discard_uncommitted(os.path.join(mount, n))
 
 
 def _check_alive(d, what):
@@ -285,7 +285,7 @@ def _check_alive(d, what):
         os.stat(d)
     except OSError as e:
         if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
-            raise CkptfsError(f"{_client.mount_gone(d)} ({what})") from None
+            raise CkptfsError(f"{world.mount_gone(d)} ({what})") from None
 
 
 def _not_a_mount(d, what, pattern=False):
@@ -316,7 +316,7 @@ class CheckpointIO(_CheckpointIO):
         """(mount, NAME) of Lightning's checkpoint path."""
         path = os.path.abspath(os.fspath(path))
         name, parent = os.path.basename(path), os.path.dirname(path)
-        if _client.mount_world(parent) is None and (self.mount is None or saving):
+        if world.mount_world(parent) is None and (self.mount is None or saving):
             _check_alive(parent, f"the directory of checkpoint {path}")
             raise CkptfsError(_not_a_mount(parent, f"the directory of checkpoint {path}"))
         if self.mount is None:
@@ -324,11 +324,11 @@ class CheckpointIO(_CheckpointIO):
         rank = _global_rank() if self.rank is None else int(self.rank)
         mount = os.fspath(self.mount).replace("%r", str(rank))
         if self._checked != mount:
-            if _client.mount_world(mount) is None:
+            if world.mount_world(mount) is None:
                 _check_alive(mount, f"CheckpointIO(mount={self.mount!r}) for rank {rank}")
                 raise CkptfsError(_not_a_mount(mount, f"CheckpointIO(mount={self.mount!r}) "
                                                f"for rank {rank}", pattern=True))
-            why = _client.world_mismatch(mount, rank, _client._trainer_world()[1])
+            why = world.world_mismatch(mount, rank, world.trainer_world()[1])
             if why:
                 raise CkptfsError(why)
             self._checked = mount
@@ -356,7 +356,7 @@ class CheckpointIO(_CheckpointIO):
         """Save tree as NAME in mount, solo, over a committed NAME, step
         recorded (None: the name's digits count)."""
         _discard_stale(mount, name)
-        _client.save(tree, mount, name, overwrite=True, exist_ok=True, solo=True,
+        client.save(tree, mount, name, overwrite=True, exist_ok=True, solo=True,
                      threads=self.threads, step=step)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
@@ -366,14 +366,14 @@ class CheckpointIO(_CheckpointIO):
         if not os.path.isdir(os.path.join(mount, name)):
             raise FileNotFoundError(f"Checkpoint file not found: {path} (no checkpoint "
                                     f"{name!r} in {mount})")
-        st = _client._status_of(os.path.join(mount, name))[0]
+        st = protocol.status_of(os.path.join(mount, name))[0]
         if st in ("staging", "failed"):
             raise CkptfsError(
                 f"checkpoint {path} is {st}, not committed: a save that did not "
                 "finish (a killed run's leftover when no job writes it); "
                 'ckpt_path="last" with ckptfs.lightning.ModelCheckpoint picks '
                 "committed checkpoints only")
-        tree = _client.load(None, mount, name, allow_pickle=False)
+        tree = client.load(None, mount, name, allow_pickle=False)
         data = tree.pop(SKELETON, None)
         if not isinstance(data, bytes):
             raise CkptfsError(f"checkpoint {name!r} in {mount} has no {SKELETON}: it "
@@ -387,7 +387,7 @@ class CheckpointIO(_CheckpointIO):
         step recorded as its step."""
         smount, sname = self._where(src)
         dmount, dname = self._where(dst, saving=True)
-        self._save(_client.load(None, smount, sname, allow_pickle=False), dmount, dname,
+        self._save(client.load(None, smount, sname, allow_pickle=False), dmount, dname,
                    _step(step))
 
     def remove_checkpoint(self, path):
@@ -429,7 +429,7 @@ def checkpoint_file(path, mount=None, rank=None, map_location=None, weights_only
 def _resumable(path):
     """Whether a resume may pick the checkpoint at path: committed, or not
     a ckptfs checkpoint at all (no .status: another filesystem's file)."""
-    st = _client._status_of(path)[0]
+    st = protocol.status_of(path)[0]
     return st in ("", "committed")
 
 

@@ -7,7 +7,7 @@ within a bounded number of steps for any other (planner/cover.c is the C
 side's check of the same property)."""
 import math
 
-from ._client import CkptfsError
+from .errors import CkptfsError
 
 
 def dims_text(xs):

@@ -947,16 +947,16 @@ for how in ("sync", "async"):
 
     def test_shard_runs(self):
         """The byte ranges a Shard reads: one pread per contiguous run."""
-        runs = list(ckptfs._client._runs((6, 4), (2, 0), (2, 4)))
+        runs = list(ckptfs.blocks.runs((6, 4), (2, 0), (2, 4)))
         self.assertEqual(runs, [(8, 8)])  # whole rows: one run
-        runs = list(ckptfs._client._runs((4, 10), (1, 4), (2, 3)))
+        runs = list(ckptfs.blocks.runs((4, 10), (1, 4), (2, 3)))
         self.assertEqual(runs, [(14, 3), (24, 3)])
-        runs = list(ckptfs._client._runs((2, 3, 4), (1, 1, 0), (1, 2, 4)))
+        runs = list(ckptfs.blocks.runs((2, 3, 4), (1, 1, 0), (1, 2, 4)))
         self.assertEqual(runs, [(16, 8)])
-        runs = list(ckptfs._client._runs((2, 3, 4), (0, 1, 1), (2, 1, 2)))
+        runs = list(ckptfs.blocks.runs((2, 3, 4), (0, 1, 1), (2, 1, 2)))
         self.assertEqual(runs, [(5, 2), (17, 2)])
-        self.assertEqual(list(ckptfs._client._runs((), (), ())), [(0, 1)])
-        self.assertEqual(list(ckptfs._client._runs((3, 0), (0, 0), (3, 0))), [])
+        self.assertEqual(list(ckptfs.blocks.runs((), (), ())), [(0, 1)])
+        self.assertEqual(list(ckptfs.blocks.runs((3, 0), (0, 0), (3, 0))), [])
 
 
 class JobStart(CkptfsTestCase):
@@ -1083,7 +1083,7 @@ class JobStart(CkptfsTestCase):
             try:
                 raise RuntimeError("out of host memory\nsecond line")
             except RuntimeError:
-                ckptfs._client._abort_save(os.path.join(w.mnt(1), name), name)
+                ckptfs.abort.abort_save(os.path.join(w.mnt(1), name), name)
             self.assertTrue(done.wait(60))
             t.join()
         finally:
@@ -1108,7 +1108,7 @@ class Stager(unittest.TestCase):
     """The staging threads of save() and the DCP Writer."""
 
     def test_bounded_in_flight_and_first_error(self):
-        st = ckptfs._client._Stager(2)
+        st = ckptfs.staging.Stager(2)
         gate = threading.Event()
         submitted, feed_err = [], []
 
@@ -1142,7 +1142,7 @@ class Stager(unittest.TestCase):
             self.assertIs(e, cm.exception)
 
     def test_a_failed_write_stops_staging(self):
-        st = ckptfs._client._Stager(2)
+        st = ckptfs.staging.Stager(2)
 
         def bad():
             raise OSError(28, "full")
@@ -1161,7 +1161,7 @@ class Stager(unittest.TestCase):
         fd = os.open(os.path.dirname(os.path.abspath(__file__)), os.O_RDONLY)
         try:
             with self.assertRaises(OSError) as cm:  # EISDIR
-                ckptfs._client._pread_into(fd, memoryview(bytearray(4)), 0, "dir")
+                ckptfs.blocks.pread_into(fd, memoryview(bytearray(4)), 0, "dir")
         finally:
             os.close(fd)
         self.assertIsInstance(cm.exception, ckptfs.CkptfsError)
@@ -1169,11 +1169,11 @@ class Stager(unittest.TestCase):
         self.assertIn("reading dir at offset 0", str(cm.exception))
 
     def test_one_thread_runs_inline(self):
-        st = ckptfs._client._Stager(1)
+        st = ckptfs.staging.Stager(1)
         self.assertEqual(st.submit(lambda: 7), 7)
         self.assertIsNone(st.done())
         with self.assertRaises(ValueError):
-            ckptfs._client._Stager(0)
+            ckptfs.staging.Stager(0)
 
 
 class Interpreter(unittest.TestCase):

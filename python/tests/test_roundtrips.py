@@ -65,7 +65,7 @@ else:
 MANY_DIRS = r'''
 import os, sys, torch
 import ckptfs
-from ckptfs._client import _StagingDirs
+from ckptfs.staging import StagingDirs as _StagingDirs
 mnt = sys.argv[1]
 n = 3 * _StagingDirs.HELD
 sd = {f"d{i}": {"sub": {"w": torch.full((4,), float(i))}} for i in range(n)}

@@ -1,0 +1,101 @@
+"""ckptfs.blocks - reading a block of a committed tensor: the contiguous
+runs of a block of a row-major tensor, its block file (`.NAME[a:b,c:d]`,
+docs/committed.md), and preads of IO_STEP bytes at most per call. The
+client's load and ckptfs.dcp's Reader and export read through it."""
+
+import errno
+import math
+import os
+
+from .errors import CkptfsError, CkptfsIOError
+
+IO_STEP = 8 << 20  # bytes per write/pread call
+
+
+def pread_into(fd, mv, offset, path):
+    """Fill memoryview mv from offset of fd."""
+    pos = 0
+    while pos < len(mv):
+        try:
+            n = os.preadv(fd, [mv[pos:pos + IO_STEP]], offset + pos)
+        except OSError as e:
+            raise CkptfsIOError(e.errno, f"reading {path} at offset {offset + pos}: "
+                                f"{e.strerror}") from e
+        if n == 0:
+            raise CkptfsError(f"{path}: file ends at byte {offset + pos}, "
+                              f"{offset + len(mv)} expected")
+        pos += n
+
+
+def runs(global_shape, offsets, sizes):
+    """(element offset in the global tensor, element count) of the contiguous
+    runs of block (offsets, sizes) of a row-major tensor, in the block's
+    row-major order."""
+    n = len(global_shape)
+    if n == 0:
+        yield 0, 1
+        return
+    if any(s == 0 for s in sizes):
+        return
+    # d: the last dimension the block does not span whole; runs cover
+    # sizes[d] x the full extent of every later dimension
+    d = n - 1
+    while d > 0 and sizes[d] == global_shape[d] and offsets[d] == 0:
+        d -= 1
+    strides = [math.prod(global_shape[i + 1:]) for i in range(n)]
+    run = sizes[d] * strides[d]
+    idx = [0] * d
+    while True:
+        flat = sum((offsets[i] + idx[i]) * strides[i] for i in range(d))
+        yield flat + offsets[d] * strides[d], run
+        i = d - 1
+        while i >= 0:
+            idx[i] += 1
+            if idx[i] < sizes[i]:
+                break
+            idx[i] = 0
+            i -= 1
+        if i < 0:
+            return
+
+
+def block_file(path, offsets, sizes):
+    """The block file of a committed tensor at path: the block (offsets,
+    sizes) as one file, `.NAME[a:b,c:d]` beside it (docs/committed.md)."""
+    d, base = os.path.split(path)
+    sl = ",".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes))
+    return os.path.join(d, f".{base}[{sl}]")
+
+
+def read_block(path, item, global_shape, offsets, sizes, mv):
+    """Read block (offsets, sizes) of the global tensor at path, of
+    elements of item bytes, into mv (the block's bytes, row-major): one
+    pread when it is one contiguous run, else one read of its block file;
+    one pread per run where the mount has no block files (an older
+    ckptfs, or a name too long for one)."""
+    block = runs(global_shape, offsets, sizes)
+    first = next(block, None)
+    if first is not None and next(block, None) is not None:
+        try:
+            fd = os.open(block_file(path, offsets, sizes), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:  # no block files here, or a name too long for one
+            if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):
+                raise
+            fd = None
+        if fd is not None:
+            try:
+                pread_into(fd, mv, 0, path)
+            finally:
+                os.close(fd)
+            return
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pos = 0
+        for start, count in runs(global_shape, offsets, sizes):
+            nbytes = count * item
+            pread_into(fd, mv[pos:pos + nbytes], start * item, path)
+            pos += nbytes
+    finally:
+        os.close(fd)
+
+

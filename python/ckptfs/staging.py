@@ -1,0 +1,194 @@
+"""ckptfs.staging - writing a checkpoint's files into a ckptfs mount: the
+staged directories held open (StagingDirs: a file is created relative to
+its directory, with its user.ckpt.* xattrs in one setxattr), the writes on
+a few threads (Stager), IO_STEP bytes per write call. ckptfs.save and
+ckptfs.dcp's Writer and import stage through it."""
+
+import errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from .blocks import IO_STEP
+from .errors import CkptfsIOError
+
+META_XATTR = "user.ckpt.meta"  # several user.ckpt.* xattrs in one setxattr
+
+
+def dims_csv(xs):
+    """A shape, offsets or sizes as an xattr value: b"4,8"."""
+    return ",".join(str(int(v)) for v in xs).encode()
+
+
+def write_fd(fd, mv, path):
+    """Write all of memoryview mv to fd, IO_STEP bytes per call."""
+    pos = 0
+    while pos < len(mv):
+        try:
+            pos += os.write(fd, mv[pos:pos + IO_STEP])
+        except OSError as e:
+            raise CkptfsIOError(e.errno, f"writing {path}: {e.strerror}") from e
+
+
+class StagingDirs:
+    """The directories of a checkpoint being staged, held open (O_PATH) by
+    path relative to it, so that a file is created relative to its
+    directory: the kernel caches no staged entry, so a full path costs
+    one FUSE LOOKUP per component, a name under a held directory one.
+    make() runs on the caller's thread and holds the directory for one
+    write_file() (on any thread), which lets it go. At most HELD
+    directories stay open (the least recently made ones that no file
+    holds are closed: a model has thousands). close() at the end."""
+
+    _FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    HELD = 64
+
+    def __init__(self, ckdir):
+        self.ckdir = ckdir
+        self.lock = threading.Lock()
+        self.fds = {"": os.open(ckdir, self._FLAGS)}  # oldest first
+        self.holds = {}  # rel_dir: files made for and not written yet
+        self.meta = True  # the mount takes user.ckpt.meta (until it says ENOTSUP)
+
+    def make(self, rel_dir):
+        """mkdir -p of rel_dir (relative to the checkpoint), held for one
+        write_file."""
+        self._open(rel_dir)
+        with self.lock:
+            self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
+
+    def _open(self, rel_dir):
+        with self.lock:
+            fd = self.fds.pop(rel_dir, None)
+            if fd is not None:
+                self.fds[rel_dir] = fd  # the most recent now
+                return fd
+        parent, base = os.path.split(rel_dir)
+        pfd = self._open(parent)
+        try:
+            os.mkdir(base, dir_fd=pfd)
+        except FileExistsError:
+            pass
+        fd = os.open(base, self._FLAGS, dir_fd=pfd)
+        with self.lock:
+            self.fds[rel_dir] = fd
+            idle = [d for d in self.fds if d and d != rel_dir and not self.holds.get(d)]
+            for d in idle[:max(0, len(self.fds) - self.HELD)]:
+                os.close(self.fds.pop(d))
+        return fd
+
+    def write_file(self, rel, buf, xattrs=(), flags=os.O_TRUNC):
+        """Create rel (its directory made by make()), set xattrs on the
+        open file, write buf, close: LOOKUP, CREATE, one SETXATTR, WRITEs,
+        FLUSH (then RELEASE, which close does not wait for)."""
+        d, base = os.path.split(rel)
+        try:
+            with self.lock:
+                dfd = self.fds[d]
+            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644,
+                         dir_fd=dfd)
+        finally:
+            with self.lock:
+                self.holds[d] -= 1
+        try:
+            self._set_xattrs(fd, xattrs)
+            mv = memoryview(buf)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            write_fd(fd, mv, os.path.join(self.ckdir, rel))
+            return len(mv)
+        finally:
+            os.close(fd)
+
+    def _set_xattrs(self, fd, xattrs):
+        """xattrs [(user.ckpt.KEY, bytes)] set on fd in one user.ckpt.meta
+        ("KEY=VALUE;...", fqn last: its value runs to the end), else (a
+        mount older than it) one by one."""
+        if len(xattrs) > 1 and self.meta:
+            fields = sorted(xattrs, key=lambda kv: kv[0] == "user.ckpt.fqn")
+            value = b";".join(k[len("user.ckpt."):].encode() + b"=" + bytes(v)
+                              for k, v in fields)
+            try:
+                os.setxattr(fd, META_XATTR, value)
+                return
+            except OSError as e:
+                if e.errno != errno.ENOTSUP:
+                    raise
+                self.meta = False
+        for k, v in xattrs:
+            os.setxattr(fd, k, v)
+
+    def close(self):
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Stager:
+    """Runs staging writes on `threads` threads (write(2) releases the GIL,
+    and the daemon serves each file on its own thread and stream: one
+    writer leaves the mount's daemon waiting between requests). At most
+    2 x threads writes are queued or running: submit waits for room, so
+    that buffers made for them (copies of GPU or strided tensors) are not
+    all held at once. The first error is raised by done(), after every
+    started write has ended."""
+
+    def __init__(self, threads):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.room = threading.BoundedSemaphore(2 * threads)
+        self.futures = []
+        self.failed = None  # the first error of a write, once one failed
+
+    def _run(self, fn, args):
+        try:
+            return fn(*args)
+        except BaseException as e:  # noqa: B036 (kept, and re-raised)
+            if self.failed is None:
+                self.failed = e
+            raise
+        finally:
+            self.room.release()
+
+    def submit(self, fn, *args):
+        """Run fn(*args) on a staging thread; raises the first failed
+        write's error instead once one failed (staging stops early)."""
+        if self.pool is None:
+            return fn(*args)
+        self.room.acquire()
+        if self.failed is not None:
+            self.room.release()
+            raise self.failed
+        try:
+            self.futures.append(self.pool.submit(self._run, fn, args))
+        except BaseException:
+            self.room.release()
+            raise
+        return None
+
+    def done(self):
+        """Wait for every submitted write; raise the first error."""
+        if self.pool is None:
+            return
+        try:
+            for f in self.futures:
+                f.exception()  # waits
+            if self.failed is not None:
+                raise self.failed
+        finally:
+            self.pool.shutdown()
+
+    def abandon(self):
+        """After an error in the caller: wait for what was started."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
