@@ -1176,14 +1176,19 @@ static int open_source(ckpt_fs_t *fs, const flush_job_t *j) {
 /* Is BACKING_DIR/NAME positively no save that j's commit replaced (nor
  * j's own)? Then *err (replacing any) says which save it is now. */
 static bool changed_after(ckpt_fs_t *fs, const flush_job_t *j,
-                          const char *replaces, char **err) {
+                          const ckpt_metadata_t *m, char **err) {
   char now[CKPT_SAVE_ID_LEN + 1] = "";
+  int64_t now_ns = 0;
   int dfd = ckpt_store_open_dir(fs->backing_fd, j->name, O_RDONLY);
-  int rc = dfd == -ENOENT ? -ENOENT : dfd < 0 ? dfd : ckpt_store_save_id(dfd, now);
+  int rc = dfd == -ENOENT ? -ENOENT
+           : dfd < 0      ? dfd
+                          : ckpt_store_save_look(dfd, now, NULL, &now_ns);
   if (dfd >= 0)
     close(dfd);
+  if (rc == -ENOENT)
+    now[0] = '\0';
   if ((rc && rc != -ENOENT) || !strcmp(now, j->save_id) ||
-      ckpt_store_replaces_has(replaces, rc ? "" : now))
+      ckpt_store_replaces_ok(m->replaces, m->commit_ns, now, now_ns))
     return false;
   free(*err);
   *err = rc ? ckpt__strdup_printf("%s/%s was removed after this save (%s) was "
@@ -1200,7 +1205,8 @@ static bool changed_after(ckpt_fs_t *fs, const flush_job_t *j,
  * for every flusher, wherever its directory is), so that of two flushers
  * of a replace= save only one exchanges. */
 static int publish_shared(ckpt_flush_t *f, flush_job_t *j, int held,
-                          bool replace, const char *replaces, char **err) {
+                          bool replace, const ckpt_metadata_t *m,
+                          char **err) {
   ckpt_fs_t *fs = f->fs;
   int mfd = ckpt_store_open_file(held, CKPT_METADATA_FILE);
   if (mfd >= 0)
@@ -1219,9 +1225,10 @@ static int publish_shared(ckpt_flush_t *f, flush_job_t *j, int held,
                           .name = j->name,
                           .replace = replace,
                           .flush = true,
-                          .replaces = replaces};
+                          .replaces = m ? m->replaces : NULL,
+                          .commit_ns = m ? m->commit_ns : 0};
       rc = ckpt__publish_save(fs, &p, err);
-      j->superseded = rc == -ESTALE && replaces;
+      j->superseded = rc == -ESTALE && p.replaces;
     }
     if ((rc == -ENOENT || rc == -EEXIST) && published(fs, j)) {
       free(*err); /* another flusher published it meanwhile */
@@ -1358,7 +1365,10 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     j->taken = true;
   }
   /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
-   * since (recover_record): published again without replacing anything,
+   * since (recover_record): published again, by the compare-and-swap
+   * when the save recorded what it replaced (a later commit or a removal
+   * of NAME stays: the save was published and changed since; NAME still
+   * what it replaced: it never was), else without replacing anything,
    * so that nothing committed since is replaced by it. */
   bool replace = j->replace, recovered = false;
   flush_job_t rec;
@@ -1410,8 +1420,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   }
   /* Waiting for other ranks while NAME changed on BACKING_DIR after the
    * commit: it will never be published (their flushes find the same) */
-  if (rc == -EINPROGRESS && m.replaces && !recovered &&
-      changed_after(fs, j, m.replaces, err)) {
+  if (rc == -EINPROGRESS && m.replaces && changed_after(fs, j, &m, err)) {
     j->superseded = true;
     rc = -ESTALE;
   }
@@ -1420,8 +1429,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     /* Compare-and-swap: published only while BACKING_DIR/NAME is what
      * the commit replaced (resolve.c); not so for a save published once
      * already and removed since, which goes back without replacing */
-    rc = publish_shared(f, j, held, replace, recovered ? NULL : m.replaces,
-                        err);
+    rc = publish_shared(f, j, held, replace && !recovered, &m, err);
   }
   if (rc && !*err) /* a step that did not say why: named here */
     *err = ckpt__strdup_printf("%s of %s (to %s): %s", step, j->name,

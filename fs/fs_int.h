@@ -1083,6 +1083,7 @@ typedef struct {
                             replaced: published only while NAME is one of
                             them (ckpt_store_publish_if); -ESTALE with
                             *err saying which save NAME is now */
+  int64_t commit_ns;     /* with replaces: when the save was committed */
 } ckpt_publish_t;
 int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err);
 

@@ -10,7 +10,8 @@
  *      of one save ID), or when it is this node's unflushed save of NAME
  *      (a flush record names it) and BACKING_DIR/NAME is still what that
  *      commit replaced (the save keys its .metadata lists in "replaces",
- *      "none" for no checkpoint of that name).
+ *      "none" for no checkpoint of that name, "earlier" for replace=: any
+ *      save committed before it, by commit_ns).
  *   3. Anything else in the tier is served by nobody: a kept copy of a
  *      save NAME no longer is (removed, replaced or rewritten through
  *      another mount) is dropped at the next look (ckpt__tier_forget), an
@@ -18,11 +19,11 @@
  *      is superseded: its flush publishes nothing (ckpt_store_publish_if,
  *      the compare-and-swap of the flush) and removes it, and NAME's
  *      .status says so ("superseded: ...").
- * "Later" between a commit into a tier and one on BACKING_DIR is the order
- * in which they reach BACKING_DIR/NAME: a tier commit is ordered just
- * after the save of NAME it saw there; any change of BACKING_DIR/NAME
- * after that (a commit, a replace, a removal, through any mount) is later,
- * and stays.
+ * "Later" is the order of the commits (each .metadata's commit_ns, the
+ * coordinator's clock at the commit point; nodes' clocks synchronized):
+ * any change of BACKING_DIR/NAME made after a tier commit (a commit, a
+ * replace, a removal, through any mount) stays; of two tier commits on
+ * two nodes the later one wins, whichever flush ends first.
  *
  * Window: a mount looks again at BACKING_DIR/NAME (one stat, and its save
  * ID where the tier has a copy) at each lookup the kernel sends (entries of
@@ -48,14 +49,14 @@
 /* The save key and "replaces" of ROOT/NAME's .metadata: 0, -ENOENT (no
  * committed checkpoint there) or another -errno (unknown now). */
 static int look(int root, const char *name, char id[CKPT_SAVE_ID_LEN + 1],
-                char **replaces) {
+                char **replaces, int64_t *commit_ns) {
   id[0] = '\0';
   if (replaces)
     *replaces = NULL;
   int dfd = ckpt_store_open_dir(root, name, O_RDONLY);
   if (dfd < 0)
     return dfd == -ENOTDIR || dfd == -ELOOP ? -ENOENT : dfd;
-  int rc = ckpt_store_save_look(dfd, id, replaces);
+  int rc = ckpt_store_save_look(dfd, id, replaces, commit_ns);
   close(dfd);
   return rc;
 }
@@ -190,14 +191,15 @@ static void resolve_now(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out,
     return;
   char tier[CKPT_SAVE_ID_LEN + 1], shared[CKPT_SAVE_ID_LEN + 1];
   char *replaces = NULL;
-  int trc = look(fs->tier_fd, name, tier, &replaces);
+  int64_t tier_ns = 0, shared_ns = 0;
+  int trc = look(fs->tier_fd, name, tier, &replaces, &tier_ns);
   if (trc) { /* gone meanwhile, or unreadable: the tier's own load says */
     free(replaces);
     if (trc != -ENOENT)
       out->root = fs->tier_fd;
     return;
   }
-  int src = look(fs->backing_fd, name, shared, NULL);
+  int src = look(fs->backing_fd, name, shared, NULL, &shared_ns);
   *definite = src == 0 || src == -ENOENT;
   if (src && src != -ENOENT) {
     /* BACKING_DIR cannot be read now (out of descriptors, I/O error): the
@@ -208,7 +210,8 @@ static void resolve_now(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out,
   } else if (ckpt__flush_unflushed(fs, tier)) {
     /* this node's own unflushed save: NAME's until a later change of
      * BACKING_DIR/NAME (a save of an older ckptfs recorded none) */
-    if (!replaces || ckpt_store_replaces_has(replaces, src ? "" : shared))
+    if (!replaces ||
+        ckpt_store_replaces_ok(replaces, tier_ns, src ? "" : shared, shared_ns))
       out->root = fs->tier_fd;
     else
       out->superseded = true;
@@ -228,7 +231,8 @@ char *ckpt__resolve_replaces(ckpt_fs_t *fs, const char *name, bool replace) {
   if (fs->tier_fd < 0)
     return NULL;
   char shared[CKPT_SAVE_ID_LEN + 1], tier[CKPT_SAVE_ID_LEN + 1];
-  int src = replace ? look(fs->backing_fd, name, shared, NULL) : -ENOENT;
+  int src = replace ? look(fs->backing_fd, name, shared, NULL, NULL)
+                    : -ENOENT;
   if (src && src != -ENOENT)
     return NULL; /* not known: the flush publishes as before (no check) */
   ckpt_resolved_t r;
@@ -236,11 +240,14 @@ char *ckpt__resolve_replaces(ckpt_fs_t *fs, const char *name, bool replace) {
   if (replace) {
     ckpt__resolve(fs, name, &r);
     unflushed = r.root == fs->tier_fd &&
-                look(fs->tier_fd, name, tier, NULL) == 0 &&
+                look(fs->tier_fd, name, tier, NULL, NULL) == 0 &&
                 (src || strcmp(tier, shared));
   }
-  return ckpt__strdup_printf("%s%s%s", src ? "none" : shared,
-                             unflushed ? " " : "", unflushed ? tier : "");
+  /* replace=: also any save of NAME committed before this one (one that
+   * another node's tier flushes later, say: real-time order wins) */
+  return ckpt__strdup_printf("%s%s%s%s", src ? "none" : shared,
+                             unflushed ? " " : "", unflushed ? tier : "",
+                             replace ? " earlier" : "");
 }
 
 /* ------------------------------------------------------------------------

@@ -1161,7 +1161,8 @@ int ckpt__publish_save(ckpt_fs_t *fs, const ckpt_publish_t *p, char **err) {
   bool replaced = false;
   char now[CKPT_SAVE_ID_LEN + 1] = "";
   int rc = p->replaces ? ckpt_store_publish_if(p->root_fd, p->save_id, p->name,
-                                               p->replaces, &replaced, now)
+                                               p->replaces, p->commit_ns,
+                                               &replaced, now)
            : p->replace ? ckpt_store_publish_replace(p->root_fd, p->save_id,
                                                      p->name, &replaced)
                         : ckpt_store_publish(p->root_fd, p->save_id, p->name);
@@ -1297,6 +1298,10 @@ static int finish_step(void *ctx, ckpt_dist_job_t *job,
   free(s->gp.meta.replaces);
   s->gp.meta.replaces =
       s->direct ? NULL : ckpt__resolve_replaces(fs, job->name, s->replace);
+  /* the commit point's time: of two saves of NAME, the later one stays */
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  s->gp.meta.commit_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
   /* A tier copy of NAME that this mount does not serve (kept of a save
    * NAME is no more, or superseded): in the way of a plain commit, so
    * exchanged like a replace's (its flush record, if any, then finds it

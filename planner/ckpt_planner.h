@@ -394,9 +394,15 @@ typedef struct {
   ckpt_metric_t *metrics;      /* owned, sorted by key, unique */
   /* A commit into a node-local tier (-o tier): the saves of NAME it
    * replaced, space-separated save keys, "none" for no checkpoint of that
-   * name; its flush publishes it on BACKING_DIR only while NAME there is
-   * one of them (fs/resolve.c). NULL: not recorded (no tier). Owned. */
+   * name, "earlier" (replace=) for any save of NAME committed before it
+   * (commit_ns); its flush publishes it on BACKING_DIR only while NAME
+   * there is one of them (fs/resolve.c). NULL: not recorded (no tier).
+   * Owned. */
   char *replaces;
+  /* The commit point's wall-clock time (ns since the epoch, the
+   * coordinator's clock): which of two saves of NAME is later. 0: not
+   * recorded (an older ckptfs: created_at then, to the second). */
+  int64_t commit_ns;
 } ckpt_metadata_t;
 /* Record the retention words of w (step, protect, metrics) in m.
  * 0 or -ENOMEM. */

@@ -56,11 +56,11 @@ bool ckpt_dir_handle_same(const ckpt_dir_handle_t *a,
 }
 
 int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
-  return ckpt_store_save_look(dirfd, out, NULL);
+  return ckpt_store_save_look(dirfd, out, NULL, NULL);
 }
 
 int ckpt_store_save_look(int dirfd, char out[CKPT_SAVE_ID_LEN + 1],
-                         char **replaces) {
+                         char **replaces, int64_t *commit_ns) {
   ckpt_metadata_t m;
   char *err = NULL;
   memset(&m, 0, sizeof(m));
@@ -73,6 +73,8 @@ int ckpt_store_save_look(int dirfd, char out[CKPT_SAVE_ID_LEN + 1],
     *replaces = m.replaces;
     m.replaces = NULL;
   }
+  if (rc == 0 && commit_ns) /* an older save's: to the second */
+    *commit_ns = m.commit_ns ? m.commit_ns : m.created_at * 1000000000;
   free(err);
   ckpt_metadata_free(&m);
   return rc == 0 || rc == -ENOENT || rc == -ENOMEM || rc == -EMFILE ||

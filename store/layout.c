@@ -248,9 +248,17 @@ bool ckpt_store_replaces_has(const char *replaces, const char *key) {
   return false;
 }
 
+bool ckpt_store_replaces_ok(const char *replaces, int64_t commit_ns,
+                            const char *now, int64_t now_ns) {
+  return ckpt_store_replaces_has(replaces, now) ||
+         (now[0] && now_ns > 0 && now_ns < commit_ns &&
+          ckpt_store_replaces_has(replaces, "earlier"));
+}
+
 int ckpt_store_publish_if(int backing_fd, const char *save_id,
                           const char *name, const char *replaces,
-                          bool *replaced, char now[CKPT_SAVE_ID_LEN + 1]) {
+                          int64_t commit_ns, bool *replaced,
+                          char now[CKPT_SAVE_ID_LEN + 1]) {
   *replaced = false;
   now[0] = '\0';
   if (!ckpt_save_id_valid(save_id) || !ckpt_name_valid(name))
@@ -276,12 +284,25 @@ int ckpt_store_publish_if(int backing_fd, const char *save_id,
       close(nfd);
       continue;
     }
-    int rc = ckpt_store_save_id(nfd, now);
-    if (rc == -ENOENT) { /* no .metadata: being removed */
+    int64_t now_ns = 0;
+    int rc = ckpt_store_save_look(nfd, now, NULL, &now_ns);
+    if (rc == -ENOENT && attempt < 99) { /* no .metadata: being removed */
       close(nfd);
       struct timespec ts = {0, 10 * 1000 * 1000};
       nanosleep(&ts, NULL);
       continue;
+    }
+    if (rc == -ENOENT) {
+      /* still none a second later: a removal that stopped half-way (the
+       * next mount's cleanup finishes it), no checkpoint; removed after
+       * this save's commit unless it replaced none: then it takes the
+       * place of the remains (removed with the replaced version) */
+      now[0] = '\0';
+      rc = ckpt_store_replaces_has(replaces, "") ? 0 : -ESTALE;
+      if (rc) {
+        close(nfd);
+        return rc;
+      }
     }
     if (rc) {
       close(nfd);
@@ -291,7 +312,7 @@ int ckpt_store_publish_if(int backing_fd, const char *save_id,
       close(nfd);
       return 0;
     }
-    if (!ckpt_store_replaces_has(replaces, now)) {
+    if (!ckpt_store_replaces_ok(replaces, commit_ns, now, now_ns)) {
       close(nfd);
       return -ESTALE;
     }
@@ -311,9 +332,7 @@ int ckpt_store_publish_if(int backing_fd, const char *save_id,
       *replaced = true;
     return rc;
   }
-  /* a directory that kept no .metadata for a second: not a checkpoint
-   * (a crashed removal, something else), not replaced */
-  return -EEXIST;
+  return -EAGAIN;
 }
 
 int ckpt_store_unreplace(int backing_fd, const char *save_id,

@@ -209,6 +209,11 @@ static int insert_retention(writer_t *w, sqlite3_stmt *st,
   if (rc == 0 && m->replaces)
     rc = insert_row(w, st, bind_text(st, 1, "replaces") |
                                bind_text(st, 2, m->replaces));
+  if (rc == 0 && m->commit_ns > 0) {
+    snprintf(val, sizeof(val), "%" PRId64, m->commit_ns);
+    rc = insert_row(w, st,
+                    bind_text(st, 1, "commit_ns") | bind_text(st, 2, val));
+  }
   for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++) {
     snprintf(key, sizeof(key), "metric.%s", m->metrics[i].key);
     ckpt_metric_format(m->metrics[i].value, val, sizeof(val));
@@ -725,6 +730,17 @@ static int load_retention(loader_t *ld, const row_t *r, const char *key,
       return row_fail(ld, r, "step '%.32s' is not a step number", val);
     m->has_step = true;
     m->step = v;
+    return 0;
+  }
+  if (!strcmp(key, "commit_ns")) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(val, &end, 10);
+    if (m->commit_ns)
+      return row_fail(ld, r, "key commit_ns appears twice");
+    if (errno || end == val || *end || v <= 0 || !isdigit((unsigned char)*val))
+      return row_fail(ld, r, "commit_ns '%.32s' is not a time", val);
+    m->commit_ns = v;
     return 0;
   }
   if (!strcmp(key, "replaces")) {

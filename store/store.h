@@ -136,8 +136,8 @@ int ckpt_store_publish_replace(int backing_fd, const char *save_id,
 /* Undo a replace whose durability failed: exchange the two back. */
 /* The flush of a tier's save (fs/flush.c): publish .saves/save_id as
  * name only while name is one of the saves its commit replaced
- * (replaces: space-separated save keys, "none" for no checkpoint of that
- * name; ckpt_metadata_t's): exchanged with it, or published without
+ * (ckpt_store_replaces_ok: replaces and commit_ns as in its .metadata,
+ * ckpt_metadata_t's): exchanged with it, or published without
  * replacing where there is none and "none" is listed. Under an exclusive
  * flock of name's directory, as every replace and removal inside takes
  * it, so that nothing changes name between the look and the exchange.
@@ -147,7 +147,8 @@ int ckpt_store_publish_replace(int backing_fd, const char *save_id,
  * or -errno. */
 int ckpt_store_publish_if(int backing_fd, const char *save_id,
                           const char *name, const char *replaces,
-                          bool *replaced, char now[CKPT_SAVE_ID_LEN + 1]);
+                          int64_t commit_ns, bool *replaced,
+                          char now[CKPT_SAVE_ID_LEN + 1]);
 /* Is key (a save key, "" for no checkpoint) one of replaces? */
 bool ckpt_store_replaces_has(const char *replaces, const char *key);
 int ckpt_store_unreplace(int backing_fd, const char *save_id,
@@ -291,9 +292,16 @@ void ckpt_stored_destroy(ckpt_stored_t *s);
 int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]);
 /* The same, and *replaces: the saves its commit replaced, when it
  * recorded them (a commit into a tier: ckpt_metadata_t's; NULL else),
- * malloc'd. */
+ * malloc'd; *commit_ns: when it was committed (ns since the epoch; to
+ * the second for an older save). Either may be NULL. */
 int ckpt_store_save_look(int dirfd, char out[CKPT_SAVE_ID_LEN + 1],
-                         char **replaces);
+                         char **replaces, int64_t *commit_ns);
+/* May a save committed at commit_ns whose commit replaced `replaces`
+ * take the place of save `now` (its key, "" for none) committed at
+ * now_ns? Yes if now is listed, or for a replace= ("earlier" listed) if
+ * now was committed before it. */
+bool ckpt_store_replaces_ok(const char *replaces, int64_t commit_ns,
+                            const char *now, int64_t now_ns);
 /* Is directory dirfd (opened by s's name) still the checkpoint s was
  * loaded from: the same device, inode and save ID? 0, -ESTALE when it is
  * another one (logged with what), or -errno. A directory whose .metadata

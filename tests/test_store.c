@@ -499,7 +499,7 @@ static void save_dir_remove_unheld_spares_a_held_one(void **state) {
 /* A committed checkpoint at b/rel (a directory made here) of save id,
  * with no tensor; replaces: its "replaces" key, or NULL. */
 static void make_save(const char *b, const char *rel, const char *id,
-                      const char *replaces) {
+                      const char *replaces, int64_t commit_ns) {
   char dir[600];
   snprintf(dir, sizeof(dir), "%s/%s", b, rel);
   assert_int_equal(mkdir(dir, 0700), 0);
@@ -509,6 +509,7 @@ static void make_save(const char *b, const char *rel, const char *id,
   m.world_size = 1;
   m.created_at = 1700000000;
   m.replaces = replaces ? strdup(replaces) : NULL;
+  m.commit_ns = commit_ns;
   char *err = NULL;
   assert_int_equal(ckpt_metadb_publish(dir, &m, false, &err), 0);
   ckpt_metadata_free(&m);
@@ -541,53 +542,68 @@ static void publish_if_compares_and_swaps(void **state) {
   assert_false(ckpt_store_replaces_has("abcd", "cd"));
   assert_false(ckpt_store_replaces_has("cd", "c"));
   assert_false(ckpt_store_replaces_has(NULL, "cd"));
-  make_save(b, "X", a, NULL);
+  make_save(b, "X", a, NULL, 1000);
   char saves[600];
   snprintf(saves, sizeof(saves), "%s/.saves", b);
   assert_int_equal(mkdir(saves, 0700), 0);
   /* n1 replaced a: exchanged */
   snprintf(saves, sizeof(saves), ".saves/%s", n1);
-  make_save(b, saves, n1, "none aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+  make_save(b, saves, n1, "none aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", 2000);
   assert_int_equal(ckpt_store_publish_if(bfd, n1, "X", "none " "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-                                         &replaced, now), 0);
+                                         0, &replaced, now), 0);
   assert_true(replaced);
   key_of(bfd, "X", key);
   assert_string_equal(key, n1);
   /* its replaces key loaded back */
   int dfd = ckpt_store_open_dir(bfd, "X", O_RDONLY);
   char *rep = NULL;
-  assert_int_equal(ckpt_store_save_look(dfd, key, &rep), 0);
+  assert_int_equal(ckpt_store_save_look(dfd, key, &rep, NULL), 0);
   close(dfd);
   assert_string_equal(rep, "none aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
   free(rep);
   /* n2 replaced a too, but X is n1 now (later): superseded, X stays */
   snprintf(saves, sizeof(saves), ".saves/%s", n2);
-  make_save(b, saves, n2, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+  make_save(b, saves, n2, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", 1500);
   assert_int_equal(ckpt_store_publish_if(bfd, n2, "X", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-                                         &replaced, now), -ESTALE);
+                                         0, &replaced, now), -ESTALE);
   assert_false(replaced);
   assert_string_equal(now, n1);
   key_of(bfd, "X", key);
   assert_string_equal(key, n1);
   /* already published: nothing to do */
-  assert_int_equal(ckpt_store_publish_if(bfd, n1, "X", "zz", &replaced, now), 0);
+  assert_int_equal(ckpt_store_publish_if(bfd, n1, "X", "zz", 0, &replaced, now), 0);
   assert_false(replaced);
   /* a plain commit ("none") of a name that exists: superseded */
   snprintf(saves, sizeof(saves), ".saves/%s", n3);
-  make_save(b, saves, n3, "none");
-  assert_int_equal(ckpt_store_publish_if(bfd, n3, "X", "none", &replaced, now), -ESTALE);
+  make_save(b, saves, n3, "none", 3000);
+  assert_int_equal(ckpt_store_publish_if(bfd, n3, "X", "none", 0, &replaced, now), -ESTALE);
   /* ... of a name that does not: published */
-  assert_int_equal(ckpt_store_publish_if(bfd, n3, "Y", "none", &replaced, now), 0);
+  assert_int_equal(ckpt_store_publish_if(bfd, n3, "Y", "none", 0, &replaced, now), 0);
   assert_false(replaced);
   key_of(bfd, "Y", key);
   assert_string_equal(key, n3);
   /* a name removed after the commit that replaced it: superseded */
-  assert_int_equal(ckpt_store_publish_if(bfd, n2, "Z", n1, &replaced, now), -ESTALE);
+  assert_int_equal(ckpt_store_publish_if(bfd, n2, "Z", n1, 0, &replaced, now), -ESTALE);
   assert_string_equal(now, "");
   /* not a checkpoint (a file): refused */
   snprintf(saves, sizeof(saves), "%s/F", b);
   close(open(saves, O_WRONLY | O_CREAT, 0600));
-  assert_int_equal(ckpt_store_publish_if(bfd, n2, "F", "none", &replaced, now), -EEXIST);
+  assert_int_equal(ckpt_store_publish_if(bfd, n2, "F", "none", 0, &replaced, now), -EEXIST);
+  /* replace= ("earlier"): a save committed before it (n1 at 2000) is
+   * replaced although not listed; one committed after it is not */
+  assert_true(ckpt_store_replaces_ok("x earlier", 2500, n1, 2000));
+  assert_false(ckpt_store_replaces_ok("x earlier", 1500, n1, 2000));
+  assert_false(ckpt_store_replaces_ok("x", 2500, n1, 2000));
+  assert_false(ckpt_store_replaces_ok("x earlier", 2500, "", 0));
+  assert_int_equal(ckpt_store_publish_if(bfd, n2, "X", "x earlier", 1500, &replaced, now),
+                   -ESTALE);
+  const char *n4 = "44444444444444444444444444444444";
+  snprintf(saves, sizeof(saves), ".saves/%s", n4);
+  make_save(b, saves, n4, "x earlier", 2500);
+  assert_int_equal(ckpt_store_publish_if(bfd, n4, "X", "x earlier", 2500, &replaced, now), 0);
+  assert_true(replaced);
+  key_of(bfd, "X", key);
+  assert_string_equal(key, n4);
   rm_backing(b, bfd);
 }
 

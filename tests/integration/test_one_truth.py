@@ -271,6 +271,55 @@ class DelayedFlush(OneTruthCase):
         self.report(problems, "a delayed flush undid a later replace")
 
 
+class TwoTiersRealTime(OneTruthCase):
+    def test_later_replace_wins_across_tiers(self):
+        """Two tier mounts (two nodes' tiers): m1 commits A with `sync
+        replace=X` (flushed in about 1 s), then m2 commits B with `sync
+        replace=X` (a throttled flush: about 6 s). A reaches BACKING_DIR
+        first, yet B is the later commit: m2 serves B all along, B's flush
+        replaces A, and every mount ends up serving B; nothing is reported
+        superseded (the history test found m2 serving A: "later" was the
+        order of reaching BACKING_DIR, not of the commits)."""
+        tier2 = os.path.join(self.dir, "tier2")
+        os.makedirs(tier2)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=256m", "tmpfs",
+                            tier2], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"cannot mount the second tier: {r.stderr}")
+        self.addCleanup(subprocess.run, ["umount", "-l", tier2], capture_output=True)
+        m1 = self.mount_at("m1", f"tier={self.tier},flush_rate=2M")
+        m2 = self.mount_at("m2", f"tier={tier2},flush_rate=512K")
+        w2 = os.path.join(m2, "X", "model", "w")
+        stage(os.path.join(m1, "a-work"), "A", 2 * MiB)
+        commit(os.path.join(m1, "a-work"), "sync replace=X")
+        stage(os.path.join(m2, "b-work"), "B", 3 * MiB)
+        commit(os.path.join(m2, "b-work"), "sync replace=X")
+        self.assertEqual(head_tag(w2), "B")
+        self.wait_for(lambda: save_id(self.backing, "X") is not None,
+                      "A published on BACKING_DIR by m1's flush", 30)
+        seen = set()  # what m2 serves until B's flush is over
+        deadline = time.monotonic() + 30
+        while committed_names(tier2) and time.monotonic() < deadline:
+            seen.add(head_tag(w2))
+            time.sleep(0.02)
+
+        def everyone_b():
+            return [f"{m} serves X = {head_tag(os.path.join(d, 'X', 'model', 'w'))!r}"
+                    for m, d in (("m1", m1), ("m2", m2))
+                    if head_tag(os.path.join(d, "X", "model", "w")) != "B"]
+        problems = settle(everyone_b)
+        if seen != {"B"}:
+            problems.append(f"m2 served {sorted(seen)} while the flushes ran, not only B")
+        if committed_names(tier2):
+            problems.append(f"B's flush not over in 30 s: {committed_names(tier2)}")
+        m3 = self.mount_at("m3")
+        got = head_tag(os.path.join(m3, "X", "model", "w"))
+        if got != "B":
+            problems.append(f"a fresh mount serves X = {got!r}, not B")
+        if "superseded" in self.daemon_log():
+            problems.append("a save was reported superseded")
+        self.report(problems, "the later replace did not win across tiers")
+
+
 class TierKeepStale(OneTruthCase):
     def test_removal_and_replace_elsewhere_seen_by_tier_mount(self):
         """Case 2: checkpoints A and B flushed and kept in the tier
