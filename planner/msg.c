@@ -8,9 +8,11 @@
  * magic and a u32 version (CKPT_MSG_VERSION), and must end exactly where its
  * last field does. Version 2 added the write-behind fields of the local
  * plan (reservations, pins), version 3 the staged entries' attributes,
- * version 4 the items' explicit FQNs; other versions are rejected.
+ * version 4 the items' explicit FQNs, version 5 the local plan's direct
+ * flag (level=shared with a tier); other versions are rejected.
  *
  *   local plan   "CKLP" version  i32 rank  u8 has_errors [str errors]
+ *                u8 direct (0/1)
  *                u32 n_reserved  u64 reserved[n_reserved]
  *                u32 n_items, then per item:
  *                  u8 kind  u8 dtype+1 (0: none)  u8 ndim
@@ -42,7 +44,7 @@
 
 #include "planner_int.h"
 
-#define CKPT_MSG_VERSION 4u
+#define CKPT_MSG_VERSION 5u
 
 static const char magic_local_plan[4] = {'C', 'K', 'L', 'P'};
 static const char magic_rank_plan[4] = {'C', 'K', 'R', 'P'};

@@ -2313,10 +2313,11 @@ static void test_msg_local_plan_invalid(void **state) {
                                               DIMS(4), NULL, NULL, 16, 1, 2),
                    0);
   assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
-  /* layout: magic 0, version 4, rank 8, has_errors 12, n_reserved 13,
-   * n_items 17, kind 21, dtype 22, ndim 23, dims 24.., length 48,
-   * checksum 56, id 64, pin_file 68, path 72, has_fqn 77, n_attrs 78 */
-  assert_int_equal(msg.len, 72 + 4 + 1 + 1 + 4);
+  /* layout: magic 0, version 4, rank 8, has_errors 12, direct 13,
+   * n_reserved 14, n_items 18, kind 22, dtype 23, ndim 24, dims 25..,
+   * length 49, checksum 57, id 65, pin_file 69, path 73, has_fqn 78,
+   * n_attrs 79 */
+  assert_int_equal(msg.len, 73 + 4 + 1 + 1 + 4);
   static const struct {
     size_t off, size;
     uint64_t v;
@@ -2325,26 +2326,28 @@ static void test_msg_local_plan_invalid(void **state) {
       {4, 4, 1},             /* version 1 (no write-behind fields) */
       {4, 4, 2},             /* version 2 (no entry attributes) */
       {4, 4, 3},             /* version 3 (no explicit FQNs) */
-      {4, 4, 5},             /* a future version */
+      {4, 4, 4},             /* version 4 (no direct flag) */
+      {4, 4, 6},             /* a future version */
       {8, 4, UINT32_MAX},    /* negative rank */
       {12, 1, 2},            /* has_errors not 0/1 */
-      {13, 4, 1},            /* reservations beyond the message */
-      {13, 4, UINT32_MAX},   /* absurd count */
-      {17, 4, 2},            /* more items than bytes */
-      {17, 4, UINT32_MAX},   /* absurd count */
-      {21, 1, 2},            /* kind */
-      {22, 1, 0},            /* tensor without dtype */
-      {22, 1, 15},           /* unknown dtype */
-      {23, 1, 65},           /* too many dims */
-      {23, 1, 2},            /* dims beyond the message */
-      {24, 8, (uint64_t)-1}, /* negative shape */
-      {68, 4, 0},            /* pinned: offset, then path beyond the end */
-      {72, 4, 2},            /* path beyond the message */
-      {76, 1, 0},            /* NUL in the path */
-      {77, 1, 2},            /* has_fqn not 0/1 */
-      {77, 1, 1},            /* an explicit FQN beyond the message */
-      {78, 4, 1},            /* an attribute beyond the message */
-      {78, 4, UINT32_MAX},   /* absurd count */
+      {13, 1, 2},            /* direct not 0/1 */
+      {14, 4, 1},            /* reservations beyond the message */
+      {14, 4, UINT32_MAX},   /* absurd count */
+      {18, 4, 2},            /* more items than bytes */
+      {18, 4, UINT32_MAX},   /* absurd count */
+      {22, 1, 2},            /* kind */
+      {23, 1, 0},            /* tensor without dtype */
+      {23, 1, 15},           /* unknown dtype */
+      {24, 1, 65},           /* too many dims */
+      {24, 1, 2},            /* dims beyond the message */
+      {25, 8, (uint64_t)-1}, /* negative shape */
+      {69, 4, 0},            /* pinned: offset, then path beyond the end */
+      {73, 4, 2},            /* path beyond the message */
+      {77, 1, 0},            /* NUL in the path */
+      {78, 1, 2},            /* has_fqn not 0/1 */
+      {78, 1, 1},            /* an explicit FQN beyond the message */
+      {79, 4, 1},            /* an attribute beyond the message */
+      {79, 4, UINT32_MAX},   /* absurd count */
   };
   for (size_t i = 0; i < N_OF(bad); i++) {
     ckpt_buf_t copy;
