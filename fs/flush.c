@@ -1404,6 +1404,11 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     step = "loading the .metadata";
     rc = ckpt_metadb_load_at(from, j->name, &m, err);
   }
+  /* NAME changed on BACKING_DIR after the commit: nothing to copy */
+  if (rc == 0 && m.replaces && changed_after(fs, j, &m, err)) {
+    j->superseded = true;
+    rc = -ESTALE;
+  }
   if (rc == 0 && !j->copied) {
     step = "copying the data files";
     rc = copy_data(f, j, &m, src, held, &staged, err);
@@ -1805,6 +1810,66 @@ void ckpt__flush_stop(ckpt_flush_t *f) {
   pthread_cond_destroy(&f->cond);
   pthread_mutex_destroy(&f->lock);
   free(f);
+}
+
+void ckpt__flush_supersede(ckpt_fs_t *fs, const char *name,
+                           const char *save_id) {
+  if (fs->tier_fd < 0)
+    return;
+  char *why = NULL;
+  pthread_mutex_lock(&fs->tier_publish);
+  int lock = ckpt__tier_lock(fs);
+  int dfd = lock < 0 ? lock : ckpt_store_open_dir(fs->tier_fd, name, O_RDONLY);
+  char tier[CKPT_SAVE_ID_LEN + 1] = "", shared[CKPT_SAVE_ID_LEN + 1] = "";
+  char *replaces = NULL;
+  int64_t tier_ns = 0, shared_ns = 0;
+  int rc = dfd < 0 ? dfd : ckpt_store_save_look(dfd, tier, &replaces, &tier_ns);
+  if (dfd >= 0)
+    close(dfd);
+  if (rc == 0 && replaces && !strcmp(tier, save_id)) {
+    int bfd = ckpt_store_open_dir(fs->backing_fd, name, O_RDONLY);
+    int src = bfd == -ENOENT ? -ENOENT
+              : bfd < 0      ? bfd
+                             : ckpt_store_save_look(bfd, shared, NULL, &shared_ns);
+    if (bfd >= 0)
+      close(bfd);
+    if (src == 0 && strcmp(shared, save_id) &&
+        !ckpt_store_replaces_ok(replaces, tier_ns, shared, shared_ns))
+      why = ckpt__strdup_printf("%s/%s is save %s, committed after this save "
+                                "(%s) through another mount",
+                                fs->backing_path, name, shared, save_id);
+    else if (src == -ENOENT && !ckpt_store_replaces_has(replaces, ""))
+      why = ckpt__strdup_printf("%s/%s was removed after this save (%s) was "
+                                "committed", fs->backing_path, name, save_id);
+  }
+  if (why) {
+    /* its records first: no flush of it publishes from now on (a
+     * removal of NAME later must not let it come back), then its copy */
+    int rdfd = open_records(fs, false);
+    DIR *d = rdfd < 0 ? NULL : ckpt_opendir_at(rdfd);
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL)
+      if (record_of(e->d_name, save_id))
+        unlinkat(rdfd, e->d_name, 0);
+    if (d)
+      closedir(d);
+    if (rdfd >= 0) {
+      fsync(rdfd);
+      close(rdfd);
+    }
+    ckpt__checkpoint_remove(fs->tier_fd, name, false);
+    ckpt_store_save_dir_remove(fs->tier_fd, save_id);
+  }
+  if (lock >= 0)
+    ckpt__tier_unlock(lock);
+  pthread_mutex_unlock(&fs->tier_publish);
+  free(replaces);
+  if (!why)
+    return;
+  ckpt__log("tier: %s: save %s superseded, not published: %s; its flush "
+            "records and tier copy removed", name, save_id, why);
+  ckpt__resolve_superseded(fs, name, save_id, why);
+  free(why);
 }
 
 int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id,

@@ -853,6 +853,13 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
                      int rank);
 /* Stop it: a copy under way is abandoned (the record stays). */
 void ckpt__flush_stop(ckpt_flush_t *f);
+/* The tier's unflushed save save_id of name was found superseded (a
+ * later change of BACKING_DIR/NAME: resolve.c): checked again under the
+ * node's lock, its records and tier copy go at once, so that no flush
+ * publishes it (were NAME removed later, it would come back), and the
+ * log and NAME's .status say so. No lock held. */
+void ckpt__flush_supersede(ckpt_fs_t *fs, const char *name,
+                           const char *save_id);
 /* Does a flush record name save_id, of any rank (its checkpoint is not
  * all in the shared store yet), or can that not be known now? false
  * without a tier. */
@@ -942,7 +949,8 @@ typedef struct {
   char stale[CKPT_SAVE_ID_LEN + 1]; /* a kept tier copy of a save NAME is
                                        no more (to drop), or "" */
   bool superseded;  /* the tier's unflushed save of NAME was superseded on
-                       BACKING_DIR (its flush drops it) */
+                       BACKING_DIR (ckpt__flush_supersede drops it) */
+  char superseded_id[CKPT_SAVE_ID_LEN + 1]; /* its save key */
 } ckpt_resolved_t;
 void ckpt__resolve(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out);
 /* ckpt__resolve's root. */
@@ -953,10 +961,10 @@ int ckpt__root_of(ckpt_fs_t *fs, const char *name);
 #define CKPT_TIER_FULL_MAX 512
 void ckpt__tier_full_line(ckpt_fs_t *fs, char *buf, size_t size);
 /* For a commit of NAME into the tier: the saves it replaces (the
- * "replaces" of its .metadata: BACKING_DIR/NAME's save key or "none",
- * and the tier's unflushed save of NAME that it replaces in the tier);
- * NULL without a tier or when BACKING_DIR cannot be read now (published
- * then without the check, as before). malloc'd. */
+ * "replaces" of its .metadata): "none" for a plain commit; for replace=,
+ * BACKING_DIR/NAME's save key or "none" (left out when it cannot be read
+ * now), the tier's unflushed save of NAME that it replaces in the tier,
+ * and "earlier". NULL without a tier; else malloc'd. */
 char *ckpt__resolve_replaces(ckpt_fs_t *fs, const char *name, bool replace);
 /* The flush of save_id of name found NAME changed after its commit (why):
  * NAME's .status says so from now on (ckpt__resolve_note). */

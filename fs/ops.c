@@ -503,6 +503,8 @@ static presence_t presence(ckpt_fs_t *fs, const char *name) {
   ckpt__resolve(fs, name, &r);
   if (r.stale[0]) /* a kept tier copy of a save NAME is no more */
     ckpt__tier_forget(fs, name, r.stale);
+  if (r.superseded) /* an unflushed one NAME changed after: dropped now */
+    ckpt__flush_supersede(fs, name, r.superseded_id);
   presence_t p = presence_at(fs, r.root, name, gen);
   /* The tier's copy removed meanwhile (flushed): BACKING_DIR's */
   if (!p.committed && r.root != fs->backing_fd)

@@ -213,8 +213,10 @@ static void resolve_now(ckpt_fs_t *fs, const char *name, ckpt_resolved_t *out,
     if (!replaces ||
         ckpt_store_replaces_ok(replaces, tier_ns, src ? "" : shared, shared_ns))
       out->root = fs->tier_fd;
-    else
+    else {
       out->superseded = true;
+      snprintf(out->superseded_id, sizeof(out->superseded_id), "%s", tier);
+    }
   } else {
     snprintf(out->stale, sizeof(out->stale), "%s", tier);
   }
@@ -230,24 +232,25 @@ int ckpt__root_of(ckpt_fs_t *fs, const char *name) {
 char *ckpt__resolve_replaces(ckpt_fs_t *fs, const char *name, bool replace) {
   if (fs->tier_fd < 0)
     return NULL;
+  if (!replace) /* a plain commit replaces nothing */
+    return strdup("none");
   char shared[CKPT_SAVE_ID_LEN + 1], tier[CKPT_SAVE_ID_LEN + 1];
-  int src = replace ? look(fs->backing_fd, name, shared, NULL, NULL)
-                    : -ENOENT;
-  if (src && src != -ENOENT)
-    return NULL; /* not known: the flush publishes as before (no check) */
+  int src = -EAGAIN;
+  for (int i = 0; i < 3 && src && src != -ENOENT; i++)
+    src = look(fs->backing_fd, name, shared, NULL, NULL);
   ckpt_resolved_t r;
-  bool unflushed = false;
-  if (replace) {
-    ckpt__resolve(fs, name, &r);
-    unflushed = r.root == fs->tier_fd &&
-                look(fs->tier_fd, name, tier, NULL, NULL) == 0 &&
-                (src || strcmp(tier, shared));
-  }
-  /* replace=: also any save of NAME committed before this one (one that
-   * another node's tier flushes later, say: real-time order wins) */
-  return ckpt__strdup_printf("%s%s%s%s", src ? "none" : shared,
-                             unflushed ? " " : "", unflushed ? tier : "",
-                             replace ? " earlier" : "");
+  ckpt__resolve(fs, name, &r);
+  bool unflushed = r.root == fs->tier_fd &&
+                   look(fs->tier_fd, name, tier, NULL, NULL) == 0 &&
+                   (src || strcmp(tier, shared));
+  /* BACKING_DIR/NAME's save, or none; and any save of NAME committed
+   * before this one ("earlier": one that another node's tier flushes
+   * later, say, or one BACKING_DIR would not show now: EIO, EMFILE) */
+  const char *seen = src == 0 ? shared : src == -ENOENT ? "none" : "";
+  return ckpt__strdup_printf("%s%s%s%searlier", seen,
+                             *seen && unflushed ? " " : "",
+                             unflushed ? tier : "",
+                             *seen || unflushed ? " " : "");
 }
 
 /* ------------------------------------------------------------------------
