@@ -1484,6 +1484,10 @@ void ckpt__keep_policy(ckpt_fs_t *fs, const char *name) {
     for (size_t i = 0; i < cat.n; i++) {
       if (!old[i])
         continue;
+      /* said first: a daemon killed during the removal (its .metadata goes
+       * first) leaves a checkpoint gone for every mount, and the why */
+      ckpt__log("%s: removing %s (step %lld): not kept by the policy",
+                fs->opts.keep_text, cat.e[i].name, (long long)cat.e[i].step);
       rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
       if (rc == 0 && fs->tier_fd >= 0) /* its flushed copy kept there */
         ckpt__tier_forget(fs, cat.e[i].name, cat.e[i].meta.save_id);

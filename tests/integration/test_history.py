@@ -463,8 +463,10 @@ def check_history(h, window=WINDOW, gap=SAMPLE_GAP):
 
     # a name matches NAME_RE(name) in a text iff it is one of the text's
     # TOKENs (a name made of [\w.-] only); other names are searched for
-    keep_lines = [(t, ln.split(": removed ", 1)[1]) for t, ln in h.log
-                  if "keep=" in ln and ": removed " in ln]
+    # (": removing NAME" is said before the removal: a daemon killed
+    # during it still said why)
+    keep_lines = [(t, re.split(r": remov(?:ed|ing) ", ln, maxsplit=1)[1]) for t, ln in h.log
+                  if "keep=" in ln and (": removed " in ln or ": removing " in ln)]
     keep_at = {}   # token -> [time of a keep= line removing it]
     for t, tail in keep_lines:
         for tok in set(TOKEN.findall(tail)):
