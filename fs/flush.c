@@ -1016,8 +1016,12 @@ void ckpt__flush_rebind(ckpt_fs_t *fs, const char *name,
  * flushed yet); also the save's directory of a node whose tier publish
  * never happened. Under fs->tier_publish too, so that no commit of this
  * mount publishes in between. */
-static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
-  char id[CKPT_SAVE_ID_LEN + 1];
+/* Under fs->tier_publish and the node's lock: j's record goes; then, with
+ * no record of its save left in the tier, TIER/NAME if it is still j's
+ * save (unless keep) and the save's directory. id: TIER/NAME's save key.
+ * The records of the save left (0: none, -errno: not known). */
+static int drop_record(ckpt_fs_t *fs, const flush_job_t *j, bool keep,
+                       char id[CKPT_SAVE_ID_LEN + 1]) {
   pthread_mutex_lock(&fs->tier_publish);
   int lock = ckpt__tier_lock(fs);
   unrecord(fs, j->rec);
@@ -1026,14 +1030,20 @@ static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
   if (dfd >= 0)
     close(dfd);
   save_id_at(fs->tier_fd, j->name, id);
-  bool ours = !strcmp(id, j->save_id);
-  /* tier_keep: the copy stays for restarts; retention picks what goes */
-  if (left == 0 && ours && !fs->opts.tier_keep)
+  if (left == 0 && !keep && !strcmp(id, j->save_id))
     ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
   if (left == 0)
     ckpt_store_save_dir_remove(fs->tier_fd, j->save_id);
   ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
+  return left;
+}
+
+static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
+  char id[CKPT_SAVE_ID_LEN + 1];
+  /* tier_keep: the copy stays for restarts; retention picks what goes */
+  int left = drop_record(fs, j, fs->opts.tier_keep != 0, id);
+  bool ours = !strcmp(id, j->save_id);
   if (left == 0 && ours && fs->opts.tier_keep) {
     ckpt__tier_retain(fs);
     return;
@@ -1514,22 +1524,9 @@ static void lost_to_later(ckpt_fs_t *fs, flush_job_t *j, const char *why) {
             "record (and, with the node's last, its tier copy) removed",
             j->name, j->save_id, why ? why : "NAME changed after its commit");
   ckpt__resolve_superseded(fs, j->name, j->save_id, why);
-  pthread_mutex_lock(&fs->tier_publish);
-  int lock = ckpt__tier_lock(fs);
-  unrecord(fs, j->rec);
-  int dfd = open_records(fs, false);
-  int left = any_record(dfd, j->save_id);
-  if (dfd >= 0)
-    close(dfd);
-  save_id_at(fs->tier_fd, j->name, id);
-  /* the last record of the save (of the node's ranks): its copy goes,
-   * tier_keep or not (it is no save of NAME's any more) */
-  if (left == 0 && !strcmp(id, j->save_id))
-    ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
-  if (left == 0)
-    ckpt_store_save_dir_remove(fs->tier_fd, j->save_id);
-  ckpt__tier_unlock(lock);
-  pthread_mutex_unlock(&fs->tier_publish);
+  /* with the node's last record its copy goes, tier_keep or not (it is
+   * no save of NAME's any more) */
+  drop_record(fs, j, false, id);
   ckpt_store_save_dir_remove_unheld(fs->backing_fd, j->save_id);
   set_why(fs, j, NULL);
 }
