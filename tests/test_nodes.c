@@ -10,7 +10,7 @@
 
 #include <cmocka.h>
 
-#include "fs_int.h"
+#include "daemon.h"
 
 enum { N = 3000 }; /* more nodes than the first 1024 buckets: the tables grow */
 

@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "fs_int.h"
+#include "stage.h"
 
 #define STREAM_ALIGN 4096u
 

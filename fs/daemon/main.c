@@ -31,7 +31,7 @@
 #include <unistd.h>
 
 #include "failpoint.h"
-#include "fs_int.h"
+#include "daemon.h"
 
 #define EXIT_USAGE 2
 

@@ -30,7 +30,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "fs_int.h"
+#include "stage.h"
 
 struct ckpt_drain {
   ckpt_fs_t *fs;

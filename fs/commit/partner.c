@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "failpoint.h"
-#include "fs_int.h"
+#include "commit.h"
 
 /* The copies a save received, by name: removed if the save fails. */
 struct ckpt_partner_rx {
@@ -185,23 +185,6 @@ int ckpt__partner_close(void *ctx, ckpt_dist_job_t *job, int fd, bool ok,
   else if (ok)
     ckpt_failpoint("partner_synced");
   return rc;
-}
-
-bool ckpt__partner_copies_in(ckpt_fs_t *fs, int dirfd) {
-  DIR *d = ckpt_opendir_at(dirfd);
-  if (!d)
-    return false;
-  int own = ckpt_dist_node_of(fs->dist, fs->rank);
-  bool found = false;
-  struct dirent *e;
-  while (!found && (e = readdir(d)) != NULL) {
-    int r, used = 0;
-    unsigned k;
-    found = sscanf(e->d_name, "__%d_%u.distcp%n", &r, &k, &used) == 2 &&
-            e->d_name[used] == '\0' && ckpt_dist_node_of(fs->dist, r) != own;
-  }
-  closedir(d);
-  return found;
 }
 
 void ckpt__partner_discard(ckpt_fs_t *fs, ckpt_partner_rx_t **rxp, int dirfd,

@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fs_int.h"
+#include "read.h"
 
 /* The state of one checkpoint's views (ck->views); fields written under
  * fs->lock before any node that uses them exists, then immutable. */

@@ -14,7 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "fs_int.h"
+#include "daemon.h"
 
 enum {
   KEY_STAGING_MEM,

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fs_int.h"
+#include "read.h"
 
 void ckpt__block_free(ckpt_block_t *b) { free(b); }
 

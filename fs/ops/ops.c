@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "catalog.h"
-#include "fs_int.h"
+#include "ops.h"
 #include "metadb.h"
 
 #define COMMITTED_TIMEOUT 1.0 /* seconds the kernel may cache committed
@@ -238,13 +238,6 @@ static void log_text(char *out, size_t cap, const char *p, size_t n) {
 /* ------------------------------------------------------------------------
  * .status
  * ---------------------------------------------------------------------- */
-
-void ckpt__ckpt_staged_size(const ckpt_ckpt_t *ck, uint64_t *files,
-                            uint64_t *bytes) {
-  *files = *bytes = 0;
-  if (ck->dir)
-    ckpt__count_staged(ck->dir, files, bytes);
-}
 
 /* The .status text of ck. fs->lock held. */
 /* Seconds a write of the flush may take before .status calls the store
@@ -2891,3 +2884,11 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .statfs = fs_statfs,
     .access = fs_access,
 };
+
+void ckpt__scan_put(ckpt_scan_t *sc) {
+  if (!sc || --sc->refs)
+    return;
+  ckpt__catalog_names_free(sc->names, sc->n);
+  free(sc->pr);
+  free(sc);
+}

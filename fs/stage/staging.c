@@ -32,7 +32,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "fs_int.h"
+#include "stage.h"
 
 /* Segment 0 of a small file starts this small: a trainer may stage a
  * million tiny files (counters, RNG states, scalars). */

@@ -89,17 +89,11 @@
 
 #include "catalog.h"
 #include "failpoint.h"
-#include "fs_int.h"
+#include "tier.h"
 
 #define FLUSH_STEP ((size_t)8 << 20) /* bytes per read and write */
 #define BACKOFF_FIRST 1.0            /* seconds, doubled up to ... */
 #define BACKOFF_MAX 60.0
-/* The line a record gets before the shared publish (step 4). */
-#define PUBLISHING "publishing\n"
-/* The line of a record in another tier than the coordinator's node's. */
-#define REMOTE "remote\n"
-/* The line of a partner record: "partner HOST\n" (the owner's host). */
-#define PARTNER "partner "
 
 typedef struct flush_job {
   char name[256];
@@ -144,122 +138,6 @@ struct ckpt_flush {
  * Records.
  * ---------------------------------------------------------------------- */
 
-static int open_records(ckpt_fs_t *fs, bool create) {
-  if (create && mkdirat(fs->tier_fd, CKPT_FLUSH_DIR, 0700) == 0 &&
-      fsync(fs->tier_fd))
-    return -errno;
-  return ckpt_open_beneath(fs->tier_fd, CKPT_FLUSH_DIR,
-                           O_RDONLY | O_DIRECTORY, 0);
-}
-
-/* The name of rank's record of save_id. */
-static void record_name(const char *save_id, int rank, char *out, size_t n) {
-  snprintf(out, n, "%s.%d", save_id, rank);
-}
-
-/* Split a record's name: SAVE_ID.R, or SAVE_ID (an older mount's: rank
- * 0). false when it is no record's. */
-static bool parse_record_name(const char *rec,
-                              char id[CKPT_SAVE_ID_LEN + 1], int *rank) {
-  size_t len = strlen(rec);
-  if (len < CKPT_SAVE_ID_LEN)
-    return false;
-  snprintf(id, CKPT_SAVE_ID_LEN + 1, "%.*s", CKPT_SAVE_ID_LEN, rec);
-  if (!ckpt_save_id_valid(id))
-    return false;
-  const char *tail = rec + CKPT_SAVE_ID_LEN;
-  if (!*tail) {
-    *rank = 0;
-    return true;
-  }
-  char *end;
-  long r = tail[0] == '.' && tail[1] >= '0' && tail[1] <= '9'
-               ? strtol(tail + 1, &end, 10)
-               : -1;
-  if (r < 0 || r > INT_MAX || *end)
-    return false;
-  *rank = (int)r;
-  return true;
-}
-
-/* Is rec a record of save_id? */
-static bool record_of(const char *rec, const char *save_id) {
-  char id[CKPT_SAVE_ID_LEN + 1];
-  int rank;
-  return parse_record_name(rec, id, &rank) && !strcmp(id, save_id);
-}
-
-int ckpt__flush_record(ckpt_fs_t *fs, const char *save_id, int rank,
-                       const char *name, bool replace, bool remote,
-                       const char *partner_host, char **err) {
-  /* a host that is unknown or cannot be written: a node no world has, so
-   * the copies are flushed from here at once (flush.c) */
-  if (partner_host && (!partner_host[0] || strchr(partner_host, '\n')))
-    partner_host = "?";
-  char rec[CKPT_SAVE_ID_LEN + 16];
-  record_name(save_id, rank, rec, sizeof(rec));
-  int dfd = open_records(fs, true);
-  int fd = dfd < 0 ? dfd
-                   : openat(dfd, rec,
-                            O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
-  if (rc == 0 && dprintf(fd, "name %s\nreplace %d\nbacking %s\n%s%s%s%s",
-                         name, replace, fs->backing_path,
-                         remote ? REMOTE : "", partner_host ? PARTNER : "",
-                         partner_host ? partner_host : "",
-                         partner_host ? "\n" : "") < 0)
-    rc = -errno;
-  if (rc == 0 && (fsync(fd) || fsync(dfd)))
-    rc = -errno;
-  if (fd >= 0)
-    close(fd);
-  if (rc && fd >= 0)
-    unlinkat(dfd, rec, 0);
-  if (dfd >= 0)
-    close(dfd);
-  if (rc)
-    *err = ckpt__strdup_printf("writing %s/%s/%s: %s", fs->tier_path,
-                               CKPT_FLUSH_DIR, rec, strerror(-rc));
-  return rc;
-}
-
-/* Remove record rec. */
-static void unrecord(ckpt_fs_t *fs, const char *rec) {
-  int dfd = open_records(fs, false);
-  if (dfd < 0)
-    return;
-  if (unlinkat(dfd, rec, 0) == 0)
-    fsync(dfd);
-  close(dfd);
-}
-
-void ckpt__flush_unrecord(ckpt_fs_t *fs, const char *save_id, int rank) {
-  char rec[CKPT_SAVE_ID_LEN + 16];
-  record_name(save_id, rank, rec, sizeof(rec));
-  unrecord(fs, rec);
-}
-
-int ckpt__tier_lock(ckpt_fs_t *fs) {
-  int dfd = open_records(fs, true);
-  int fd = dfd < 0 ? dfd
-                   : openat(dfd, ".lock", O_RDONLY | O_CREAT | O_CLOEXEC |
-                                              O_NOFOLLOW, 0600);
-  int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
-  if (dfd >= 0)
-    close(dfd);
-  while (rc == 0 && flock(fd, LOCK_EX))
-    if (errno != EINTR) {
-      rc = -errno;
-      close(fd);
-    }
-  return rc ? rc : fd;
-}
-
-void ckpt__tier_unlock(int fd) {
-  if (fd >= 0)
-    close(fd); /* lets go of the flock */
-}
-
 /* Read record rec: its save, rank, name, replace flag, BACKING_DIR and
  * publishing mark. 0, -EINVAL when torn or malformed, -EPERM when it is
  * not a regular file of the daemon's user (planted: never trusted, even
@@ -267,7 +145,7 @@ void ckpt__tier_unlock(int fd) {
 static int read_record(int dfd, const char *rec, flush_job_t *j) {
   char save_id[CKPT_SAVE_ID_LEN + 1];
   int rank;
-  if (!parse_record_name(rec, save_id, &rank))
+  if (!ckpt__journal_parse_name(rec, save_id, &rank))
     return -EINVAL;
   int fd = openat(dfd, rec, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0)
@@ -291,18 +169,18 @@ static int read_record(int dfd, const char *rec, flush_job_t *j) {
       (replace != 0 && replace != 1) || j->backing[0] != '/' ||
       !ckpt_name_valid(j->name) || !ckpt_save_id_valid(save_id))
     return -EINVAL;
-  j->remote = !strncmp(buf + used, REMOTE, strlen(REMOTE));
+  j->remote = !strncmp(buf + used, CKPT_REC_REMOTE, strlen(CKPT_REC_REMOTE));
   if (j->remote)
-    used += (int)strlen(REMOTE);
-  j->partner = !strncmp(buf + used, PARTNER, strlen(PARTNER));
+    used += (int)strlen(CKPT_REC_REMOTE);
+  j->partner = !strncmp(buf + used, CKPT_REC_PARTNER, strlen(CKPT_REC_PARTNER));
   if (j->partner) {
-    const char *h = buf + used + strlen(PARTNER), *nl = strchr(h, '\n');
+    const char *h = buf + used + strlen(CKPT_REC_PARTNER), *nl = strchr(h, '\n');
     if (!nl || nl == h || nl - h >= CKPT_DIST_HOST_MAX)
       return -EINVAL;
     snprintf(j->host, sizeof(j->host), "%.*s", (int)(nl - h), h);
     used = (int)(nl + 1 - buf);
   }
-  j->publishing = !strcmp(buf + used, PUBLISHING);
+  j->publishing = !strcmp(buf + used, CKPT_REC_PUBLISHING);
   if (!j->publishing && buf[used])
     return -EINVAL;
   j->replace = replace == 1;
@@ -366,7 +244,7 @@ static void each_record(ckpt_fs_t *fs,
                         void (*fn)(ckpt_fs_t *fs, int dfd, const char *id,
                                    void *arg),
                         void *arg) {
-  int dfd = open_records(fs, false);
+  int dfd = ckpt__journal_open(fs, false);
   if (dfd < 0)
     return;
   DIR *d = ckpt_opendir_at(dfd);
@@ -480,47 +358,11 @@ int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err) {
   return -EBUSY;
 }
 
-/* Records of save_id in .flush (dfd): 1 some, 0 none, -errno unknown. */
-static int any_record(int dfd, const char *save_id) {
-  if (dfd == -ENOENT) /* no .flush: no records */
-    return 0;
-  if (dfd < 0)
-    return dfd;
-  DIR *d = ckpt_opendir_at(dfd);
-  if (!d)
-    return -errno;
-  int found = 0;
-  struct dirent *e;
-  errno = 0;
-  while (!found && (e = readdir(d)) != NULL)
-    found = record_of(e->d_name, save_id);
-  if (!found && errno)
-    found = -errno;
-  closedir(d);
-  return found;
-}
-
-/* Does a record name save_id (of any rank), or may one (the records
- * cannot be read now: EMFILE, EIO)? Unknown counts as unflushed, so that
- * nothing is removed on a failed look. */
-static bool has_record(ckpt_fs_t *fs, const char *save_id) {
-  int dfd = open_records(fs, false);
-  bool has = save_id[0] && any_record(dfd, save_id) != 0;
-  if (dfd >= 0)
-    close(dfd);
-  return has;
-}
-
-/* Is there positively no record of save_id (not: one unknown)? */
-static bool no_record(int dfd, const char *save_id) {
-  return any_record(dfd, save_id) == 0;
-}
-
 void ckpt__flush_recover(ckpt_fs_t *fs) {
   each_record(fs, recover_record, NULL);
   char **names;
   size_t n;
-  int dfd = open_records(fs, false);
+  int dfd = ckpt__journal_open(fs, false);
   if (dfd < 0 && dfd != -ENOENT) {
     ckpt__log("tier: cannot open %s/%s (%s): no tier checkpoint removed",
               fs->tier_path, CKPT_FLUSH_DIR, strerror(-dfd));
@@ -537,7 +379,7 @@ void ckpt__flush_recover(ckpt_fs_t *fs) {
     char id[CKPT_SAVE_ID_LEN + 1];
     if (!ckpt_store_committed(fs->tier_fd, names[i], NULL))
       continue; /* unfinished: ckpt_store_cleanup's */
-    if (save_id_of(fs->tier_fd, names[i], id) || !no_record(dfd, id))
+    if (save_id_of(fs->tier_fd, names[i], id) || !ckpt__journal_none(dfd, id))
       continue; /* unknown: kept */
     char shared[CKPT_SAVE_ID_LEN + 1];
     if (fs->opts.tier_keep && save_id_of(fs->backing_fd, names[i], shared) == 0 &&
@@ -919,20 +761,6 @@ static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
   return rc;
 }
 
-/* Is name a data file __R_K.distcp? Its R and K. */
-static bool data_file(const char *name, int32_t *rank, uint32_t *k) {
-  int r, used = 0;
-  unsigned kk;
-  char back[64];
-  if (sscanf(name, "__%d_%u.distcp%n", &r, &kk, &used) != 2 ||
-      name[used] || r < 0)
-    return false;
-  ckpt_data_file_name(r, kk, back, sizeof(back));
-  *rank = r;
-  *k = kk;
-  return !strcmp(back, name);
-}
-
 /* Copy every data file of j's rank in src into held. A file of another
  * rank in src is either that rank's (its own mount flushes it) or a
  * partner copy (level partner), which its partner record's job copies
@@ -953,7 +781,7 @@ static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
   int32_t rank;
   uint32_t k;
   while (rc == 0 && (e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k) && rank == j->rank) {
+    if (ckpt__data_file_name(e->d_name, &rank, &k) && rank == j->rank) {
       *staged = true;
       rc = copy_file(f, j, m, src, held, e->d_name, rank, k, err);
     }
@@ -1024,9 +852,9 @@ static int drop_record(ckpt_fs_t *fs, const flush_job_t *j, bool keep,
                        char id[CKPT_SAVE_ID_LEN + 1]) {
   pthread_mutex_lock(&fs->tier_publish);
   int lock = ckpt__tier_lock(fs);
-  unrecord(fs, j->rec);
-  int dfd = open_records(fs, false);
-  int left = any_record(dfd, j->save_id);
+  ckpt__journal_remove(fs, j->rec);
+  int dfd = ckpt__journal_open(fs, false);
+  int left = ckpt__journal_any(dfd, j->save_id);
   if (dfd >= 0)
     close(dfd);
   save_id_at(fs->tier_fd, j->name, id);
@@ -1067,7 +895,7 @@ static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
  * BACKING_DIR/.saves/SAVE_ID left: the publish renamed it) from one that
  * was never published (it is still there). */
 static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
-  int dfd = open_records(fs, false);
+  int dfd = ckpt__journal_open(fs, false);
   int fd = dfd < 0 ? dfd
                    : openat(dfd, j->rec,
                             O_WRONLY | O_APPEND | O_CLOEXEC | O_NOFOLLOW);
@@ -1075,8 +903,8 @@ static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
   flush_job_t now;
   if (rc == 0 && (rc = read_record(dfd, j->rec, &now)) == 0 &&
       !now.publishing) {
-    ssize_t w = write(fd, PUBLISHING, strlen(PUBLISHING));
-    if (w != (ssize_t)strlen(PUBLISHING))
+    ssize_t w = write(fd, CKPT_REC_PUBLISHING, strlen(CKPT_REC_PUBLISHING));
+    if (w != (ssize_t)strlen(CKPT_REC_PUBLISHING))
       rc = w < 0 ? -errno : -ENOSPC; /* short: the tier is full */
   }
   if (rc == 0 && fsync(fd))
@@ -1272,7 +1100,7 @@ static bool owner_linked(ckpt_fs_t *fs, const flush_job_t *j, int src) {
   uint32_t k;
   struct stat here, there;
   while (all && (e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k) && rank == j->rank)
+    if (ckpt__data_file_name(e->d_name, &rank, &k) && rank == j->rank)
       all = fstatat(src, e->d_name, &here, AT_SYMLINK_NOFOLLOW) == 0 &&
             fstatat(sfd, e->d_name, &there, AT_SYMLINK_NOFOLLOW) == 0 &&
             S_ISREG(there.st_mode) && there.st_size == here.st_size;
@@ -1382,7 +1210,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
    * so that nothing committed since is replaced by it. */
   bool replace = j->replace, recovered = false;
   flush_job_t rec;
-  int rdfd = rc == 0 && replace ? open_records(fs, false) : -1;
+  int rdfd = rc == 0 && replace ? ckpt__journal_open(fs, false) : -1;
   if (rdfd >= 0 && read_record(rdfd, j->rec, &rec) == 0 &&
       rec.publishing && !saves_dir_exists(fs->backing_fd, j->save_id))
     replace = false, recovered = true;
@@ -1498,7 +1326,7 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
   if (other && saves_dir_exists(fs->tier_fd, j->save_id))
     other = false;
   if (other)
-    unrecord(fs, j->rec);
+    ckpt__journal_remove(fs, j->rec);
   pthread_mutex_unlock(&fs->tier_publish);
   if (!other)
     return false;
@@ -1746,7 +1574,7 @@ static void queue_partner(ckpt_fs_t *fs, int dfd, const char *id,
                           void *arg) {
   partners_t *p = arg;
   flush_job_t j;
-  if (record_of(id, p->save_id) && read_record(dfd, id, &j) == 0 &&
+  if (ckpt__journal_of(id, p->save_id) && read_record(dfd, id, &j) == 0 &&
       j.partner && mine(fs, j.rank, true)) {
     queue(p->f, &j);
   }
@@ -1772,10 +1600,10 @@ int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
 
 void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
                      int rank) {
-  int dfd = open_records(f->fs, false);
+  int dfd = ckpt__journal_open(f->fs, false);
   flush_job_t j;
   char rec[CKPT_SAVE_ID_LEN + 16];
-  record_name(save_id, rank, rec, sizeof(rec));
+  ckpt__journal_name(save_id, rank, rec, sizeof(rec));
   int rc = dfd < 0 ? dfd : read_record(dfd, rec, &j);
   if (dfd >= 0)
     close(dfd);
@@ -1842,11 +1670,11 @@ void ckpt__flush_supersede(ckpt_fs_t *fs, const char *name,
   if (why) {
     /* its records first: no flush of it publishes from now on (a
      * removal of NAME later must not let it come back), then its copy */
-    int rdfd = open_records(fs, false);
+    int rdfd = ckpt__journal_open(fs, false);
     DIR *d = rdfd < 0 ? NULL : ckpt_opendir_at(rdfd);
     struct dirent *e;
     while (d && (e = readdir(d)) != NULL)
-      if (record_of(e->d_name, save_id))
+      if (ckpt__journal_of(e->d_name, save_id))
         unlinkat(rdfd, e->d_name, 0);
     if (d)
       closedir(d);
@@ -1887,26 +1715,4 @@ int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id,
     ckpt__log("tier: %s: removed from the tier, its flush failed: never "
               "published", name);
   return rc == -ENOENT || rc == -ESTALE ? 0 : rc;
-}
-
-bool ckpt__flush_unflushed(ckpt_fs_t *fs, const char *save_id) {
-  return fs->tier_fd >= 0 && has_record(fs, save_id);
-}
-
-uint64_t ckpt__flush_bytes(int dirfd, int only) {
-  DIR *d = ckpt_opendir_at(dirfd);
-  if (!d)
-    return 0;
-  uint64_t sum = 0;
-  struct dirent *e;
-  struct stat st;
-  int32_t rank;
-  uint32_t k;
-  while ((e = readdir(d)) != NULL)
-    if (data_file(e->d_name, &rank, &k) && (only < 0 || rank == only) &&
-        fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-        S_ISREG(st.st_mode))
-      sum += (uint64_t)st.st_size;
-  closedir(d);
-  return sum;
 }

@@ -44,7 +44,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "fs_int.h"
+#include "read.h"
 
 /* The save key and "replaces" of ROOT/NAME's .metadata: 0, -ENOENT (no
  * committed checkpoint there) or another -errno (unknown now). */
@@ -303,4 +303,11 @@ char *ckpt__resolve_note(const char *name) {
       out = strdup(notes.notes[i].text);
   pthread_mutex_unlock(&notes.lock);
   return out;
+}
+
+/* Committed in BACKING_DIR, or in the tier (not flushed yet, or kept). */
+bool ckpt__already_committed(ckpt_fs_t *fs, const char *name) {
+  /* a tier copy counts only when it is what this mount serves as NAME */
+  return ckpt_store_committed(fs->backing_fd, name, NULL) ||
+         (fs->tier_fd >= 0 && ckpt__root_of(fs, name) == fs->tier_fd);
 }

@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "catalog.h"
-#include "fs_int.h"
+#include "tier.h"
 
 void ckpt__tier_retain(ckpt_fs_t *fs) {
   if (fs->tier_fd < 0)
@@ -84,4 +84,55 @@ void ckpt__tier_forget(ckpt_fs_t *fs, const char *name, const char *save_id) {
   if (lock >= 0)
     ckpt__tier_unlock(lock);
   pthread_mutex_unlock(&fs->tier_publish);
+}
+
+/* -o keep= (or keep_last=N), coordinator, after name was committed:
+ * remove the committed checkpoints of BACKING_DIR that no rule of the
+ * policy keeps (catalog.c; name is always kept), .metadata first and
+ * durably, as rm -r through a mount does. Other ranks' views drop them at
+ * their next lookup or listing (still_stored in ops.c). A checkpoint a
+ * writer still holds is left for the next commit. */
+void ckpt__keep_policy(ckpt_fs_t *fs, const char *name) {
+  const ckpt_keep_policy_t *p = &fs->opts.keep;
+  /* Cheap first: no .metadata is read while only last:N could remove
+   * and there are at most N. */
+  char **names;
+  size_t n, committed = 0;
+  if (!p->every && !p->best &&
+      ckpt__catalog_names(fs->backing_fd, &names, &n) == 0) {
+    for (size_t i = 0; i < n; i++)
+      committed += ckpt__already_committed(fs, names[i]);
+    ckpt__catalog_names_free(names, n);
+    if (committed <= p->last)
+      return;
+  }
+  ckpt_catalog_t cat;
+  int rc = ckpt__catalog_scan(fs->backing_fd, false, &cat);
+  if (rc) {
+    ckpt__log("%s: cannot list %s: %s", fs->opts.keep_text,
+              fs->backing_path, strerror(-rc));
+    return;
+  }
+  bool *old = calloc(cat.n ? cat.n : 1, sizeof(*old));
+  if (old && ckpt__catalog_select_prunable(fs->backing_fd, &cat, p, name,
+                                           old, NULL))
+    for (size_t i = 0; i < cat.n; i++) {
+      if (!old[i])
+        continue;
+      /* said first: a daemon killed during the removal (its .metadata goes
+       * first) leaves a checkpoint gone for every mount, and the why */
+      ckpt__log("%s: removing %s (step %lld): not kept by the policy",
+                fs->opts.keep_text, cat.e[i].name, (long long)cat.e[i].step);
+      rc = ckpt__checkpoint_remove(fs->backing_fd, cat.e[i].name, true);
+      if (rc == 0 && fs->tier_fd >= 0) /* its flushed copy kept there */
+        ckpt__tier_forget(fs, cat.e[i].name, cat.e[i].meta.save_id);
+      if (rc)
+        ckpt__log("%s: not removing %s: %s", fs->opts.keep_text,
+                  cat.e[i].name, strerror(-rc));
+      else
+        ckpt__log("%s: removed %s (step %lld)", fs->opts.keep_text,
+                  cat.e[i].name, (long long)cat.e[i].step);
+    }
+  free(old);
+  ckpt__catalog_free(&cat);
 }

@@ -30,7 +30,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "fs_int.h"
+#include "commit.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434 /* the same number on every architecture */
