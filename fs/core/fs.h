@@ -282,6 +282,8 @@ extern const double ckpt__duration_le[CKPT_DURATION_BUCKETS];
 
 /* CLOCK_MONOTONIC, in seconds. */
 double ckpt__mono_now(void);
+/* The same in nanoseconds. */
+uint64_t ckpt__mono_ns(void);
 
 /* ------------------------------------------------------------------------
  * The worker pool (pool.c).

@@ -15,6 +15,12 @@
 const double ckpt__duration_le[CKPT_DURATION_BUCKETS] = {
     0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600};
 
+uint64_t ckpt__mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 double ckpt__mono_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

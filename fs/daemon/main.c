@@ -386,12 +386,6 @@ typedef struct {
   bool running;
 } stopper_t;
 
-static double mono_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void *stopper_main(void *arg) {
   stopper_t *st = arg;
   ckpt_fs_t *fs = st->fs;
@@ -402,12 +396,12 @@ static void *stopper_main(void *arg) {
     return NULL; /* the loop ended by itself (stopper_join's wake-up) */
   ckpt__log("signal %d: stopping once the saves in flight are done", sig);
   ckpt_dist_stop(fs->dist);
-  double end = mono_now() + STOP_CLOSE_GRACE;
+  double end = ckpt__mono_now() + STOP_CLOSE_GRACE;
   for (;;) {
     pthread_mutex_lock(&fs->lock);
     uint32_t open = fs->commit_handles;
     pthread_mutex_unlock(&fs->lock);
-    if (open == 0 || mono_now() >= end || atomic_load(&st->loop_done))
+    if (open == 0 || ckpt__mono_now() >= end || atomic_load(&st->loop_done))
       break;
     struct timespec ts = {0, 10000000L};
     nanosleep(&ts, NULL);

@@ -52,7 +52,7 @@
  * files are copied and it goes on exactly like an own record (steps 2-5:
  * the leaderless publish); meanwhile it waits (-EINPROGRESS, later
  * checkpoints go), .status saying so. A copy linked second finds the
- * racing flusher's verified copy: both count (link_tmpfile).
+ * racing flusher's verified copy: both count (ckpt__tier_link_tmpfile).
  * A crash anywhere leaves the record; the next mount (ckpt__flush_recover)
  * drops it if BACKING_DIR/NAME already has SAVE_ID (crash after 4),
  * neither TIER/NAME nor TIER/.saves/SAVE_ID does (never published), or
@@ -89,705 +89,7 @@
 
 #include "catalog.h"
 #include "failpoint.h"
-#include "tier.h"
-
-#define FLUSH_STEP ((size_t)8 << 20) /* bytes per read and write */
-#define BACKOFF_FIRST 1.0            /* seconds, doubled up to ... */
-#define BACKOFF_MAX 60.0
-
-typedef struct flush_job {
-  char name[256];
-  char save_id[CKPT_SAVE_ID_LEN + 1];
-  int rank;         /* whose files: the record's R */
-  char rec[CKPT_SAVE_ID_LEN + 16]; /* the record's name in .flush */
-  bool replace;
-  bool publishing;  /* the record says the shared publish was under way */
-  bool remote;      /* the tier is not the coordinator's node's: its
-                       checkpoint is published here from the OUTCOME */
-  bool partner;     /* a partner record: rank's copies, kept here for
-                       another node (host), flushed only when it cannot */
-  char host[CKPT_DIST_HOST_MAX];
-  bool taken;       /* partner: this mount flushes them (its turn came) */
-  bool dropped;     /* partner: over, the owner's node flushed them */
-  double queued_at; /* CLOCK_MONOTONIC s this mount queued it */
-  char backing[PATH_MAX]; /* the BACKING_DIR it goes to (absolute) */
-  /* waiting for other ranks' files (step 4): */
-  bool copied;      /* this rank's files and .metadata are linked */
-  int held;         /* BACKING_DIR/.saves/SAVE_ID, held, or -1 */
-  double not_before; /* CLOCK_MONOTONIC s of its next try */
-  double backoff;
-  bool superseded;  /* its publish found BACKING_DIR/NAME changed since
-                       its commit (a later save, or removed): never
-                       published (resolve.c's rule) */
-  struct flush_job *next;
-} flush_job_t;
-
-struct ckpt_flush {
-  ckpt_fs_t *fs;
-  pthread_t thread;
-  bool started;           /* thread runs */
-  pthread_mutex_t lock;   /* protects everything below */
-  pthread_cond_t cond;    /* a job queued, or stop */
-  flush_job_t *head, *tail;
-  bool stop;
-  double next_at;         /* token bucket: when the next step may start
-                             (CLOCK_MONOTONIC s); flush thread only */
-};
-
-/* ------------------------------------------------------------------------
- * Records.
- * ---------------------------------------------------------------------- */
-
-/* Read record rec: its save, rank, name, replace flag, BACKING_DIR and
- * publishing mark. 0, -EINVAL when torn or malformed, -EPERM when it is
- * not a regular file of the daemon's user (planted: never trusted, even
- * in a tier checked private at mount), -errno. */
-static int read_record(int dfd, const char *rec, flush_job_t *j) {
-  char save_id[CKPT_SAVE_ID_LEN + 1];
-  int rank;
-  if (!ckpt__journal_parse_name(rec, save_id, &rank))
-    return -EINVAL;
-  int fd = openat(dfd, rec, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0)
-    return -errno;
-  struct stat st;
-  if (fstat(fd, &st) || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
-      (st.st_mode & S_IWOTH)) {
-    close(fd);
-    return -EPERM;
-  }
-  char buf[PATH_MAX + 400 + CKPT_DIST_HOST_MAX];
-  ssize_t n = read(fd, buf, sizeof(buf) - 1);
-  close(fd);
-  if (n < 0)
-    return -errno;
-  buf[n] = '\0';
-  int replace = -1, used = 0;
-  memset(j, 0, sizeof(*j));
-  if (sscanf(buf, "name %255[^\n]\nreplace %d\nbacking %4095[^\n]\n%n",
-             j->name, &replace, j->backing, &used) != 3 ||
-      (replace != 0 && replace != 1) || j->backing[0] != '/' ||
-      !ckpt_name_valid(j->name) || !ckpt_save_id_valid(save_id))
-    return -EINVAL;
-  j->remote = !strncmp(buf + used, CKPT_REC_REMOTE, strlen(CKPT_REC_REMOTE));
-  if (j->remote)
-    used += (int)strlen(CKPT_REC_REMOTE);
-  j->partner = !strncmp(buf + used, CKPT_REC_PARTNER, strlen(CKPT_REC_PARTNER));
-  if (j->partner) {
-    const char *h = buf + used + strlen(CKPT_REC_PARTNER), *nl = strchr(h, '\n');
-    if (!nl || nl == h || nl - h >= CKPT_DIST_HOST_MAX)
-      return -EINVAL;
-    snprintf(j->host, sizeof(j->host), "%.*s", (int)(nl - h), h);
-    used = (int)(nl + 1 - buf);
-  }
-  j->publishing = !strcmp(buf + used, CKPT_REC_PUBLISHING);
-  if (!j->publishing && buf[used])
-    return -EINVAL;
-  j->replace = replace == 1;
-  snprintf(j->save_id, sizeof(j->save_id), "%s", save_id);
-  snprintf(j->rec, sizeof(j->rec), "%s", rec);
-  j->rank = rank;
-  j->held = -1;
-  return 0;
-}
-
-/* Is this mount its node's lowest rank in the current world? */
-static bool node_lowest(const ckpt_fs_t *fs) {
-  int node = ckpt_dist_node_of(fs->dist, fs->rank);
-  for (int r = 0; r < fs->rank; r++)
-    if (ckpt_dist_node_of(fs->dist, r) == node)
-      return false;
-  return true;
-}
-
-/* Is record rank (partner: a partner record) this mount's to flush? Its
- * own rank's; and a rank that is not on this node in the current world
- * (a world started again with fewer ranks, or other nodes) and every
- * partner record: the node's lowest rank's. */
-static bool mine(const ckpt_fs_t *fs, int rank, bool partner) {
-  if (fs->world_size <= 1)
-    return true;
-  if (!fs->dist)
-    return rank == fs->rank && !partner;
-  if (partner)
-    return node_lowest(fs);
-  if (rank == fs->rank)
-    return true;
-  int node = ckpt_dist_node_of(fs->dist, fs->rank);
-  if (rank < fs->world_size && ckpt_dist_node_of(fs->dist, rank) == node)
-    return false; /* that rank's own mount */
-  return node_lowest(fs); /* a lower rank of this node adopts it */
-}
-
-/* The save ID of root/name: 0, -ENOENT (no such checkpoint or no
- * .metadata: out ""), or another -errno (out "": unknown). */
-static int save_id_of(int root_fd, const char *name,
-                      char out[CKPT_SAVE_ID_LEN + 1]) {
-  out[0] = '\0';
-  int dfd = ckpt_store_open_dir(root_fd, name, O_RDONLY);
-  int rc = dfd < 0 ? dfd : ckpt_store_save_id(dfd, out);
-  if (rc)
-    out[0] = '\0';
-  if (dfd >= 0)
-    close(dfd);
-  return rc;
-}
-
-/* The save ID of root/name, or "" when it has none or it is unknown. */
-static void save_id_at(int root_fd, const char *name,
-                       char out[CKPT_SAVE_ID_LEN + 1]) {
-  (void)save_id_of(root_fd, name, out);
-}
-
-/* Call fn for each record of the tier. */
-static void each_record(ckpt_fs_t *fs,
-                        void (*fn)(ckpt_fs_t *fs, int dfd, const char *id,
-                                   void *arg),
-                        void *arg) {
-  int dfd = ckpt__journal_open(fs, false);
-  if (dfd < 0)
-    return;
-  DIR *d = ckpt_opendir_at(dfd);
-  struct dirent *e;
-  while (d && (e = readdir(d)) != NULL)
-    if (e->d_name[0] != '.')
-      fn(fs, dfd, e->d_name, arg);
-  if (d)
-    closedir(d);
-  close(dfd);
-}
-
-/* ------------------------------------------------------------------------
- * Recovery at mount.
- * ---------------------------------------------------------------------- */
-
-/* Does root/.saves/save_id exist? */
-static bool saves_dir_exists(int root_fd, const char *save_id) {
-  char path[CKPT_SAVE_ID_LEN + 16];
-  struct stat st;
-  snprintf(path, sizeof(path), "%s/%s", CKPT_SAVES_DIR, save_id);
-  return fstatat(root_fd, path, &st, AT_SYMLINK_NOFOLLOW) == 0 ||
-         errno != ENOENT; /* unknown: keep the record */
-}
-
-static void recover_record(ckpt_fs_t *fs, int dfd, const char *id,
-                           void *arg) {
-  (void)arg;
-  flush_job_t j;
-  char tier_id[CKPT_SAVE_ID_LEN + 1], shared_id[CKPT_SAVE_ID_LEN + 1];
-  const char *why = NULL;
-  int rc = read_record(dfd, id, &j), trc = 0;
-  const char *sid = j.save_id;
-  if (rc == -EINVAL) {
-    why = "torn or malformed (its save was never published)";
-  } else if (rc == -EPERM) {
-    ckpt__log("tier: flush record %s is not a file of the daemon's user: "
-              "ignored, left where it is", id);
-  } else if (rc) {
-    /* EMFILE, EIO...: proves nothing; kept for the next mount */
-    ckpt__log("tier: flush record %s unreadable (%s): kept", id,
-              strerror(-rc));
-  } else {
-    trc = save_id_of(fs->tier_fd, j.name, tier_id);
-    save_id_at(fs->backing_fd, j.name, shared_id);
-    if (!strcmp(shared_id, sid))
-      why = "flushed already";
-    else if (trc && trc != -ENOENT)
-      ckpt__log("tier: flush record %s: %s/%s unreadable (%s): kept", id,
-                fs->tier_path, j.name, strerror(-trc));
-    else if (strcmp(tier_id, sid) &&
-             ckpt_store_save_dir_held(fs->tier_fd, sid))
-      /* a save of another rank of this node under way (a solo save while
-       * this mount starts): not ours to judge */
-      ckpt__log("tier: flush record %s: its save is being written: kept",
-                id);
-    else if (strcmp(tier_id, sid) &&
-             (!j.remote || !saves_dir_exists(fs->tier_fd, sid)))
-      /* In the coordinator's tier its publish there is the commit point:
-       * never committed. In another node's tier, with its files still in
-       * TIER/.saves/SAVE_ID, this node's publish may be all that never
-       * happened: the record flushes them once the commit is known. */
-      why = "its save was never published in the tier";
-    else if (j.publishing && !saves_dir_exists(fs->backing_fd, sid))
-      /* Published and removed there since, or removed by another
-       * mount's cleanup of unfinished saves before the publish: the two
-       * cannot be told apart, and the tier's copy may be the only one.
-       * Kept: the flush copies it again and publishes it without
-       * replacing anything (flush_one). */
-      ckpt__log("tier: flush record %s (%s): marked publishing, but "
-                "neither %s/%s nor %s/%s/%s is this save (published and "
-                "removed there since, or removed by another mount before "
-                "the publish): kept, flushed again without replacing",
-                id, j.name, fs->backing_path, j.name, fs->backing_path,
-                CKPT_SAVES_DIR, sid);
-  }
-  if (!why)
-    return; /* resumed by the thread */
-  ckpt__log("tier: dropping flush record %s: %s", id, why);
-  if (unlinkat(dfd, id, 0) == 0)
-    fsync(dfd);
-}
-
-typedef struct {
-  const char *backing;
-  char *found;
-} other_t;
-
-/* A record of another BACKING_DIR: the first one's, in *arg. */
-static void other_backing(ckpt_fs_t *fs, int dfd, const char *id,
-                          void *arg) {
-  (void)fs;
-  other_t *o = arg;
-  flush_job_t j;
-  if (!o->found && read_record(dfd, id, &j) == 0 &&
-      strcmp(j.backing, o->backing))
-    o->found = ckpt__strdup_printf("%s (checkpoint %s)", j.backing, j.name);
-}
-
-int ckpt__flush_check(ckpt_fs_t *fs, const char *backing, char **err) {
-  other_t o = {.backing = backing};
-  each_record(fs, other_backing, &o);
-  char *other = o.found;
-  if (!other)
-    return 0;
-  *err = ckpt__strdup_printf(
-      "tier=%s holds a checkpoint not flushed yet to another BACKING_DIR, "
-      "%s: mount the tier with that BACKING_DIR first, so that nothing is "
-      "lost", fs->tier_path, other);
-  free(other);
-  return -EBUSY;
-}
-
-void ckpt__flush_recover(ckpt_fs_t *fs) {
-  each_record(fs, recover_record, NULL);
-  char **names;
-  size_t n;
-  int dfd = ckpt__journal_open(fs, false);
-  if (dfd < 0 && dfd != -ENOENT) {
-    ckpt__log("tier: cannot open %s/%s (%s): no tier checkpoint removed",
-              fs->tier_path, CKPT_FLUSH_DIR, strerror(-dfd));
-    return;
-  }
-  if (ckpt__catalog_names(fs->tier_fd, &names, &n)) {
-    if (dfd >= 0)
-      close(dfd);
-    return;
-  }
-  /* the node's other mounts (ranks) flush and remove meanwhile */
-  int lock = ckpt__tier_lock(fs);
-  for (size_t i = 0; i < n; i++) {
-    char id[CKPT_SAVE_ID_LEN + 1];
-    if (!ckpt_store_committed(fs->tier_fd, names[i], NULL))
-      continue; /* unfinished: ckpt_store_cleanup's */
-    if (save_id_of(fs->tier_fd, names[i], id) || !ckpt__journal_none(dfd, id))
-      continue; /* unknown: kept */
-    char shared[CKPT_SAVE_ID_LEN + 1];
-    if (fs->opts.tier_keep && save_id_of(fs->backing_fd, names[i], shared) == 0 &&
-        !strcmp(shared, id))
-      continue; /* flushed, kept by tier_keep (its turn comes below) */
-    /* Flushed (its copy is BACKING_DIR's now) or removed there by a
-     * user: either way not to be published again. */
-    ckpt__log("tier: removing %s (flushed, or removed from %s)", names[i],
-              fs->backing_path);
-    ckpt__checkpoint_remove(fs->tier_fd, names[i], false);
-  }
-  ckpt__tier_unlock(lock);
-  ckpt__catalog_names_free(names, n);
-  if (dfd >= 0)
-    close(dfd);
-  if (fs->opts.tier_keep)
-    ckpt__tier_retain(fs);
-}
-
-/* ------------------------------------------------------------------------
- * The copy.
- * ---------------------------------------------------------------------- */
-
-/* Wait until t (CLOCK_MONOTONIC s) or stop. false when stopped. */
-static bool sleep_until(ckpt_flush_t *f, double t) {
-  pthread_mutex_lock(&f->lock);
-  while (!f->stop && ckpt__mono_now() < t) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    double wait = t - ckpt__mono_now();
-    if (wait > 0.5)
-      wait = 0.5;
-    ts.tv_sec += (time_t)wait;
-    ts.tv_nsec += (long)((wait - (double)(time_t)wait) * 1e9);
-    if (ts.tv_nsec >= 1000000000L)
-      ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-    pthread_cond_timedwait(&f->cond, &f->lock, &ts);
-  }
-  bool go = !f->stop;
-  pthread_mutex_unlock(&f->lock);
-  return go;
-}
-
-/* The token bucket of -o flush_rate: len bytes may go now once the
- * previous ones' time has passed (no burst: a restart of the flush after
- * an idle spell does not exceed the rate either). */
-static bool take_tokens(ckpt_flush_t *f, size_t len) {
-  uint64_t rate = f->fs->opts.flush_rate;
-  if (!rate)
-    return sleep_until(f, 0);
-  double now = ckpt__mono_now();
-  if (f->next_at < now)
-    f->next_at = now;
-  if (!sleep_until(f, f->next_at))
-    return false;
-  f->next_at += (double)len / (double)rate;
-  return true;
-}
-
-/* The checkpoint of the tree named name, if it is save_id's; fs->lock
- * held. */
-static ckpt_ckpt_t *tree_ckpt(ckpt_fs_t *fs, const char *name,
-                              const char *save_id) {
-  ckpt_node_t *d = ckpt__ckpt_lookup(fs, name);
-  ckpt_ckpt_t *ck = d ? d->ck : NULL;
-  return ck && ck->state == CKPT_COMMITTED && ck->meta &&
-                 !strcmp(ck->meta->save_id, save_id)
-             ? ck
-             : NULL;
-}
-
-/* Is the mount stopping the flush? */
-static bool stopping(ckpt_flush_t *f) {
-  pthread_mutex_lock(&f->lock);
-  bool stop = f->stop;
-  pthread_mutex_unlock(&f->lock);
-  return stop;
-}
-
-/* Set the .status reason of the flush of j (NULL: none). */
-static void set_why(ckpt_fs_t *fs, const flush_job_t *j, char *why) {
-  pthread_mutex_lock(&fs->lock);
-  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
-  if (ck) {
-    free(ck->tier.why);
-    ck->tier.why = why;
-    why = NULL;
-  }
-  pthread_mutex_unlock(&fs->lock);
-  free(why);
-}
-
-/* Add n copied bytes to the .status count of j. */
-static void count_done(ckpt_fs_t *fs, const flush_job_t *j, uint64_t n) {
-  if (j->partner)
-    return; /* another rank's bytes: not in this rank's total */
-  pthread_mutex_lock(&fs->lock);
-  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
-  if (ck)
-    atomic_fetch_add(&ck->tier.done, n);
-  pthread_mutex_unlock(&fs->lock);
-}
-
-/* The flush begins (on) or ended (off) a write or fsync on BACKING_DIR:
- * .status tells a store that stopped answering (tier_lines in ops.c). */
-static void store_busy(ckpt_fs_t *fs, const flush_job_t *j, bool on) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-  pthread_mutex_lock(&fs->lock);
-  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
-  if (ck)
-    atomic_store(&ck->tier.busy_since, on ? now : 0);
-  pthread_mutex_unlock(&fs->lock);
-}
-
-/* Does every chunk and blob of m stored in data file (rank, k) have its
- * checksum in fd? 0, -EBADMSG (logged: the tier's copy is damaged, which
- * no retry mends) or -errno. */
-static int verify_copy(ckpt_flush_t *f, const ckpt_metadata_t *m,
-                       int32_t rank, uint32_t k, int fd, const char *what) {
-  for (uint32_t i = 0; i < m->n_chunks + m->n_blobs; i++) {
-    if (stopping(f))
-      return -ECANCELED; /* unmount: the record resumes it */
-    bool chunk = i < m->n_chunks;
-    const ckpt_chunk_meta_t *c = chunk ? &m->chunks[i] : NULL;
-    const ckpt_blob_meta_t *b = chunk ? NULL : &m->blobs[i - m->n_chunks];
-    if ((chunk ? c->rank : b->rank) != rank || (chunk ? c->file : b->file) != k)
-      continue;
-    uint64_t want = chunk ? c->checksum : b->checksum, got;
-    int rc = ckpt__stored_checksum(fd, chunk ? c->file_offset : b->file_offset,
-                                   chunk ? c->length : b->length, &got);
-    if (rc == 0 && got != want)
-      rc = -EBADMSG;
-    if (rc) {
-      if (what) /* NULL: a file of an earlier run, quietly copied again */
-        ckpt__log("tier: the copy of %s is not what was committed (%s): "
-                  "not published", what, strerror(-rc));
-      return rc;
-    }
-  }
-  return 0;
-}
-
-/* Copy fd in to fd out, [0, size), under the token bucket. *writing:
- * whether the write (BACKING_DIR's side) failed, else the read. */
-static int copy_bytes(ckpt_flush_t *f, const flush_job_t *j, int in, int out,
-                      uint64_t size, bool count, bool *writing) {
-  size_t step = FLUSH_STEP;
-  if (f->fs->opts.flush_rate && f->fs->opts.flush_rate / 4 < step)
-    step = f->fs->opts.flush_rate / 4 ? (size_t)(f->fs->opts.flush_rate / 4)
-                                      : 4096; /* smooth at low rates */
-  *writing = false;
-  char *buf = malloc(step);
-  if (!buf)
-    return -ENOMEM;
-  int rc = 0;
-  for (uint64_t off = 0; rc == 0 && off < size; off += step) {
-    size_t n = size - off < step ? (size_t)(size - off) : step;
-    if (!take_tokens(f, n))
-      rc = -ECANCELED;
-    else if ((rc = ckpt__pread_full(in, buf, n, off)) == 0) {
-      store_busy(f->fs, j, true);
-      if ((errno = 0, pwrite(out, buf, n, (off_t)off)) != (ssize_t)n)
-        rc = errno ? -errno : -ENOSPC; /* short: the store is full */
-      *writing = rc != 0;
-      store_busy(f->fs, j, false);
-    }
-    if (rc == 0 && count)
-      count_done(f->fs, j, n);
-  }
-  free(buf);
-  return rc;
-}
-
-/* Tries of staging_file, and its first pause (doubled at each). */
-#define STAGING_TRIES 4
-#define STAGING_PAUSE 0.02
-
-/* An unnamed file in BACKING_DIR/.staging for the copy of file: fd, or
- * -errno with *err. The other mounts on BACKING_DIR (this node's ranks,
- * other nodes) remove .staging whenever it is empty (ckpt__staging_tidy),
- * so that it may go between ckpt__staging_tmpfile's open of it and of the
- * file: ENOENT (ELOOP from ckpt__staging_dir once it lost that race each
- * time), tried again after a short pause; still lost: -EAGAIN, a race
- * that the job retries later in this mount (transient). */
-static int staging_file(ckpt_flush_t *f, const flush_job_t *j,
-                        const char *file, char **err) {
-  ckpt_fs_t *fs = f->fs;
-  int fd = -ENOENT;
-  double pause = STAGING_PAUSE;
-  for (int t = 0; t < STAGING_TRIES; t++, pause *= 2) {
-    if (t && !sleep_until(f, ckpt__mono_now() + pause))
-      return -ECANCELED; /* unmount: the record resumes it */
-    fd = ckpt__staging_tmpfile(fs->backing_fd);
-    if (fd >= 0 || (fd != -ENOENT && fd != -ELOOP))
-      break;
-  }
-  if (fd >= 0)
-    return fd;
-  struct stat st;
-  bool alive = fstat(fs->backing_fd, &st) == 0 && st.st_nlink > 0;
-  bool raced = alive && (fd == -ENOENT || fd == -ELOOP);
-  *err = ckpt__strdup_printf(
-      "creating the copy of %s/%s in %s/%s: %s%s", j->name, file,
-      fs->backing_path, CKPT_STAGING_DIR, strerror(-fd),
-      raced ? " (the directory removed by another mount each time: "
-              "retried)"
-            : !alive ? " (BACKING_DIR removed)" : "");
-  return raced ? -EAGAIN : fd;
-}
-
-static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
-                           int held, const char *name, int32_t rank,
-                           uint32_t k, off_t size);
-
-/* Link the O_TMPFILE fd (a verified copy of data file (rank, k), size
- * bytes) as dirfd/name. A file that another flusher linked meanwhile (the
- * owner's and a partner's copies racing) is a verified copy too: kept,
- * and both count as done. Else a file already there is not a complete
- * copy (copy_file checked it): replaced. -EAGAIN when another flusher
- * linked one each time (racing: retried later). */
-static int link_tmpfile(ckpt_flush_t *f, const ckpt_metadata_t *m, int fd,
-                        int dirfd, const char *name, int32_t rank,
-                        uint32_t k, off_t size) {
-  char from[64];
-  snprintf(from, sizeof(from), "/proc/self/fd/%d", fd);
-  for (int tries = 0; tries < 3; tries++) {
-    if (linkat(AT_FDCWD, from, dirfd, name, AT_SYMLINK_FOLLOW) == 0)
-      return 0;
-    if (errno != EEXIST)
-      return -errno;
-    if (copied_already(f, m, dirfd, name, rank, k, size))
-      return 0; /* another flusher's */
-    if (unlinkat(dirfd, name, 0) && errno != ENOENT)
-      return -errno;
-  }
-  return -EAGAIN;
-}
-
-/* Is held/name, of an earlier run, a complete and verified copy of data
- * file (rank, k) of size bytes? */
-static bool copied_already(ckpt_flush_t *f, const ckpt_metadata_t *m,
-                           int held, const char *name, int32_t rank,
-                           uint32_t k, off_t size) {
-  struct stat have;
-  if (fstatat(held, name, &have, AT_SYMLINK_NOFOLLOW) ||
-      !S_ISREG(have.st_mode) || have.st_size != size)
-    return false;
-  int fd = openat(held, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  bool ok = fd >= 0 && verify_copy(f, m, rank, k, fd, NULL) == 0;
-  if (fd >= 0)
-    close(fd);
-  return ok;
-}
-
-/* Copy data file name (rank, k) of the tier's src into held, verified.
- * Every failure says its step in *err. */
-static int copy_file(ckpt_flush_t *f, const flush_job_t *j,
-                     const ckpt_metadata_t *m, int src, int held,
-                     const char *name, int32_t rank, uint32_t k,
-                     char **err) {
-  ckpt_fs_t *fs = f->fs;
-  struct stat st;
-  const char *step = "opening the tier's copy of";
-  int in = ckpt_store_open_file(src, name), out = -1;
-  int rc = in < 0 ? in : 0;
-  if (rc == 0 && fstat(in, &st)) {
-    rc = -errno;
-    step = "reading the tier's copy of";
-  }
-  if (rc == 0 &&
-      copied_already(f, m, held, name, rank, k, st.st_size)) {
-    count_done(fs, j, (uint64_t)st.st_size); /* linked by an earlier run */
-    close(in);
-    return 0;
-  }
-  if (rc == 0 && (out = staging_file(f, j, name, err)) < 0) {
-    rc = out;
-    step = NULL; /* *err says it */
-  }
-  if (rc == 0 && (rc = ckpt_failpoint_error("flush_copy")) != 0)
-    step = "copying (failpoint flush_copy)";
-  bool writing = false;
-  if (rc == 0 &&
-      (rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, true,
-                       &writing)) != 0)
-    step = writing ? "writing the copy (in BACKING_DIR/.staging) of"
-                   : "reading the tier's copy of";
-  if (rc == 0)
-    ckpt_failpoint("flush_copy");
-  if (rc == 0 && fs->opts.sync_files) {
-    store_busy(fs, j, true);
-    if (fsync(out)) {
-      rc = -errno;
-      step = "syncing the copy (in BACKING_DIR/.staging) of";
-    }
-    store_busy(fs, j, false);
-  }
-  char what[600];
-  snprintf(what, sizeof(what), "%s/%s", j->name, name);
-  if (rc == 0 && (rc = verify_copy(f, m, rank, k, out, what)) != 0)
-    step = "verifying the copy against the .metadata of";
-  if (rc == 0 &&
-      (rc = link_tmpfile(f, m, out, held, name, rank, k, st.st_size)) != 0)
-    step = rc == -EAGAIN ? "linking the copy (another flusher's linked "
-                           "each time: retried) of"
-                         : "linking the copy into BACKING_DIR/" CKPT_SAVES_DIR
-                           "/SAVE_ID of";
-  if (rc && step && !*err)
-    *err = ckpt__strdup_printf("%s %s (to %s/%s/%s): %s", step, what,
-                               fs->backing_path, CKPT_SAVES_DIR, j->save_id,
-                               strerror(-rc));
-  if (out >= 0)
-    close(out);
-  if (in >= 0)
-    close(in);
-  return rc;
-}
-
-/* Copy src/.metadata to held/.metadata: through .metadata.tmp.R, synced,
- * then linked (flushers of other ranks do the same with the same bytes:
- * the first link stays). Every failure says its step in *err. */
-static int copy_metadata(ckpt_flush_t *f, const flush_job_t *j, int src,
-                         int held, char **err) {
-  struct stat st;
-  char tmp[64];
-  snprintf(tmp, sizeof(tmp), "%s.%d", CKPT_METADATA_TMP, j->rank);
-  unlinkat(held, tmp, 0); /* of a run killed before its link */
-  if (fstatat(held, CKPT_METADATA_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0)
-    return 0; /* linked by another rank's flusher */
-  const char *step = "opening the tier's";
-  int in = ckpt_store_open_file(src, CKPT_METADATA_FILE), out = -1;
-  int rc = in < 0 ? in : 0;
-  if (rc == 0 && fstat(in, &st)) {
-    rc = -errno;
-    step = "reading the tier's";
-  }
-  if (rc == 0 &&
-      (out = openat(held, tmp,
-                    O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
-                    0600)) < 0) {
-    rc = -errno;
-    step = "creating the copy (" CKPT_METADATA_TMP ".R) of";
-  }
-  /* the mode the commit gave it in the tier */
-  if (rc == 0 && fchmod(out, st.st_mode & 0777)) {
-    rc = -errno;
-    step = "setting the mode of the copy of";
-  }
-  /* not counted in .status's flush bytes (data files only) */
-  bool writing = false;
-  if (rc == 0 &&
-      (rc = copy_bytes(f, j, in, out, (uint64_t)st.st_size, false,
-                       &writing)) != 0)
-    step = writing ? "writing the copy of" : "reading the tier's";
-  if (rc == 0 && f->fs->opts.sync_files && fsync(out)) {
-    rc = -errno;
-    step = "syncing the copy of";
-  }
-  if (out >= 0)
-    close(out);
-  if (in >= 0)
-    close(in);
-  if (rc == 0 && linkat(held, tmp, held, CKPT_METADATA_FILE, 0) &&
-      errno != EEXIST) {
-    rc = -errno;
-    step = "linking the copy of";
-  }
-  unlinkat(held, tmp, 0);
-  if (rc == 0 && f->fs->opts.sync_files && fsync(held)) {
-    rc = -errno;
-    step = "syncing the directory of the copy of";
-  }
-  if (rc && !*err)
-    *err = ckpt__strdup_printf("%s %s/%s (to %s/%s/%s): %s", step, j->name,
-                               CKPT_METADATA_FILE, f->fs->backing_path,
-                               CKPT_SAVES_DIR, j->save_id, strerror(-rc));
-  return rc;
-}
-
-/* Copy every data file of j's rank in src into held. A file of another
- * rank in src is either that rank's (its own mount flushes it) or a
- * partner copy (level partner), which its partner record's job copies
- * only when the owner's node cannot (partner_turn). *staged: a file was
- * made in BACKING_DIR/.staging (to be tidied). */
-static int copy_data(ckpt_flush_t *f, const flush_job_t *j,
-                     const ckpt_metadata_t *m, int src, int held,
-                     bool *staged, char **err) {
-  DIR *d = ckpt_opendir_at(src);
-  if (!d) {
-    int e = errno;
-    *err = ckpt__strdup_printf("listing the tier's copy of %s: %s",
-                               j->name, strerror(e));
-    return -e;
-  }
-  int rc = 0;
-  struct dirent *e;
-  int32_t rank;
-  uint32_t k;
-  while (rc == 0 && (e = readdir(d)) != NULL)
-    if (ckpt__data_file_name(e->d_name, &rank, &k) && rank == j->rank) {
-      *staged = true;
-      rc = copy_file(f, j, m, src, held, e->d_name, rank, k, err);
-    }
-  closedir(d);
-  return rc;
-}
+#include "tier_int.h"
 
 /* The reader of j's checkpoint reads BACKING_DIR's copy from now on. */
 static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
@@ -803,7 +105,7 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
    * (ckpt__root_of), so the view stays bound to it until it is evicted
    * (retain.c rebinds then) */
   char kept[CKPT_SAVE_ID_LEN + 1] = "";
-  if (ok && fs->opts.tier_keep && save_id_of(fs->tier_fd, j->name, kept) == 0 &&
+  if (ok && fs->opts.tier_keep && ckpt__tier_save_id_of(fs->tier_fd, j->name, kept) == 0 &&
       !strcmp(kept, j->save_id))
     ok = false;
   if (ok) {
@@ -812,7 +114,7 @@ static void rebind_to_shared(ckpt_fs_t *fs, const flush_job_t *j) {
     ckpt_store_dir_handle(fs->backing_fd, j->name, &v.handle);
   }
   pthread_mutex_lock(&fs->lock);
-  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
+  ckpt_ckpt_t *ck = ckpt__tier_tree_ckpt(fs, j->name, j->save_id);
   if (ck && ok && ck->has_stored) {
     ckpt_stored_rebind(&ck->stored, &v);
     ck->load_gen = atomic_fetch_add(&fs->load_gen, 1) + 1;
@@ -857,7 +159,7 @@ static int drop_record(ckpt_fs_t *fs, const flush_job_t *j, bool keep,
   int left = ckpt__journal_any(dfd, j->save_id);
   if (dfd >= 0)
     close(dfd);
-  save_id_at(fs->tier_fd, j->name, id);
+  ckpt__tier_save_id_at(fs->tier_fd, j->name, id);
   if (left == 0 && !keep && !strcmp(id, j->save_id))
     ckpt__checkpoint_remove(fs->tier_fd, j->name, false);
   if (left == 0)
@@ -884,7 +186,7 @@ static void remove_tier_copy(ckpt_fs_t *fs, const flush_job_t *j) {
   /* A lookup that saw the tier's copy before it went says nothing against
    * BACKING_DIR's (still_stored ignores presences older than load_gen). */
   pthread_mutex_lock(&fs->lock);
-  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
+  ckpt_ckpt_t *ck = ckpt__tier_tree_ckpt(fs, j->name, j->save_id);
   if (ck)
     ck->load_gen = atomic_fetch_add(&fs->load_gen, 1) + 1;
   pthread_mutex_unlock(&fs->lock);
@@ -901,7 +203,7 @@ static int mark_publishing(ckpt_fs_t *fs, const flush_job_t *j, char **err) {
                             O_WRONLY | O_APPEND | O_CLOEXEC | O_NOFOLLOW);
   int rc = dfd < 0 ? dfd : fd < 0 ? -errno : 0;
   flush_job_t now;
-  if (rc == 0 && (rc = read_record(dfd, j->rec, &now)) == 0 &&
+  if (rc == 0 && (rc = ckpt__tier_read_record(dfd, j->rec, &now)) == 0 &&
       !now.publishing) {
     ssize_t w = write(fd, CKPT_REC_PUBLISHING, strlen(CKPT_REC_PUBLISHING));
     if (w != (ssize_t)strlen(CKPT_REC_PUBLISHING))
@@ -983,16 +285,16 @@ static int complete(const ckpt_metadata_t *m, int held, char **why) {
 }
 
 /* Is BACKING_DIR/NAME j's save (published, by any flusher)? */
-static bool published(ckpt_fs_t *fs, const flush_job_t *j) {
+bool ckpt__tier_published(ckpt_fs_t *fs, const flush_job_t *j) {
   char shared[CKPT_SAVE_ID_LEN + 1];
-  save_id_at(fs->backing_fd, j->name, shared);
+  ckpt__tier_save_id_at(fs->backing_fd, j->name, shared);
   return !strcmp(shared, j->save_id);
 }
 
 /* Is TIER/NAME j's save? */
 static bool tier_named(ckpt_fs_t *fs, const flush_job_t *j) {
   char id[CKPT_SAVE_ID_LEN + 1];
-  save_id_at(fs->tier_fd, j->name, id);
+  ckpt__tier_save_id_at(fs->tier_fd, j->name, id);
   return !strcmp(id, j->save_id);
 }
 
@@ -1051,7 +353,7 @@ static int publish_shared(ckpt_flush_t *f, flush_job_t *j, int held,
     while (flock(mfd, LOCK_EX) && errno == EINTR)
       ;
   int rc = 0;
-  if (!published(fs, j)) {
+  if (!ckpt__tier_published(fs, j)) {
     rc = mark_publishing(fs, j, err);
     if (rc == 0)
       ckpt_failpoint("flush_marked");
@@ -1068,7 +370,7 @@ static int publish_shared(ckpt_flush_t *f, flush_job_t *j, int held,
       rc = ckpt__publish_save(fs, &p, err);
       j->superseded = rc == -ESTALE && p.replaces;
     }
-    if ((rc == -ENOENT || rc == -EEXIST) && published(fs, j)) {
+    if ((rc == -ENOENT || rc == -EEXIST) && ckpt__tier_published(fs, j)) {
       free(*err); /* another flusher published it meanwhile */
       *err = NULL;
       rc = 0;
@@ -1129,10 +431,10 @@ static bool host_in_world(const ckpt_fs_t *fs, const char *host) {
  * mount is to flush them (the node is not in this world, or
  * partner_grace has passed), -EINPROGRESS with *err while it waits for
  * that node. */
-static int partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
+int ckpt__tier_partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
                         char **err) {
   ckpt_fs_t *fs = f->fs;
-  if (published(fs, j))
+  if (ckpt__tier_published(fs, j))
     return 1;
   /* Linked, not published: kept until it is (the owner's node may be lost
    * before the publish, and BACKING_DIR/.saves/SAVE_ID removed by a
@@ -1164,7 +466,7 @@ static int partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
 /* Flush one checkpoint: steps 2-5 of the protocol above. 0, -EINPROGRESS
  * (waiting for other ranks' files: j->held kept) or -errno, with *err
  * naming the step that failed. */
-static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
+int ckpt__tier_flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   ckpt_fs_t *fs = f->fs;
   ckpt_metadata_t m = {0};
   int held = j->held, src = -1, rc = 0;
@@ -1172,7 +474,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   const char *step = "checking that the tier is private";
   bool staged = false; /* a file made in BACKING_DIR/.staging */
   j->held = -1;
-  if (published(fs, j)) {
+  if (ckpt__tier_published(fs, j)) {
     j->dropped = j->partner && !j->taken; /* nothing of it copied here */
     goto flushed; /* by another rank's flusher */
   }
@@ -1191,7 +493,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   if (rc == 0 && j->partner && !j->taken)
     step = "deciding whether this tier flushes the partner copies";
   if (rc == 0 && j->partner && !j->taken) {
-    int turn = partner_turn(f, j, src, err);
+    int turn = ckpt__tier_partner_turn(f, j, src, err);
     if (turn == 1) {
       j->dropped = true;
       goto flushed;
@@ -1203,7 +505,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     j->taken = true;
   }
   /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
-   * since (recover_record): published again, by the compare-and-swap
+   * since (ckpt__tier_recover_record): published again, by the compare-and-swap
    * when the save recorded what it replaced (a later commit or a removal
    * of NAME stays: the save was published and changed since; NAME still
    * what it replaced: it never was), else without replacing anything,
@@ -1211,8 +513,8 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   bool replace = j->replace, recovered = false;
   flush_job_t rec;
   int rdfd = rc == 0 && replace ? ckpt__journal_open(fs, false) : -1;
-  if (rdfd >= 0 && read_record(rdfd, j->rec, &rec) == 0 &&
-      rec.publishing && !saves_dir_exists(fs->backing_fd, j->save_id))
+  if (rdfd >= 0 && ckpt__tier_read_record(rdfd, j->rec, &rec) == 0 &&
+      rec.publishing && !ckpt__tier_saves_dir_exists(fs->backing_fd, j->save_id))
     replace = false, recovered = true;
   if (rdfd >= 0)
     close(rdfd);
@@ -1249,10 +551,10 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
   }
   if (rc == 0 && !j->copied) {
     step = "copying the data files";
-    rc = copy_data(f, j, &m, src, held, &staged, err);
+    rc = ckpt__tier_copy_data(f, j, &m, src, held, &staged, err);
     if (rc == 0 && from != held) {
       step = "copying the .metadata";
-      rc = copy_metadata(f, j, src, held, err);
+      rc = ckpt__tier_copy_metadata(f, j, src, held, err);
     }
     if (rc == 0)
       j->copied = true;
@@ -1282,7 +584,7 @@ static int flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
     held = -1;
   }
 flushed:
-  if (rc == 0 && (!j->dropped || published(fs, j)))
+  if (rc == 0 && (!j->dropped || ckpt__tier_published(fs, j)))
     rebind_to_shared(fs, j);
   if (rc == 0)
     remove_tier_copy(fs, j);
@@ -1300,7 +602,7 @@ flushed:
 }
 
 /* A store that is full, failing or read-only may come back. */
-static bool transient(int rc) {
+bool ckpt__tier_transient(int rc) {
   return rc == -ENOSPC || rc == -EIO || rc == -EROFS || rc == -EDQUOT ||
          rc == -ETIMEDOUT || rc == -ESTALE || rc == -ENOTCONN ||
          rc == -EHOSTDOWN || rc == -ESHUTDOWN || rc == -EAGAIN ||
@@ -1323,7 +625,7 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
     close(dfd);
   /* its files still in the save's directory: this node's publish never
    * happened, the flush goes on from there */
-  if (other && saves_dir_exists(fs->tier_fd, j->save_id))
+  if (other && ckpt__tier_saves_dir_exists(fs->tier_fd, j->save_id))
     other = false;
   if (other)
     ckpt__journal_remove(fs, j->rec);
@@ -1331,7 +633,7 @@ static bool superseded(ckpt_fs_t *fs, const flush_job_t *j) {
   if (!other)
     return false;
   char shared[CKPT_SAVE_ID_LEN + 1];
-  save_id_at(fs->backing_fd, j->name, shared);
+  ckpt__tier_save_id_at(fs->backing_fd, j->name, shared);
   /* Another rank's flusher may be publishing it (it holds it): then it is
    * theirs, not a partial copy to remove. */
   if (strcmp(shared, j->save_id))
@@ -1356,15 +658,15 @@ static void lost_to_later(ckpt_fs_t *fs, flush_job_t *j, const char *why) {
    * no save of NAME's any more) */
   drop_record(fs, j, false, id);
   ckpt_store_save_dir_remove_unheld(fs->backing_fd, j->save_id);
-  set_why(fs, j, NULL);
+  ckpt__tier_set_why(fs, j, NULL);
 }
 
 /* Tell .status that j waits (why: "flush waiting: ..."), or failed. */
 static void report(ckpt_fs_t *fs, const flush_job_t *j, char *why,
                    bool counted_again, bool failed) {
-  set_why(fs, j, why);
+  ckpt__tier_set_why(fs, j, why);
   pthread_mutex_lock(&fs->lock);
-  ckpt_ckpt_t *ck = tree_ckpt(fs, j->name, j->save_id);
+  ckpt_ckpt_t *ck = ckpt__tier_tree_ckpt(fs, j->name, j->save_id);
   if (ck && counted_again && !j->partner) /* counted again from the start */
     atomic_store(&ck->tier.done, 0);
   if (ck && failed) /* not retried by this mount: may be removed */
@@ -1383,12 +685,12 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
   ckpt_fs_t *fs = f->fs;
   char *err = NULL;
   double t0 = ckpt__mono_now();
-  int rc = flush_one(f, j, &err);
+  int rc = ckpt__tier_flush_one(f, j, &err);
   if (rc == 0 && j->dropped) {
     ckpt__log("tier: %s: the partner copies of rank %d not flushed from "
               "this tier: its node's flush did (record dropped)", j->name,
               j->rank);
-    set_why(fs, j, NULL);
+    ckpt__tier_set_why(fs, j, NULL);
     free(err);
     return true;
   }
@@ -1435,7 +737,7 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
     free(err);
     return true;
   }
-  bool again = transient(rc);
+  bool again = ckpt__tier_transient(rc);
   if (j->backoff < BACKOFF_FIRST)
     j->backoff = BACKOFF_FIRST;
   char *why = ckpt__strdup_printf(
@@ -1559,7 +861,7 @@ static void queue(ckpt_flush_t *f, const flush_job_t *tmpl) {
 
 static void queue_record(ckpt_fs_t *fs, int dfd, const char *id, void *arg) {
   flush_job_t j;
-  if (read_record(dfd, id, &j) == 0 && mine(fs, j.rank, j.partner)) {
+  if (ckpt__tier_read_record(dfd, id, &j) == 0 && ckpt__tier_mine(fs, j.rank, j.partner)) {
     queue(arg, &j);
   }
 }
@@ -1574,8 +876,8 @@ static void queue_partner(ckpt_fs_t *fs, int dfd, const char *id,
                           void *arg) {
   partners_t *p = arg;
   flush_job_t j;
-  if (ckpt__journal_of(id, p->save_id) && read_record(dfd, id, &j) == 0 &&
-      j.partner && mine(fs, j.rank, true)) {
+  if (ckpt__journal_of(id, p->save_id) && ckpt__tier_read_record(dfd, id, &j) == 0 &&
+      j.partner && ckpt__tier_mine(fs, j.rank, true)) {
     queue(p->f, &j);
   }
 }
@@ -1587,7 +889,7 @@ int ckpt__flush_start(ckpt_fs_t *fs, ckpt_flush_t **out) {
   f->fs = fs;
   pthread_mutex_init(&f->lock, NULL);
   pthread_cond_init(&f->cond, NULL);
-  each_record(fs, queue_record, f); /* left by earlier mounts */
+  ckpt__tier_each_record(fs, queue_record, f); /* left by earlier mounts */
   int rc = pthread_create(&f->thread, NULL, flush_main, f);
   f->started = rc == 0;
   if (rc) {
@@ -1604,7 +906,7 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
   flush_job_t j;
   char rec[CKPT_SAVE_ID_LEN + 16];
   ckpt__journal_name(save_id, rank, rec, sizeof(rec));
-  int rc = dfd < 0 ? dfd : read_record(dfd, rec, &j);
+  int rc = dfd < 0 ? dfd : ckpt__tier_read_record(dfd, rec, &j);
   if (dfd >= 0)
     close(dfd);
   if (rc == 0 && !strcmp(j.name, name)) {
@@ -1612,7 +914,7 @@ void ckpt__flush_add(ckpt_flush_t *f, const char *name, const char *save_id,
     /* the partner copies this node received with the save (their records
      * are all written: before every rank's RESULT) */
     partners_t p = {.f = f, .save_id = save_id};
-    each_record(f->fs, queue_partner, &p);
+    ckpt__tier_each_record(f->fs, queue_partner, &p);
     return;
   }
   ckpt__log("tier: %s: no flush record %s (%s): not flushed", name,
@@ -1701,7 +1003,7 @@ int ckpt__flush_drop(ckpt_fs_t *fs, const char *name, const char *save_id,
                      int rank) {
   char id[CKPT_SAVE_ID_LEN + 1];
   pthread_mutex_lock(&fs->tier_publish);
-  int rc = save_id_of(fs->tier_fd, name, id);
+  int rc = ckpt__tier_save_id_of(fs->tier_fd, name, id);
   if (rc == 0 && strcmp(id, save_id))
     rc = -ESTALE; /* another save of the name now: not ours to remove */
   int lock = ckpt__tier_lock(fs);

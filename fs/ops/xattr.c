@@ -1,0 +1,352 @@
+/*
+ * xattr.c - extended attributes: user.ckpt.* of staged files (a
+ * tensor's description), of committed items and checkpoints (read-only,
+ * but for protected), and of the root (the world).
+ */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include "catalog.h"
+#include "metadb.h"
+#include "ops_int.h"
+
+/* ------------------------------------------------------------------------
+ * Extended attributes.
+ * ---------------------------------------------------------------------- */
+
+static void reply_xattr_value(fuse_req_t req, const char *v, size_t len,
+                              size_t size) {
+  if (size == 0)
+    fuse_reply_xattr(req, len);
+  else if (size < len)
+    fuse_reply_err(req, ERANGE);
+  else
+    fuse_reply_buf(req, v, len);
+}
+
+/* Say why a user.ckpt.* value was refused, with the valid forms. */
+static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
+                              const char *value, size_t size) {
+  pthread_mutex_lock(&fs->lock);
+  char *path = ckpt__node_path(n);
+  pthread_mutex_unlock(&fs->lock);
+  const char *want;
+  char dtypes[512] = "";
+  if (strcmp(name, "user.ckpt.dtype") == 0) {
+    size_t off = 0;
+    for (int d = 0; d < CKPT_DTYPE_COUNT && off < sizeof(dtypes); d++)
+      off += (size_t)snprintf(dtypes + off, sizeof(dtypes) - off, "%s%s",
+                              d ? ", " : "", ckpt_dtype_name((ckpt_dtype_t)d));
+    want = dtypes;
+  } else if (strcmp(name, "user.ckpt.fqn") == 0) {
+    want = "the item's FQN: 1 to 4096 bytes, no NUL";
+  } else {
+    want = "comma-separated whole numbers (4096,1024; empty for a scalar), "
+           "as many as the shape's, with offsets + sizes within the shape";
+  }
+  char shown[300];
+  ckpt__op_log_text(shown, sizeof(shown), value, size);
+  ckpt__log("%s/%s: refused %s=\"%s\": valid: %s", n->ck->name,
+            path ? path : "?", name, shown, want);
+  free(path);
+}
+
+/* The FQN of a committed tensor or bytes item. */
+static const char *committed_fqn(const ckpt_node_t *n) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  return n->kind == CKPT_NODE_CTENSOR ? m->tensors[n->u.tensor].fqn
+                                      : m->blobs[n->u.blob].fqn;
+}
+
+/* Is the FQN of a committed item the one its path gives ('/' -> '.')? */
+static bool committed_fqn_derived(const ckpt_node_t *n) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  const char *path = n->kind == CKPT_NODE_CTENSOR
+                         ? m->tensors[n->u.tensor].path
+                         : m->blobs[n->u.blob].path;
+  const char *fqn = committed_fqn(n);
+  for (; *path && *fqn; path++, fqn++)
+    if (*fqn != (*path == '/' ? '.' : *path))
+      return false;
+  return *path == '\0' && *fqn == '\0';
+}
+
+/* A committed checkpoint's directory tells what retention sees of it:
+ * user.ckpt.step (recorded at commit, else from the name),
+ * user.ckpt.metric.KEY per metric, user.ckpt.protected (0 or 1: the
+ * marker of ckptctl protect, else the commit word). false when n is not
+ * such a directory. */
+#define METRIC_XATTR "user.ckpt.metric."
+static bool committed_ckpt(ckpt_fs_t *fs, const ckpt_node_t *n) {
+  if (n->kind != CKPT_NODE_CKPT)
+    return false;
+  pthread_mutex_lock(&fs->lock);
+  bool yes = n->ck->state == CKPT_COMMITTED && n->ck->meta;
+  pthread_mutex_unlock(&fs->lock);
+  return yes;
+}
+
+static void reply_ckpt_xattr(fuse_req_t req, ckpt_fs_t *fs,
+                             const ckpt_node_t *n, const char *name,
+                             size_t size) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  char v[48];
+  double x;
+  int len = -1;
+  if (strcmp(name, "user.ckpt.step") == 0) {
+    int64_t step = m->has_step ? m->step : ckpt_step_from_name(n->ck->name);
+    if (step >= 0)
+      len = snprintf(v, sizeof(v), "%lld", (long long)step);
+  } else if (strcmp(name, "user.ckpt.protected") == 0) {
+    /* the mark is BACKING_DIR's (a tier's copy has none) */
+    int dfd = ckpt_store_open_dir(fs->backing_fd, n->ck->name, O_RDONLY);
+    int mark = dfd >= 0 ? ckpt__protect_read(dfd) : -1;
+    if (dfd >= 0)
+      close(dfd);
+    len = snprintf(v, sizeof(v), "%d", mark >= 0 ? mark : m->protect);
+  } else if (strncmp(name, METRIC_XATTR, strlen(METRIC_XATTR)) == 0 &&
+             ckpt_metadata_metric(m, name + strlen(METRIC_XATTR), &x)) {
+    len = ckpt_metric_format(x, v, sizeof(v));
+  }
+  if (len < 0)
+    fuse_reply_err(req, ENODATA);
+  else
+    reply_xattr_value(req, v, (size_t)len, size);
+}
+
+/* setxattr user.ckpt.protected 1 or 0 on a committed checkpoint's
+ * directory: ckptctl protect / unprotect (catalog.c), on BACKING_DIR. */
+static int set_protected(ckpt_fs_t *fs, const ckpt_node_t *n,
+                         const char *value, size_t size) {
+  if (size && value[size - 1] == '\n')
+    size--;
+  if (size != 1 || (value[0] != '0' && value[0] != '1'))
+    return -EINVAL;
+  int rc = ckpt__checkpoint_protect(fs->backing_fd, n->ck->name,
+                                    value[0] == '1');
+  if (rc == -ENOENT && fs->tier_fd >= 0)
+    rc = -EAGAIN; /* in the tier only: not flushed yet */
+  if (rc)
+    ckpt__log("%s: user.ckpt.protected=%c refused: %s%s", n->ck->name,
+              value[0], strerror(-rc),
+              rc == -EAGAIN ? " (not flushed to BACKING_DIR yet; try again "
+                              "once it is)" : "");
+  else
+    ckpt__log("%s: %s", n->ck->name,
+              value[0] == '1' ? "protected" : "no longer protected");
+  return rc;
+}
+
+static void list_ckpt_xattrs(fuse_req_t req, const ckpt_node_t *n,
+                             size_t size) {
+  const ckpt_metadata_t *m = n->ck->meta;
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  bool step = m->has_step || ckpt_step_from_name(n->ck->name) >= 0;
+  int rc = step ? ckpt_buf_append(&b, "user.ckpt.step", 15) : 0;
+  if (rc == 0)
+    rc = ckpt_buf_append(&b, "user.ckpt.protected", 20);
+  for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++)
+    rc = ckpt_buf_printf(&b, METRIC_XATTR "%s", m->metrics[i].key) < 0
+             ? -ENOMEM
+             : ckpt_buf_append(&b, "", 1);
+  if (rc)
+    fuse_reply_err(req, ENOMEM);
+  else
+    reply_xattr_value(req, (const char *)b.data, b.len, size);
+  ckpt_buf_free(&b);
+}
+
+void ckpt__op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
+                        const char *value, size_t size, int flags) {
+  ckpt__metrics_request(req, CKPT_OP_setxattr);
+  if (!ckpt__op_may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  ckpt_node_t *n = ckpt__op_get_node_any(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  int rc;
+  if (n->kind == CKPT_NODE_ROOT && strcmp(name, CKPT_JOB_XATTR) == 0) {
+    rc = ckpt__job_declare(fs, fuse_req_ctx(req)->pid, value, size);
+  } else if (ckpt__op_is_committed_kind(n->kind)) {
+    rc = -EROFS;
+  } else if (committed_ckpt(fs, n) &&
+             strcmp(name, "user.ckpt.protected") == 0) {
+    rc = set_protected(fs, n, value, size);
+  } else if (committed_ckpt(fs, n)) {
+    rc = -EROFS;
+  } else if (n->kind != CKPT_NODE_SFILE) {
+    rc = -ENOTSUP;
+  } else {
+    if ((rc = ckpt__op_staged_change_begin(fs, n->ck)) == 0) {
+      rc = ckpt__sfile_setxattr(n->u.sf, name, value, size, flags);
+      ckpt__op_staged_change_end(n->ck);
+    }
+    if (rc == -EINVAL)
+      log_refused_xattr(fs, n, name, value, size);
+  }
+  ckpt__op_put_node(fs, n);
+  fuse_reply_err(req, -rc);
+}
+
+/* The root tells the mount's world, so that a trainer can check its own
+ * world size and rank against the mount's before staging anything. */
+static const char root_xattrs[] = "user.ckpt.world_size\0user.ckpt.rank";
+
+static void reply_root_xattr(fuse_req_t req, const ckpt_fs_t *fs,
+                             const char *name, size_t size) {
+  char v[16];
+  int len;
+  if (strcmp(name, "user.ckpt.world_size") == 0)
+    len = snprintf(v, sizeof(v), "%d", fs->world_size);
+  else if (strcmp(name, "user.ckpt.rank") == 0)
+    len = snprintf(v, sizeof(v), "%d", fs->rank);
+  else {
+    fuse_reply_err(req, ENODATA);
+    return;
+  }
+  reply_xattr_value(req, v, (size_t)len, size);
+}
+
+void ckpt__op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
+                        size_t size) {
+  ckpt__metrics_request(req, CKPT_OP_getxattr);
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  ckpt_node_t *n = ckpt__op_get_node_any(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  if (n->kind == CKPT_NODE_ROOT) {
+    reply_root_xattr(req, fs, name, size);
+  } else if (committed_ckpt(fs, n)) {
+    reply_ckpt_xattr(req, fs, n, name, size);
+  } else if (n->kind == CKPT_NODE_SFILE) {
+    char *buf = size ? malloc(size) : NULL;
+    int rc = size && !buf ? -ENOMEM
+                          : ckpt__sfile_getxattr(n->u.sf, name, buf, size);
+    if (rc < 0)
+      fuse_reply_err(req, -rc);
+    else if (size == 0)
+      fuse_reply_xattr(req, (size_t)rc);
+    else
+      fuse_reply_buf(req, buf, (size_t)rc);
+    free(buf);
+  } else if ((n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) &&
+             ckpt__xattr_index(name) == CKPT_X_FQN) {
+    const char *fqn = committed_fqn(n);
+    reply_xattr_value(req, fqn, strlen(fqn), size);
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOCK) {
+    bool blk = n->kind == CKPT_NODE_CBLOCK;
+    const ckpt_tensor_meta_t *t =
+        &n->ck->meta->tensors[blk ? n->u.block->tensor : n->u.tensor];
+    /* A block file's shape is the block's. */
+    const int64_t *shape = blk ? n->u.block->dims + t->ndim : t->shape;
+    int idx = ckpt__xattr_index(name);
+    if (idx == CKPT_X_DTYPE) {
+      const char *v = ckpt_dtype_name(t->dtype);
+      reply_xattr_value(req, v, strlen(v), size);
+    } else if (idx == CKPT_X_SHAPE) {
+      int len = ckpt_dims_format(shape, t->ndim, CKPT_DIMS_CSV, NULL, 0);
+      char *v = malloc((size_t)len + 1);
+      if (!v) {
+        fuse_reply_err(req, ENOMEM);
+      } else {
+        ckpt_dims_format(shape, t->ndim, CKPT_DIMS_CSV, v, (size_t)len + 1);
+        reply_xattr_value(req, v, (size_t)len, size);
+        free(v);
+      }
+    } else {
+      fuse_reply_err(req, ENODATA);
+    }
+  } else {
+    fuse_reply_err(req, ENODATA);
+  }
+  ckpt__op_put_node(fs, n);
+}
+
+void ckpt__op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  ckpt__metrics_request(req, CKPT_OP_listxattr);
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  ckpt_node_t *n = ckpt__op_get_node_any(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  if (n->kind == CKPT_NODE_SFILE) {
+    char *buf = size ? malloc(size) : NULL;
+    int rc = size && !buf ? -ENOMEM
+                          : ckpt__sfile_listxattr(n->u.sf, buf, size);
+    if (rc < 0)
+      fuse_reply_err(req, -rc);
+    else if (size == 0)
+      fuse_reply_xattr(req, (size_t)rc);
+    else
+      fuse_reply_buf(req, buf, (size_t)rc);
+    free(buf);
+  } else if (n->kind == CKPT_NODE_ROOT) {
+    reply_xattr_value(req, root_xattrs, sizeof(root_xattrs), size);
+  } else if (committed_ckpt(fs, n)) {
+    list_ckpt_xattrs(req, n, size);
+  } else if (n->kind == CKPT_NODE_CBLOCK) {
+    static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
+    reply_xattr_value(req, names, sizeof(names), size);
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
+    /* user.ckpt.fqn is listed where the path does not say the FQN (so
+     * that copying the tree keeps it); getxattr answers it always. */
+    static const char names[] =
+        "user.ckpt.dtype\0user.ckpt.shape\0user.ckpt.fqn";
+    const size_t fqn_at = sizeof("user.ckpt.dtype\0user.ckpt.shape");
+    bool tensor = n->kind == CKPT_NODE_CTENSOR;
+    bool fqn = !committed_fqn_derived(n);
+    size_t len = tensor ? (fqn ? sizeof(names) : fqn_at)
+                        : (fqn ? sizeof(names) - fqn_at : 0);
+    reply_xattr_value(req, tensor ? names : names + fqn_at, len, size);
+  } else {
+    reply_xattr_value(req, "", 0, size);
+  }
+  ckpt__op_put_node(fs, n);
+}
+
+void ckpt__op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
+  ckpt__metrics_request(req, CKPT_OP_removexattr);
+  if (!ckpt__op_may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  ckpt_node_t *n = ckpt__op_get_node_any(fs, ino);
+  if (!n) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  int rc;
+  if (n->kind == CKPT_NODE_ROOT && strcmp(name, CKPT_JOB_XATTR) == 0) {
+    rc = ckpt__job_declare(fs, fuse_req_ctx(req)->pid, "end", 3);
+  } else if (ckpt__op_is_committed_kind(n->kind)) {
+    rc = -EROFS;
+  } else if (n->kind != CKPT_NODE_SFILE) {
+    rc = -ENODATA;
+  } else {
+    if ((rc = ckpt__op_staged_change_begin(fs, n->ck)) == 0) {
+      rc = ckpt__sfile_removexattr(n->u.sf, name);
+      ckpt__op_staged_change_end(n->ck);
+    }
+  }
+  ckpt__op_put_node(fs, n);
+  fuse_reply_err(req, -rc);
+}
