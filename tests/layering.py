@@ -1,17 +1,28 @@
 #!/usr/bin/env python3
-"""The module graph that CMake's targets promise, checked on the build:
+"""The module graph that CMake's targets promise, checked on every build
+(a wrong arrow fails the build, not only the tests):
 
 - the offline tools (ckptctl, ckptfs-fsck) need neither libfuse nor MPI
   (readelf -d lists no such library);
 - no two files of store/ call each other in a circle (from the symbols
   each object file defines and uses, nm);
-- store/ and planner/ objects use no FUSE or MPI symbol.
+- store/ and planner/ objects use no FUSE or MPI symbol;
+- fs/ is in layers (FS_LAYERS, bottom first; one directory each): a file
+  includes only headers of its own layer or lower ones, and another
+  layer's private header (*_int.h) never; an object file calls only
+  functions of its own layer or lower ones; files of one layer that call
+  each other in a circle are at most MAX_CIRCLE.
 
-Usage: layering.py BUILD_DIR
+Usage: layering.py BUILD_DIR [SOURCE_DIR]
 """
+import glob
 import os
+import re
 import subprocess
 import sys
+
+FS_LAYERS = ["core", "tree", "stage", "journal", "read", "tier", "commit", "ops", "daemon"]
+MAX_CIRCLE = 4
 
 
 def needed(binary):
@@ -64,8 +75,110 @@ def find_cycle(graph):
     return None
 
 
+def sccs(graph):
+    """The strongly connected components of graph (Tarjan), as lists."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def layer_of(path, layers):
+    """The fs/ layer of path (".../fs/LAYER/file"), or None."""
+    parts = path.replace(os.sep, "/").split("/")
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] == "fs" and parts[i + 1] in layers:
+            return parts[i + 1]
+    return None
+
+
+def check_fs_objects(objs, layers=FS_LAYERS, max_circle=MAX_CIRCLE):
+    """Problems with the calls between fs/ object files (paths with
+    fs/LAYER/ in them): an arrow up the layers, a circle too large."""
+    problems = []
+    syms = {}
+    for o in objs:
+        lay = layer_of(o, layers)
+        if lay is None:
+            problems.append(f"{o}: not in a layer of fs/ ({', '.join(layers)})")
+            continue
+        syms[f"{lay}/{os.path.basename(o).split('.')[0]}"] = symbols(o)
+    owner = {s: f for f, (d, _) in syms.items() for s in d}
+    graph = {f: {owner[s] for s in u if s in owner and owner[s] != f}
+             for f, (_, u) in syms.items()}
+    rank = {lay: i for i, lay in enumerate(layers)}
+    for f, (_, u) in sorted(syms.items()):
+        for s in sorted(u):
+            t = owner.get(s)
+            if t and rank[t.split("/")[0]] > rank[f.split("/")[0]]:
+                problems.append(f"fs/{f}.c calls {s} of fs/{t}.c: a layer above it")
+    for comp in sccs(graph):
+        if len(comp) > max_circle:
+            problems.append(f"fs/ files call each other in a circle of {len(comp)} "
+                            f"(at most {max_circle}): {', '.join(comp)}")
+    return problems, graph
+
+
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def check_fs_includes(fs_dir, layers=FS_LAYERS):
+    """Problems with the includes of fs/'s sources: a header of a layer
+    above, another layer's private header, a directory in no layer."""
+    problems = []
+    rank = {lay: i for i, lay in enumerate(layers)}
+    home = {}
+    for lay in layers:
+        for h in glob.glob(os.path.join(fs_dir, lay, "*.h")):
+            home[os.path.basename(h)] = lay
+    for d in sorted(os.listdir(fs_dir)):
+        full = os.path.join(fs_dir, d)
+        if os.path.isdir(full) and d not in rank:
+            problems.append(f"fs/{d}/ is in no layer ({', '.join(layers)})")
+        elif not os.path.isdir(full):
+            problems.append(f"fs/{d}: a file outside the layers' directories")
+    for lay in layers:
+        for src in sorted(glob.glob(os.path.join(fs_dir, lay, "*.[ch]"))):
+            with open(src) as f:
+                text = f.read()
+            for inc in INCLUDE.findall(text):
+                to = home.get(inc)
+                name = f"fs/{lay}/{os.path.basename(src)}"
+                if to is None:
+                    continue
+                if rank[to] > rank[lay]:
+                    problems.append(f"{name} includes {inc} of fs/{to}/: a layer above it")
+                elif inc.endswith("_int.h") and to != lay:
+                    problems.append(f"{name} includes {inc}, private to fs/{to}/")
+    return problems
+
+
 def main():
     build = sys.argv[1]
+    source = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))
     problems = []
     for tool in ("ckptctl", "ckptfs-fsck"):
         libs = needed(os.path.join(build, "bin", tool))
@@ -88,9 +201,21 @@ def main():
             bad = sorted(s for s in u if s.startswith(("fuse_", "MPI_", "PMPI_", "ompi_")))
             if bad:
                 problems.append(f"{o}: uses {', '.join(bad[:5])}")
+    fs_objs = sorted(glob.glob(os.path.join(build, "CMakeFiles", "ckpt_fs.dir", "fs", "*", "*.o")) +
+                     glob.glob(os.path.join(build, "CMakeFiles", "ckptfs.dir", "fs", "*", "*.o")))
+    if len(fs_objs) < 20:
+        problems.append(f"only {len(fs_objs)} fs/ objects found in {build}")
+    fs_problems, fs_graph = check_fs_objects(fs_objs)
+    problems += fs_problems
+    problems += check_fs_includes(os.path.join(source, "fs"))
     for p in problems:
         print("layering:", p)
-    print("layering: store/ graph:", {k: sorted(v) for k, v in sorted(graph.items())})
+    if problems:
+        print("layering: the layers of fs/, bottom first:", " < ".join(FS_LAYERS),
+              "(docs/code.md)")
+    circles = [c for c in sccs(fs_graph) if len(c) > 1]
+    print(f"layering: {len(problems)} problems; store/ {len(graph)} files, fs/ {len(fs_graph)} "
+          f"files; fs/ circles: {circles}")
     return 1 if problems else 0
 
 
