@@ -1616,6 +1616,157 @@ static void file_heap_down(file_heap_t *h, uint32_t i) {
   }
 }
 
+/* How step 4 goes for one rank (assign_rank): the counts its buffers are
+ * sized by and the files its items can go to. */
+typedef struct {
+  uint32_t n_pin;    /* kept items that are pinned */
+  uint32_t n_un;     /* kept items that are not */
+  uint32_t n_res;    /* 1 + the last file with bytes reserved */
+  uint32_t n_res_io; /* the same, among the io_threads files */
+  uint32_t t;        /* files balanced over (the io_threads ones) */
+  uint32_t cap;      /* files there can be: those and the files of pins
+                      * and reservations beyond them */
+} rank_shape_t;
+
+/* The shape of step 4 for one rank keeping sets[0..n-1], with the
+ * reservations and pins of lp. */
+static void rank_shape(const plan_t *p, const uint32_t *sets, uint32_t n,
+                       const ckpt_local_plan_t *lp, rank_shape_t *sh) {
+  uint32_t io = p->opts->io_threads, n_pin = 0, n_res = 0, n_res_io = 0;
+  uint32_t pin_end = 0; /* 1 + the last file holding a pin */
+  for (uint32_t k = 0; k < lp->n_reserved; k++) {
+    n_res = lp->reserved[k] > 0 ? k + 1 : n_res;
+    n_res_io = lp->reserved[k] > 0 && k < io ? k + 1 : n_res_io;
+  }
+  for (uint32_t i = 0; p->any_pin && i < n; i++) {
+    const ckpt_write_item_t *it = p->refs[p->keeper[sets[i]]].it;
+    if (pinned(it)) {
+      n_pin++;
+      pin_end = it->pin_file + 1 > pin_end ? it->pin_file + 1 : pin_end;
+    }
+  }
+  uint32_t n_un = n - n_pin;
+  uint32_t t = n_res_io > 0 ? io : io < n_un ? io : n_un;
+  uint32_t cap = t;
+  if (n_res > 0 || n_pin > 0) {
+    cap = io > n_res ? io : n_res;
+    cap = cap > pin_end ? cap : pin_end;
+  }
+  *sh = (rank_shape_t){.n_pin = n_pin,
+                       .n_un = n_un,
+                       .n_res = n_res,
+                       .n_res_io = n_res_io,
+                       .t = t,
+                       .cap = cap};
+}
+
+/* Split the kept sets sets[0..n-1] into the pinned items (to pins, their
+ * set placed where the pin is) and the others (to order), both in set
+ * order. */
+static void split_pinned(plan_t *p, const uint32_t *sets, uint32_t n,
+                         sized_t *order, pin_t *pins) {
+  uint32_t u = 0, q = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const ckpt_write_item_t *it = p->refs[p->keeper[sets[i]]].it;
+    if (p->any_pin && pinned(it)) {
+      pins[q++] = (pin_t){.file = it->pin_file,
+                          .off = it->pin_offset,
+                          .len = it->length,
+                          .it = it};
+      p->set_file[sets[i]] = it->pin_file;
+      p->set_off[sets[i]] = it->pin_offset;
+    } else {
+      order[u++] = (sized_t){.len = it->length, .set = sets[i]};
+    }
+  }
+}
+
+/* Give each unpinned item of order (largest first) the least full of the
+ * sh->t balanced files, loads starting at the reservations; rp->n_files
+ * becomes 1 + the last file reserved or chosen. heap holds sh->t files;
+ * rp->file_bytes (sh->cap of them) is used for the loads. */
+static void balance_unpinned(plan_t *p, const ckpt_local_plan_t *lp,
+                             const rank_shape_t *sh, const sized_t *order,
+                             uint32_t *heap, ckpt_rank_plan_t *rp) {
+  file_heap_t h = {.k = heap, .bytes = rp->file_bytes, .n = sh->t};
+  for (uint32_t k = 0; k < sh->t; k++) {
+    heap[k] = k;
+    h.bytes[k] = reserved_of(lp, k);
+  }
+  for (uint32_t i = sh->t / 2; sh->n_res_io > 0 && i-- > 0;)
+    file_heap_down(&h, i);
+  rp->n_files = sh->n_res;
+  for (uint32_t i = 0; i < sh->n_un; i++) {
+    uint32_t k = heap[0];
+    p->set_file[order[i].set] = k;
+    rp->n_files = k + 1 > rp->n_files ? k + 1 : rp->n_files;
+    h.bytes[k] = sat_add(h.bytes[k], order[i].len);
+    file_heap_down(&h, 0);
+  }
+}
+
+/* Count the pins[0..n_pin-1] of each file K in first[K + 1] and keep the
+ * files holding them in rp->n_files. */
+static void count_pins(const pin_t *pins, uint32_t n_pin, uint32_t *first,
+                       ckpt_rank_plan_t *rp) {
+  for (uint32_t i = 0; i < n_pin; i++) {
+    /* inside the reservation (checked), so no change to file_bytes */
+    rp->n_files = pins[i].file + 1 > rp->n_files ? pins[i].file + 1
+                                                 : rp->n_files;
+    first[pins[i].file + 1]++;
+  }
+}
+
+/* Append the unpinned items of sets[0..n-1], in set order, to the files
+ * chosen for them (rp->file_bytes: the bytes so far), aligning the large
+ * ones; count them per file K in first[K + 1]. 0, or -EINVAL if a file
+ * would pass 2^64 bytes. */
+static int place_unpinned(plan_t *p, const uint32_t *sets, uint32_t n,
+                          uint32_t *first, ckpt_rank_plan_t *rp) {
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t s = sets[i], k = p->set_file[s];
+    const ckpt_write_item_t *it = p->refs[p->keeper[s]].it;
+    if (p->any_pin && pinned(it))
+      continue;
+    uint64_t len = it->length, off = rp->file_bytes[k];
+    if (len >= ALIGN_MIN_LEN && off % ALIGN != 0 &&
+        __builtin_add_overflow(off, ALIGN - off % ALIGN, &off))
+      return -EINVAL;
+    if (__builtin_add_overflow(off, len, &rp->file_bytes[k]))
+      return -EINVAL;
+    p->set_off[s] = off;
+    first[k + 1]++;
+  }
+  return 0;
+}
+
+/* Fill rp->assign from the per-file counts in first: file by file, the
+ * pins (sorted) and then the other items of sets[0..n-1] in set order. */
+static void fill_assignments(const plan_t *p, const uint32_t *sets,
+                             uint32_t n, const rank_shape_t *sh,
+                             const pin_t *pins, uint32_t *first,
+                             ckpt_rank_plan_t *rp) {
+  for (uint32_t k = 0; k < sh->cap; k++)
+    first[k + 1] += first[k];
+  for (uint32_t i = 0; i < sh->n_pin; i++)
+    rp->assign[first[pins[i].file]++] =
+        (ckpt_assignment_t){.local_id = pins[i].it->local_id,
+                            .file = pins[i].file,
+                            .file_offset = pins[i].off,
+                            .length = pins[i].len};
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t s = sets[i], k = p->set_file[s];
+    const ref_t *r = &p->refs[p->keeper[s]];
+    if (p->any_pin && pinned(r->it))
+      continue;
+    rp->assign[first[k]++] = (ckpt_assignment_t){.local_id = r->it->local_id,
+                                                 .file = k,
+                                                 .file_offset = p->set_off[s],
+                                                 .length = r->it->length};
+  }
+  rp->n_assign = n;
+}
+
 /*
  * Step 4 for one rank: its kept sets sets[0..n-1] (in set order) go to
  * data files.
@@ -1636,115 +1787,30 @@ static void file_heap_down(file_heap_t *h, uint32_t i) {
  */
 static int assign_rank(plan_t *p, const uint32_t *sets, uint32_t n,
                        const ckpt_local_plan_t *lp, ckpt_rank_plan_t *rp) {
-  uint32_t io = p->opts->io_threads, n_pin = 0, n_res = 0, n_res_io = 0;
-  uint32_t pin_end = 0; /* 1 + the last file holding a pin */
-  for (uint32_t k = 0; k < lp->n_reserved; k++) {
-    n_res = lp->reserved[k] > 0 ? k + 1 : n_res;
-    n_res_io = lp->reserved[k] > 0 && k < io ? k + 1 : n_res_io;
-  }
-  for (uint32_t i = 0; p->any_pin && i < n; i++) {
-    const ckpt_write_item_t *it = p->refs[p->keeper[sets[i]]].it;
-    if (pinned(it)) {
-      n_pin++;
-      pin_end = it->pin_file + 1 > pin_end ? it->pin_file + 1 : pin_end;
-    }
-  }
-  uint32_t n_un = n - n_pin;
-  /* files balanced over (the io_threads ones), files there can be (those
-   * and the files of pins and reservations beyond them) */
-  uint32_t t = n_res_io > 0 ? io : io < n_un ? io : n_un;
-  uint32_t cap = t;
-  if (n_res > 0 || n_pin > 0) {
-    cap = io > n_res ? io : n_res;
-    cap = cap > pin_end ? cap : pin_end;
-  }
-  sized_t *order = malloc((n_un + 1) * sizeof(*order));
-  pin_t *pins = malloc((n_pin + 1) * sizeof(*pins));
-  uint32_t *heap = malloc((t + 1) * sizeof(*heap));
-  uint32_t *first = calloc((size_t)cap + 1, sizeof(*first));
-  file_heap_t h = {.k = heap, .n = t};
+  rank_shape_t sh;
+  rank_shape(p, sets, n, lp, &sh);
+  sized_t *order = malloc((sh.n_un + 1) * sizeof(*order));
+  pin_t *pins = malloc((sh.n_pin + 1) * sizeof(*pins));
+  uint32_t *heap = malloc((sh.t + 1) * sizeof(*heap));
+  uint32_t *first = calloc((size_t)sh.cap + 1, sizeof(*first));
   int rc = -ENOMEM;
 
-  rp->file_bytes = calloc(cap + 1, sizeof(*rp->file_bytes));
+  rp->file_bytes = calloc(sh.cap + 1, sizeof(*rp->file_bytes));
   rp->assign = malloc((n + 1) * sizeof(*rp->assign));
   if (order == NULL || pins == NULL || heap == NULL || first == NULL ||
       rp->file_bytes == NULL || rp->assign == NULL)
     goto out;
-  uint32_t u = 0, q = 0;
-  for (uint32_t i = 0; i < n; i++) {
-    const ckpt_write_item_t *it = p->refs[p->keeper[sets[i]]].it;
-    if (p->any_pin && pinned(it)) {
-      pins[q++] = (pin_t){.file = it->pin_file,
-                          .off = it->pin_offset,
-                          .len = it->length,
-                          .it = it};
-      p->set_file[sets[i]] = it->pin_file;
-      p->set_off[sets[i]] = it->pin_offset;
-    } else {
-      order[u++] = (sized_t){.len = it->length, .set = sets[i]};
-    }
-  }
-  qsort(order, n_un, sizeof(*order), cmp_sized);
-  qsort(pins, n_pin, sizeof(*pins), cmp_pin);
-  /* balance by bytes from the reservations; rp->file_bytes reused below */
-  h.bytes = rp->file_bytes;
-  for (uint32_t k = 0; k < t; k++) {
-    heap[k] = k;
-    h.bytes[k] = reserved_of(lp, k);
-  }
-  for (uint32_t i = t / 2; n_res_io > 0 && i-- > 0;)
-    file_heap_down(&h, i);
-  rp->n_files = n_res;
-  for (uint32_t i = 0; i < n_un; i++) {
-    uint32_t k = heap[0];
-    p->set_file[order[i].set] = k;
-    rp->n_files = k + 1 > rp->n_files ? k + 1 : rp->n_files;
-    h.bytes[k] = sat_add(h.bytes[k], order[i].len);
-    file_heap_down(&h, 0);
-  }
-
-  for (uint32_t k = 0; k < cap; k++)
+  split_pinned(p, sets, n, order, pins);
+  qsort(order, sh.n_un, sizeof(*order), cmp_sized);
+  qsort(pins, sh.n_pin, sizeof(*pins), cmp_pin);
+  balance_unpinned(p, lp, &sh, order, heap, rp);
+  for (uint32_t k = 0; k < sh.cap; k++)
     rp->file_bytes[k] = reserved_of(lp, k);
-  for (uint32_t i = 0; i < n_pin; i++) {
-    /* inside the reservation (checked), so no change to file_bytes */
-    rp->n_files = pins[i].file + 1 > rp->n_files ? pins[i].file + 1
-                                                 : rp->n_files;
-    first[pins[i].file + 1]++;
-  }
-  rc = -EINVAL; /* a file beyond 2^64 bytes */
-  for (uint32_t i = 0; i < n; i++) {
-    uint32_t s = sets[i], k = p->set_file[s];
-    const ckpt_write_item_t *it = p->refs[p->keeper[s]].it;
-    if (p->any_pin && pinned(it))
-      continue;
-    uint64_t len = it->length, off = rp->file_bytes[k];
-    if (len >= ALIGN_MIN_LEN && off % ALIGN != 0 &&
-        __builtin_add_overflow(off, ALIGN - off % ALIGN, &off))
-      goto out;
-    if (__builtin_add_overflow(off, len, &rp->file_bytes[k]))
-      goto out;
-    p->set_off[s] = off;
-    first[k + 1]++;
-  }
-  for (uint32_t k = 0; k < cap; k++)
-    first[k + 1] += first[k];
-  for (uint32_t i = 0; i < n_pin; i++)
-    rp->assign[first[pins[i].file]++] =
-        (ckpt_assignment_t){.local_id = pins[i].it->local_id,
-                            .file = pins[i].file,
-                            .file_offset = pins[i].off,
-                            .length = pins[i].len};
-  for (uint32_t i = 0; i < n; i++) {
-    uint32_t s = sets[i], k = p->set_file[s];
-    const ref_t *r = &p->refs[p->keeper[s]];
-    if (p->any_pin && pinned(r->it))
-      continue;
-    rp->assign[first[k]++] = (ckpt_assignment_t){.local_id = r->it->local_id,
-                                                 .file = k,
-                                                 .file_offset = p->set_off[s],
-                                                 .length = r->it->length};
-  }
-  rp->n_assign = n;
+  count_pins(pins, sh.n_pin, first, rp);
+  rc = place_unpinned(p, sets, n, first, rp); /* -EINVAL: past 2^64 */
+  if (rc != 0)
+    goto out;
+  fill_assignments(p, sets, n, &sh, pins, first, rp);
   rc = 0;
 out:
   free(first);

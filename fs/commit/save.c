@@ -256,29 +256,26 @@ static void wait_for_releases(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
   }
 }
 
-int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
-                     const ckpt_commit_words_t *words, fuse_req_t req,
-                     size_t reply_size) {
-  if (fs->passthrough)
-    wait_for_releases(fs, ck);
+/* A save of ck as words say, not started. */
+static ckpt_save_t *save_new(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                             const ckpt_commit_words_t *words, fuse_req_t req,
+                             size_t reply_size) {
   ckpt_save_t *s = calloc(1, sizeof(*s));
   if (!s)
-    return -ENOMEM;
+    return NULL;
   s->fs = fs;
   s->ck = ck;
   s->sync = words->sync;
   s->words = *words;
   s->rank = words->solo ? 0 : fs->rank;
   s->job.solo = words->solo;
-  /* a solo save is one rank's own, at the local level */
-  s->job.partner = fs->opts.tier_partner && !words->solo;
   s->replace = words->replace[0] != '\0';
   s->direct = fs->tier_fd >= 0 && words->level_shared;
   s->root_fd = s->direct ? fs->backing_fd : fs->commit_fd;
   s->root_path = s->direct ? fs->backing_path : fs->commit_path;
   /* a solo save is one rank's own, at the local level; a direct one
    * needs no partner copies */
-  s->job.partner = s->job.partner && !s->direct;
+  s->job.partner = fs->opts.tier_partner && !words->solo && !s->direct;
   s->req = req;
   s->reply_size = reply_size;
   pthread_mutex_init(&s->reply_lock, NULL);
@@ -286,20 +283,14 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   s->failed_file = -1;
   s->job.user = s;
   s->began = ckpt__mono_now();
+  return s;
+}
 
-  /* Freeze: no data change of this checkpoint is in progress once we hold
-   * the freeze lock, and none starts after the state change. */
-  atomic_store(&ck->freezing, true);
-  pthread_rwlock_wrlock(&ck->freeze);
-  pthread_mutex_lock(&fs->lock);
-  /* under the freeze lock: a staged checkpoint may be renamed until now;
-   * with replace=TARGET it is published as TARGET */
-  snprintf(s->job.name, sizeof(s->job.name), "%s",
-           s->replace ? words->replace : ck->name);
-  int rc = 0;
-  bool freeze_failed = false;
-  ckpt_node_t *busy = NULL; /* the file still writable, referenced */
-  char *busy_path = NULL;
+/* Why ck cannot be committed now (its state, a replace= target staged
+ * here), else its staged files collected into s. fs->lock held. */
+static int check_and_collect(ckpt_save_t *s, const ckpt_commit_words_t *words) {
+  ckpt_fs_t *fs = s->fs;
+  ckpt_ckpt_t *ck = s->ck;
   uint32_t cap = 0;
   ckpt_node_t *target = s->replace && strcmp(words->replace, ck->name)
                             ? ckpt__ckpt_lookup(fs, words->replace)
@@ -309,21 +300,30 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     ckpt__log("%s/.commit: refused replace=%s: a checkpoint of that name is "
               "staged on this mount (commit or remove it first)", ck->name,
               words->replace);
-    rc = -EEXIST;
-  } else if (ck->state == CKPT_COMMITTING)
-    rc = -EBUSY;
-  else if (ck->state == CKPT_COMMITTED)
-    rc = -EROFS;
-  else if (!ck->dir)
-    rc = -ENOENT; /* removed (rmdir) while its .commit was open */
-  else if ((rc = collect_files(s, ck->dir, &cap)) == 0)
-    rc = sort_files(s);
-  /* Passthrough files: the kernel writes them without the daemon, and
-   * each large one becomes its data file as it is. So nobody may be able
-   * to write one any more (a handle open for writing, a writable shared
-   * mapping left after a close): else the commit fails at once with
-   * EBUSY, naming the file and the process. */
-  for (uint32_t i = 0; rc == 0 && i < s->nfiles; i++) {
+    return -EEXIST;
+  }
+  if (ck->state == CKPT_COMMITTING)
+    return -EBUSY;
+  if (ck->state == CKPT_COMMITTED)
+    return -EROFS;
+  if (!ck->dir)
+    return -ENOENT; /* removed (rmdir) while its .commit was open */
+  int rc = collect_files(s, ck->dir, &cap);
+  return rc ? rc : sort_files(s);
+}
+
+/* Passthrough files: the kernel writes them without the daemon, and
+ * each large one becomes its data file as it is. So nobody may be able
+ * to write one any more (a handle open for writing, a writable shared
+ * mapping left after a close): else the commit fails at once with
+ * EBUSY, naming the file and the process (*busy, referenced, and
+ * *busy_path: looked up in /proc by the caller once the locks are
+ * dropped, as reading another process's maps may wait on it). ck is
+ * FAILED then, with its reason. fs->lock and the freeze lock held. */
+static int freeze_files(ckpt_save_t *s, ckpt_node_t **busy,
+                        char **busy_path) {
+  ckpt_ckpt_t *ck = s->ck;
+  for (uint32_t i = 0; i < s->nfiles; i++) {
     ckpt_sfile_t *sf = s->files[i]->u.sf;
     int e = ckpt__sfile_pt_freeze(sf);
     if (e == 0) {
@@ -337,14 +337,11 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     if (e == 0)
       continue;
     ck->state = CKPT_FAILED;
-    freeze_failed = true;
     free(ck->reason);
     if (e == -EBUSY) {
-      /* who holds it is looked up in /proc once the locks are dropped
-       * (reading another process's maps may wait on it) */
-      busy = s->files[i];
-      ckpt__node_ref(busy);
-      busy_path = strdup(s->paths[i]);
+      *busy = s->files[i];
+      ckpt__node_ref(*busy);
+      *busy_path = strdup(s->paths[i]);
       ck->reason = ckpt__strdup_printf(
           "rank %d: %s is still open for writing: what it writes would "
           "change the committed bytes; close it (or unmap it), then commit "
@@ -358,77 +355,80 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       ck->reason = ckpt__strdup_printf(
           "rank %d: %s: cannot freeze it for the commit: %s", s->rank,
           s->paths[i], strerror(-e));
-    if (!busy)
+    if (!*busy)
       ckpt__log("%s: %s", ck->name, ck->reason);
-    rc = e;
+    return e;
   }
-  if (rc == 0) {
-    ck->state = CKPT_COMMITTING;
-    if (s->replace && strcmp(s->job.name, ck->name)) /* held until done */
-      snprintf(ck->replacing, sizeof(ck->replacing), "%s", s->job.name);
-    if (ck->streams)
-      ckpt__streams_freeze(ck->streams, true, s->rank);
+  return 0;
+}
+
+/* ck is COMMITTING with save s, waiting for its turn. fs->lock held. */
+static void mark_committing(ckpt_save_t *s) {
+  ckpt_ckpt_t *ck = s->ck;
+  ck->state = CKPT_COMMITTING;
+  if (s->replace && strcmp(s->job.name, ck->name)) /* held until done */
+    snprintf(ck->replacing, sizeof(ck->replacing), "%s", s->job.name);
+  if (ck->streams)
+    ckpt__streams_freeze(ck->streams, true, s->rank);
+  free(ck->reason);
+  ck->reason = NULL;
+  free(ck->waiting);
+  ck->waiting = strdup("its turn (a mount runs its saves one after the "
+                       "other)");
+  ck->waiting_until = 0;
+  atomic_store(&ck->bytes_total, 0);
+  atomic_store(&ck->bytes_done, 0);
+  ck->save = s;
+  ck->refs++;
+}
+
+/* The commit failed on busy, a file someone can still write: its reason
+ * names who (from /proc). No lock held. */
+static void name_busy_writer(ckpt_save_t *s, ckpt_node_t *busy,
+                             char *busy_path) {
+  ckpt_fs_t *fs = s->fs;
+  ckpt_ckpt_t *ck = s->ck;
+  char *who = ckpt__sfile_pt_who(busy->u.sf, busy->ino);
+  char *why = ckpt__strdup_printf(
+      "rank %d: %s is still %s: what it writes would change the committed "
+      "bytes; close it (or unmap it), then commit again", s->rank,
+      busy_path ? busy_path : "a file", who ? who : "open for writing");
+  pthread_mutex_lock(&fs->lock);
+  if (why && ck->state == CKPT_FAILED) {
     free(ck->reason);
-    ck->reason = NULL;
-    free(ck->waiting);
-    ck->waiting = strdup("its turn (a mount runs its saves one after the "
-                         "other)");
-    ck->waiting_until = 0;
-    atomic_store(&ck->bytes_total, 0);
-    atomic_store(&ck->bytes_done, 0);
-    ck->save = s;
-    ck->refs++;
-  } else {
-    for (uint32_t i = 0; i < s->nfiles; i++)
-      ckpt__node_unref(fs, s->files[i]);
+    ck->reason = why;
+    why = NULL;
   }
+  ckpt__log("%s: %s", ck->name, ck->reason ? ck->reason : "busy");
+  ckpt__node_unref(fs, busy);
   pthread_mutex_unlock(&fs->lock);
-  atomic_store(&ck->freezing, false);
-  pthread_rwlock_unlock(&ck->freeze);
-  if (busy) {
-    char *who = ckpt__sfile_pt_who(busy->u.sf, busy->ino);
-    char *why = ckpt__strdup_printf(
-        "rank %d: %s is still %s: what it writes would change the committed "
-        "bytes; close it (or unmap it), then commit again", s->rank,
-        busy_path ? busy_path : "a file", who ? who : "open for writing");
-    pthread_mutex_lock(&fs->lock);
-    if (why && ck->state == CKPT_FAILED) {
-      free(ck->reason);
-      ck->reason = why;
-      why = NULL;
-    }
-    ckpt__log("%s: %s", ck->name, ck->reason ? ck->reason : "busy");
-    ckpt__node_unref(fs, busy);
-    pthread_mutex_unlock(&fs->lock);
-    free(why);
-    free(who);
-    free(busy_path);
-  }
-  if (rc) {
-    for (uint32_t i = 0; i < s->nfiles; i++)
-      free(s->paths[i]);
-    free(s->paths);
-    free(s->files);
-    for (uint32_t i = 0; i < s->n_attrs; i++)
-      free(s->attrs[i].path);
-    free(s->attrs);
-    pthread_mutex_destroy(&s->reply_lock);
-    free(s);
-    if (freeze_failed) /* a commit that failed before its save began */
-      ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED,
-                           ckpt__metrics_classify(rc, NULL), -1);
-    return rc;
-  }
-  /* from here the writer may be killed: answered at once (above) */
-  if (s->req)
-    fuse_req_interrupt_func(s->req, commit_interrupted, s);
-  if (ckpt_dist_submit(fs->dist, &s->job) == 0)
-    return 0;
+  free(why);
+  free(who);
+  free(busy_path);
+}
+
+/* Free s, a save that never started (its files unreferenced already). */
+static void free_unstarted(ckpt_save_t *s) {
+  for (uint32_t i = 0; i < s->nfiles; i++)
+    free(s->paths[i]);
+  free(s->paths);
+  free(s->files);
+  for (uint32_t i = 0; i < s->n_attrs; i++)
+    free(s->attrs[i].path);
+  free(s->attrs);
+  pthread_mutex_destroy(&s->reply_lock);
+  free(s);
+}
+
+/* dist refused the save: the daemon stops (SIGTERM, unmount), no save
+ * starts any more. 0 if the interrupt answered the writer, else -EIO. */
+static int refuse_stopping(ckpt_save_t *s) {
+  ckpt_fs_t *fs = s->fs;
+  ckpt_ckpt_t *ck = s->ck;
   /* the caller answers the writer, unless the interrupt did (then as if
    * answered: 0 with a sync writer means "replied") */
   bool answered = s->req && !claim_reply(s);
   ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED, CKPT_FAIL_OTHER, -1);
-  /* The daemon stops (SIGTERM, unmount): no save starts any more. */
   pthread_mutex_lock(&fs->lock);
   ck->state = CKPT_FAILED;
   ck->replacing[0] = '\0';
@@ -442,6 +442,57 @@ int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     ckpt__streams_freeze(ck->streams, false, 0);
   save_free(fs, s);
   return answered ? 0 : -EIO;
+}
+
+int ckpt__save_begin(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                     const ckpt_commit_words_t *words, fuse_req_t req,
+                     size_t reply_size) {
+  if (fs->passthrough)
+    wait_for_releases(fs, ck);
+  ckpt_save_t *s = save_new(fs, ck, words, req, reply_size);
+  if (!s)
+    return -ENOMEM;
+  /* Freeze: no data change of this checkpoint is in progress once we hold
+   * the freeze lock, and none starts after the state change. */
+  atomic_store(&ck->freezing, true);
+  pthread_rwlock_wrlock(&ck->freeze);
+  pthread_mutex_lock(&fs->lock);
+  /* under the freeze lock: a staged checkpoint may be renamed until now;
+   * with replace=TARGET it is published as TARGET */
+  snprintf(s->job.name, sizeof(s->job.name), "%s",
+           s->replace ? words->replace : ck->name);
+  ckpt_node_t *busy = NULL; /* the file still writable, referenced */
+  char *busy_path = NULL;
+  bool freeze_failed = false;
+  int rc = check_and_collect(s, words);
+  if (rc == 0) {
+    rc = freeze_files(s, &busy, &busy_path);
+    freeze_failed = rc != 0;
+  }
+  if (rc == 0) {
+    mark_committing(s);
+  } else {
+    for (uint32_t i = 0; i < s->nfiles; i++)
+      ckpt__node_unref(fs, s->files[i]);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  atomic_store(&ck->freezing, false);
+  pthread_rwlock_unlock(&ck->freeze);
+  if (busy)
+    name_busy_writer(s, busy, busy_path);
+  if (rc) {
+    free_unstarted(s);
+    if (freeze_failed) /* a commit that failed before its save began */
+      ckpt__metrics_commit(fs, CKPT_COMMIT_FAILED,
+                           ckpt__metrics_classify(rc, NULL), -1);
+    return rc;
+  }
+  /* from here the writer may be killed: answered at once (above) */
+  if (s->req)
+    fuse_req_interrupt_func(s->req, commit_interrupted, s);
+  if (ckpt_dist_submit(fs->dist, &s->job) == 0)
+    return 0;
+  return refuse_stopping(s);
 }
 
 /* ------------------------------------------------------------------------

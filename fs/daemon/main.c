@@ -562,208 +562,252 @@ static void preload_unwinder(void) {
               "no descriptor is left", dlerror());
 }
 
-int main(int argc, char **argv) {
-  stop_signals_block();
-  struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
-  ckpt_fs_t fs = {.backing_fd = -1, .tier_fd = -1, .commit_fd = -1};
-  char *err = NULL;
-  char *mountpoint = NULL;
-  struct fuse_session *se = NULL;
-  struct fuse_loop_config *loop = NULL;
-  int status = EXIT_FAILURE;
-  bool mounted = false, handlers = false;
-  stopper_t stopper = {0};
-  bool backing_created = false;
-  char *metrics_file = NULL;
-  ckpt_metrics_writer_t *metrics = NULL;
+/* The daemon's state across main's steps. */
+typedef struct {
+  ckpt_fs_t fs;
+  struct fuse_args args;
+  char *mountpoint;              /* absolute, %r replaced */
+  struct fuse_session *se;
+  struct fuse_loop_config *loop;
+  stopper_t stopper;
+  char *metrics_file;            /* -o metrics, %r replaced, or NULL */
+  ckpt_metrics_writer_t *metrics;
+  bool mounted;
+} daemon_t;
 
-  if (ckpt__opts_parse(&args, &fs.opts, &err)) {
+/* The command line: -1 to go on, else the exit status (--help, --version,
+ * a bad option). */
+static int parse_command_line(daemon_t *d) {
+  char *err = NULL;
+  if (ckpt__opts_parse(&d->args, &d->fs.opts, &err)) {
     fprintf(stderr, "ckptfs: %s\n", err);
     fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
     free(err);
-    fuse_opt_free_args(&args);
-    ckpt__opts_free(&fs.opts);
     return EXIT_USAGE;
   }
-  if (fs.opts.show_help || fs.opts.show_version) {
-    if (fs.opts.show_help)
-      ckpt__opts_help();
-    else
-      printf("ckptfs %s (FUSE %s)\n", CKPT_VERSION, fuse_pkgversion());
-    fuse_opt_free_args(&args);
-    ckpt__opts_free(&fs.opts);
-    return EXIT_SUCCESS;
-  }
+  if (!d->fs.opts.show_help && !d->fs.opts.show_version)
+    return -1;
+  if (d->fs.opts.show_help)
+    ckpt__opts_help();
+  else
+    printf("ckptfs %s (FUSE %s)\n", CKPT_VERSION, fuse_pkgversion());
+  return EXIT_SUCCESS;
+}
 
-  if (ckpt_dist_init(&fs.dist, &err)) {
+/* -o log=FILE opened: 0, or -1 said on stderr. */
+static int open_log(daemon_t *d) {
+  ckpt_fs_t *fs = &d->fs;
+  char *path = expand_mountpoint(fs->opts.log_file, fs->rank);
+  int lrc = path ? ckpt__log_to(path, false, fs->rank) : -ENOMEM;
+  if (lrc)
+    fprintf(stderr, "ckptfs: cannot open the log %s: %s%s\n",
+            path ? path : fs->opts.log_file, strerror(-lrc),
+            lrc == -EPERM  ? " (it belongs to another user: never "
+                             "written by the daemon)"
+            : lrc == -ELOOP ? " (a symbolic link: never followed)"
+            : lrc == -EINVAL ? " (not a regular file)"
+                             : "");
+  free(path);
+  return lrc ? -1 : 0;
+}
+
+/* The world (MPI), failpoints, the log, the metrics file's and the
+ * mountpoint's names: 0, or the exit status. */
+static int join_world(daemon_t *d) {
+  ckpt_fs_t *fs = &d->fs;
+  char *err = NULL;
+  if (ckpt_dist_init(&fs->dist, &err)) {
     fprintf(stderr, "ckptfs: %s\n", err);
     free(err);
-    goto out;
+    return EXIT_FAILURE;
   }
-  fs.rank = ckpt_dist_rank(fs.dist);
-  fs.world_size = ckpt_dist_size(fs.dist);
+  fs->rank = ckpt_dist_rank(fs->dist);
+  fs->world_size = ckpt_dist_size(fs->dist);
   const char *why = NULL;
-  if (ckpt_failpoint_setup(fs.rank, &why)) {
+  if (ckpt_failpoint_setup(fs->rank, &why)) {
     fprintf(stderr, "ckptfs: %s\n", why);
-    goto out;
+    return EXIT_FAILURE;
   }
-  if (fs.opts.log_file) {
-    char *path = expand_mountpoint(fs.opts.log_file, fs.rank);
-    int lrc = path ? ckpt__log_to(path, false, fs.rank) : -ENOMEM;
-    if (lrc) {
-      fprintf(stderr, "ckptfs: cannot open the log %s: %s%s\n",
-              path ? path : fs.opts.log_file, strerror(-lrc),
-              lrc == -EPERM  ? " (it belongs to another user: never "
-                               "written by the daemon)"
-              : lrc == -ELOOP ? " (a symbolic link: never followed)"
-              : lrc == -EINVAL ? " (not a regular file)"
-                               : "");
-      free(path);
-      goto out;
-    }
-    free(path);
-  }
-  if (fs.world_size > 1)
-    ckpt__log("rank %d of %d, node %d of %d", fs.rank, fs.world_size,
-              ckpt_dist_node_of(fs.dist, fs.rank), ckpt_dist_nodes(fs.dist));
-  if (fs.opts.metrics_file &&
-      !(metrics_file = metrics_path(fs.opts.metrics_file, fs.rank))) {
+  if (fs->opts.log_file && open_log(d))
+    return EXIT_FAILURE;
+  if (fs->world_size > 1)
+    ckpt__log("rank %d of %d, node %d of %d", fs->rank, fs->world_size,
+              ckpt_dist_node_of(fs->dist, fs->rank),
+              ckpt_dist_nodes(fs->dist));
+  if (fs->opts.metrics_file &&
+      !(d->metrics_file = metrics_path(fs->opts.metrics_file, fs->rank))) {
     fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
-    status = EXIT_USAGE;
-    goto out;
+    return EXIT_USAGE;
   }
   raise_fd_limit();
   preload_unwinder();
-  mountpoint = expand_mountpoint(fs.opts.mountpoint, fs.rank);
-  if (mountpoint) {
+  d->mountpoint = expand_mountpoint(fs->opts.mountpoint, fs->rank);
+  if (d->mountpoint) {
     /* Absolute, like other FUSE filesystems: a daemon works in / and
      * unmounts by this path at exit. */
-    char *abs = realpath(mountpoint, NULL);
+    char *abs = realpath(d->mountpoint, NULL);
     if (abs) {
-      free(mountpoint);
-      mountpoint = abs;
+      free(d->mountpoint);
+      d->mountpoint = abs;
     }
   }
-  if (!mountpoint || !(fs.mount_path = strdup(mountpoint)))
-    goto out;
+  if (!d->mountpoint || !(fs->mount_path = strdup(d->mountpoint)))
+    return EXIT_FAILURE;
+  return 0;
+}
 
-  /* Everything that can refuse the mount comes before BACKING_DIR is
-   * touched: a refused mount leaves nothing behind. */
+/* Everything that can refuse the mount comes before BACKING_DIR is
+ * touched, so that a refused mount leaves nothing behind: the tier, the
+ * session and its options, the mountpoint. 0, or the exit status. */
+static int new_session(daemon_t *d) {
+  ckpt_fs_t *fs = &d->fs;
   char max_read[32];
   snprintf(max_read, sizeof(max_read), "-omax_read=%u",
            (unsigned)CKPT_MAX_READ);
-  char *abs_backing = absolute_backing(fs.opts.backing_dir);
-  if (!fs.opts.tier_dir && fs.opts.flush_rate)
+  char *abs_backing = absolute_backing(fs->opts.backing_dir);
+  if (!fs->opts.tier_dir && fs->opts.flush_rate)
     fprintf(stderr, "ckptfs: flush_rate= without tier=: nothing is flushed, "
             "the option has no effect\n");
-  if (fs.opts.tier_dir && open_tier(&fs, abs_backing)) {
+  if (fs->opts.tier_dir && open_tier(fs, abs_backing)) {
     free(abs_backing);
-    status = EXIT_USAGE;
-    goto out;
+    return EXIT_USAGE;
   }
-  int named = abs_backing ? name_mount(&args, abs_backing) : -1;
+  int named = abs_backing ? name_mount(&d->args, abs_backing) : -1;
   free(abs_backing);
-  if (named || fuse_opt_add_arg(&args, max_read))
-    goto out;
-  se = fuse_session_new(&args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops), &fs);
-  if (!se) {
+  if (named || fuse_opt_add_arg(&d->args, max_read))
+    return EXIT_FAILURE;
+  d->se = fuse_session_new(&d->args, &ckpt__fuse_ops, sizeof(ckpt__fuse_ops),
+                           fs);
+  if (!d->se) {
     /* libfuse said which option it did not know */
     fprintf(stderr, "Try 'ckptfs --help' for the options.\n");
-    status = EXIT_USAGE;
-    goto out;
+    return EXIT_USAGE;
   }
+  if (check_mountpoint(d->mountpoint)) {
+    fprintf(stderr, "ckptfs: cannot mount %s\n", d->mountpoint);
+    return EXIT_FAILURE;
+  }
+  return 0;
+}
+
+/* BACKING_DIR opened (created if missing), the tree loaded from it, the
+ * signal handlers set, the mount made, the daemon in the background:
+ * 0, or -1. */
+static int mount_backing(daemon_t *d) {
+  ckpt_fs_t *fs = &d->fs;
   bool created = false;
-  if (check_mountpoint(mountpoint)) {
-    fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
-    goto out;
+  if (open_backing(fs, &created) ||
+      (fs->commit_fd = fs->tier_fd >= 0 ? fs->tier_fd : fs->backing_fd,
+       fs->commit_path = fs->tier_path ? fs->tier_path : fs->backing_path,
+       ckpt__fs_init(fs))) {
+    if (created && fs->backing_path)
+      rmdir(fs->backing_path);
+    return -1;
   }
-  if (open_backing(&fs, &created) ||
-      (fs.commit_fd = fs.tier_fd >= 0 ? fs.tier_fd : fs.backing_fd,
-       fs.commit_path = fs.tier_path ? fs.tier_path : fs.backing_path,
-       ckpt__fs_init(&fs))) {
-    if (created && fs.backing_path)
-      rmdir(fs.backing_path);
-    goto out;
-  }
-  backing_created = created;
-  cleanup_roots(&fs);
-  ckpt__fs_load(&fs);
-  fs.se = se;
+  cleanup_roots(fs);
+  ckpt__fs_load(fs);
+  fs->se = d->se;
   if (stop_signals_set()) {
     fprintf(stderr, "ckptfs: cannot set signal handlers: %s\n",
             strerror(errno));
-    goto out;
+    return -1;
   }
-  handlers = true;
-  if (fuse_session_mount(se, mountpoint)) {
-    fprintf(stderr, "ckptfs: cannot mount %s\n", mountpoint);
-    if (backing_created)
-      rmdir(fs.backing_path); /* only if still empty */
-    goto out;
+  if (fuse_session_mount(d->se, d->mountpoint)) {
+    fprintf(stderr, "ckptfs: cannot mount %s\n", d->mountpoint);
+    if (created)
+      rmdir(fs->backing_path); /* only if still empty */
+    return -1;
   }
-  mounted = true;
-  if (!fs.opts.foreground && !ckpt_dist_launched(fs.dist)) {
+  d->mounted = true;
+  if (!fs->opts.foreground && !ckpt_dist_launched(fs->dist)) {
     if (fuse_daemonize(0))
-      goto out;
+      return -1;
     /* stderr is /dev/null now: without -o log, the log goes to syslog */
-    if (!fs.opts.log_file)
+    if (!fs->opts.log_file)
       ckpt__log_to(NULL, true, -1);
   }
+  return 0;
+}
 
-  /* Threads only after daemonizing: fork keeps none. */
-  if (ckpt__pool_new(fs.opts.io_threads, &fs.pool) ||
-      ckpt_dist_start(fs.dist, &ckpt__save_ops, &fs, fs.opts.commit_timeout) ||
-      stopper_start(&stopper, &fs) ||
-      (fs.opts.passthrough && ckpt__drain_start(&fs, &fs.drain)) ||
-      (fs.tier_fd >= 0 && ckpt__flush_start(&fs, &fs.flush)) ||
-      ckpt__metrics_start(&fs, metrics_file, &metrics) ||
-      ckpt__jobs_start(&fs)) {
+/* Threads only after daemonizing (fork keeps none), then the FUSE loop
+ * until unmount or a stop signal: the exit status. */
+static int serve(daemon_t *d) {
+  ckpt_fs_t *fs = &d->fs;
+  if (ckpt__pool_new(fs->opts.io_threads, &fs->pool) ||
+      ckpt_dist_start(fs->dist, &ckpt__save_ops, fs, fs->opts.commit_timeout) ||
+      stopper_start(&d->stopper, fs) ||
+      (fs->opts.passthrough && ckpt__drain_start(fs, &fs->drain)) ||
+      (fs->tier_fd >= 0 && ckpt__flush_start(fs, &fs->flush)) ||
+      ckpt__metrics_start(fs, d->metrics_file, &d->metrics) ||
+      ckpt__jobs_start(fs)) {
     fprintf(stderr, "ckptfs: cannot start threads\n");
-    goto out;
+    return EXIT_FAILURE;
   }
-  loop = fuse_loop_cfg_create();
-  if (!loop)
-    goto out;
-  fuse_loop_cfg_set_max_threads(loop, 64);
-  fuse_loop_cfg_set_clone_fd(loop, 0);
-  start_readahead_tuning(mountpoint, fs.opts.readahead);
-  int rc = fuse_session_loop_mt(se, loop);
-  stopper_join(&stopper);
-  status = rc < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+  d->loop = fuse_loop_cfg_create();
+  if (!d->loop)
+    return EXIT_FAILURE;
+  fuse_loop_cfg_set_max_threads(d->loop, 64);
+  fuse_loop_cfg_set_clone_fd(d->loop, 0);
+  start_readahead_tuning(d->mountpoint, fs->opts.readahead);
+  int rc = fuse_session_loop_mt(d->se, d->loop);
+  stopper_join(&d->stopper);
+  return rc < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+}
 
-out:
-  ckpt__jobs_stop(&fs); /* no save is abandoned from here on */
+/* Stop in order: no save abandoned, saves finished, the last metrics,
+ * the drain and the flush stopped, unmounted, everything freed. */
+static void teardown(daemon_t *d) {
+  ckpt_fs_t *fs = &d->fs;
+  ckpt__jobs_stop(fs); /* no save is abandoned from here on */
   /* Saves queued or running finish first; a sync commit still gets its
    * reply while the mount is there. */
-  if (fs.dist)
-    ckpt_dist_stop(fs.dist);
-  ckpt__metrics_stop(metrics); /* the last write: every save counted */
-  ckpt__drain_stop(fs.drain); /* before the nodes it holds go */
-  ckpt__flush_stop(fs.flush); /* a copy under way resumes at next mount */
-  if (mounted)
-    fuse_session_unmount(se);
-  stopper_join(&stopper);
-  (void)handlers;
-  if (se)
-    fuse_session_destroy(se);
-  if (loop)
-    fuse_loop_cfg_destroy(loop);
-  ckpt__pool_free(fs.pool);
-  if (fs.root) {
-    ckpt__release_handles(&fs);
-    ckpt__fs_destroy(&fs);
+  if (fs->dist)
+    ckpt_dist_stop(fs->dist);
+  ckpt__metrics_stop(d->metrics); /* the last write: every save counted */
+  ckpt__drain_stop(fs->drain); /* before the nodes it holds go */
+  ckpt__flush_stop(fs->flush); /* a copy under way resumes at next mount */
+  if (d->mounted)
+    fuse_session_unmount(d->se);
+  stopper_join(&d->stopper);
+  if (d->se)
+    fuse_session_destroy(d->se);
+  if (d->loop)
+    fuse_loop_cfg_destroy(d->loop);
+  ckpt__pool_free(fs->pool);
+  if (fs->root) {
+    ckpt__release_handles(fs);
+    ckpt__fs_destroy(fs);
   }
-  ckpt_dist_destroy(fs.dist);
-  if (fs.backing_fd >= 0)
-    close(fs.backing_fd);
-  free(fs.backing_path);
-  if (fs.tier_fd >= 0)
-    close(fs.tier_fd);
-  free(fs.tier_path);
-  free(fs.mount_path);
-  free(metrics_file);
-  free(mountpoint);
-  fuse_opt_free_args(&args);
-  ckpt__opts_free(&fs.opts);
+  ckpt_dist_destroy(fs->dist);
+  if (fs->backing_fd >= 0)
+    close(fs->backing_fd);
+  free(fs->backing_path);
+  if (fs->tier_fd >= 0)
+    close(fs->tier_fd);
+  free(fs->tier_path);
+  free(fs->mount_path);
+  free(d->metrics_file);
+  free(d->mountpoint);
+  fuse_opt_free_args(&d->args);
+  ckpt__opts_free(&fs->opts);
+}
+
+int main(int argc, char **argv) {
+  stop_signals_block();
+  static daemon_t d = {.fs = {.backing_fd = -1, .tier_fd = -1,
+                              .commit_fd = -1}};
+  d.args = (struct fuse_args)FUSE_ARGS_INIT(argc, argv);
+  int status = parse_command_line(&d);
+  if (status >= 0) {
+    fuse_opt_free_args(&d.args);
+    ckpt__opts_free(&d.fs.opts);
+    return status;
+  }
+  status = join_world(&d);
+  if (status == 0)
+    status = new_session(&d);
+  if (status == 0)
+    status = mount_backing(&d) ? EXIT_FAILURE : serve(&d);
+  teardown(&d);
   return status;
 }

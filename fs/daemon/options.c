@@ -69,122 +69,123 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_END,
 };
 
-void ckpt__opts_help(void) {
-  printf(
-      "usage: ckptfs [-f] [-o OPT[,OPT...]] BACKING_DIR MOUNTPOINT\n"
-      "\n"
-      "Mount a ckptfs rank: files written under MOUNTPOINT/NAME/ form a\n"
-      "checkpoint; `echo sync > MOUNTPOINT/NAME/.commit` saves it to\n"
-      "BACKING_DIR. Under mpirun each process is one rank; %%r in\n"
-      "MOUNTPOINT is replaced by the rank.\n"
-      "\n"
-      "options:\n"
-      "  -f                      stay in the foreground\n"
-      "  -h, --help              print this help and exit\n"
-      "  -V, --version           print the version and exit\n"
-      "  -o staging_mem=SIZE     RAM for staged writes, K/M/G/T suffixes "
-      "(default: 25%% of RAM)\n"
-      "  -o commit_timeout=SEC   how long a commit waits for every rank "
-      "(default: 600)\n"
-      "  -o io_threads=N         threads writing data files per rank, 1-256 "
-      "(default: 4)\n"
-      "  -o readahead=SIZE       kernel readahead of the mount, up to 1G; 0 "
-      "keeps the\n"
-      "                          kernel's (default: 16M; needs root, else "
-      "ignored)\n"
-      "  -o sync_files=0|1       fsync data and metadata before a commit "
-      "succeeds (default: 1)\n"
-      "  -o direct_reads=0|1     committed tensors read straight from the "
-      "data files'\n"
-      "                          cache, not cached twice; 0 allows shared "
-      "mmap (default: 1)\n"
-      "  -o passthrough=0|1      staged files written and read by FUSE "
-      "passthrough\n"
-      "                          (kernel >= 6.9, libfuse >= 3.16; needs root): "
-      "their bytes\n"
-      "                          are written once, never through the daemon; "
-      "falls back\n"
-      "                          to the daemon's path where unavailable "
-      "(default: 1)\n"
-      "  -o verify=0|1           check each chunk's XXH3-64 before a read "
-      "first serves it\n"
-      "                          (again after its data file changed); EIO on "
-      "a mismatch\n"
-      "                          (default: 1)\n"
-      "  -o replica_check=error|warn|off\n"
-      "                          replicas of one chunk that differ between "
-      "ranks (default: error)\n"
-      "  -o keep=POLICY          after each commit, remove the committed "
-      "checkpoints of\n"
-      "                          BACKING_DIR that no rule keeps (ordered by "
-      "step): last:N,\n"
-      "                          every:K (steps that are multiples of K), "
-      "best:M:KEY:min|max\n"
-      "                          (by metric KEY), joined by commas; "
-      "protected ones and\n"
-      "                          the one just committed stay (default: keep "
-      "all)\n"
-      "  -o keep_last=N          the same as keep=last:N; 0 keeps all\n"
-      "                          (default: 0)\n"
-      "  -o tier_keep=N          with tier=: keep the last N flushed "
-      "checkpoints (by step)\n"
-      "                          in the tier too; unflushed ones always stay "
-      "(default: 0)\n"
-      "  -o safetensors_shard=SIZE\n"
-      "                          tensor bytes per file of NAME/.safetensors, "
-      "K/M/G suffixes\n"
-      "                          (default: 5000000000, save_pretrained's "
-      "5GB)\n"
-      "  -o log=FILE             append the daemon's log lines to FILE, "
-      "%%r: the rank\n"
-      "                          (default: stderr; syslog once "
-      "daemonized)\n"
-      "  -o metrics=FILE         write the mount's metrics to FILE (every "
-      "2 s and at\n"
-      "                          unmount), Prometheus text format; %%r: the "
-      "rank; its\n"
-      "                          directory must exist (default: none)\n"
-      "  -o tier=DIR             commit into DIR, a node-local directory on "
+/* --help: what ckptfs -h prints. */
+static const char help_text[] =
+    "usage: ckptfs [-f] [-o OPT[,OPT...]] BACKING_DIR MOUNTPOINT\n"
+    "\n"
+    "Mount a ckptfs rank: files written under MOUNTPOINT/NAME/ form a\n"
+    "checkpoint; `echo sync > MOUNTPOINT/NAME/.commit` saves it to\n"
+    "BACKING_DIR. Under mpirun each process is one rank; %r in\n"
+    "MOUNTPOINT is replaced by the rank.\n"
+    "\n"
+    "options:\n"
+    "  -f                      stay in the foreground\n"
+    "  -h, --help              print this help and exit\n"
+    "  -V, --version           print the version and exit\n"
+    "  -o staging_mem=SIZE     RAM for staged writes, K/M/G/T suffixes "
+    "(default: 25% of RAM)\n"
+    "  -o commit_timeout=SEC   how long a commit waits for every rank "
+    "(default: 600)\n"
+    "  -o io_threads=N         threads writing data files per rank, 1-256 "
+    "(default: 4)\n"
+    "  -o readahead=SIZE       kernel readahead of the mount, up to 1G; 0 "
+    "keeps the\n"
+    "                          kernel's (default: 16M; needs root, else "
+    "ignored)\n"
+    "  -o sync_files=0|1       fsync data and metadata before a commit "
+    "succeeds (default: 1)\n"
+    "  -o direct_reads=0|1     committed tensors read straight from the "
+    "data files'\n"
+    "                          cache, not cached twice; 0 allows shared "
+    "mmap (default: 1)\n"
+    "  -o passthrough=0|1      staged files written and read by FUSE "
+    "passthrough\n"
+    "                          (kernel >= 6.9, libfuse >= 3.16; needs root): "
+    "their bytes\n"
+    "                          are written once, never through the daemon; "
+    "falls back\n"
+    "                          to the daemon's path where unavailable "
+    "(default: 1)\n"
+    "  -o verify=0|1           check each chunk's XXH3-64 before a read "
+    "first serves it\n"
+    "                          (again after its data file changed); EIO on "
+    "a mismatch\n"
+    "                          (default: 1)\n"
+    "  -o replica_check=error|warn|off\n"
+    "                          replicas of one chunk that differ between "
+    "ranks (default: error)\n"
+    "  -o keep=POLICY          after each commit, remove the committed "
+    "checkpoints of\n"
+    "                          BACKING_DIR that no rule keeps (ordered by "
+    "step): last:N,\n"
+    "                          every:K (steps that are multiples of K), "
+    "best:M:KEY:min|max\n"
+    "                          (by metric KEY), joined by commas; "
+    "protected ones and\n"
+    "                          the one just committed stay (default: keep "
+    "all)\n"
+    "  -o keep_last=N          the same as keep=last:N; 0 keeps all\n"
+    "                          (default: 0)\n"
+    "  -o tier_keep=N          with tier=: keep the last N flushed "
+    "checkpoints (by step)\n"
+    "                          in the tier too; unflushed ones always stay "
+    "(default: 0)\n"
+    "  -o safetensors_shard=SIZE\n"
+    "                          tensor bytes per file of NAME/.safetensors, "
+    "K/M/G suffixes\n"
+    "                          (default: 5000000000, save_pretrained's "
+    "5GB)\n"
+    "  -o log=FILE             append the daemon's log lines to FILE, "
+    "%r: the rank\n"
+    "                          (default: stderr; syslog once "
+    "daemonized)\n"
+    "  -o metrics=FILE         write the mount's metrics to FILE (every "
+    "2 s and at\n"
+    "                          unmount), Prometheus text format; %r: the "
+    "rank; its\n"
+    "                          directory must exist (default: none)\n"
+    "  -o tier=DIR             commit into DIR, a node-local directory on "
 "another\n"
-      "                          filesystem than BACKING_DIR (tmpfs, NVMe; "
+    "                          filesystem than BACKING_DIR (tmpfs, NVMe; "
 "private to\n"
-      "                          the daemon's user), shared by the ranks of a "
+    "                          the daemon's user), shared by the ranks of a "
 "node, and\n"
-      "                          copy each checkpoint to BACKING_DIR in the "
+    "                          copy each checkpoint to BACKING_DIR in the "
 "background;\n"
-      "                          `sync level=shared` commits go to "
+    "                          `sync level=shared` commits go to "
 "BACKING_DIR directly\n"
-      "                          (default: none)\n"
-      "  -o flush_rate=SIZE      bytes per second that copy may use, K/M/G "
+    "                          (default: none)\n"
+    "  -o flush_rate=SIZE      bytes per second that copy may use, K/M/G "
 "suffixes; 0:\n"
-      "                          unlimited (default: 0)\n"
-      "  -o tier_level=local|partner\n"
-      "                          what a commit waits for: the node's tier "
+    "                          unlimited (default: 0)\n"
+    "  -o tier_level=local|partner\n"
+    "                          what a commit waits for: the node's tier "
 "(local), or\n"
-      "                          also a copy of each rank's data in the tier "
+    "                          also a copy of each rank's data in the tier "
 "of its\n"
-      "                          partner rank on the next node (partner; "
+    "                          partner rank on the next node (partner; "
 "needs tier=\n"
-      "                          and a world on two nodes or more) "
+    "                          and a world on two nodes or more) "
 "(default: local)\n"
-      "  -o partner_grace=SEC    a partner copy of a rank whose node is in "
+    "  -o partner_grace=SEC    a partner copy of a rank whose node is in "
 "the world\n"
-      "                          is flushed from here only if that node has "
+    "                          is flushed from here only if that node has "
 "not\n"
-      "                          flushed it SEC seconds after this mount "
+    "                          flushed it SEC seconds after this mount "
 "took it\n"
-      "                          (default: 120)\n"
-      "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
-      "                          standard FUSE mount options (default: off)\n"
-      "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
-      "                          kernel mount flags (default: rw)\n"
-      "  -o noauto, nofail, _netdev, user, users, x-*, ...\n"
-      "                          /etc/fstab-only options: ignored\n"
-      "\n"
-      "/etc/fstab: BACKING_DIR MOUNTPOINT fuse.ckptfs OPTIONS 0 0 (mount(8)\n"
-      "runs mount.fuse3, which runs `ckptfs BACKING_DIR MOUNTPOINT -o OPTIONS`\n"
-      "with ckptfs found in /usr/local/bin, /usr/bin or /bin).\n");
-}
+    "                          (default: 120)\n"
+    "  -o allow_other, -o default_permissions, -o auto_unmount, ...\n"
+    "                          standard FUSE mount options (default: off)\n"
+    "  -o rw|ro, nodev, nosuid, noexec, noatime, ...\n"
+    "                          kernel mount flags (default: rw)\n"
+    "  -o noauto, nofail, _netdev, user, users, x-*, ...\n"
+    "                          /etc/fstab-only options: ignored\n"
+    "\n"
+    "/etc/fstab: BACKING_DIR MOUNTPOINT fuse.ckptfs OPTIONS 0 0 (mount(8)\n"
+    "runs mount.fuse3, which runs `ckptfs BACKING_DIR MOUNTPOINT -o OPTIONS`\n"
+    "with ckptfs found in /usr/local/bin, /usr/bin or /bin).\n";
+
+void ckpt__opts_help(void) { fputs(help_text, stdout); }
 
 /* Options meant for mount(8), systemd or the mount.fuse3 helper that can
  * reach the daemon when it is run by hand or by another helper; libfuse
@@ -272,20 +273,12 @@ static int bad(parse_state_t *ps, const char *name, const char *val,
   return 0; /* keep parsing; the error is reported after */
 }
 
-static int opt_proc(void *data, const char *arg, int key,
-                    struct fuse_args *outargs) {
-  (void)outargs;
-  parse_state_t *ps = data;
+#define NOT_MINE 2 /* an opt_* function's: not one of its keys */
+
+/* Where things go: staging_mem, log, metrics, tier, flush_rate,
+ * tier_level. NOT_MINE for another key. */
+static int opt_storage(parse_state_t *ps, int key, const char *val) {
   ckpt_opts_t *o = ps->o;
-  bool rule = key == FUSE_OPT_KEY_OPT && ps->keep_open && keep_rule(arg);
-  ps->keep_open = (key == KEY_KEEP || rule) && !ps->err;
-  if (rule) {
-    size_t n = strlen(ps->keep);
-    snprintf(ps->keep + n, sizeof(ps->keep) - n, ",%s", arg);
-    return 0;
-  }
-  const char *val = strchr(arg, '=');
-  val = val ? val + 1 : "";
   uint64_t v;
   switch (key) {
   case KEY_STAGING_MEM:
@@ -328,6 +321,17 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "tier_level", val, "local or partner");
     o->tier_partner = !strcmp(val, "partner");
     return 0;
+  default:
+    return NOT_MINE;
+  }
+}
+
+/* How the mount runs: commit_timeout, partner_grace, io_threads,
+ * readahead, the 0/1 flags, replica_check, safetensors_shard. NOT_MINE for another key. */
+static int opt_tuning(parse_state_t *ps, int key, const char *val) {
+  ckpt_opts_t *o = ps->o;
+  uint64_t v;
+  switch (key) {
   case KEY_COMMIT_TIMEOUT: {
     char *end;
     errno = 0;
@@ -385,6 +389,21 @@ static int opt_proc(void *data, const char *arg, int key,
     else
       return bad(ps, "replica_check", val, "error, warn or off");
     return 0;
+  case KEY_SAFETENSORS_SHARD:
+    if (ckpt__parse_size(val, &v) || v == 0)
+      return bad(ps, "safetensors_shard", val, "a size like 500M or 5G");
+    o->safetensors_shard = v;
+    return 0;
+  default:
+    return NOT_MINE;
+  }
+}
+
+/* What is kept: keep=, keep_last=, tier_keep=. NOT_MINE for another key. */
+static int opt_retention(parse_state_t *ps, int key, const char *val) {
+  ckpt_opts_t *o = ps->o;
+  uint64_t v;
+  switch (key) {
   case KEY_KEEP_LAST:
   case KEY_KEEP:
     if (o->keep_text[0])
@@ -406,11 +425,33 @@ static int opt_proc(void *data, const char *arg, int key,
       return bad(ps, "tier_keep", val, "a number of checkpoints, or 0");
     o->tier_keep = (uint32_t)v;
     return 0;
-  case KEY_SAFETENSORS_SHARD:
-    if (ckpt__parse_size(val, &v) || v == 0)
-      return bad(ps, "safetensors_shard", val, "a size like 500M or 5G");
-    o->safetensors_shard = v;
+  default:
+    return NOT_MINE;
+  }
+}
+
+static int opt_proc(void *data, const char *arg, int key,
+                    struct fuse_args *outargs) {
+  (void)outargs;
+  parse_state_t *ps = data;
+  ckpt_opts_t *o = ps->o;
+  bool rule = key == FUSE_OPT_KEY_OPT && ps->keep_open && keep_rule(arg);
+  ps->keep_open = (key == KEY_KEEP || rule) && !ps->err;
+  if (rule) {
+    size_t n = strlen(ps->keep);
+    snprintf(ps->keep + n, sizeof(ps->keep) - n, ",%s", arg);
     return 0;
+  }
+  const char *val = strchr(arg, '=');
+  val = val ? val + 1 : "";
+  int rc = opt_storage(ps, key, val);
+  if (rc == NOT_MINE)
+    rc = opt_tuning(ps, key, val);
+  if (rc == NOT_MINE)
+    rc = opt_retention(ps, key, val);
+  if (rc != NOT_MINE)
+    return rc;
+  switch (key) {
   case KEY_FOREGROUND:
     o->foreground = true;
     return 0;

@@ -463,127 +463,171 @@ int ckpt__tier_partner_turn(ckpt_flush_t *f, flush_job_t *j, int src,
   return -EINPROGRESS;
 }
 
-/* Flush one checkpoint: steps 2-5 of the protocol above. 0, -EINPROGRESS
- * (waiting for other ranks' files: j->held kept) or -errno, with *err
- * naming the step that failed. */
-int ckpt__tier_flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
+/* One look of the flusher at a job: what it holds and where it is. */
+typedef struct {
+  ckpt_metadata_t m;
+  int held;         /* BACKING_DIR/.saves/SAVE_ID, held, or -1 */
+  int src;          /* the tier's copy, or -1 */
+  const char *step; /* the step under way, for an error that did not say */
+  bool staged;      /* a file made in BACKING_DIR/.staging */
+} flush_look_t;
+
+/* The tier's copy of j opened into l->src, after the checks that may end
+ * the look at once (*done: published by another rank's flusher, or
+ * partner copies not this tier's to flush yet). 0 or -errno. */
+static int open_for_flush(ckpt_flush_t *f, flush_job_t *j, flush_look_t *l,
+                          bool *done, char **err) {
   ckpt_fs_t *fs = f->fs;
-  ckpt_metadata_t m = {0};
-  int held = j->held, src = -1, rc = 0;
-  /* the step under way, for an error that did not say it (*err) */
-  const char *step = "checking that the tier is private";
-  bool staged = false; /* a file made in BACKING_DIR/.staging */
-  j->held = -1;
   if (ckpt__tier_published(fs, j)) {
     j->dropped = j->partner && !j->taken; /* nothing of it copied here */
-    goto flushed; /* by another rank's flusher */
+    *done = true; /* by another rank's flusher */
+    return 0;
   }
   /* checked whole at mount; made writable by others since: flush nothing */
-  rc = ckpt_store_check_private(fs->tier_fd, fs->tier_path, false, err);
-  if (rc == 0) {
-    step = "opening the tier's copy";
-    src = open_source(fs, j);
-    rc = src < 0 ? src : 0;
-    if (rc && rc != -ESTALE)
+  int rc = ckpt_store_check_private(fs->tier_fd, fs->tier_path, false, err);
+  if (rc)
+    return rc;
+  l->step = "opening the tier's copy";
+  l->src = open_source(fs, j);
+  if (l->src < 0) {
+    rc = l->src;
+    if (rc != -ESTALE)
       *err = ckpt__strdup_printf("opening the tier's copy of %s (%s/%s or "
                                  "%s/%s/%s): %s", j->name, fs->tier_path,
                                  j->name, fs->tier_path, CKPT_SAVES_DIR,
                                  j->save_id, strerror(-rc));
+    return rc;
   }
-  if (rc == 0 && j->partner && !j->taken)
-    step = "deciding whether this tier flushes the partner copies";
-  if (rc == 0 && j->partner && !j->taken) {
-    int turn = ckpt__tier_partner_turn(f, j, src, err);
-    if (turn == 1) {
-      j->dropped = true;
-      goto flushed;
-    }
-    if (turn < 0) {
-      rc = turn;
-      goto flushed;
-    }
-    j->taken = true;
+  if (!j->partner || j->taken)
+    return 0;
+  l->step = "deciding whether this tier flushes the partner copies";
+  int turn = ckpt__tier_partner_turn(f, j, l->src, err);
+  if (turn == 1)
+    j->dropped = true;
+  if (turn != 0) {
+    *done = true;
+    return turn < 0 ? turn : 0;
   }
-  /* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
-   * since (ckpt__tier_recover_record): published again, by the compare-and-swap
-   * when the save recorded what it replaced (a later commit or a removal
-   * of NAME stays: the save was published and changed since; NAME still
-   * what it replaced: it never was), else without replacing anything,
-   * so that nothing committed since is replaced by it. */
-  bool replace = j->replace, recovered = false;
+  j->taken = true;
+  return 0;
+}
+
+/* Marked publishing by an earlier run, and BACKING_DIR/.saves/ID gone
+ * since (ckpt__tier_recover_record): published again, by the
+ * compare-and-swap when the save recorded what it replaced (a later
+ * commit or a removal of NAME stays: the save was published and changed
+ * since; NAME still what it replaced: it never was), else without
+ * replacing anything, so that nothing committed since is replaced by it. */
+static bool published_before(ckpt_fs_t *fs, const flush_job_t *j) {
   flush_job_t rec;
-  int rdfd = rc == 0 && replace ? ckpt__journal_open(fs, false) : -1;
-  if (rdfd >= 0 && ckpt__tier_read_record(rdfd, j->rec, &rec) == 0 &&
-      rec.publishing && !ckpt__tier_saves_dir_exists(fs->backing_fd, j->save_id))
-    replace = false, recovered = true;
-  if (rdfd >= 0)
-    close(rdfd);
-  if (rc == 0 && held < 0)
-    step = "holding the save's directory in the shared store";
-  if (rc == 0 && held < 0 &&
-      (rc = ckpt_store_save_dir_hold(fs->backing_fd, j->save_id, true,
-                                     &held)))
-    *err = ckpt__strdup_printf("creating %s/%s/%s: %s", fs->backing_path,
-                               CKPT_SAVES_DIR, j->save_id, strerror(-rc));
+  int rdfd = ckpt__journal_open(fs, false);
+  if (rdfd < 0)
+    return false;
+  bool before = ckpt__tier_read_record(rdfd, j->rec, &rec) == 0 &&
+                rec.publishing &&
+                !ckpt__tier_saves_dir_exists(fs->backing_fd, j->save_id);
+  close(rdfd);
+  return before;
+}
+
+/* NAME changed on BACKING_DIR after j's commit: it will never be
+ * published (other ranks' flushes find the same). */
+static bool superseded_now(ckpt_fs_t *fs, flush_job_t *j, flush_look_t *l,
+                           char **err) {
+  if (!l->m.replaces || !changed_after(fs, j, &l->m, err))
+    return false;
+  j->superseded = true;
+  return true;
+}
+
+/* Everything of j in the shared store but its publish: the save's
+ * directory held, the .metadata loaded, this rank's files and the
+ * .metadata copied, every rank's files there. 0, -EINPROGRESS (other
+ * ranks' files missing), -ESTALE (superseded) or -errno. */
+static int gather(ckpt_flush_t *f, flush_job_t *j, flush_look_t *l,
+                  char **err) {
+  ckpt_fs_t *fs = f->fs;
+  int rc;
+  if (l->held < 0) {
+    l->step = "holding the save's directory in the shared store";
+    rc = ckpt_store_save_dir_hold(fs->backing_fd, j->save_id, true, &l->held);
+    if (rc) {
+      *err = ckpt__strdup_printf("creating %s/%s/%s: %s", fs->backing_path,
+                                 CKPT_SAVES_DIR, j->save_id, strerror(-rc));
+      return rc;
+    }
+  }
   /* The .metadata: the tier's, or one another node's flusher linked.
    * From TIER/.saves/SAVE_ID (this node never published it), only in
    * another node's tier than the coordinator's: written there from the
    * OUTCOME, it says the save was committed; in the coordinator's, the
    * save was not (its publish there is the commit point). */
-  bool named = rc == 0 && tier_named(fs, j);
-  int from = rc == 0 && (named || j->remote) && ckpt_store_has_metadata(src)
-                 ? src
-                 : held;
-  if (rc == 0 && !ckpt_store_has_metadata(from)) {
-    rc = -EINPROGRESS;
+  bool named = tier_named(fs, j);
+  int from = (named || j->remote) && ckpt_store_has_metadata(l->src)
+                 ? l->src
+                 : l->held;
+  if (!ckpt_store_has_metadata(from)) {
     *err = ckpt__strdup_printf("the .metadata of %s (from the coordinator's "
                                "node) not in the shared store yet",
                                j->name);
+    return -EINPROGRESS;
   }
-  if (rc == 0) {
-    step = "loading the .metadata";
-    rc = ckpt_metadb_load_at(from, j->name, &m, err);
-  }
-  /* NAME changed on BACKING_DIR after the commit: nothing to copy */
-  if (rc == 0 && m.replaces && changed_after(fs, j, &m, err)) {
-    j->superseded = true;
-    rc = -ESTALE;
-  }
-  if (rc == 0 && !j->copied) {
-    step = "copying the data files";
-    rc = ckpt__tier_copy_data(f, j, &m, src, held, &staged, err);
-    if (rc == 0 && from != held) {
-      step = "copying the .metadata";
-      rc = ckpt__tier_copy_metadata(f, j, src, held, err);
+  l->step = "loading the .metadata";
+  rc = ckpt_metadb_load_at(from, j->name, &l->m, err);
+  if (rc)
+    return rc;
+  if (superseded_now(fs, j, l, err)) /* nothing to copy */
+    return -ESTALE;
+  if (!j->copied) {
+    l->step = "copying the data files";
+    rc = ckpt__tier_copy_data(f, j, &l->m, l->src, l->held, &l->staged, err);
+    if (rc == 0 && from != l->held) {
+      l->step = "copying the .metadata";
+      rc = ckpt__tier_copy_metadata(f, j, l->src, l->held, err);
     }
     if (rc == 0)
       j->copied = true;
   }
   if (rc == 0) {
-    step = "checking that every rank's files are in the shared store";
-    rc = complete(&m, held, err);
+    l->step = "checking that every rank's files are in the shared store";
+    rc = complete(&l->m, l->held, err);
   }
-  /* Waiting for other ranks while NAME changed on BACKING_DIR after the
-   * commit: it will never be published (their flushes find the same) */
-  if (rc == -EINPROGRESS && m.replaces && changed_after(fs, j, &m, err)) {
-    j->superseded = true;
-    rc = -ESTALE;
+  /* waiting for other ranks while NAME changed after the commit */
+  if (rc == -EINPROGRESS && superseded_now(fs, j, l, err))
+    return -ESTALE;
+  return rc;
+}
+
+/* Flush one checkpoint: steps 2-5 of the protocol above. 0, -EINPROGRESS
+ * (waiting for other ranks' files: j->held kept) or -errno, with *err
+ * naming the step that failed. */
+int ckpt__tier_flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
+  ckpt_fs_t *fs = f->fs;
+  flush_look_t l = {.held = j->held, .src = -1,
+                    .step = "checking that the tier is private"};
+  j->held = -1;
+  bool done = false;
+  int rc = open_for_flush(f, j, &l, &done, err);
+  if (!done) {
+    bool recovered = rc == 0 && j->replace && published_before(fs, j);
+    if (rc == 0)
+      rc = gather(f, j, &l, err);
+    if (rc == 0) {
+      l.step = "publishing in the shared store";
+      /* Compare-and-swap: published only while BACKING_DIR/NAME is what
+       * the commit replaced (resolve.c); not so for a save published
+       * once already and removed since, which goes back without
+       * replacing */
+      rc = publish_shared(f, j, l.held, j->replace && !recovered, &l.m, err);
+    }
+    if (rc && !*err) /* a step that did not say why: named here */
+      *err = ckpt__strdup_printf("%s of %s (to %s): %s", l.step, j->name,
+                                 fs->backing_path, strerror(-rc));
+    if (rc == -EINPROGRESS && l.held >= 0) {
+      j->held = l.held; /* held while it waits */
+      l.held = -1;
+    }
   }
-  if (rc == 0) {
-    step = "publishing in the shared store";
-    /* Compare-and-swap: published only while BACKING_DIR/NAME is what
-     * the commit replaced (resolve.c); not so for a save published once
-     * already and removed since, which goes back without replacing */
-    rc = publish_shared(f, j, held, replace && !recovered, &m, err);
-  }
-  if (rc && !*err) /* a step that did not say why: named here */
-    *err = ckpt__strdup_printf("%s of %s (to %s): %s", step, j->name,
-                               fs->backing_path, strerror(-rc));
-  if (rc == -EINPROGRESS && held >= 0) {
-    j->held = held; /* held while it waits */
-    held = -1;
-  }
-flushed:
   if (rc == 0 && (!j->dropped || ckpt__tier_published(fs, j)))
     rebind_to_shared(fs, j);
   if (rc == 0)
@@ -591,13 +635,13 @@ flushed:
   /* its copies' directory, if this look made any: every look tidying it
    * (a job waiting for other ranks looks every second) would remove it
    * under the other mounts' ckpt__staging_tmpfile far more often */
-  if (staged)
+  if (l.staged)
     ckpt__staging_tidy(fs->backing_fd);
-  ckpt_metadata_free(&m);
-  if (held >= 0)
-    close(held);
-  if (src >= 0)
-    close(src);
+  ckpt_metadata_free(&l.m);
+  if (l.held >= 0)
+    close(l.held);
+  if (l.src >= 0)
+    close(l.src);
   return rc;
 }
 

@@ -96,10 +96,94 @@ static int usage_error(const char *fmt, ...) {
   return EXIT_USAGE;
 }
 
+/* --keep, --keep-last, --keep-every or --keep-best (c) from optarg into
+ * a: 0 or EXIT_USAGE (message printed). */
+static int parse_count_option(int c, args_t *a) {
+  char *end = NULL;
+  if (c == OPT_KEEP) {
+    errno = 0;
+    a->keep = strtoll(optarg, &end, 10);
+    if (errno || end == optarg || *end || a->keep < 1 ||
+        a->keep > UINT32_MAX)
+      return usage_error("--keep '%s': expected a number of checkpoints, "
+                         "at least 1 (to remove them all, rm -r them)",
+                         optarg);
+    return 0;
+  }
+  errno = 0;
+  long long v = strtoll(optarg, &end, 10);
+  uint64_t max = c == OPT_KEEP_EVERY ? INT64_MAX : UINT32_MAX;
+  if (errno || end == optarg || *end || v < 1 || (uint64_t)v > max)
+    return usage_error("--%s '%s': expected a number, at least 1",
+                       all_options[c - OPT_JSON].name, optarg);
+  if (c == OPT_KEEP_LAST)
+    a->policy.last = (uint32_t)v;
+  else if (c == OPT_KEEP_EVERY)
+    a->policy.every = (uint64_t)v;
+  else
+    a->policy.best = (uint32_t)v;
+  return 0;
+}
+
+/* --timeout or --interval (c) from optarg into a: 0 or EXIT_USAGE
+ * (message printed). */
+static int parse_seconds_option(int c, args_t *a) {
+  char *end = NULL;
+  errno = 0;
+  double v = strtod(optarg, &end);
+  if (errno || end == optarg || *end || !(v > 0) || v > 1e9)
+    return usage_error("%s '%s': expected seconds > 0",
+                       c == OPT_TIMEOUT ? "--timeout" : "--interval",
+                       optarg);
+  if (c == OPT_TIMEOUT)
+    a->timeout = v;
+  else
+    a->interval = v;
+  return 0;
+}
+
+/* --metric, --mode, --level or --sort (c), whose value is one of a set of
+ * words, from optarg into a: 0 or EXIT_USAGE (message printed). */
+static int parse_word_option(int c, args_t *a) {
+  switch (c) {
+  case OPT_METRIC:
+    if (!ckpt_metric_key_valid(optarg, strlen(optarg)))
+      return usage_error("--metric '%s': expected a metric key (letters, "
+                         "digits, _ . -; as in metric=KEY:VALUE)", optarg);
+    snprintf(a->policy.metric, sizeof(a->policy.metric), "%s", optarg);
+    break;
+  case OPT_MODE:
+    if (strcmp(optarg, "min") && strcmp(optarg, "max"))
+      return usage_error("--mode '%s': expected min or max", optarg);
+    a->mode = optarg;
+    a->policy.maximize = !strcmp(optarg, "max");
+    break;
+  case OPT_LEVEL:
+    a->level = !strcmp(optarg, "local")     ? 1
+               : !strcmp(optarg, "partner") ? 2
+               : !strcmp(optarg, "shared")  ? 3
+                                            : -1;
+    if (a->level < 0)
+      return usage_error("--level '%s': expected local, partner or shared",
+                         optarg);
+    break;
+  default: /* OPT_SORT */
+    if (!strcmp(optarg, "time"))
+      a->sort = SORT_TIME;
+    else if (!strcmp(optarg, "name"))
+      a->sort = SORT_NAME;
+    else if (!strcmp(optarg, "size"))
+      a->sort = SORT_SIZE;
+    else
+      return usage_error("--sort '%s': expected time, name or size", optarg);
+    break;
+  }
+  return 0;
+}
+
 /* Option c of getopt_long (optarg its value) into a: 0, 1 (--help
  * printed) or EXIT_USAGE (message printed). */
 static int parse_option(int c, char **argv, args_t *a) {
-  char *end = NULL;
   if (c >= OPT_SAFETENSORS && !(current->options & OPTBIT(c)))
     return usage_error("--%s is not an option of this command",
                        all_options[c - OPT_JSON].name);
@@ -118,54 +202,17 @@ static int parse_option(int c, char **argv, args_t *a) {
     a->dcp = optarg;
     break;
   case OPT_KEEP:
-    errno = 0;
-    a->keep = strtoll(optarg, &end, 10);
-    if (errno || end == optarg || *end || a->keep < 1 ||
-        a->keep > UINT32_MAX)
-      return usage_error("--keep '%s': expected a number of checkpoints, "
-                         "at least 1 (to remove them all, rm -r them)",
-                         optarg);
-    break;
   case OPT_KEEP_LAST:
   case OPT_KEEP_EVERY:
-  case OPT_KEEP_BEST: {
-    errno = 0;
-    long long v = strtoll(optarg, &end, 10);
-    uint64_t max = c == OPT_KEEP_EVERY ? INT64_MAX : UINT32_MAX;
-    if (errno || end == optarg || *end || v < 1 || (uint64_t)v > max)
-      return usage_error("--%s '%s': expected a number, at least 1",
-                         all_options[c - OPT_JSON].name, optarg);
-    if (c == OPT_KEEP_LAST)
-      a->policy.last = (uint32_t)v;
-    else if (c == OPT_KEEP_EVERY)
-      a->policy.every = (uint64_t)v;
-    else
-      a->policy.best = (uint32_t)v;
-    break;
-  }
+  case OPT_KEEP_BEST:
+    return parse_count_option(c, a);
   case OPT_METRIC:
-    if (!ckpt_metric_key_valid(optarg, strlen(optarg)))
-      return usage_error("--metric '%s': expected a metric key (letters, "
-                         "digits, _ . -; as in metric=KEY:VALUE)", optarg);
-    snprintf(a->policy.metric, sizeof(a->policy.metric), "%s", optarg);
-    break;
   case OPT_MODE:
-    if (strcmp(optarg, "min") && strcmp(optarg, "max"))
-      return usage_error("--mode '%s': expected min or max", optarg);
-    a->mode = optarg;
-    a->policy.maximize = !strcmp(optarg, "max");
-    break;
+  case OPT_LEVEL:
+  case OPT_SORT:
+    return parse_word_option(c, a);
   case OPT_TIER:
     a->tier = optarg;
-    break;
-  case OPT_LEVEL:
-    a->level = !strcmp(optarg, "local")     ? 1
-               : !strcmp(optarg, "partner") ? 2
-               : !strcmp(optarg, "shared")  ? 3
-                                            : -1;
-    if (a->level < 0)
-      return usage_error("--level '%s': expected local, partner or shared",
-                         optarg);
     break;
   case OPT_DRY_RUN:
     a->dry_run = true;
@@ -173,30 +220,9 @@ static int parse_option(int c, char **argv, args_t *a) {
   case OPT_CONTENT:
     a->content = true;
     break;
-  case OPT_SORT:
-    if (!strcmp(optarg, "time"))
-      a->sort = SORT_TIME;
-    else if (!strcmp(optarg, "name"))
-      a->sort = SORT_NAME;
-    else if (!strcmp(optarg, "size"))
-      a->sort = SORT_SIZE;
-    else
-      return usage_error("--sort '%s': expected time, name or size", optarg);
-    break;
   case OPT_TIMEOUT:
-  case OPT_INTERVAL: {
-    errno = 0;
-    double v = strtod(optarg, &end);
-    if (errno || end == optarg || *end || !(v > 0) || v > 1e9)
-      return usage_error("%s '%s': expected seconds > 0",
-                         c == OPT_TIMEOUT ? "--timeout" : "--interval",
-                         optarg);
-    if (c == OPT_TIMEOUT)
-      a->timeout = v;
-    else
-      a->interval = v;
-    break;
-  }
+  case OPT_INTERVAL:
+    return parse_seconds_option(c, a);
   case ':':
     return usage_error("option %s needs a value", argv[optind - 1]);
   default:
