@@ -141,7 +141,7 @@ int ckpt_dist_node_of(const ckpt_dist_t *d, int rank); /* -1: no such rank */
 int ckpt_dist_partner(const ckpt_dist_t *d, int rank);
 /* The name of rank's host (its gethostname, gathered at start-up): what
  * says whether a node of an earlier world is in this one (a flush of
- * partner copies, fs/flush.c). "" for no such rank. */
+ * partner copies, fs/tier/flush.c). "" for no such rank. */
 #define CKPT_DIST_HOST_MAX 256
 const char *ckpt_dist_node_name(const ckpt_dist_t *d, int rank);
 

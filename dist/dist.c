@@ -297,146 +297,197 @@ static int after_writes(ckpt_dist_t *d, ckpt_dist_job_t *job, uint32_t round,
  * Client ranks.
  * ---------------------------------------------------------------------- */
 
-static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
-  const ckpt_save_ops_t *ops = d->ops;
-  ckpt_buf_t out, msg, reply, reasons;
-  char *err = NULL;
-  int from, rc;
-  bool wrote = false;
-  uint32_t round = 0;
-  ckpt_buf_init(&out);
-  ckpt_buf_init(&msg);
-  ckpt_buf_init(&reply);
-  ckpt_buf_init(&reasons);
+/* A client's save on its way: its buffers, and how far it got. */
+typedef struct {
+  ckpt_buf_t out;     /* a step's output: the local plan, the write result */
+  ckpt_buf_t msg;     /* what is sent to the coordinator */
+  ckpt_buf_t reply;   /* the coordinator's PLAN_REPLY, then its OUTCOME */
+  ckpt_buf_t reasons; /* why the save failed */
+  uint32_t seq;       /* this save's number (PLAN, PLAN_REPLY) */
+  uint32_t round;     /* the coordinator's round (RESULT, OUTCOME) */
+  bool wrote;         /* write_step ran: a failure discards */
+} client_save_t;
 
+/* May the save begin? 0, or the failure with its reason in c->reasons. */
+static int client_may_start(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                            client_save_t *c) {
   if (coordinator_stopped(d)) {
-    put_stopped(d, &reasons, job);
-    rc = -ESHUTDOWN;
-    goto fail;
+    put_stopped(d, &c->reasons, job);
+    return -ESHUTDOWN;
   }
   if (atomic_load(&job->cancel)) { /* gone before its turn: nothing sent */
-    put_abandoned(d, &reasons, job);
-    rc = -ECANCELED;
-    goto fail;
+    put_abandoned(d, &c->reasons, job);
+    return -ECANCELED;
   }
+  return 0;
+}
 
-  /* PLAN: seq, name, local plan frame */
-  uint32_t seq = ++d->seq;
+/* PLAN: seq, name, local plan frame (a failed local step is sent framed:
+ * the coordinator fails the round). */
+static int client_send_plan(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                            client_save_t *c) {
+  char *err = NULL;
+  c->seq = ++d->seq;
   size_t nlen = strlen(job->name);
-  rc = ops->local_step(d->ctx, job, &out, &err);
-  put_u32(&msg, seq);
+  int rc = d->ops->local_step(d->ctx, job, &c->out, &err);
+  put_u32(&c->msg, c->seq);
   uint8_t nl[2] = {(uint8_t)nlen, (uint8_t)(nlen >> 8)};
-  ckpt_buf_append(&msg, nl, 2);
-  ckpt_buf_append(&msg, job->name, nlen);
-  if ((rc = framed_step(d, rc, err, &out, &msg)) != 0 ||
-      (rc = ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &msg)) != 0)
-    goto fail;
+  ckpt_buf_append(&c->msg, nl, 2);
+  ckpt_buf_append(&c->msg, job->name, nlen);
+  if ((rc = framed_step(d, rc, err, &c->out, &c->msg)) != 0)
+    return rc;
+  return ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &c->msg);
+}
 
-  /* PLAN_REPLY: seq, round, rank plan frame */
+/* Wait for the PLAN_REPLY of save c->seq until `until`; wait_msg's result.
+ * Its job gone meanwhile (cancel): the coordinator is told (a gave-up
+ * PLAN; *told), and its answer decides: the round fails for every rank
+ * while plans are missing; a round that had every plan goes on. */
+static int client_poll_reply(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                             client_save_t *c, double until, bool *told) {
+  double cancel_at = 0;
+  int from;
+  for (;;) {
+    double step = *told ? until : now() + 0.05;
+    int rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, c->seq,
+                      step < until ? step : until, &from, &c->reply);
+    if (rc != 0 || now() >= until)
+      return rc;
+    if (!*told && cancel_at == 0 && atomic_load(&job->cancel))
+      cancel_at = now();
+    /* after a grace: the other ranks' plans may be on their way */
+    if (!*told && cancel_at > 0 && now() >= cancel_at + CANCEL_GRACE) {
+      send_gave_up(d, c->seq);
+      *told = true;
+    }
+  }
+}
+
+/* PLAN_REPLY: seq, round, rank plan frame. 0 with *plan (in c->reply), or
+ * the failure with its reason in c->reasons. */
+static int client_plan_reply(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                             client_save_t *c, view_t *plan) {
   double until = now() + client_wait(d);
   waiting(d, job, "rank 0 (the coordinator): it plans once every rank "
           "committed this checkpoint", until);
-  /* Its job gone meanwhile (cancel): the coordinator is told (a gave-up
-   * PLAN), and its answer decides: the round fails for every rank while
-   * plans are missing; a round that had every plan goes on. */
   bool told = false;
-  double cancel_at = 0;
-  for (;;) {
-    double step = told ? until : now() + 0.05;
-    rc = wait_msg(d, 0, CKPT__TAG_PLAN_REPLY, seq, step < until ? step : until,
-                  &from, &reply);
-    if (rc != 0 || now() >= until)
-      break;
-    if (!told && cancel_at == 0 && atomic_load(&job->cancel))
-      cancel_at = now();
-    /* after a grace: the other ranks' plans may be on their way */
-    if (!told && cancel_at > 0 && now() >= cancel_at + CANCEL_GRACE) {
-      send_gave_up(d, seq);
-      told = true;
-    }
-  }
+  int rc = client_poll_reply(d, job, c, until, &told);
   if (rc == -ESHUTDOWN) {
-    put_stopped(d, &reasons, job);
-    goto fail;
+    put_stopped(d, &c->reasons, job);
+    return rc;
   }
-  if (rc <= 0 || reply.len < 8) {
-    ckpt_buf_printf(&reasons, "rank %d: no answer from the coordinator "
+  if (rc <= 0 || c->reply.len < 8) {
+    ckpt_buf_printf(&c->reasons, "rank %d: no answer from the coordinator "
                     "(rank 0) within %.0f s", d->rank, client_wait(d));
-    rc = -ETIMEDOUT;
     /* Our PLAN may still be on its way (a link down): say that we gave
      * up on it, behind it, so that it never counts in a later round. */
     if (!told)
-      send_gave_up(d, seq);
-    goto fail;
+      send_gave_up(d, c->seq);
+    return -ETIMEDOUT;
   }
-  round = get_u32(reply.data + 4);
-  view_t f = {reply.data + 8, reply.len - 8};
-  if (!frame_ok(f)) {
-    add_reason(&reasons, f, 0);
-    rc = frame_rc(f);
-    goto fail;
+  c->round = get_u32(c->reply.data + 4);
+  *plan = (view_t){c->reply.data + 8, c->reply.len - 8};
+  if (!frame_ok(*plan)) {
+    add_reason(&c->reasons, *plan, 0);
+    return frame_rc(*plan);
   }
+  return 0;
+}
 
-  /* writes, RESULT */
-  wrote = true;
+/* The writes of rank plan frame f, then RESULT: round, write result
+ * frame. */
+static int client_send_result(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                              client_save_t *c, view_t f) {
+  char *err = NULL;
+  c->wrote = true;
   waiting(d, job, NULL, 0);
   ckpt_buf_t plan = frame_payload(f);
-  out.len = 0;
-  err = NULL;
-  rc = ops->write_step(d->ctx, job, &plan, &out, &err);
-  rc = after_writes(d, job, round, rc, &err);
-  msg.len = 0;
-  put_u32(&msg, round);
-  if ((rc = framed_step(d, rc, err, &out, &msg)) != 0 ||
-      (rc = ckpt__mpi_send(d, 0, CKPT__TAG_RESULT, &msg)) != 0)
-    goto fail;
+  c->out.len = 0;
+  int rc = d->ops->write_step(d->ctx, job, &plan, &c->out, &err);
+  rc = after_writes(d, job, c->round, rc, &err);
+  c->msg.len = 0;
+  put_u32(&c->msg, c->round);
+  if ((rc = framed_step(d, rc, err, &c->out, &c->msg)) != 0)
+    return rc;
+  return ckpt__mpi_send(d, 0, CKPT__TAG_RESULT, &c->msg);
+}
 
-  /* OUTCOME: round, frame. Once its RESULT is sent, the coordinator
-   * alone decides: giving up here (and removing our files) while it
-   * publishes would commit a checkpoint without our data. It answers, or
-   * says it stopped (STOPPED), or dies and the launcher ends the world. */
+/* OUTCOME: round, frame. Once its RESULT is sent, the coordinator
+ * alone decides: giving up here (and removing our files) while it
+ * publishes would commit a checkpoint without our data. It answers, or
+ * says it stopped (STOPPED), or dies and the launcher ends the world.
+ * 0 with *outcome (in c->reply), or the failure with its reason. */
+static int client_outcome(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                          client_save_t *c, view_t *outcome) {
+  int from;
   waiting(d, job, "rank 0 (the coordinator): it publishes once every "
           "rank has written its part", 0);
-  rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, round, INFINITY, &from, &reply);
+  int rc = wait_msg(d, 0, CKPT__TAG_OUTCOME, c->round, INFINITY, &from,
+                    &c->reply);
   if (rc == -ESHUTDOWN) {
-    put_stopped(d, &reasons, job);
-    goto fail;
+    put_stopped(d, &c->reasons, job);
+    return rc;
   }
-  if (rc <= 0 || reply.len < 4) {
-    ckpt_buf_printf(&reasons, "rank %d: no outcome from the coordinator "
+  if (rc <= 0 || c->reply.len < 4) {
+    ckpt_buf_printf(&c->reasons, "rank %d: no outcome from the coordinator "
                     "(rank 0)", d->rank);
-    rc = rc < 0 ? rc : -EIO;
-    goto fail;
+    return rc < 0 ? rc : -EIO;
   }
-  f = (view_t){reply.data + 4, reply.len - 4};
-  if (!frame_ok(f)) {
-    add_reason(&reasons, f, 0);
-    rc = frame_rc(f);
-    goto fail;
+  *outcome = (view_t){c->reply.data + 4, c->reply.len - 4};
+  if (!frame_ok(*outcome)) {
+    add_reason(&c->reasons, *outcome, 0);
+    return frame_rc(*outcome);
   }
-  if (ops->publish_step) {
-    ckpt_buf_t payload = frame_payload(f);
-    ops->publish_step(d->ctx, job, &payload);
-  }
-  job_done(d, job, 0, NULL);
-  goto out;
+  return 0;
+}
 
-fail:
-  if (reasons.len == 0)
-    ckpt_buf_printf(&reasons, "rank %d: %s", d->rank, strerror(-rc));
+/* The save failed (rc): what this rank wrote goes (DISCARDED tells the
+ * coordinator), and the job is done with the reasons. */
+static void client_failed(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                          client_save_t *c, int rc) {
+  if (c->reasons.len == 0)
+    ckpt_buf_printf(&c->reasons, "rank %d: %s", d->rank, strerror(-rc));
   waiting(d, job, NULL, 0);
-  if (wrote) {
-    ops->discard_step(d->ctx, job, false);
-    msg.len = 0;
-    put_u32(&msg, round);
-    ckpt__mpi_send(d, 0, CKPT__TAG_DISCARDED, &msg);
+  if (c->wrote) {
+    d->ops->discard_step(d->ctx, job, false);
+    c->msg.len = 0;
+    put_u32(&c->msg, c->round);
+    ckpt__mpi_send(d, 0, CKPT__TAG_DISCARDED, &c->msg);
   }
-  job_done(d, job, rc == -EEXIST ? rc : -EIO, (const char *)reasons.data);
-out:
-  ckpt_buf_free(&out);
-  ckpt_buf_free(&msg);
-  ckpt_buf_free(&reply);
-  ckpt_buf_free(&reasons);
+  job_done(d, job, rc == -EEXIST ? rc : -EIO, (const char *)c->reasons.data);
+}
+
+/* A client's save: PLAN, PLAN_REPLY, writes, RESULT, OUTCOME; each step
+ * runs once the one before it succeeded. */
+static void client_save(ckpt_dist_t *d, ckpt_dist_job_t *job) {
+  client_save_t c = {.seq = 0, .round = 0, .wrote = false};
+  ckpt_buf_init(&c.out);
+  ckpt_buf_init(&c.msg);
+  ckpt_buf_init(&c.reply);
+  ckpt_buf_init(&c.reasons);
+  view_t f = {NULL, 0}; /* the rank plan, then the outcome (in c.reply) */
+  int rc = client_may_start(d, job, &c);
+  if (rc == 0)
+    rc = client_send_plan(d, job, &c);
+  if (rc == 0)
+    rc = client_plan_reply(d, job, &c, &f);
+  if (rc == 0)
+    rc = client_send_result(d, job, &c, f);
+  if (rc == 0)
+    rc = client_outcome(d, job, &c, &f);
+  if (rc == 0) {
+    if (d->ops->publish_step) {
+      ckpt_buf_t payload = frame_payload(f);
+      d->ops->publish_step(d->ctx, job, &payload);
+    }
+    job_done(d, job, 0, NULL);
+  } else {
+    client_failed(d, job, &c, rc);
+  }
+  ckpt_buf_free(&c.out);
+  ckpt_buf_free(&c.msg);
+  ckpt_buf_free(&c.reply);
+  ckpt_buf_free(&c.reasons);
 }
 
 /* ------------------------------------------------------------------------
@@ -723,40 +774,48 @@ static void free_arrivals(arrival_t *a, int n) {
   free(a);
 }
 
-/* One round; job is the coordinator's own save (NULL: a client's PLAN came
- * first, in first/first_from). */
-static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
-                              ckpt_buf_t *first, int first_from) {
-  const ckpt_save_ops_t *ops = d->ops;
-  int n = d->size;
-  uint32_t round = ++d->round;
-  arrival_t *plans = calloc((size_t)n, sizeof(*plans));
-  arrival_t *results = calloc((size_t)n, sizeof(*results));
-  ckpt_buf_t *rank_plans = calloc((size_t)n, sizeof(*rank_plans));
-  ckpt_buf_t reasons, m;
-  ckpt_buf_init(&reasons);
-  ckpt_buf_init(&m);
-  bool wrote = false;
-  int fail_rc = -EIO; /* or -EEXIST: committed elsewhere */
-  char *err = NULL;
-  int rc = 0;
-  if (!plans || !results || !rank_plans) {
-    ckpt_buf_printf(&reasons, "rank 0: out of memory");
-    goto fail_early;
-  }
+/* A round on its way on the coordinator. */
+typedef struct {
+  ckpt_dist_job_t *job;   /* its own save (NULL until one is queued) */
+  uint32_t round;
+  arrival_t *plans;       /* [size]: each rank's PLAN */
+  arrival_t *results;     /* [size]: each rank's RESULT, then DISCARDED */
+  ckpt_buf_t *rank_plans; /* [size]: global_step's plan for each rank */
+  ckpt_buf_t reasons;     /* why the round fails (empty: it does not) */
+  int fail_rc;            /* -EIO, or -EEXIST: committed elsewhere */
+  char *err;              /* a step's reason, not yet framed or freed */
+} round_t;
 
-  /* 1. every rank's PLAN, until all are in or the deadline. Messages
-   * that have arrived are taken before the round is judged complete: a
-   * stale plan is followed by its client's giving up on it. */
+/* Do the names of the plans of ranks 1.. differ from rank 0's? */
+static bool names_differ(const arrival_t *plans, int n) {
+  bool differ = false;
+  for (int r = 1; r < n; r++)
+    differ |= strcmp(plans[r].name, plans[0].name) != 0;
+  return differ;
+}
+
+/* How step 1 ended. */
+enum { GATHERED, GATHER_STOPPED, GATHER_NOBODY };
+
+/* 1. every rank's PLAN, until all are in or the deadline. Messages
+ * that have arrived are taken before the round is judged complete: a
+ * stale plan is followed by its client's giving up on it. GATHER_STOPPED:
+ * this rank stops without a save of its own; GATHER_NOBODY: the round's
+ * only plan was given up on, and nobody waits for an answer. */
+static int gather_plans(ckpt_dist_t *d, round_t *rd, ckpt_buf_t *first,
+                        int first_from) {
+  int n = d->size, result = GATHERED;
+  arrival_t *plans = rd->plans;
+  ckpt_buf_t m;
+  ckpt_buf_init(&m);
   if (first && first_from > 0 && first_from < n)
     take_plan_msg(d, plans, first_from, first);
   double deadline = now() + d->commit_timeout;
-  if (job) {
-    own_plan(d, job, &plans[0]);
-    report_plans(d, job, plans, deadline);
+  if (rd->job) {
+    own_plan(d, rd->job, &plans[0]);
+    report_plans(d, rd->job, plans, deadline);
   }
   unsigned spins = 0;
-  bool stopped = false; /* this rank stops without a save of its own */
   double differ_until = 0; /* names differ: a moment for late messages */
   double cancel_at = 0;    /* when its own job was found gone */
   for (;;) {
@@ -764,28 +823,27 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     int got = n > 1 ? ckpt__mpi_poll(d, -1, CKPT__TAG_PLAN, &from, &m) : 0;
     if (got == 1) {
       if (from > 0 && from < n && take_plan_msg(d, plans, from, &m))
-        report_plans(d, job, plans, deadline);
+        report_plans(d, rd->job, plans, deadline);
       continue;
     }
     int in = 0;
     /* Its own job gone: the round still takes the plans on their way
      * (CANCEL_GRACE), then fails if some are missing */
-    if (job && cancel_at == 0 && atomic_load(&job->cancel))
+    if (rd->job && cancel_at == 0 && atomic_load(&rd->job->cancel))
       cancel_at = now();
     bool gone = cancel_at > 0 && now() >= cancel_at + CANCEL_GRACE;
     for (int r = 0; r < n; r++) {
       in += plans[r].in;
       gone |= plans[r].in && plans[r].abandoned;
     }
-    if (!job && in == 0)
-      goto out; /* its only plan was given up on: nobody waits */
+    if (!rd->job && in == 0) {
+      result = GATHER_NOBODY;
+      break;
+    }
     if (gone)
       break; /* a rank's job is gone before every rank committed */
     if (in == n) {
-      bool differ = false;
-      for (int r = 1; r < n; r++)
-        differ |= strcmp(plans[r].name, plans[0].name) != 0;
-      if (!differ)
+      if (!names_differ(plans, n))
         break;
       if (differ_until == 0)
         differ_until = now() + 1.0;
@@ -794,87 +852,109 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
     }
     if (now() >= deadline)
       break;
-    if (!job && (job = pop_job(d)) != NULL) {
-      if (job->solo) { /* not this round's: a world of its own */
-        solo_round(d, job);
-        job = NULL;
+    if (!rd->job && (rd->job = pop_job(d)) != NULL) {
+      if (rd->job->solo) { /* not this round's: a world of its own */
+        solo_round(d, rd->job);
+        rd->job = NULL;
         continue;
       }
-      own_plan(d, job, &plans[0]);
-      report_plans(d, job, plans, deadline);
+      own_plan(d, rd->job, &plans[0]);
+      report_plans(d, rd->job, plans, deadline);
       continue;
     }
     run_solos(d); /* one rank's own saves do not wait for the world's */
-    if (!job && (stopped = is_stopping(d)))
-      break; /* our own PLAN will never come */
+    if (!rd->job && is_stopping(d)) {
+      result = GATHER_STOPPED; /* our own PLAN will never come */
+      break;
+    }
     pause_poll(&spins);
   }
+  ckpt_buf_free(&m);
+  if (result != GATHER_NOBODY)
+    waiting(d, rd->job, NULL, 0);
+  return result;
+}
 
-  waiting(d, job, NULL, 0);
-  /* 2. everyone, one name, every local step fine */
+/* 2. everyone, one name, every local step fine; else false, with the
+ * reasons. stopped: this rank stops (gather_plans). */
+static bool plans_agree(ckpt_dist_t *d, round_t *rd, bool stopped) {
+  int n = d->size;
+  const arrival_t *plans = rd->plans;
+  ckpt_buf_t *reasons = &rd->reasons;
   if (stopped) {
-    for (int r = 1; r < n && reasons.len == 0; r++)
+    for (int r = 1; r < n && reasons->len == 0; r++)
       if (plans[r].in)
-        ckpt_buf_printf(&reasons, "%s: rank 0 (the coordinator) has stopped",
+        ckpt_buf_printf(reasons, "%s: rank 0 (the coordinator) has stopped",
                         plans[r].name);
-    goto fail_early;
+    return false;
   }
   bool all_in = true;
   for (int r = 0; r < n; r++)
     all_in &= plans[r].in && !plans[r].abandoned;
-  if (job && atomic_load(&job->cancel) && !all_in)
-    ckpt_buf_printf(&reasons, "rank 0: %s", CKPT_DIST_ABANDONED);
+  if (rd->job && atomic_load(&rd->job->cancel) && !all_in)
+    ckpt_buf_printf(reasons, "rank 0: %s", CKPT_DIST_ABANDONED);
   for (int r = 1; r < n; r++)
     if (plans[r].in && plans[r].abandoned)
-      ckpt_buf_printf(&reasons, "%srank %d: %s", reasons.len ? "; " : "", r,
+      ckpt_buf_printf(reasons, "%srank %d: %s", reasons->len ? "; " : "", r,
                       CKPT_DIST_ABANDONED);
-  if (reasons.len)
-    goto fail_early;
-  check_arrivals(d, plans, &reasons);
-  for (int r = 0; r < n && reasons.len == 0; r++)
+  if (reasons->len)
+    return false;
+  check_arrivals(d, plans, reasons);
+  for (int r = 0; r < n && reasons->len == 0; r++)
     if (!frame_ok(arrival_frame(&plans[r])))
       for (int k = r; k < n; k++)
         if (!frame_ok(arrival_frame(&plans[k])))
-          add_reason(&reasons, arrival_frame(&plans[k]), k);
-  if (reasons.len)
-    goto fail_early;
+          add_reason(reasons, arrival_frame(&plans[k]), k);
+  return reasons->len == 0;
+}
 
-  /* 3. the global plan, scattered */
+/* 3. the global plan, scattered; else false, with the reasons. */
+static bool scatter_plans(ckpt_dist_t *d, round_t *rd) {
+  int n = d->size;
   ckpt_buf_t *views = calloc((size_t)n, sizeof(*views));
   if (!views) {
-    ckpt_buf_printf(&reasons, "rank 0: out of memory");
-    goto fail_early;
+    ckpt_buf_printf(&rd->reasons, "rank 0: out of memory");
+    return false;
   }
   for (int r = 0; r < n; r++)
-    views[r] = frame_payload(arrival_frame(&plans[r]));
-  rc = ops->global_step(d->ctx, job, views, n, rank_plans, &err);
+    views[r] = frame_payload(arrival_frame(&rd->plans[r]));
+  int rc = d->ops->global_step(d->ctx, rd->job, views, n, rd->rank_plans,
+                               &rd->err);
   free(views);
   if (rc) {
-    ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
-    free(err), err = NULL;
-    fail_rc = rc == -EEXIST ? rc : -EIO;
-    goto fail_early;
+    ckpt_buf_printf(&rd->reasons, "%s", rd->err ? rd->err : strerror(-rc));
+    free(rd->err), rd->err = NULL;
+    rd->fail_rc = rc == -EEXIST ? rc : -EIO;
+    return false;
   }
-  send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, 0, NULL, rank_plans);
+  send_all(d, rd->plans, CKPT__TAG_PLAN_REPLY, rd->round, 0, NULL,
+           rd->rank_plans);
+  return true;
+}
 
-  /* 4. writes everywhere, one RESULT per rank */
-  wrote = true;
+/* 4. writes everywhere, one RESULT per rank; the reasons of late or failed
+ * ranks. */
+static void gather_results(ckpt_dist_t *d, round_t *rd) {
+  int n = d->size;
+  ckpt_dist_job_t *job = rd->job;
+  arrival_t *results = rd->results;
   ckpt_buf_t own_result;
   ckpt_buf_init(&own_result);
-  rc = ops->write_step(d->ctx, job, &rank_plans[0], &own_result, &err);
-  rc = after_writes(d, job, round, rc, &err);
+  int rc = d->ops->write_step(d->ctx, job, &rd->rank_plans[0], &own_result,
+                              &rd->err);
+  rc = after_writes(d, job, rd->round, rc, &rd->err);
   results[0].in = true;
-  framed_step(d, rc, err, &own_result, &results[0].msg);
-  err = NULL;
+  framed_step(d, rc, rd->err, &own_result, &results[0].msg);
+  rd->err = NULL;
   ckpt_buf_free(&own_result);
-  if (!collect(d, job, CKPT__TAG_RESULT, round, now() + d->commit_timeout,
-               plans, results, "to finish writing (commit_timeout)")) {
+  if (!collect(d, job, CKPT__TAG_RESULT, rd->round, now() + d->commit_timeout,
+               rd->plans, results, "to finish writing (commit_timeout)")) {
     bool *late = calloc((size_t)n, sizeof(*late));
     for (int r = 0; late && r < n; r++)
       late[r] = !results[r].in;
     if (late)
-      put_ranks(&reasons, late, n);
-    ckpt_buf_printf(&reasons, " did not finish writing %s%s within %g s "
+      put_ranks(&rd->reasons, late, n);
+    ckpt_buf_printf(&rd->reasons, " did not finish writing %s%s within %g s "
                     "(commit_timeout)", job->name,
                     job->partner ? " and its partner copies" : "",
                     d->commit_timeout);
@@ -882,68 +962,109 @@ static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
   }
   for (int r = 0; r < n; r++)
     if (results[r].in && !frame_ok(arrival_frame(&results[r])))
-      add_reason(&reasons, arrival_frame(&results[r]), r);
+      add_reason(&rd->reasons, arrival_frame(&results[r]), r);
+}
 
-  /* 5. the metadata, and the outcome for everyone */
+/* 5. the metadata, and the outcome for everyone; true when committed. */
+static bool send_outcome(ckpt_dist_t *d, round_t *rd) {
+  int n = d->size;
   ckpt_buf_t outcome;
   ckpt_buf_init(&outcome);
-  if (reasons.len == 0) {
-    views = calloc((size_t)n, sizeof(*views));
+  if (rd->reasons.len == 0) {
+    ckpt_buf_t *views = calloc((size_t)n, sizeof(*views));
     if (!views) {
-      ckpt_buf_printf(&reasons, "rank 0: out of memory");
+      ckpt_buf_printf(&rd->reasons, "rank 0: out of memory");
     } else {
       for (int r = 0; r < n; r++)
-        views[r] = frame_payload(arrival_frame(&results[r]));
-      rc = ops->finish_step(d->ctx, job, views, n, &outcome, &err);
+        views[r] = frame_payload(arrival_frame(&rd->results[r]));
+      int rc = d->ops->finish_step(d->ctx, rd->job, views, n, &outcome,
+                                   &rd->err);
       free(views);
       if (rc)
-        ckpt_buf_printf(&reasons, "%s", err ? err : strerror(-rc));
+        ckpt_buf_printf(&rd->reasons, "%s",
+                        rd->err ? rd->err : strerror(-rc));
       if (rc == -EEXIST)
-        fail_rc = rc;
-      free(err), err = NULL;
+        rd->fail_rc = rc;
+      free(rd->err), rd->err = NULL;
     }
   }
-  send_all_same(d, plans, CKPT__TAG_OUTCOME, round,
-                reasons.len ? fail_rc : 0, (const char *)reasons.data,
-                &outcome);
+  send_all_same(d, rd->plans, CKPT__TAG_OUTCOME, rd->round,
+                rd->reasons.len ? rd->fail_rc : 0,
+                (const char *)rd->reasons.data, &outcome);
   ckpt_buf_free(&outcome);
-  if (reasons.len == 0) {
-    job_done(d, job, 0, NULL);
-    goto out;
-  }
+  return rd->reasons.len == 0;
+}
 
-  /* 6. a failed save leaves nothing behind. A rank that missed the RESULT
-   * deadline is not waited for again: if it died, that would hold every
-   * rank's answer for another commit_timeout; if it is only slow, it gets
-   * the OUTCOME sent above and removes its own files. */
-  ops->discard_step(d->ctx, job, false);
+/* 6. a failed save leaves nothing behind. A rank that missed the RESULT
+ * deadline is not waited for again: if it died, that would hold every
+ * rank's answer for another commit_timeout; if it is only slow, it gets
+ * the OUTCOME sent above and removes its own files. */
+static void discard_round(ckpt_dist_t *d, round_t *rd) {
+  int n = d->size;
+  arrival_t *plans = rd->plans, *results = rd->results;
+  d->ops->discard_step(d->ctx, rd->job, false);
   for (int r = 1; r < n; r++)
     plans[r].in = plans[r].in && results[r].in;
   for (int r = 0; r < n; r++)
     ckpt_buf_free(&results[r].msg), results[r].in = false;
-  collect(d, job, CKPT__TAG_DISCARDED, round, now() + d->commit_timeout,
-          plans, results, "to remove what they wrote of the failed save");
-  ops->discard_step(d->ctx, job, true);
-  job_done(d, job, fail_rc, (const char *)reasons.data);
-  goto out;
+  collect(d, rd->job, CKPT__TAG_DISCARDED, rd->round,
+          now() + d->commit_timeout, plans, results,
+          "to remove what they wrote of the failed save");
+  d->ops->discard_step(d->ctx, rd->job, true);
+  job_done(d, rd->job, rd->fail_rc, (const char *)rd->reasons.data);
+}
 
-fail_early:
-  /* Nothing was written: tell the clients, fail our own save. */
-  if (plans)
-    send_all(d, plans, CKPT__TAG_PLAN_REPLY, round, fail_rc,
-             (const char *)reasons.data, NULL);
-  if (job)
-    job_done(d, job, fail_rc, (const char *)reasons.data);
-  (void)wrote;
-out:
-  free_arrivals(plans, n);
-  free_arrivals(results, n);
-  if (rank_plans)
+/* A round failed before its writes: nothing was written; tell the
+ * clients, fail our own save. */
+static void fail_unwritten(ckpt_dist_t *d, round_t *rd) {
+  if (rd->plans)
+    send_all(d, rd->plans, CKPT__TAG_PLAN_REPLY, rd->round, rd->fail_rc,
+             (const char *)rd->reasons.data, NULL);
+  if (rd->job)
+    job_done(d, rd->job, rd->fail_rc, (const char *)rd->reasons.data);
+}
+
+/* Steps 2 to 6, once the plans are in (stopped: GATHER_STOPPED): the
+ * round fails before anything is written, or writes and then commits or
+ * discards. */
+static void after_plans(ckpt_dist_t *d, round_t *rd, bool stopped) {
+  if (!plans_agree(d, rd, stopped) || !scatter_plans(d, rd)) {
+    fail_unwritten(d, rd);
+    return;
+  }
+  gather_results(d, rd);
+  if (send_outcome(d, rd))
+    job_done(d, rd->job, 0, NULL);
+  else
+    discard_round(d, rd);
+}
+
+/* One round; job is the coordinator's own save (NULL: a client's PLAN came
+ * first, in first/first_from). */
+static void coordinator_round(ckpt_dist_t *d, ckpt_dist_job_t *job,
+                              ckpt_buf_t *first, int first_from) {
+  int n = d->size;
+  round_t rd = {.job = job, .fail_rc = -EIO, .err = NULL};
+  rd.round = ++d->round;
+  rd.plans = calloc((size_t)n, sizeof(*rd.plans));
+  rd.results = calloc((size_t)n, sizeof(*rd.results));
+  rd.rank_plans = calloc((size_t)n, sizeof(*rd.rank_plans));
+  ckpt_buf_init(&rd.reasons);
+  if (!rd.plans || !rd.results || !rd.rank_plans) {
+    ckpt_buf_printf(&rd.reasons, "rank 0: out of memory");
+    fail_unwritten(d, &rd);
+  } else {
+    int gathered = gather_plans(d, &rd, first, first_from);
+    if (gathered != GATHER_NOBODY) /* else nobody waits for an answer */
+      after_plans(d, &rd, gathered == GATHER_STOPPED);
+  }
+  free_arrivals(rd.plans, n);
+  free_arrivals(rd.results, n);
+  if (rd.rank_plans)
     for (int r = 0; r < n; r++)
-      ckpt_buf_free(&rank_plans[r]);
-  free(rank_plans);
-  ckpt_buf_free(&reasons);
-  ckpt_buf_free(&m);
+      ckpt_buf_free(&rd.rank_plans[r]);
+  free(rd.rank_plans);
+  ckpt_buf_free(&rd.reasons);
 }
 
 /* A solo save (`sync solo`): this rank alone is the world of one that

@@ -396,7 +396,7 @@ typedef struct {
    * replaced, space-separated save keys, "none" for no checkpoint of that
    * name, "earlier" (replace=) for any save of NAME committed before it
    * (commit_ns); its flush publishes it on BACKING_DIR only while NAME
-   * there is one of them (fs/resolve.c). NULL: not recorded (no tier).
+   * there is one of them (fs/read/resolve.c). NULL: not recorded (no tier).
    * Owned. */
   char *replaces;
   /* The commit point's wall-clock time (ns since the epoch, the

@@ -549,7 +549,7 @@ typedef enum {
   TIER_OTHER,   /* not committed, or a flush record names it: left alone */
   TIER_FLUSHED, /* no record, and BACKING_DIR/NAME the same save */
   TIER_STALE,   /* no record, and BACKING_DIR/NAME another save or none:
-                   a copy of a save NAME is no more (fs/resolve.c) */
+                   a copy of a save NAME is no more (fs/read/resolve.c) */
 } tier_entry_t;
 
 static tier_entry_t tier_entry(const ckpt_cat_entry_t *en, int backing_fd,

@@ -139,13 +139,13 @@ int ckpt__checkpoint_protect(int backing_fd, const char *name, bool on);
  * 0 (also when it does not exist) or -errno. */
 int ckpt__checkpoint_remove(int backing_fd, const char *name, bool if_idle);
 
-/* -o tier_keep=N (fs/retain.c): of the checkpoints of a node-local tier
+/* -o tier_keep=N (fs/tier/retain.c): of the checkpoints of a node-local tier
  * (tier_fd) that are flushed, keep the last keep by step and remove the
  * others (as ckpt__checkpoint_remove). Flushed: no flush record of its
  * save in tier_fd/records_dir (an entry named SAVE_ID or SAVE_ID.SOMETHING)
  * and BACKING_DIR/NAME (backing_fd) carries the same save ID. A tier
  * checkpoint without a record whose BACKING_DIR/NAME is another save or
- * none is stale (a copy of a save NAME is no more: fs/resolve.c) and
+ * none is stale (a copy of a save NAME is no more: fs/read/resolve.c) and
  * removed too, whatever keep; an unflushed one (a record names it: it may
  * be the only copy) is neither counted nor touched, and nothing is
  * removed when the records cannot be listed. The caller holds off tier

@@ -21,7 +21,7 @@ static const char *const names[] = {
     "remove_linked", "remove_metadata", "remove_exchanged", "remove_old",
     "flush_copy",   "flush_marked",    "flush_published",
     "tier_publish",
-    /* partner copies (fs/partner.c, -o tier_level=partner) */
+    /* partner copies (fs/commit/partner.c, -o tier_level=partner) */
     "partner_open", "partner_synced",
 };
 

@@ -33,7 +33,7 @@
  *                    synced)
  *   remove_old       synced; the old version is about to be removed
  *
- * The flush of a tier (fs/flush.c, -o tier=DIR):
+ * The flush of a tier (fs/tier/flush.c, -o tier=DIR):
  *   flush_copy       (also an error point) one data file is being copied
  *                    into BACKING_DIR/.saves/ID, not linked
  *   flush_marked     the copy is complete and the record marked
@@ -43,7 +43,7 @@
  *   tier_publish     a rank of another node than the coordinator's has the
  *                    OUTCOME (committed); its node's tier publish not begun
  *
- * Partner copies (fs/partner.c, -o tier_level=partner):
+ * Partner copies (fs/commit/partner.c, -o tier_level=partner):
  *   partner_open     (error point) a partner copy of another rank's data
  *                    file is being made in this rank's tier
  *   partner_synced   one received partner copy is complete and synced

@@ -391,7 +391,7 @@ int ckpt__remove_tree(int parent_fd, const char *name) {
 
 /* Remove what no live daemon holds in .staging: its unnamed files leave
  * nothing there, but the links a failed commit keeps aside for its retry
- * (fs/streams.c) must outlive other mounts' starts. Their daemon holds a
+ * (fs/stage/streams.c) must outlive other mounts' starts. Their daemon holds a
  * shared flock on each for as long as it lives: a file that cannot be
  * locked exclusively is left (also where flock is refused altogether), and
  * so is .staging with it. */

@@ -6,7 +6,7 @@
  * back, validating everything a reader of the checkpoint relies on, since
  * the file may have been damaged or written by someone else.
  *
- * Format version 1: the tables of SPEC.md ("Metadata schema"), plus
+ * Format version 1: the tables of docs/committed.md ("Metadata schema"), plus
  *   checkpoint key  writer = "ckptfs"
  *   index           chunks_fqn ON chunks(fqn), for `sqlite3` users who
  *                   query one tensor's chunks

@@ -3,7 +3,7 @@
  *
  * The only unit of ckptfs that calls SQLite. It runs on the dist thread
  * (publish) and at mount / after a commit (load), never inside a FUSE
- * callback. Schema (SPEC.md, "Metadata schema"), format_version 1:
+ * callback. Schema (docs/committed.md, "Metadata schema"), format_version 1:
  *
  *   checkpoint(key TEXT PRIMARY KEY, value TEXT)
  *       keys: format_version, name, save_id, world_size, created_at

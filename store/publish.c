@@ -1,6 +1,6 @@
 /*
  * publish.c - the flush's publish of a tier's save on BACKING_DIR by
- * compare-and-swap (fs/resolve.c states the rule): NAME is exchanged with
+ * compare-and-swap (fs/read/resolve.c states the rule): NAME is exchanged with
  * the save only while it is one of the saves the save's commit replaced
  * (its .metadata's "replaces" and commit_ns).
  */

@@ -11,7 +11,7 @@
  * (the loader, metadb.c, checks that the chunks of a tensor cover it
  * exactly).
  *
- * Layout of BACKING_DIR (SPEC.md, "Layout"):
+ * Layout of BACKING_DIR (docs/committed.md, "Backing directory"):
  *
  *   NAME/                 one checkpoint (ckpt_name_valid)
  *   NAME/.metadata        SQLite metadata: its presence is the commit
@@ -134,7 +134,7 @@ int ckpt_store_publish(int backing_fd, const char *save_id, const char *name);
 int ckpt_store_publish_replace(int backing_fd, const char *save_id,
                                const char *name, bool *replaced);
 /* Undo a replace whose durability failed: exchange the two back. */
-/* The flush of a tier's save (fs/flush.c): publish .saves/save_id as
+/* The flush of a tier's save (fs/tier/flush.c): publish .saves/save_id as
  * name only while name is one of the saves its commit replaced
  * (ckpt_store_replaces_ok: replaces and commit_ns as in its .metadata,
  * ckpt_metadata_t's): exchanged with it, or published without
@@ -189,7 +189,7 @@ void ckpt_store_cleanup(int backing_fd, int keep_fd);
  * effective gid)? With whole, so is every entry beneath it (owner and
  * write bits; symlinks by owner only), so that nothing there can have
  * been planted by another user. 0, or -EPERM (-errno) with *why (malloc'd)
- * naming the first entry that is not. A tier must be (fs/main.c). */
+ * naming the first entry that is not. A tier must be (fs/daemon/main.c). */
 int ckpt_store_check_private(int root_fd, const char *path, bool whole,
                              char **why);
 

@@ -339,7 +339,7 @@ static bool present(const char *root, const char *name) {
 
 /* tier_keep: only flushed tier checkpoints (no record, BACKING_DIR's
  * save) count and go; the last N of them by step stay. Stale ones (no
- * record, and BACKING_DIR's NAME another save or none: fs/resolve.c) go
+ * record, and BACKING_DIR's NAME another save or none: fs/read/resolve.c) go
  * whatever N; unflushed ones (a record) always stay. */
 static void tier_evict_keeps_unflushed(void **state) {
   (void)state;

@@ -30,6 +30,7 @@ static void renamed_nodes_keep_their_inodes(void **state) {
   memset(&fs, 0, sizeof(fs));
   fs.backing_fd = -1;
   assert_int_equal(ckpt__fs_init(&fs), 0);
+  pthread_mutex_lock(&fs.lock); /* the tree's calls assert it (Debug) */
   ckpt_ckpt_t *ck = ckpt__ckpt_new(&fs, "c");
   assert_non_null(ck);
   ckpt_node_t *sub = ckpt__node_new(&fs, ck->dir, "sub", CKPT_NODE_SDIR,
@@ -73,6 +74,7 @@ static void renamed_nodes_keep_their_inodes(void **state) {
   for (int i = 0; i < N; i++)
     assert_true((ckpt__node_by_ino(&fs, inos[i]) == NULL) == (i % 2 == 1));
   assert_chains_end(&fs, fs.nnodes);
+  pthread_mutex_unlock(&fs.lock);
   ckpt__fs_destroy(&fs);
 }
 

@@ -14,7 +14,7 @@
  * With the first file of each owner rank R, the receiving rank writes a
  * flush record TIER/.flush/SAVE_ID.R marked "partner HOST" (the owner's
  * host), fsynced, so before its RESULT: those copies are flushed from
- * here only if the owner's node cannot (fs/flush.c). R is another node's
+ * here only if the owner's node cannot (fs/tier/flush.c). R is another node's
  * rank, so its own record is in another tier: no clash. A failed save
  * removes these records with the copies.
  */

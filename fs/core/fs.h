@@ -44,7 +44,9 @@
 #define FUSE_USE_VERSION FUSE_MAKE_VERSION(3, 14)
 #include <fuse_lowlevel.h>
 
+#include <assert.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -80,6 +82,20 @@
 #include "metadb.h"
 #include "store.h"
 
+
+/* Does the calling thread hold mutex m? glibc records the owner's thread
+ * ID in every mutex it locks; elsewhere this cannot be known (true).
+ * CKPT_HELD(m) asserts it where a comment says "m held" (Debug builds,
+ * the sanitizers' among them; compiled out with NDEBUG). */
+static inline bool ckpt__held(const pthread_mutex_t *m) {
+#ifdef __GLIBC__
+  return m->__data.__owner == gettid();
+#else
+  (void)m;
+  return true;
+#endif
+}
+#define CKPT_HELD(m) assert(ckpt__held(m))
 
 typedef struct ckpt_node ckpt_node_t;
 typedef struct ckpt_ckpt ckpt_ckpt_t;

@@ -30,6 +30,7 @@ int ckpt__fs_init(ckpt_fs_t *fs) {
 
 void ckpt__fs_destroy(ckpt_fs_t *fs) {
   if (fs->root) {
+    pthread_mutex_lock(&fs->lock);
     while (fs->root->children) {
       ckpt_node_t *d = fs->root->children;
       ckpt_ckpt_t *ck = d->ck;
@@ -46,6 +47,7 @@ void ckpt__fs_destroy(ckpt_fs_t *fs) {
       ckpt__node_detach(fs, d);
       ckpt__ckpt_unref(fs, ck);
     }
+    pthread_mutex_unlock(&fs->lock);
   }
   ckpt__tree_destroy(fs);
   ckpt_fdcache_free(fs->fdcache);

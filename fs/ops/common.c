@@ -54,6 +54,7 @@ ckpt_node_t *ckpt__op_get_node_any(ckpt_fs_t *fs, fuse_ino_t ino) {
  * and futimens come without a handle). fs->lock held. */
 ckpt_node_t *ckpt__op_node_of(ckpt_fs_t *fs, fuse_ino_t ino,
                             struct fuse_file_info *fi) {
+  CKPT_HELD(&fs->lock);
   if (fi && fi->fh)
     return ckpt__op_handle_of(fi)->node;
   return ckpt__node_by_ino_any(fs, ino);
@@ -233,6 +234,7 @@ static int loaded_root(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
 
 /* fs->lock held. */
 void ckpt__op_fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
+  CKPT_HELD(&fs->lock);
   (void)fs;
   memset(st, 0, sizeof(*st));
   st->st_ino = n->ino;
@@ -294,6 +296,7 @@ double ckpt__op_node_timeout(const ckpt_node_t *n) {
 
 /* fs->lock held. */
 void ckpt__op_fill_entry(ckpt_fs_t *fs, ckpt_node_t *n, struct fuse_entry_param *e) {
+  CKPT_HELD(&fs->lock);
   memset(e, 0, sizeof(*e));
   e->ino = n->ino;
   e->generation = 1;
@@ -324,6 +327,7 @@ int ckpt__op_open_metadata(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
 
 /* Put h on fs->handles. fs->lock held. */
 void ckpt__op_track_handle(ckpt_fs_t *fs, handle_t *h) {
+  CKPT_HELD(&fs->lock);
   fs->commit_handles += h->node->kind == CKPT_NODE_COMMIT;
   h->prev = NULL;
   h->next = fs->handles;
@@ -334,6 +338,7 @@ void ckpt__op_track_handle(ckpt_fs_t *fs, handle_t *h) {
 
 /* Take h off fs->handles and drop its node. fs->lock held. */
 void ckpt__op_untrack_handle(ckpt_fs_t *fs, handle_t *h) {
+  CKPT_HELD(&fs->lock);
   fs->commit_handles -= h->node->kind == CKPT_NODE_COMMIT;
   if (h->prev)
     h->prev->next = h->next;

@@ -133,6 +133,7 @@ int ckpt__op_check_name(const ckpt_node_t *p, const char *name) {
 
 /* Checks for a new entry `name` in directory p (fs->lock held). */
 static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
+  CKPT_HELD(&fs->lock);
   if (p->kind == CKPT_NODE_ROOT)
     return -EPERM;
   if (p->kind != CKPT_NODE_CKPT && p->kind != CKPT_NODE_SDIR)
@@ -151,6 +152,7 @@ static int can_add(ckpt_fs_t *fs, ckpt_node_t *p, const char *name) {
  * taken meanwhile: no mkdir or rename may stage a checkpoint under it.
  * fs->lock held. */
 bool ckpt__op_being_replaced(ckpt_fs_t *fs, const char *name) {
+  CKPT_HELD(&fs->lock);
   for (ckpt_node_t *c = fs->root->children; c; c = c->next)
     if (c->ck && strcmp(c->ck->replacing, name) == 0)
       return true;
@@ -234,6 +236,7 @@ void ckpt__op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
 static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,
                            mode_t mode, const struct fuse_ctx *ctx,
                            ckpt_node_t **out) {
+  CKPT_HELD(&fs->lock);
   int rc = can_add(fs, p, name);
   if (rc)
     return rc;

@@ -82,6 +82,7 @@ static bool same_checkpoint(const presence_t *pr, dev_t dev, ino_t ino,
  * mount's view too. fs->lock held; pr as found before. */
 bool ckpt__op_still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
                          const presence_t *pr) {
+  CKPT_HELD(&fs->lock);
   if (dir->ck->state != CKPT_COMMITTED || dir->ck->removing ||
       dir->ck->rewriting)
     return true; /* removing: kept until rmdir NAME, so that rm -r ends;
@@ -209,6 +210,7 @@ static presence_t scan_lookup(const ckpt_scan_t *sc, ckpt_node_t *c) {
 /* Was this directory of name refused before? (fs->scan_lock held) */
 static bool refused_before(ckpt_fs_t *fs, const char *name,
                            const presence_t *pr) {
+  CKPT_HELD(&fs->scan_lock);
   for (size_t i = 0; i < fs->nrefused; i++)
     if (!strcmp(fs->refused[i].name, name))
       return same_checkpoint(pr, fs->refused[i].dev, fs->refused[i].ino,
@@ -317,18 +319,18 @@ void ckpt__op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
     n = p ? ckpt__node_child(fs, p, name) : NULL;
   }
   if (!p)
-    rc = ESTALE;
+    rc = -ESTALE;
   else if ((!n || n->kind == CKPT_NODE_CBLOCK) && ckpt__block_name(p, name))
-    rc = -ckpt__block_lookup(fs, p, name, &n); /* a block file */
+    rc = ckpt__block_lookup(fs, p, name, &n); /* a block file */
   else if (!n || n->hidden)
-    rc = ENOENT;
+    rc = -ENOENT;
   else if (n->kind == CKPT_NODE_VROOT && ckpt__views_populate(fs, n) < 0)
-    rc = ENOMEM; /* a view is filled at its first lookup */
+    rc = -ENOMEM; /* a view is filled at its first lookup */
   if (rc == 0)
     ckpt__op_fill_entry(fs, n, &e);
   pthread_mutex_unlock(&fs->lock);
   if (rc) {
-    fuse_reply_err(req, rc);
+    fuse_reply_err(req, -rc); /* replies take positive errno */
   } else if (fuse_reply_entry(req, &e) != 0) {
     /* The kernel never saw this lookup (interrupted): it will never
      * forget it either. Only block files count lookups. */
@@ -380,6 +382,7 @@ static int add_dirent(fuse_req_t req, ckpt_buf_t *b, const char *name,
  * the root. fs->lock held. */
 static int list_dir(fuse_req_t req, ckpt_fs_t *fs, ckpt_node_t *n,
                     const ckpt_scan_t *sc, ckpt_buf_t *b) {
+  CKPT_HELD(&fs->lock);
   struct stat st = {.st_ino = n->ino, .st_mode = S_IFDIR};
   int rc = add_dirent(req, b, ".", &st);
   st.st_ino = n->parent ? n->parent->ino : n->ino;
@@ -542,11 +545,11 @@ void ckpt__op_access(fuse_req_t req, fuse_ino_t ino, int mask) {
   pthread_mutex_unlock(&fs->lock);
   int rc = 0;
   if (!n) {
-    rc = ESTALE;
+    rc = -ESTALE;
   } else if ((mask & W_OK) && !ckpt__op_may_change(req)) {
-    rc = EACCES;
+    rc = -EACCES;
   } else if ((mask & W_OK) && read_only) {
-    rc = EACCES; /* as its mode says (no write bit): rm then asks, as for
+    rc = -EACCES; /* as its mode says (no write bit): rm then asks, as for
                     any read-only file; EROFS would make it refuse */
   } else if ((mask & X_OK) && !S_ISDIR(mode)) {
     mode_t bit = ctx->uid == 0    ? (S_IXUSR | S_IXGRP | S_IXOTH)
@@ -554,9 +557,9 @@ void ckpt__op_access(fuse_req_t req, fuse_ino_t ino, int mask) {
                  : in_group(req, gid) ? S_IXGRP
                                       : S_IXOTH;
     if (!(mode & bit))
-      rc = EACCES;
+      rc = -EACCES;
   }
-  fuse_reply_err(req, rc);
+  fuse_reply_err(req, -rc);
 }
 
 void ckpt__op_statfs(fuse_req_t req, fuse_ino_t ino) {

@@ -283,6 +283,7 @@ static bool is_ancestor(const ckpt_node_t *a, const ckpt_node_t *n) {
 static int rename_checkpoint(ckpt_fs_t *fs, ckpt_node_t *dir,
                              const char *newname, const presence_t *pr,
                              unsigned int flags) {
+  CKPT_HELD(&fs->lock);
   ckpt_ckpt_t *ck = dir->ck;
   if (flags & ~(unsigned)RENAME_NOREPLACE)
     return -EINVAL;

@@ -51,6 +51,7 @@ static const char *tier_lines(const ckpt_ckpt_t *ck, char *buf, size_t n) {
 
 /* fs->lock held. */
 char *ckpt__op_status_text(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
+  CKPT_HELD(&fs->lock);
   char lines[1200];
   switch (ck->state) {
   case CKPT_STAGING: {

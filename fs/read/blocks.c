@@ -35,6 +35,7 @@ bool ckpt__block_name(const ckpt_node_t *dir, const char *name) {
 
 int ckpt__block_lookup(ckpt_fs_t *fs, ckpt_node_t *dir, const char *name,
                        ckpt_node_t **out) {
+  CKPT_HELD(&fs->lock);
   ckpt_ckpt_t *ck = dir->ck;
   const char *base, *slices;
   size_t base_len;
@@ -90,6 +91,7 @@ int ckpt__block_lookup(ckpt_fs_t *fs, ckpt_node_t *dir, const char *name,
 }
 
 void ckpt__block_forget(ckpt_fs_t *fs, ckpt_node_t *n, uint64_t nlookup) {
+  CKPT_HELD(&fs->lock);
   if (n->kind != CKPT_NODE_CBLOCK)
     return;
   n->nlookup = nlookup < n->nlookup ? n->nlookup - nlookup : 0;

@@ -1,7 +1,8 @@
 /*
- * storage.c - the mount's side of BACKING_DIR: the worker pool that
- * writes data files, loading committed checkpoints into the tree, and
- * deleting one. The layout, the scan for unfinished saves and the reads
+ * load.c - the mount's side of BACKING_DIR: loading committed
+ * checkpoints into the tree (from BACKING_DIR or this node's tier, as the
+ * resolver says), deleting one, and what the tier holds (partner copies,
+ * a full tier). The layout, the scan for unfinished saves and the reads
  * of committed data are the store's (store/).
  */
 #include <assert.h>
@@ -33,7 +34,7 @@ int ckpt__storage_remove(ckpt_fs_t *fs, const char *name) {
  * tier's flush (looked up before fs->lock is taken). */
 typedef struct {
   bool flushed;
-  bool partner; /* committed at level partner (fs/partner.c) */
+  bool partner; /* committed at level partner (fs/commit/partner.c) */
   uint64_t total;
 } tier_look_t;
 
@@ -53,6 +54,7 @@ static tier_look_t tier_look(ckpt_fs_t *fs, const ckpt_metadata_t *meta,
 /* fs->lock held. */
 static void set_tier_state(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                            const tier_look_t *t) {
+  CKPT_HELD(&fs->lock);
   ck->tier.tiered = fs->tier_fd >= 0;
   atomic_store(&ck->tier.flushed, t->flushed);
   ck->tier.partner = t->partner;

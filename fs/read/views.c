@@ -53,6 +53,7 @@ void ckpt__views_free(struct ckpt_views *v) {
 }
 
 int ckpt__views_attach(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  CKPT_HELD(&fs->lock);
   assert(ck->state == CKPT_COMMITTED && ck->meta != NULL);
   if (ck->views == NULL && (ck->views = calloc(1, sizeof(*ck->views))) == NULL)
     return -ENOMEM;
@@ -201,6 +202,7 @@ static int st_add(ckpt_fs_t *fs, ckpt_node_t *root, struct timespec when) {
 }
 
 int ckpt__views_populate(ckpt_fs_t *fs, ckpt_node_t *root) {
+  CKPT_HELD(&fs->lock);
   assert(root->kind == CKPT_NODE_VROOT);
   ckpt_ckpt_t *ck = root->ck;
   struct ckpt_views *v = ck->views;

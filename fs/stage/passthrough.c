@@ -154,6 +154,7 @@ void ckpt__sfile_pt_abandon(ckpt_sfile_t *sf) {
 
 /* The size as the kernel left it. sf->lock held. */
 int ckpt__stg_pt_refresh(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   struct stat st;
   if (fstat(sf->pt_fd, &st))
     return -errno;
@@ -170,6 +171,7 @@ static _Atomic bool no_leases_said;
  * passed through are all it can tell: mappings go unseen (logged once).
  * sf->lock held. */
 static int pt_writers(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   /* a handle counted by the daemon may not be the kernel's yet (the open
    * reply not sent): it counts first */
   if (sf->pt_wopens > 0)
@@ -199,6 +201,7 @@ bool ckpt__sfile_pt_writable(ckpt_sfile_t *sf) {
 }
 
 int ckpt__sfile_pt_seal(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   int rc = 0;
   if (sf->pt_fd >= 0 && !sf->pt_sealed) {
     rc = pt_writers(sf);
@@ -221,6 +224,7 @@ int ckpt__sfile_pt_freeze(ckpt_sfile_t *sf) {
 }
 
 void ckpt__sfile_pt_thaw(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   if (sf->pt_fd < 0 || !sf->pt_sealed)
     return;
   sf->pt_sealed = false;
@@ -232,6 +236,7 @@ void ckpt__sfile_pt_thaw(ckpt_sfile_t *sf) {
  * (truncate, a write not passed through): a descriptor to close, or
  * -errno. sf->lock held. */
 int ckpt__stg_pt_rw(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   if (ckpt__sfile_pt_committed(sf))
     return -EROFS;
   ckpt__sfile_pt_thaw(sf);
@@ -239,6 +244,7 @@ int ckpt__stg_pt_rw(ckpt_sfile_t *sf) {
 }
 
 bool ckpt__sfile_pt_committed(const ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   return sf->stream >= 0 && sf->streams &&
          atomic_load(&sf->streams->committed);
 }
@@ -377,6 +383,7 @@ char *ckpt__sfile_pt_who(ckpt_sfile_t *sf, uint64_t fino) {
 
 void ckpt__sfile_pt_ctime(ckpt_sfile_t *sf, const struct stat *st,
                           struct timespec *ctime) {
+  CKPT_HELD(&sf->lock);
   if (st->st_ctim.tv_sec == sf->pt_ctim_seen.tv_sec &&
       st->st_ctim.tv_nsec == sf->pt_ctim_seen.tv_nsec)
     return;
@@ -447,6 +454,7 @@ bool ckpt__sfile_pt_open(ckpt_sfile_t *sf) {
 }
 
 int ckpt__sfile_pt_detach(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   int fd = sf->pt_fd;
   sf->pt_fd = -1;
   sf->pt_sealed = false;

@@ -171,6 +171,7 @@ void ckpt__staging_tidy(int backing_fd) {
 
 /* The unnamed spill file in BACKING_DIR/.staging. b->lock held. */
 static int spill_open(ckpt_staging_t *b) {
+  CKPT_HELD(&b->lock);
   if (b->spill_fd >= 0)
     return 0;
   int fd = ckpt__staging_tmpfile(b->backing_fd);
@@ -292,7 +293,9 @@ static void drop_segments(ckpt_sfile_t *sf, uint32_t from) {
 void ckpt__sfile_free(ckpt_sfile_t *sf) {
   if (!sf)
     return;
+  pthread_mutex_lock(&sf->lock); /* nobody else has sf: for the asserts */
   ckpt__stream_drop(sf);
+  pthread_mutex_unlock(&sf->lock);
   drop_segments(sf, 0);
   if (sf->pt_fd >= 0) {
     close(sf->pt_fd);
@@ -388,6 +391,7 @@ static int ensure_segment(ckpt_sfile_t *sf, uint32_t i, uint64_t need) {
 /* Keep the running hash while writes come in order. sf->lock held. */
 static void hash_write(ckpt_sfile_t *sf, const void *buf, size_t n,
                        uint64_t off) {
+  CKPT_HELD(&sf->lock);
   if (sf->hash_broken)
     return;
   if (off != sf->hashed) {
@@ -409,6 +413,7 @@ static void hash_write(ckpt_sfile_t *sf, const void *buf, size_t n,
  * written or a negative errno. */
 static ssize_t write_segments(ckpt_sfile_t *sf, const void *buf, size_t n,
                               uint64_t off) {
+  CKPT_HELD(&sf->lock);
   uint32_t last = (uint32_t)((off + n - 1) >> CKPT_SEG_SHIFT);
   int rc = grow_index(sf, last + 1);
   /* A file that grows past segment 0 needs it whole. */
@@ -521,6 +526,7 @@ static ssize_t stream_write(ckpt_sfile_t *sf, const void *buf, size_t n,
  * move into segments, like a file the daemon wrote, and its backing file
  * (one descriptor per file) goes. */
 int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   uint64_t size = sf->size; /* sealed: read at the seal */
   uint8_t *buf = malloc(size ? (size_t)size : 1);
   if (!buf)

@@ -304,6 +304,7 @@ void ckpt__streams_unlink(ckpt_streams_t *st, int dirfd) {
 }
 
 int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   pthread_mutex_lock(&st->lock);
   int rc = -EAGAIN;
   for (uint32_t k = 0; k < st->nio && !st->frozen; k++) {
@@ -331,6 +332,7 @@ int ckpt__stream_claim(ckpt_streams_t *st, ckpt_sfile_t *sf) {
 }
 
 void ckpt__stream_release(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   if (sf->stream < 0 || !sf->stream_owner)
     return;
   ckpt_streams_t *st = sf->streams;
@@ -346,6 +348,7 @@ void ckpt__stream_release(ckpt_sfile_t *sf) {
 }
 
 void ckpt__stream_drop(ckpt_sfile_t *sf) {
+  CKPT_HELD(&sf->lock);
   if (sf->stream < 0)
     return;
   ckpt__stream_release(sf);
@@ -380,6 +383,7 @@ void ckpt__stream_drop(ckpt_sfile_t *sf) {
 }
 
 void ckpt__stream_abandon(ckpt_sfile_t *sf, uint64_t len) {
+  CKPT_HELD(&sf->lock);
   if (sf->stream < 0)
     return;
   ckpt_streams_t *st = sf->streams;
@@ -405,6 +409,7 @@ int ckpt__stream_fd(const ckpt_sfile_t *sf) {
 }
 
 int ckpt__stream_own(ckpt_streams_t *st, ckpt_sfile_t *sf, int fd) {
+  CKPT_HELD(&sf->lock);
   int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (own < 0)
     return -errno;

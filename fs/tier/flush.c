@@ -40,7 +40,7 @@
  *      EEXIST with BACKING_DIR/NAME of this save: another flusher did;
  *   5. the record is removed and .flush fsynced; then, under the node's
  *      lock, the tier copy if no record of the save is left in the tier.
- * Partner records (level partner, fs/partner.c): the rank that received
+ * Partner records (level partner, fs/commit/partner.c): the rank that received
  * owner rank R's files writes TIER/.flush/SAVE_ID.R with a line "partner
  * HOST" (R's host), fsynced before its RESULT. Such a record is the
  * node's lowest rank's (mine) and is flushed only when the owner cannot:
@@ -806,6 +806,7 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
 /* The first job due now, unlinked; else NULL and *next, the time the
  * first one is due. f->lock held. */
 static flush_job_t *take_due(ckpt_flush_t *f, double *next) {
+  CKPT_HELD(&f->lock);
   double now = ckpt__mono_now();
   *next = INFINITY;
   for (flush_job_t **p = &f->head, *prev = NULL; *p; prev = *p, p = &(*p)->next) {

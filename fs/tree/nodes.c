@@ -137,6 +137,7 @@ static void unlink_child(ckpt_node_t *n) {
 ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
                             const char *name, ckpt_node_kind_t kind,
                             mode_t mode, ckpt_ckpt_t *ck) {
+  CKPT_HELD(&fs->lock);
   ckpt_node_t *n = calloc(1, sizeof(*n));
   if (!n)
     return NULL;
@@ -166,6 +167,7 @@ ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
 }
 
 ckpt_node_t *ckpt__node_by_ino_any(ckpt_fs_t *fs, uint64_t ino) {
+  CKPT_HELD(&fs->lock);
   for (ckpt_node_t *n = fs->ino_hash[hash_ino(ino, fs->hash_size)]; n;
        n = n->hnext_ino)
     if (n->ino == ino)
@@ -174,12 +176,14 @@ ckpt_node_t *ckpt__node_by_ino_any(ckpt_fs_t *fs, uint64_t ino) {
 }
 
 ckpt_node_t *ckpt__node_by_ino(ckpt_fs_t *fs, uint64_t ino) {
+  CKPT_HELD(&fs->lock);
   ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
   return n && n->attached ? n : NULL;
 }
 
 ckpt_node_t *ckpt__node_child(ckpt_fs_t *fs, ckpt_node_t *dir,
                               const char *name) {
+  CKPT_HELD(&fs->lock);
   for (ckpt_node_t *n = fs->name_hash[hash_name(dir, name, fs->hash_size)];
        n; n = n->hnext_name)
     if (n->parent == dir && strcmp(n->name, name) == 0)
@@ -223,6 +227,7 @@ static void node_free(ckpt_fs_t *fs, ckpt_node_t *n) {
 }
 
 void ckpt__node_unref(ckpt_fs_t *fs, ckpt_node_t *n) {
+  CKPT_HELD(&fs->lock);
   assert(n->refs > 0);
   if (--n->refs == 0 && !n->attached)
     node_free(fs, n);
@@ -246,6 +251,7 @@ static void detach_one(ckpt_fs_t *fs, ckpt_node_t *n) {
 }
 
 void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
+  CKPT_HELD(&fs->lock);
   assert(n->attached && n->kind != CKPT_NODE_ROOT);
   /* Leaves first, without recursion: a tree may be thousands of
    * directories deep (a committed path from any .metadata). */
@@ -263,6 +269,7 @@ void ckpt__node_detach(ckpt_fs_t *fs, ckpt_node_t *n) {
 
 void ckpt__node_move(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *newparent,
                      const char *newname) {
+  CKPT_HELD(&fs->lock);
   assert(n->attached);
   char *name = strdup(newname);
   if (!name)
@@ -303,6 +310,7 @@ char *ckpt__node_path(const ckpt_node_t *n) {
  * ---------------------------------------------------------------------- */
 
 ckpt_ckpt_t *ckpt__ckpt_new(ckpt_fs_t *fs, const char *name) {
+  CKPT_HELD(&fs->lock);
   ckpt_ckpt_t *ck = calloc(1, sizeof(*ck));
   if (!ck)
     return NULL;
@@ -356,6 +364,7 @@ void ckpt__ckpt_unref(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
 }
 
 ckpt_node_t *ckpt__ckpt_lookup(ckpt_fs_t *fs, const char *name) {
+  CKPT_HELD(&fs->lock);
   ckpt_node_t *n = ckpt__node_child(fs, fs->root, name);
   return n && n->kind == CKPT_NODE_CKPT ? n : NULL;
 }
@@ -372,8 +381,10 @@ int ckpt__tree_init(ckpt_fs_t *fs) {
   fs->next_ino = FUSE_ROOT_ID + 1;
   if (!fs->ino_hash || !fs->name_hash)
     return -ENOMEM;
+  pthread_mutex_lock(&fs->lock);
   fs->root = ckpt__node_new(fs, NULL, "", CKPT_NODE_ROOT, S_IFDIR | 0755,
                             NULL);
+  pthread_mutex_unlock(&fs->lock);
   return fs->root ? 0 : -ENOMEM;
 }
 

@@ -7,7 +7,7 @@ seconds, each rank discards what it staged, and the others raise
 CommitError saying another rank failed. ckpt.save, ckptfs.async_save and
 ckptfs.dcp.Writer all do this. A solo save has no other rank to tell.
 The item's user.ckpt.fqn is the rank's reason: the daemon fails the save
-with "rank R aborted the save: REASON" (fs/save.c, aborted_by), never
+with "rank R aborted the save: REASON" (fs/commit/save.c, aborted_by), never
 naming the item (a daemon older than that names it:
 "_ckptfs_abort (...): rank R wrote 0 bytes, 4 expected")."""
 

@@ -287,7 +287,7 @@ class HungPartner(PartnerCase):
 
 
 class PartnerFlush(PartnerCase):
-    """Every node alive: the partner copies are not flushed (fs/flush.c,
+    """Every node alive: the partner copies are not flushed (fs/tier/flush.c,
     docs/tiers.md "Flush of partner copies"): each owner's flush copies its
     files, and each partner record is dropped. Rank 0 has 8 MiB, rank 1
     1 MiB, flush_rate=4M: node 1's flush looks at rank 0's copies while

@@ -62,7 +62,7 @@ from ckpttest import util as cu
 from ckpttest.util import CkptfsTestCase, commit, read_all, status, write_tensor, wait_state
 
 ROUNDS = 25
-CKPT_SCAN_MAX_AGE = 1.0  # fs_int.h
+CKPT_SCAN_MAX_AGE = 1.0  # fs/core/fs.h
 
 
 def fsck(backing, *names):

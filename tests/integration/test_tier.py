@@ -127,7 +127,7 @@ class TierCase(CkptfsTestCase):
     def wait_flush_done(self, name="c", timeout=20):
         """After `location shared` the flush still drops its record,
         removes the tier's copy and tidies BACKING_DIR/.staging
-        (fs/flush.c, a thread at nice 10): wait for those."""
+        (fs/tier/flush.c, a thread at nice 10): wait for those."""
         deadline = time.monotonic() + timeout
         while self.records() or os.path.exists(os.path.join(self.tier, name)) or \
                 os.path.exists(os.path.join(self.backing, ".staging")):
@@ -259,7 +259,7 @@ class Flush(TierCase):
     def test_flush_superseded_by_a_later_commit(self):
         """A tier commit of d whose flush (64 MiB at flush_rate=16M: 4 s)
         finds d committed meanwhile through a mount without the tier: that
-        later commit stays d everywhere (fs/resolve.c), the flush publishes
+        later commit stays d everywhere (fs/read/resolve.c), the flush publishes
         nothing, and d's .status and the log say the save was superseded;
         its record and tier copy go."""
         self.tier_mount("flush_rate=16M")
