@@ -4,7 +4,7 @@
 # libfuse 3.17 built from Debian 13's source package fuse3 into .deps/fuse3
 # (for FUSE passthrough; CMake uses it when present); then the virtual
 # environment .venv (Python 3.11) with torch 2.13.0 (CPU build), numpy,
-# safetensors, transformers, accelerate and lightning (the writers the
+# safetensors, transformers, accelerate, lightning and h5py (the writers the
 # integration tests save with), prometheus-client (its parser reads the
 # metrics file in the metrics test) and the ckptfs package from python/ (editable).
 # Run as root (or with sudo) on Debian 12 (bookworm) or later.
@@ -149,12 +149,13 @@ if [ -z "$py" ]; then
   echo "install-deps: no Python 3.11 with venv (torch 2.13.0's CPU build is for 3.11)" >&2
   exit 1
 fi
-want="torch==2.13.0 numpy safetensors transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6 prometheus-client==0.26.0"
+want="torch==2.13.0 numpy==2.4.6 safetensors==0.8.0 transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6 prometheus-client==0.26.0 h5py==3.12.1"
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c \
-    'import sys, torch, numpy, safetensors, transformers, accelerate, lightning, prometheus_client, ckptfs
+    'import sys, torch, numpy, safetensors, transformers, accelerate, lightning, prometheus_client, h5py, ckptfs
 from importlib.metadata import version
 assert sys.version_info[:2] == (3, 11); assert torch.__version__.startswith("2.13.0")
 assert (transformers.__version__, accelerate.__version__, lightning.__version__) == ("5.18.0", "1.15.0", "2.6.6")
+assert (numpy.__version__, safetensors.__version__, h5py.__version__) == ("2.4.6", "0.8.0", "3.12.1")
 assert version("prometheus-client") == "0.26.0"' 2>/dev/null; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install --disable-pip-version-check -q $want
@@ -162,7 +163,7 @@ assert version("prometheus-client") == "0.26.0"' 2>/dev/null; then
 fi
 "$venv/bin/python" -c 'import torch, numpy, safetensors, transformers, accelerate, lightning, ckptfs
 from importlib.metadata import version
-print("install-deps: %s: torch %s, numpy %s, safetensors %s, transformers %s, accelerate %s, lightning %s, prometheus-client %s"
+print("install-deps: %s: torch %s, numpy %s, safetensors %s, transformers %s, accelerate %s, lightning %s, prometheus-client %s, h5py %s"
       % (__import__("sys").prefix, torch.__version__, numpy.__version__, safetensors.__version__,
          transformers.__version__, accelerate.__version__, lightning.__version__,
-         version("prometheus-client")))'
+         version("prometheus-client"), version("h5py")))'

@@ -473,6 +473,38 @@ static void zero_punches_whole_segments(void **state) {
 /* The walk's pieces cover the file in order: RAM as KEPT, never-written
  * ranges as HOLEs, a small segment 0's unallocated tail as a HOLE; a
  * non-zero return stops it. */
+/* SEEK_DATA and SEEK_HOLE, and the bytes allocated: a segment never
+ * written (or zeroed whole) is a hole, the end of the file is one. */
+static void holes_seek_and_allocation(void **state) {
+  fixture_t *fx = *state;
+  ckpt_sfile_t *sf = ckpt__sfile_new(&fx->st, NULL);
+  assert_non_null(sf);
+  model_t m;
+  model_init(&m, 6 * MiB);
+  put(sf, &m, 0, SEG, 1, 1 << 20);           /* segment 0 */
+  put(sf, &m, 3 * SEG + 7, 100, 2, 100);     /* in segment 3 */
+  assert_int_equal(ckpt__sfile_truncate(sf, 5 * SEG), 0);
+  model_truncate(&m, 5 * SEG);
+  check_model(sf, &m);
+  assert_int_equal(ckpt__sfile_allocated(sf), 2 * SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, 0, SEEK_DATA), 0);
+  assert_int_equal(ckpt__sfile_seek(sf, 10, SEEK_HOLE), SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, SEG + 1, SEEK_DATA), 3 * SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, 3 * SEG + 9, SEEK_DATA), 3 * SEG + 9);
+  assert_int_equal(ckpt__sfile_seek(sf, 3 * SEG, SEEK_HOLE), 4 * SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, 4 * SEG, SEEK_DATA), -ENXIO);
+  assert_int_equal(ckpt__sfile_seek(sf, 4 * SEG, SEEK_HOLE), 4 * SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, 5 * SEG, SEEK_HOLE), -ENXIO);
+  assert_int_equal(ckpt__sfile_seek(sf, 0, SEEK_SET), -EINVAL);
+  /* zeroing segment 0 whole makes it a hole too */
+  assert_int_equal(ckpt__sfile_zero(sf, 0, SEG), 0);
+  assert_int_equal(ckpt__sfile_allocated(sf), SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, 0, SEEK_DATA), 3 * SEG);
+  assert_int_equal(ckpt__sfile_seek(sf, 0, SEEK_HOLE), 0);
+  ckpt__sfile_free(sf);
+  free(m.b);
+}
+
 static void walk_pieces_cover_file_in_order(void **state) {
   fixture_t *fx = *state;
   ckpt_sfile_t *sf = ckpt__sfile_new(&fx->st, NULL);
@@ -989,6 +1021,8 @@ int main(void) {
                                       setup_roomy, teardown),
       cmocka_unit_test_setup_teardown(zero_punches_whole_segments,
                                       setup_roomy, teardown),
+      cmocka_unit_test_setup_teardown(holes_seek_and_allocation, setup_roomy,
+                                      teardown),
       cmocka_unit_test_setup_teardown(walk_pieces_cover_file_in_order,
                                       setup_roomy, teardown),
       cmocka_unit_test_setup_teardown(spill_beyond_staging_mem, setup_tight,

@@ -232,6 +232,46 @@ static int loaded_root(ckpt_fs_t *fs, const ckpt_ckpt_t *ck) {
   return fs->backing_fd;
 }
 
+/* The bytes committed item n takes in its data files: its runs' data
+ * extents (SEEK_DATA/SEEK_HOLE), at most CKPT_ALLOC_STEPS lookups, the
+ * rest counted whole; looked at once (a committed item does not change).
+ * fs->lock held. */
+#define CKPT_ALLOC_STEPS 4096
+static uint64_t committed_allocated(ckpt_node_t *n) {
+  if (n->allocated)
+    return n->allocated - 1;
+  const ckpt_stored_t *s = &n->ck->stored;
+  ckpt_item_t it = ckpt__node_item(n);
+  uint64_t size = ckpt_stored_size(s, it), off = 0, bytes = 0;
+  int steps = 0;
+  while (off < size && steps < CKPT_ALLOC_STEPS) {
+    uint64_t left = size - off;
+    ckpt_fdref_t ref;
+    uint64_t pos;
+    size_t len;
+    if (ckpt_stored_span(s, it, left > SIZE_MAX ? SIZE_MAX : (size_t)left,
+                         off, &ref, &pos, &len) != 1 || len == 0)
+      break;
+    uint64_t at = pos, end = pos + len;
+    while (at < end && steps++ < CKPT_ALLOC_STEPS) {
+      off_t d = lseek(ref.fd, (off_t)at, SEEK_DATA);
+      if (d < 0 || (uint64_t)d >= end)
+        break; /* a hole to the end of the run */
+      off_t h = lseek(ref.fd, d, SEEK_HOLE);
+      uint64_t stop = h < 0 || (uint64_t)h > end ? end : (uint64_t)h;
+      bytes += stop - (uint64_t)d;
+      at = stop;
+    }
+    if (at < end && steps >= CKPT_ALLOC_STEPS)
+      bytes += end - at;
+    ckpt_fdref_put(&ref);
+    off += len;
+  }
+  bytes += size - off; /* not looked at: counted whole */
+  n->allocated = bytes + 1;
+  return bytes;
+}
+
 /* fs->lock held. */
 void ckpt__op_fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   CKPT_HELD(&fs->lock);
@@ -288,6 +328,12 @@ void ckpt__op_fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   }
   /* st_size <= INT64_MAX (metadb bounds every size): no overflow here. */
   st->st_blocks = st->st_size / 512 + (st->st_size % 512 != 0);
+  /* what the bytes take where they are: holes take nothing, so that cp
+   * and tar -S find a sparse file sparse */
+  if (n->kind == CKPT_NODE_SFILE)
+    st->st_blocks = (blkcnt_t)((ckpt__sfile_allocated(n->u.sf) + 511) / 512);
+  else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB)
+    st->st_blocks = (blkcnt_t)((committed_allocated(n) + 511) / 512);
 }
 
 double ckpt__op_node_timeout(const ckpt_node_t *n) {
@@ -406,11 +452,13 @@ void ckpt__op_reply_copy(fuse_req_t req, const char *p, size_t n) {
   free(copy);
 }
 
-/* Staged files opened write-only skip the kernel's page cache: each write
- * request carries the trainer's own pages, copied once, into staging or
- * its stream, instead of first into cache pages the mount never reads
- * back (and that would double the memory a save takes). O_RDWR keeps the
- * cache, so a shared writable mmap (np.memmap "w+") still works. */
+/* Staged files opened write-only on the daemon's path skip the kernel's
+ * page cache: each write request carries the trainer's own pages, copied
+ * once, into staging or its stream, instead of first into cache pages the
+ * mount never reads back (and that would double the memory a save takes).
+ * O_RDWR keeps the cache, so a shared writable mmap (np.memmap "w+")
+ * still works. (A file created for writing, read-write too, is passed
+ * through where passthrough is on: the kernel writes its backing file.) */
 bool ckpt__op_writes_direct(const ckpt_node_t *n,
                           const struct fuse_file_info *fi) {
   return n->kind == CKPT_NODE_SFILE && (fi->flags & O_ACCMODE) == O_WRONLY;

@@ -288,7 +288,7 @@ void ckpt__op_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     h->writer = n->kind == CKPT_NODE_SFILE;
     fi->fh = (uintptr_t)h;
     fi->direct_io = n->kind == CKPT_NODE_COMMIT || ckpt__op_writes_direct(n, fi);
-    if (ckpt__op_writes_direct(n, fi))
+    if (n->kind == CKPT_NODE_SFILE && (fi->flags & O_ACCMODE) != O_RDONLY)
       ckpt__op_pt_open(req, n, h, fi, true); /* else the daemon's path */
     if (kill && h->pt)
       ckpt__op_kill_suidgid(n);

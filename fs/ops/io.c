@@ -630,3 +630,72 @@ void ckpt__op_drop_handle(fuse_req_t req, handle_t *h) {
   pthread_mutex_unlock(&fs->lock);
   ckpt__op_free_handle(h);
 }
+
+/* SEEK_DATA or SEEK_HOLE from off in committed item n: inside each run of
+ * one data file, that file's own holes (a sparse file committed stays
+ * sparse: cp, tar -S and rsync -S skip its holes); runs are followed one
+ * after the other, at most CKPT_SEEK_RUNS of them, then the rest counts
+ * as data (a valid answer: a filesystem need not report holes). */
+#define CKPT_SEEK_RUNS 4096
+static int64_t committed_seek(ckpt_node_t *n, uint64_t off, int whence) {
+  const ckpt_stored_t *s = &n->ck->stored;
+  ckpt_item_t it = ckpt__node_item(n);
+  uint64_t size = ckpt_stored_size(s, it);
+  if (off >= size)
+    return -ENXIO;
+  for (int runs = 0; off < size && runs < CKPT_SEEK_RUNS; runs++) {
+    uint64_t left = size - off;
+    size_t want = left > SIZE_MAX ? SIZE_MAX : (size_t)left;
+    ckpt_fdref_t ref;
+    uint64_t pos;
+    size_t len;
+    int one = ckpt_stored_span(s, it, want, off, &ref, &pos, &len);
+    if (one < 0)
+      return one;
+    if (one == 0 || len == 0) /* assembled from several places: data */
+      return whence == SEEK_DATA ? (int64_t)off : (int64_t)size;
+    off_t o = lseek(ref.fd, (off_t)pos, whence);
+    int e = errno;
+    ckpt_fdref_put(&ref);
+    if (o < 0 && e != ENXIO)
+      return -e;
+    /* within the run: found there (ENXIO: no data left in the file) */
+    if (o >= 0 && (uint64_t)o < pos + len)
+      return (int64_t)(off + ((uint64_t)o - pos));
+    if (whence == SEEK_DATA && o < 0 && len == want)
+      return -ENXIO;
+    off += len; /* the run is all hole (DATA) or all data (HOLE) */
+  }
+  return whence == SEEK_DATA ? (off < size ? (int64_t)off : -ENXIO)
+                             : (int64_t)size;
+}
+
+/* lseek(2) with SEEK_DATA or SEEK_HOLE (the kernel answers the others
+ * itself): staged files from their segments or backing file, committed
+ * items from their data files; generated files are data throughout. */
+void ckpt__op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
+                    struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_lseek);
+  (void)ino;
+  handle_t *h = ckpt__op_handle_of(fi);
+  ckpt_node_t *n = h->node;
+  int64_t r;
+  if (off < 0 || (whence != SEEK_DATA && whence != SEEK_HOLE)) {
+    r = -EINVAL;
+  } else if (n->kind == CKPT_NODE_SFILE) {
+    r = ckpt__sfile_seek(n->u.sf, (uint64_t)off, whence);
+  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
+    r = committed_seek(n, (uint64_t)off, whence);
+  } else {
+    ckpt_fs_t *fs = ckpt__op_fs_of(req);
+    struct stat st;
+    pthread_mutex_lock(&fs->lock);
+    ckpt__op_fill_attr(fs, n, &st);
+    pthread_mutex_unlock(&fs->lock);
+    r = off >= st.st_size ? -ENXIO : whence == SEEK_DATA ? off : st.st_size;
+  }
+  if (r < 0)
+    fuse_reply_err(req, (int)-r);
+  else
+    fuse_reply_lseek(req, (off_t)r);
+}

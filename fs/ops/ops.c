@@ -98,4 +98,5 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .removexattr = ckpt__op_removexattr,
     .statfs = ckpt__op_statfs,
     .access = ckpt__op_access,
+    .lseek = ckpt__op_lseek,
 };

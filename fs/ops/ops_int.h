@@ -118,6 +118,8 @@ void ckpt__op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name);
 bool ckpt__op_unflushed(ckpt_ckpt_t *ck);
 
 /* io.c */
+void ckpt__op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
+                    struct fuse_file_info *fi);
 void ckpt__op_drop_handle(fuse_req_t req, handle_t *h);
 void ckpt__op_flush(fuse_req_t req, fuse_ino_t ino,
                      struct fuse_file_info *fi);

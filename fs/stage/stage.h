@@ -250,6 +250,15 @@ ssize_t ckpt__sfile_write(ckpt_sfile_t *sf, const void *buf, size_t n,
 ssize_t ckpt__sfile_read(ckpt_sfile_t *sf, void *buf, size_t n, uint64_t off);
 int ckpt__sfile_truncate(ckpt_sfile_t *sf, uint64_t size);
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf);
+/* Bytes the contents take where they are (st_blocks * 512): the backing
+ * file's allocation, a stream's run, or the segments in RAM and spilled
+ * (holes take none). Takes sf->lock. */
+uint64_t ckpt__sfile_allocated(ckpt_sfile_t *sf);
+/* lseek(2)'s SEEK_DATA or SEEK_HOLE (whence) from off: the offset, -ENXIO
+ * at or past the end, -EINVAL for another whence. Holes are whole 1 MiB
+ * segments never written (or zeroed by fallocate), or the backing file's.
+ * Takes sf->lock. */
+int64_t ckpt__sfile_seek(ckpt_sfile_t *sf, uint64_t off, int whence);
 /* What a piece of a staged file's contents is, for ckpt__sfile_walk. */
 typedef enum {
   CKPT_WALK_KEPT,      /* p stays valid until the file changes */

@@ -742,6 +742,56 @@ out:
   return rc;
 }
 
+uint64_t ckpt__sfile_allocated(ckpt_sfile_t *sf) {
+  pthread_mutex_lock(&sf->lock);
+  uint64_t bytes = 0;
+  struct stat st;
+  if (sf->pt_fd >= 0) {
+    if (fstat(sf->pt_fd, &st) == 0)
+      bytes = (uint64_t)st.st_blocks * 512;
+  } else if (sf->stream >= 0) {
+    bytes = sf->size; /* a run of its stream file, written in full */
+  } else {
+    for (uint32_t i = 0; i < sf->nsegs; i++)
+      bytes += seg_have(sf, i);
+  }
+  pthread_mutex_unlock(&sf->lock);
+  return bytes;
+}
+
+/* SEEK_DATA and SEEK_HOLE over the segments: a segment neither in RAM nor
+ * spilled is a hole; the end of the file is one. sf->lock held. */
+static int64_t seg_seek(const ckpt_sfile_t *sf, uint64_t off, int whence) {
+  for (uint64_t i = off >> CKPT_SEG_SHIFT; i << CKPT_SEG_SHIFT < sf->size;
+       i++) {
+    bool data = seg_have(sf, (uint32_t)i) > 0;
+    if (data == (whence == SEEK_DATA))
+      return (int64_t)(i << CKPT_SEG_SHIFT > off ? i << CKPT_SEG_SHIFT : off);
+  }
+  return whence == SEEK_DATA ? -ENXIO : (int64_t)sf->size;
+}
+
+int64_t ckpt__sfile_seek(ckpt_sfile_t *sf, uint64_t off, int whence) {
+  if (whence != SEEK_DATA && whence != SEEK_HOLE)
+    return -EINVAL;
+  pthread_mutex_lock(&sf->lock);
+  if (sf->pt_fd >= 0 && !sf->pt_sealed)
+    ckpt__stg_pt_refresh(sf);
+  int64_t r;
+  if (off >= sf->size) {
+    r = -ENXIO;
+  } else if (sf->pt_fd >= 0) {
+    off_t o = lseek(sf->pt_fd, (off_t)off, whence);
+    r = o < 0 ? -errno : (int64_t)o;
+  } else if (sf->stream >= 0) {
+    r = whence == SEEK_DATA ? (int64_t)off : (int64_t)sf->size;
+  } else {
+    r = seg_seek(sf, off, whence);
+  }
+  pthread_mutex_unlock(&sf->lock);
+  return r;
+}
+
 uint64_t ckpt__sfile_size(ckpt_sfile_t *sf) {
   pthread_mutex_lock(&sf->lock);
   if (sf->pt_fd >= 0 && !sf->pt_sealed) /* sealed: read at the freeze; a

@@ -84,6 +84,9 @@ struct ckpt_node {
   uint32_t nsubdirs;      /* directory: child directories (st_nlink - 2) */
   uint64_t nlookup;       /* CBLOCK: lookups the kernel has not forgotten;
                              fs->lock */
+  uint64_t allocated;     /* CTENSOR, CBLOB: bytes its data takes in the
+                             data files, plus 1 (0: not looked at yet);
+                             fs->lock */
   struct ckpt_node_pt *cpt; /* CTENSOR, CBLOB read by passthrough: the one
                              backing file all its open handles share (the
                              kernel allows one per inode), or NULL;
