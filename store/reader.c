@@ -298,6 +298,25 @@ static int count_piece(void *arg, const ckpt_piece_t *p) {
   return c->n > 1; /* a second piece: not one span, stop */
 }
 
+int ckpt_stored_run(const ckpt_stored_t *s, ckpt_item_t it, int32_t *rank,
+                    uint32_t *file, uint64_t *pos) {
+  const ckpt_metadata_t *m = s->meta;
+  if (it.blob) {
+    const ckpt_blob_meta_t *b = &m->blobs[it.i];
+    *rank = b->rank, *file = b->file, *pos = b->file_offset;
+    return 1;
+  }
+  const ckpt_tensor_meta_t *t = &m->tensors[it.i];
+  if (t->n_chunks != 1)
+    return 0;
+  const ckpt_chunk_meta_t *c = &m->chunks[t->first_chunk];
+  for (int d = 0; d < t->ndim; d++)
+    if (c->dims[d] != 0 || c->dims[t->ndim + d] != t->shape[d])
+      return 0; /* a part of the tensor: not this item's whole run */
+  *rank = c->rank, *file = c->file, *pos = c->file_offset;
+  return 1;
+}
+
 int ckpt_stored_span(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
                      uint64_t off, ckpt_fdref_t *ref, uint64_t *pos,
                      size_t *len) {

@@ -353,6 +353,11 @@ uint64_t ckpt_stored_size(const ckpt_stored_t *s, ckpt_item_t it);
  * read or -errno (-EIO for missing or short data). */
 ssize_t ckpt_stored_read(const ckpt_stored_t *s, ckpt_item_t it, void *buf,
                          size_t size, uint64_t off);
+/* When the whole of an item is one contiguous run of one data file (a
+ * blob; a tensor stored as one chunk): 1 with that file (rank, K) and
+ * where the run starts in it; else 0. Opens nothing. */
+int ckpt_stored_run(const ckpt_stored_t *s, ckpt_item_t it, int32_t *rank,
+                    uint32_t *file, uint64_t *pos);
 /* When [off, off+size) of an item (clipped) is one contiguous run of one
  * data file: 1 with *ref, *pos and *len set (release *ref), so that it can
  * be spliced. 0 when it must be assembled by ckpt_stored_read, < 0 on

@@ -463,88 +463,118 @@ static void read_ahead(handle_t *h, uint64_t from) {
   }
 }
 
-void ckpt__op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
-                    struct fuse_file_info *fi) {
-  ckpt__metrics_request(req, CKPT_OP_read);
-  (void)ino;
-  ckpt_fs_t *fs = ckpt__op_fs_of(req);
-  handle_t *h = ckpt__op_handle_of(fi);
-  ckpt_node_t *n = h->node;
-  if (n->kind == CKPT_NODE_STATUS) {
-    size_t o = (uint64_t)off < h->len ? (size_t)off : h->len;
-    ckpt__op_reply_copy(req, h->text + o, size < h->len - o ? size : h->len - o);
-    return;
-  }
-  if (ckpt__is_view_kind(n->kind)) {
-    ckpt__view_read(req, n, size, (uint64_t)off);
-    return;
-  }
-  if (n->kind == CKPT_NODE_CBLOCK) {
-    ckpt__block_read(req, n, size, (uint64_t)off);
-    return;
-  }
-  if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
-    const ckpt_stored_t *cs = &n->ck->stored;
-    int bad = ckpt_stored_verify(cs, ckpt__node_item(n), size, (uint64_t)off);
-    if (bad) {
-      fuse_reply_err(req, -bad);
-      return;
-    }
-    /* One contiguous run of a data file (a blob, a row shard): spliced
-     * from the file's page cache, no copy here. */
-    ckpt_fdref_t ref;
-    uint64_t pos;
-    size_t len;
-    int rc = ckpt_stored_span(cs, ckpt__node_item(n), size, (uint64_t)off,
-                              &ref, &pos, &len);
-    if (rc < 0) {
-      fuse_reply_err(req, -rc);
-      return;
-    }
-    if (rc == 1) {
-      if (fs->opts.direct_reads)
-        read_ahead(h, (uint64_t)off + len);
-      struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
-      bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
-      bv.buf[0].fd = ref.fd;
-      bv.buf[0].pos = (off_t)pos;
-      CKPT_SPLICED(n->ck);
-      ckpt__metrics_read(req, len);
-      fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
-      ckpt_fdref_put(&ref); /* the reply has been written */
-      return;
-    }
-  }
+/* Reply with bytes [off, off+size) read by r (a kind's reader into a
+ * buffer): bytes read or -errno. */
+static void reply_read(fuse_req_t req, size_t size,
+                       ssize_t (*r)(fuse_req_t req, handle_t *h, char *buf,
+                                    size_t size, uint64_t off),
+                       handle_t *h, uint64_t off) {
   char *buf = malloc(size ? size : 1);
   if (!buf) {
     fuse_reply_err(req, ENOMEM);
     return;
   }
-  ssize_t r;
-  switch (n->kind) {
-  case CKPT_NODE_SFILE:
-    r = ckpt__sfile_read(n->u.sf, buf, size, (uint64_t)off);
-    break;
-  case CKPT_NODE_CTENSOR:
-  case CKPT_NODE_CBLOB:
-    r = ckpt_stored_read(&n->ck->stored, ckpt__node_item(n), buf, size,
-                         (uint64_t)off);
-    if (r > 0)
-      ckpt__metrics_read(req, (uint64_t)r);
-    break;
-  case CKPT_NODE_METADATA:
-    r = pread(h->fd, buf, size, off);
-    if (r < 0)
-      r = -errno;
-    break;
-  default:
-    r = -EBADF;
-  }
-  if (r < 0)
-    fuse_reply_err(req, (int)-r);
+  ssize_t n = r(req, h, buf, size, off);
+  if (n < 0)
+    fuse_reply_err(req, (int)-n);
   else
-    fuse_reply_buf(req, buf, (size_t)r);
+    fuse_reply_buf(req, buf, (size_t)n);
   free(buf);
+}
+
+static ssize_t sfile_pread(fuse_req_t req, handle_t *h, char *buf,
+                           size_t size, uint64_t off) {
+  (void)req;
+  return ckpt__sfile_read(h->node->u.sf, buf, size, off);
+}
+
+static ssize_t stored_pread(fuse_req_t req, handle_t *h, char *buf,
+                            size_t size, uint64_t off) {
+  ckpt_node_t *n = h->node;
+  ssize_t r = ckpt_stored_read(&n->ck->stored, ckpt__node_item(n), buf, size,
+                               off);
+  if (r > 0)
+    ckpt__metrics_read(req, (uint64_t)r);
+  return r;
+}
+
+static ssize_t metadata_pread(fuse_req_t req, handle_t *h, char *buf,
+                              size_t size, uint64_t off) {
+  (void)req;
+  ssize_t r = pread(h->fd, buf, size, (off_t)off);
+  return r < 0 ? -errno : r;
+}
+
+void ckpt__op_read_staged(fuse_req_t req, handle_t *h, size_t size,
+                          uint64_t off) {
+  reply_read(req, size, sfile_pread, h, off);
+}
+
+void ckpt__op_read_metadata(fuse_req_t req, handle_t *h, size_t size,
+                            uint64_t off) {
+  reply_read(req, size, metadata_pread, h, off);
+}
+
+void ckpt__op_read_status(fuse_req_t req, handle_t *h, size_t size,
+                          uint64_t off) {
+  size_t o = off < h->len ? (size_t)off : h->len;
+  ckpt__op_reply_copy(req, h->text + o, size < h->len - o ? size : h->len - o);
+}
+
+/* A committed tensor or blob: verified first; one contiguous run of a
+ * data file (a blob, a row shard) is spliced from the file's page cache,
+ * no copy here; anything else is assembled. */
+void ckpt__op_read_committed(fuse_req_t req, handle_t *h, size_t size,
+                             uint64_t off) {
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  ckpt_node_t *n = h->node;
+  const ckpt_stored_t *cs = &n->ck->stored;
+  int rc = ckpt_stored_verify(cs, ckpt__node_item(n), size, off);
+  ckpt_fdref_t ref;
+  uint64_t pos;
+  size_t len;
+  if (rc == 0)
+    rc = ckpt_stored_span(cs, ckpt__node_item(n), size, off, &ref, &pos, &len);
+  if (rc < 0) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  if (rc == 0) {
+    reply_read(req, size, stored_pread, h, off);
+    return;
+  }
+  if (fs->opts.direct_reads)
+    read_ahead(h, off + len);
+  struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
+  bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
+  bv.buf[0].fd = ref.fd;
+  bv.buf[0].pos = (off_t)pos;
+  CKPT_SPLICED(n->ck);
+  ckpt__metrics_read(req, len);
+  fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
+  ckpt_fdref_put(&ref); /* the reply has been written */
+}
+
+void ckpt__op_read_view(fuse_req_t req, handle_t *h, size_t size,
+                        uint64_t off) {
+  ckpt__view_read(req, h->node, size, off);
+}
+
+void ckpt__op_read_block(fuse_req_t req, handle_t *h, size_t size,
+                         uint64_t off) {
+  ckpt__block_read(req, h->node, size, off);
+}
+
+void ckpt__op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                   struct fuse_file_info *fi) {
+  ckpt__metrics_request(req, CKPT_OP_read);
+  (void)ino;
+  handle_t *h = ckpt__op_handle_of(fi);
+  const ckpt_op_kind_t *k = ckpt__op_kind(h->node);
+  if (k->read)
+    k->read(req, h, size, (uint64_t)off);
+  else
+    fuse_reply_err(req, EBADF);
 }
 
 /* A staged write of ck failed with ENOSPC and the mount has a tier: the
@@ -637,7 +667,7 @@ void ckpt__op_drop_handle(fuse_req_t req, handle_t *h) {
  * after the other, at most CKPT_SEEK_RUNS of them, then the rest counts
  * as data (a valid answer: a filesystem need not report holes). */
 #define CKPT_SEEK_RUNS 4096
-static int64_t committed_seek(ckpt_node_t *n, uint64_t off, int whence) {
+int64_t ckpt__op_seek_committed(ckpt_node_t *n, uint64_t off, int whence) {
   const ckpt_stored_t *s = &n->ck->stored;
   ckpt_item_t it = ckpt__node_item(n);
   uint64_t size = ckpt_stored_size(s, it);
@@ -670,9 +700,14 @@ static int64_t committed_seek(ckpt_node_t *n, uint64_t off, int whence) {
                              : (int64_t)size;
 }
 
+int64_t ckpt__op_seek_staged(ckpt_node_t *n, uint64_t off, int whence) {
+  return ckpt__sfile_seek(n->u.sf, off, whence);
+}
+
 /* lseek(2) with SEEK_DATA or SEEK_HOLE (the kernel answers the others
- * itself): staged files from their segments or backing file, committed
- * items from their data files; generated files are data throughout. */
+ * itself): the kind's seek (staged files from their segments or backing
+ * file, committed items from their data files); other files are data
+ * throughout. */
 void ckpt__op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
                     struct fuse_file_info *fi) {
   ckpt__metrics_request(req, CKPT_OP_lseek);
@@ -682,10 +717,8 @@ void ckpt__op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
   int64_t r;
   if (off < 0 || (whence != SEEK_DATA && whence != SEEK_HOLE)) {
     r = -EINVAL;
-  } else if (n->kind == CKPT_NODE_SFILE) {
-    r = ckpt__sfile_seek(n->u.sf, (uint64_t)off, whence);
-  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
-    r = committed_seek(n, (uint64_t)off, whence);
+  } else if (ckpt__op_kind(n)->seek) {
+    r = ckpt__op_kind(n)->seek(n, (uint64_t)off, whence);
   } else {
     ckpt_fs_t *fs = ckpt__op_fs_of(req);
     struct stat st;

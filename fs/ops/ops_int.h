@@ -36,6 +36,21 @@ typedef struct ckpt_handle {
  * system call under it). */
 typedef ckpt_presence_t presence_t;
 
+/* kinds.c: what each kind of node does for the I/O requests (NULL: not
+ * that request's; the callbacks answer for it). */
+typedef struct {
+  bool committed;      /* read-only, cached by the kernel */
+  /* Serve a read of handle h (replies to req). */
+  void (*read)(fuse_req_t req, handle_t *h, size_t size, uint64_t off);
+  /* SEEK_DATA or SEEK_HOLE from off: the offset or -errno. */
+  int64_t (*seek)(ckpt_node_t *n, uint64_t off, int whence);
+  /* st_size, and times that differ from the node's. fs->lock held. */
+  void (*attr)(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st);
+  /* Bytes the contents take (st_blocks); NULL: its size. fs->lock held. */
+  uint64_t (*allocated)(ckpt_fs_t *fs, ckpt_node_t *n);
+} ckpt_op_kind_t;
+const ckpt_op_kind_t *ckpt__op_kind(const ckpt_node_t *n);
+
 /* common.c */
 bool ckpt__op_writes_direct(const ckpt_node_t *n,
                           const struct fuse_file_info *fi);
@@ -118,6 +133,20 @@ void ckpt__op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name);
 bool ckpt__op_unflushed(ckpt_ckpt_t *ck);
 
 /* io.c */
+void ckpt__op_read_staged(fuse_req_t req, handle_t *h, size_t size,
+                          uint64_t off);
+void ckpt__op_read_committed(fuse_req_t req, handle_t *h, size_t size,
+                             uint64_t off);
+void ckpt__op_read_metadata(fuse_req_t req, handle_t *h, size_t size,
+                            uint64_t off);
+void ckpt__op_read_status(fuse_req_t req, handle_t *h, size_t size,
+                          uint64_t off);
+void ckpt__op_read_view(fuse_req_t req, handle_t *h, size_t size,
+                        uint64_t off);
+void ckpt__op_read_block(fuse_req_t req, handle_t *h, size_t size,
+                         uint64_t off);
+int64_t ckpt__op_seek_staged(ckpt_node_t *n, uint64_t off, int whence);
+int64_t ckpt__op_seek_committed(ckpt_node_t *n, uint64_t off, int whence);
 void ckpt__op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
                     struct fuse_file_info *fi);
 void ckpt__op_drop_handle(fuse_req_t req, handle_t *h);

@@ -17,6 +17,7 @@ world size, and must show:
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -50,11 +51,13 @@ def pattern(tag, n):
 
 
 def write_backwards(path, data, piece=MiB):
-    """Written last piece first and opened read-write (so not by FUSE
-    passthrough, which takes write-only creates): through the daemon and
-    not streamed behind, so the save's write step copies it into the data
-    file (several write batches)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Made by mknod, then opened read-write (an existing file: not by
+    FUSE passthrough, which takes the files created for writing) and
+    written last piece first: through the daemon and not streamed behind,
+    so the save's write step copies it into the data file (several write
+    batches)."""
+    os.mknod(path, 0o644 | stat.S_IFREG)
+    fd = os.open(path, os.O_RDWR | os.O_TRUNC)
     try:
         for off in reversed(range(0, len(data), piece)):
             os.pwrite(fd, data[off:off + piece], off)

@@ -689,9 +689,9 @@ class Passthrough(CkptfsTestCase):
         m = self.mount_pt()
         os.mkdir(self.ck("k"))
         rw = os.urandom(MiB)
-        with open(self.ck("k", "rw"), "w+b") as f:   # O_RDWR: the daemon's path
-            f.write(rw)
-        self.assertEqual(backing_files(m.proc.pid), {})
+        with open(self.ck("k", "rw"), "w+b") as f:   # created O_RDWR: passed
+            f.write(rw)                              # through too (issue 38)
+        self.assertEqual(sorted(backing_files(m.proc.pid).values()), [MiB])
         big = os.urandom(32 * MiB)
         ino, fd = self.new_backing(m.proc.pid, self.ck("k", "big"), big)
         r = os.open(self.ck("k", "big"), os.O_RDONLY)  # a reader: no writer

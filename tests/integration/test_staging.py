@@ -367,10 +367,13 @@ class StagingOps(CkptfsTestCase):
                              tensor_bytes("int32", [1000, 100], seed=k))
 
     def test_writes_refused_while_committing_and_after(self):
-        """A file written through the daemon (created read-write): a
+        """A file written through the daemon (-o passthrough=0): a
         handle kept open across the commit gets EROFS. (A file written
-        once by FUSE passthrough refuses the commit instead, EBUSY:
-        test_passthrough.)"""
+        once by FUSE passthrough, created write-only or read-write,
+        refuses the commit instead, EBUSY: test_passthrough.)"""
+        self.assertEqual(self.mounts[-1].stop(), 0)
+        self.mount("passthrough=0")
+        os.mkdir(self.ck("s"))
         p = self.ck("s", "w")
         cfd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
         os.write(cfd, b"before")
