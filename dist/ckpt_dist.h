@@ -95,7 +95,10 @@ typedef struct {
   void (*publish_step)(void *ctx, ckpt_dist_job_t *job,
                        const ckpt_buf_t *outcome);
   void (*discard_step)(void *ctx, ckpt_dist_job_t *job, bool all_done);
-  /* Every rank, last: rc 0 and reason NULL when the save is committed. */
+  /* Every rank, last: rc 0 and reason NULL when the save is committed;
+   * else -EEXIST (the name was committed elsewhere), or the -errno of the
+   * failure as this rank saw it (its own step's; -EIO for another rank's
+   * failure, which the reason words), with the reason. */
   void (*done)(void *ctx, ckpt_dist_job_t *job, int rc, const char *reason);
   /* Partner copies, for a job with partner set, on every rank whose
    * write_step succeeded, before its result is sent (the coordinator's

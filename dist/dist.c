@@ -268,11 +268,12 @@ static void send_gave_up(ckpt_dist_t *d, uint32_t seq) {
   ckpt__mpi_send(d, 0, CKPT__TAG_PLAN, &m);
 }
 
-/* rc: 0, -EEXIST (the name was committed elsewhere) or another failure
- * (-EIO for the save). */
+/* rc: 0, -EEXIST (the name was committed elsewhere), or the -errno of the
+ * failure as this rank saw it: its own step's, else -EIO (another rank's,
+ * whose reason says why). */
 static void job_done(ckpt_dist_t *d, ckpt_dist_job_t *job, int rc,
                      const char *reason) {
-  d->ops->done(d->ctx, job, rc == 0 || rc == -EEXIST ? rc : -EIO,
+  d->ops->done(d->ctx, job, rc,
                rc ? (reason && *reason ? reason : "commit failed") : NULL);
 }
 
@@ -454,7 +455,7 @@ static void client_failed(ckpt_dist_t *d, ckpt_dist_job_t *job,
     put_u32(&c->msg, c->round);
     ckpt__mpi_send(d, 0, CKPT__TAG_DISCARDED, &c->msg);
   }
-  job_done(d, job, rc == -EEXIST ? rc : -EIO, (const char *)c->reasons.data);
+  job_done(d, job, rc, (const char *)c->reasons.data);
 }
 
 /* A client's save: PLAN, PLAN_REPLY, writes, RESULT, OUTCOME; each step
@@ -782,7 +783,11 @@ typedef struct {
   arrival_t *results;     /* [size]: each rank's RESULT, then DISCARDED */
   ckpt_buf_t *rank_plans; /* [size]: global_step's plan for each rank */
   ckpt_buf_t reasons;     /* why the round fails (empty: it does not) */
-  int fail_rc;            /* -EIO, or -EEXIST: committed elsewhere */
+  int fail_rc;            /* -EEXIST: committed elsewhere; else the
+                             failure (-EIO, or a step's own -errno): the
+                             frames to the clients carry only which */
+  int own_rc;             /* this rank's own write step's -errno, or 0:
+                             its save's done gets it */
   char *err;              /* a step's reason, not yet framed or freed */
 } round_t;
 
@@ -924,7 +929,7 @@ static bool scatter_plans(ckpt_dist_t *d, round_t *rd) {
   if (rc) {
     ckpt_buf_printf(&rd->reasons, "%s", rd->err ? rd->err : strerror(-rc));
     free(rd->err), rd->err = NULL;
-    rd->fail_rc = rc == -EEXIST ? rc : -EIO;
+    rd->fail_rc = rc;
     return false;
   }
   send_all(d, rd->plans, CKPT__TAG_PLAN_REPLY, rd->round, 0, NULL,
@@ -943,6 +948,7 @@ static void gather_results(ckpt_dist_t *d, round_t *rd) {
   int rc = d->ops->write_step(d->ctx, job, &rd->rank_plans[0], &own_result,
                               &rd->err);
   rc = after_writes(d, job, rd->round, rc, &rd->err);
+  rd->own_rc = rc;
   results[0].in = true;
   framed_step(d, rc, rd->err, &own_result, &results[0].msg);
   rd->err = NULL;
@@ -983,7 +989,7 @@ static bool send_outcome(ckpt_dist_t *d, round_t *rd) {
       if (rc)
         ckpt_buf_printf(&rd->reasons, "%s",
                         rd->err ? rd->err : strerror(-rc));
-      if (rc == -EEXIST)
+      if (rc)
         rd->fail_rc = rc;
       free(rd->err), rd->err = NULL;
     }
@@ -1011,7 +1017,8 @@ static void discard_round(ckpt_dist_t *d, round_t *rd) {
           now() + d->commit_timeout, plans, results,
           "to remove what they wrote of the failed save");
   d->ops->discard_step(d->ctx, rd->job, true);
-  job_done(d, rd->job, rd->fail_rc, (const char *)rd->reasons.data);
+  job_done(d, rd->job, rd->own_rc ? rd->own_rc : rd->fail_rc,
+           (const char *)rd->reasons.data);
 }
 
 /* A round failed before its writes: nothing was written; tell the
@@ -1021,7 +1028,8 @@ static void fail_unwritten(ckpt_dist_t *d, round_t *rd) {
     send_all(d, rd->plans, CKPT__TAG_PLAN_REPLY, rd->round, rd->fail_rc,
              (const char *)rd->reasons.data, NULL);
   if (rd->job)
-    job_done(d, rd->job, rd->fail_rc, (const char *)rd->reasons.data);
+    job_done(d, rd->job, rd->own_rc ? rd->own_rc : rd->fail_rc,
+           (const char *)rd->reasons.data);
 }
 
 /* Steps 2 to 6, once the plans are in (stopped: GATHER_STOPPED): the

@@ -49,7 +49,6 @@ typedef struct ckpt_save {
   _Atomic int failed_file; /* K of the first data file that failed, or -1 */
   uint64_t *stream_used; /* per stream: bytes its live files use */
   double began;          /* CLOCK_MONOTONIC s of the write to .commit */
-  int step_rc;           /* -errno of the first step that failed here */
   ckpt_partner_rx_t *partner_rx; /* partner copies received (partner.c) */
   char *abandoned;       /* job.cancel: why (ckpt__jobs_gone); fs->lock */
 } ckpt_save_t;

@@ -632,7 +632,6 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
       pthread_mutex_unlock(&fs->lock);
       rc = -EIO;
       outcome = CKPT_COMMIT_FAILED; /* the writer gets EIO */
-      s->step_rc = -EIO;
     }
     free(err);
   } else {
@@ -669,10 +668,7 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   ck->replacing[0] = '\0'; /* TARGET is shown (or the save failed) */
   pthread_mutex_unlock(&fs->lock);
   ckpt__metrics_commit(fs, outcome,
-                       ckpt__metrics_classify(rc == -EEXIST ? rc
-                                              : s->step_rc ? s->step_rc
-                                                           : rc,
-                                              reason),
+                       ckpt__metrics_classify(rc, reason),
                        took);
   ckpt__staging_tidy(fs->commit_fd);
   /* With a tier the flush applies it, once NAME is on BACKING_DIR */
@@ -695,40 +691,6 @@ static void save_done(void *ctx, ckpt_dist_job_t *job, int rc,
   save_free(fs, s);
 }
 
-/* ------------------------------------------------------------------------
- * The steps as dist runs them: the first failure's errno is kept for the
- * metrics (dist passes only -EIO or -EEXIST to save_done).
- * ---------------------------------------------------------------------- */
-
-static int noted(ckpt_dist_job_t *job, int rc) {
-  ckpt_save_t *s = job->user;
-  if (rc && !s->step_rc)
-    s->step_rc = rc;
-  return rc;
-}
-
-static int local_noted(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
-                       char **err) {
-  return noted(job, ckpt__cm_local_step(ctx, job, out, err));
-}
-
-static int global_noted(void *ctx, ckpt_dist_job_t *job,
-                        const ckpt_buf_t *plans, int n,
-                        ckpt_buf_t *rank_plans, char **err) {
-  return noted(job, ckpt__cm_global_step(ctx, job, plans, n, rank_plans, err));
-}
-
-static int write_noted(void *ctx, ckpt_dist_job_t *job,
-                       const ckpt_buf_t *plan, ckpt_buf_t *out, char **err) {
-  return noted(job, ckpt__cm_write_step(ctx, job, plan, out, err));
-}
-
-static int finish_noted(void *ctx, ckpt_dist_job_t *job,
-                        const ckpt_buf_t *results, int n,
-                        ckpt_buf_t *outcome, char **err) {
-  return noted(job, ckpt__cm_finish_step(ctx, job, results, n, outcome, err));
-}
-
 void ckpt__save_view(ckpt_dist_job_t *job, ckpt_save_view_t *v) {
   ckpt_save_t *s = job->user;
   *v = (ckpt_save_view_t){.dirfd = s->dirfd,
@@ -742,19 +704,14 @@ void ckpt__save_view(ckpt_dist_job_t *job, ckpt_save_view_t *v) {
                           .remote = ckpt__cm_remote_node(s->fs, job)};
 }
 
-static int partner_noted(void *ctx, ckpt_dist_job_t *job, int partner,
-                         ckpt_dist_file_t **files, uint32_t *n, char **err) {
-  return noted(job, ckpt__partner_files(ctx, job, partner, files, n, err));
-}
-
 const ckpt_save_ops_t ckpt__save_ops = {
-    .local_step = local_noted,
-    .global_step = global_noted,
-    .write_step = write_noted,
-    .finish_step = finish_noted,
+    .local_step = ckpt__cm_local_step,
+    .global_step = ckpt__cm_global_step,
+    .write_step = ckpt__cm_write_step,
+    .finish_step = ckpt__cm_finish_step,
     .publish_step = ckpt__cm_publish_step,
     .discard_step = ckpt__cm_discard_step,
-    .partner_files = partner_noted,
+    .partner_files = ckpt__partner_files,
     .partner_open = ckpt__partner_open,
     .partner_close = ckpt__partner_close,
     .done = save_done,
