@@ -9,7 +9,7 @@ Four one-rank mounts of ONE BACKING_DIR:
     m2  another private tmpfs tier, -o tier=T2,flush_rate=2M (a slow flush)
     m3  no tier, no options
 
-For CKPT_HISTORY_SECONDS (default 100) writer threads run random
+For CKPT_HISTORY_SECONDS (default 100; the README's test command sets 45) writer threads run random
 operations: commits (`sync`/`async`, `replace=NAME`, `solo`, `step=`,
 `protect`, now and then `level=shared` on a tier mount) of the registers
 ra, rb, rc (every commit a new version, staged under a working name and
