@@ -2,7 +2,7 @@
 # Build ckptfs and run the whole test suite (docs/testing.md says what runs
 # where and why):
 #   1. normal build (RelWithDebInfo): every test but the long runs (label
-#      long), cores+1 at a time (CKPT_TEST_JOBS; most tests wait rather than
+#      long), cores+2 at a time (CKPT_TEST_JOBS; most tests wait rather than
 #      compute; the few that time themselves run alone);
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build: the tests that
 #      exercise memory (label sanitize: unit tests, fuzz corpora, the
@@ -10,7 +10,7 @@
 #      of each kind);
 #   3. ThreadSanitizer build: unit tests and the concurrency tests (label
 #      tsan);
-#   4. libFuzzer: every parser for 20 s.
+#   4. libFuzzer: every parser for 10 s (scripts/fuzz.sh N runs longer).
 # Each stage prints its time, and the total at the end; past the budget
 # (30 minutes: CI allows 90 and must keep room to grow) a warning names the
 # slowest tests. CKPT_LONG=1 adds the long runs (label long) to stage 1
@@ -21,8 +21,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 jobs=$(nproc)
-# tests mostly wait (mounts, commits, timeouts): one more than the cores;
-# a HEAVY test (tests/CMakeLists.txt) takes two of these slots
+# tests mostly wait (mounts, commits, timeouts): two more than the cores
+# in the normal build, one more under the sanitizers (each test computes
+# more there); a HEAVY test (tests/CMakeLists.txt) takes two of these slots
+njobs=${CKPT_TEST_JOBS:-$((jobs + 2))}
 tjobs=${CKPT_TEST_JOBS:-$((jobs + 1))}
 budget=${CKPT_TEST_BUDGET:-1800}   # seconds
 long=${CKPT_LONG:-0}
@@ -78,7 +80,7 @@ else
 fi
 
 stage "build (RelWithDebInfo)" build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
-stage "ctest (normal, -j$tjobs)" run_ctest build normal -j"$tjobs" "${normal_sel[@]}"
+stage "ctest (normal, -j$njobs)" run_ctest build normal -j"$njobs" "${normal_sel[@]}"
 
 stage "build (ASan+UBSan)" build build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON
 asan_ctest() { ASAN_OPTIONS=detect_leaks=1 run_ctest build-asan asan "$@"; }
@@ -87,5 +89,5 @@ stage "ctest (ASan+UBSan, -j$tjobs)" asan_ctest -j"$tjobs" "${asan_sel[@]}"
 stage "build (TSan)" build build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPT_TSAN=ON
 stage "ctest (TSan, -j$tjobs)" run_ctest build-tsan tsan -j"$tjobs" -L 'unit|tsan' -LE long
 
-stage "fuzz (20 s per parser)" scripts/fuzz.sh 20
+stage "fuzz (10 s per parser)" scripts/fuzz.sh 10
 echo "all tests passed"
