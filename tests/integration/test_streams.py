@@ -8,6 +8,7 @@ commit) keeps the bytes right."""
 import errno
 import os
 import shutil
+import time
 
 from ckpttest.util import (CkptfsTestCase, commit, main, read_all, set_tensor_xattrs, state,
                            write_file, write_tensor)
@@ -138,6 +139,11 @@ class Streams(CkptfsTestCase):
         write_file(self.ck("s", "x"), os.urandom(2 * MiB))
         self.assertEqual(sum(tmpfiles(m.proc.pid).values()), 2 * MiB)
         shutil.rmtree(self.ck("s"))
+        # gone once the drain lets go of the file it may still be hashing
+        # (it closed just before the removal; seconds under ASan and load)
+        deadline = time.monotonic() + 10
+        while tmpfiles(m.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.assertEqual(tmpfiles(m.proc.pid), {})
 
     def test_other_daemons_on_the_backing_dir_do_not_interfere(self):
