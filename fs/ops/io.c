@@ -661,11 +661,12 @@ void ckpt__op_drop_handle(fuse_req_t req, handle_t *h) {
   ckpt__op_free_handle(h);
 }
 
-/* SEEK_DATA or SEEK_HOLE from off in committed item n: inside each run of
- * one data file, that file's own holes (a sparse file committed stays
- * sparse: cp, tar -S and rsync -S skip its holes); runs are followed one
- * after the other, at most CKPT_SEEK_RUNS of them, then the rest counts
- * as data (a valid answer: a filesystem need not report holes). */
+/* SEEK_DATA or SEEK_HOLE from off in committed item n: where the rest of
+ * the item is one run of one data file (a blob, a tensor of one chunk),
+ * that file's own holes (a sparse file committed stays sparse: cp, tar -S
+ * and rsync -S skip its holes); where ckpt_stored_span finds it assembled
+ * from several places, data throughout (a valid answer: a filesystem need
+ * not report holes). At most CKPT_SEEK_RUNS lookups. */
 #define CKPT_SEEK_RUNS 4096
 int64_t ckpt__op_seek_committed(ckpt_node_t *n, uint64_t off, int whence) {
   const ckpt_stored_t *s = &n->ck->stored;
