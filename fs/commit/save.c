@@ -81,6 +81,17 @@ static void commit_interrupted(fuse_req_t req, void *arg) {
     fuse_reply_err(req, EINTR);
 }
 
+/* The staged files' list, paths and entries collect_files made. */
+static void free_collected(ckpt_save_t *s) {
+  for (uint32_t i = 0; i < s->nfiles; i++)
+    free(s->paths[i]);
+  free(s->paths);
+  free(s->files);
+  for (uint32_t i = 0; i < s->n_attrs; i++)
+    free(s->attrs[i].path);
+  free(s->attrs);
+}
+
 /* Take the writer's request back from the interrupt: true when it is
  * still unanswered (then it is ours to answer, and no interrupt touches it
  * again), false when the interrupt answered it. */
@@ -102,13 +113,7 @@ static void save_free(ckpt_fs_t *fs, ckpt_save_t *s) {
     s->ck->save = NULL;
   ckpt__ckpt_unref(fs, s->ck);
   pthread_mutex_unlock(&fs->lock);
-  for (uint32_t i = 0; i < s->nfiles; i++)
-    free(s->paths[i]);
-  free(s->paths);
-  free(s->files);
-  for (uint32_t i = 0; i < s->n_attrs; i++)
-    free(s->attrs[i].path);
-  free(s->attrs);
+  free_collected(s);
   free(s->checksums);
   free(s->stream_used);
   if (s->have_gp)
@@ -409,13 +414,7 @@ static void name_busy_writer(ckpt_save_t *s, ckpt_node_t *busy,
 
 /* Free s, a save that never started (its files unreferenced already). */
 static void free_unstarted(ckpt_save_t *s) {
-  for (uint32_t i = 0; i < s->nfiles; i++)
-    free(s->paths[i]);
-  free(s->paths);
-  free(s->files);
-  for (uint32_t i = 0; i < s->n_attrs; i++)
-    free(s->attrs[i].path);
-  free(s->attrs);
+  free_collected(s);
   pthread_mutex_destroy(&s->reply_lock);
   free(s);
 }

@@ -545,14 +545,7 @@ void ckpt__op_read_committed(fuse_req_t req, handle_t *h, size_t size,
   }
   if (fs->opts.direct_reads)
     read_ahead(h, off + len);
-  struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
-  bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
-  bv.buf[0].fd = ref.fd;
-  bv.buf[0].pos = (off_t)pos;
-  CKPT_SPLICED(n->ck);
-  ckpt__metrics_read(req, len);
-  fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
-  ckpt_fdref_put(&ref); /* the reply has been written */
+  ckpt__reply_spliced(req, n->ck, &ref, pos, len);
 }
 
 void ckpt__op_read_view(fuse_req_t req, handle_t *h, size_t size,

@@ -147,14 +147,7 @@ void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
       return;
     }
     if (rc == 1 && len == size) {
-      struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
-      bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
-      bv.buf[0].fd = ref.fd;
-      bv.buf[0].pos = (off_t)pos;
-      CKPT_SPLICED(n->ck);
-      ckpt__metrics_read(req, len);
-      fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
-      ckpt_fdref_put(&ref);
+      ckpt__reply_spliced(req, n->ck, &ref, pos, len);
       return;
     }
     if (rc == 1)
@@ -181,3 +174,15 @@ void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
   }
   free(buf);
 }
+void ckpt__reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, ckpt_fdref_t *ref,
+                         uint64_t pos, size_t len) {
+  struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
+  bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
+  bv.buf[0].fd = ref->fd;
+  bv.buf[0].pos = (off_t)pos;
+  CKPT_SPLICED(ck);
+  ckpt__metrics_read(req, len);
+  fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
+  ckpt_fdref_put(ref); /* the reply has been written */
+}
+

@@ -127,6 +127,10 @@ int ckpt__block_lookup(ckpt_fs_t *fs, ckpt_node_t *dir, const char *name,
  * knows leaves the tree (freed once unreferenced). fs->lock held. */
 void ckpt__block_forget(ckpt_fs_t *fs, ckpt_node_t *n, uint64_t nlookup);
 void ckpt__block_free(ckpt_block_t *b);
+/* Reply to req with [pos, pos+len) of the data file ref holds, spliced
+ * from its page cache (no copy here), counted as read; ref released. */
+void ckpt__reply_spliced(fuse_req_t req, ckpt_ckpt_t *ck, ckpt_fdref_t *ref,
+                         uint64_t pos, size_t len);
 /* Serve a read of block file n (replies to req). */
 void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
                       uint64_t off);
