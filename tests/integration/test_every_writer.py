@@ -30,18 +30,14 @@ import subprocess
 import sys
 
 from ckpttest.pyenv import require_modules, run_py
-from ckpttest.util import CkptfsTestCase, commit, main, state
+from ckpttest.util import CkptfsTestCase, commit, main, rss_kib, state
 from test_passthrough import skip_without_passthrough
 
 MiB = 1 << 20
 
 
 def vm_rss(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return rss_kib(pid) * 1024
 
 
 SAFETENSORS = r'''
