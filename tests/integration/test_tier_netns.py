@@ -62,8 +62,8 @@ PER_RANK = int(os.environ.get("CKPT_TIER_NETNS_MIB", "32")) * MiB
 STORE_BPS = 25 * MiB     # the store's write limit: ~100x below a tmpfs here
 MIN_SLOWDOWN = 10        # issue 27: the shared store >= 10x slower than the tier
 TIER_SPEEDUP = 10        # sync commit with the tier >= 10x faster than without
-DIRECT_GOAL = 1.3        # ... and within 1.3x of writing into the tiers (goal)
-DIRECT_BOUND = 4.0       # what is asserted of that (2 shared cores: noisy)
+DIRECT_GOAL = 1.3        # ... and within 1.3x of writing into the tiers: a goal
+                         # bench/tiers.py measures; printed here, never asserted
 # ranks per node; CKPT_TIER_NETNS_SLOTS=1,0,0 runs the cases a world of one
 # rank can (a check of the test itself on a binary without multi-rank tiers)
 SLOTS = [int(x) for x in os.environ.get("CKPT_TIER_NETNS_SLOTS", "2,2,2").split(",")]
@@ -354,8 +354,10 @@ class PartnerCommit(TierNetnsCase):
             f"without the tier {base_t:.2f}s ({base_t / tier_t:.1f}x), the bytes written into "
             f"the tiers directly {direct_t:.3f}s{net}: the commit {tier_t / direct_t:.2f}x the "
             f"direct write (goal {DIRECT_GOAL}x), {tier_t / floor:.2f}x its floor")
+        # the commit did not wait for the store: a margin of 4x over what a
+        # 2-core machine under sanitizers measured (40x); how close it comes
+        # to the direct write is bench/tiers.py's row, not a timed test's
         self.assertGreaterEqual(base_t / tier_t, TIER_SPEEDUP)
-        self.assertLessEqual(tier_t / floor, DIRECT_BOUND)
         self.read_without_tier("c1", its, w.n)
         self.assertFsckClean()
 
