@@ -208,8 +208,10 @@ class Flush(TierCase):
         flush = time.monotonic() - t0
         print(f"\n  tier commit {took:.3f} s, flush {flush:.2f} s "
               f"({SIZE / MiB / flush:.1f} MiB/s at flush_rate=16M)", file=sys.stderr)
-        self.assertLess(took, 0.5)
         self.assertGreaterEqual(flush, 3.5)
+        # the commit did not wait for the flush (a fixed bound in seconds
+        # would time the machine, not the property)
+        self.assertLess(took, flush / 3)
         # the same commit without a tier, for the record (not asserted:
         # /tmp's speed is the machine's)
         for m in self.mounts:
