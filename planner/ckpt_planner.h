@@ -238,16 +238,54 @@ static inline const int64_t *ckpt_item_sizes(const ckpt_write_item_t *it) {
   return it->ndim > 0 ? it->dims + 2 * it->ndim : it->dims;
 }
 
-/* The owner, permissions and time of one staged file or directory of a
- * checkpoint: committed, it keeps them (read-only). path is relative to
- * the checkpoint ("" is the checkpoint directory itself). */
+/* One extended attribute of a staged entry other than ckptfs's own
+ * user.ckpt.*: a user.* name and its value, kept by the commit. */
+typedef struct {
+  char *name;     /* owned: "user." and more, at most CKPT_XATTR_NAME_MAX */
+  uint8_t *value; /* owned, len bytes (NULL when len is 0) */
+  uint32_t len;
+} ckpt_xattr_t;
+
+/* Bounds of an entry's other extended attributes: a value (E2BIG past
+ * it, as the kernel's own bound), names per entry and bytes of names and
+ * values per entry (ENOSPC past them, as a full inode says). */
+#define CKPT_XATTR_NAME_MAX 255
+#define CKPT_XATTR_VALUE_MAX 65536
+#define CKPT_XATTR_COUNT_MAX 64
+#define CKPT_XATTR_TOTAL_MAX (65536 + 4096) /* one value of the most, names */
+/* The longest symbolic link target (PATH_MAX less its NUL). */
+#define CKPT_LINK_TARGET_MAX 4095
+
+/* What one staged file, directory or symbolic link of a checkpoint was:
+ * committed, it keeps it (read-only). path is relative to the checkpoint
+ * ("" is the checkpoint directory itself). */
 typedef struct {
   char *path;       /* owned */
-  uint32_t mode;    /* S_IFREG or S_IFDIR | permission bits (07777) */
+  uint32_t mode;    /* S_IFREG, S_IFDIR or S_IFLNK | permission bits
+                       (07777; a link's are 0777) */
   uint32_t uid;
   uint32_t gid;
   int64_t mtime_ns; /* since the epoch */
+  char *target;     /* owned or NULL. S_IFLNK: what the link holds, as
+                       written (never resolved). S_IFREG: a hard link: the
+                       path of the file's first name, whose item holds
+                       the bytes (this path has no item of its own). */
+  uint32_t n_xattrs;
+  ckpt_xattr_t *xattrs; /* owned, sorted by name (strcmp), unique */
 } ckpt_entry_attr_t;
+
+/* Free what e owns (not e). */
+void ckpt_entry_attr_free(ckpt_entry_attr_t *e);
+/* A deep copy of src into *dst: 0 or -ENOMEM (nothing to free then). */
+int ckpt_entry_attr_copy(ckpt_entry_attr_t *dst, const ckpt_entry_attr_t *src);
+/* Is e one a checkpoint may hold? -EINVAL (a path over 4095 bytes, a type
+ * other than a file, directory or link, a link without a target of 1 to
+ * CKPT_LINK_TARGET_MAX bytes, a directory with a target, a target holding
+ * NUL), -E2BIG / -ENOSPC (extended attributes past the bounds above, or a
+ * name outside user.* or inside user.ckpt.*, or unsorted: -EINVAL). */
+int ckpt_entry_attr_check(const ckpt_entry_attr_t *e);
+/* Is name one an entry's kept extended attribute may have? */
+bool ckpt_xattr_name_ok(const char *name, size_t len);
 
 /* The local plan of one rank: every staged item, plus the problems the
  * rank found while building it (e.g. a missing required xattr). */
@@ -300,9 +338,11 @@ int ckpt_local_plan_pin(ckpt_local_plan_t *lp, uint32_t index, uint32_t file,
  * -EINVAL for file == CKPT_NO_PIN, -ENOMEM. */
 int ckpt_local_plan_reserve(ckpt_local_plan_t *lp, uint32_t file,
                             uint64_t bytes);
-/* Record the attributes of a staged file or directory (path is copied).
- * -EINVAL for a path over 4095 bytes or a mode that is neither a regular
- * file nor a directory; -ENOMEM. */
+/* Record what a staged file, directory or link is (a deep copy of e),
+ * after ckpt_entry_attr_check: its error, or -ENOMEM. */
+int ckpt_local_plan_add_entry(ckpt_local_plan_t *lp,
+                              const ckpt_entry_attr_t *e);
+/* The same for a file or directory with no target or xattrs. */
 int ckpt_local_plan_add_attr(ckpt_local_plan_t *lp, const char *path,
                              uint32_t mode, uint32_t uid, uint32_t gid,
                              int64_t mtime_ns);
@@ -416,9 +456,9 @@ bool ckpt_metadata_metric(const ckpt_metadata_t *m, const char *key,
 const ckpt_entry_attr_t *ckpt_metadata_entry(const ckpt_metadata_t *m,
                                              const char *path);
 /* Sort entries by path and merge duplicates (the same path staged on
- * several ranks): the permission bits all of them allow, the owner of the
- * first, the latest time. Entries whose types differ keep the first.
- * Frees what it merges away. */
+ * several ranks): the permission bits all of them allow, the owner, link
+ * target and extended attributes of the first, the latest time. Entries
+ * whose types differ keep the first. Frees what it merges away. */
 void ckpt_entries_merge(ckpt_entry_attr_t *e, uint32_t *n);
 
 void ckpt_metadata_free(ckpt_metadata_t *m);

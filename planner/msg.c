@@ -9,7 +9,8 @@
  * last field does. Version 2 added the write-behind fields of the local
  * plan (reservations, pins), version 3 the staged entries' attributes,
  * version 4 the items' explicit FQNs, version 5 the local plan's direct
- * flag (level=shared with a tier); other versions are rejected.
+ * flag (level=shared with a tier), version 6 the entries' link targets
+ * and extended attributes; other versions are rejected.
  *
  *   local plan   "CKLP" version  i32 rank  u8 has_errors [str errors]
  *                u8 direct (0/1)
@@ -21,8 +22,11 @@
  *                  u32 pin_file  [u64 pin_offset unless CKPT_NO_PIN]
  *                  str path
  *                  u8 has_fqn [str fqn: 1..CKPT_FQN_MAX bytes]
- *                u32 n_attrs, then per staged file or directory:
+ *                u32 n_attrs, then per staged file, directory or link:
  *                  str path  u32 mode  u32 uid  u32 gid  i64 mtime_ns
+ *                  u8 has_target [str target]
+ *                  u32 n_xattrs, then per attribute:
+ *                    str name  u32 len  len bytes (any byte)
  *                (without has_fqn the FQN is derived from the path on
  *                decoding, as the encoder leaves it out then; pins and
  *                reservations are validated by the global plan, not here)
@@ -44,7 +48,7 @@
 
 #include "planner_int.h"
 
-#define CKPT_MSG_VERSION 5u
+#define CKPT_MSG_VERSION 6u
 
 static const char magic_local_plan[4] = {'C', 'K', 'L', 'P'};
 static const char magic_rank_plan[4] = {'C', 'K', 'R', 'P'};
@@ -191,6 +195,22 @@ static int get_end(reader_t *r) {
  * Local plan.
  * ---------------------------------------------------------------------- */
 
+static void put_entry(writer_t *w, const ckpt_entry_attr_t *a) {
+  put_str(w, a->path);
+  put_u32(w, a->mode);
+  put_u32(w, a->uid);
+  put_u32(w, a->gid);
+  put_i64(w, a->mtime_ns);
+  put_opt_str(w, a->target);
+  put_u32(w, a->n_xattrs);
+  for (uint32_t k = 0; k < a->n_xattrs; k++) {
+    put_str(w, a->xattrs[k].name);
+    put_u32(w, a->xattrs[k].len);
+    if (a->xattrs[k].len)
+      put_bytes(w, a->xattrs[k].value, a->xattrs[k].len);
+  }
+}
+
 int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
   assert(lp != NULL && out != NULL);
   writer_t w = {.b = out};
@@ -227,14 +247,8 @@ int ckpt_msg_encode_local_plan(const ckpt_local_plan_t *lp, ckpt_buf_t *out) {
     }
   }
   put_u32(&w, lp->n_attrs);
-  for (uint32_t i = 0; i < lp->n_attrs; i++) {
-    const ckpt_entry_attr_t *a = &lp->attrs[i];
-    put_str(&w, a->path);
-    put_u32(&w, a->mode);
-    put_u32(&w, a->uid);
-    put_u32(&w, a->gid);
-    put_i64(&w, a->mtime_ns);
-  }
+  for (uint32_t i = 0; i < lp->n_attrs; i++)
+    put_entry(&w, &lp->attrs[i]);
   return finish(&w, start);
 }
 
@@ -276,6 +290,65 @@ static void get_item(reader_t *r, ckpt_local_plan_t *lp) {
     r->rc = ckpt_local_plan_pin(lp, lp->n_items - 1, pin_file, pin_offset);
 }
 
+/* A string of at most max bytes, copied (NULL and r->rc set otherwise). */
+static char *get_str_copy(reader_t *r, size_t max) {
+  size_t len;
+  const char *s = get_str(r, &len);
+  if (s == NULL || len > max) {
+    fail(r);
+    return NULL;
+  }
+  char *c = strndup(s, len);
+  if (c == NULL)
+    r->rc = -ENOMEM;
+  return c;
+}
+
+/* One entry's extended attributes into e (checked by add_entry). */
+static void get_xattrs(reader_t *r, ckpt_entry_attr_t *e) {
+  uint32_t n = get_u32(r);
+  if (r->rc < 0 || n > CKPT_XATTR_COUNT_MAX || n > r->left / 8) {
+    fail(r);
+    return;
+  }
+  if (n > 0 && !(e->xattrs = calloc(n, sizeof(*e->xattrs)))) {
+    r->rc = -ENOMEM;
+    return;
+  }
+  for (uint32_t k = 0; k < n && r->rc == 0; k++) {
+    ckpt_xattr_t *x = &e->xattrs[e->n_xattrs++];
+    x->name = get_str_copy(r, CKPT_XATTR_NAME_MAX);
+    x->len = get_u32(r);
+    const uint8_t *v = x->len <= CKPT_XATTR_VALUE_MAX ? get_bytes(r, x->len)
+                                                      : NULL;
+    if (r->rc == 0 && v == NULL)
+      fail(r);
+    if (r->rc == 0 && x->len && !(x->value = malloc(x->len)))
+      r->rc = -ENOMEM;
+    if (r->rc == 0 && x->len)
+      memcpy(x->value, v, x->len);
+  }
+}
+
+/* One staged entry, appended to lp (ckpt_local_plan_add_entry checks it). */
+static void get_entry(reader_t *r, ckpt_local_plan_t *lp) {
+  ckpt_entry_attr_t e = {.path = get_str_copy(r, 4095)};
+  e.mode = get_u32(r);
+  e.uid = get_u32(r);
+  e.gid = get_u32(r);
+  e.mtime_ns = get_i64(r);
+  uint8_t has_target = get_u8(r);
+  if (has_target > 1)
+    fail(r);
+  if (has_target == 1 && r->rc == 0)
+    e.target = get_str_copy(r, 4095);
+  if (r->rc == 0)
+    get_xattrs(r, &e);
+  if (r->rc == 0)
+    r->rc = ckpt_local_plan_add_entry(lp, &e);
+  ckpt_entry_attr_free(&e);
+}
+
 int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
   assert((p != NULL || n == 0) && lp != NULL);
   reader_t r = {.p = p, .left = n};
@@ -306,23 +379,11 @@ int ckpt_msg_decode_local_plan(const void *p, size_t n, ckpt_local_plan_t *lp) {
   for (uint32_t i = 0; i < n_items && r.rc == 0; i++)
     get_item(&r, lp);
   uint32_t n_attrs = get_u32(&r);
-  if (n_attrs > r.left / 24) /* path length, mode, uid, gid, mtime */
+  /* path length, mode, uid, gid, mtime, has_target, n_xattrs */
+  if (n_attrs > r.left / 29)
     fail(&r);
-  for (uint32_t i = 0; i < n_attrs && r.rc == 0; i++) {
-    size_t len;
-    const char *path = get_str(&r, &len);
-    uint32_t mode = get_u32(&r), uid = get_u32(&r), gid = get_u32(&r);
-    int64_t mtime = get_i64(&r);
-    if (r.rc < 0)
-      break;
-    char *copy = len <= 4095 ? strndup(path, len) : NULL;
-    if (!copy) {
-      r.rc = len <= 4095 ? -ENOMEM : -EINVAL;
-      break;
-    }
-    r.rc = ckpt_local_plan_add_attr(lp, copy, mode, uid, gid, mtime);
-    free(copy);
-  }
+  for (uint32_t i = 0; i < n_attrs && r.rc == 0; i++)
+    get_entry(&r, lp);
   int rc = get_end(&r);
   if (rc < 0)
     ckpt_local_plan_free(lp);

@@ -73,7 +73,7 @@ void ckpt_metadata_free(ckpt_metadata_t *m) {
   }
   free(m->blobs);
   for (uint32_t i = 0; i < m->n_entries; i++)
-    free(m->entries[i].path);
+    ckpt_entry_attr_free(&m->entries[i]);
   free(m->entries);
   free(m->metrics);
   free(m->replaces);
@@ -88,6 +88,80 @@ bool ckpt_metadata_metric(const ckpt_metadata_t *m, const char *key,
       return true;
     }
   return false;
+}
+
+void ckpt_entry_attr_free(ckpt_entry_attr_t *e) {
+  free(e->path);
+  free(e->target);
+  for (uint32_t i = 0; i < e->n_xattrs; i++) {
+    free(e->xattrs[i].name);
+    free(e->xattrs[i].value);
+  }
+  free(e->xattrs);
+  memset(e, 0, sizeof(*e));
+}
+
+int ckpt_entry_attr_copy(ckpt_entry_attr_t *dst, const ckpt_entry_attr_t *src) {
+  *dst = (ckpt_entry_attr_t){.path = strdup(src->path),
+                             .mode = src->mode,
+                             .uid = src->uid,
+                             .gid = src->gid,
+                             .mtime_ns = src->mtime_ns};
+  bool ok = dst->path != NULL;
+  if (ok && src->target)
+    ok = (dst->target = strdup(src->target)) != NULL;
+  if (ok && src->n_xattrs)
+    ok = (dst->xattrs = calloc(src->n_xattrs, sizeof(*dst->xattrs))) != NULL;
+  for (uint32_t i = 0; ok && i < src->n_xattrs; i++) {
+    const ckpt_xattr_t *x = &src->xattrs[i];
+    ckpt_xattr_t *y = &dst->xattrs[dst->n_xattrs++];
+    y->len = x->len;
+    ok = (y->name = strdup(x->name)) != NULL &&
+         (x->len == 0 || (y->value = malloc(x->len)) != NULL);
+    if (ok && x->len)
+      memcpy(y->value, x->value, x->len);
+  }
+  if (!ok)
+    ckpt_entry_attr_free(dst);
+  return ok ? 0 : -ENOMEM;
+}
+
+bool ckpt_xattr_name_ok(const char *name, size_t len) {
+  return len > 5 && len <= CKPT_XATTR_NAME_MAX &&
+         memcmp(name, "user.", 5) == 0 &&
+         !(len >= 10 && memcmp(name, "user.ckpt.", 10) == 0) &&
+         memchr(name, '\0', len) == NULL;
+}
+
+static int check_xattrs(const ckpt_entry_attr_t *e) {
+  if (e->n_xattrs > CKPT_XATTR_COUNT_MAX)
+    return -ENOSPC;
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < e->n_xattrs; i++) {
+    const ckpt_xattr_t *x = &e->xattrs[i];
+    if (!x->name || !ckpt_xattr_name_ok(x->name, strlen(x->name)) ||
+        (x->len && !x->value) ||
+        (i > 0 && strcmp(e->xattrs[i - 1].name, x->name) >= 0))
+      return -EINVAL;
+    if (x->len > CKPT_XATTR_VALUE_MAX)
+      return -E2BIG;
+    total += strlen(x->name) + x->len;
+  }
+  return total > CKPT_XATTR_TOTAL_MAX ? -ENOSPC : 0;
+}
+
+int ckpt_entry_attr_check(const ckpt_entry_attr_t *e) {
+  uint32_t type = e->mode & 0170000;
+  size_t tlen = e->target ? strlen(e->target) : 0;
+  if (!e->path || strlen(e->path) > 4095 ||
+      (type != 0100000 && type != 0040000 && type != 0120000) ||
+      (e->mode & ~(0170000u | 07777u)))
+    return -EINVAL;
+  if (type == 0120000 ? tlen == 0 || tlen > CKPT_LINK_TARGET_MAX
+                      : e->target && (type == 0040000 || tlen == 0 ||
+                                      tlen > 4095))
+    return -EINVAL;
+  return check_xattrs(e);
 }
 
 static int entry_cmp(const void *a, const void *b) {
@@ -138,7 +212,7 @@ void ckpt_entries_merge(ckpt_entry_attr_t *e, uint32_t *n) {
         if (e[i].mtime_ns > k->mtime_ns)
           k->mtime_ns = e[i].mtime_ns;
       }
-      free(e[i].path);
+      ckpt_entry_attr_free(&e[i]);
       continue;
     }
     e[out++] = e[i];
@@ -173,7 +247,7 @@ void ckpt_local_plan_free(ckpt_local_plan_t *lp) {
   free(lp->errors);
   free(lp->reserved);
   for (uint32_t i = 0; i < lp->n_attrs; i++)
-    free(lp->attrs[i].path);
+    ckpt_entry_attr_free(&lp->attrs[i]);
   free(lp->attrs);
   ckpt_local_plan_init(lp, lp->rank);
 }
@@ -181,11 +255,20 @@ void ckpt_local_plan_free(ckpt_local_plan_t *lp) {
 int ckpt_local_plan_add_attr(ckpt_local_plan_t *lp, const char *path,
                              uint32_t mode, uint32_t uid, uint32_t gid,
                              int64_t mtime_ns) {
-  assert(lp != NULL && path != NULL);
-  uint32_t type = mode & 0170000;
-  if (strlen(path) > 4095 || (type != 0100000 && type != 0040000) ||
-      (mode & ~(0170000u | 07777u)))
-    return -EINVAL;
+  assert(path != NULL);
+  ckpt_entry_attr_t e = {(char *)path, mode, uid, gid, mtime_ns, NULL, 0,
+                         NULL};
+  if ((mode & 0170000) == 0120000)
+    return -EINVAL; /* a link has a target: ckpt_local_plan_add_entry */
+  return ckpt_local_plan_add_entry(lp, &e);
+}
+
+int ckpt_local_plan_add_entry(ckpt_local_plan_t *lp,
+                              const ckpt_entry_attr_t *e) {
+  assert(lp != NULL && e != NULL);
+  int rc = ckpt_entry_attr_check(e);
+  if (rc)
+    return rc;
   if (lp->n_attrs == lp->cap_attrs) {
     uint32_t cap = lp->cap_attrs ? 2 * lp->cap_attrs : 16;
     ckpt_entry_attr_t *a = realloc(lp->attrs, cap * sizeof(*a));
@@ -194,12 +277,9 @@ int ckpt_local_plan_add_attr(ckpt_local_plan_t *lp, const char *path,
     lp->attrs = a;
     lp->cap_attrs = cap;
   }
-  char *copy = strdup(path);
-  if (!copy)
-    return -ENOMEM;
-  lp->attrs[lp->n_attrs++] = (ckpt_entry_attr_t){copy, mode, uid, gid,
-                                                 mtime_ns};
-  return 0;
+  if ((rc = ckpt_entry_attr_copy(&lp->attrs[lp->n_attrs], e)) == 0)
+    lp->n_attrs++;
+  return rc;
 }
 
 int ckpt_local_plan_set_fqn(ckpt_local_plan_t *lp, uint32_t index,
@@ -1988,6 +2068,17 @@ static int finish_report(report_t *r, char **out) {
   return rc;
 }
 
+/* Is path the path of a tensor or bytes item of m? */
+static bool is_item_path(const ckpt_metadata_t *m, const char *path) {
+  for (uint32_t i = 0; i < m->n_tensors; i++)
+    if (strcmp(m->tensors[i].path, path) == 0)
+      return true;
+  for (uint32_t i = 0; i < m->n_blobs; i++)
+    if (strcmp(m->blobs[i].path, path) == 0)
+      return true;
+  return false;
+}
+
 /* The staged files' and directories' attributes of every rank, merged
  * (ckpt_entries_merge: rank order decides the owner). */
 static int build_entries(const ckpt_local_plan_t *locals, int32_t n,
@@ -2004,12 +2095,21 @@ static int build_entries(const ckpt_local_plan_t *locals, int32_t n,
     return -ENOMEM;
   for (int32_t r = 0; r < n; r++)
     for (uint32_t i = 0; i < locals[r].n_attrs; i++) {
-      ckpt_entry_attr_t a = locals[r].attrs[i];
-      if (!(a.path = strdup(a.path)))
+      if (ckpt_entry_attr_copy(&m->entries[m->n_entries], &locals[r].attrs[i]))
         return -ENOMEM; /* the entries so far are freed with m */
-      m->entries[m->n_entries++] = a;
+      m->n_entries++;
     }
   ckpt_entries_merge(m->entries, &m->n_entries);
+  /* A name that is a hard link on one rank and an item of its own on
+   * another is the item (its bytes are stored under it). */
+  for (uint32_t i = 0; i < m->n_entries; i++) {
+    ckpt_entry_attr_t *e = &m->entries[i];
+    if ((e->mode & 0170000) == 0100000 && e->target &&
+        is_item_path(m, e->path)) {
+      free(e->target);
+      e->target = NULL;
+    }
+  }
   return 0;
 }
 

@@ -63,7 +63,10 @@ static const char schema_sql[] =
     /* more than SPEC's four (which welcomes more): the staged files' and
      * directories' modes, owners and times, kept by the commit */
     "CREATE TABLE entries(path TEXT PRIMARY KEY, mode INTEGER, uid INTEGER,"
-    " gid INTEGER, mtime_ns INTEGER);";
+    " gid INTEGER, mtime_ns INTEGER, target TEXT);"
+    /* the other extended attributes of the staged entries (user.*) */
+    "CREATE TABLE xattrs(path TEXT, name TEXT, value BLOB,"
+    " PRIMARY KEY(path, name));";
 /* Built after the rows are in: cheaper than maintaining it per insert. */
 static const char index_sql[] = "CREATE INDEX chunks_fqn ON chunks(fqn);";
 
@@ -316,22 +319,43 @@ static int insert_blobs(writer_t *w, const ckpt_metadata_t *m) {
   return rc;
 }
 
+static int insert_xattrs(writer_t *w, const ckpt_entry_attr_t *e,
+                         sqlite3_stmt *st) {
+  int rc = 0;
+  for (uint32_t k = 0; rc == 0 && k < e->n_xattrs; k++) {
+    const ckpt_xattr_t *x = &e->xattrs[k];
+    int brc = bind_text(st, 1, e->path) | bind_text(st, 2, x->name) |
+              sqlite3_bind_blob(st, 3, x->len ? (const void *)x->value : "",
+                                (int)x->len, SQLITE_STATIC);
+    rc = insert_row(w, st, brc);
+  }
+  return rc;
+}
+
 static int insert_entries(writer_t *w, const ckpt_metadata_t *m) {
-  sqlite3_stmt *st = NULL;
+  sqlite3_stmt *st = NULL, *xst = NULL;
   int rc = prepare(w,
-                   "INSERT INTO entries(path, mode, uid, gid, mtime_ns)"
-                   " VALUES (?, ?, ?, ?, ?)",
+                   "INSERT INTO entries(path, mode, uid, gid, mtime_ns, target)"
+                   " VALUES (?, ?, ?, ?, ?, ?)",
                    &st);
+  if (rc == 0)
+    rc = prepare(w, "INSERT INTO xattrs(path, name, value) VALUES (?, ?, ?)",
+                 &xst);
   for (uint32_t i = 0; rc == 0 && i < m->n_entries; i++) {
     const ckpt_entry_attr_t *e = &m->entries[i];
     int brc = bind_text(st, 1, e->path) |
               sqlite3_bind_int64(st, 2, (sqlite3_int64)e->mode) |
               sqlite3_bind_int64(st, 3, (sqlite3_int64)e->uid) |
               sqlite3_bind_int64(st, 4, (sqlite3_int64)e->gid) |
-              sqlite3_bind_int64(st, 5, (sqlite3_int64)e->mtime_ns);
+              sqlite3_bind_int64(st, 5, (sqlite3_int64)e->mtime_ns) |
+              (e->target ? bind_text(st, 6, e->target)
+                         : sqlite3_bind_null(st, 6));
     rc = insert_row(w, st, brc);
+    if (rc == 0)
+      rc = insert_xattrs(w, e, xst);
   }
   sqlite3_finalize(st);
+  sqlite3_finalize(xst);
   return rc;
 }
 
@@ -486,6 +510,8 @@ typedef struct {
   struct timespec deadline; /* queries are interrupted past it */
   bool timed_out;
   bool has_entries; /* the optional entries table is there */
+  bool has_target;  /* ... with its target column (links) */
+  bool has_xattrs;  /* the optional xattrs table is there */
 } loader_t;
 
 /* Where a row being checked is, for messages. */
@@ -1048,6 +1074,66 @@ static bool entry_path_ok(const char *p) {
   }
 }
 
+/* One row of the xattrs table into its entry (rows come by path, name). */
+static int load_xattr(loader_t *ld, sqlite3_stmt *st, row_t *r) {
+  ckpt_metadata_t *m = ld->m;
+  const char *path = col_text(ld, st, 0, r, NULL);
+  size_t nlen = 0;
+  const char *name = path ? col_text(ld, st, 1, r, &nlen) : NULL;
+  if (!name)
+    return -EINVAL;
+  ckpt_entry_attr_t *e = (ckpt_entry_attr_t *)ckpt_metadata_entry(m, path);
+  if (!e)
+    return row_fail(ld, r, "path '%.64s' has no entries row", path);
+  if (!ckpt_xattr_name_ok(name, nlen))
+    return row_fail(ld, r, "name '%.64s' is not a user.* name ckptfs keeps",
+                    name);
+  int t = sqlite3_column_type(st, 2);
+  int len = sqlite3_column_bytes(st, 2);
+  if (t != SQLITE_BLOB || len > CKPT_XATTR_VALUE_MAX ||
+      e->n_xattrs >= CKPT_XATTR_COUNT_MAX)
+    return row_fail(ld, r, "value of %.64s is not a blob within the bounds "
+                    "(%d values, %d bytes)", name, CKPT_XATTR_COUNT_MAX,
+                    CKPT_XATTR_VALUE_MAX);
+  if (e->n_xattrs % 8 == 0) {
+    ckpt_xattr_t *v = realloc(e->xattrs, (e->n_xattrs + 8) * sizeof(*v));
+    if (!v)
+      return nomem(ld);
+    e->xattrs = v;
+  }
+  ckpt_xattr_t *x = &e->xattrs[e->n_xattrs];
+  *x = (ckpt_xattr_t){.name = strdup(name), .len = (uint32_t)len};
+  if (!x->name || (len && !(x->value = malloc((size_t)len)))) {
+    free(x->name);
+    return nomem(ld);
+  }
+  e->n_xattrs++;
+  if (len)
+    memcpy(x->value, sqlite3_column_blob(st, 2), (size_t)len);
+  return ckpt_entry_attr_check(e) < 0
+             ? row_fail(ld, r, "the attributes of '%.64s' are past the bounds"
+                        " or twice", path)
+             : 0;
+}
+
+/* The optional xattrs table: the entries' other extended attributes. */
+static int load_xattrs(loader_t *ld) {
+  if (!ld->has_xattrs)
+    return 0;
+  row_t r = {.table = "xattrs"};
+  sqlite3_stmt *st = NULL;
+  int rc = lprepare(ld,
+                    "SELECT path, name, value FROM xattrs ORDER BY path"
+                    " COLLATE BINARY, name COLLATE BINARY",
+                    &st);
+  while (rc == 0 && (rc = next_row(ld, st)) == 1) {
+    r.n++;
+    rc = load_xattr(ld, st, &r);
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
 /* The optional entries table: modes, owners and times of what was staged. */
 static int load_entries(loader_t *ld) {
   ckpt_metadata_t *m = ld->m;
@@ -1061,8 +1147,11 @@ static int load_entries(loader_t *ld) {
   sqlite3_stmt *st = NULL;
   if (rc == 0)
     rc = lprepare(ld,
-                  "SELECT path, mode, uid, gid, mtime_ns FROM entries"
-                  " ORDER BY path COLLATE BINARY",
+                  ld->has_target
+                      ? "SELECT path, mode, uid, gid, mtime_ns, target FROM"
+                        " entries ORDER BY path COLLATE BINARY"
+                      : "SELECT path, mode, uid, gid, mtime_ns, NULL FROM"
+                        " entries ORDER BY path COLLATE BINARY",
                   &st);
   while (rc == 0 && (rc = next_row(ld, st)) == 1) {
     if (r.n == m->n_entries) {
@@ -1079,18 +1168,27 @@ static int load_entries(loader_t *ld) {
       break;
     e->mode = (uint32_t)mode, e->uid = (uint32_t)uid, e->gid = (uint32_t)gid;
     e->mtime_ns = mtime;
+    if (sqlite3_column_type(st, 5) != SQLITE_NULL &&
+        (rc = col_strdup(ld, st, 5, &r, &e->target)) < 0)
+      break;
     uint32_t type = e->mode & 0170000;
     if (!entry_path_ok(e->path))
       rc = row_fail(ld, &r, "path '%.64s' is not a checkpoint path", e->path);
-    else if (type != 0100000 && type != 0040000)
-      rc = row_fail(ld, &r, "mode %o is neither a file nor a directory",
-                    e->mode);
+    else if (ckpt_entry_attr_check(e) < 0)
+      rc = row_fail(ld, &r, "mode %o%s is not a file, a directory or a "
+                    "link with its target", e->mode,
+                    e->target ? " with a target" : "");
+    else if (type == 0100000 && e->target && !entry_path_ok(e->target))
+      rc = row_fail(ld, &r, "hard link to '%.64s', not a checkpoint path",
+                    e->target);
     else if (r.n > 1 && strcmp(e[-1].path, e->path) == 0)
       rc = row_fail(ld, &r, "path appears twice");
   }
   sqlite3_finalize(st);
   if (rc == 0)
     m->n_entries = (uint32_t)r.n;
+  if (rc == 0)
+    rc = load_xattrs(ld);
   return rc;
 }
 
@@ -1242,8 +1340,8 @@ static bool has_word(const char *sql, const char *word) {
  * must be there too, else only checkpoint. */
 static int check_schema(loader_t *ld, bool full) {
   static const char *const tables[] = {"checkpoint", "tensors", "chunks",
-                                       "blobs", "entries"};
-  enum { NT = 5 };
+                                       "blobs", "entries", "xattrs"};
+  enum { NT = 6 };
   bool seen[NT] = {false};
   sqlite3_stmt *st = NULL;
   int rc = 0, src = sqlite3_prepare_v2(
@@ -1267,6 +1365,8 @@ static int check_schema(loader_t *ld, bool full) {
     if (!strcmp(type, "table") && t < NT && !strcmp(name, tbl) && sql &&
         !strncmp(sql, "CREATE TABLE", 12) && !has_word(sql, "AS")) {
       seen[t] = true;
+      if (t == 4)
+        ld->has_target = has_word(sql, "target");
     } else if (!strcmp(type, "table") && t < NT && sql &&
                has_word(sql, "AS")) {
       rc = set_err(ld->err, -EINVAL,
@@ -1277,8 +1377,8 @@ static int check_schema(loader_t *ld, bool full) {
     } else {
       rc = set_err(ld->err, -EINVAL,
                    "%s: unexpected schema object: %.16s %.64s (only the "
-                   "tables checkpoint, tensors, chunks, blobs, entries and "
-                   "their indexes are allowed)",
+                   "tables checkpoint, tensors, chunks, blobs, entries, "
+                   "xattrs and their indexes are allowed)",
                    ld->path, type, name);
     }
   }
@@ -1290,7 +1390,8 @@ static int check_schema(loader_t *ld, bool full) {
       rc = set_err(ld->err, -EINVAL, "%s: table %s is missing", ld->path,
                    tables[t]);
   }
-  ld->has_entries = seen[4]; /* optional: older checkpoints lack it */
+  ld->has_entries = seen[4]; /* optional: older checkpoints lack them */
+  ld->has_xattrs = seen[4] && seen[5];
   return rc;
 }
 
@@ -1580,6 +1681,19 @@ static int run_drop(writer_t *w, const char *sql, const char *a,
   return rc;
 }
 
+/* Does the database hold the xattrs table (checkpoints saved before it
+ * was kept do not)? */
+static bool has_xattrs_table(writer_t *w) {
+  sqlite3_stmt *st = NULL;
+  bool yes = prepare(w,
+                     "SELECT 1 FROM sqlite_master WHERE type = 'table' AND"
+                     " name = 'xattrs'",
+                     &st) == 0 &&
+             sqlite3_step(st) == SQLITE_ROW;
+  sqlite3_finalize(st);
+  return yes;
+}
+
 /* The edits of a rewrite, in one transaction: the entry's rows go, the
  * checkpoint table gets the new save ID, the one it replaces and the
  * version number; nothing else changes. */
@@ -1597,6 +1711,9 @@ static int drop_rows(writer_t *w, const ckpt_metadb_drop_t *d,
     rc = run_drop(w, "DELETE FROM blobs WHERE fqn = ?1", d->blob_fqn, NULL);
   if (rc == 0 && d->entry_path && d->has_entries)
     rc = run_drop(w, "DELETE FROM entries WHERE path = ?1", d->entry_path,
+                  NULL);
+  if (rc == 0 && d->entry_path && d->has_entries && has_xattrs_table(w))
+    rc = run_drop(w, "DELETE FROM xattrs WHERE path = ?1", d->entry_path,
                   NULL);
   if (rc == 0)
     rc = run_drop(w,

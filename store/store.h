@@ -386,7 +386,7 @@ int ckpt_stored_verify(const ckpt_stored_t *s, ckpt_item_t it, size_t size,
  * Removal of one entry inside a committed checkpoint (removal.c).
  * ---------------------------------------------------------------------- */
 /* What goes: a tensor or a blob (its rows and its entries row), or an
- * empty directory (dir: its entries row only). */
+ * empty directory or a symbolic link (dir: its entries row only). */
 typedef struct {
   bool dir;
   bool blob;        /* else a tensor (when !dir) */

@@ -2245,6 +2245,71 @@ static void patch(ckpt_buf_t *msg, size_t off, uint64_t v, size_t size) {
 /* Staged entries' attributes: carried by the local plan, merged by the
  * global plan (permissions every rank allows, the lowest rank's owner,
  * the latest time), refused when neither a file nor a directory. */
+/* Links and extended attributes of entries: checked, carried by the
+ * local plan's message byte for byte, merged with the owner's. */
+static void test_entry_links_xattrs(void **state) {
+  (void)state;
+  ckpt_xattr_t xs[2] = {{"user.a", (uint8_t *)"\0\1\377", 3},
+                        {"user.b", NULL, 0}};
+  ckpt_entry_attr_t ln = {"d/ln", 0120777, 1, 2, 3, "../x/../../out", 0, NULL};
+  ckpt_entry_attr_t hl = {"d/f2", 0100644, 1, 2, 3, "f1", 2, xs};
+  ckpt_entry_attr_t dir = {"d", 040755, 1, 2, 3, NULL, 2, xs};
+  assert_int_equal(ckpt_entry_attr_check(&ln), 0);
+  assert_int_equal(ckpt_entry_attr_check(&hl), 0);
+  assert_int_equal(ckpt_entry_attr_check(&dir), 0);
+  /* a link without a target, a directory with one, bad names, bounds */
+  ckpt_entry_attr_t bad = ln;
+  bad.target = NULL;
+  assert_int_equal(ckpt_entry_attr_check(&bad), -EINVAL);
+  bad = dir;
+  bad.target = "x";
+  assert_int_equal(ckpt_entry_attr_check(&bad), -EINVAL);
+  ckpt_xattr_t own = {"user.ckpt.dtype", NULL, 0}, sys = {"trusted.a", NULL, 0};
+  ckpt_xattr_t unsorted[2] = {xs[1], xs[0]};
+  ckpt_xattr_t *bads[] = {&own, &sys, unsorted};
+  uint32_t nbads[] = {1, 1, 2};
+  for (int i = 0; i < 3; i++) {
+    bad = dir;
+    bad.xattrs = bads[i], bad.n_xattrs = nbads[i];
+    assert_int_equal(ckpt_entry_attr_check(&bad), -EINVAL);
+  }
+  static uint8_t big[CKPT_XATTR_VALUE_MAX + 1];
+  ckpt_xattr_t huge = {"user.h", big, CKPT_XATTR_VALUE_MAX + 1};
+  bad = dir;
+  bad.xattrs = &huge, bad.n_xattrs = 1;
+  assert_int_equal(ckpt_entry_attr_check(&bad), -E2BIG);
+  ckpt_xattr_t two[2] = {{"user.h1", big, CKPT_XATTR_VALUE_MAX},
+                         {"user.h2", big, CKPT_XATTR_VALUE_MAX}};
+  bad.xattrs = two, bad.n_xattrs = 2;
+  assert_int_equal(ckpt_entry_attr_check(&bad), -ENOSPC);
+  /* the message keeps every byte */
+  ckpt_local_plan_t lp, back;
+  ckpt_buf_t msg;
+  ckpt_buf_init(&msg);
+  ckpt_local_plan_init(&lp, 0);
+  assert_int_equal(ckpt_local_plan_add_entry(&lp, &ln), 0);
+  assert_int_equal(ckpt_local_plan_add_entry(&lp, &hl), 0);
+  assert_int_equal(ckpt_local_plan_add_entry(&lp, &dir), 0);
+  assert_int_equal(ckpt_msg_encode_local_plan(&lp, &msg), 0);
+  assert_int_equal(ckpt_msg_decode_local_plan(msg.data, msg.len, &back), 0);
+  assert_int_equal(back.n_attrs, 3);
+  assert_string_equal(back.attrs[0].target, "../x/../../out");
+  assert_int_equal(back.attrs[0].mode, 0120777);
+  assert_string_equal(back.attrs[1].target, "f1");
+  assert_null(back.attrs[2].target);
+  assert_int_equal(back.attrs[2].n_xattrs, 2);
+  assert_string_equal(back.attrs[2].xattrs[0].name, "user.a");
+  assert_int_equal(back.attrs[2].xattrs[0].len, 3);
+  assert_memory_equal(back.attrs[2].xattrs[0].value, "\0\1\377", 3);
+  assert_int_equal(back.attrs[2].xattrs[1].len, 0);
+  /* every shorter message is refused */
+  for (size_t n = 0; n < msg.len; n++)
+    assert_int_equal(ckpt_msg_decode_local_plan(msg.data, n, &back), -EINVAL);
+  ckpt_local_plan_free(&back);
+  ckpt_local_plan_free(&lp);
+  ckpt_buf_free(&msg);
+}
+
 static void test_entry_attrs(void **state) {
   (void)state;
   ckpt_local_plan_t lp[2], back;
@@ -2327,7 +2392,8 @@ static void test_msg_local_plan_invalid(void **state) {
       {4, 4, 2},             /* version 2 (no entry attributes) */
       {4, 4, 3},             /* version 3 (no explicit FQNs) */
       {4, 4, 4},             /* version 4 (no direct flag) */
-      {4, 4, 6},             /* a future version */
+      {4, 4, 5},             /* version 5 (no link targets or xattrs) */
+      {4, 4, 7},             /* a future version */
       {8, 4, UINT32_MAX},    /* negative rank */
       {12, 1, 2},            /* has_errors not 0/1 */
       {13, 1, 2},            /* direct not 0/1 */
@@ -2894,6 +2960,7 @@ int main(void) {
       cmocka_unit_test(test_plan_pins_invalid),
       cmocka_unit_test(test_msg_local_plan),
       cmocka_unit_test(test_entry_attrs),
+      cmocka_unit_test(test_entry_links_xattrs),
       cmocka_unit_test(test_msg_local_plan_invalid),
       cmocka_unit_test(test_msg_rank_plan),
       cmocka_unit_test(test_msg_write_result),

@@ -887,9 +887,33 @@ static void xattr_validation(void **state) {
   assert_int_equal(ckpt__sfile_setxattr(sf, "user.ckpt.fqn", big, 4096, 0),
                    0);
   assert_int_equal(strlen(get(sf, "user.ckpt.fqn")), 4096);
-  /* names that are not ours */
-  assert_int_equal(set(sf, "user.other", "1"), -ENOTSUP);
+  /* names that are not ours: other user.* ones are kept, as given */
+  assert_int_equal(set(sf, "trusted.other", "1"), -ENOTSUP);
   assert_int_equal(set(sf, "user.ckpt.dtypes", "F32"), -ENOTSUP);
+  assert_int_equal(ckpt__sfile_setxattr(sf, "user.other", "a\0b", 3, 0), 0);
+  char v[8];
+  assert_int_equal(ckpt__sfile_getxattr(sf, "user.other", v, sizeof(v)), 3);
+  assert_memory_equal(v, "a\0b", 3);
+  assert_int_equal(ckpt__sfile_getxattr(sf, "user.other", v, 2), -ERANGE);
+  static char huge[CKPT_XATTR_VALUE_MAX + 1];
+  assert_int_equal(ckpt__sfile_setxattr(sf, "user.big", huge,
+                                        sizeof(huge), 0), -E2BIG);
+  assert_int_equal(ckpt__sfile_setxattr(sf, "user.big", huge,
+                                        CKPT_XATTR_VALUE_MAX, 0), 0);
+  assert_int_equal(ckpt__sfile_setxattr(sf, "user.big2", huge,
+                                        CKPT_XATTR_VALUE_MAX, 0), -ENOSPC);
+  char name[32];
+  int rc = 0, kept = 2;
+  for (; rc == 0 && kept < CKPT_XATTR_COUNT_MAX + 1; kept++) {
+    snprintf(name, sizeof(name), "user.n%d", kept);
+    rc = ckpt__sfile_setxattr(sf, name, "", 0, 0);
+  }
+  assert_int_equal(rc, -ENOSPC);
+  assert_int_equal(kept - 1, CKPT_XATTR_COUNT_MAX); /* the 65th is refused */
+  assert_int_equal(ckpt__sfile_removexattr(sf, "user.other"), 0);
+  assert_int_equal(ckpt__sfile_removexattr(sf, "user.other"), -ENODATA);
+  assert_int_equal(ckpt__sfile_setxattr(sf, "user.big", "", 0,
+                                        XATTR_CREATE), -EEXIST);
   /* XATTR_CREATE and XATTR_REPLACE */
   assert_int_equal(ckpt__sfile_setxattr(sf, "user.ckpt.dtype", "F16", 3,
                                         XATTR_CREATE),

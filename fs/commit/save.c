@@ -88,7 +88,7 @@ static void free_collected(ckpt_save_t *s) {
   free(s->paths);
   free(s->files);
   for (uint32_t i = 0; i < s->n_attrs; i++)
-    free(s->attrs[i].path);
+    ckpt_entry_attr_free(&s->attrs[i]);
   free(s->attrs);
 }
 
@@ -149,10 +149,21 @@ static int keep_attr(ckpt_save_t *s, const ckpt_node_t *n, char *path) {
   int64_t sec = (int64_t)n->mtime.tv_sec;
   int64_t lim = INT64_MAX / 1000000000 - 1;
   sec = sec > lim ? lim : sec < -lim ? -lim : sec;
-  s->attrs[s->n_attrs++] = (ckpt_entry_attr_t){
-      path, (uint32_t)n->mode, (uint32_t)n->uid, (uint32_t)n->gid,
-      sec * 1000000000 + n->mtime.tv_nsec};
-  return 0;
+  ckpt_entry_attr_t *e = &s->attrs[s->n_attrs++];
+  *e = (ckpt_entry_attr_t){.path = path,
+                           .mode = (uint32_t)n->mode,
+                           .uid = (uint32_t)n->uid,
+                           .gid = (uint32_t)n->gid,
+                           .mtime_ns = sec * 1000000000 + n->mtime.tv_nsec};
+  /* what a link holds, and the other xattrs (a file's are its sf's) */
+  int rc = 0;
+  if (n->kind == CKPT_NODE_SLINK && !(e->target = strdup(n->u.target)))
+    rc = -ENOMEM;
+  else if (n->kind == CKPT_NODE_SFILE)
+    rc = ckpt__sfile_xattrs_copy(n->u.sf, e);
+  else
+    rc = ckpt__xlist_copy_out(&n->xl, e);
+  return rc;
 }
 
 /* Collect the staged files below dir (depth first), and what every file
@@ -168,6 +179,12 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
       int rc = keep_attr(s, c, ckpt__node_path(c));
       if (rc == 0)
         rc = collect_files(s, c, cap);
+      if (rc)
+        return rc;
+      continue;
+    }
+    if (c->kind == CKPT_NODE_SLINK) {
+      int rc = keep_attr(s, c, ckpt__node_path(c));
       if (rc)
         return rc;
       continue;

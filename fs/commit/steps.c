@@ -150,11 +150,8 @@ int ckpt__cm_local_step(void *ctx, ckpt_dist_job_t *job, ckpt_buf_t *out,
     if (s->stream_used[k])
       rc = ckpt_local_plan_reserve(&lp, k, s->stream_used[k]);
   /* What the staged files and directories are: the commit keeps it. */
-  for (uint32_t i = 0; rc == 0 && i < s->n_attrs; i++) {
-    const ckpt_entry_attr_t *a = &s->attrs[i];
-    rc = ckpt_local_plan_add_attr(&lp, a->path, a->mode, a->uid, a->gid,
-                                  a->mtime_ns);
-  }
+  for (uint32_t i = 0; rc == 0 && i < s->n_attrs; i++)
+    rc = ckpt_local_plan_add_entry(&lp, &s->attrs[i]);
   if (rc == 0)
     rc = ckpt_msg_encode_local_plan(&lp, out);
   if (rc)

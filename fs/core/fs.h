@@ -264,7 +264,7 @@ typedef enum {
   X(rmdir) X(rename) X(open) X(flush) X(release) X(read) X(write)             \
   X(fallocate) X(symlink) X(link) X(mknod) X(opendir) X(readdir)              \
   X(releasedir) X(setxattr) X(getxattr) X(listxattr) X(removexattr)           \
-  X(statfs) X(access) X(lseek)
+  X(statfs) X(access) X(lseek) X(readlink)
 #define CKPT_OP_ENUM(op) CKPT_OP_##op,
 typedef enum { CKPT_FUSE_OPS(CKPT_OP_ENUM) CKPT_OPS } ckpt_fuse_op_t;
 #undef CKPT_OP_ENUM

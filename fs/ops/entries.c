@@ -301,13 +301,11 @@ void ckpt__op_create(fuse_req_t req, fuse_ino_t parent, const char *name,
     ckpt__op_drop_handle(req, h); /* the opener is gone: no release will come */
 }
 
-/* A checkpoint is a tree of tensors and bytes items: no symbolic or hard
- * links, device nodes, FIFOs or sockets. EPERM is what POSIX says for a
- * filesystem that does not support the kind of node (the kernel's answer
- * for an operation the daemon lacks, ENOSYS, reads as a bug). */
-/* A checkpoint holds regular files and directories only: anything else is
- * refused with EPERM and a line saying so (cp -a of a tree with a symlink
- * otherwise fails without a word of why). */
+/* A checkpoint holds regular files, directories and symbolic links:
+ * device nodes, FIFOs and sockets are refused with EPERM (what POSIX says
+ * for a filesystem that does not support the kind of node; the kernel's
+ * answer for an operation the daemon lacks, ENOSYS, reads as a bug) and
+ * a line saying so. */
 static void refuse_node(fuse_req_t req, fuse_ino_t parent, const char *name,
                         const char *what) {
   ckpt_fs_t *fs = ckpt__op_fs_of(req);
@@ -324,11 +322,72 @@ static void refuse_node(fuse_req_t req, fuse_ino_t parent, const char *name,
   fuse_reply_err(req, EPERM);
 }
 
+/* A symbolic link in a staged checkpoint: kept as written (any target,
+ * inside the checkpoint or not, dangling or not: the daemon never
+ * follows it) and committed as a link. */
 void ckpt__op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent,
                        const char *name) {
   ckpt__metrics_request(req, CKPT_OP_symlink);
-  (void)link;
-  refuse_node(req, parent, name, "symbolic link");
+  if (!ckpt__op_may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  const struct fuse_ctx *ctx = fuse_req_ctx(req);
+  struct fuse_entry_param e;
+  size_t tlen = strlen(link);
+  char *target = tlen && tlen <= CKPT_LINK_TARGET_MAX ? strdup(link) : NULL;
+  int rc = tlen == 0                       ? -ENOENT
+           : tlen > CKPT_LINK_TARGET_MAX   ? -ENAMETOOLONG
+           : !target                       ? -ENOMEM
+                                           : 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *p = rc ? NULL : ckpt__node_by_ino(fs, parent), *n = NULL;
+  if (rc == 0 && !p)
+    rc = -ESTALE;
+  if (rc == 0 && (rc = can_add(fs, p, name)) == 0 &&
+      !(n = ckpt__node_new(fs, p, name, CKPT_NODE_SLINK, S_IFLNK | 0777,
+                           p->ck)))
+    rc = -ENOMEM;
+  if (rc == 0) {
+    n->u.target = target;
+    target = NULL;
+    n->uid = ctx->uid;
+    n->gid = ctx->gid;
+    ckpt__op_fill_entry(fs, n, &e);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  free(target);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    fuse_reply_entry(req, &e);
+}
+
+void ckpt__op_readlink(fuse_req_t req, fuse_ino_t ino) {
+  ckpt__metrics_request(req, CKPT_OP_readlink);
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  char *copy = NULL;
+  int rc = 0;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino_any(fs, ino);
+  const char *t = !n                          ? NULL
+                  : n->kind == CKPT_NODE_SLINK ? n->u.target
+                  : n->kind == CKPT_NODE_CLINK && n->entry
+                      ? n->ck->meta->entries[n->entry - 1].target
+                      : NULL;
+  if (!n)
+    rc = -ESTALE;
+  else if (!t)
+    rc = -EINVAL; /* not a link */
+  else if (!(copy = strdup(t)))
+    rc = -ENOMEM;
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    fuse_reply_readlink(req, copy);
+  free(copy);
 }
 
 void ckpt__op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,

@@ -98,6 +98,17 @@ static void block_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   st->st_size = (off_t)n->u.block->bytes;
 }
 
+static void slink_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
+  (void)fs;
+  st->st_size = (off_t)strlen(n->u.target);
+}
+
+static void clink_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
+  (void)fs;
+  const char *t = n->entry ? n->ck->meta->entries[n->entry - 1].target : NULL;
+  st->st_size = t ? (off_t)strlen(t) : 0;
+}
+
 #define COMMITTED_ITEM                                                      \
   .committed = true, .read = ckpt__op_read_committed,                       \
   .seek = ckpt__op_seek_committed, .attr = committed_attr,                  \
@@ -128,6 +139,9 @@ static const ckpt_op_kind_t kinds[CKPT_NODE_KINDS] = {
     [CKPT_NODE_VINDEX] = {VIEW_FILE},
     [CKPT_NODE_CBLOCK] = {.committed = true,
                           .read = ckpt__op_read_block, .attr = block_attr},
+    /* links are read by readlink, never opened (the kernel follows them) */
+    [CKPT_NODE_SLINK] = {.attr = slink_attr},
+    [CKPT_NODE_CLINK] = {.committed = true, .attr = clink_attr},
 };
 
 const ckpt_op_kind_t *ckpt__op_kind(const ckpt_node_t *n) {

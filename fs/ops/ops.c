@@ -87,6 +87,7 @@ const struct fuse_lowlevel_ops ckpt__fuse_ops = {
     .write = ckpt__op_write,
     .fallocate = ckpt__op_fallocate,
     .symlink = ckpt__op_symlink,
+    .readlink = ckpt__op_readlink,
     .link = ckpt__op_link,
     .mknod = ckpt__op_mknod,
     .opendir = ckpt__op_opendir,

@@ -123,6 +123,7 @@ void ckpt__op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr,
                        int to_set, struct fuse_file_info *fi);
 void ckpt__op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent,
                        const char *name);
+void ckpt__op_readlink(fuse_req_t req, fuse_ino_t ino);
 
 /* remove.c */
 void ckpt__op_rename(fuse_req_t req, fuse_ino_t parent, const char *name,

@@ -67,12 +67,12 @@ static int start_removal(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
  * (each publishes a new version; see remove_entry). */
 static pthread_mutex_t removal_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* What removing committed node n (a tensor, a blob, an empty directory)
- * takes out of its checkpoint's metadata. fs->lock held. */
+/* What removing committed node n (a tensor, a blob, an empty directory,
+ * a link) takes out of its checkpoint's metadata. fs->lock held. */
 static int removal_of(const ckpt_node_t *n, ckpt_removal_t *r) {
   const ckpt_metadata_t *m = n->ck->meta;
   memset(r, 0, sizeof(*r));
-  r->dir = n->kind == CKPT_NODE_CDIR;
+  r->dir = n->kind == CKPT_NODE_CDIR || n->kind == CKPT_NODE_CLINK;
   r->blob = n->kind == CKPT_NODE_CBLOB;
   if (n->kind == CKPT_NODE_CTENSOR)
     r->fqn = strdup(m->tensors[n->u.tensor].fqn);

@@ -60,6 +60,61 @@ static void log_refused_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
   free(path);
 }
 
+/* What committed node n was staged as (its entries row), or NULL. */
+static const ckpt_entry_attr_t *node_entry(const ckpt_node_t *n) {
+  return n->entry && n->ck && n->ck->meta ? &n->ck->meta->entries[n->entry - 1]
+                                          : NULL;
+}
+
+/* A staged directory or checkpoint directory: its other xattrs. */
+static bool staged_dir(ckpt_fs_t *fs, const ckpt_node_t *n) {
+  if (n->kind == CKPT_NODE_SDIR)
+    return true;
+  if (n->kind != CKPT_NODE_CKPT)
+    return false;
+  pthread_mutex_lock(&fs->lock);
+  bool yes = n->ck->state != CKPT_COMMITTED;
+  pthread_mutex_unlock(&fs->lock);
+  return yes;
+}
+
+static int set_dir_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
+                         const char *value, size_t size, int flags) {
+  if (!ckpt_xattr_name_ok(name, strlen(name)))
+    return -ENOTSUP;
+  int rc = ckpt__op_staged_change_begin(fs, n->ck);
+  if (rc == 0) {
+    pthread_mutex_lock(&fs->lock);
+    rc = ckpt__xlist_set(&n->xl, name, value, size, flags);
+    pthread_mutex_unlock(&fs->lock);
+    ckpt__op_staged_change_end(n->ck);
+  }
+  return rc;
+}
+
+/* getxattr of a name found in v[k] (under the lock that protects v, if
+ * any): replied. */
+static void reply_kept(fuse_req_t req, pthread_mutex_t *lock,
+                       const ckpt_xattr_t *const *v, const uint32_t *k,
+                       const char *name, size_t size) {
+  char *buf = size ? malloc(size) : NULL;
+  int rc = -ENOMEM;
+  if (!size || buf) {
+    if (lock)
+      pthread_mutex_lock(lock);
+    rc = ckpt__xattrs_get(*v, *k, name, buf, size);
+    if (lock)
+      pthread_mutex_unlock(lock);
+  }
+  if (rc < 0)
+    fuse_reply_err(req, -rc);
+  else if (size == 0)
+    fuse_reply_xattr(req, (size_t)rc);
+  else
+    fuse_reply_buf(req, buf, (size_t)rc);
+  free(buf);
+}
+
 /* The FQN of a committed tensor or bytes item. */
 static const char *committed_fqn(const ckpt_node_t *n) {
   const ckpt_metadata_t *m = n->ck->meta;
@@ -146,24 +201,17 @@ static int set_protected(ckpt_fs_t *fs, const ckpt_node_t *n,
   return rc;
 }
 
-static void list_ckpt_xattrs(fuse_req_t req, const ckpt_node_t *n,
-                             size_t size) {
+static int list_ckpt_xattrs(const ckpt_node_t *n, ckpt_buf_t *b) {
   const ckpt_metadata_t *m = n->ck->meta;
-  ckpt_buf_t b;
-  ckpt_buf_init(&b);
   bool step = m->has_step || ckpt_step_from_name(n->ck->name) >= 0;
-  int rc = step ? ckpt_buf_append(&b, "user.ckpt.step", 15) : 0;
+  int rc = step ? ckpt_buf_append(b, "user.ckpt.step", 15) : 0;
   if (rc == 0)
-    rc = ckpt_buf_append(&b, "user.ckpt.protected", 20);
+    rc = ckpt_buf_append(b, "user.ckpt.protected", 20);
   for (uint32_t i = 0; rc == 0 && i < m->n_metrics; i++)
-    rc = ckpt_buf_printf(&b, METRIC_XATTR "%s", m->metrics[i].key) < 0
+    rc = ckpt_buf_printf(b, METRIC_XATTR "%s", m->metrics[i].key) < 0
              ? -ENOMEM
-             : ckpt_buf_append(&b, "", 1);
-  if (rc)
-    fuse_reply_err(req, ENOMEM);
-  else
-    reply_xattr_value(req, (const char *)b.data, b.len, size);
-  ckpt_buf_free(&b);
+             : ckpt_buf_append(b, "", 1);
+  return rc;
 }
 
 void ckpt__op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
@@ -189,6 +237,10 @@ void ckpt__op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     rc = set_protected(fs, n, value, size);
   } else if (committed_ckpt(fs, n)) {
     rc = -EROFS;
+  } else if (staged_dir(fs, n)) {
+    rc = set_dir_xattr(fs, n, name, value, size, flags);
+  } else if (n->kind == CKPT_NODE_SLINK) {
+    rc = -EPERM; /* as Linux: no user.* attributes on a symbolic link */
   } else if (n->kind != CKPT_NODE_SFILE) {
     rc = -ENOTSUP;
   } else {
@@ -231,10 +283,21 @@ void ckpt__op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     fuse_reply_err(req, ESTALE);
     return;
   }
+  const ckpt_entry_attr_t *e = ckpt__op_is_committed_kind(n->kind) ||
+                                       committed_ckpt(fs, n)
+                                   ? node_entry(n)
+                                   : NULL;
   if (n->kind == CKPT_NODE_ROOT) {
     reply_root_xattr(req, fs, name, size);
+  } else if (e && ckpt__xattr_index(name) < 0 &&
+             ckpt_xattr_name_ok(name, strlen(name))) {
+    reply_kept(req, NULL, (const ckpt_xattr_t *const *)&e->xattrs,
+               &e->n_xattrs, name, size);
   } else if (committed_ckpt(fs, n)) {
     reply_ckpt_xattr(req, fs, n, name, size);
+  } else if (staged_dir(fs, n)) {
+    reply_kept(req, &fs->lock, (const ckpt_xattr_t *const *)&n->xl.v,
+               &n->xl.n, name, size);
   } else if (n->kind == CKPT_NODE_SFILE) {
     char *buf = size ? malloc(size) : NULL;
     int rc = size && !buf ? -ENOMEM
@@ -279,6 +342,22 @@ void ckpt__op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   ckpt__op_put_node(fs, n);
 }
 
+/* The names a committed item or block lists: user.ckpt.fqn where the
+ * path does not say the FQN (so that copying the tree keeps it; getxattr
+ * answers it always). */
+static int list_item_xattrs(const ckpt_node_t *n, ckpt_buf_t *b) {
+  static const char names[] =
+      "user.ckpt.dtype\0user.ckpt.shape\0user.ckpt.fqn";
+  const size_t fqn_at = sizeof("user.ckpt.dtype\0user.ckpt.shape");
+  if (n->kind == CKPT_NODE_CBLOCK)
+    return ckpt_buf_append(b, names, fqn_at);
+  bool tensor = n->kind == CKPT_NODE_CTENSOR;
+  bool fqn = !committed_fqn_derived(n);
+  size_t len = tensor ? (fqn ? sizeof(names) : fqn_at)
+                      : (fqn ? sizeof(names) - fqn_at : 0);
+  return ckpt_buf_append(b, tensor ? names : names + fqn_at, len);
+}
+
 void ckpt__op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
   ckpt__metrics_request(req, CKPT_OP_listxattr);
   ckpt_fs_t *fs = ckpt__op_fs_of(req);
@@ -298,27 +377,34 @@ void ckpt__op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
     else
       fuse_reply_buf(req, buf, (size_t)rc);
     free(buf);
-  } else if (n->kind == CKPT_NODE_ROOT) {
-    reply_xattr_value(req, root_xattrs, sizeof(root_xattrs), size);
-  } else if (committed_ckpt(fs, n)) {
-    list_ckpt_xattrs(req, n, size);
-  } else if (n->kind == CKPT_NODE_CBLOCK) {
-    static const char names[] = "user.ckpt.dtype\0user.ckpt.shape";
-    reply_xattr_value(req, names, sizeof(names), size);
-  } else if (n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) {
-    /* user.ckpt.fqn is listed where the path does not say the FQN (so
-     * that copying the tree keeps it); getxattr answers it always. */
-    static const char names[] =
-        "user.ckpt.dtype\0user.ckpt.shape\0user.ckpt.fqn";
-    const size_t fqn_at = sizeof("user.ckpt.dtype\0user.ckpt.shape");
-    bool tensor = n->kind == CKPT_NODE_CTENSOR;
-    bool fqn = !committed_fqn_derived(n);
-    size_t len = tensor ? (fqn ? sizeof(names) : fqn_at)
-                        : (fqn ? sizeof(names) - fqn_at : 0);
-    reply_xattr_value(req, tensor ? names : names + fqn_at, len, size);
-  } else {
-    reply_xattr_value(req, "", 0, size);
+    ckpt__op_put_node(fs, n);
+    return;
   }
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  int rc = 0;
+  bool committed = committed_ckpt(fs, n);
+  if (n->kind == CKPT_NODE_ROOT) {
+    rc = ckpt_buf_append(&b, root_xattrs, sizeof(root_xattrs));
+  } else if (committed) {
+    rc = list_ckpt_xattrs(n, &b);
+  } else if (staged_dir(fs, n)) {
+    pthread_mutex_lock(&fs->lock);
+    rc = ckpt__xattrs_names(n->xl.v, n->xl.n, &b);
+    pthread_mutex_unlock(&fs->lock);
+  } else if (n->kind == CKPT_NODE_CBLOCK || n->kind == CKPT_NODE_CTENSOR ||
+             n->kind == CKPT_NODE_CBLOB) {
+    rc = list_item_xattrs(n, &b);
+  }
+  const ckpt_entry_attr_t *e =
+      committed || ckpt__op_is_committed_kind(n->kind) ? node_entry(n) : NULL;
+  if (rc == 0 && e)
+    rc = ckpt__xattrs_names(e->xattrs, e->n_xattrs, &b);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    reply_xattr_value(req, (const char *)b.data, b.len, size);
+  ckpt_buf_free(&b);
   ckpt__op_put_node(fs, n);
 }
 
@@ -339,6 +425,13 @@ void ckpt__op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
     rc = ckpt__job_declare(fs, fuse_req_ctx(req)->pid, "end", 3);
   } else if (ckpt__op_is_committed_kind(n->kind)) {
     rc = -EROFS;
+  } else if (staged_dir(fs, n)) {
+    if ((rc = ckpt__op_staged_change_begin(fs, n->ck)) == 0) {
+      pthread_mutex_lock(&fs->lock);
+      rc = ckpt__xlist_remove(&n->xl, name);
+      pthread_mutex_unlock(&fs->lock);
+      ckpt__op_staged_change_end(n->ck);
+    }
   } else if (n->kind != CKPT_NODE_SFILE) {
     rc = -ENODATA;
   } else {

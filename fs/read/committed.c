@@ -46,9 +46,10 @@ static void apply_entry(const ckpt_metadata_t *meta, ckpt_node_t *n,
     buf[len] = '\0';
     e = ckpt_metadata_entry(meta, buf);
   }
-  bool dir = S_ISDIR(n->mode);
-  if (e && S_ISDIR(e->mode) == dir) {
-    n->mode = (dir ? S_IFDIR : S_IFREG) | (e->mode & 0555);
+  mode_t type = n->mode & S_IFMT;
+  if (e && (e->mode & S_IFMT) == type) {
+    n->mode = type | (type == S_IFLNK ? 0777 : (e->mode & 0555));
+    n->entry = (uint32_t)(e - meta->entries) + 1;
     n->uid = e->uid;
     n->gid = e->gid;
     n->mtime.tv_sec = e->mtime_ns / 1000000000;
@@ -119,8 +120,9 @@ static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       if (child)
         return NULL; /* two items at one path */
       child = ckpt__node_new(fs, dir, name, kind,
-                             kind == CKPT_NODE_CDIR ? S_IFDIR | 0555
-                                                    : S_IFREG | 0444,
+                             kind == CKPT_NODE_CDIR    ? S_IFDIR | 0555
+                             : kind == CKPT_NODE_CLINK ? S_IFLNK | 0777
+                                                       : S_IFREG | 0444,
                              ck);
       if (child)
         apply_entry(ck->meta, child, path, strlen(path), when);
@@ -185,13 +187,16 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
     else
       n->u.blob = i - meta->n_tensors;
   }
-  /* Directories that hold no item (staged empty) are kept too. */
+  /* Directories that hold no item (staged empty) are kept too, and the
+   * symbolic links. */
   for (uint32_t i = 0; i < meta->n_entries; i++) {
     const ckpt_entry_attr_t *e = &meta->entries[i];
-    if (S_ISDIR(e->mode) && e->path[0] != '\0' &&
-        !add_committed_path(fs, ck, e->path, CKPT_NODE_CDIR))
-      ckpt__log("%s: cannot show directory %s (bad or conflicting path)",
-                ck->name, e->path);
+    bool dir = S_ISDIR(e->mode), link = S_ISLNK(e->mode);
+    if ((dir || link) && e->path[0] != '\0' &&
+        !add_committed_path(fs, ck, e->path,
+                            dir ? CKPT_NODE_CDIR : CKPT_NODE_CLINK))
+      ckpt__log("%s: cannot show %s %s (bad or conflicting path)", ck->name,
+                dir ? "directory" : "link", e->path);
   }
   ckpt_node_t *md = ckpt__node_new(fs, ck->dir, CKPT_METADATA_FILE,
                                    CKPT_NODE_METADATA, S_IFREG | 0444, ck);

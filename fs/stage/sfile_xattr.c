@@ -147,6 +147,12 @@ int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
   if (strcmp(name, CKPT_XATTR_META) == 0) /* each field <= 4096 bytes */
     return memchr(val, '\0', len) ? -EINVAL : set_meta(sf, val, len, flags);
   int idx = ckpt__xattr_index(name);
+  if (idx < 0 && ckpt_xattr_name_ok(name, strlen(name))) {
+    pthread_mutex_lock(&sf->lock);
+    int rc = ckpt__xlist_set(&sf->other, name, val, len, flags);
+    pthread_mutex_unlock(&sf->lock);
+    return rc;
+  }
   if (idx < 0)
     return -ENOTSUP;
   if (len > 4096 || memchr(val, '\0', len))
@@ -177,10 +183,14 @@ int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
 int ckpt__sfile_getxattr(ckpt_sfile_t *sf, const char *name, char *buf,
                          size_t size) {
   int idx = ckpt__xattr_index(name);
-  if (idx < 0)
-    return -ENODATA;
-  pthread_mutex_lock(&sf->lock);
   int rc;
+  if (idx < 0) {
+    pthread_mutex_lock(&sf->lock);
+    rc = ckpt__xattrs_get(sf->other.v, sf->other.n, name, buf, size);
+    pthread_mutex_unlock(&sf->lock);
+    return rc;
+  }
+  pthread_mutex_lock(&sf->lock);
   const char *v = sf->xattr[idx];
   if (!v) {
     rc = -ENODATA;
@@ -199,8 +209,12 @@ int ckpt__sfile_getxattr(ckpt_sfile_t *sf, const char *name, char *buf,
 
 int ckpt__sfile_removexattr(ckpt_sfile_t *sf, const char *name) {
   int idx = ckpt__xattr_index(name);
-  if (idx < 0)
-    return -ENODATA;
+  if (idx < 0) {
+    pthread_mutex_lock(&sf->lock);
+    int rc = ckpt__xlist_remove(&sf->other, name);
+    pthread_mutex_unlock(&sf->lock);
+    return rc;
+  }
   pthread_mutex_lock(&sf->lock);
   int rc = sf->xattr[idx] ? 0 : -ENODATA;
   free(sf->xattr[idx]);
@@ -210,23 +224,28 @@ int ckpt__sfile_removexattr(ckpt_sfile_t *sf, const char *name) {
 }
 
 int ckpt__sfile_listxattr(ckpt_sfile_t *sf, char *buf, size_t size) {
+  ckpt_buf_t b;
+  ckpt_buf_init(&b);
+  int rc = 0;
   pthread_mutex_lock(&sf->lock);
-  size_t need = 0;
-  for (int i = 0; i < CKPT_X_COUNT; i++)
+  for (int i = 0; rc == 0 && i < CKPT_X_COUNT; i++)
     if (sf->xattr[i])
-      need += strlen(ckpt__xattr_names[i]) + 1;
-  int rc = (int)need;
-  if (size && size < need) {
-    rc = -ERANGE;
-  } else if (size) {
-    char *p = buf;
-    for (int i = 0; i < CKPT_X_COUNT; i++)
-      if (sf->xattr[i]) {
-        size_t l = strlen(ckpt__xattr_names[i]) + 1;
-        memcpy(p, ckpt__xattr_names[i], l);
-        p += l;
-      }
-  }
+      rc = ckpt_buf_append(&b, ckpt__xattr_names[i],
+                           strlen(ckpt__xattr_names[i]) + 1);
+  if (rc == 0)
+    rc = ckpt__xattrs_names(sf->other.v, sf->other.n, &b);
+  pthread_mutex_unlock(&sf->lock);
+  if (rc == 0)
+    rc = size && size < b.len ? -ERANGE : (int)b.len;
+  if (rc > 0 && size)
+    memcpy(buf, b.data, b.len);
+  ckpt_buf_free(&b);
+  return rc;
+}
+
+int ckpt__sfile_xattrs_copy(ckpt_sfile_t *sf, ckpt_entry_attr_t *e) {
+  pthread_mutex_lock(&sf->lock);
+  int rc = ckpt__xlist_copy_out(&sf->other, e);
   pthread_mutex_unlock(&sf->lock);
   return rc;
 }

@@ -164,6 +164,7 @@ typedef struct ckpt_sfile {
   bool pt_hashing;       /* the drain is hashing it (pt_hashed: done) */
   pthread_cond_t pt_hashed;
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
+  ckpt_xlist_t other;    /* its other user.* xattrs (kept by the commit) */
 } ckpt_sfile_t;
 
 ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
@@ -287,7 +288,8 @@ int ckpt__sfile_zero(ckpt_sfile_t *sf, uint64_t off, uint64_t len);
  * is its memfd's (its lock is only ever held briefly). */
 uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf);
 /* Validate and set one user.ckpt.* xattr (EINVAL on bad values, checked
- * against the other xattrs already set); -ENOTSUP for other names.
+ * against the other xattrs already set); other user.* names are kept as
+ * given (ckpt__xlist_set's bounds); -ENOTSUP for the rest.
  * CKPT_XATTR_META sets several at once, all or none (staging.c's
  * split_meta says how); it is never stored or listed itself. */
 #define CKPT_XATTR_META "user.ckpt.meta"
@@ -299,6 +301,8 @@ int ckpt__sfile_getxattr(ckpt_sfile_t *sf, const char *name, char *buf,
 int ckpt__sfile_removexattr(ckpt_sfile_t *sf, const char *name);
 /* The names of the set xattrs, NUL-separated (listxattr format). */
 int ckpt__sfile_listxattr(ckpt_sfile_t *sf, char *buf, size_t size);
+/* A copy of its other xattrs into e (the commit's entry): 0, -ENOMEM. */
+int ckpt__sfile_xattrs_copy(ckpt_sfile_t *sf, ckpt_entry_attr_t *e);
 /* Index of a user.ckpt.* name, or -1. */
 int ckpt__xattr_index(const char *name);
 extern const char *const ckpt__xattr_names[CKPT_X_COUNT];

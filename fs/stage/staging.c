@@ -305,6 +305,7 @@ void ckpt__sfile_free(ckpt_sfile_t *sf) {
   XXH3_freeState(sf->hash);
   for (int i = 0; i < CKPT_X_COUNT; i++)
     free(sf->xattr[i]);
+  ckpt__xlist_free(&sf->other);
   pthread_cond_destroy(&sf->pt_hashed);
   pthread_mutex_destroy(&sf->lock);
   free(sf);

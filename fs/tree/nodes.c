@@ -220,6 +220,9 @@ static void node_free(ckpt_fs_t *fs, ckpt_node_t *n) {
   hash_remove_ino(fs, n);
   if (kinds[n->kind] && kinds[n->kind]->free_node)
     kinds[n->kind]->free_node(n);
+  if (n->kind == CKPT_NODE_SLINK)
+    free(n->u.target);
+  ckpt__xlist_free(&n->xl);
   if (n->ck)
     ckpt__ckpt_unref(fs, n->ck);
   free(n->name);

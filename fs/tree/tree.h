@@ -49,7 +49,16 @@ typedef enum {
   CKPT_NODE_CBLOCK,   /* DIR/.N[a:b,...]: a block of committed tensor N
                          (blocks.c); made at lookup, not listed, freed
                          when the kernel forgets it */
+  CKPT_NODE_SLINK,    /* staged symbolic link */
+  CKPT_NODE_CLINK,    /* committed symbolic link */
 } ckpt_node_kind_t;
+
+/* Extended attributes other than ckptfs's own (user.* but user.ckpt.*)
+ * of a staged entry, sorted by name (xlist.c). */
+typedef struct {
+  uint32_t n;
+  ckpt_xattr_t *v;
+} ckpt_xlist_t;
 
 typedef enum {
   CKPT_STAGING,
@@ -91,7 +100,12 @@ struct ckpt_node {
                              backing file all its open handles share (the
                              kernel allows one per inode), or NULL;
                              fs->lock */
+  ckpt_xlist_t xl;        /* SDIR, CKPT while staged: its other xattrs
+                             (a file's are its sf's); fs->lock */
+  uint32_t entry;         /* committed kinds: 1 + the index of the entries
+                             row (ck->meta) of what it was, or 0 */
   union {
+    char *target;         /* SLINK: what the link holds (owned) */
     ckpt_sfile_t *sf;     /* SFILE */
     uint32_t tensor;      /* CTENSOR, VNPY: index into ck->meta->tensors */
     uint32_t shard;       /* VST: the safetensors file */
@@ -179,7 +193,7 @@ struct ckpt_ckpt {
   ckpt_tier_state_t tier;  /* COMMITTED with -o tier: its flush */
 };
 
-#define CKPT_NODE_KINDS ((size_t)CKPT_NODE_CBLOCK + 1)
+#define CKPT_NODE_KINDS ((size_t)CKPT_NODE_CLINK + 1)
 
 /* All of these require fs->lock. */
 ckpt_node_t *ckpt__node_new(ckpt_fs_t *fs, ckpt_node_t *parent,
@@ -224,6 +238,26 @@ typedef struct {
   void (*free_node)(ckpt_node_t *n); /* n->u's payload, at the last unref */
 } ckpt_kind_ops_t;
 void ckpt__tree_set_kind(ckpt_node_kind_t kind, const ckpt_kind_ops_t *ops);
+
+/* ------------------------------------------------------------------------
+ * Extended attributes (xlist.c): the caller holds the lock that protects
+ * the list. Names must pass ckpt_xattr_name_ok.
+ * ---------------------------------------------------------------------- */
+/* Set name to len bytes of val: XATTR_CREATE / XATTR_REPLACE as
+ * setxattr(2) (-EEXIST, -ENODATA); -E2BIG, -ENOSPC past the bounds
+ * (ckpt_planner.h); 0 or -ENOMEM. */
+int ckpt__xlist_set(ckpt_xlist_t *l, const char *name, const void *val,
+                    size_t len, int flags);
+int ckpt__xlist_remove(ckpt_xlist_t *l, const char *name);
+void ckpt__xlist_free(ckpt_xlist_t *l);
+/* A copy of l's attributes into e (e->n_xattrs, e->xattrs): 0, -ENOMEM. */
+int ckpt__xlist_copy_out(const ckpt_xlist_t *l, ckpt_entry_attr_t *e);
+/* getxattr of name in v[n]: its length (size 0), or copied into buf of
+ * size bytes; -ENODATA, -ERANGE. */
+int ckpt__xattrs_get(const ckpt_xattr_t *v, uint32_t n, const char *name,
+                     void *buf, size_t size);
+/* The names of v[n], each with its NUL, appended to b: 0 or -ENOMEM. */
+int ckpt__xattrs_names(const ckpt_xattr_t *v, uint32_t n, ckpt_buf_t *b);
 /* fn(ck) at a checkpoint's last reference (at most 4). */
 void ckpt__tree_on_release(void (*fn)(ckpt_ckpt_t *ck));
 /* The root and the inode table (fs->opts set); fs->lock initialized. */
