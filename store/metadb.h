@@ -12,6 +12,9 @@
  *          file_offset INTEGER, length INTEGER, checksum TEXT)
  *   blobs(fqn TEXT PRIMARY KEY, path TEXT, rank INTEGER, file TEXT,
  *         file_offset INTEGER, length INTEGER, checksum TEXT)
+ *   entries(path TEXT PRIMARY KEY, mode INTEGER, uid INTEGER, gid INTEGER,
+ *           mtime_ns INTEGER, target TEXT)      (optional; target: newer)
+ *   xattrs(path TEXT, name TEXT, value BLOB)    (optional)
  *
  * shape/offsets/sizes are compact JSON arrays, checksum is 16 lowercase hex
  * digits of XXH3-64, file is "__R_K.distcp" relative to the checkpoint
@@ -59,7 +62,7 @@ int ckpt_metadb_load(const char *metadata_path, ckpt_metadata_t *out,
 /*
  * The same for the .metadata in checkpoint directory dirfd (display names
  * it in messages). Both refuse, with *err saying why: a .metadata that is
- * a symlink or not a regular file; schema objects other than the four
+ * a symlink or not a regular file; schema objects other than the six
  * tables and their indexes (views, triggers, virtual tables, generated
  * columns); a world size beyond CKPT_METADB_MAX_WORLD, a data file index
  * beyond CKPT_METADB_MAX_FILE, a file_offset + length beyond INT64_MAX; a

@@ -2302,10 +2302,10 @@ static void test_entry_links_xattrs(void **state) {
   assert_int_equal(back.attrs[2].xattrs[0].len, 3);
   assert_memory_equal(back.attrs[2].xattrs[0].value, "\0\1\377", 3);
   assert_int_equal(back.attrs[2].xattrs[1].len, 0);
-  /* every shorter message is refused */
+  ckpt_local_plan_free(&back);
+  /* every shorter message is refused (and frees what it decoded) */
   for (size_t n = 0; n < msg.len; n++)
     assert_int_equal(ckpt_msg_decode_local_plan(msg.data, n, &back), -EINVAL);
-  ckpt_local_plan_free(&back);
   ckpt_local_plan_free(&lp);
   ckpt_buf_free(&msg);
 }

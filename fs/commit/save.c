@@ -166,6 +166,24 @@ static int keep_attr(ckpt_save_t *s, const ckpt_node_t *n, char *path) {
   return rc;
 }
 
+/* Another name of a staged file collected already (a hard link): kept
+ * as an entry whose target is the first name, whose item holds the
+ * bytes. 1 when it was one, 0 when not, or -ENOMEM. fs->lock held. */
+static int keep_link(ckpt_save_t *s, ckpt_node_t *c) {
+  if (c->u.sf->nnames < 2)
+    return 0;
+  for (uint32_t j = 0; j < s->nfiles; j++) {
+    if (s->files[j]->u.sf != c->u.sf)
+      continue;
+    int rc = keep_attr(s, c, ckpt__node_path(c));
+    if (rc)
+      return rc;
+    ckpt_entry_attr_t *e = &s->attrs[s->n_attrs - 1];
+    return (e->target = strdup(s->paths[j])) ? 1 : -ENOMEM;
+  }
+  return 0;
+}
+
 /* Collect the staged files below dir (depth first), and what every file
  * and directory is. fs->lock held. */
 static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
@@ -192,6 +210,11 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
     if (c->kind != CKPT_NODE_SFILE)
       continue;
     ckpt__sfile_pt_times(c->u.sf, &c->mtime, NULL); /* the kernel's writes' */
+    int rc = keep_link(s, c);
+    if (rc < 0)
+      return rc;
+    if (rc == 1)
+      continue;
     if (s->nfiles == *cap) {
       uint32_t ncap = *cap ? *cap * 2 : 64;
       ckpt_node_t **f = realloc(s->files, ncap * sizeof(*f));
@@ -207,7 +230,7 @@ static int collect_files(ckpt_save_t *s, ckpt_node_t *dir, uint32_t *cap) {
     s->paths[s->nfiles] = ckpt__node_path(c);
     if (!s->paths[s->nfiles])
       return -ENOMEM;
-    int rc = keep_attr(s, c, strdup(s->paths[s->nfiles]));
+    rc = keep_attr(s, c, strdup(s->paths[s->nfiles]));
     if (rc) {
       free(s->paths[s->nfiles]);
       return rc;

@@ -249,6 +249,7 @@ static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,
     return -ENOMEM;
   }
   n->u.sf = sf;
+  ckpt__sfile_add_name(sf, n); /* the first: never EMLINK */
   n->uid = ctx->uid;
   n->gid = ctx->gid;
   *out = n;
@@ -316,9 +317,9 @@ static void refuse_node(fuse_req_t req, fuse_ino_t parent, const char *name,
   if (p && p->ck)
     ckpt__op_log_text(ck, sizeof(ck), p->ck->name, strlen(p->ck->name));
   pthread_mutex_unlock(&fs->lock);
-  ckpt__log("%s (in %s): refused: a %s; a checkpoint holds regular files "
-            "and directories only (cp -L copies what links point to)",
-            shown, ck[0] ? ck : "the mount's root", what);
+  ckpt__log("%s (in %s): refused: a %s; a checkpoint holds regular files, "
+            "directories and links only", shown,
+            ck[0] ? ck : "the mount's root", what);
   fuse_reply_err(req, EPERM);
 }
 
@@ -390,11 +391,58 @@ void ckpt__op_readlink(fuse_req_t req, fuse_ino_t ino) {
   free(copy);
 }
 
+/* Whether staged file n may get a name in directory np. fs->lock held. */
+static int can_link(ckpt_fs_t *fs, ckpt_node_t *n, ckpt_node_t *np,
+                    const char *name) {
+  if (ckpt__op_is_committed_kind(n->kind) ||
+      ckpt__op_is_committed_kind(np->kind))
+    return -EROFS;
+  if (n->kind != CKPT_NODE_SFILE)
+    return -EPERM; /* links of links, of .commit, .status: not kept */
+  if (np->ck != n->ck)
+    return -EXDEV; /* two checkpoints are two trees */
+  return can_add(fs, np, name);
+}
+
+/* A hard link in a staged checkpoint: another name of the same staged
+ * file (its bytes, xattrs and inode number); the commit stores the bytes
+ * once, under the first name, and keeps the others as its names. */
 void ckpt__op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,
                     const char *newname) {
   ckpt__metrics_request(req, CKPT_OP_link);
-  (void)ino;
-  refuse_node(req, newparent, newname, "hard link");
+  if (!ckpt__op_may_change(req)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  ckpt_fs_t *fs = ckpt__op_fs_of(req);
+  struct fuse_entry_param e;
+  int rc;
+  pthread_mutex_lock(&fs->lock);
+  ckpt_node_t *n = ckpt__node_by_ino(fs, ino);
+  ckpt_node_t *np = ckpt__node_by_ino(fs, newparent), *m = NULL;
+  if (!n || !np)
+    rc = -ESTALE;
+  else if ((rc = can_link(fs, n, np, newname)) == 0 &&
+           n->u.sf->nnames == CKPT_SFILE_NAMES_MAX)
+    rc = -EMLINK;
+  else if (rc == 0 && !(m = ckpt__node_new(fs, np, newname, CKPT_NODE_SFILE,
+                                           n->mode, n->ck)))
+    rc = -ENOMEM;
+  if (rc == 0) {
+    m->u.sf = n->u.sf;
+    ckpt__sfile_add_name(n->u.sf, m);
+    m->uid = n->uid;
+    m->gid = n->gid;
+    m->mtime = n->mtime;
+    clock_gettime(CLOCK_REALTIME, &n->ctime);
+    m->ctime = n->ctime;
+    ckpt__op_fill_entry(fs, m, &e);
+  }
+  pthread_mutex_unlock(&fs->lock);
+  if (rc)
+    fuse_reply_err(req, -rc);
+  else
+    fuse_reply_entry(req, &e);
 }
 
 /* mknod(2) of a regular file makes an empty staged file (as creat would);

@@ -66,6 +66,9 @@ static void staged_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   st->st_size = (off_t)ckpt__sfile_size(n->u.sf);
   ckpt__sfile_pt_times(n->u.sf, &st->st_mtim, &n->ctime);
   st->st_ctim = n->ctime;
+  /* one inode under each of its names (hard links) */
+  st->st_ino = n->u.sf->ino ? n->u.sf->ino : n->ino;
+  st->st_nlink = ckpt__sfile_nlink(n->u.sf);
 }
 
 static void committed_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
@@ -168,6 +171,10 @@ void ckpt__op_fill_attr(ckpt_fs_t *fs, ckpt_node_t *n, struct stat *st) {
   st->st_mtim = n->mtime;
   st->st_atim = n->atime;
   st->st_ctim = n->ctime;
+  if (n->st_ino) /* a committed hard link: its file's first name's */
+    st->st_ino = n->st_ino;
+  if (n->st_nlink)
+    st->st_nlink = n->st_nlink;
   if (k->attr)
     k->attr(fs, n, st);
   /* st_size <= INT64_MAX (metadb bounds every size): no overflow here.

@@ -72,14 +72,47 @@ static pthread_mutex_t removal_lock = PTHREAD_MUTEX_INITIALIZER;
 static int removal_of(const ckpt_node_t *n, ckpt_removal_t *r) {
   const ckpt_metadata_t *m = n->ck->meta;
   memset(r, 0, sizeof(*r));
-  r->dir = n->kind == CKPT_NODE_CDIR || n->kind == CKPT_NODE_CLINK;
+  /* a link, or another name of a file: its entries row only */
+  r->dir = n->kind == CKPT_NODE_CDIR || n->kind == CKPT_NODE_CLINK ||
+           n->st_ino != 0;
   r->blob = n->kind == CKPT_NODE_CBLOB;
-  if (n->kind == CKPT_NODE_CTENSOR)
+  if (r->dir)
+    ;
+  else if (n->st_nlink > 1) { /* the first name of a file with others */
+    ckpt__log("%s/%s: not removed: the file has %u names (hard links); its "
+              "bytes are stored under this one: remove the others first",
+              n->ck->name, n->name, n->st_nlink);
+    return -EPERM;
+  }
+  else if (n->kind == CKPT_NODE_CTENSOR)
     r->fqn = strdup(m->tensors[n->u.tensor].fqn);
   else if (r->blob)
     r->fqn = strdup(m->blobs[n->u.blob].fqn);
   r->path = ckpt__node_path(n);
   return r->path && (r->dir || r->fqn) ? 0 : -ENOMEM;
+}
+
+/* Committed n, another name of a file, is gone: the first name's count
+ * of names goes down by one, and so do the other names' (found by the
+ * inode number they show). fs->lock held. */
+static void set_names(ckpt_node_t *dir, uint64_t ino, uint32_t k) {
+  for (ckpt_node_t *c = dir->children; c; c = c->next) {
+    if (c->kind == CKPT_NODE_CDIR)
+      set_names(c, ino, k);
+    else if (c->st_ino == ino && !c->hidden)
+      c->st_nlink = k;
+  }
+}
+
+static void unname(ckpt_fs_t *fs, ckpt_node_t *n) {
+  CKPT_HELD(&fs->lock);
+  ckpt_node_t *first = ckpt__node_by_ino(fs, n->st_ino);
+  uint32_t k = first && first->st_nlink > 1 ? first->st_nlink - 1 : 1;
+  if (first)
+    first->st_nlink = k;
+  n->st_nlink = 0;
+  n->hidden = true;
+  set_names(n->ck->dir, n->st_ino, k);
 }
 
 /* Remove entry n inside committed checkpoint n->ck for every mount: a new
@@ -132,7 +165,9 @@ static int remove_entry(ckpt_fs_t *fs, ckpt_node_t *n) {
     ck->load_gen = atomic_fetch_add(&fs->load_gen, 1) + 1;
   }
   if (rc == 0 || rc == 1 || rc == -ENOENT) {
-    if (n->kind == CKPT_NODE_CTENSOR)
+    if (n->st_ino)
+      unname(fs, n);
+    else if (n->kind == CKPT_NODE_CTENSOR)
       ck->removed[n->u.tensor] = true;
     else if (n->kind == CKPT_NODE_CBLOB)
       ck->removed[ck->meta->n_tensors + n->u.blob] = true;

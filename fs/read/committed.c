@@ -143,6 +143,60 @@ static ckpt_node_t *add_committed_path(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
   }
 }
 
+/* The node of the item at path (a file's first name), or NULL. */
+static ckpt_node_t *item_node(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
+                              const char *path) {
+  ckpt_node_t *dir = ck->dir;
+  char name[256];
+  for (const char *p = path;;) {
+    const char *slash = strchr(p, '/');
+    size_t len = slash ? (size_t)(slash - p) : strlen(p);
+    if (len >= sizeof(name) || !dir)
+      return NULL;
+    memcpy(name, p, len);
+    name[len] = '\0';
+    ckpt_node_t *c = ckpt__node_child(fs, dir, name);
+    if (!slash)
+      return c && (c->kind == CKPT_NODE_CTENSOR || c->kind == CKPT_NODE_CBLOB)
+                 ? c
+                 : NULL;
+    dir = c && c->kind == CKPT_NODE_CDIR ? c : NULL;
+    p = slash + 1;
+  }
+}
+
+/* The other names of files (hard links: entries of regular files whose
+ * target is the first name): nodes of the same item, showing its inode
+ * number and their count. */
+static void add_hard_links(ckpt_fs_t *fs, ckpt_ckpt_t *ck) {
+  const ckpt_metadata_t *meta = ck->meta;
+  for (uint32_t i = 0; i < meta->n_entries; i++) {
+    const ckpt_entry_attr_t *e = &meta->entries[i];
+    if (!S_ISREG(e->mode) || !e->target)
+      continue;
+    ckpt_node_t *first = item_node(fs, ck, e->target);
+    ckpt_node_t *n = first ? add_committed_path(fs, ck, e->path, first->kind)
+                           : NULL;
+    if (!n) {
+      ckpt__log("%s: cannot show %s, a name of %s (bad or conflicting path, "
+                "or no such item)", ck->name, e->path, e->target);
+      continue;
+    }
+    n->u = first->u;
+    n->st_ino = first->ino;
+    first->st_nlink = first->st_nlink ? first->st_nlink + 1 : 2;
+  }
+  /* every name shows the count */
+  for (uint32_t i = 0; i < meta->n_entries; i++) {
+    const ckpt_entry_attr_t *e = &meta->entries[i];
+    ckpt_node_t *n = S_ISREG(e->mode) && e->target
+                         ? item_node(fs, ck, e->path) : NULL;
+    ckpt_node_t *first = n ? ckpt__node_by_ino(fs, n->st_ino) : NULL;
+    if (first)
+      n->st_nlink = first->st_nlink;
+  }
+}
+
 int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
                              ckpt_metadata_t *meta, int dirfd, char **err) {
   /* The reader: no descriptor is kept; the directory is pinned by its
@@ -198,6 +252,7 @@ int ckpt__ckpt_set_committed(ckpt_fs_t *fs, ckpt_ckpt_t *ck,
       ckpt__log("%s: cannot show %s %s (bad or conflicting path)", ck->name,
                 dir ? "directory" : "link", e->path);
   }
+  add_hard_links(fs, ck);
   ckpt_node_t *md = ckpt__node_new(fs, ck->dir, CKPT_METADATA_FILE,
                                    CKPT_NODE_METADATA, S_IFREG | 0444, ck);
   if (md) {

@@ -122,6 +122,7 @@ typedef struct {
   int64_t spill;  /* offset of its slot in the spill file, or -1 */
 } ckpt_seg_t;
 
+#define CKPT_SFILE_NAMES_MAX 32
 typedef struct ckpt_sfile {
   pthread_mutex_t lock;  /* protects everything below */
   ckpt_staging_t *budget;
@@ -165,7 +166,20 @@ typedef struct ckpt_sfile {
   pthread_cond_t pt_hashed;
   char *xattr[CKPT_X_COUNT]; /* raw values as set, NUL-terminated, or NULL */
   ckpt_xlist_t other;    /* its other user.* xattrs (kept by the commit) */
+  /* Its names (hard links): the nodes that hold it, attached or not yet
+   * freed; fs->lock. The file goes with the last of them. */
+  ckpt_node_t *names[CKPT_SFILE_NAMES_MAX];
+  uint32_t nnames;
+  uint64_t ino;          /* the inode number every name shows: its first's */
 } ckpt_sfile_t;
+
+/* Names of one staged file (link(2) past it: EMLINK). fs->lock held for
+ * these three. */
+int ckpt__sfile_add_name(ckpt_sfile_t *sf, ckpt_node_t *n);
+/* n no longer holds sf: true when it was the last name (free sf then). */
+bool ckpt__sfile_drop_name(ckpt_sfile_t *sf, ckpt_node_t *n);
+/* Its names in the tree (st_nlink). */
+uint32_t ckpt__sfile_nlink(const ckpt_sfile_t *sf);
 
 ckpt_sfile_t *ckpt__sfile_new(ckpt_staging_t *budget,
                               ckpt_streams_t *streams);

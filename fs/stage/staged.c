@@ -3,9 +3,38 @@
  * the metrics and the unmount warning), and the staged kinds' entries in
  * the tree's tables.
  */
+#include <errno.h>
 #include "stage.h"
 
-static void free_sfile(ckpt_node_t *n) { ckpt__sfile_free(n->u.sf); }
+static void free_sfile(ckpt_node_t *n) {
+  if (ckpt__sfile_drop_name(n->u.sf, n))
+    ckpt__sfile_free(n->u.sf);
+}
+
+int ckpt__sfile_add_name(ckpt_sfile_t *sf, ckpt_node_t *n) {
+  if (sf->nnames == CKPT_SFILE_NAMES_MAX)
+    return -EMLINK;
+  if (sf->nnames == 0)
+    sf->ino = n->ino;
+  sf->names[sf->nnames++] = n;
+  return 0;
+}
+
+bool ckpt__sfile_drop_name(ckpt_sfile_t *sf, ckpt_node_t *n) {
+  for (uint32_t i = 0; i < sf->nnames; i++)
+    if (sf->names[i] == n) {
+      sf->names[i] = sf->names[--sf->nnames];
+      break;
+    }
+  return sf->nnames == 0;
+}
+
+uint32_t ckpt__sfile_nlink(const ckpt_sfile_t *sf) {
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < sf->nnames; i++)
+    k += sf->names[i]->attached;
+  return k;
+}
 
 static void release_streams(ckpt_ckpt_t *ck) {
   ckpt__streams_free(ck->streams);

@@ -102,6 +102,9 @@ struct ckpt_node {
                              fs->lock */
   ckpt_xlist_t xl;        /* SDIR, CKPT while staged: its other xattrs
                              (a file's are its sf's); fs->lock */
+  uint64_t st_ino;        /* committed file with hard links: the inode
+                             number all its names show (0: its own) */
+  uint32_t st_nlink;      /* ... and their count (0: one) */
   uint32_t entry;         /* committed kinds: 1 + the index of the entries
                              row (ck->meta) of what it was, or 0 */
   union {

@@ -39,8 +39,8 @@ def read_manifest(ckdir):
 
 
 def walk_items(ckdir, top=True):
-    """Relative paths of every file under ckdir; at the top of a checkpoint
-    (top) but .metadata and the manifests."""
+    """Relative paths of every file under ckdir (not the symbolic links);
+    at the top of a checkpoint (top) but .metadata and the manifests."""
     out = []
     for root, dirs, files in os.walk(ckdir):
         rel_root = os.path.relpath(root, ckdir)
@@ -49,6 +49,8 @@ def walk_items(ckdir, top=True):
             continue
         for f in files:
             rel = f if rel_root == "." else f"{rel_root}/{f}"
+            if os.path.islink(os.path.join(root, f)):
+                continue  # a symbolic link is kept, not an item
             if not (top and rel == ".metadata"):
                 out.append(rel)
     return sorted(out)

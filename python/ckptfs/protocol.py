@@ -107,8 +107,9 @@ def discard_staged(ckdir):
     for root, dirs, files in os.walk(ckdir, topdown=False):
         for f in files:
             os.unlink(os.path.join(root, f))
-        for d in dirs:
-            os.rmdir(os.path.join(root, d))
+        for d in dirs:  # a symbolic link to a directory is listed here
+            p = os.path.join(root, d)
+            os.unlink(p) if os.path.islink(p) else os.rmdir(p)
     os.rmdir(ckdir)
 
 
