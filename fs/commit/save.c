@@ -166,22 +166,24 @@ static int keep_attr(ckpt_save_t *s, const ckpt_node_t *n, char *path) {
   return rc;
 }
 
-/* Another name of a staged file collected already (a hard link): kept
- * as an entry whose target is the first name, whose item holds the
- * bytes. 1 when it was one, 0 when not, or -ENOMEM. fs->lock held. */
+/* A staged file with several names (hard links) is stored under its
+ * oldest name in the tree (the lowest inode number: the one it was
+ * created with while that is there); each other name is kept as an entry
+ * whose target is that name. 1 when c is such another name, 0 when not,
+ * or -ENOMEM. fs->lock held. */
 static int keep_link(ckpt_save_t *s, ckpt_node_t *c) {
-  if (c->u.sf->nnames < 2)
+  const ckpt_sfile_t *sf = c->u.sf;
+  ckpt_node_t *first = c;
+  for (uint32_t i = 0; i < sf->nnames; i++)
+    if (sf->names[i]->attached && sf->names[i]->ino < first->ino)
+      first = sf->names[i];
+  if (first == c)
     return 0;
-  for (uint32_t j = 0; j < s->nfiles; j++) {
-    if (s->files[j]->u.sf != c->u.sf)
-      continue;
-    int rc = keep_attr(s, c, ckpt__node_path(c));
-    if (rc)
-      return rc;
-    ckpt_entry_attr_t *e = &s->attrs[s->n_attrs - 1];
-    return (e->target = strdup(s->paths[j])) ? 1 : -ENOMEM;
-  }
-  return 0;
+  int rc = keep_attr(s, c, ckpt__node_path(c));
+  if (rc)
+    return rc;
+  ckpt_entry_attr_t *e = &s->attrs[s->n_attrs - 1];
+  return (e->target = ckpt__node_path(first)) ? 1 : -ENOMEM;
 }
 
 /* Collect the staged files below dir (depth first), and what every file

@@ -433,6 +433,34 @@ class HardLinks(LinkCase):
 
         self.committed_twice("h", check)
 
+    def test_remove_committed_names(self):
+        """Inside a committed checkpoint: another name of a file goes alone
+        (its row), for every mount; the first name, whose item holds the
+        bytes, only after the others (EPERM, with a log line)."""
+        self.mount()
+        os.mkdir(self.ck("r"))
+        data = os.urandom(4096)
+        a, b, c = self.ck("r", "a"), self.ck("r", "b"), self.ck("r", "c")
+        write_file(a, data)
+        os.link(a, b)
+        os.link(a, c)
+        self.commit_ok("r")
+        self.assertSameFile(a, c, nlink=3)
+        self.assertRefused((errno.EPERM,), os.unlink, a)
+        self.assertIn("remove the others first", self.daemon_log())
+        os.unlink(b)
+        self.assertFalse(os.path.lexists(b))
+        self.assertSameFile(a, c)
+        self.remount()
+        self.assertEqual(sorted(os.listdir(self.ck("r"))), [".metadata", "a", "c"])
+        self.assertSameFile(a, c)
+        self.assertEqual(read_all(c), data)
+        os.unlink(c)
+        self.assertEqual(os.stat(a).st_nlink, 1)
+        os.unlink(a)
+        self.remount()
+        self.assertEqual(os.listdir(self.ck("r")), [".metadata"])
+
     def _tool_copy(self, name, argv_of):
         """A tree with hard-linked pairs copied by argv_of(src, dest) into
         NAME: rc 0, the pairs one inode each, before and after commit."""
