@@ -24,6 +24,7 @@ pkgs=(
   python3-venv python3-pip                # the .venv below
   iproute2                                # multi-node tests: ip, ss (netns)
   rsync                                   # integration_names: rsync -a into a mount
+  git zip unzip                           # integration_links: git clone, unzip of links
   clang libclang-rt-dev                    # libFuzzer and sanitizer runtimes
   python3-torch python3-numpy             # Python client and PyTorch example tests
   dpkg-dev file                           # cpack -G DEB: dpkg-shlibdeps, file
@@ -149,14 +150,15 @@ if [ -z "$py" ]; then
   echo "install-deps: no Python 3.11 with venv (torch 2.13.0's CPU build is for 3.11)" >&2
   exit 1
 fi
-want="torch==2.13.0 numpy==2.4.6 safetensors==0.8.0 transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6 prometheus-client==0.26.0 h5py==3.12.1"
+want="torch==2.13.0 numpy==2.4.6 safetensors==0.8.0 transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6 prometheus-client==0.26.0 h5py==3.12.1 zarr==3.1.6 atomicwrites==1.4.1 tensorstore==0.1.86"
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c \
     'import sys, torch, numpy, safetensors, transformers, accelerate, lightning, prometheus_client, h5py, ckptfs
 from importlib.metadata import version
 assert sys.version_info[:2] == (3, 11); assert torch.__version__.startswith("2.13.0")
 assert (transformers.__version__, accelerate.__version__, lightning.__version__) == ("5.18.0", "1.15.0", "2.6.6")
 assert (numpy.__version__, safetensors.__version__, h5py.__version__) == ("2.4.6", "0.8.0", "3.12.1")
-assert version("prometheus-client") == "0.26.0"' 2>/dev/null; then
+assert version("prometheus-client") == "0.26.0"
+assert (version("zarr"), version("atomicwrites"), version("tensorstore")) == ("3.1.6", "1.4.1", "0.1.86")' 2>/dev/null; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install --disable-pip-version-check -q $want
   "$venv/bin/python" -m pip install --disable-pip-version-check -q -e "$repo/python"
