@@ -12,6 +12,10 @@ mounts, next to the limit of the same machine and to PyTorch DCP.
     python3 bench/bench.py --tiers [--per-rank 32M] [--slots 2,2,2] ...
         (issue 27's rows: levels none, local, partner, shared across simulated
         nodes over a slow store; see bench/tiers.py)
+    python3 bench/bench.py --writers [--dir DIR] [--rounds 5] ...
+        (issue 38's rows: safetensors, save_pretrained, h5py, torch.save,
+        np.save, tensorstore into a mount against a plain directory + syncfs;
+        see bench/writers.py)
 
 Run as root (it drops the page cache). It re-runs itself under the project
 venv's python (.venv/bin/python of this tree, else /work/main/.venv/bin/python:
@@ -1544,6 +1548,12 @@ def main():
     if "--tiers" in sys.argv:        # issue 27's rows: bench/tiers.py (no torch)
         import tiers
         return tiers.main([a for a in sys.argv[1:] if a != "--tiers"])
+    ap.add_argument("--writers", action="store_true",
+                    help="issue 38's rows instead: each writer into a mount against a "
+                         "plain directory (bench/writers.py; --writers --help)")
+    if "--writers" in sys.argv:      # issue 38's rows: bench/writers.py
+        import writers
+        return writers.main([a for a in sys.argv[1:] if a != "--writers"])
     args = ap.parse_args()
     in_venv(args.no_venv)
     args.dcp_threads = [int(x) for x in args.dcp_threads.split(",") if x.strip()]

@@ -335,6 +335,11 @@ static void count_done(writer_t *w, uint64_t n) {
  * without sync_files. */
 #define STREAM_SYNC_STEP (64ULL << 20)
 static int settle_stream(writer_t *w, uint64_t size, bool sync) {
+  /* All of it queued for writeback at once (the drain may have started
+   * it at the file's close), then waited for step by step: a wait per
+   * step alone would let the disk's queue run dry between steps. */
+  if (sync && size)
+    (void)sync_file_range(w->fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
   for (uint64_t off = 0; off < size; off += STREAM_SYNC_STEP) {
     uint64_t len = size - off < STREAM_SYNC_STEP ? size - off : STREAM_SYNC_STEP;
     if (sync && sync_file_range(w->fd, (off_t)off, (off_t)len,

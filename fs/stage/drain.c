@@ -168,6 +168,11 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
     close(backing);
   if (!go)
     return false;
+  /* Its data file once committed: with sync_files its writeback starts
+   * now, beside the hash, so that the commit's flush finds little left
+   * (what a plain directory's syncfs would also write). */
+  if (fs->opts.sync_files && size)
+    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
   XXH3_state_t *h = XXH3_createState();
   int rc = h && XXH3_64bits_reset(h) == XXH_OK ? 0 : -ENOMEM;
   if (rc == 0)
