@@ -21,8 +21,10 @@ One row per writer, each saving with its own library call, unchanged:
 The data is generated once per writer and saved once into DIR/plain
 (untimed: imports, the tool's lazy set-up); every round saves it again.
 For each writer a fresh ckptfs daemon mounts DIR/backing with default
-options (one rank, world size 1), then rounds alternate (mount,
-plain, mount, plain, ...), each after an untimed `sync`:
+options (one rank, world size 1), then rounds alternate in ABBA order
+(mount, plain, plain, mount, ...: the second of a pair finds the pages the
+first freed, which on a VM reporting free memory to its host fill faster
+than older free memory), each after an untimed `sync`:
 
   mount  mkdir NAME in the mount, the tool writes its file(s) into NAME
          (plain bytes files, no xattrs), then one write(2) of "sync\\n" to
@@ -368,8 +370,15 @@ def run_writer(args, wname):
         res["idle_rss"] = daemon.status("VmRSS")
         for r in range(args.rounds):
             busy = wait_quiet(args.quiet_wait)
-            m = round_mount(daemon, write, state, f"{wname}-{r}", args.settle)
-            p = round_plain(args.plain, write, state, f"{wname}-{r}")
+            # ABBA: which goes first alternates, as the second of a pair
+            # finds the first's pages just freed (on a VM that reports
+            # free pages to its host, older free memory is slower to fill)
+            if r % 2 == 0:
+                m = round_mount(daemon, write, state, f"{wname}-{r}", args.settle)
+                p = round_plain(args.plain, write, state, f"{wname}-{r}")
+            else:
+                p = round_plain(args.plain, write, state, f"{wname}-{r}")
+                m = round_mount(daemon, write, state, f"{wname}-{r}", args.settle)
             m["busy_before"] = round(busy, 2)
             res["mount"].append(m)
             res["plain"].append(p)
