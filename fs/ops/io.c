@@ -98,8 +98,9 @@ int ckpt__op_pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
 
 /* A committed tensor or blob that is a whole data file (written once by
  * passthrough: each large staged file is one) is read by FUSE passthrough
- * too, straight from the data file's page cache without a request to the
- * daemon. Its checksum is checked first, here (the daemon sees none of
+ * too, and so is a block file that is such a chunk (a rank's shard, read
+ * as `.NAME[a:b]`): straight from the data file's page cache, without a
+ * request to the daemon. Its checksum is checked first, here (the daemon sees none of
  * the reads after this), and again at a later open when the data file
  * changed on disk (pin_files' recheck). Anything else, or a chunk that is
  * damaged (its reads then get EIO), stays on the daemon's path. */
@@ -109,23 +110,33 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
 #ifdef FUSE_CAP_PASSTHROUGH
   ckpt_fs_t *fs = ckpt__op_fs_of(req);
   if (!fs->passthrough || !fs->opts.direct_reads || (fi->flags & O_DIRECT) ||
-      (n->kind != CKPT_NODE_CTENSOR && n->kind != CKPT_NODE_CBLOB))
+      (n->kind != CKPT_NODE_CTENSOR && n->kind != CKPT_NODE_CBLOB &&
+       n->kind != CKPT_NODE_CBLOCK))
     return; /* O_DIRECT: the daemon's path, any alignment */
   const ckpt_stored_t *s = &n->ck->stored;
   ckpt_item_t it = ckpt__node_item(n);
-  uint64_t size = ckpt_stored_size(s, it);
+  uint64_t size = 0, off = 0; /* the file's bytes: [off, off+size) of it */
+  if (n->kind != CKPT_NODE_CBLOCK) {
+    size = ckpt_stored_size(s, it);
+  } else if (ckpt__block_run(n->ck, n->u.block, &off)) {
+    /* a block file that is one run of its tensor (a rank's own shard,
+     * the resharded read of a chunk): straight from that chunk's data
+     * file when the chunk is the whole of it (written once) */
+    it = (ckpt_item_t){false, n->u.block->tensor};
+    size = n->u.block->bytes;
+  }
   ckpt_fdref_t ref;
   uint64_t pos;
   size_t len;
   struct stat st;
   if (size < CKPT_PT_READ_MIN || size > SIZE_MAX ||
-      ckpt_stored_span(s, it, (size_t)size, 0, &ref, &pos, &len) != 1)
+      ckpt_stored_span(s, it, (size_t)size, off, &ref, &pos, &len) != 1)
     return;
   /* checked before the kernel serves a byte (a no-op once checked, until
    * its data file changes: pin_files' recheck); no hold of fs->lock */
   bool whole = pos == 0 && len == size && fstat(ref.fd, &st) == 0 &&
                (uint64_t)st.st_size == size;
-  if (!whole || ckpt_stored_verify(s, it, (size_t)size, 0) != 0) {
+  if (!whole || ckpt_stored_verify(s, it, (size_t)size, off) != 0) {
     ckpt_fdref_put(&ref);
     return; /* the daemon's path: EIO for a damaged chunk */
   }

@@ -111,6 +111,21 @@ static int first_run(void *arg, const ckpt_piece_t *p) {
   return o->n > 1; /* a second run: stop */
 }
 
+bool ckpt__block_run(const ckpt_ckpt_t *ck, const ckpt_block_t *b,
+                     uint64_t *off) {
+  const ckpt_tensor_meta_t *t = &ck->meta->tensors[b->tensor];
+  one_run_t o = {0};
+  if (b->bytes == 0)
+    return false;
+  ckpt_layout_local_pieces(t->ndim, t->shape, b->dims, b->dims + b->ndim,
+                           ckpt_dtype_size(t->dtype), 0, b->bytes, first_run,
+                           &o);
+  if (o.n != 1 || o.first.len != b->bytes)
+    return false;
+  *off = o.first.dst;
+  return true;
+}
+
 void ckpt__block_read(fuse_req_t req, ckpt_node_t *n, size_t size,
                       uint64_t off) {
   const ckpt_block_t *b = n->u.block;

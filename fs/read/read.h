@@ -115,6 +115,10 @@ typedef struct ckpt_block {
   int64_t dims[];   /* lo[ndim], then sizes[ndim] */
 } ckpt_block_t;
 
+/* Is block b of committed ck one contiguous run of its tensor's bytes?
+ * Then true, with *off where the run starts in the tensor. */
+bool ckpt__block_run(const ckpt_ckpt_t *ck, const ckpt_block_t *b,
+                     uint64_t *off);
 /* Is name in dir a block file name to resolve (dir a directory of a
  * committed checkpoint, name ".N[...]")? fs->lock held. */
 bool ckpt__block_name(const ckpt_node_t *dir, const char *name);

@@ -10,6 +10,7 @@ import os
 from .errors import CkptfsError, CkptfsIOError
 
 IO_STEP = 8 << 20  # bytes per write/pread call
+SHARD_MIN = 64 << 10  # one run read through its block file from this size
 
 
 def pread_into(fd, mv, offset, path):
@@ -70,12 +71,19 @@ def block_file(path, offsets, sizes):
 def read_block(path, item, global_shape, offsets, sizes, mv):
     """Read block (offsets, sizes) of the global tensor at path, of
     elements of item bytes, into mv (the block's bytes, row-major): one
-    pread when it is one contiguous run, else one read of its block file;
+    read of its block file, or one pread of the tensor's file for the whole
+    tensor or a small run;
     one pread per run where the mount has no block files (an older
     ckptfs, or a name too long for one)."""
     block = runs(global_shape, offsets, sizes)
     first = next(block, None)
-    if first is not None and next(block, None) is not None:
+    several = first is not None and next(block, None) is not None
+    whole = tuple(sizes) == tuple(global_shape)
+    # through its block file: several runs (gathered by the daemon in few
+    # reads), or one large run that is not the whole tensor: a rank's
+    # shard, which the mount serves straight from its data file
+    # (passthrough) where that file holds just this chunk
+    if several or (first is not None and not whole and len(mv) >= SHARD_MIN):
         try:
             fd = os.open(block_file(path, offsets, sizes), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:  # no block files here, or a name too long for one

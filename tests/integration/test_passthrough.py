@@ -26,6 +26,7 @@ import mmap
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -300,6 +301,43 @@ class Passthrough(CkptfsTestCase):
         self.mount("verify=1")
         for name, d in datas.items():
             self.assertEqual(read_all(self.ck("i", name)), d)
+
+    def test_shard_block_file_read_without_the_daemon(self):
+        """A block file that is one shard of a tensor, written once into a
+        data file of its own (a rank's shard at the world size it was
+        saved with), is read straight from that data file: once verified,
+        its reads cost the daemon nothing; a block spanning two shards is
+        served by the daemon, byte for byte."""
+        m = self.mount_pt()
+        os.mkdir(self.ck("s"))
+        half = [os.urandom(MiB), os.urandom(MiB)]
+        for i in range(2):
+            path = self.ck("s", f"w{i}")
+            write_file(path, half[i])
+            set_tensor_xattrs(path, "float32", [512, 1024], [256 * i, 0], [256, 1024])
+            os.setxattr(path, "user.ckpt.fqn", b"w")
+        commit(self.ck("s"))
+        name, = [n for n in os.listdir(self.ck("s")) if n.startswith("w")]
+        shard = self.ck("s", f".{name}[256:512,0:1024]")
+        self.assertEqual(read_all(shard), half[1])      # verified here, once
+        # opened, its reads need no daemon: they are served with it stopped
+        fd = os.open(shard, os.O_RDONLY)
+        self.addCleanup(os.close, fd)
+        got = []
+        reader = threading.Thread(target=lambda: got.append(os.pread(fd, MiB, 0)),
+                                  daemon=True)
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            reader.start()
+            reader.join(5)
+            served = not reader.is_alive()
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+        reader.join(10)
+        self.assertTrue(served, "the shard's read waited for the stopped daemon")
+        self.assertEqual(got, [half[1]])
+        across = self.ck("s", f".{name}[128:384,0:1024]")
+        self.assertEqual(read_all(across), half[0][MiB // 2:] + half[1][:MiB // 2])
 
     def test_reopen_after_data_file_replaced_and_old_one_changed(self):
         """A committed file open (its data file X the inode's passthrough

@@ -152,6 +152,39 @@ class VerifyDefault(CkptfsTestCase):
         self.assertEqual(rc, -signal.SIGBUS, out)
         self.assertIn("c: w: rank 0", self.daemon_log())
 
+    def test_shard_block_file_verified(self):
+        """A block file that is one shard of a tensor, whose data file
+        holds just that shard (written once), is served straight from the
+        data file (FUSE passthrough): verified first, at every open after
+        the data file changed, as the tensor file is."""
+        self.mount()
+        os.mkdir(self.ck("s"))
+        half = [os.urandom(1 * MiB), os.urandom(1 * MiB)]
+        for i in range(2):  # rows [256 i, 256 (i + 1)) of w, each its own file
+            write_tensor(self.ck("s", f"w{i}"), "float32", [512, 1024], half[i],
+                         offsets=[256 * i, 0], sizes=[256, 1024])
+            os.setxattr(self.ck("s", f"w{i}"), "user.ckpt.fqn", b"w")
+        commit(self.ck("s"))
+        name, = [n for n in os.listdir(self.ck("s")) if n.startswith("w")]
+        block = [self.ck("s", f".{name}[{256 * i}:{256 * (i + 1)},0:1024]") for i in range(2)]
+        self.assertEqual(read_all(block[1]), half[1])
+        db = sqlite3.connect(f"file:{self.bk('s', '.metadata')}?mode=ro", uri=True)
+        (f1, off1, ln1), = db.execute("SELECT file, file_offset, length FROM chunks "
+                                      "WHERE offsets = '[256,0]'").fetchall()
+        db.close()
+        self.assertEqual((off1, os.path.getsize(self.bk("s", f1))), (0, ln1),
+                         "the shard is not its data file's only bytes")
+        flip(self.bk("s", f1), ln1 // 2)                 # after a clean read
+        self.assertErrno(errno.EIO, read_all, block[1])
+        self.assertEqual(read_all(block[0]), half[0])    # the other shard reads
+        flip(self.bk("s", f1), ln1 // 2)                 # put right: served again
+        self.assertEqual(read_all(block[1]), half[1])
+        self.mounts[-1].stop()
+        flip(self.bk("s", f1), ln1 // 2)                 # before any read
+        self.mount()
+        self.assertErrno(errno.EIO, read_all, block[1])
+        self.assertIn("s: w: rank 0", self.daemon_log())
+
     def save_one(self, name):
         os.mkdir(self.ck(name))
         data = write_tensor(self.ck(name, "w"), "float32", [512, 1024], os.urandom(2 * MiB))
