@@ -984,8 +984,8 @@ class RegisterHistory(CkptfsTestCase):
                                     fd = None
                             except OSError:
                                 pass
-                            if fd is not None:
-                                os.close(fd)
+                            if fd is not None:   # the mount may be killed by now
+                                close_quietly(fd)
                 elif x < 0.30 and held:
                     hd = rnd.choice(held)
                     if not hd[0].still(hd[1]):
@@ -1191,8 +1191,18 @@ class RegisterHistory(CkptfsTestCase):
                 if per.get(k, 0) < 3 and len(shown) < SHOW * 2:
                     per[k] = per.get(k, 0) + 1
                     shown.append(f"{k}: {text}")
-            self.fail(summary + "\n  " + "\n  ".join(shown)
+            self.fail(summary + "\n  " + "\n  ".join(shown) + self.log_of(viol)
                       + f"\n(times in s from the first operation; CKPT_HISTORY_SEED={self.seed})")
+
+    def log_of(self, viol):
+        """The daemons' log lines that name a save a leftover names (what
+        became of it), for the report."""
+        ids = {i for k, text in viol if k == "LEFTOVER"
+               for i in re.findall(r"[0-9a-f]{32}", text)}
+        lines = [f"{t:8.2f} {ln}" for t, ln in self.h.log
+                 if any(i in ln or i[:16] in ln for i in ids)]
+        return ("\n  the daemons' log of those saves:\n    " + "\n    ".join(lines[-40:])
+                if lines else "")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ class LinkDown(NetnsCase):
 
     def test_link_down_while_writing(self):
         ct = self.TIMEOUT
-        w = self.start_world([1, 1, 1], opts=f"commit_timeout={ct}")
+        # passthrough=0: the commit writes the data (a file written once by
+        # passthrough is its data file already, synced from its close on)
+        w = self.start_world([1, 1, 1], opts=f"commit_timeout={ct},passthrough=0")
         # a first save: every rank's connections to the coordinator are up
         warm = [Tensor("w", "float32", [3, 4], {r: ([r, 0], [1, 4]) for r in range(3)})]
         stage(w, "warm", warm)
