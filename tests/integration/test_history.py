@@ -1199,10 +1199,15 @@ class RegisterHistory(CkptfsTestCase):
         became of it), for the report."""
         ids = {i for k, text in viol if k == "LEFTOVER"
                for i in re.findall(r"[0-9a-f]{32}", text)}
-        lines = [f"{t:8.2f} {ln}" for t, ln in self.h.log
+        names = {n for k, text in viol if k == "LEFTOVER"
+                 for n in re.findall(r"name (\w+)", text)}
+        of_id = [f"{t:8.2f} {ln}" for t, ln in self.h.log
                  if any(i in ln or i[:16] in ln for i in ids)]
-        return ("\n  the daemons' log of those saves:\n    " + "\n    ".join(lines[-40:])
-                if lines else "")
+        of_name = [f"{t:8.2f} {ln}" for t, ln in self.h.log
+                   if any(f"tier: {n}" in ln or f" {n}:" in ln for n in names)]
+        lines = of_id[:30] + ["(the last lines naming the checkpoint:)"] + of_name[-20:]
+        return ("\n  the daemons' log of those saves:\n    " + "\n    ".join(lines)
+                if of_id or of_name else "")
 
 
 if __name__ == "__main__":
