@@ -86,6 +86,19 @@ static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
   return 0;
 }
 
+/* The XXH3 of closed file fd (size bytes) into a new *h. Its data file
+ * once committed: with sync_files its writeback starts now, beside the
+ * hash, so that the commit's flush finds little left (what a plain
+ * directory's syncfs would also write). 0 or -errno. */
+static int hash_closed(ckpt_fs_t *fs, int fd, uint64_t size, XXH3_state_t **h,
+                       uint8_t *buf, size_t cap) {
+  if (fs->opts.sync_files && size)
+    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
+  *h = XXH3_createState();
+  int rc = *h && XXH3_64bits_reset(*h) == XXH_OK ? 0 : -ENOMEM;
+  return rc ? rc : hash_sparse(fd, size, *h, buf, cap);
+}
+
 /* Hash a closed passthrough file where it is, or move a small one into
  * segments. The seal first: it fails while anyone can write the file
  * (true: try again in a moment). Only the move changes the file (it
@@ -168,15 +181,8 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
     close(backing);
   if (!go)
     return false;
-  /* Its data file once committed: with sync_files its writeback starts
-   * now, beside the hash, so that the commit's flush finds little left
-   * (what a plain directory's syncfs would also write). */
-  if (fs->opts.sync_files && size)
-    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
-  XXH3_state_t *h = XXH3_createState();
-  int rc = h && XXH3_64bits_reset(h) == XXH_OK ? 0 : -ENOMEM;
-  if (rc == 0)
-    rc = hash_sparse(fd, size, h, buf, cap);
+  XXH3_state_t *h = NULL;
+  int rc = hash_closed(fs, fd, size, &h, buf, cap);
   close(fd);
 
   pthread_mutex_lock(&sf->lock);
