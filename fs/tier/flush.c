@@ -781,6 +781,20 @@ static bool run_job(ckpt_flush_t *f, flush_job_t *j) {
     free(err);
     return true;
   }
+  if (rc == -EAGAIN) {
+    /* a race with another mount on BACKING_DIR (its .staging tidied
+     * away, a copy linked by another flusher each time): soon again, not
+     * at a failing store's pace (a minute later, long after the race) */
+    if (j->backoff == 0)
+      ckpt__log("tier: %s: flush waiting: %s", j->name,
+                err ? err : strerror(EAGAIN));
+    free(err);
+    j->backoff = j->backoff ? j->backoff * 2 : WAIT_FIRST;
+    if (j->backoff > WAIT_MAX)
+      j->backoff = WAIT_MAX;
+    j->not_before = ckpt__mono_now() + j->backoff;
+    return false;
+  }
   bool again = ckpt__tier_transient(rc);
   if (j->backoff < BACKOFF_FIRST)
     j->backoff = BACKOFF_FIRST;
