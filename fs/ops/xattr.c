@@ -92,6 +92,19 @@ static int set_dir_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
   return rc;
 }
 
+/* The reply to a getxattr or listxattr whose answer rc (its length, or
+ * -errno) was put in buf of size bytes (size 0: only the length); frees
+ * buf. */
+static void reply_filled(fuse_req_t req, int rc, char *buf, size_t size) {
+  if (rc < 0)
+    fuse_reply_err(req, -rc);
+  else if (size == 0)
+    fuse_reply_xattr(req, (size_t)rc);
+  else
+    fuse_reply_buf(req, buf, (size_t)rc);
+  free(buf);
+}
+
 /* getxattr of a name found in v[k] (under the lock that protects v, if
  * any): replied. */
 static void reply_kept(fuse_req_t req, pthread_mutex_t *lock,
@@ -106,13 +119,7 @@ static void reply_kept(fuse_req_t req, pthread_mutex_t *lock,
     if (lock)
       pthread_mutex_unlock(lock);
   }
-  if (rc < 0)
-    fuse_reply_err(req, -rc);
-  else if (size == 0)
-    fuse_reply_xattr(req, (size_t)rc);
-  else
-    fuse_reply_buf(req, buf, (size_t)rc);
-  free(buf);
+  reply_filled(req, rc, buf, size);
 }
 
 /* The FQN of a committed tensor or bytes item. */
@@ -300,15 +307,8 @@ void ckpt__op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
                &n->xl.n, name, size);
   } else if (n->kind == CKPT_NODE_SFILE) {
     char *buf = size ? malloc(size) : NULL;
-    int rc = size && !buf ? -ENOMEM
-                          : ckpt__sfile_getxattr(n->u.sf, name, buf, size);
-    if (rc < 0)
-      fuse_reply_err(req, -rc);
-    else if (size == 0)
-      fuse_reply_xattr(req, (size_t)rc);
-    else
-      fuse_reply_buf(req, buf, (size_t)rc);
-    free(buf);
+    reply_filled(req, size && !buf ? -ENOMEM : ckpt__sfile_getxattr(n->u.sf, name, buf, size), buf,
+                 size);
   } else if ((n->kind == CKPT_NODE_CTENSOR || n->kind == CKPT_NODE_CBLOB) &&
              ckpt__xattr_index(name) == CKPT_X_FQN) {
     const char *fqn = committed_fqn(n);
@@ -368,15 +368,8 @@ void ckpt__op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
   }
   if (n->kind == CKPT_NODE_SFILE) {
     char *buf = size ? malloc(size) : NULL;
-    int rc = size && !buf ? -ENOMEM
-                          : ckpt__sfile_listxattr(n->u.sf, buf, size);
-    if (rc < 0)
-      fuse_reply_err(req, -rc);
-    else if (size == 0)
-      fuse_reply_xattr(req, (size_t)rc);
-    else
-      fuse_reply_buf(req, buf, (size_t)rc);
-    free(buf);
+    reply_filled(req, size && !buf ? -ENOMEM : ckpt__sfile_listxattr(n->u.sf, buf, size), buf,
+                 size);
     ckpt__op_put_node(fs, n);
     return;
   }
