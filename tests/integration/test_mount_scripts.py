@@ -273,6 +273,45 @@ class MountScripts(unittest.TestCase):
         with open(os.path.join(self.root, ".ckpt-mount.made")) as f:
             self.assertIn("rank1", f.read().split())
 
+    def test_jobs_keep_out_of_open_mpis_shared_session_directory(self):
+        """Open MPI 4 puts every job of a host and user under one top
+        session directory (TMPDIR/ompi.HOST.UID) that an ending job removes
+        once it looks empty: a job starting then fails (mkdir "File
+        exists"). A world remounted in CI hit that (issue 37's stop), and a
+        trainer's mpirun next to ours would. Here that top directory is a
+        file, so any job that uses it fails; every job of ckpt-mount and
+        ckpt-umount (prep, daemons, probe, check, stop) still runs, and
+        what they leave is removed: nothing under MOUNTROOT/.ckpt-mpi or
+        /tmp/ckpt-mpi.*."""
+        r = subprocess.run(["mpirun", "--version"], capture_output=True, text=True)
+        if not re.search(r"\(Open MPI\) [1-4]\.", r.stdout):
+            self.skipTest("not Open MPI 1-4: " + r.stdout.strip())
+        tmp = os.path.join(self.dir, "tmp")
+        os.mkdir(tmp)
+        with open(os.path.join(tmp, f"ompi.{os.uname().nodename}.{os.getuid()}"), "w") as f:
+            f.write("not a directory\n")
+        hf = os.path.join(self.dir, "hosts")
+        with open(hf, "w") as f:
+            f.write("localhost slots=2\n")
+        before = set(os.listdir("/tmp"))
+        env = dict(sanenv.env(mpi=True), TMPDIR=tmp)
+        plain = subprocess.run(["mpirun", "--allow-run-as-root", "-np", "1", "true"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        self.assertNotEqual(plain.returncode, 0, "the planted top directory stops no job")
+        run = lambda argv: subprocess.run(argv, capture_output=True, text=True, timeout=240,
+                                          stdin=subprocess.DEVNULL, env=env)
+        r = run([CKPT_MOUNT, "--bin", util.BIN, "--hostfile", hf, self.backing, self.root])
+        self.assertEqual(r.returncode, 0, r.stderr + read_log(
+            os.path.join(self.root, ".ckpt-mount.log"))[-3000:])
+        self.save_and_load(r.stdout.splitlines())
+        u = run([CKPT_UMOUNT, self.root])
+        self.assertEqual(u.returncode, 0, u.stderr)
+        self.assertIn("unmounting the ranks on every host", u.stderr)
+        self.assert_nothing_left()
+        self.assertFalse(os.path.exists(os.path.join(self.root, ".ckpt-mpi")))
+        self.assertEqual([n for n in set(os.listdir("/tmp")) - before
+                          if n.startswith("ckpt-mpi.")], [])
+
     def test_world_killed_then_umount_and_mount_again(self):
         """SIGKILL of one rank's daemon ends the world (mpirun's default),
         leaving dead mounts (ENOTCONN). ckpt-umount removes every one of
