@@ -176,6 +176,17 @@ if ((${#left[@]})); then
 fi
 
 rmdir -- "$root"/rank* 2>/dev/null
+# Open MPI's session directories of the scripts' jobs (ckpt-mount gives
+# each its own there): a killed job leaves files in them. Removed by their
+# owner, the job's user (or root, for a ckpt-mount run as root), nothing
+# mounted under them by now; rm -r follows no link.
+mpi_dir=$root/.ckpt-mpi
+if [[ -d $mpi_dir && ! -L $mpi_dir ]]; then
+  case $(stat -c %u -- "$mpi_dir") in
+    "$juid") "${as_user[@]}" rm -rf --one-file-system -- "$mpi_dir" 2>/dev/null ;;
+    0) rm -rf --one-file-system -- "$mpi_dir" 2>/dev/null ;;
+  esac
+fi
 rm -f -- "$root"/.ckpt-mount.pid "$root"/.ckpt-mount.state "$root"/.ckpt-mount.rc \
   "$root"/.ckpt-mount.made
 keep_log "$root/.ckpt-mount.log"

@@ -79,38 +79,45 @@ with open(d + "/.metadata", "wb") as f:
     P(f, protocol=4).dump(md)
 '''
 
-# A .metadata of plain DCP classes: DIR KIND TARGET. KIND bytes/tensor: one
-# item of that kind stored at relative_path TARGET; system: a Metadata
-# whose planner_data holds an object that runs os.system(TARGET) when
-# unpickled; system-top: that object alone.
+# .metadata files of plain DCP classes, for each "DIR KIND TARGET LENGTH"
+# of the arguments (one process: one import of torch). KIND bytes/tensor:
+# one item of that kind stored at relative_path TARGET, LENGTH bytes;
+# system: a Metadata whose planner_data holds an object that runs
+# os.system(TARGET) when unpickled; system-top: that object alone.
 FORGE = r'''
 import os, pickle, sys, torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
     Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-d, kind, target = sys.argv[1:4]
 
 class Run:
+    def __init__(self, target):
+        self.target = target
     def __reduce__(self):
-        return (os.system, (target,))
+        return (os.system, (self.target,))
 
-md, storage = {}, {}
-if kind == "bytes":
-    md["blob"] = BytesStorageMetadata()
-    storage[MetadataIndex("blob")] = _StorageInfo(target, 0, int(sys.argv[4]))
-elif kind == "tensor":
-    size = torch.Size([4])
-    md["t"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
-                                    [ChunkStorageMetadata(torch.Size([0]), size)])
-    storage[MetadataIndex("t", torch.Size([0]))] = _StorageInfo(target, 0, int(sys.argv[4]))
-obj = Metadata(state_dict_metadata=md, planner_data={f: (f,) for f in md},
-               storage_data=storage, storage_meta=StorageMeta(save_id="x"))
-if kind == "system":
-    obj.planner_data = {"x": Run()}
-elif kind == "system-top":
-    obj = Run()
-with open(os.path.join(d, ".metadata"), "wb") as f:
-    pickle.dump(obj, f)
+def forge(d, kind, target, length):
+    md, storage = {}, {}
+    if kind == "bytes":
+        md["blob"] = BytesStorageMetadata()
+        storage[MetadataIndex("blob")] = _StorageInfo(target, 0, length)
+    elif kind == "tensor":
+        size = torch.Size([4])
+        md["t"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
+                                        [ChunkStorageMetadata(torch.Size([0]), size)])
+        storage[MetadataIndex("t", torch.Size([0]))] = _StorageInfo(target, 0, length)
+    obj = Metadata(state_dict_metadata=md, planner_data={f: (f,) for f in md},
+                   storage_data=storage, storage_meta=StorageMeta(save_id="x"))
+    if kind == "system":
+        obj.planner_data = {"x": Run(target)}
+    elif kind == "system-top":
+        obj = Run(target)
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        pickle.dump(obj, f)
+
+args = sys.argv[1:]
+for i in range(0, len(args), 4):
+    forge(args[i], args[i + 1], args[i + 2], int(args[i + 3]))
 '''
 
 # A DCP directory described by SPEC (JSON): DIR SPEC. SPEC maps each FQN
@@ -232,10 +239,15 @@ class DcpTrustCase(CkptfsTestCase):
         run_py(self, self.py, SAVE, path)
         return path
 
-    def forge(self, path, kind, target, length=0):
-        os.makedirs(path, exist_ok=True)
-        run_py(self, self.py, FORGE, path, kind, target, length)
-        return path
+    def forge(self, cases):
+        """FORGE for each (path, kind, target, length), in one process:
+        the paths."""
+        args = []
+        for path, kind, target, length in cases:
+            os.makedirs(path, exist_ok=True)
+            args += [path, kind, target, length]
+        run_py(self, self.py, FORGE, *args)
+        return [c[0] for c in cases]
 
     def assertNotImported(self, r, name):
         self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
@@ -264,14 +276,15 @@ class HostilePickle(DcpTrustCase):
                     self.assertIn("refused getattr", r.stderr)
 
     def test_os_system_never_runs(self):
-        for kind in ("system", "system-top"):
+        kinds = ("system", "system-top")
+        marker = {kind: os.path.join(self.dir, f"marker-{kind}") for kind in kinds}
+        dirs = self.forge([(os.path.join(self.dir, f"dcp-{kind}"), kind, f"id > {marker[kind]}", 0)
+                           for kind in kinds])
+        for kind, d in zip(kinds, dirs):
             with self.subTest(kind=kind):
-                marker = os.path.join(self.dir, f"marker-{kind}")
-                d = self.forge(os.path.join(self.dir, f"dcp-{kind}"), kind,
-                               f"id > {marker}")
                 chown_tree(d)
                 r = self.ctl("import-dcp", d, self.backing, "evil")
-                self.assertFalse(os.path.exists(marker),
+                self.assertFalse(os.path.exists(marker[kind]),
                                  "the pickle's os.system ran: " + r.stderr)
                 self.assertNotImported(r, "evil")
                 # os.system pickles as posix.system
@@ -361,9 +374,10 @@ class HostilePaths(DcpTrustCase):
                  ("symlink", "bytes", "link", n),
                  ("tensor-abs", "tensor", self.tsecret, len(self.tsecret_bytes)),
                  ("tensor-symlink", "tensor", "tlink", len(self.tsecret_bytes))]
-        for i, (label, kind, rel, length) in enumerate(cases):
+        dirs = self.forge([(os.path.join(self.dir, f"dcp{i}"), kind, rel, length)
+                           for i, (_, kind, rel, length) in enumerate(cases)])
+        for i, ((label, kind, rel, length), d) in enumerate(zip(cases, dirs)):
             with self.subTest(case=label):
-                d = self.forge(os.path.join(self.dir, f"dcp{i}"), kind, rel, length)
                 os.makedirs(os.path.join(d, "sub"))
                 os.symlink(self.secret, os.path.join(d, "link"))
                 os.symlink(self.tsecret, os.path.join(d, "tlink"))

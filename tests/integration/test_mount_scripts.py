@@ -295,6 +295,7 @@ class MountScripts(unittest.TestCase):
             f.write("localhost slots=2\n")
         before = set(os.listdir("/tmp"))
         env = dict(sanenv.env(mpi=True), TMPDIR=tmp)
+        env.pop("OMPI_MCA_orte_tmpdir_base", None)   # (ctest's base of this test)
         plain = subprocess.run(["mpirun", "--allow-run-as-root", "-np", "1", "true"],
                                capture_output=True, text=True, env=env, timeout=60)
         self.assertNotEqual(plain.returncode, 0, "the planted top directory stops no job")
