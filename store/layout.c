@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "catalog.h"
 #include "store.h"
 
 int ckpt_store_open_dir(int backing_fd, const char *name, int flags) {
@@ -368,11 +369,23 @@ static int empty_dir(int dfd) {
 }
 
 int ckpt__remove_held_tree(int parent_fd, const char *name, int dfd) {
-  int rc = empty_dir(dfd);
-  /* By name, now empty: if the name is another directory by now (a
-   * replace exchanged it in), it is not empty and stays. */
-  if (unlinkat(parent_fd, name, AT_REMOVEDIR) && errno != ENOENT && !rc)
-    rc = errno == ENOTEMPTY || errno == EEXIST ? 0 : -errno;
+  int rc = 0;
+  for (int attempt = 0; attempt < 5; attempt++) {
+    rc = empty_dir(dfd);
+    /* By name, now empty: if the name is another directory by now (a
+     * replace exchanged it in), it is not empty and stays. */
+    if (unlinkat(parent_fd, name, AT_REMOVEDIR) == 0 || errno == ENOENT)
+      return rc;
+    if (errno != ENOTEMPTY && errno != EEXIST)
+      return rc ? rc : -errno;
+    /* Still this directory, written again meanwhile (a protect that saw
+     * .metadata just before it went adds its marker): emptied again. */
+    struct stat held, named;
+    if (fstat(dfd, &held) || fstatat(parent_fd, name, &named,
+                                     AT_SYMLINK_NOFOLLOW) ||
+        held.st_dev != named.st_dev || held.st_ino != named.st_ino)
+      return rc;
+  }
   return rc;
 }
 
@@ -438,7 +451,9 @@ static void cleanup_staging(int backing_fd) {
 }
 
 /* Does directory dfd hold only what a save writes (data files, .metadata
- * and its temporary and journal files)? A directory holding anything else
+ * and its temporary and journal files, the .protected marker and its
+ * temporary file: a protected checkpoint's rm -r interrupted after its
+ * .metadata went leaves it)? A directory holding anything else
  * is not an unfinished save: someone else's (lost+found on a dedicated
  * volume, files put there by hand), never removed. NULL when it is one,
  * else the first other name (in buf). */
@@ -456,6 +471,8 @@ static const char *foreign_entry(int dfd, char *buf, size_t cap) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
         !strncmp(e->d_name, CKPT_METADATA_FILE,
                  strlen(CKPT_METADATA_FILE)) ||
+        !strcmp(e->d_name, CKPT_PROTECT_FILE) ||
+        !strcmp(e->d_name, CKPT_PROTECT_FILE ".tmp") ||
         ckpt_data_file_parse(e->d_name, &rank, &k) == 0)
       continue;
     snprintf(buf, cap, "%s", e->d_name);

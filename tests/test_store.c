@@ -515,6 +515,46 @@ static void make_save(const char *b, const char *rel, const char *id,
   ckpt_metadata_free(&m);
 }
 
+/* Make b/name/file (directories as needed), empty. */
+static void touch_in(int bfd, const char *name, const char *file) {
+  mkdirat(bfd, name, 0700);
+  char rel[300];
+  snprintf(rel, sizeof(rel), "%s/%s", name, file);
+  int f = openat(bfd, rel, O_WRONLY | O_CREAT, 0600);
+  assert_true(f >= 0);
+  close(f);
+}
+
+/* A mount's start removes what an interrupted save or removal left, a
+ * NAME without .metadata holding only what the store writes there: data
+ * files, .metadata's temporary files, and the .protected marker of a
+ * protected checkpoint (rm -r of one killed after its .metadata went left
+ * it, and it stayed as "not a checkpoint": the history test's LEFTOVER).
+ * A directory with anything else stays, and so does a committed one. */
+static void cleanup_removes_unfinished_saves(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  touch_in(bfd, "plain", "__0_0.distcp");
+  touch_in(bfd, "protected", "__0_0.distcp");
+  touch_in(bfd, "protected", ".protected");
+  touch_in(bfd, "marking", ".protected.tmp");
+  touch_in(bfd, "mine", "__0_0.distcp");
+  touch_in(bfd, "mine", "notes.txt");
+  make_save(b, "done", "0123456789abcdef0123456789abcdef", NULL, 1);
+  touch_in(bfd, "done", ".protected");
+  ckpt_store_cleanup(bfd, -1);
+  struct stat st;
+  assert_int_equal(fstatat(bfd, "plain", &st, 0), -1);
+  assert_int_equal(fstatat(bfd, "protected", &st, 0), -1);
+  assert_int_equal(fstatat(bfd, "marking", &st, 0), -1);
+  assert_int_equal(fstatat(bfd, "mine/notes.txt", &st, 0), 0);
+  assert_int_equal(fstatat(bfd, "done/.protected", &st, 0), 0);
+  assert_int_equal(fstatat(bfd, "done/" CKPT_METADATA_FILE, &st, 0), 0);
+  rm_backing(b, bfd);
+}
+
+
 static void key_of(int bfd, const char *name, char out[CKPT_SAVE_ID_LEN + 1]) {
   int dfd = ckpt_store_open_dir(bfd, name, O_RDONLY);
   assert_true(dfd >= 0);
@@ -618,6 +658,7 @@ int main(void) {
       cmocka_unit_test(open_beneath_refuses_symlinks),
       cmocka_unit_test(save_dir_remove_unheld_spares_a_held_one),
       cmocka_unit_test(publish_if_compares_and_swaps),
+      cmocka_unit_test(cleanup_removes_unfinished_saves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

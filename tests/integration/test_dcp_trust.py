@@ -44,9 +44,11 @@ Needs root (chown to another uid) and torch (tests/integration/ckpttest/pyenv.py
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import unittest
 
 from ckpttest import util
@@ -405,24 +407,32 @@ def f32(values):
 class CheckedCase(DcpTrustCase):
     """Forged DCP directories (FORGE_CHUNKS) that import-dcp must refuse
     before it creates anything: not NAME, and not BACKING_DIR either (the
-    test leaves it absent; the converter's mount of it would make it)."""
+    test leaves it absent; the converter's mount of it would make it).
+    Every directory a test of the class imports is in the class's SPECS
+    ({label: spec}): all are forged at its first test, in one process (one
+    import of torch), owned by uid 65534; import-dcp only reads them."""
 
-    def forge_specs(self, cases):
-        """Forge DCP directories dcp-LABEL for [(label, spec), ...], all in
-        one process: {label: directory}."""
-        dirs = {label: os.path.join(self.dir, f"dcp-{label}") for label, _ in cases}
-        for d in dirs.values():
-            os.makedirs(d)
-        listing = os.path.join(self.dir, f"forge-{len(os.listdir(self.dir))}.json")
-        with open(listing, "w") as f:
-            json.dump([[dirs[label], spec] for label, spec in cases], f)
-        run_py(self, self.py, FORGE_CHUNKS, listing)
-        for d in dirs.values():
-            chown_tree(d)
-        return dirs
+    SPECS = {}
+    forged = None
 
-    def forge_spec(self, label, spec):
-        return self.forge_specs([(label, spec)])[label]
+    def forged_dir(self, label):
+        """The forged directory of SPECS[label]."""
+        cls = type(self)
+        if cls.forged is None:
+            top = tempfile.mkdtemp(prefix="ckptfs-forged-", dir="/tmp")
+            cls.addClassCleanup(shutil.rmtree, top, ignore_errors=True)
+            os.chmod(top, 0o755)
+            dirs = {name: os.path.join(top, f"dcp-{name}") for name in cls.SPECS}
+            for d in dirs.values():
+                os.makedirs(d)
+            listing = os.path.join(top, "forge.json")
+            with open(listing, "w") as f:
+                json.dump([[dirs[name], spec] for name, spec in cls.SPECS.items()], f)
+            run_py(self, self.py, FORGE_CHUNKS, listing)
+            for d in dirs.values():
+                chown_tree(d)
+            cls.forged = dirs
+        return cls.forged[label]
 
     def assertRefusedEarly(self, r, name, *words):
         out = r.stdout + r.stderr
@@ -434,21 +444,18 @@ class CheckedCase(DcpTrustCase):
         for w in words:
             self.assertIn(w, r.stderr)
 
-    def refused(self, label, spec, *words):
-        """Import the forged spec as NAME=label: refused early, stderr
-        holding words."""
-        d = self.forge_spec(label, spec)
-        r = self.ctl("import-dcp", d, self.backing, label)
+    def refused(self, label, *words):
+        """Import SPECS[label] as NAME=label: refused early, stderr holding
+        words."""
+        r = self.ctl("import-dcp", self.forged_dir(label), self.backing, label)
         self.assertRefusedEarly(r, label, *words)
         return r
 
     def all_refused(self, cases):
-        """refused() for each (label, spec, words...), forged at once."""
-        dirs = self.forge_specs([(c[0], c[1]) for c in cases])
-        for label, _, *words in cases:
+        """refused() for each (label, words...)."""
+        for label, *words in cases:
             with self.subTest(case=label):
-                r = self.ctl("import-dcp", dirs[label], self.backing, label)
-                self.assertRefusedEarly(r, label, *words)
+                self.refused(label, *words)
 
     def ctl_measured(self, *args):
         """ckptctl ARGS run under MEASURE: (CompletedProcess-like, seconds,
@@ -467,55 +474,55 @@ GOOD = chunk([0], [4])
 
 class Tiling(CheckedCase):
 
+    SPECS = {
+        "nochunks": {"w": tensor([4], [GOOD]), "t": tensor([16384], [])},
+        "gap1d": {"t": tensor([8], [chunk([0], [4]), chunk([6], [2])])},
+        "gap2d": {"t": tensor([4, 4], [chunk([0, 0], [2, 4]), chunk([2, 0], [2, 2])])},
+        "over1d": {"t": tensor([8], [chunk([0], [6]), chunk([4], [4])])},
+        "over2d": {"t": tensor([4, 4], [chunk([0, 0], [4, 4]), chunk([1, 1], [2, 2])])},
+        "twice": {"t": tensor([4], [chunk([0], [4]), chunk([0], [4], same_as=0)])},
+        # sizes adding up to the tensor's element count, but overlapping:
+        # so they leave a gap
+        "hide1d": {"t": tensor([8], [chunk([0], [4]), chunk([2], [4])])},
+        "hide2d": {"t": tensor([2, 4], [chunk([0, 0], [2, 2]), chunk([0, 1], [2, 2])])},
+        "hide3": {"t": tensor([6], [chunk([0], [2]), chunk([1], [2]), chunk([4], [2])])},
+        "oob": {"t": tensor([8], [chunk([0], [6]), chunk([6], [4])])},
+        "oob2d": {"t": tensor([4, 4], [chunk([0, 0], [4, 2]), chunk([0, 2], [4, 3])])},
+        "rank": {"t": tensor([8], [chunk([0, 0], [8, 1])])},
+        "rank0": {"t": tensor([2, 2], [chunk([], [])])},
+        "dims": {"t": tensor([8], [chunk([0], [8, 1])])},
+        # irregular chunks that tile exactly, a scalar, an empty tensor
+        "exact": {"m": tensor([4, 6], [chunk([0, 0], [2, 6]), chunk([2, 0], [2, 1]),
+                                       chunk([2, 1], [1, 5]), chunk([3, 1], [1, 5])]),
+                  "v": tensor([10], [chunk([7], [3]), chunk([0], [7])]),
+                  "s": tensor([], [chunk([], [])]),
+                  "e": tensor([0, 3], [chunk([0, 0], [0, 3])]),
+                  "blob": {"bytes": b"hello".hex()}},
+    }
+
     def test_tensor_without_chunks(self):
         """A tensor of 16384 elements with no chunks (DCP plans no read
         for it): its torch.empty buffer was committed."""
-        self.refused("nochunks", {"w": tensor([4], [GOOD]), "t": tensor([16384], [])},
-                     "'t'", "no chunks", "16384")
+        self.refused("nochunks", "'t'", "no chunks", "16384")
 
     def test_chunks_leaving_a_gap(self):
-        self.all_refused([
-            ("gap1d", {"t": tensor([8], [chunk([0], [4]), chunk([6], [2])])}, "'t'", "gap",
-             "[4]"),
-            ("gap2d", {"t": tensor([4, 4], [chunk([0, 0], [2, 4]), chunk([2, 0], [2, 2])])},
-             "'t'", "gap", "[2, 2]")])
+        self.all_refused([("gap1d", "'t'", "gap", "[4]"), ("gap2d", "'t'", "gap", "[2, 2]")])
 
     def test_overlapping_chunks(self):
-        self.all_refused([
-            (label, {"t": spec}, "'t'", "overlap") for label, spec in [
-                ("over1d", tensor([8], [chunk([0], [6]), chunk([4], [4])])),
-                ("over2d", tensor([4, 4], [chunk([0, 0], [4, 4]), chunk([1, 1], [2, 2])])),
-                ("twice", tensor([4], [chunk([0], [4]), chunk([0], [4], same_as=0)]))]])
+        self.all_refused([(label, "'t'", "overlap") for label in ("over1d", "over2d", "twice")])
 
     def test_overlaps_hiding_a_gap(self):
-        """Chunks whose sizes add up to the tensor's element count, but
-        overlap: so they leave a gap."""
-        self.all_refused([
-            (label, {"t": spec}, "'t'", "overlap") for label, spec in [
-                ("hide1d", tensor([8], [chunk([0], [4]), chunk([2], [4])])),
-                ("hide2d", tensor([2, 4], [chunk([0, 0], [2, 2]), chunk([0, 1], [2, 2])])),
-                ("hide3", tensor([6], [chunk([0], [2]), chunk([1], [2]), chunk([4], [2])]))]])
+        self.all_refused([(label, "'t'", "overlap") for label in ("hide1d", "hide2d", "hide3")])
 
     def test_chunk_out_of_bounds(self):
-        self.all_refused([(label, {"t": spec}, "'t'", *words) for label, spec, words in [
-                ("oob", tensor([8], [chunk([0], [6]), chunk([6], [4])]), ("out of bounds",)),
-                ("oob2d", tensor([4, 4], [chunk([0, 0], [4, 2]), chunk([0, 2], [4, 3])]),
-                 ("out of bounds",)),
-                ("rank", tensor([8], [chunk([0, 0], [8, 1])]), ("2 dimensions", "1")),
-                ("rank0", tensor([2, 2], [chunk([], [])]), ("0 dimensions",)),
-                ("dims", tensor([8], [chunk([0], [8, 1])]), ("dimensions",))]])
+        self.all_refused([("oob", "'t'", "out of bounds"), ("oob2d", "'t'", "out of bounds"),
+                          ("rank", "'t'", "2 dimensions", "1"), ("rank0", "'t'", "0 dimensions"),
+                          ("dims", "'t'", "dimensions")])
 
     def test_exact_tiling_imports(self):
         """Irregular chunks that tile exactly (and a scalar, an empty
         tensor) import, with every element's value."""
-        spec = {"m": tensor([4, 6], [chunk([0, 0], [2, 6]), chunk([2, 0], [2, 1]),
-                                     chunk([2, 1], [1, 5]), chunk([3, 1], [1, 5])]),
-                "v": tensor([10], [chunk([7], [3]), chunk([0], [7])]),
-                "s": tensor([], [chunk([], [])]),
-                "e": tensor([0, 3], [chunk([0, 0], [0, 3])]),
-                "blob": {"bytes": b"hello".hex()}}
-        d = self.forge_spec("exact", spec)
-        r = self.ctl("import-dcp", d, self.backing, "exact")
+        r = self.ctl("import-dcp", self.forged_dir("exact"), self.backing, "exact")
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.mount()
         with open(self.ck("exact", "m"), "rb") as f:
@@ -527,22 +534,36 @@ class Tiling(CheckedCase):
         self.assertEqual(os.path.getsize(self.ck("exact", "e")), 0)
 
 
+BOMB = 1 << 40
+SHARED = 1 << 20
+
+
 class Backing(CheckedCase):
 
-    BOMB = 1 << 40
+    SPECS = {
+        "baseline": {"t": tensor([8], [chunk([0], [4])])},
+        # 2**40 float32 elements (4 TiB), its one chunk a torch.save of 4
+        "bomb": {"t": tensor([BOMB], [chunk([0], [BOMB], store=[4])])},
+        "nochunkbomb": {"t": tensor([BOMB], [])},
+        "end": {"t": tensor([4], [chunk([0], [4], length_add=100)])},
+        "start": {"t": tensor([4], [chunk([0], [4], offset_add=1 << 30)])},
+        "bytes": {"b": {"bytes": os.urandom(64).hex(), "length_add": 1 << 30}},
+        "nostorage": {"t": tensor([8], [chunk([0], [4]), chunk([4], [4], storage="none")])},
+        # eight chunks of 2**20 elements, all pointing at one torch.save of
+        # 2**20 elements: 32 MiB of tensor from 4 MiB of file
+        "shared": {"t": tensor([8 * SHARED], [chunk([0], [SHARED], store=[SHARED])] + [
+            chunk([i * SHARED], [SHARED], same_as=0) for i in range(1, 8)])},
+    }
 
     def test_size_bomb_refused_quickly_with_little_memory(self):
         """A tensor of 2**40 float32 elements (4 TiB) whose one chunk claims
         a torch.save of 4 elements: refused within seconds, its time and
         peak memory within 5 s and 256 MiB of a tiny refused import's (a
         gap: Python and torch are most of both)."""
-        dirs = self.forge_specs([
-            ("baseline", {"t": tensor([8], [chunk([0], [4])])}),
-            ("bomb", {"t": tensor([self.BOMB], [chunk([0], [self.BOMB], store=[4])])})])
-        base, bomb = dirs["baseline"], dirs["bomb"]
+        base, bomb = self.forged_dir("baseline"), self.forged_dir("bomb")
         r, secs, rss = self.ctl_measured("import-dcp", bomb, self.backing, "bomb")
         sys.stderr.write(f"\n  bomb: {secs:.2f} s, {rss / 1024:.0f} MiB peak; ")
-        self.assertRefusedEarly(r, "bomb", "'t'", "not backed", str(self.BOMB))
+        self.assertRefusedEarly(r, "bomb", "'t'", "not backed", str(BOMB))
         r0, s0, rss0 = self.ctl_measured("import-dcp", base, self.backing, "baseline")
         sys.stderr.write(f"baseline (a gap): {s0:.2f} s, {rss0 / 1024:.0f} MiB peak\n")
         self.assertRefusedEarly(r0, "baseline", "'t'", "gap")
@@ -554,33 +575,20 @@ class Backing(CheckedCase):
 
     def test_bomb_without_chunks(self):
         """2**40 elements and no chunk at all: refused as such, at once."""
-        r, secs, rss = self.ctl_measured(
-            "import-dcp", self.forge_spec("nochunkbomb", {"t": tensor([self.BOMB], [])}),
-            self.backing, "nochunkbomb")
+        r, secs, rss = self.ctl_measured("import-dcp", self.forged_dir("nochunkbomb"),
+                                         self.backing, "nochunkbomb")
         self.assertRefusedEarly(r, "nochunkbomb", "'t'", "no chunks")
         self.assertLess(secs, 60)
 
     def test_stored_past_the_end_of_its_file(self):
-        self.all_refused([(label, spec, *words) for label, spec, words in [
-                ("end", {"t": tensor([4], [chunk([0], [4], length_add=100)])},
-                 ("'t'", "past the end")),
-                ("start", {"t": tensor([4], [chunk([0], [4], offset_add=1 << 30)])},
-                 ("'t'", "past the end")),
-                ("bytes", {"b": {"bytes": os.urandom(64).hex(), "length_add": 1 << 30}},
-                 ("'b'", "past the end"))]])
+        self.all_refused([("end", "'t'", "past the end"), ("start", "'t'", "past the end"),
+                          ("bytes", "'b'", "past the end")])
 
     def test_chunk_without_storage_entry(self):
-        self.refused("nostorage", {"t": tensor([8], [chunk([0], [4]),
-                                                     chunk([4], [4], storage="none")])},
-                     "'t'", "no storage_data entry")
+        self.refused("nostorage", "'t'", "no storage_data entry")
 
     def test_chunks_sharing_stored_bytes(self):
-        """Eight chunks of 2**20 elements, all pointing at one torch.save of
-        2**20 elements: 32 MiB of tensor from 4 MiB of file."""
-        n = 1 << 20
-        chunks = [chunk([0], [n], store=[n])] + [
-            chunk([i * n], [n], same_as=0) for i in range(1, 8)]
-        self.refused("shared", {"t": tensor([8 * n], chunks)}, "'t'", "share")
+        self.refused("shared", "'t'", "share")
 
 
 if __name__ == "__main__":

@@ -1200,11 +1200,13 @@ class RegisterHistory(CkptfsTestCase):
         ids = {i for k, text in viol if k == "LEFTOVER"
                for i in re.findall(r"[0-9a-f]{32}", text)}
         names = {n for k, text in viol if k == "LEFTOVER"
-                 for n in re.findall(r"name (\w+)", text)}
+                 for n in re.findall(r"name (\w+)", text) +
+                 re.findall(r"/backing/(\w+): no \.metadata", text)}
         of_id = [f"{t:8.2f} {ln}" for t, ln in self.h.log
                  if any(i in ln or i[:16] in ln for i in ids)]
         of_name = [f"{t:8.2f} {ln}" for t, ln in self.h.log
-                   if any(f"tier: {n}" in ln or f" {n}:" in ln for n in names)]
+                   if any(f"tier: {n}" in ln or f" {n}:" in ln or f" {n} " in ln
+                          or ln.endswith(f" {n}") for n in names)]
         lines = of_id[:30] + ["(the last lines naming the checkpoint:)"] + of_name[-20:]
         return ("\n  the daemons' log of those saves:\n    " + "\n    ".join(lines)
                 if of_id or of_name else "")
