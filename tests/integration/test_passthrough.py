@@ -149,7 +149,10 @@ def skip_without_passthrough(case):
         case.skipTest("kernel older than 6.9: no FUSE passthrough")
 
 
-class Passthrough(CkptfsTestCase):
+class PassthroughCase(CkptfsTestCase):
+    """Mounts with passthrough, and the helpers of the three classes below
+    (three ctests: the sanitizer stages run them side by side)."""
+
     def setUp(self):
         super().setUp()
         skip_without_passthrough(self)
@@ -190,6 +193,11 @@ class Passthrough(CkptfsTestCase):
         self.assertEqual(st.split("\n")[0], "failed", st)
         self.assertRegex(st, rf"rank 0: {re.escape(path)} is still {how} by "
                              rf"process {pid} \(", st)
+
+
+class Passthrough(PassthroughCase):
+    """The data path: staged and committed bytes, data files without a
+    copy, block files, reopens, hashing in place."""
 
     def test_bytes_sizes_and_times_staged_and_committed(self):
         m = self.mount_pt()
@@ -413,6 +421,10 @@ class Passthrough(CkptfsTestCase):
         for name, d in datas.items():
             self.assertEqual(read_all(self.ck("h", name)), d)
 
+
+class Handles(PassthroughCase):
+    """Handles and mappings open for writing at a commit."""
+
     def test_handle_open_for_writing_fails_the_commit(self):
         """The test's own handle, sync and async commits: EBUSY at once,
         nothing frozen (the handle still writes), and the commit after the
@@ -616,6 +628,10 @@ class Passthrough(CkptfsTestCase):
         self.assertEqual(read_all(self.ck("f", "w")), want)
         for name, d in others.items():
             self.assertEqual(read_all(self.ck("f", name)), d, name)
+
+
+class Drain(PassthroughCase):
+    """The drain, descriptor limits, sparse files, passthrough off."""
 
     def test_many_files_drained_renamed_and_discarded(self):
         m = self.mount_pt()

@@ -284,6 +284,12 @@ class Flush(TierCase):
         self.assertIn(f"save {tier_save} superseded, not published", self.daemon_log())
         self.fsck_clean()
 
+
+class FlushTools(TierCase):
+    """Retention across the tiers, ckptctl's view of them, a bad copy,
+    tier_keep (a second ctest beside Flush: the sanitizer stages run
+    them side by side)."""
+
     def test_retention_across_tiers(self):
         """keep=last:2 on BACKING_DIR, tier_keep=1 in the tier, by step:
         each applied once the checkpoint is flushed; an unflushed one is
