@@ -554,7 +554,6 @@ static void cleanup_removes_unfinished_saves(void **state) {
   rm_backing(b, bfd);
 }
 
-
 static void key_of(int bfd, const char *name, char out[CKPT_SAVE_ID_LEN + 1]) {
   int dfd = ckpt_store_open_dir(bfd, name, O_RDONLY);
   assert_true(dfd >= 0);
