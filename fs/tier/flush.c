@@ -620,6 +620,15 @@ int ckpt__tier_flush_one(ckpt_flush_t *f, flush_job_t *j, char **err) {
        * replacing */
       rc = publish_shared(f, j, l.held, j->replace && !recovered, &l.m, err);
     }
+    if (rc == 0 && l.held >= 0) {
+      /* Published: NAME's directory now, no unfinished save to hold
+       * against a cleanup. Let go before rebind_to_shared takes fs's
+       * locks: a commit of NAME holding one waits for NAME's directory
+       * exclusively (a replace), and it waited on this hold for good (the
+       * history test's long run: three mounts stuck in flock). */
+      close(l.held);
+      l.held = -1;
+    }
     if (rc && !*err) /* a step that did not say why: named here */
       *err = ckpt__strdup_printf("%s of %s (to %s): %s", l.step, j->name,
                                  fs->backing_path, strerror(-rc));
