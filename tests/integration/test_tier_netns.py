@@ -16,8 +16,9 @@ Classes (one cluster and one store each):
                  take at the store's limit (the throttle reaches the
                  daemons in the namespaces); read back bit-exact with the
                  store's cache dropped
-  PartnerCommit  tier_level=partner: the sync commit against a mount
-                 without the tier over the same store (>= 10x faster) and
+  PartnerCommit  tier_level=partner: the sync commit returns while the
+                 store still takes the copies; timed (reported) against a
+                 mount without the tier over the same store and
                  against writing the bytes into the tiers directly
                  (reported; goal 1.3x) and sending them to the partners'
                  tiers over TCP (a looser bound asserted against the
@@ -33,7 +34,7 @@ Classes (one cluster and one store each):
                  half-published on the shared store (no NAME, fsck clean);
                  the next mount resumes and publishes
   StoreFullDown  the store full, then freed; then down (~4 KiB/s), then
-                 back: the commit returns at tier speed, .status tells the
+                 back: the commit returns without the store, .status tells the
                  flush is held up (full: `flush waiting:` with the reason;
                  down: its flush bytes stop short of the total, or it
                  waits), the flush catches up
@@ -61,9 +62,11 @@ MiB = 1 << 20
 PER_RANK = int(os.environ.get("CKPT_TIER_NETNS_MIB", "32")) * MiB
 STORE_BPS = 25 * MiB     # the store's write limit: ~100x below a tmpfs here
 MIN_SLOWDOWN = 10        # issue 27: the shared store >= 10x slower than the tier
-TIER_SPEEDUP = 10        # sync commit with the tier >= 10x faster than without
-DIRECT_GOAL = 1.3        # ... and within 1.3x of writing into the tiers: a goal
-                         # bench/tiers.py measures; printed here, never asserted
+# goals bench/tiers.py measures; printed here, never asserted: the sync
+# commit with the tier >= 10x faster than without, within 1.3x of writing
+# into the tiers
+TIER_SPEEDUP = 10
+DIRECT_GOAL = 1.3
 # ranks per node; CKPT_TIER_NETNS_SLOTS=1,0,0 runs the cases a world of one
 # rank can (a check of the test itself on a binary without multi-rank tiers)
 SLOTS = [int(x) for x in os.environ.get("CKPT_TIER_NETNS_SLOTS", "2,2,2").split(",")]
@@ -332,6 +335,11 @@ class PartnerCommit(TierNetnsCase):
         for r, s in st.items():
             self.assertEqual(s.split("\n", 1)[0], "committed", f"rank {r}: {s!r}")
             self.assertRegex(s, rf"location ({self.LEVEL}|shared)", f"rank {r}: {s!r}")
+        # the commit did not wait for the store: the store takes all ranks'
+        # bytes in w.n * PER_RANK / STORE_BPS (~7.7 s) at the earliest, so
+        # some rank is still flushing when the commit has returned
+        self.assertTrue(any(f"location {self.LEVEL}" in s for s in st.values()),
+                        f"every rank's copy was on the store when the commit returned: {st}")
         direct_t = self.write_tiers_directly(w)
         self.wait_location(w, "c1", "shared")
         self.verify(w, "c1", its, w.n, borders=False)
@@ -351,13 +359,12 @@ class PartnerCommit(TierNetnsCase):
             floor = max(direct_t, net_t)
             net = f", the bytes sent to the partners' tiers over TCP {net_t:.3f}s"
         say(f"sync commit {b.n} x {PER_RANK >> 20} MiB: tier level {self.LEVEL} {tier_t:.3f}s, "
-            f"without the tier {base_t:.2f}s ({base_t / tier_t:.1f}x), the bytes written into "
+            f"without the tier {base_t:.2f}s ({base_t / tier_t:.1f}x, goal {TIER_SPEEDUP}x), the bytes written into "
             f"the tiers directly {direct_t:.3f}s{net}: the commit {tier_t / direct_t:.2f}x the "
             f"direct write (goal {DIRECT_GOAL}x), {tier_t / floor:.2f}x its floor")
-        # the commit did not wait for the store: a margin of 4x over what a
-        # 2-core machine under sanitizers measured (40x); how close it comes
-        # to the direct write is bench/tiers.py's row, not a timed test's
-        self.assertGreaterEqual(base_t / tier_t, TIER_SPEEDUP)
+        # the speedup and how close the commit comes to the direct write
+        # are bench/tiers.py's rows, not a timed test's (CI's loaded 2 cores
+        # measured 9.8x here, a quiet run 40x)
         self.read_without_tier("c1", its, w.n)
         self.assertFsckClean()
 
@@ -453,13 +460,12 @@ class FlushKilled(TierNetnsCase):
 
 class StoreFullDown(TierNetnsCase):
     def commit_held(self, w, name, seed, want):
-        """A sync commit while the store cannot take it: returns at tier
-        speed, and .status of some rank says `want`."""
+        """A sync commit while the store cannot take it: returns committed
+        with no rank's copy on the store (it did not wait for the store),
+        and .status of some rank says `want`."""
         its = items(w.n, seed=seed)
         stage(w, name, its)
         took = self.timed_commit(w, name)
-        at_limit = w.n * PER_RANK / STORE_BPS
-        self.assertLess(took, at_limit / TIER_SPEEDUP, f"{name}: the commit waited for the store")
         deadline = time.monotonic() + 60
         while True:
             st = self.statuses(w, name)
@@ -468,6 +474,7 @@ class StoreFullDown(TierNetnsCase):
             self.assertLess(time.monotonic(), deadline, f"{name}: no `{want}`: {st}")
             time.sleep(0.2)
         for r, s in st.items():
+            self.assertEqual(s.split("\n", 1)[0], "committed", f"rank {r}: {s!r}")
             self.assertNotIn("location shared", s, f"rank {r}")
         return its, took, st
 
