@@ -27,73 +27,151 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
-JOB = r'''
+JOB = r"""
 import json, os, sys, time
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import distribute_tensor, Shard
+from torch.distributed.tensor import DTensor, Shard
 import ckptfs.dcp
 rank = int(os.environ["OMPI_COMM_WORLD_RANK"]); ws = int(os.environ["OMPI_COMM_WORLD_SIZE"])
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 dist.init_process_group("gloo", rank=rank, world_size=ws)
-kind, where, size, tag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+phase, model, plain, mounts, size, reps = sys.argv[1:7]
+size, reps = int(size), int(reps)
 mesh = init_device_mesh("cpu", (ws,))
-n_t = 16
-rows = max(ws, size // n_t // 4 // 1024)
-from torch.distributed.tensor import DTensor
+
+
+def shapes():
+    # {fqn: global shape}: `flat` 16 matrices of --size bytes; `gpt` an
+    # 8-block GPT of width 1024 with Adam's state, as FSDP2's state dict
+    # holds it (every parameter and moment Shard(0), a 0-dim step each)
+    if model == "flat":
+        rows = max(ws, size // 16 // 4 // 1024)
+        return {f"layer{i}.weight": (rows, 1024) for i in range(16)} | {"bias": (1024,)}
+    w = 1024
+    out = {"model.wte.weight": (8192, w), "model.wpe.weight": (1024, w)}
+    for b in range(8):
+        p = f"model.h.{b}."
+        out |= {p + "ln_1.weight": (w,), p + "ln_1.bias": (w,),
+                p + "attn.c_attn.weight": (3 * w, w), p + "attn.c_attn.bias": (3 * w,),
+                p + "attn.c_proj.weight": (w, w), p + "attn.c_proj.bias": (w,),
+                p + "ln_2.weight": (w,), p + "ln_2.bias": (w,),
+                p + "mlp.c_fc.weight": (4 * w, w), p + "mlp.c_fc.bias": (4 * w,),
+                p + "mlp.c_proj.weight": (w, 4 * w), p + "mlp.c_proj.bias": (w,)}
+    out |= {"model.ln_f.weight": (w,), "model.ln_f.bias": (w,)}
+    for k in [k for k in out if k.startswith("model.")]:
+        out[f"optim.state.{k}.exp_avg"] = out[k]
+        out[f"optim.state.{k}.exp_avg_sq"] = out[k]
+        out[f"optim.state.{k}.step"] = ()
+    return out
+
+
 def make_sd(zero):
-    sd = {}
-    for i in range(n_t):
-        per = (rows + ws - 1) // ws
-        lo, hi = min(rows, rank * per), min(rows, (rank + 1) * per)
-        loc = torch.zeros(hi - lo, 1024) if zero else torch.full((hi - lo, 1024), float(i)) + torch.arange(hi - lo).unsqueeze(1)
-        sd[f"layer{i}.weight"] = DTensor.from_local(loc, mesh, [Shard(0)], run_check=False,
-                                                    shape=torch.Size((rows, 1024)),
-                                                    stride=(1024, 1))
-    sd["step"] = 100
-    sd["bias"] = torch.ones(1024)
+    sd, g = {}, torch.Generator().manual_seed(0)
+    for i, (k, shp) in enumerate(shapes().items()):
+        if shp == ():
+            sd[k] = torch.tensor(0.0 if zero else 100.0)
+            continue
+        per = (shp[0] + ws - 1) // ws
+        lo, hi = min(shp[0], rank * per), min(shp[0], (rank + 1) * per)
+        loc = torch.zeros((hi - lo,) + shp[1:])
+        if not zero:
+            loc.add_(float(i)).add_(torch.arange(lo, hi).reshape((-1,) + (1,) * (len(shp) - 1)))
+        sd[k] = DTensor.from_local(loc, mesh, [Shard(0)], run_check=False,
+                                   shape=torch.Size(shp), stride=torch.empty(shp).stride())
+    sd["optim.param_groups.lr"] = 0.0 if zero else 3e-4
+    sd["step"] = 0 if zero else 100
     return sd
-cid = os.path.join(where, tag) if kind == "stock" else tag
-sd = make_sd(False)
-reps = int(sys.argv[5])
-res = {"save": [], "async_stall": [], "async_total": [], "load": []}
-for rep in range(reps):
-    c1, c2 = f"{cid}{rep}", f"{cid}{rep}-async"
-    if kind == "stock":
-        W1 = dcp.FileSystemWriter(c1, sync_files=True); W2 = dcp.FileSystemWriter(c2, sync_files=True)
-        R1 = dcp.FileSystemReader(c1)
-    else:
-        W1, W2, R1 = ckptfs.dcp.Writer(where), ckptfs.dcp.Writer(where), ckptfs.dcp.Reader(where)
-    dist.barrier(); t = time.monotonic()
-    dcp.save(sd, checkpoint_id=c1, storage_writer=W1)
-    dist.barrier(); res["save"].append(time.monotonic() - t)
-    dist.barrier(); t = time.monotonic()
-    fut = dcp.async_save(sd, checkpoint_id=c2, storage_writer=W2)
-    res["async_stall"].append(time.monotonic() - t)
-    fut.result()
-    dist.barrier(); res["async_total"].append(time.monotonic() - t)
-    tgt = make_sd(True)
-    dist.barrier(); t = time.monotonic()
-    dcp.load(tgt, checkpoint_id=c1, storage_reader=R1)
-    dist.barrier(); res["load"].append(time.monotonic() - t)
+
+
+def check(tgt, sd):
     for k, v in sd.items():
+        got = tgt[k]
         if hasattr(v, "to_local"):
-            assert torch.equal(tgt[k].to_local(), v.to_local()), k
-    del tgt
+            assert torch.equal(got.to_local(), v.to_local()), k
+        elif isinstance(v, torch.Tensor):
+            assert torch.equal(got, v), k
+        else:
+            assert got == v, k
+
+
+def timed(fn):
+    dist.barrier(); t = time.monotonic()
+    fn()
     dist.barrier()
-    if rank == 0:  # keep memory (tmpfs) for the next round
+    return time.monotonic() - t
+
+
+def ids(kind, tag):
+    return (os.path.join(plain, tag) if kind == "stock" else tag)
+
+
+def writer(kind, tag):
+    if kind == "stock":
+        return dcp.FileSystemWriter(ids(kind, tag), sync_files=True)
+    return ckptfs.dcp.Writer(mounts)
+
+
+def reader(kind, tag):
+    return dcp.FileSystemReader(ids(kind, tag)) if kind == "stock" else ckptfs.dcp.Reader(mounts)
+
+
+def remove(kind, tag):
+    dist.barrier()
+    if rank == 0:
         import shutil
-        for c in (c1, c2):
-            shutil.rmtree(c if kind == "stock" else os.path.join(ckptfs.dcp.rank_mount(where, 0), c))
+        shutil.rmtree(ids(kind, tag) if kind == "stock"
+                      else os.path.join(ckptfs.dcp.rank_mount(mounts, 0), tag))
     dist.barrier()
-out = {k: sorted(v)[len(v) // 2] for k, v in res.items()}  # medians
-out["bytes"] = sum(v.to_local().numel() * 4 for v in sd.values() if hasattr(v, "to_local")) * 1
+
+
+def load(kind, tag, sd):
+    tgt = make_sd(True)
+    took = timed(lambda: dcp.load(tgt, checkpoint_id=ids(kind, tag), storage_reader=reader(kind, tag)))
+    check(tgt, sd)
+    return took
+
+
+sd = make_sd(False)
+res = {k: {"save": [], "async_stall": [], "async_total": [], "load": [], "reshard_load": []}
+       for k in ("stock", "ckptfs")}
+for rep in range(reps):
+    # interleaved: stock and ckptfs take turns going first
+    kinds = ("stock", "ckptfs") if rep % 2 == 0 else ("ckptfs", "stock")
+    if phase == "save":
+        last = rep == reps - 1
+        for kind in kinds:
+            tag = "saved" if last else f"s{rep}"
+            res[kind]["save"].append(timed(lambda: dcp.save(
+                sd, checkpoint_id=ids(kind, tag), storage_writer=writer(kind, tag))))
+        for kind in kinds:
+            box = {}
+            def go():
+                t = time.monotonic()
+                fut = dcp.async_save(sd, checkpoint_id=ids(kind, f"a{rep}"),
+                                     storage_writer=writer(kind, f"a{rep}"))
+                box["stall"] = time.monotonic() - t
+                fut.result()
+            res[kind]["async_total"].append(timed(go))
+            res[kind]["async_stall"].append(box["stall"])
+        for kind in kinds:
+            res[kind]["load"].append(load(kind, "saved" if last else f"s{rep}", sd))
+        for kind in kinds:
+            remove(kind, f"a{rep}")
+            if not last:
+                remove(kind, f"s{rep}")
+    else:  # a world of another size loads what the save phase left
+        for kind in kinds:
+            res[kind]["reshard_load"].append(load(kind, "saved", sd))
+out = {k: {s: v for s, v in r.items() if v} for k, r in res.items()}
+out["bytes"] = sum(v.to_local().numel() * 4 for v in sd.values() if hasattr(v, "to_local"))
+out["tensors"] = sum(1 for v in sd.values() if isinstance(v, torch.Tensor))
 if rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
 dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)  # a gloo thread still freeing tensors may abort the interpreter's exit
-'''
+"""
 
 
 def parse_size(s):
@@ -113,67 +191,110 @@ def free_port():
         return s.getsockname()[1]
 
 
-def job(n, kind, where, size, tag, reps):
+def job(n, phase, model, plain, mounts, size, reps):
     env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.path.join(REPO, "python"), PYTHONWARNINGS="ignore")
     r = subprocess.run(MPIRUN + ["-np", str(n), "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS",
                                  "-x", "PYTHONPATH", "-x", "PYTHONWARNINGS",
-                                 sys.executable, "-c", JOB, kind, where, str(size), tag, str(reps)],
+                                 sys.executable, "-c", JOB, phase, model, plain, mounts,
+                                 str(size), str(reps)],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        sys.exit(f"{kind} job at {n} ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+        sys.exit(f"{phase} job at {n} ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    sys.exit(f"no result from {kind} at {n}:\n{r.stdout}")
+    sys.exit(f"no result from {phase} at {n}:\n{r.stdout}")
+
+
+class World:
+    """A ckptfs world of n rank mounts over backing (mpirun, foreground)."""
+
+    def __init__(self, binary, n, backing, root, opts):
+        self.n, self.root = n, root
+        for r in range(n):
+            os.makedirs(self.mnt(r), exist_ok=True)
+        self.log = open(os.path.join(root, f"world{n}.log"), "wb")
+        self.proc = subprocess.Popen(MPIRUN + ["-np", str(n), binary, "-f", "-o", opts, backing,
+                                               os.path.join(root, "rank%r")],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not all(mounted(self.mnt(r)) for r in range(n)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                sys.exit(f"ckptfs world of {n} did not mount; see {self.log.name}")
+            time.sleep(0.05)
+
+    def mnt(self, r):
+        return os.path.join(self.root, f"rank{r}")
+
+    def close(self):
+        for r in range(self.n):
+            subprocess.run(["fusermount3", "-u", self.mnt(r)], capture_output=True)
+        self.proc.wait(120)
+        self.log.close()
+
+
+def spread(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2], xs[0], xs[-1]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.path.join(REPO, "build", "bin", "ckptfs"))
     ap.add_argument("--dir", default="/dev/shm/ckptfs-dcp-bench")
-    ap.add_argument("--size", default="1G")
-    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--model", default="gpt", choices=("gpt", "flat"),
+                    help="gpt: an 8-block GPT of width 1024 with Adam (FSDP2's state dict); "
+                         "flat: 16 matrices of --size bytes")
+    ap.add_argument("--size", default="1G", help="--model flat's bytes in all")
+    ap.add_argument("--ranks", default="2", help="world sizes that save (and load)")
+    ap.add_argument("--load-ranks", default="4",
+                    help="the world size that loads what --ranks saved (resharded); 0: none")
     ap.add_argument("--opts", default="", help="extra ckptfs -o options")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are printed")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds; medians are printed")
     a = ap.parse_args()
     size = parse_size(a.size)
-    rows = []
+    lines = []
     for n in [int(x) for x in a.ranks.split(",")]:
         base = os.path.join(a.dir, f"n{n}")
         shutil.rmtree(base, ignore_errors=True)
         plain, backing, root = (os.path.join(base, x) for x in ("plain", "backing", "mnt"))
-        for d in (plain, backing):
+        for d in (plain, backing, root):
             os.makedirs(d)
-        for r in range(n):
-            os.makedirs(os.path.join(root, f"rank{r}"))
         opts = "commit_timeout=600" + ("," + a.opts if a.opts else "")
-        log = open(os.path.join(base, "world.log"), "wb")
-        world = subprocess.Popen(MPIRUN + ["-np", str(n), a.bin, "-f", "-o", opts, backing,
-                                           os.path.join(root, "rank%r")],
-                                 stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        mounts = os.path.join(root, "rank%r")
+        w = World(a.bin, n, backing, root, opts)
         try:
-            deadline = time.monotonic() + 60
-            while not all(mounted(os.path.join(root, f"rank{r}")) for r in range(n)):
-                if world.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"ckptfs world of {n} did not mount; see {log.name}")
-                time.sleep(0.05)
-            stock = job(n, "stock", plain, size, "s", a.repeat)
-            ck = job(n, "ckptfs", os.path.join(root, "rank%r"), size, "s", a.repeat)
+            res = job(n, "save", a.model, plain, mounts, size, a.repeat)
         finally:
-            for r in range(n):
-                subprocess.run(["fusermount3", "-u", os.path.join(root, f"rank{r}")],
-                               capture_output=True)
-            world.wait(120)
-        rows.append((n, stock, ck))
+            w.close()
+        steps = [(f"{k}", n, res["stock"][k], res["ckptfs"][k])
+                 for k in ("save", "async_stall", "async_total", "load")]
+        m = int(a.load_ranks)
+        if m:
+            w = World(a.bin, m, backing, root, opts)
+            try:
+                r2 = job(m, "reshard", a.model, plain, mounts, size, a.repeat)
+            finally:
+                w.close()
+            steps.append((f"load at {m}", n, r2["stock"]["reshard_load"],
+                          r2["ckptfs"]["reshard_load"]))
+        lines.append(f"{a.model}: {res['tensors']} tensors, {res['bytes'] / (1 << 20):.0f} MiB "
+                     f"of float32 on rank 0 of {n}; dir {a.dir}; {a.repeat} interleaved rounds")
+        for step, n_, s, c in steps:
+            sm, sl, sh = spread(s)
+            cm, cl, ch = spread(c)
+            rr = sorted(x / y for x, y in zip(c, s))
+            lines.append(f"| {step} (saved at {n_}) | {sm:.3f} ({sl:.3f}-{sh:.3f}) | "
+                         f"{cm:.3f} ({cl:.3f}-{ch:.3f}) | **{cm / sm:.2f}x** "
+                         f"(rounds {rr[0]:.2f}-{rr[-1]:.2f}x) |")
         shutil.rmtree(base, ignore_errors=True)
-    print(f"state dict: {rows[0][1]['bytes'] / (1 << 30):.2f} GiB of float32 "
-          f"(16 DTensors, Shard(0)) + small items; dir {a.dir}")
-    print(f"{'ranks':>5} {'step':<12} {'stock DCP s':>12} {'ckptfs s':>10} {'ckptfs/stock':>13}")
-    for n, s, c in rows:
-        for k in ("save", "async_stall", "async_total", "load"):
-            print(f"{n:>5} {k:<12} {s[k]:>12.3f} {c[k]:>10.3f} {c[k] / s[k]:>13.2f}")
+    print("| step | stock DCP s, median (range) | ckptfs s | ckptfs/stock |")
+    print("|---|--:|--:|--:|")
+    for ln in lines:
+        print(ln)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,18 @@
 #ifdef CKPT_XXH3_AVX2
 int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
                                uint64_t *out, const _Atomic bool *stop);
+int ckpt__hash_fd_avx2(void *state, int fd, uint64_t off, uint64_t len,
+                       void *buf, size_t cap);
 #endif
+
+int ckpt__hash_fd(XXH3_state_t *st, int fd, uint64_t off, uint64_t len,
+                  void *buf, size_t cap) {
+#ifdef CKPT_XXH3_AVX2
+  if (__builtin_cpu_supports("avx2"))
+    return ckpt__hash_fd_avx2(st, fd, off, len, buf, cap);
+#endif
+  return update_loop(st, fd, off, len, buf, cap, NULL);
+}
 
 int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,
                                uint64_t *out, const _Atomic bool *stop) {

@@ -19,6 +19,15 @@ int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
                                uint64_t *out, const _Atomic bool *stop) {
   return checksum_loop(fd, off, len, out, stop);
 }
+
+/* state: libxxhash's XXH3_state_t, the same struct as the inlined one
+ * (one xxhash.h) */
+int ckpt__hash_fd_avx2(void *state, int fd, uint64_t off, uint64_t len,
+                       void *buf, size_t cap);
+int ckpt__hash_fd_avx2(void *state, int fd, uint64_t off, uint64_t len,
+                       void *buf, size_t cap) {
+  return update_loop(state, fd, off, len, buf, cap, NULL);
+}
 #else
 typedef int ckpt_no_avx2_t; /* not an empty translation unit */
 #endif

@@ -1,4 +1,5 @@
-/* Unit tests of verify.c: the XXH3-64 of a byte range of a file. */
+/* Unit tests of verify.c (the XXH3-64 of a byte range of a file) and
+ * known.c (chunks hashed by a commit). */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -7,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -98,6 +100,54 @@ static void a_stopped_check_gives_up(void **state) {
   close(fd);
 }
 
+/* ckpt__hash_fd adds to a libxxhash state (the AVX2 build where the CPU
+ * has it): the same sum as one call over the bytes, in pieces too. */
+static void hash_fd_continues_a_libxxhash_state(void **state) {
+  (void)state;
+  size_t n = (2u << 20) + 777;
+  uint8_t *d, buf[4096];
+  int fd = temp_file(n, &d);
+  XXH3_state_t *st = XXH3_createState();
+  assert_non_null(st);
+  XXH3_64bits_reset(st);
+  XXH3_64bits_update(st, d, 100); /* the first bytes from memory */
+  assert_int_equal(ckpt__hash_fd(st, fd, 100, 5000, buf, sizeof(buf)), 0);
+  assert_int_equal(ckpt__hash_fd(st, fd, 5100, n - 5100, buf, sizeof(buf)), 0);
+  assert_true(XXH3_64bits_digest(st) == XXH3_64bits(d, n));
+  assert_int_equal(ckpt__hash_fd(st, fd, n - 10, 11, buf, sizeof(buf)),
+                   -ENODATA);
+  XXH3_freeState(st);
+  free(d);
+  close(fd);
+}
+
+/* known.c: a chunk remembered with its file's identity is known while the
+ * file is unchanged, for that range and sum only; a write forgets it. */
+static void known_chunks_follow_the_file(void **state) {
+  (void)state;
+  uint8_t *d;
+  int fd = temp_file(8192, &d);
+  struct stat st;
+  assert_int_equal(fstat(fd, &st), 0);
+  uint64_t sum = XXH3_64bits(d + 4096, 4096);
+  assert_false(ckpt_store_known(fd, 4096, 4096, sum));
+  ckpt_store_known_add(&st, 4096, 4096, sum);
+  assert_true(ckpt_store_known(fd, 4096, 4096, sum));
+  assert_false(ckpt_store_known(fd, 4096, 4096, sum ^ 1)); /* .metadata's */
+  assert_false(ckpt_store_known(fd, 0, 4096, sum));
+  assert_false(ckpt_store_known(fd, 4096, 4095, sum));
+  usleep(10000); /* a coarse clock still moves ctime across 10 ms */
+  assert_int_equal(pwrite(fd, d, 1, 4096), 1); /* the same byte: mtime moves */
+  assert_false(ckpt_store_known(fd, 4096, 4096, sum));
+  assert_int_equal(fstat(fd, &st), 0);
+  ckpt_store_known_add(&st, 4096, 4096, sum);
+  assert_true(ckpt_store_known(fd, 4096, 4096, sum));
+  ckpt_store_known_forget();
+  assert_false(ckpt_store_known(fd, 4096, 4096, sum));
+  free(d);
+  close(fd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(ranges_match_one_shot_hash),
@@ -105,6 +155,8 @@ int main(void) {
       cmocka_unit_test(a_flipped_bit_changes_the_sum),
       cmocka_unit_test(a_bad_fd_is_an_error),
       cmocka_unit_test(a_stopped_check_gives_up),
+      cmocka_unit_test(hash_fd_continues_a_libxxhash_state),
+      cmocka_unit_test(known_chunks_follow_the_file),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -52,7 +52,13 @@ static int hash_file(void *arg, uint32_t i) {
   if (!st)
     return -ENOMEM;
   XXH3_64bits_reset(st);
-  int rc = ckpt__sfile_walk(s->files[i]->u.sf, hash_piece, st);
+  const ckpt_sfile_t *sf = s->files[i]->u.sf;
+  uint8_t *buf = sf->pt_fd >= 0 ? malloc(CKPT_SEG_SIZE) : NULL;
+  int rc = sf->pt_fd < 0 ? ckpt__sfile_walk(s->files[i]->u.sf, hash_piece, st)
+           : buf        ? ckpt__hash_sparse(sf->pt_fd, sf->size, st, buf,
+                                            CKPT_SEG_SIZE)
+                        : -ENOMEM;
+  free(buf);
   s->checksums[i] = XXH3_64bits_digest(st);
   XXH3_freeState(st);
   return rc;
@@ -438,6 +444,24 @@ static int add_piece(void *arg, const void *p, size_t n, ckpt_walk_piece_t kind)
   return rc == 0 && kind == CKPT_WALK_TRANSIENT ? flush_batch(w) : rc;
 }
 
+/* Data file k (fd, written) is stream file k: the items the trainer wrote
+ * into it by passthrough are there, hashed from the file itself (the
+ * drain, or hash_file), so a verified read on this mount need not hash
+ * them again while the file stays as it is now (store/known.c). */
+static void remember_streamed(ckpt_save_t *s, uint32_t k, int fd) {
+  struct stat st;
+  if (fstat(fd, &st))
+    return;
+  for (uint32_t a = 0; a < s->rp.n_assign; a++) {
+    const ckpt_assignment_t *as = &s->rp.assign[a];
+    const ckpt_sfile_t *sf = s->files[as->local_id]->u.sf;
+    if (as->file == k && as->length > 0 && sf->stream == (int32_t)k &&
+        sf->stream_base == as->file_offset)
+      ckpt_store_known_add(&st, as->file_offset, as->length,
+                           s->checksums[as->local_id]);
+  }
+}
+
 static int write_file(void *arg, uint32_t k) {
   ckpt_save_t *s = arg;
   ckpt_fs_t *fs = s->fs;
@@ -483,6 +507,8 @@ static int write_file(void *arg, uint32_t k) {
     rc = settle_stream(w, s->rp.file_bytes[k], fs->opts.sync_files);
   if (rc == 0 && fs->opts.sync_files && fsync(w->fd))
     rc = -(w->err = errno);
+  if (rc == 0 && streamed)
+    remember_streamed(s, k, w->fd);
   if (w->fd >= 0 && close(w->fd) && rc == 0)
     rc = -(w->err = errno);
   if (rc) {

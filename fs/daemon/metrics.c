@@ -218,6 +218,16 @@ static void write_all(ckpt_fs_t *fs, out_t *o) {
        "Chunks and blobs that verify=1 found damaged.");
   sample(o, "ckptfs_verify_failures_total", NULL,
          (unsigned long long)ckpt_store_verify_failures());
+  uint64_t hashed, known;
+  ckpt_store_verify_bytes(&hashed, &known);
+  head(o, "ckptfs_verify_bytes_total", "counter",
+       "Bytes of chunks and blobs verify=1 checked: hashed, or known "
+       "(hashed from their data file by this mount's commit, the file "
+       "unchanged since).");
+  sample(o, "ckptfs_verify_bytes_total", "how=\"hashed\"",
+         (unsigned long long)hashed);
+  sample(o, "ckptfs_verify_bytes_total", "how=\"known\"",
+         (unsigned long long)known);
   uint64_t ckpts, bytes;
   staged_now(fs, &ckpts, &bytes);
   gauge(o, "ckptfs_staged_checkpoints",

@@ -58,11 +58,8 @@ static bool begin_change(ckpt_fs_t *fs, ckpt_node_t *n) {
 
 static const uint8_t zeros[64 * 1024];
 
-/* XXH3 of [0, size) of fd into h: its data extents read in steps through
- * buf (not mapped: the daemon's memory stays bounded), its holes hashed
- * as zeros without reading them. 0 or -errno. */
-static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
-                       size_t cap) {
+int ckpt__hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
+                      size_t cap) {
   uint64_t from, to;
   for (uint64_t pos = 0; pos < size; pos = to) {
     int rc = ckpt__data_extent(fd, pos, size, &from, &to);
@@ -72,16 +69,9 @@ static int hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
       k = n < sizeof(zeros) ? n : sizeof(zeros);
       XXH3_64bits_update(h, zeros, (size_t)k);
     }
-    for (uint64_t at = from; at < to;) {
-      size_t want = to - at < cap ? (size_t)(to - at) : cap;
-      ssize_t r = pread(fd, buf, want, (off_t)at);
-      if (r < 0 && errno == EINTR)
-        continue;
-      if (r <= 0)
-        return r < 0 ? -errno : -ESTALE;
-      XXH3_64bits_update(h, buf, (size_t)r);
-      at += (uint64_t)r;
-    }
+    rc = ckpt__hash_fd(h, fd, from, to - from, buf, cap);
+    if (rc)
+      return rc == -ENODATA ? -ESTALE : rc;
   }
   return 0;
 }
@@ -96,7 +86,7 @@ static int hash_closed(ckpt_fs_t *fs, int fd, uint64_t size, XXH3_state_t **h,
     (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
   *h = XXH3_createState();
   int rc = *h && XXH3_64bits_reset(*h) == XXH_OK ? 0 : -ENOMEM;
-  return rc ? rc : hash_sparse(fd, size, *h, buf, cap);
+  return rc ? rc : ckpt__hash_sparse(fd, size, *h, buf, cap);
 }
 
 /* Hash a closed passthrough file where it is, or move a small one into

@@ -20,6 +20,8 @@ from ckpttest.util import (CkptfsTestCase, commit, main, mountinfo_has, read_all
 from ckpttest.pyenv import require_modules, run_py
 from test_integrity import flip, stored
 
+MiB = 1 << 20
+
 # Parse FILE with prometheus_client: print {"name{k=v,...}": value} (the
 # rank and mount labels checked here and left out of the key), or exit 1
 # saying what is wrong.
@@ -64,7 +66,7 @@ print(reads, len(contents))
 FAMILIES = ["ckptfs_commits", "ckptfs_commit_failures", "ckptfs_commit_duration_seconds",
             "ckptfs_fuse_requests",
             "ckptfs_bytes_staged", "ckptfs_bytes_committed", "ckptfs_bytes_read",
-            "ckptfs_verify_failures", "ckptfs_staged_checkpoints", "ckptfs_staged_bytes",
+            "ckptfs_verify_failures", "ckptfs_verify_bytes", "ckptfs_staged_checkpoints", "ckptfs_staged_bytes",
             "ckptfs_resident_memory_bytes", "ckptfs_open_fds"]
 
 
@@ -232,6 +234,35 @@ class Metrics(CkptfsTestCase):
         m = self.wait_for(lambda m: m["ckptfs_verify_failures_total{}"] >= 1, "the bad chunk")
         self.assertEqual(m["ckptfs_verify_failures_total{}"], 1)
         self.assertEqual(m["ckptfs_bytes_read_total{}"], len(w))
+
+    def test_verify_known_from_the_commit(self):
+        """A chunk this mount's commit hashed from its data file itself (a
+        file streamed into it as it was written) is not hashed again at
+        its first read while the data file is unchanged; once it changed,
+        it is hashed, and a flipped byte found."""
+        self.mount("verify=1,metrics=" + self.mfile)
+        os.mkdir(self.ck("k"))
+        w = write_tensor(self.ck("k", "w"), "float32", [256, 1024], os.urandom(MiB))
+        s = write_tensor(self.ck("k", "s"), "float32", [256], os.urandom(1024))
+        commit(self.ck("k"))
+        self.assertEqual(read_all(self.ck("k", "w")), w)
+        self.assertEqual(read_all(self.ck("k", "s")), s)
+        m = self.wait_for(lambda m: m['ckptfs_verify_bytes_total{how=known}'] > 0,
+                          "the known chunk")
+        self.assertEqual(m['ckptfs_verify_bytes_total{how=known}'], len(w))
+        self.assertEqual(m['ckptfs_verify_bytes_total{how=hashed}'], len(s))
+        # the data file changed (one byte flipped: its mtime and ctime move):
+        # hashed at the next open, and refused
+        f, off, ln = stored(self.backing, "k", "w")
+        flip(self.bk("k", f), off + ln // 2)
+        self.assertErrno(errno.EIO, read_all, self.ck("k", "w"))
+        m = self.wait_for(lambda m: m["ckptfs_verify_failures_total{}"] == 1, "the flip")
+        self.assertEqual(m['ckptfs_verify_bytes_total{how=known}'], len(w))
+        flip(self.bk("k", f), off + ln // 2)  # put right: hashed, and served
+        self.assertEqual(read_all(self.ck("k", "w")), w)
+        m = self.wait_for(lambda m: m['ckptfs_verify_bytes_total{how=hashed}'] > len(s),
+                          "the hash of the file put right")
+        self.assertEqual(m['ckptfs_verify_bytes_total{how=hashed}'], len(s) + len(w))
 
     def test_daemonized_relative_path(self):
         """A daemon (no -f) works in /: a relative FILE is the caller's."""
