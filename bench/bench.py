@@ -1554,6 +1554,13 @@ def main():
     if "--writers" in sys.argv:      # issue 38's rows: bench/writers.py
         import writers
         return writers.main([a for a in sys.argv[1:] if a != "--writers"])
+    ap.add_argument("--user-view", action="store_true",
+                    help="issue 39's rows instead: stock DCP against ckptfs.dcp, a GPT with "
+                         "Adam, interleaved (bench/dcp_bench.py; --user-view --help)")
+    if "--user-view" in sys.argv:    # issue 39's rows: bench/dcp_bench.py
+        in_venv("--no-venv" in sys.argv)
+        import dcp_bench
+        return dcp_bench.main([a for a in sys.argv[1:] if a not in ("--user-view", "--no-venv")])
     args = ap.parse_args()
     in_venv(args.no_venv)
     args.dcp_threads = [int(x) for x in args.dcp_threads.split(",") if x.strip()]

@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
-"""Stock DCP (FileSystemWriter/FileSystemReader into a plain directory) vs
-DCP through ckptfs (ckptfs.dcp.Writer/Reader over rank mounts), in one
-run, on the same filesystem: save, async_save's stall (how long the
-trainer waits before it may go on) and its total, and load, for one state
-dict of --size bytes split over the ranks (DTensor Shard(0) float32
-tensors, plus small replicated ones), at each --ranks world size.
+"""The user's view (issue 39): a PyTorch user's DCP calls with stock
+FileSystemWriter/FileSystemReader into a plain directory against the same
+calls through ckptfs.dcp.Writer/Reader over rank mounts, on the same
+filesystem, interleaved in one job per world size (each round runs both,
+taking turns going first): dcp.save, dcp.async_save's stall (until the
+call returns) and its total, dcp.load in the saving world, and a load by
+a world of another size (--load-ranks, over the same BACKING_DIR: the
+resharded load). Default options on both sides: the Writer's sync commit,
+checksums verified (verify=1), fsync (sync_files).
 
-    bench/dcp_bench.py --bin build/bin/ckptfs --dir /dev/shm/dcpb --size 1G --ranks 1,2
+    bench/bench.py --user-view --dir /dev/shm/dcpb [--model gpt|flat] \
+        [--ranks 2] [--load-ranks 4] [--repeat 5]
 
-Run with the .venv's python (torch 2.13.0): it starts the ckptfs world
-with mpirun and the DCP jobs with mpirun on the same interpreter. Prints a
-table of median seconds per step over --repeat rounds and the ratio ckptfs / stock (below 1: ckptfs
-is faster). --dir on tmpfs measures the software's overheads; on a disk,
-durability (both fsync: FileSystemWriter's sync_files, ckptfs sync_files=1).
+--model gpt (the default): an 8-block GPT of width 1024 with Adam's
+state, as FSDP2's state dict holds it (every parameter and moment a
+DTensor Shard(0), a 0-dim step each; 400 tensors, 631 MiB a rank at 2
+ranks); flat: 16 matrices of --size bytes. Run under the .venv's python
+(bench.py re-runs itself there): it starts the worlds and the jobs with
+mpirun. Prints one Markdown row per step: stock's and ckptfs's median
+seconds with their ranges, and the ratio ckptfs / stock of the medians
+with the range of the rounds' ratios (below 1: ckptfs is faster). --dir on
+tmpfs measures the software's overheads; on a disk, durability.
 """
 import argparse
 import json
@@ -241,8 +249,8 @@ def spread(xs):
     return xs[len(xs) // 2], xs[0], xs[-1]
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="bench.py --user-view")
     ap.add_argument("--bin", default=os.path.join(REPO, "build", "bin", "ckptfs"))
     ap.add_argument("--dir", default="/dev/shm/ckptfs-dcp-bench")
     ap.add_argument("--model", default="gpt", choices=("gpt", "flat"),
@@ -254,7 +262,7 @@ def main():
                     help="the world size that loads what --ranks saved (resharded); 0: none")
     ap.add_argument("--opts", default="", help="extra ckptfs -o options")
     ap.add_argument("--repeat", type=int, default=5, help="rounds; medians are printed")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     size = parse_size(a.size)
     lines = []
     for n in [int(x) for x in a.ranks.split(",")]:

@@ -1,24 +1,44 @@
 /*
- * known.c - chunks whose checksum this process computed from their data
- * file's own bytes (a commit: the passthrough files it publishes as data
- * files, hashed where the trainer wrote them), remembered with the data
- * file's identity at the end of the commit's write (device, inode, size,
- * mtime, ctime). A verified read (reader.c) that finds the file unchanged
- * takes such a chunk as checked: its bytes are the ones hashed. Any change
- * of the file since (a write, a truncate, a punched hole, a replacement)
- * moves its ctime, and the chunk is hashed again as before.
+ * known.c - chunks whose checksum is known to match their data file as it
+ * is now, so that a verified read (reader.c) need not hash them again:
  *
- * A small direct-mapped table: a slot taken by another chunk only means
- * that chunk is hashed at its first read, as without the table.
+ *  - hashed by this process's commit from the data file's own bytes (the
+ *    files streamed into it as the trainer wrote them: fs/commit/steps.c),
+ *  - or hashed by a verified read, here or by another daemon of this node
+ *    since it booted (shared through a directory of the node's: below),
+ *
+ * each remembered with the data file's identity when it was hashed
+ * (device, inode, size, mtime, ctime). Any change of the file since (a
+ * write, a truncate, a punched hole, a replacement) moves its ctime, and
+ * its chunks are hashed again at their next read: each chunk is hashed
+ * once per change of its data file, not once per mount.
+ *
+ * In this process: a small direct-mapped table (a slot taken by another
+ * chunk only means that chunk is hashed again). Shared with the node's
+ * other daemons (ckpt_store_known_share): a directory private to the
+ * daemon's user, named by the boot (a record never outlives a reboot,
+ * after which the page cache is empty and every byte comes from the
+ * disk again), holding one file per data file version, named by its
+ * identity, of 24-byte records (pos, len, checksum) appended by every
+ * daemon that hashed a chunk of it.
  */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include "store.h"
+#include "store_int.h"
 
-#define KNOWN_SLOTS 16384u /* 1 MiB once the first chunk is added */
+#define KNOWN_SLOTS 16384u      /* 1 MiB once the first chunk is added */
+#define SHARE_MAX_FILES 65536   /* more: the shared directory starts over */
+#define SHARE_MAX_RECORDS 65536 /* read of one file's records */
 
 typedef struct {
   dev_t dev;
@@ -30,7 +50,11 @@ typedef struct {
 } known_t;
 
 static pthread_mutex_t known_lock = PTHREAD_MUTEX_INITIALIZER;
-static known_t *known; /* KNOWN_SLOTS, allocated at the first add */
+static known_t *known;        /* KNOWN_SLOTS, allocated at the first add */
+/* the node's shared directory, or -1; a descriptor once shared stays open
+ * for the process's life (a thread may be using it: closed, its number
+ * could name another directory) */
+static _Atomic int share_fd = -1;
 
 static size_t slot_of(const struct stat *st, uint64_t pos, uint64_t len) {
   uint64_t key[4] = {(uint64_t)st->st_dev, (uint64_t)st->st_ino, pos, len};
@@ -46,8 +70,8 @@ static bool same_file(const known_t *k, const struct stat *st) {
          k->ctime.tv_nsec == st->st_ctim.tv_nsec;
 }
 
-void ckpt_store_known_add(const struct stat *st, uint64_t pos, uint64_t len,
-                          uint64_t sum) {
+static void remember(const struct stat *st, uint64_t pos, uint64_t len,
+                     uint64_t sum) {
   pthread_mutex_lock(&known_lock);
   if (!known)
     known = calloc(KNOWN_SLOTS, sizeof(*known));
@@ -59,6 +83,73 @@ void ckpt_store_known_add(const struct stat *st, uint64_t pos, uint64_t len,
   pthread_mutex_unlock(&known_lock);
 }
 
+/* The shared file of the data file version st describes. */
+static void share_name(const struct stat *st, char *buf, size_t cap) {
+  snprintf(buf, cap,
+           "%" PRIx64 "-%" PRIx64 "-%" PRIx64 "-%" PRId64 ".%09ld-%" PRId64
+           ".%09ld",
+           (uint64_t)st->st_dev, (uint64_t)st->st_ino, (uint64_t)st->st_size,
+           (int64_t)st->st_mtim.tv_sec, st->st_mtim.tv_nsec,
+           (int64_t)st->st_ctim.tv_sec, st->st_ctim.tv_nsec);
+}
+
+static void share_add(const struct stat *st, uint64_t pos, uint64_t len,
+                      uint64_t sum) {
+  int dir = atomic_load(&share_fd);
+  if (dir < 0)
+    return;
+  char name[160];
+  share_name(st, name, sizeof(name));
+  int fd = openat(dir, name,
+                  O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+                  0600);
+  if (fd < 0)
+    return;
+  uint64_t rec[3] = {pos, len, sum}; /* one write: appended whole */
+  ssize_t w = write(fd, rec, sizeof(rec));
+  (void)w; /* a record lost is a chunk hashed again */
+  close(fd);
+}
+
+/* Is (pos, len, sum) among the shared records of the file st describes?
+ * Only a regular file of this user that no other can write is read (the
+ * directory is private: this is a second look). */
+static bool share_has(const struct stat *st, uint64_t pos, uint64_t len,
+                      uint64_t sum) {
+  int dir = atomic_load(&share_fd);
+  if (dir < 0)
+    return false;
+  char name[160];
+  share_name(st, name, sizeof(name));
+  int fd = openat(dir, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0)
+    return false;
+  struct stat fs;
+  bool yes = false;
+  if (fstat(fd, &fs) == 0 && S_ISREG(fs.st_mode) &&
+      fs.st_uid == geteuid() && !(fs.st_mode & 022)) {
+    uint64_t rec[3 * 256];
+    for (size_t done = 0; !yes && done < SHARE_MAX_RECORDS;) {
+      ssize_t r = pread(fd, rec, sizeof(rec), (off_t)(done * 24));
+      if (r < 24)
+        break; /* the end, or a record still being appended */
+      for (size_t i = 0; i + 1 <= (size_t)r / 24; i++)
+        if (rec[3 * i] == pos && rec[3 * i + 1] == len &&
+            rec[3 * i + 2] == sum)
+          yes = true;
+      done += (size_t)r / 24;
+    }
+  }
+  close(fd);
+  return yes;
+}
+
+void ckpt_store_known_add(const struct stat *st, uint64_t pos, uint64_t len,
+                          uint64_t sum) {
+  remember(st, pos, len, sum);
+  share_add(st, pos, len, sum);
+}
+
 bool ckpt_store_known(int fd, uint64_t pos, uint64_t len, uint64_t sum) {
   struct stat st;
   if (fstat(fd, &st))
@@ -68,6 +159,10 @@ bool ckpt_store_known(int fd, uint64_t pos, uint64_t len, uint64_t sum) {
   bool yes = k && k->used && k->pos == pos && k->len == len &&
              k->sum == sum && same_file(k, &st);
   pthread_mutex_unlock(&known_lock);
+  if (!yes && share_has(&st, pos, len, sum)) {
+    remember(&st, pos, len, sum);
+    yes = true;
+  }
   return yes;
 }
 
@@ -77,3 +172,96 @@ void ckpt_store_known_forget(void) {
     memset(known, 0, KNOWN_SLOTS * sizeof(*known));
   pthread_mutex_unlock(&known_lock);
 }
+
+/* Make (or open) directory name under dirfd, private to this user: its
+ * descriptor, or -errno with *why. */
+static int private_dir(int dirfd, const char *name, const char *path,
+                       char **why) {
+  if (mkdirat(dirfd, name, 0700) && errno != EEXIST) {
+    int e = errno;
+    *why = ckpt__strdup_printf("creating %s: %s", path, strerror(e));
+    return -e;
+  }
+  int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    *why = ckpt__strdup_printf("opening %s: %s", path, strerror(e));
+    return -e;
+  }
+  int rc = ckpt_store_check_private(fd, path, false, why);
+  if (rc) {
+    close(fd);
+    return rc;
+  }
+  return fd;
+}
+
+/* The boot's ID (/proc/sys/kernel/random/boot_id), 36 characters. */
+static int boot_id(char out[40]) {
+  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return -errno;
+  ssize_t r = read(fd, out, 36);
+  close(fd);
+  if (r != 36)
+    return -EIO;
+  out[36] = '\0';
+  for (int i = 0; i < 36; i++)
+    if (!((out[i] >= '0' && out[i] <= '9') ||
+          (out[i] >= 'a' && out[i] <= 'f') || out[i] == '-'))
+      return -EIO;
+  return 0;
+}
+
+/* Entries of dirfd's directory: removes them all when there are more than
+ * SHARE_MAX_FILES (data files come and go; the records of the old ones
+ * are never read again). */
+static void share_bound(int dirfd) {
+  DIR *d = ckpt_opendir_at(dirfd);
+  if (!d)
+    return;
+  size_t n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    n += e->d_name[0] != '.';
+  if (n > SHARE_MAX_FILES) {
+    rewinddir(d);
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+      if (e->d_name[0] != '.')
+        unlinkat(dirfd, e->d_name, 0);
+  }
+  closedir(d);
+}
+
+int ckpt_store_known_share(const char *dir, char **why) {
+  char boot[40], name[64];
+  int rc = boot_id(boot);
+  if (rc) {
+    *why = ckpt__strdup_printf("reading the boot ID: %s", strerror(-rc));
+    return rc;
+  }
+  int top = private_dir(AT_FDCWD, dir, dir, why);
+  if (top < 0)
+    return top;
+  snprintf(name, sizeof(name), "verified-%s", boot);
+  char *path = ckpt__strdup_printf("%s/%s", dir, name);
+  int fd = path ? private_dir(top, name, path, why) : -ENOMEM;
+  free(path);
+  if (fd >= 0) {
+    /* earlier boots' records: never read again */
+    DIR *d = ckpt_opendir_at(top);
+    for (struct dirent *e; d && (e = readdir(d)) != NULL;)
+      if (strncmp(e->d_name, "verified-", 9) == 0 &&
+          strcmp(e->d_name, name) != 0)
+        ckpt__remove_tree(top, e->d_name);
+    if (d)
+      closedir(d);
+    share_bound(fd);
+  }
+  close(top);
+  if (fd < 0)
+    return fd;
+  atomic_store(&share_fd, fd);
+  return 0;
+}
+
+void ckpt_store_known_unshare(void) { atomic_store(&share_fd, -1); }

@@ -90,8 +90,17 @@ void ckpt_store_known_add(const struct stat *st, uint64_t pos, uint64_t len,
 /* Were bytes [pos, pos+len) of fd remembered with checksum sum, and is
  * the file unchanged since (device, inode, size, mtime, ctime)? */
 bool ckpt_store_known(int fd, uint64_t pos, uint64_t len, uint64_t sum);
-/* Forget them all (tests). */
+/* Forget what this process remembers (tests: as a new process would). */
 void ckpt_store_known_forget(void);
+/* Share what is known with the other processes of this node that share
+ * dir (made if missing; it and its entry for this boot must be private
+ * to this user: ckpt_store_check_private): each chunk is then hashed once
+ * per boot and change of its data file, whichever daemon hashes it (a
+ * verified read remembers what it hashed: reader.c). Records of earlier
+ * boots are removed. 0, or -errno with *why (malloc'd). */
+int ckpt_store_known_share(const char *dir, char **why);
+/* Share no more (tests). */
+void ckpt_store_known_unshare(void);
 /* The same, given up (-ECANCELED) once *stop is set (checked between
  * reads of 1 MiB); stop may be NULL. */
 int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,

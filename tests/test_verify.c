@@ -148,6 +148,56 @@ static void known_chunks_follow_the_file(void **state) {
   close(fd);
 }
 
+/* ckpt_store_known_share: what one process knows, another one sharing
+ * the directory knows (here: this process, its own memory forgotten), for
+ * that file version only; a record file planted by another user is not
+ * read, and a directory others can write is refused. */
+static void known_chunks_shared_through_a_private_dir(void **state) {
+  (void)state;
+  char top[] = "/tmp/ckpt-known-XXXXXX";
+  assert_non_null(mkdtemp(top));
+  char dir[64], *why = NULL;
+  snprintf(dir, sizeof(dir), "%s/share", top);
+  assert_int_equal(ckpt_store_known_share(dir, &why), 0);
+  uint8_t *d;
+  int fd = temp_file(8192, &d);
+  struct stat st;
+  assert_int_equal(fstat(fd, &st), 0);
+  uint64_t sum = XXH3_64bits(d, 8192);
+  ckpt_store_known_add(&st, 0, 8192, sum);
+  ckpt_store_known_forget(); /* as another process */
+  assert_true(ckpt_store_known(fd, 0, 8192, sum));
+  ckpt_store_known_forget();
+  assert_false(ckpt_store_known(fd, 0, 8192, sum ^ 1));
+  assert_false(ckpt_store_known(fd, 0, 4096, sum));
+  usleep(10000);
+  assert_int_equal(pwrite(fd, d, 1, 0), 1); /* another version of the file */
+  assert_false(ckpt_store_known(fd, 0, 8192, sum));
+  /* a record file of another user's: not read */
+  assert_int_equal(fstat(fd, &st), 0);
+  ckpt_store_known_add(&st, 0, 8192, sum);
+  ckpt_store_known_forget();
+  char boot[64] = "", cmd[256];
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  assert_non_null(f);
+  assert_non_null(fgets(boot, sizeof(boot), f));
+  fclose(f);
+  boot[36] = '\0';
+  snprintf(cmd, sizeof(cmd), "chown -R 65534 %s/verified-%s/", dir, boot);
+  if (geteuid() == 0 && system(cmd) == 0)
+    assert_false(ckpt_store_known(fd, 0, 8192, sum));
+  /* a shared directory others could write into: refused */
+  ckpt_store_known_unshare();
+  assert_int_equal(chmod(dir, 0777), 0);
+  assert_int_equal(ckpt_store_known_share(dir, &why), -EPERM);
+  assert_non_null(why);
+  free(why);
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", top);
+  assert_int_equal(system(cmd), 0);
+  free(d);
+  close(fd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(ranges_match_one_shot_hash),
@@ -157,6 +207,7 @@ int main(void) {
       cmocka_unit_test(a_stopped_check_gives_up),
       cmocka_unit_test(hash_fd_continues_a_libxxhash_state),
       cmocka_unit_test(known_chunks_follow_the_file),
+      cmocka_unit_test(known_chunks_shared_through_a_private_dir),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

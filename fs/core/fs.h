@@ -134,6 +134,8 @@ typedef struct {
   char *metrics_file;         /* owned, -o metrics=FILE (%r not replaced),
                                  or NULL */
   char *tier_dir;             /* owned, -o tier=DIR, or NULL */
+  char *verify_shared;        /* owned, -o verify_shared=DIR|none, or NULL:
+                                 the default (fs/daemon/main.c) */
   bool tier_partner;          /* -o tier_level=partner: a commit copies
                                  each rank's data files to its partner
                                  rank's tier before it succeeds */

@@ -656,9 +656,37 @@ static int join_world(daemon_t *d) {
   return 0;
 }
 
+/* With verify: share the chunks this node's daemons checked (-o
+ * verify_shared=DIR; by default /run/ckptfs as root, else
+ * $XDG_RUNTIME_DIR/ckptfs). 0, or -1 said on stderr: a DIR given that
+ * cannot be (the default only logs why and goes without). */
+static int share_verified(ckpt_fs_t *fs) {
+  const char *dir = fs->opts.verify_shared;
+  if (!fs->opts.verify || (dir && !strcmp(dir, "none")))
+    return 0;
+  char *own = NULL;
+  const char *xdg = getenv("XDG_RUNTIME_DIR");
+  if (!dir && geteuid() == 0)
+    dir = "/run/ckptfs";
+  else if (!dir && xdg && xdg[0] == '/')
+    dir = own = ckpt__strdup_printf("%s/ckptfs", xdg);
+  char *why = NULL;
+  int rc = dir ? ckpt_store_known_share(dir, &why) : 0;
+  if (rc && fs->opts.verify_shared)
+    fprintf(stderr, "ckptfs: verify_shared=%s: %s\n", dir,
+            why ? why : strerror(-rc));
+  else if (rc)
+    ckpt__log("verified chunks not shared with this node's other mounts "
+              "(%s): each chunk is hashed once per mount", why ? why : strerror(-rc));
+  free(why);
+  free(own);
+  return rc && fs->opts.verify_shared ? -1 : 0;
+}
+
 /* Everything that can refuse the mount comes before BACKING_DIR is
  * touched, so that a refused mount leaves nothing behind: the tier, the
- * session and its options, the mountpoint. 0, or the exit status. */
+ * verified chunks' shared directory, the session and its options, the
+ * mountpoint. 0, or the exit status. */
 static int new_session(daemon_t *d) {
   ckpt_fs_t *fs = &d->fs;
   char max_read[32];
@@ -669,6 +697,10 @@ static int new_session(daemon_t *d) {
     fprintf(stderr, "ckptfs: flush_rate= without tier=: nothing is flushed, "
             "the option has no effect\n");
   if (fs->opts.tier_dir && open_tier(fs, abs_backing)) {
+    free(abs_backing);
+    return EXIT_USAGE;
+  }
+  if (share_verified(fs)) {
     free(abs_backing);
     return EXIT_USAGE;
   }

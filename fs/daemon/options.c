@@ -25,6 +25,7 @@ enum {
   KEY_DIRECT_READS,
   KEY_PASSTHROUGH,
   KEY_VERIFY,
+  KEY_VERIFY_SHARED,
   KEY_REPLICA_CHECK,
   KEY_KEEP_LAST,
   KEY_KEEP,
@@ -50,6 +51,7 @@ static const struct fuse_opt opt_spec[] = {
     FUSE_OPT_KEY("direct_reads=", KEY_DIRECT_READS),
     FUSE_OPT_KEY("passthrough=", KEY_PASSTHROUGH),
     FUSE_OPT_KEY("verify=", KEY_VERIFY),
+    FUSE_OPT_KEY("verify_shared=", KEY_VERIFY_SHARED),
     FUSE_OPT_KEY("replica_check=", KEY_REPLICA_CHECK),
     FUSE_OPT_KEY("keep_last=", KEY_KEEP_LAST),
     FUSE_OPT_KEY("keep=", KEY_KEEP),
@@ -111,6 +113,15 @@ static const char help_text[] =
     "                          (again after its data file changed); EIO on "
     "a mismatch\n"
     "                          (default: 1)\n"
+    "  -o verify_shared=DIR|none\n"
+    "                          chunks verified on this node since it booted, "
+    "by any mount\n"
+    "                          sharing DIR (private to the daemon's user), "
+    "are not hashed\n"
+    "                          again while their data file is unchanged "
+    "(default:\n"
+    "                          /run/ckptfs as root, $XDG_RUNTIME_DIR/ckptfs "
+    "else)\n"
     "  -o replica_check=error|warn|off\n"
     "                          replicas of one chunk that differ between "
     "ranks (default: error)\n"
@@ -275,8 +286,8 @@ static int bad(parse_state_t *ps, const char *name, const char *val,
 
 #define NOT_MINE 2 /* an opt_* function's: not one of its keys */
 
-/* Where things go: staging_mem, log, metrics, tier, flush_rate,
- * tier_level. NOT_MINE for another key. */
+/* Where things go: staging_mem, log, metrics, verify_shared, tier,
+ * flush_rate, tier_level. NOT_MINE for another key. */
 static int opt_storage(parse_state_t *ps, int key, const char *val) {
   ckpt_opts_t *o = ps->o;
   uint64_t v;
@@ -305,6 +316,12 @@ static int opt_storage(parse_state_t *ps, int key, const char *val) {
     o->metrics_file = strdup(val);
     return 0;
   }
+  case KEY_VERIFY_SHARED:
+    if (!*val)
+      return bad(ps, "verify_shared", val, "a directory, or none");
+    free(o->verify_shared);
+    o->verify_shared = strdup(val);
+    return 0;
   case KEY_TIER:
     if (!*val)
       return bad(ps, "tier", val, "a directory");
@@ -533,6 +550,7 @@ void ckpt__opts_free(ckpt_opts_t *o) {
   free(o->log_file);
   free(o->metrics_file);
   free(o->tier_dir);
+  free(o->verify_shared);
   o->backing_dir = o->mountpoint = o->log_file = o->metrics_file = NULL;
-  o->tier_dir = NULL;
+  o->tier_dir = o->verify_shared = NULL;
 }

@@ -264,6 +264,38 @@ class Metrics(CkptfsTestCase):
                           "the hash of the file put right")
         self.assertEqual(m['ckptfs_verify_bytes_total{how=hashed}'], len(s) + len(w))
 
+    def test_verify_shared_between_mounts(self):
+        """verify_shared=DIR: what one mount's commit or read hashed, a
+        later mount sharing DIR does not hash again (on this node, this
+        boot); with verify_shared=none it does. A DIR others can write is
+        refused (exit 2)."""
+        share = os.path.join(self.dir, "share")
+        m = self.mount(f"verify=1,verify_shared={share}")
+        os.mkdir(self.ck("k"))
+        w = write_tensor(self.ck("k", "w"), "float32", [256, 1024], os.urandom(MiB))
+        s = write_tensor(self.ck("k", "s"), "float32", [256], os.urandom(1024))
+        commit(self.ck("k"))
+        self.assertEqual(m.stop(), 0)
+        for k, (opts, known, hashed) in enumerate([
+                (f"verify_shared={share}", len(w), len(s)),   # s hashed here first
+                (f"verify_shared={share}", len(w) + len(s), 0),
+                ("verify_shared=none", 0, len(w) + len(s))]):
+            self.mfile = os.path.join(self.mdir, f"m{k}.prom")
+            m = self.mount(f"verify=1,{opts},metrics={self.mfile}")
+            self.assertEqual(read_all(self.ck("k", "w")), w)
+            self.assertEqual(read_all(self.ck("k", "s")), s)
+            self.assertEqual(m.stop(), 0)  # the last metrics written
+            got = self.scrape()
+            self.assertEqual((got["ckptfs_verify_bytes_total{how=known}"],
+                              got["ckptfs_verify_bytes_total{how=hashed}"]),
+                             (known, hashed), opts)
+        os.chmod(share, 0o777)
+        m = self.mount(f"verify_shared={share}", start=False)
+        r = subprocess.run(m.argv(), capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn(f"verify_shared={share}: ", r.stderr)
+        self.assertIn("writable", r.stderr)
+
     def test_daemonized_relative_path(self):
         """A daemon (no -f) works in /: a relative FILE is the caller's."""
         self.mount("metrics=" + os.path.relpath(self.mfile), foreground=False)
