@@ -16,11 +16,25 @@
  * In this process: a small direct-mapped table (a slot taken by another
  * chunk only means that chunk is hashed again). Shared with the node's
  * other daemons (ckpt_store_known_share): a directory private to the
- * daemon's user, named by the boot (a record never outlives a reboot,
- * after which the page cache is empty and every byte comes from the
- * disk again), holding one file per data file version, named by its
- * identity, of 24-byte records (pos, len, checksum) appended by every
- * daemon that hashed a chunk of it.
+ * daemon's user (mode 0700), named by the boot (a record never outlives
+ * a reboot, after which every byte comes from the disk again), holding
+ * one file per data file version, named by its identity, of 32-byte
+ * records (pos, len, checksum, a check word of the three) appended by
+ * every daemon that hashed a chunk of it; a record that fails its check
+ * (a short append shifts the ones after it) is skipped.
+ *
+ * What this gives up (docs/mounting.md, verify_shared): a chunk checked
+ * once is not hashed again, within the boot, when its bytes come back
+ * from the disk after the page cache dropped them; damage on the disk
+ * that leaves the file's ctime alone is then found by a mount with
+ * verify_shared=none, or by ckptfs-fsck, which always hash.
+ *
+ * A change within the clock tick of the fstat that identified the file
+ * could leave its ctime as it was (kernels before 6.13, which lack
+ * multigrain timestamps): a verified read records nothing of a file
+ * changed in the last RACY_SECONDS (as git's racy index rule). The
+ * commit's records are of its own sealed, unnamed staging files, which
+ * nobody else can write.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -30,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -39,6 +54,7 @@
 #define KNOWN_SLOTS 16384u      /* 1 MiB once the first chunk is added */
 #define SHARE_MAX_FILES 65536   /* more: the shared directory starts over */
 #define SHARE_MAX_RECORDS 65536 /* read of one file's records */
+#define RACY_SECONDS 2
 
 typedef struct {
   dev_t dev;
@@ -93,6 +109,15 @@ static void share_name(const struct stat *st, char *buf, size_t cap) {
            (int64_t)st->st_ctim.tv_sec, st->st_ctim.tv_nsec);
 }
 
+/* One shared record: its check word is the XXH3 of the other three. */
+typedef struct {
+  uint64_t pos, len, sum, check;
+} record_t;
+
+static uint64_t record_check(const record_t *r) {
+  return XXH3_64bits(r, 3 * sizeof(uint64_t)) ^ 0x636b7074666b6e77ull;
+}
+
 static void share_add(const struct stat *st, uint64_t pos, uint64_t len,
                       uint64_t sum) {
   int dir = atomic_load(&share_fd);
@@ -100,20 +125,29 @@ static void share_add(const struct stat *st, uint64_t pos, uint64_t len,
     return;
   char name[160];
   share_name(st, name, sizeof(name));
+  /* O_NONBLOCK: a FIFO there (it cannot be: the directory is private)
+   * would not hold the thread */
   int fd = openat(dir, name,
-                  O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+                  O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_NONBLOCK |
+                      O_CLOEXEC,
                   0600);
   if (fd < 0)
     return;
-  uint64_t rec[3] = {pos, len, sum}; /* one write: appended whole */
-  ssize_t w = write(fd, rec, sizeof(rec));
-  (void)w; /* a record lost is a chunk hashed again */
+  struct stat fs;
+  record_t r = {pos, len, sum, 0};
+  r.check = record_check(&r);
+  if (fstat(fd, &fs) == 0 && S_ISREG(fs.st_mode)) {
+    ssize_t w = write(fd, &r, sizeof(r)); /* one write: appended whole */
+    (void)w; /* a record lost is a chunk hashed again */
+  }
   close(fd);
 }
 
 /* Is (pos, len, sum) among the shared records of the file st describes?
- * Only a regular file of this user that no other can write is read (the
- * directory is private: this is a second look). */
+ * Every record of that file is remembered in this process as it is read
+ * (its other chunks then need no second read). Only a regular file of
+ * this user that no other can write is read (the directory is private:
+ * this is a second look). */
 static bool share_has(const struct stat *st, uint64_t pos, uint64_t len,
                       uint64_t sum) {
   int dir = atomic_load(&share_fd);
@@ -121,23 +155,27 @@ static bool share_has(const struct stat *st, uint64_t pos, uint64_t len,
     return false;
   char name[160];
   share_name(st, name, sizeof(name));
-  int fd = openat(dir, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  int fd = openat(dir, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0)
     return false;
   struct stat fs;
   bool yes = false;
   if (fstat(fd, &fs) == 0 && S_ISREG(fs.st_mode) &&
       fs.st_uid == geteuid() && !(fs.st_mode & 022)) {
-    uint64_t rec[3 * 256];
-    for (size_t done = 0; !yes && done < SHARE_MAX_RECORDS;) {
-      ssize_t r = pread(fd, rec, sizeof(rec), (off_t)(done * 24));
-      if (r < 24)
+    record_t rec[128];
+    for (size_t done = 0; done < SHARE_MAX_RECORDS;) {
+      ssize_t r = pread(fd, rec, sizeof(rec), (off_t)(done * sizeof(*rec)));
+      size_t n = r > 0 ? (size_t)r / sizeof(*rec) : 0;
+      for (size_t i = 0; i < n; i++) {
+        if (rec[i].check != record_check(&rec[i]))
+          continue; /* shifted by a short append before it, or torn */
+        remember(st, rec[i].pos, rec[i].len, rec[i].sum);
+        yes = yes || (rec[i].pos == pos && rec[i].len == len &&
+                      rec[i].sum == sum);
+      }
+      if (n == 0)
         break; /* the end, or a record still being appended */
-      for (size_t i = 0; i + 1 <= (size_t)r / 24; i++)
-        if (rec[3 * i] == pos && rec[3 * i + 1] == len &&
-            rec[3 * i + 2] == sum)
-          yes = true;
-      done += (size_t)r / 24;
+      done += n;
     }
   }
   close(fd);
@@ -148,6 +186,15 @@ void ckpt_store_known_add(const struct stat *st, uint64_t pos, uint64_t len,
                           uint64_t sum) {
   remember(st, pos, len, sum);
   share_add(st, pos, len, sum);
+}
+
+void ckpt_store_known_hashed(const struct stat *st, uint64_t pos,
+                             uint64_t len, uint64_t sum) {
+  struct timespec now;
+  if (clock_gettime(CLOCK_REALTIME, &now) ||
+      now.tv_sec - st->st_ctim.tv_sec < RACY_SECONDS)
+    return; /* changed too recently for its ctime to tell the next change */
+  ckpt_store_known_add(st, pos, len, sum);
 }
 
 bool ckpt_store_known(int fd, uint64_t pos, uint64_t len, uint64_t sum) {
@@ -189,6 +236,14 @@ static int private_dir(int dirfd, const char *name, const char *path,
     return -e;
   }
   int rc = ckpt_store_check_private(fd, path, false, why);
+  struct stat st;
+  /* nor by the daemon's group: records are trusted as this user's */
+  if (rc == 0 && (fstat(fd, &st) || (st.st_mode & 077))) {
+    *why = ckpt__strdup_printf("%s is open to other users (mode %04o): "
+                               "chmod 0700 %s", path,
+                               (unsigned)(st.st_mode & 07777), path);
+    rc = -EPERM;
+  }
   if (rc) {
     close(fd);
     return rc;

@@ -437,7 +437,7 @@ static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
   }
   ckpt_fdref_put(&ref);
   if (still)
-    ckpt_store_known_add(&before, pos, len, want);
+    ckpt_store_known_hashed(&before, pos, len, want);
   if (rc == 0)
     atomic_fetch_add_explicit(known ? &verify_known : &verify_hashed, len,
                               memory_order_relaxed);

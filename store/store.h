@@ -82,11 +82,18 @@ int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
 struct XXH3_state_s;
 int ckpt__hash_fd(struct XXH3_state_s *st, int fd, uint64_t off,
                   uint64_t len, void *buf, size_t cap);
-/* Chunks this process hashed from their data file's own bytes (known.c):
- * remember bytes [pos, pos+len) of the file st describes (as it is now,
- * after its last write) as having XXH3-64 sum. */
+/* Chunks known to match their data file (known.c): remember bytes
+ * [pos, pos+len) of the file st describes (as it is now, after its last
+ * write, which nobody else can make: a commit's own sealed staging file)
+ * as having XXH3-64 sum. */
 void ckpt_store_known_add(const struct stat *st, uint64_t pos, uint64_t len,
                           uint64_t sum);
+/* The same for a chunk a verified read hashed (the file described by st
+ * before and after the hash): remembered unless the file changed in the
+ * last 2 s (a change within the clock tick of that stat could leave its
+ * ctime as it was: git's racy index rule). */
+void ckpt_store_known_hashed(const struct stat *st, uint64_t pos,
+                             uint64_t len, uint64_t sum);
 /* Were bytes [pos, pos+len) of fd remembered with checksum sum, and is
  * the file unchanged since (device, inode, size, mtime, ctime)? */
 bool ckpt_store_known(int fd, uint64_t pos, uint64_t len, uint64_t sum);

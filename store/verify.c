@@ -17,7 +17,10 @@ int ckpt__hash_fd_avx2(void *state, int fd, uint64_t off, uint64_t len,
 int ckpt__hash_fd(XXH3_state_t *st, int fd, uint64_t off, uint64_t len,
                   void *buf, size_t cap) {
 #ifdef CKPT_XXH3_AVX2
-  if (__builtin_cpu_supports("avx2"))
+  /* st is libxxhash's: the inlined build shares its struct only when the
+   * library is the version of the header both were compiled with */
+  if (__builtin_cpu_supports("avx2") &&
+      XXH_versionNumber() == XXH_VERSION_NUMBER)
     return ckpt__hash_fd_avx2(st, fd, off, len, buf, cap);
 #endif
   return update_loop(st, fd, off, len, buf, cap, NULL);

@@ -1,6 +1,8 @@
 /* Unit tests of verify.c (the XXH3-64 of a byte range of a file) and
  * known.c (chunks hashed by a commit). */
 #include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -136,7 +138,7 @@ static void known_chunks_follow_the_file(void **state) {
   assert_false(ckpt_store_known(fd, 4096, 4096, sum ^ 1)); /* .metadata's */
   assert_false(ckpt_store_known(fd, 0, 4096, sum));
   assert_false(ckpt_store_known(fd, 4096, 4095, sum));
-  usleep(10000); /* a coarse clock still moves ctime across 10 ms */
+  usleep(25000); /* a coarse clock (100 Hz) still moves ctime */
   assert_int_equal(pwrite(fd, d, 1, 4096), 1); /* the same byte: mtime moves */
   assert_false(ckpt_store_known(fd, 4096, 4096, sum));
   assert_int_equal(fstat(fd, &st), 0);
@@ -170,12 +172,14 @@ static void known_chunks_shared_through_a_private_dir(void **state) {
   ckpt_store_known_forget();
   assert_false(ckpt_store_known(fd, 0, 8192, sum ^ 1));
   assert_false(ckpt_store_known(fd, 0, 4096, sum));
-  usleep(10000);
+  usleep(25000);
   assert_int_equal(pwrite(fd, d, 1, 0), 1); /* another version of the file */
   assert_false(ckpt_store_known(fd, 0, 8192, sum));
   /* a record file of another user's: not read */
   assert_int_equal(fstat(fd, &st), 0);
   ckpt_store_known_add(&st, 0, 8192, sum);
+  ckpt_store_known_forget();
+  assert_true(ckpt_store_known(fd, 0, 8192, sum)); /* read from the file */
   ckpt_store_known_forget();
   char boot[64] = "", cmd[256];
   FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
@@ -198,6 +202,81 @@ static void known_chunks_shared_through_a_private_dir(void **state) {
   close(fd);
 }
 
+/* The shared record file of the file st describes (known.c's naming). */
+static void record_path(const char *dir, const struct stat *st, char *buf,
+                        size_t cap) {
+  char boot[64] = "";
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  assert_non_null(f);
+  assert_non_null(fgets(boot, sizeof(boot), f));
+  fclose(f);
+  boot[36] = '\0';
+  snprintf(buf, cap,
+           "%s/verified-%s/%" PRIx64 "-%" PRIx64 "-%" PRIx64 "-%" PRId64
+           ".%09ld-%" PRId64 ".%09ld",
+           dir, boot, (uint64_t)st->st_dev, (uint64_t)st->st_ino,
+           (uint64_t)st->st_size, (int64_t)st->st_mtim.tv_sec,
+           st->st_mtim.tv_nsec, (int64_t)st->st_ctim.tv_sec,
+           st->st_ctim.tv_nsec);
+}
+
+/* Shared records that cannot be trusted or read are not: a record after
+ * a short append (shifted), a FIFO in a record's place (no wait), a
+ * directory the daemon's group may write (refused); a verified read of a
+ * file changed in the last 2 s records nothing, of an older one it does. */
+static void shared_records_that_cannot_be_trusted(void **state) {
+  (void)state;
+  char top[] = "/tmp/ckpt-known-XXXXXX";
+  assert_non_null(mkdtemp(top));
+  char dir[64], path[256], *why = NULL;
+  snprintf(dir, sizeof(dir), "%s/share", top);
+  assert_int_equal(ckpt_store_known_share(dir, &why), 0);
+  uint8_t *d;
+  int fd = temp_file(8192, &d);
+  struct stat st;
+  assert_int_equal(fstat(fd, &st), 0);
+  uint64_t sum = XXH3_64bits(d, 8192);
+  record_path(dir, &st, path, sizeof(path));
+  int rf = open(path, O_WRONLY | O_CREAT | O_APPEND, 0600);
+  assert_true(rf >= 0);
+  assert_int_equal(write(rf, "torn", 4), 4); /* a short append */
+  close(rf);
+  ckpt_store_known_add(&st, 0, 8192, sum);  /* shifted by 4 bytes */
+  ckpt_store_known_forget();
+  assert_false(ckpt_store_known(fd, 0, 8192, sum));
+  /* a FIFO where the record file would be: no thread waits on it */
+  usleep(25000);
+  assert_int_equal(pwrite(fd, d, 1, 0), 1);
+  assert_int_equal(fstat(fd, &st), 0);
+  record_path(dir, &st, path, sizeof(path));
+  assert_int_equal(mkfifo(path, 0600), 0);
+  ckpt_store_known_add(&st, 0, 8192, sum);
+  ckpt_store_known_forget();
+  assert_false(ckpt_store_known(fd, 0, 8192, sum));
+  /* the racy rule: a file changed just now is not recorded by a read */
+  usleep(25000);
+  assert_int_equal(pwrite(fd, d, 1, 0), 1);
+  assert_int_equal(fstat(fd, &st), 0);
+  ckpt_store_known_hashed(&st, 0, 8192, sum);
+  assert_false(ckpt_store_known(fd, 0, 8192, sum));
+  sleep(2);
+  usleep(200000);
+  ckpt_store_known_hashed(&st, 0, 8192, sum);
+  ckpt_store_known_forget();
+  assert_true(ckpt_store_known(fd, 0, 8192, sum)); /* from the file */
+  /* a directory the group may write: refused */
+  ckpt_store_known_unshare();
+  assert_int_equal(chmod(dir, 0770), 0);
+  assert_int_equal(ckpt_store_known_share(dir, &why), -EPERM);
+  assert_non_null(strstr(why, "chmod 0700"));
+  free(why);
+  char cmd[128];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", top);
+  assert_int_equal(system(cmd), 0);
+  free(d);
+  close(fd);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(ranges_match_one_shot_hash),
@@ -208,6 +287,7 @@ int main(void) {
       cmocka_unit_test(hash_fd_continues_a_libxxhash_state),
       cmocka_unit_test(known_chunks_follow_the_file),
       cmocka_unit_test(known_chunks_shared_through_a_private_dir),
+      cmocka_unit_test(shared_records_that_cannot_be_trusted),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

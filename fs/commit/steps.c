@@ -444,10 +444,13 @@ static int add_piece(void *arg, const void *p, size_t n, ckpt_walk_piece_t kind)
   return rc == 0 && kind == CKPT_WALK_TRANSIENT ? flush_batch(w) : rc;
 }
 
-/* Data file k (fd, written) is stream file k: the items the trainer wrote
- * into it by passthrough are there, hashed from the file itself (the
- * drain, or hash_file), so a verified read on this mount need not hash
- * them again while the file stays as it is now (store/known.c). */
+/* Data file k (fd, written) is stream file k: the items streamed into it
+ * are there, with the checksums the local step took (hashed from the
+ * file itself for passthrough files: the drain, or hash_file; from the
+ * very buffers written into it for the daemon's own writes), so a
+ * verified read need not hash them again while the file stays as it is
+ * now (store/known.c). Nobody else can have written it: a sealed, unnamed
+ * staging file until the write step linked it here. */
 static void remember_streamed(ckpt_save_t *s, uint32_t k, int fd) {
   struct stat st;
   if (fstat(fd, &st))
