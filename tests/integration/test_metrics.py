@@ -4,7 +4,11 @@ format, parsed by prometheus_client's own parser (in .venv): commits by
 outcome and failure reason, the duration histogram, bytes staged,
 committed and read, the staged gauges; the file replaced whole (never
 seen partial), written once more at unmount; the commit log lines with
-duration and throughput; a bad metrics= value refused with exit 2."""
+duration and throughput; a bad metrics= value refused with exit 2 (class
+Metrics). verify=1's counters (class Verify): damaged chunks once each,
+and the bytes hashed or known (hashed by this mount's commit, or by
+another mount sharing verify_shared), a verify_shared DIR others can
+write refused."""
 
 import errno
 import json
@@ -70,7 +74,9 @@ FAMILIES = ["ckptfs_commits", "ckptfs_commit_failures", "ckptfs_commit_duration_
             "ckptfs_resident_memory_bytes", "ckptfs_open_fds"]
 
 
-class Metrics(CkptfsTestCase):
+class MetricsCase(CkptfsTestCase):
+    """A mount's metrics file, scraped by prometheus_client's parser."""
+
     def setUp(self):
         super().setUp()
         self.py = require_modules(self, "prometheus_client")
@@ -95,6 +101,8 @@ class Metrics(CkptfsTestCase):
     def mount_metrics(self):
         self.mount("metrics=" + self.mfile)
 
+
+class Metrics(MetricsCase):
     def test_counters_move(self):
         self.mount_metrics()
         m = self.wait_for(lambda m: True, "the first write")
@@ -219,6 +227,41 @@ class Metrics(CkptfsTestCase):
         self.assertLessEqual(before, len(done))
         self.assertEqual(os.listdir(self.mdir), ["ckptfs.prom"])
 
+    def test_daemonized_relative_path(self):
+        """A daemon (no -f) works in /: a relative FILE is the caller's."""
+        self.mount("metrics=" + os.path.relpath(self.mfile), foreground=False)
+        self.wait_for(lambda m: m["ckptfs_commits_total{outcome=committed}"] == 0,
+                      "the daemon's first write")
+
+    def test_rank_in_name(self):
+        self.mount("metrics=" + os.path.join(self.mdir, "m%r.prom"))
+        deadline = time.monotonic() + 10
+        while not os.path.exists(os.path.join(self.mdir, "m0.prom")):
+            self.assertLess(time.monotonic(), deadline, os.listdir(self.mdir))
+            time.sleep(0.1)
+        self.mfile = os.path.join(self.mdir, "m0.prom")
+        self.assertIn("ckptfs_commits_total{outcome=committed}", self.scrape())
+
+    def test_bad_values(self):
+        write_file(self.log, b"")  # a file, not a directory
+        for bad, says in [("metrics=", "a file name"),
+                          ("metrics=" + self.mdir + "/", "a file name"),
+                          ("metrics=" + os.path.join(self.dir, "no", "m.prom"),
+                           "No such file or directory"),
+                          ("metrics=" + os.path.join(self.log, "m.prom"), "not a directory")]:
+            r = subprocess.run([util.BIN, "-f", "-o", bad, self.backing, self.mnt],
+                               capture_output=True, text=True, timeout=60,
+                               stdin=subprocess.DEVNULL, env=sanenv.env())
+            self.assertEqual(r.returncode, 2, f"-o {bad}: rc {r.returncode}\n{r.stderr}")
+            self.assertIn("invalid metrics", r.stderr, bad)
+            self.assertIn(says, r.stderr, bad)
+            self.assertFalse(mountinfo_has(self.mnt), bad)
+            self.assertFalse(os.path.exists(self.backing), f"-o {bad} created BACKING_DIR")
+
+
+class Verify(MetricsCase):
+    """verify=1's counters: damaged chunks, and the bytes hashed or known."""
+
     def test_verify_failures(self):
         """verify=1 finding a damaged chunk: counted once per chunk."""
         self.mount("verify=1,metrics=" + self.mfile)
@@ -302,37 +345,6 @@ class Metrics(CkptfsTestCase):
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn(f"verify_shared={share}: ", r.stderr)
         self.assertIn("writable", r.stderr)
-
-    def test_daemonized_relative_path(self):
-        """A daemon (no -f) works in /: a relative FILE is the caller's."""
-        self.mount("metrics=" + os.path.relpath(self.mfile), foreground=False)
-        self.wait_for(lambda m: m["ckptfs_commits_total{outcome=committed}"] == 0,
-                      "the daemon's first write")
-
-    def test_rank_in_name(self):
-        self.mount("metrics=" + os.path.join(self.mdir, "m%r.prom"))
-        deadline = time.monotonic() + 10
-        while not os.path.exists(os.path.join(self.mdir, "m0.prom")):
-            self.assertLess(time.monotonic(), deadline, os.listdir(self.mdir))
-            time.sleep(0.1)
-        self.mfile = os.path.join(self.mdir, "m0.prom")
-        self.assertIn("ckptfs_commits_total{outcome=committed}", self.scrape())
-
-    def test_bad_values(self):
-        write_file(self.log, b"")  # a file, not a directory
-        for bad, says in [("metrics=", "a file name"),
-                          ("metrics=" + self.mdir + "/", "a file name"),
-                          ("metrics=" + os.path.join(self.dir, "no", "m.prom"),
-                           "No such file or directory"),
-                          ("metrics=" + os.path.join(self.log, "m.prom"), "not a directory")]:
-            r = subprocess.run([util.BIN, "-f", "-o", bad, self.backing, self.mnt],
-                               capture_output=True, text=True, timeout=60,
-                               stdin=subprocess.DEVNULL, env=sanenv.env())
-            self.assertEqual(r.returncode, 2, f"-o {bad}: rc {r.returncode}\n{r.stderr}")
-            self.assertIn("invalid metrics", r.stderr, bad)
-            self.assertIn(says, r.stderr, bad)
-            self.assertFalse(mountinfo_has(self.mnt), bad)
-            self.assertFalse(os.path.exists(self.backing), f"-o {bad} created BACKING_DIR")
 
 
 if __name__ == "__main__":
