@@ -51,16 +51,14 @@
 #include "store.h"
 #include "store_int.h"
 
-#define KNOWN_SLOTS 16384u      /* 1 MiB once the first chunk is added */
+#define KNOWN_SLOTS 16384u /* 2.9 MiB mapped at the first add; resident:
+                              the pages of the slots used */
 #define SHARE_MAX_FILES 65536   /* more: the shared directory starts over */
 #define SHARE_MAX_RECORDS 65536 /* read of one file's records */
 #define RACY_SECONDS 2
 
 typedef struct {
-  dev_t dev;
-  ino_t ino;
-  off_t size;
-  struct timespec mtime, ctime;
+  struct stat file; /* the data file's version when it was hashed */
   uint64_t pos, len, sum;
   bool used;
 } known_t;
@@ -77,15 +75,6 @@ static size_t slot_of(const struct stat *st, uint64_t pos, uint64_t len) {
   return (size_t)(XXH3_64bits(key, sizeof(key)) % KNOWN_SLOTS);
 }
 
-static bool same_file(const known_t *k, const struct stat *st) {
-  return k->dev == st->st_dev && k->ino == st->st_ino &&
-         k->size == st->st_size &&
-         k->mtime.tv_sec == st->st_mtim.tv_sec &&
-         k->mtime.tv_nsec == st->st_mtim.tv_nsec &&
-         k->ctime.tv_sec == st->st_ctim.tv_sec &&
-         k->ctime.tv_nsec == st->st_ctim.tv_nsec;
-}
-
 static void remember(const struct stat *st, uint64_t pos, uint64_t len,
                      uint64_t sum) {
   pthread_mutex_lock(&known_lock);
@@ -93,9 +82,7 @@ static void remember(const struct stat *st, uint64_t pos, uint64_t len,
     known = calloc(KNOWN_SLOTS, sizeof(*known));
   if (known)
     known[slot_of(st, pos, len)] = (known_t){
-        .dev = st->st_dev, .ino = st->st_ino, .size = st->st_size,
-        .mtime = st->st_mtim, .ctime = st->st_ctim,
-        .pos = pos, .len = len, .sum = sum, .used = true};
+        .file = *st, .pos = pos, .len = len, .sum = sum, .used = true};
   pthread_mutex_unlock(&known_lock);
 }
 
@@ -204,7 +191,7 @@ bool ckpt_store_known(int fd, uint64_t pos, uint64_t len, uint64_t sum) {
   pthread_mutex_lock(&known_lock);
   const known_t *k = known ? &known[slot_of(&st, pos, len)] : NULL;
   bool yes = k && k->used && k->pos == pos && k->len == len &&
-             k->sum == sum && same_file(k, &st);
+             k->sum == sum && ckpt__same_version(&k->file, &st);
   pthread_mutex_unlock(&known_lock);
   if (!yes && share_has(&st, pos, len, sum)) {
     remember(&st, pos, len, sum);

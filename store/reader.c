@@ -405,15 +405,6 @@ static void wait_checked(const ckpt_stored_t *s, uint32_t i) {
  * (ahead_forget), so that its check stops within one read. */
 static _Thread_local const _Atomic bool *hash_stop;
 
-static bool same_stat(const struct stat *a, const struct stat *b) {
-  return a->st_dev == b->st_dev && a->st_ino == b->st_ino &&
-         a->st_size == b->st_size &&
-         a->st_mtim.tv_sec == b->st_mtim.tv_sec &&
-         a->st_mtim.tv_nsec == b->st_mtim.tv_nsec &&
-         a->st_ctim.tv_sec == b->st_ctim.tv_sec &&
-         a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
-}
-
 /* Hash a chunk or blob: 0, 1 when damaged (logged), or -errno (the data
  * file cannot be opened or read: not known to be damaged). */
 static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
@@ -433,7 +424,7 @@ static int hash_stored(const ckpt_stored_t *s, const char *fqn, int32_t rank,
     rc = ckpt__stored_checksum_stop(ref.fd, pos, len, &got, hash_stop);
     /* remembered as the file was while it was hashed */
     still = seen && rc == 0 && got == want && fstat(ref.fd, &after) == 0 &&
-            same_stat(&before, &after);
+            ckpt__same_version(&before, &after);
   }
   ckpt_fdref_put(&ref);
   if (still)

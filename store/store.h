@@ -70,6 +70,9 @@ int ckpt_open_beneath(int dirfd, const char *relpath, int flags, mode_t mode);
 /* A directory stream of dirfd's directory on a descriptor of its own (a
  * dup of dirfd would share its position): NULL with errno set. */
 DIR *ckpt_opendir_at(int dirfd);
+/* Are a and b (fstat) the same version of one file: device, inode, size,
+ * mtime and ctime? (util.c) */
+bool ckpt__same_version(const struct stat *a, const struct stat *b);
 /* Read exactly n bytes at off: 0, -EIO when the file ends first, -errno. */
 int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends

@@ -289,3 +289,12 @@ static int open_beneath(int dirfd, const char *relpath, int flags,
   }
   return open_walk(dirfd, relpath, flags, mode);
 }
+
+bool ckpt__same_version(const struct stat *a, const struct stat *b) {
+  return a->st_dev == b->st_dev && a->st_ino == b->st_ino &&
+         a->st_size == b->st_size &&
+         a->st_mtim.tv_sec == b->st_mtim.tv_sec &&
+         a->st_mtim.tv_nsec == b->st_mtim.tv_nsec &&
+         a->st_ctim.tv_sec == b->st_ctim.tv_sec &&
+         a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}

@@ -150,6 +150,15 @@ static void known_chunks_follow_the_file(void **state) {
   close(fd);
 }
 
+/* This boot's ID, as known.c names its directory. */
+static void boot_id(char boot[64]) {
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  assert_non_null(f);
+  assert_non_null(fgets(boot, 64, f));
+  fclose(f);
+  boot[36] = '\0';
+}
+
 /* ckpt_store_known_share: what one process knows, another one sharing
  * the directory knows (here: this process, its own memory forgotten), for
  * that file version only; a record file planted by another user is not
@@ -181,12 +190,8 @@ static void known_chunks_shared_through_a_private_dir(void **state) {
   ckpt_store_known_forget();
   assert_true(ckpt_store_known(fd, 0, 8192, sum)); /* read from the file */
   ckpt_store_known_forget();
-  char boot[64] = "", cmd[256];
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  assert_non_null(f);
-  assert_non_null(fgets(boot, sizeof(boot), f));
-  fclose(f);
-  boot[36] = '\0';
+  char boot[64], cmd[256];
+  boot_id(boot);
   snprintf(cmd, sizeof(cmd), "chown -R 65534 %s/verified-%s/", dir, boot);
   if (geteuid() == 0 && system(cmd) == 0)
     assert_false(ckpt_store_known(fd, 0, 8192, sum));
@@ -205,12 +210,8 @@ static void known_chunks_shared_through_a_private_dir(void **state) {
 /* The shared record file of the file st describes (known.c's naming). */
 static void record_path(const char *dir, const struct stat *st, char *buf,
                         size_t cap) {
-  char boot[64] = "";
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  assert_non_null(f);
-  assert_non_null(fgets(boot, sizeof(boot), f));
-  fclose(f);
-  boot[36] = '\0';
+  char boot[64];
+  boot_id(boot);
   snprintf(buf, cap,
            "%s/verified-%s/%" PRIx64 "-%" PRIx64 "-%" PRIx64 "-%" PRId64
            ".%09ld-%" PRId64 ".%09ld",
