@@ -23,7 +23,9 @@ shards as files with 1 MiB writes and sets user.ckpt.* xattrs, then commits
 the same files written straight into BACKING (write + fsync of every file
 and directory; the one-copy floor: the same writes, no fsync). Loads: each
 rank preads its shards of every tensor (16 MiB reads) from a fresh mount
-(-o verify=1 and -o verify=0, one mount per measurement), cold (page cache
+(-o verify=1 and -o verify=0, one mount per measurement), as the package's
+loaders read them (a shard through its block file .NAME[a:b]; at 2+ ranks
+also, warm and verified, as preads of the tensor files), cold (page cache
 dropped) and warm (the data files read once before), against reading the
 rank's data files BACKING/NAME/__R_*.distcp directly the same way.
 DCP (--dcp-ranks, mpirun, a gloo group; DTensors at 2+ ranks): stock
@@ -227,16 +229,34 @@ def direct_reads(backing, name, rank):
     return out, boff
 
 
+def shard_read(mnt, name, t, off, ln, offs, sizes):
+    """(path, file offset) a loader reads rank's shard (off, ln, offs,
+    sizes) of t from, as ckptfs.blocks does: a shard that is not the whole
+    tensor, from 64 KiB on, through its block file `.NAME[a:b]` (served by
+    passthrough where the shard is a data file of its own), else the tensor
+    file at the shard's offset."""
+    path = os.path.join(mnt, name, t.path)
+    if ln >= 64 << 10 and sizes and sizes[0] != t.shape[0]:
+        d, base = os.path.split(path)
+        return os.path.join(d, f".{base}[{offs[0]}:{offs[0] + sizes[0]}]"), 0
+    return path, off
+
+
 def w_load(ctx, pool, ts, mnts, backing, name, kind, warm):
-    """kind 'mount': rank's shards of every tensor through its mount (then
-    checked against the pool, untimed); 'direct': its data files. warm:
-    the data files are read once first (untimed)."""
+    """kind 'mount': rank's shards of every tensor through its mount, as the
+    package's loaders read them (shard_read), then checked against the
+    pool (untimed); 'tensor-file': the same, every shard a pread of its
+    tensor file (what a plain reader of the tensor files does); 'direct':
+    its data files. warm: the data files are read once first (untimed)."""
     rank = ctx.rank
     dreads, dbytes = direct_reads(backing, name, rank)
     mreads, mbytes = [], 0
-    for t, off, ln, _, _ in mine(ts, rank, ctx.n):
+    for t, off, ln, offs, sizes in mine(ts, rank, ctx.n):
         if kind == "mount":
-            mreads.append((os.path.join(mnts[rank], name, t.path), off, ln, mbytes, t))
+            path, foff = shard_read(mnts[rank], name, t, off, ln, offs, sizes)
+            mreads.append((path, foff, ln, mbytes, t, off))
+        elif kind == "tensor-file":
+            mreads.append((os.path.join(mnts[rank], name, t.path), off, ln, mbytes, t, off))
         mbytes += ln
     buf = bytearray(max(dbytes, mbytes))
     B.touch(buf)
@@ -245,11 +265,11 @@ def w_load(ctx, pool, ts, mnts, backing, name, kind, warm):
         B._read_all(dreads, buf)
     ctx.wbar.wait(B.WAIT)
     t0 = time.perf_counter()
-    B._read_all([r[:4] for r in mreads] if kind == "mount" else dreads, buf)
+    B._read_all([r[:4] for r in mreads] if mreads else dreads, buf)
     t1 = time.perf_counter()
-    if kind == "mount":
+    if mreads:
         mv, pv = memoryview(buf), memoryview(pool)
-        for path, off, ln, boff, t in mreads:
+        for path, _, ln, boff, t, off in mreads:
             if mv[boff:boff + ln] != pv[t.base + off: t.base + off + ln]:
                 raise ValueError(f"{path}: content differs")
     return {"t0": t0, "t1": t1}
@@ -271,7 +291,7 @@ def timed(n, fn, cold=True, **kw):
 def plain_rounds(a, n, ts, pool, backing):
     """{figure key: [seconds per round]} of the plain-writer phases."""
     out = {k: [] for k in ("limit", "floor", "sync", "stall", "direct_cold", "direct_warm",
-                           "v1_cold", "v0_cold", "v1_warm", "v0_warm")}
+                           "v1_cold", "v0_cold", "v1_warm", "v0_warm", "v1_warm_file")}
     lim, ckb = os.path.join(backing, "limit"), os.path.join(backing, "ckptfs")
     for d in (lim, ckb):
         shutil.rmtree(d, ignore_errors=True)
@@ -297,12 +317,17 @@ def plain_rounds(a, n, ts, pool, backing):
         for temp in ("cold", "warm"):
             out[f"direct_{temp}"].append(timed(n, w_load, pool=pool, ts=ts, mnts=None, backing=ckb,
                                                name=name, kind="direct", warm=temp == "warm"))
-            for v in (1, 0):
+            # the tensor files' preads: warm, verified, where shards are
+            # not whole tensors (more than one rank)
+            for v, kind, key in ((1, "mount", f"v1_{temp}"), (0, "mount", f"v0_{temp}"),
+                                 (1, "tensor-file", f"v1_{temp}_file")):
+                if kind == "tensor-file" and (temp == "cold" or n == 1):
+                    continue
                 w = B.World(a.bin, n, ckb, ",".join(o for o in (a.opts, f"verify={v}") if o))
                 try:
-                    out[f"v{v}_{temp}"].append(timed(n, w_load, pool=pool, ts=ts, mnts=w.mnts,
-                                                     backing=ckb, name=name, kind="mount",
-                                                     warm=temp == "warm"))
+                    out[key].append(timed(n, w_load, pool=pool, ts=ts, mnts=w.mnts,
+                                          backing=ckb, name=name, kind=kind,
+                                          warm=temp == "warm"))
                 finally:
                     w.stop()
     shutil.rmtree(ckb, ignore_errors=True)
@@ -473,6 +498,8 @@ def rows_of(case, fs, size, n, P, D, tmpfs):
     thr("warm load, verify=1, vs direct reads", "v1_warm", "direct_warm", ">= 0.95x",
         lambda x: x >= 0.95)
     thr("warm load, verify=0, vs direct reads", "v0_warm", "direct_warm", "-", None)
+    thr("warm load, verify=1, tensor files' preads, vs direct reads", "v1_warm_file",
+        "direct_warm", "-", None)
     slow("warm load: verify=1 time vs verify=0", "v1_warm", "v0_warm", "<= 1.05x",
          lambda x: x <= 1.05)
     thr("cold load, verify=1, vs direct reads", "v1_cold", "direct_cold", ">= 1.0x",

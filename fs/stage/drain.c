@@ -32,13 +32,22 @@
 
 #include "stage.h"
 
+/* Writebacks started beside the hashes, at most this many queued (each
+ * holds a descriptor); past it the drain starts one itself. */
+#define CKPT_WB_QUEUE 8
+
 struct ckpt_drain {
   ckpt_fs_t *fs;
-  pthread_t thread;
+  pthread_t thread, wb_thread;
   pthread_mutex_t lock;   /* protects everything below */
-  pthread_cond_t cond;
+  pthread_cond_t cond, wb_cond;
   ckpt_node_t **q;        /* referenced nodes to drain: a ring of cap, */
   size_t head, n, cap;    /* n of them from head on */
+  struct {                /* writebacks to start: a ring of CKPT_WB_QUEUE */
+    int fd;               /* owned */
+    uint64_t size;
+  } wb[CKPT_WB_QUEUE];
+  size_t wb_head, wb_n;
   bool stop;
 };
 
@@ -76,14 +85,55 @@ int ckpt__hash_sparse(int fd, uint64_t size, XXH3_state_t *h, uint8_t *buf,
   return 0;
 }
 
+/* Start the writeback of closed file fd (size bytes) on the writeback
+ * thread, so that it runs beside the hash: SYNC_FILE_RANGE_WRITE blocks
+ * while the disk takes the pages (0.47 s for 1 GiB on ext4 here), and a
+ * hash after it would wait that long. Where the queue is full, here. */
+static void start_writeback(ckpt_drain_t *d, int fd, uint64_t size) {
+  int own = -1;
+  pthread_mutex_lock(&d->lock);
+  if (d->wb_n < CKPT_WB_QUEUE && !d->stop &&
+      (own = fcntl(fd, F_DUPFD_CLOEXEC, 0)) >= 0) {
+    size_t i = (d->wb_head + d->wb_n++) % CKPT_WB_QUEUE;
+    d->wb[i].fd = own;
+    d->wb[i].size = size;
+    pthread_cond_signal(&d->wb_cond);
+  }
+  pthread_mutex_unlock(&d->lock);
+  if (own < 0)
+    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
+}
+
+static void *writeback_main(void *arg) {
+  ckpt_drain_t *d = arg;
+  pthread_setname_np(pthread_self(), "ckptfs-wback");
+  pthread_mutex_lock(&d->lock);
+  for (;;) {
+    while (d->wb_n == 0 && !d->stop)
+      pthread_cond_wait(&d->wb_cond, &d->lock);
+    if (d->wb_n == 0)
+      break; /* stopped, and nothing left */
+    int fd = d->wb[d->wb_head].fd;
+    uint64_t size = d->wb[d->wb_head].size;
+    d->wb_head = (d->wb_head + 1) % CKPT_WB_QUEUE;
+    d->wb_n--;
+    pthread_mutex_unlock(&d->lock);
+    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
+    close(fd);
+    pthread_mutex_lock(&d->lock);
+  }
+  pthread_mutex_unlock(&d->lock);
+  return NULL;
+}
+
 /* The XXH3 of closed file fd (size bytes) into a new *h. Its data file
  * once committed: with sync_files its writeback starts now, beside the
- * hash, so that the commit's flush finds little left (what a plain
- * directory's syncfs would also write). 0 or -errno. */
-static int hash_closed(ckpt_fs_t *fs, int fd, uint64_t size, XXH3_state_t **h,
-                       uint8_t *buf, size_t cap) {
-  if (fs->opts.sync_files && size)
-    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
+ * hash (start_writeback), so that the commit's flush finds little left
+ * (what a plain directory's syncfs would also write). 0 or -errno. */
+static int hash_closed(ckpt_drain_t *d, int fd, uint64_t size,
+                       XXH3_state_t **h, uint8_t *buf, size_t cap) {
+  if (d->fs->opts.sync_files && size)
+    start_writeback(d, fd, size);
   *h = XXH3_createState();
   int rc = *h && XXH3_64bits_reset(*h) == XXH_OK ? 0 : -ENOMEM;
   return rc ? rc : ckpt__hash_sparse(fd, size, *h, buf, cap);
@@ -97,8 +147,9 @@ static int hash_closed(ckpt_fs_t *fs, int fd, uint64_t size, XXH3_state_t **h,
  * itself: it never waits for the drain's queue), runs without the freeze
  * lock, and is kept if no open for writing came meanwhile (a commit that
  * began meanwhile waits for this one hash: sf->pt_hashing). */
-static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
+static bool drain_one(ckpt_drain_t *d, ckpt_node_t *n, uint8_t *buf,
                       size_t cap) {
+  ckpt_fs_t *fs = d->fs;
   ckpt_sfile_t *sf = n->u.sf;
   ckpt_ckpt_t *ck = n->ck;
   if (!ck || atomic_load(&ck->freezing))
@@ -172,7 +223,7 @@ static bool drain_one(ckpt_fs_t *fs, ckpt_node_t *n, uint8_t *buf,
   if (!go)
     return false;
   XXH3_state_t *h = NULL;
-  int rc = hash_closed(fs, fd, size, &h, buf, cap);
+  int rc = hash_closed(d, fd, size, &h, buf, cap);
   close(fd);
 
   pthread_mutex_lock(&sf->lock);
@@ -213,7 +264,7 @@ static void *drain_main(void *arg) {
     pthread_mutex_unlock(&d->lock);
     /* (without buf: hashed at the commit) the kernel lets go of a
      * closed file's backing file after its RELEASE: a few tries */
-    for (int t = 0; buf && drain_one(d->fs, n, buf, cap) && t < 20; t++)
+    for (int t = 0; buf && drain_one(d, n, buf, cap) && t < 20; t++)
       usleep(1000);
     pthread_mutex_lock(&d->fs->lock);
     ckpt__node_unref(d->fs, n);
@@ -232,8 +283,17 @@ int ckpt__drain_start(ckpt_fs_t *fs, ckpt_drain_t **out) {
   d->fs = fs;
   pthread_mutex_init(&d->lock, NULL);
   pthread_cond_init(&d->cond, NULL);
-  int rc = pthread_create(&d->thread, NULL, drain_main, d);
+  pthread_cond_init(&d->wb_cond, NULL);
+  int rc = pthread_create(&d->wb_thread, NULL, writeback_main, d);
+  if (rc == 0 && (rc = pthread_create(&d->thread, NULL, drain_main, d)) != 0) {
+    pthread_mutex_lock(&d->lock);
+    d->stop = true;
+    pthread_cond_signal(&d->wb_cond);
+    pthread_mutex_unlock(&d->lock);
+    pthread_join(d->wb_thread, NULL);
+  }
   if (rc) {
+    pthread_cond_destroy(&d->wb_cond);
     pthread_cond_destroy(&d->cond);
     pthread_mutex_destroy(&d->lock);
     free(d);
@@ -249,13 +309,16 @@ void ckpt__drain_stop(ckpt_drain_t *d) {
   pthread_mutex_lock(&d->lock);
   d->stop = true;
   pthread_cond_signal(&d->cond);
+  pthread_cond_signal(&d->wb_cond);
   pthread_mutex_unlock(&d->lock);
   pthread_join(d->thread, NULL);
+  pthread_join(d->wb_thread, NULL); /* after the queued writebacks */
   pthread_mutex_lock(&d->fs->lock);
   for (size_t i = 0; i < d->n; i++)
     ckpt__node_unref(d->fs, d->q[(d->head + i) % d->cap]);
   pthread_mutex_unlock(&d->fs->lock);
   free(d->q);
+  pthread_cond_destroy(&d->wb_cond);
   pthread_cond_destroy(&d->cond);
   pthread_mutex_destroy(&d->lock);
   free(d);

@@ -4,8 +4,10 @@ docs/committed.md), and preads of IO_STEP bytes at most per call. The
 client's load and ckptfs.dcp's Reader and export read through it."""
 
 import errno
+import json
 import math
 import os
+import sqlite3
 
 from .errors import CkptfsError, CkptfsIOError
 
@@ -68,13 +70,78 @@ def block_file(path, offsets, sizes):
     return os.path.join(d, f".{base}[{sl}]")
 
 
-def read_block(path, item, global_shape, offsets, sizes, mv):
+def stored_chunks(ckdir):
+    """{tensor file path relative to ckdir: [(offsets, sizes)]}: how the
+    committed checkpoint at ckdir stores each tensor, from its .metadata
+    ({} where there is none to read: not a ckptfs checkpoint)."""
+    path = os.path.join(ckdir, ".metadata")
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    except sqlite3.Error:
+        return {}
+    try:
+        rows = con.execute("SELECT t.path, c.offsets, c.sizes FROM chunks c "
+                           "JOIN tensors t ON t.fqn = c.fqn").fetchall()
+    except sqlite3.Error:
+        return {}
+    finally:
+        con.close()
+    out = {}
+    for p, offs, sz in rows:
+        out.setdefault(p, []).append((tuple(json.loads(offs)), tuple(json.loads(sz))))
+    return out
+
+
+def holding_chunk(chunks, offsets, sizes):
+    """The stored chunk (offsets, sizes) of chunks that holds the whole
+    block (offsets, sizes), or None."""
+    for co, cs in chunks or ():
+        if len(co) == len(offsets) and all(
+                c <= o and o + s <= c + n for o, s, c, n in zip(offsets, sizes, co, cs)):
+            return co, cs
+    return None
+
+
+def read_in_chunk(path, item, global_shape, offsets, sizes, mv, chunks):
+    """Read a block that is one run inside one stored chunk, and not that
+    chunk, from the chunk's own file (the tensor file where the chunk is the
+    whole tensor, else the chunk's block file) at the run's offset in it:
+    the mount serves such a file by passthrough where the chunk is a whole
+    data file (written once), so a rank reading part of another rank's
+    chunk (a load at another world size) does not go through the daemon.
+    True if read, False where this does not apply."""
+    held = holding_chunk(chunks, offsets, sizes)
+    if held is None or held[1] == tuple(sizes) or len(mv) < SHARD_MIN:
+        return False
+    co, cs = held
+    inner = list(runs(cs, [o - c for o, c in zip(offsets, co)], sizes))
+    if len(inner) != 1:
+        return False  # several runs: the block file of the block gathers them
+    whole = tuple(cs) == tuple(global_shape)
+    try:
+        fd = os.open(path if whole else block_file(path, co, cs), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:  # no block files here, or a name too long for one
+        if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):
+            raise
+        return False
+    try:
+        pread_into(fd, mv, inner[0][0] * item, path)
+    finally:
+        os.close(fd)
+    return True
+
+
+def read_block(path, item, global_shape, offsets, sizes, mv, chunks=None):
     """Read block (offsets, sizes) of the global tensor at path, of
     elements of item bytes, into mv (the block's bytes, row-major): one
     read of its block file, or one pread of the tensor's file for the whole
-    tensor or a small run;
+    tensor or a small run; part of one stored chunk (chunks: the tensor's
+    [(offsets, sizes)], stored_chunks'), from that chunk's file;
     one pread per run where the mount has no block files (an older
     ckptfs, or a name too long for one)."""
+    offsets, sizes = tuple(offsets), tuple(sizes)
+    if chunks and read_in_chunk(path, item, global_shape, offsets, sizes, mv, chunks):
+        return
     block = runs(global_shape, offsets, sizes)
     first = next(block, None)
     several = first is not None and next(block, None) is not None

@@ -10,7 +10,7 @@ import os
 import pickle
 import sys
 
-from .blocks import read_block
+from .blocks import read_block, stored_chunks
 from .dtypes import (DTYPES, NUMPY_NAMES, Shard, is_tensor, is_torch, numpy_dtype_name,
                      numpy_module, parse_dims, torch_dtype_name, torch_module,
                      torch_numpy_view)
@@ -80,8 +80,9 @@ def new_tensor(kind, dtype, shape):
     return a, memoryview(a.reshape(-1)).cast("B")
 
 
-def load_into(target, path, rel, dtype, gshape):
-    """Read the item at path into target (a tensor, array or Shard) in place."""
+def load_into(target, path, rel, dtype, gshape, chunks=None):
+    """Read the item at path into target (a tensor, array or Shard) in place;
+    chunks: how the tensor is stored (blocks.stored_chunks'), or None."""
     shard = target if isinstance(target, Shard) else None
     t = shard.tensor if shard else target
     if is_torch(t):
@@ -113,10 +114,10 @@ def load_into(target, path, rel, dtype, gshape):
             direct = t  # stored bytes are little-endian: read them in place
     if direct is not None:
         read_block(path, DTYPES[dtype], gshape, offsets, shape,
-                    memoryview(direct.reshape(-1)).cast("B"))
+                    memoryview(direct.reshape(-1)).cast("B"), chunks)
         return
     tmp, mv = new_tensor("torch" if is_torch(t) else "numpy", dtype, shape)
-    read_block(path, DTYPES[dtype], gshape, offsets, shape, mv)
+    read_block(path, DTYPES[dtype], gshape, offsets, shape, mv, chunks)
     if is_torch(t):
         with sys.modules["torch"].no_grad():
             t.copy_(tmp)
@@ -259,9 +260,12 @@ def plan_spec(spec, ckdir, name, sizes):
 
 def fill_spec(spec, todo, ckdir, manifest, allow_pickle, prog):
     """Read what plan_spec planned into spec."""
+    # a Shard may be part of a stored chunk: read from that chunk's file
+    shards = any(isinstance(job[3], Shard) for job in todo)
+    chunks = stored_chunks(ckdir) if shards else {}
     for keys, rel, path, v, how, nbytes in todo:
         if v is not None:
-            load_into(v, path, rel, *how)
+            load_into(v, path, rel, *how, chunks.get(rel))
             prog.add(nbytes)
             continue
         if how is not None:

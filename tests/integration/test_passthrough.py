@@ -33,6 +33,7 @@ import threading
 import time
 
 from ckpttest import util
+from ckpttest.pyenv import PACKAGE
 from ckpttest.util import (CkptfsTestCase, commit, main, read_all, set_tensor_xattrs, state,
                            wait_state, write_file)
 
@@ -346,6 +347,51 @@ class Passthrough(PassthroughCase):
         self.assertEqual(got, [half[1]])
         across = self.ck("s", f".{name}[128:384,0:1024]")
         self.assertEqual(read_all(across), half[0][MiB // 2:] + half[1][:MiB // 2])
+
+    def test_part_of_a_shard_read_from_the_shard_file(self):
+        """A block that is part of one stored chunk (a load at another
+        world size: rows [320, 448) of a tensor saved as two shards of 256
+        rows) is read by the package's loaders from that chunk's own file,
+        which the mount serves by passthrough: no READ request reaches the
+        daemon; the same block through its own block file (the loaders'
+        path without the chunks) is read by the daemon."""
+        sys.path.insert(0, PACKAGE)
+        from ckptfs import blocks
+        mfile = [os.path.join(self.dir, f"metrics{i}.prom") for i in range(2)]
+        m = self.mount_pt("metrics=" + mfile[0])
+        os.mkdir(self.ck("s"))
+        half = [os.urandom(MiB), os.urandom(MiB)]
+        for i in range(2):
+            path = self.ck("s", f"w{i}")
+            write_file(path, half[i])
+            set_tensor_xattrs(path, "float32", [512, 1024], [256 * i, 0], [256, 1024])
+            os.setxattr(path, "user.ckpt.fqn", b"w")
+        commit(self.ck("s"))
+        name, = [n for n in os.listdir(self.ck("s")) if n.startswith("w")]
+        # from BACKING_DIR's copy of .metadata: its reads through the
+        # mount would count (the mount's copy: below, on the second mount)
+        chunks = blocks.stored_chunks(self.bk("s"))[name]
+        self.assertEqual(sorted(chunks), [((0, 0), (256, 1024)), ((256, 0), (256, 1024))])
+        want = half[1][64 * 4096:192 * 4096]
+
+        def read(with_chunks):
+            buf = bytearray(len(want))
+            blocks.read_block(self.ck("s", name), 4, (512, 1024), (320, 0), (128, 1024),
+                              memoryview(buf), chunks if with_chunks else None)
+            return bytes(buf)
+
+        for _ in range(10):
+            self.assertEqual(read(True), want)
+        self.assertEqual(m.stop(), 0)
+        self.assertEqual(requests(mfile[0], "read"), 0,
+                         "the part of a shard was read through the daemon")
+        m = self.mount_pt("metrics=" + mfile[1])
+        self.assertEqual(blocks.stored_chunks(self.ck("s"))[name], chunks)
+        for _ in range(10):
+            self.assertEqual(read(False), want)
+        self.assertEqual(m.stop(), 0)
+        self.assertGreaterEqual(requests(mfile[1], "read"), 10,
+                                "this test no longer tells the two paths apart")
 
     def test_reopen_after_data_file_replaced_and_old_one_changed(self):
         """A committed file open (its data file X the inode's passthrough

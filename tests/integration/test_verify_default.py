@@ -85,6 +85,17 @@ with safe_open(sys.argv[1], framework="pt") as f:
 print("read", t.shape)
 """
 
+# rows [320, 448) of w, as a Shard (a load at another world size)
+LOAD_PART = r"""
+import errno, sys, numpy as np, ckptfs
+a = np.zeros((128, 1024), np.float32)
+try:
+    ckptfs.load({sys.argv[3]: ckptfs.Shard(a, (320, 0), (512, 1024))}, sys.argv[1], sys.argv[2])
+    print(a.tobytes()[:64].hex())
+except OSError as e:
+    print(errno.errorcode.get(e.errno, e.errno))
+"""
+
 MMAP = r"""
 import mmap, sys
 with open(sys.argv[1], "rb") as f:
@@ -156,7 +167,13 @@ class VerifyDefault(CkptfsTestCase):
         """A block file that is one shard of a tensor, whose data file
         holds just that shard (written once), is served straight from the
         data file (FUSE passthrough): verified first, at every open after
-        the data file changed, as the tensor file is."""
+        the data file changed, as the tensor file is; and so is the
+        package's read of part of that shard from the shard's file
+        (ckptfs.blocks with the stored chunks, ckptfs.load of a Shard: a
+        load at another world size)."""
+        sys.path.insert(0, PACKAGE)
+        from ckptfs import blocks
+        py = require_torch(self)
         self.mount()
         os.mkdir(self.ck("s"))
         half = [os.urandom(1 * MiB), os.urandom(1 * MiB)]
@@ -174,14 +191,32 @@ class VerifyDefault(CkptfsTestCase):
         db.close()
         self.assertEqual((off1, os.path.getsize(self.bk("s", f1))), (0, ln1),
                          "the shard is not its data file's only bytes")
+        chunks = blocks.stored_chunks(self.bk("s"))[name]
+        want = half[1][64 * 4096:192 * 4096]               # rows [320, 448)
+
+        def part():
+            buf = bytearray(len(want))
+            blocks.read_block(self.ck("s", name), 4, (512, 1024), (320, 0), (128, 1024),
+                              memoryview(buf), chunks)
+            return bytes(buf)
+
+        def load_part():
+            return run_py(self, py, LOAD_PART, self.mnt, "s", name).strip()
+
+        self.assertEqual(part(), want)
+        self.assertEqual(load_part(), want[:64].hex())
         flip(self.bk("s", f1), ln1 // 2)                 # after a clean read
         self.assertErrno(errno.EIO, read_all, block[1])
+        self.assertErrno(errno.EIO, part)
+        self.assertEqual(load_part(), "EIO")
         self.assertEqual(read_all(block[0]), half[0])    # the other shard reads
         flip(self.bk("s", f1), ln1 // 2)                 # put right: served again
         self.assertEqual(read_all(block[1]), half[1])
+        self.assertEqual(part(), want)
         self.mounts[-1].stop()
         flip(self.bk("s", f1), ln1 // 2)                 # before any read
         self.mount()
+        self.assertErrno(errno.EIO, part)
         self.assertErrno(errno.EIO, read_all, block[1])
         self.assertIn("s: w: rank 0", self.daemon_log())
 

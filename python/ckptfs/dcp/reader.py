@@ -57,17 +57,18 @@ def read_catalog(ckdir):
     return tensors, blobs
 
 
-def read_block(path, dtype, shape, offsets, lengths, out=None):
+def read_block(path, dtype, shape, offsets, lengths, out=None, chunks=None):
     """The block [offsets, offsets+lengths) of the committed tensor at path
     (dtype torch dtype, shape its global shape), as a contiguous tensor
-    (into out when given: contiguous, that dtype and shape)."""
+    (into out when given: contiguous, that dtype and shape); chunks: how
+    the tensor is stored (blocks.stored_chunks'), or None."""
     if out is None:
         out = torch.empty(tuple(lengths), dtype=dtype)
     mv = torch_u8(out)
     if len(mv) == 0:
         return out
     blocks.read_block(path, out.element_size(), tuple(shape), tuple(offsets),
-                      tuple(lengths), mv)
+                      tuple(lengths), mv, chunks)
     return out
 
 
@@ -103,6 +104,7 @@ class Reader(StorageReader):
         self._checked = None  # the mount _ckdir checked
         self._tensors = None
         self._blobs = None
+        self._chunks = {}  # tensor path: its stored chunks (blocks.stored_chunks)
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -112,6 +114,7 @@ class Reader(StorageReader):
             self.checkpoint_id = checkpoint_id
             self.name = checkpoint_name(checkpoint_id)
         self._tensors = self._blobs = None
+        self._chunks = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -140,6 +143,7 @@ class Reader(StorageReader):
     def read_metadata(self, *args, **kwargs):
         ckdir = self._ckdir()
         self._tensors, self._blobs = read_catalog(ckdir)
+        self._chunks = blocks.stored_chunks(ckdir)
         md = {}
         storage = {}
         for fqn, (path, dt, shape) in self._tensors.items():
@@ -163,6 +167,7 @@ class Reader(StorageReader):
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         if self._tensors is None:
             self._tensors, self._blobs = read_catalog(self._ckdir())
+            self._chunks = blocks.stored_chunks(self._ckdir())
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -225,10 +230,12 @@ class Reader(StorageReader):
             if (target.dtype == dtype and target.device.type == "cpu"
                     and target.is_contiguous()):
                 read_block(os.path.join(ckdir, path), dtype, shape,
-                           ri.storage_offsets, lengths, out=target)
+                           ri.storage_offsets, lengths, out=target,
+                           chunks=self._chunks.get(path))
             else:
                 blk = read_block(os.path.join(ckdir, path), dtype, shape,
-                                 ri.storage_offsets, lengths)
+                                 ri.storage_offsets, lengths,
+                                 chunks=self._chunks.get(path))
                 target.copy_(blk)
             with lock:
                 planner.commit_tensor(ri, target)
