@@ -476,7 +476,7 @@ def rows_of(case, fs, size, n, P, D, tmpfs):
     def row(fig, key, ref, goal, test, src, inv):
         """inv: a throughput ratio (ref time / time), else time / ref time;
         the medians' ratio and the range of the rounds' own ratios."""
-        if key not in (src or {}) or ref not in src:
+        if not (src or {}).get(key) or ref not in src:
             return
         ratio = (lambda t, r: r / t) if inv else (lambda t, r: t / r)
         per = sorted(ratio(t, r) for t, r in zip(src[key], src[ref]))

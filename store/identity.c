@@ -7,11 +7,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -55,8 +57,72 @@ bool ckpt_dir_handle_same(const ckpt_dir_handle_t *a,
          !memcmp(a->b, b->b, a->len);
 }
 
+/* The save IDs last read, by the version of their .metadata file
+ * (ckpt__same_version: device, inode, size, mtime, ctime). Every data
+ * file a mount opens compares its directory's save ID (twice: a later
+ * version, the same one), and reading it is an SQLite open and query, a
+ * millisecond's CPU on a fresh mount's first reads. A .metadata is never
+ * written in place (a new file renamed over it), so a file of the same
+ * version holds the same ID; one whose ctime is within RACY_SECONDS of
+ * now is not remembered (a file made in the same clock tick in a reused
+ * inode, of the same size, could not be told apart: git's racy rule). */
+#define ID_CACHE 64
+#define RACY_SECONDS 2
+static struct {
+  struct stat st;
+  char id[CKPT_SAVE_ID_LEN + 1];
+} id_cache[ID_CACHE];
+static size_t id_cache_n, id_cache_next; /* under id_cache_lock */
+static pthread_mutex_t id_cache_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_ulong id_reads;
+
+unsigned long ckpt__save_id_reads(void) { return atomic_load(&id_reads); }
+
+static bool cached_id(const struct stat *st, char out[CKPT_SAVE_ID_LEN + 1]) {
+  bool hit = false;
+  pthread_mutex_lock(&id_cache_lock);
+  for (size_t i = 0; i < id_cache_n && !hit; i++)
+    if (ckpt__same_version(&id_cache[i].st, st)) {
+      memcpy(out, id_cache[i].id, CKPT_SAVE_ID_LEN + 1);
+      hit = true;
+    }
+  pthread_mutex_unlock(&id_cache_lock);
+  return hit;
+}
+
+static void remember_id(const struct stat *st,
+                        const char id[CKPT_SAVE_ID_LEN + 1]) {
+  struct timespec now;
+  if (clock_gettime(CLOCK_REALTIME, &now) ||
+      now.tv_sec - st->st_ctim.tv_sec < RACY_SECONDS)
+    return;
+  pthread_mutex_lock(&id_cache_lock);
+  size_t i = id_cache_n < ID_CACHE ? id_cache_n++ : id_cache_next;
+  id_cache_next = (i + 1) % ID_CACHE;
+  id_cache[i].st = *st;
+  memcpy(id_cache[i].id, id, CKPT_SAVE_ID_LEN + 1);
+  pthread_mutex_unlock(&id_cache_lock);
+}
+
 int ckpt_store_save_id(int dirfd, char out[CKPT_SAVE_ID_LEN + 1]) {
-  return ckpt_store_save_look(dirfd, out, NULL, NULL);
+  struct stat st, after;
+  int fd = ckpt_store_open_file(dirfd, CKPT_METADATA_FILE);
+  bool known = fd >= 0 && fstat(fd, &st) == 0;
+  if (known && cached_id(&st, out)) {
+    close(fd);
+    return 0;
+  }
+  atomic_fetch_add(&id_reads, 1);
+  int rc = ckpt_store_save_look(dirfd, out, NULL, NULL);
+  /* remembered if the name held that one version before and after the
+   * read (the file read was opened by name in between) */
+  if (rc == 0 && known &&
+      fstatat(dirfd, CKPT_METADATA_FILE, &after, AT_SYMLINK_NOFOLLOW) == 0 &&
+      ckpt__same_version(&st, &after))
+    remember_id(&st, out);
+  if (fd >= 0)
+    close(fd);
+  return rc;
 }
 
 int ckpt_store_save_look(int dirfd, char out[CKPT_SAVE_ID_LEN + 1],

@@ -26,6 +26,8 @@ void ckpt__stored_seen(const ckpt_stored_t *s, int32_t rank, uint32_t k,
 /* The save ID as the identity checks compare it (identity.c): itself, or
  * one longer than ckptfs's 32 hex digits by its XXH3-64. */
 void ckpt__save_key(const char *save_id, char out[CKPT_SAVE_ID_LEN + 1]);
+/* How many times ckpt_store_save_id read a .metadata (not remembered). */
+unsigned long ckpt__save_id_reads(void);
 
 /* Set s's identity to version v, under the lock the identity checks take
  * (identity.c); ckpt_stored_rebind also lets go of its idle descriptors. */

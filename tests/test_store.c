@@ -561,6 +561,53 @@ static void key_of(int bfd, const char *name, char out[CKPT_SAVE_ID_LEN + 1]) {
   close(dfd);
 }
 
+/* A directory's save ID is read from its .metadata once per version of
+ * that file (same device, inode, size, mtime and ctime), and not
+ * remembered while the file is under 2 s old (its ctime could not tell a
+ * file made in the same clock tick in a reused inode); a .metadata
+ * renamed over it, or written in place, is read again. */
+static void save_id_read_once_per_metadata_version(void **state) {
+  (void)state;
+  int bfd;
+  char *b = temp_backing(&bfd);
+  const char *a = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa1";
+  const char *n = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb2";
+  char key[CKPT_SAVE_ID_LEN + 1];
+  make_save(b, "S", a, NULL, 1);
+  unsigned long r0 = ckpt__save_id_reads();
+  key_of(bfd, "S", key);
+  key_of(bfd, "S", key);
+  assert_string_equal(key, a);
+  assert_int_equal(ckpt__save_id_reads() - r0, 2); /* too new to keep */
+  sleep(2);
+  key_of(bfd, "S", key);
+  key_of(bfd, "S", key);
+  key_of(bfd, "S", key);
+  assert_string_equal(key, a);
+  assert_int_equal(ckpt__save_id_reads() - r0, 3); /* then remembered */
+  /* another save's .metadata renamed over it: read */
+  make_save(b, "T", n, NULL, 2);
+  assert_int_equal(renameat(bfd, "T/" CKPT_METADATA_FILE, bfd,
+                            "S/" CKPT_METADATA_FILE), 0);
+  key_of(bfd, "S", key);
+  assert_string_equal(key, n);
+  assert_int_equal(ckpt__save_id_reads() - r0, 4);
+  /* written in place (the same bytes): its times moved, read again */
+  sleep(2);
+  key_of(bfd, "S", key); /* remembered now */
+  unsigned long r1 = ckpt__save_id_reads();
+  int f = openat(bfd, "S/" CKPT_METADATA_FILE, O_RDWR);
+  assert_true(f >= 0);
+  char c;
+  assert_int_equal(pread(f, &c, 1, 0), 1);
+  assert_int_equal(pwrite(f, &c, 1, 0), 1);
+  close(f);
+  key_of(bfd, "S", key);
+  assert_string_equal(key, n);
+  assert_int_equal(ckpt__save_id_reads() - r1, 1);
+  rm_backing(b, bfd);
+}
+
 /* The flush's compare-and-swap (ckpt_store_publish_if): published only
  * while NAME is one of the saves its commit replaced; the replaces list
  * round-trips through .metadata. */
@@ -657,6 +704,7 @@ int main(void) {
       cmocka_unit_test(open_beneath_refuses_symlinks),
       cmocka_unit_test(save_dir_remove_unheld_spares_a_held_one),
       cmocka_unit_test(publish_if_compares_and_swaps),
+      cmocka_unit_test(save_id_read_once_per_metadata_version),
       cmocka_unit_test(cleanup_removes_unfinished_saves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
