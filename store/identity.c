@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,7 +66,11 @@ bool ckpt_dir_handle_same(const ckpt_dir_handle_t *a,
  * written in place (a new file renamed over it), so a file of the same
  * version holds the same ID; one whose ctime is within RACY_SECONDS of
  * now is not remembered (a file made in the same clock tick in a reused
- * inode, of the same size, could not be told apart: git's racy rule). */
+ * inode, of the same size, could not be told apart: git's racy rule;
+ * the rule takes this host's clock for the file's, as on a local
+ * filesystem). A remembered ID is returned without reading the file
+ * again: a .metadata that became unreadable since, its stat unchanged,
+ * still answers its ID (its data files' reads are verified as ever). */
 #define ID_CACHE 64
 #define RACY_SECONDS 2
 static struct {
@@ -94,7 +99,9 @@ static void remember_id(const struct stat *st,
                         const char id[CKPT_SAVE_ID_LEN + 1]) {
   struct timespec now;
   if (clock_gettime(CLOCK_REALTIME, &now) ||
-      now.tv_sec - st->st_ctim.tv_sec < RACY_SECONDS)
+      (int64_t)(now.tv_sec - st->st_ctim.tv_sec) * 1000000000 +
+              (now.tv_nsec - st->st_ctim.tv_nsec) <
+          (int64_t)RACY_SECONDS * 1000000000)
     return;
   pthread_mutex_lock(&id_cache_lock);
   size_t i = id_cache_n < ID_CACHE ? id_cache_n++ : id_cache_next;

@@ -107,6 +107,7 @@ static void start_writeback(ckpt_drain_t *d, int fd, uint64_t size) {
 static void *writeback_main(void *arg) {
   ckpt_drain_t *d = arg;
   pthread_setname_np(pthread_self(), "ckptfs-wback");
+  setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10); /* as the drain */
   pthread_mutex_lock(&d->lock);
   for (;;) {
     while (d->wb_n == 0 && !d->stop)
@@ -117,8 +118,10 @@ static void *writeback_main(void *arg) {
     uint64_t size = d->wb[d->wb_head].size;
     d->wb_head = (d->wb_head + 1) % CKPT_WB_QUEUE;
     d->wb_n--;
+    bool stop = d->stop; /* stopping: the commit writes what is left */
     pthread_mutex_unlock(&d->lock);
-    (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
+    if (!stop)
+      (void)sync_file_range(fd, 0, (off_t)size, SYNC_FILE_RANGE_WRITE);
     close(fd);
     pthread_mutex_lock(&d->lock);
   }
@@ -312,7 +315,7 @@ void ckpt__drain_stop(ckpt_drain_t *d) {
   pthread_cond_signal(&d->wb_cond);
   pthread_mutex_unlock(&d->lock);
   pthread_join(d->thread, NULL);
-  pthread_join(d->wb_thread, NULL); /* after the queued writebacks */
+  pthread_join(d->wb_thread, NULL); /* the queued descriptors closed */
   pthread_mutex_lock(&d->fs->lock);
   for (size_t i = 0; i < d->n; i++)
     ckpt__node_unref(d->fs, d->q[(d->head + i) % d->cap]);

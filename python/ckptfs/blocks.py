@@ -4,11 +4,13 @@ docs/committed.md), and preads of IO_STEP bytes at most per call. The
 client's load and ckptfs.dcp's Reader and export read through it."""
 
 import errno
-import json
 import math
 import os
 import sqlite3
+import threading
+import urllib.parse
 
+from .dtypes import parse_dims
 from .errors import CkptfsError, CkptfsIOError
 
 IO_STEP = 8 << 20  # bytes per write/pread call
@@ -70,33 +72,73 @@ def block_file(path, offsets, sizes):
     return os.path.join(d, f".{base}[{sl}]")
 
 
-def stored_chunks(ckdir):
-    """{tensor file path relative to ckdir: [(offsets, sizes)]}: how the
-    committed checkpoint at ckdir stores each tensor, from its .metadata
-    ({} where there is none to read: not a ckptfs checkpoint)."""
-    path = os.path.join(ckdir, ".metadata")
-    try:
-        con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
-    except sqlite3.Error:
-        return {}
-    try:
-        rows = con.execute("SELECT t.path, c.offsets, c.sizes FROM chunks c "
-                           "JOIN tensors t ON t.fqn = c.fqn").fetchall()
-    except sqlite3.Error:
-        return {}
-    finally:
-        con.close()
-    out = {}
-    for p, offs, sz in rows:
-        out.setdefault(p, []).append((tuple(json.loads(offs)), tuple(json.loads(sz))))
-    return out
+class StoredChunks:
+    """How a committed checkpoint stores its tensors, from its .metadata:
+    a tensor's chunks [(offsets, sizes)], looked up one tensor at a time
+    (by FQN: the chunks table's index) when a load reads part of it, and
+    kept. None to read (not a ckptfs checkpoint, a row it cannot parse):
+    [], and the loaders read as they would without it. Thread-safe; close()
+    when the load is done."""
+
+    def __init__(self, ckdir):
+        self.path = os.path.join(ckdir, ".metadata")
+        self._lock = threading.Lock()
+        self._con = None
+        self._tried = False
+        self._fqns = None  # tensor path: FQN (of_path)
+        self._memo = {}
+
+    def _db(self):  # under _lock
+        if not self._tried:
+            self._tried = True
+            uri = f"file:{urllib.parse.quote(self.path)}?mode=ro&immutable=1"
+            try:
+                self._con = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            except sqlite3.Error:
+                self._con = None
+        return self._con
+
+    def _query(self, sql, args):  # under _lock
+        con = self._db()
+        try:
+            return con.execute(sql, args).fetchall() if con else []
+        except sqlite3.Error:
+            return []
+
+    def of_fqn(self, fqn):
+        with self._lock:
+            if fqn not in self._memo:
+                out = []
+                for offs, sizes in self._query(
+                        "SELECT offsets, sizes FROM chunks WHERE fqn = ?", (fqn,)):
+                    try:
+                        out.append((parse_dims(offs), parse_dims(sizes)))
+                    except (ValueError, TypeError, UnicodeDecodeError):
+                        out = []  # unreadable: none (the old path reads it)
+                        break
+                self._memo[fqn] = out
+            return self._memo[fqn]
+
+    def of_path(self, rel):
+        """The chunks of the tensor file at rel (relative to the checkpoint)."""
+        with self._lock:
+            if self._fqns is None:
+                self._fqns = dict(self._query("SELECT path, fqn FROM tensors", ()))
+            fqn = self._fqns.get(rel)
+        return self.of_fqn(fqn) if fqn is not None else []
+
+    def close(self):
+        with self._lock:
+            if self._con is not None:
+                self._con.close()
+            self._con = None
 
 
 def holding_chunk(chunks, offsets, sizes):
     """The stored chunk (offsets, sizes) of chunks that holds the whole
     block (offsets, sizes), or None."""
     for co, cs in chunks or ():
-        if len(co) == len(offsets) and all(
+        if len(co) == len(cs) == len(offsets) and all(
                 c <= o and o + s <= c + n for o, s, c, n in zip(offsets, sizes, co, cs)):
             return co, cs
     return None
@@ -136,7 +178,7 @@ def read_block(path, item, global_shape, offsets, sizes, mv, chunks=None):
     elements of item bytes, into mv (the block's bytes, row-major): one
     read of its block file, or one pread of the tensor's file for the whole
     tensor or a small run; part of one stored chunk (chunks: the tensor's
-    [(offsets, sizes)], stored_chunks'), from that chunk's file;
+    [(offsets, sizes)], StoredChunks'), from that chunk's file;
     one pread per run where the mount has no block files (an older
     ckptfs, or a name too long for one)."""
     offsets, sizes = tuple(offsets), tuple(sizes)

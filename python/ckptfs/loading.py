@@ -10,7 +10,7 @@ import os
 import pickle
 import sys
 
-from .blocks import read_block, stored_chunks
+from .blocks import StoredChunks, read_block
 from .dtypes import (DTYPES, NUMPY_NAMES, Shard, is_tensor, is_torch, numpy_dtype_name,
                      numpy_module, parse_dims, torch_dtype_name, torch_module,
                      torch_numpy_view)
@@ -82,7 +82,7 @@ def new_tensor(kind, dtype, shape):
 
 def load_into(target, path, rel, dtype, gshape, chunks=None):
     """Read the item at path into target (a tensor, array or Shard) in place;
-    chunks: how the tensor is stored (blocks.stored_chunks'), or None."""
+    chunks: how the tensor is stored (blocks.StoredChunks'), or None."""
     shard = target if isinstance(target, Shard) else None
     t = shard.tensor if shard else target
     if is_torch(t):
@@ -260,12 +260,19 @@ def plan_spec(spec, ckdir, name, sizes):
 
 def fill_spec(spec, todo, ckdir, manifest, allow_pickle, prog):
     """Read what plan_spec planned into spec."""
-    # a Shard may be part of a stored chunk: read from that chunk's file
-    shards = any(isinstance(job[3], Shard) for job in todo)
-    chunks = stored_chunks(ckdir) if shards else {}
+    stored = StoredChunks(ckdir)  # a Shard may be inside one stored chunk
+    try:
+        fill_stored(spec, todo, ckdir, manifest, allow_pickle, prog, stored)
+    finally:
+        stored.close()
+
+
+def fill_stored(spec, todo, ckdir, manifest, allow_pickle, prog, stored):
+    """fill_spec's reads (stored: the checkpoint's StoredChunks)."""
     for keys, rel, path, v, how, nbytes in todo:
         if v is not None:
-            load_into(v, path, rel, *how, chunks.get(rel))
+            load_into(v, path, rel, *how,
+                      stored.of_path(rel) if isinstance(v, Shard) else None)
             prog.add(nbytes)
             continue
         if how is not None:

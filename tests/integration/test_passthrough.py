@@ -138,6 +138,16 @@ class Mapping:
             raise OSError(e, os.strerror(e))
 
 
+def chunks_of(blocks, ckdir, name):
+    """The stored chunks of tensor file name of the checkpoint at ckdir
+    (ckptfs.blocks.StoredChunks)."""
+    stored = blocks.StoredChunks(ckdir)
+    try:
+        return stored.of_path(name)
+    finally:
+        stored.close()
+
+
 def skip_without_passthrough(case):
     """Skip case where the binary's libfuse (< 3.16) or the kernel (< 6.9)
     has no FUSE passthrough."""
@@ -370,7 +380,7 @@ class Passthrough(PassthroughCase):
         name, = [n for n in os.listdir(self.ck("s")) if n.startswith("w")]
         # from BACKING_DIR's copy of .metadata: its reads through the
         # mount would count (the mount's copy: below, on the second mount)
-        chunks = blocks.stored_chunks(self.bk("s"))[name]
+        chunks = chunks_of(blocks, self.bk("s"), name)
         self.assertEqual(sorted(chunks), [((0, 0), (256, 1024)), ((256, 0), (256, 1024))])
         want = half[1][64 * 4096:192 * 4096]
 
@@ -386,7 +396,7 @@ class Passthrough(PassthroughCase):
         self.assertEqual(requests(mfile[0], "read"), 0,
                          "the part of a shard was read through the daemon")
         m = self.mount_pt("metrics=" + mfile[1])
-        self.assertEqual(blocks.stored_chunks(self.ck("s"))[name], chunks)
+        self.assertEqual(chunks_of(blocks, self.ck("s"), name), chunks)
         for _ in range(10):
             self.assertEqual(read(False), want)
         self.assertEqual(m.stop(), 0)

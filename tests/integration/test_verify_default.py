@@ -114,6 +114,16 @@ def chunks(backing, name, fqn):
         db.close()
 
 
+def chunks_of(blocks, ckdir, name):
+    """The stored chunks of tensor file name of the checkpoint at ckdir
+    (ckptfs.blocks.StoredChunks)."""
+    stored = blocks.StoredChunks(ckdir)
+    try:
+        return stored.of_path(name)
+    finally:
+        stored.close()
+
+
 class VerifyDefault(CkptfsTestCase):
     def damage(self, name, fqn):
         for f, off, ln in chunks(self.backing, name, fqn):
@@ -191,7 +201,7 @@ class VerifyDefault(CkptfsTestCase):
         db.close()
         self.assertEqual((off1, os.path.getsize(self.bk("s", f1))), (0, ln1),
                          "the shard is not its data file's only bytes")
-        chunks = blocks.stored_chunks(self.bk("s"))[name]
+        chunks = chunks_of(blocks, self.bk("s"), name)
         want = half[1][64 * 4096:192 * 4096]               # rows [320, 448)
 
         def part():

@@ -61,7 +61,7 @@ def read_block(path, dtype, shape, offsets, lengths, out=None, chunks=None):
     """The block [offsets, offsets+lengths) of the committed tensor at path
     (dtype torch dtype, shape its global shape), as a contiguous tensor
     (into out when given: contiguous, that dtype and shape); chunks: how
-    the tensor is stored (blocks.stored_chunks'), or None."""
+    the tensor is stored (blocks.StoredChunks'), or None."""
     if out is None:
         out = torch.empty(tuple(lengths), dtype=dtype)
     mv = torch_u8(out)
@@ -104,7 +104,6 @@ class Reader(StorageReader):
         self._checked = None  # the mount _ckdir checked
         self._tensors = None
         self._blobs = None
-        self._chunks = {}  # tensor path: its stored chunks (blocks.stored_chunks)
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -114,7 +113,6 @@ class Reader(StorageReader):
             self.checkpoint_id = checkpoint_id
             self.name = checkpoint_name(checkpoint_id)
         self._tensors = self._blobs = None
-        self._chunks = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -143,7 +141,6 @@ class Reader(StorageReader):
     def read_metadata(self, *args, **kwargs):
         ckdir = self._ckdir()
         self._tensors, self._blobs = read_catalog(ckdir)
-        self._chunks = blocks.stored_chunks(ckdir)
         md = {}
         storage = {}
         for fqn, (path, dt, shape) in self._tensors.items():
@@ -167,7 +164,6 @@ class Reader(StorageReader):
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         if self._tensors is None:
             self._tensors, self._blobs = read_catalog(self._ckdir())
-            self._chunks = blocks.stored_chunks(self._ckdir())
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -206,6 +202,13 @@ class Reader(StorageReader):
         return total
 
     def _read_items(self, ckdir, plan, planner, prog):
+        stored = blocks.StoredChunks(ckdir)
+        try:
+            self._read_stored(ckdir, plan, planner, prog, stored)
+        finally:
+            stored.close()
+
+    def _read_stored(self, ckdir, plan, planner, prog, stored):
         lock = threading.Lock()
         tensors = []
         for ri in plan.items:
@@ -224,18 +227,18 @@ class Reader(StorageReader):
             with lock:
                 target = planner.resolve_tensor(ri).detach()
             lengths = tuple(ri.lengths)
+            # part of the tensor: maybe inside one stored chunk
+            chunks = stored.of_fqn(fqn) if lengths != tuple(shape) else None
             if tuple(target.shape) != lengths:
                 raise CkptfsError(f"{fqn}: the load plan wants {lengths}, its "
                                   f"target is {tuple(target.shape)}")
             if (target.dtype == dtype and target.device.type == "cpu"
                     and target.is_contiguous()):
                 read_block(os.path.join(ckdir, path), dtype, shape,
-                           ri.storage_offsets, lengths, out=target,
-                           chunks=self._chunks.get(path))
+                           ri.storage_offsets, lengths, out=target, chunks=chunks)
             else:
                 blk = read_block(os.path.join(ckdir, path), dtype, shape,
-                                 ri.storage_offsets, lengths,
-                                 chunks=self._chunks.get(path))
+                                 ri.storage_offsets, lengths, chunks=chunks)
                 target.copy_(blk)
             with lock:
                 planner.commit_tensor(ri, target)
