@@ -174,6 +174,21 @@ class PassthroughCase(CkptfsTestCase):
         self.assertNotIn("not available", self.daemon_log())
         return m
 
+    def commit_two_shards(self, ck):
+        """Checkpoint ck committed with one float32 tensor w [512, 1024]
+        staged as two shards of 256 rows, each a file written once (its
+        own data file): (the tensor file's name, [each shard's bytes])."""
+        os.mkdir(self.ck(ck))
+        half = [os.urandom(MiB), os.urandom(MiB)]
+        for i in range(2):
+            path = self.ck(ck, f"w{i}")
+            write_file(path, half[i])
+            set_tensor_xattrs(path, "float32", [512, 1024], [256 * i, 0], [256, 1024])
+            os.setxattr(path, "user.ckpt.fqn", b"w")
+        commit(self.ck(ck))
+        name, = [n for n in os.listdir(self.ck(ck)) if n.startswith("w")]
+        return name, half
+
     def wait_for(self, what, cond, timeout=20):
         deadline = time.monotonic() + timeout
         while not cond():
@@ -328,15 +343,7 @@ class Passthrough(PassthroughCase):
         its reads cost the daemon nothing; a block spanning two shards is
         served by the daemon, byte for byte."""
         m = self.mount_pt()
-        os.mkdir(self.ck("s"))
-        half = [os.urandom(MiB), os.urandom(MiB)]
-        for i in range(2):
-            path = self.ck("s", f"w{i}")
-            write_file(path, half[i])
-            set_tensor_xattrs(path, "float32", [512, 1024], [256 * i, 0], [256, 1024])
-            os.setxattr(path, "user.ckpt.fqn", b"w")
-        commit(self.ck("s"))
-        name, = [n for n in os.listdir(self.ck("s")) if n.startswith("w")]
+        name, half = self.commit_two_shards("s")
         shard = self.ck("s", f".{name}[256:512,0:1024]")
         self.assertEqual(read_all(shard), half[1])      # verified here, once
         # opened, its reads need no daemon: they are served with it stopped
@@ -369,15 +376,7 @@ class Passthrough(PassthroughCase):
         from ckptfs import blocks
         mfile = [os.path.join(self.dir, f"metrics{i}.prom") for i in range(2)]
         m = self.mount_pt("metrics=" + mfile[0])
-        os.mkdir(self.ck("s"))
-        half = [os.urandom(MiB), os.urandom(MiB)]
-        for i in range(2):
-            path = self.ck("s", f"w{i}")
-            write_file(path, half[i])
-            set_tensor_xattrs(path, "float32", [512, 1024], [256 * i, 0], [256, 1024])
-            os.setxattr(path, "user.ckpt.fqn", b"w")
-        commit(self.ck("s"))
-        name, = [n for n in os.listdir(self.ck("s")) if n.startswith("w")]
+        name, half = self.commit_two_shards("s")
         # from BACKING_DIR's copy of .metadata: its reads through the
         # mount would count (the mount's copy: below, on the second mount)
         chunks = chunks_of(blocks, self.bk("s"), name)

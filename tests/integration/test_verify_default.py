@@ -29,6 +29,7 @@ import time
 from ckpttest.util import CkptfsTestCase, commit, main, read_all, write_tensor
 from ckpttest.pyenv import PACKAGE, require_torch, run_py
 from test_integrity import flip
+from test_passthrough import chunks_of
 
 MiB = 1 << 20
 
@@ -112,16 +113,6 @@ def chunks(backing, name, fqn):
                           "fqn = ?", (fqn, fqn)).fetchall()
     finally:
         db.close()
-
-
-def chunks_of(blocks, ckdir, name):
-    """The stored chunks of tensor file name of the checkpoint at ckdir
-    (ckptfs.blocks.StoredChunks)."""
-    stored = blocks.StoredChunks(ckdir)
-    try:
-        return stored.of_path(name)
-    finally:
-        stored.close()
 
 
 class VerifyDefault(CkptfsTestCase):
