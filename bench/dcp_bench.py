@@ -295,6 +295,9 @@ def main(argv=None):
             sm, sl, sh = spread(s)
             cm, cl, ch = spread(c)
             rr = sorted(x / y for x, y in zip(c, s))
+            print(f"{step} at {n_}, round by round: stock "
+                  f"{' '.join(f'{x:.3f}' for x in s)}; ckptfs "
+                  f"{' '.join(f'{x:.3f}' for x in c)}", file=sys.stderr)
             lines.append(f"| {step} (saved at {n_}) | {sm:.3f} ({sl:.3f}-{sh:.3f}) | "
                          f"{cm:.3f} ({cl:.3f}-{ch:.3f}) | **{cm / sm:.2f}x** "
                          f"(rounds {rr[0]:.2f}-{rr[-1]:.2f}x) |")

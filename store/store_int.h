@@ -4,6 +4,8 @@
 #ifndef CKPT_STORE_INT_H
 #define CKPT_STORE_INT_H
 
+#include <setjmp.h>
+
 #include "store.h"
 
 /* A new checkpoint id of cache c (fdcache.c). */
@@ -32,6 +34,17 @@ unsigned long ckpt__save_id_reads(void);
 /* Set s's identity to version v, under the lock the identity checks take
  * (identity.c); ckpt_stored_rebind also lets go of its idle descriptors. */
 void ckpt__stored_set_identity(ckpt_stored_t *s, const ckpt_version_t *v);
+
+/* Hashing from a mapping (bus_guard.c): install the SIGBUS handler
+ * (again, where something replaced it): 0 or -errno. Between arm and
+ * disarm, a SIGBUS of this thread in [lo, lo+len) siglongjmps to *jb
+ * (sigsetjmp'd with its signal mask saved); any other goes on to the
+ * handler that was there before, or the default action. */
+int ckpt__bus_guard_init(void);
+void ckpt__bus_guard_arm(sigjmp_buf *jb, const void *lo, size_t len);
+void ckpt__bus_guard_disarm(void);
+/* For tests: hash through preads only, never a mapping, when set. */
+extern _Atomic bool ckpt__hash_reads_only;
 
 /* For tests: ckpt_open_beneath walks (as without openat2) when on. */
 void ckpt__open_beneath_force_walk(bool on);

@@ -4,6 +4,7 @@
  */
 #include <xxhash.h>
 
+#include "store_int.h"
 #include "checksum_loop.h"
 #include "store.h"
 
@@ -23,7 +24,7 @@ int ckpt__hash_fd(XXH3_state_t *st, int fd, uint64_t off, uint64_t len,
       XXH_versionNumber() == XXH_VERSION_NUMBER)
     return ckpt__hash_fd_avx2(st, fd, off, len, buf, cap);
 #endif
-  return update_loop(st, fd, off, len, buf, cap, NULL);
+  return update_from(st, fd, off, len, buf, cap);
 }
 
 int ckpt__stored_checksum_stop(int fd, uint64_t off, uint64_t len,

@@ -11,6 +11,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "store_int.h"
 #include "checksum_loop.h"
 
 int ckpt__stored_checksum_avx2(int fd, uint64_t off, uint64_t len,
@@ -26,7 +27,7 @@ int ckpt__hash_fd_avx2(void *state, int fd, uint64_t off, uint64_t len,
                        void *buf, size_t cap);
 int ckpt__hash_fd_avx2(void *state, int fd, uint64_t off, uint64_t len,
                        void *buf, size_t cap) {
-  return update_loop(state, fd, off, len, buf, cap, NULL);
+  return update_from(state, fd, off, len, buf, cap);
 }
 #else
 typedef int ckpt_no_avx2_t; /* not an empty translation unit */

@@ -280,6 +280,7 @@ typedef struct {
   _Atomic uint64_t bytes_staged;    /* written into staged files */
   _Atomic uint64_t bytes_committed; /* written by this rank's saves */
   _Atomic uint64_t bytes_read;      /* served from committed checkpoints */
+  _Atomic uint64_t bytes_drained;   /* closed staged files the drain hashed */
   _Atomic uint64_t requests[CKPT_OPS]; /* FUSE requests served, by opcode */
 } ckpt_metrics_t;
 

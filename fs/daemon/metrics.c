@@ -214,6 +214,10 @@ static void write_all(ckpt_fs_t *fs, out_t *o) {
   counter(o, "ckptfs_bytes_read_total",
           "Bytes the daemon served from committed checkpoints.",
           &m->bytes_read);
+  counter(o, "ckptfs_drain_hashed_bytes_total",
+          "Bytes of closed staged files hashed where they are before "
+          "their commit (the commit hashes what is left).",
+          &m->bytes_drained);
   head(o, "ckptfs_verify_failures_total", "counter",
        "Chunks and blobs that verify=1 found damaged.");
   sample(o, "ckptfs_verify_failures_total", NULL,

@@ -76,6 +76,8 @@ int ckpt__op_pt_open(fuse_req_t req, ckpt_node_t *n, handle_t *h,
     fi->backing_id = sf->pt_id;
     fi->direct_io = 0;
     fi->keep_cache = 0;
+    fi->noflush = 1; /* its writes are the kernel's: close has nothing to
+                        tell the daemon (ckpt__op_flush) */
     h->pt = true;
     h->pt_writer = writing;
   }
@@ -197,6 +199,7 @@ static void pt_open_committed(fuse_req_t req, ckpt_node_t *n, handle_t *h,
   fi->backing_id = p->id;
   fi->direct_io = 0;
   fi->keep_cache = 0;
+  fi->noflush = 1;
 #else
   (void)req, (void)n, (void)h, (void)fi;
 #endif
@@ -396,13 +399,18 @@ void ckpt__op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
   ckpt__op_track_handle(fs, h); /* the node reference moves into the handle */
   pthread_mutex_unlock(&fs->lock);
   fi->fh = (uintptr_t)h;
+  if (!h->writer)
+    fi->noflush = 1; /* nothing to do at its close (ckpt__op_flush) */
   if (fuse_reply_open(req, fi))
     ckpt__op_drop_handle(req, h); /* the opener is gone: no release will come */
 }
 
 /* close(2) of a staged file written through this handle: the file ends
  * its write-behind stream, so that the next file can use it. (RELEASE may
- * come later than the trainer's next create; FLUSH comes within close.) */
+ * come later than the trainer's next create; FLUSH comes within close.)
+ * Only such handles get a FLUSH: every other open says noflush (a read,
+ * or a passthrough write the daemon never sees), which spares close(2) a
+ * request. */
 void ckpt__op_flush(fuse_req_t req, fuse_ino_t ino,
                      struct fuse_file_info *fi) {
   ckpt__metrics_request(req, CKPT_OP_flush);

@@ -239,6 +239,7 @@ static bool drain_one(ckpt_drain_t *d, ckpt_node_t *n, uint8_t *buf,
     h = NULL;
     sf->hashed = size;
     sf->hash_broken = false;
+    atomic_fetch_add(&fs->metrics.bytes_drained, size);
   }
   sf->pt_hashing = false;
   pthread_cond_broadcast(&sf->pt_hashed);

@@ -70,6 +70,7 @@ print(reads, len(contents))
 FAMILIES = ["ckptfs_commits", "ckptfs_commit_failures", "ckptfs_commit_duration_seconds",
             "ckptfs_fuse_requests",
             "ckptfs_bytes_staged", "ckptfs_bytes_committed", "ckptfs_bytes_read",
+            "ckptfs_drain_hashed_bytes",
             "ckptfs_verify_failures", "ckptfs_verify_bytes", "ckptfs_staged_checkpoints", "ckptfs_staged_bytes",
             "ckptfs_resident_memory_bytes", "ckptfs_open_fds"]
 
