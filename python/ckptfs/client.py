@@ -337,7 +337,6 @@ def stage_leaves(leaves, dirs, name, objects, manifest, stager):
         rel = "/".join(str(k) for k in keys)
         entry = {"keys": [["i" if isinstance(k, int) else "s", k] for k in keys]}
         try:
-            dirs.make(os.path.dirname(rel))
             if is_tensor(v):
                 shard = v if isinstance(v, Shard) else None
                 dtype, shape, buf, kind = tensor_info(shard.tensor if shard else v)

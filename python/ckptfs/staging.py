@@ -35,10 +35,14 @@ class StagingDirs:
     path relative to it, so that a file is created relative to its
     directory: the kernel caches no staged entry, so a full path costs
     one FUSE LOOKUP per component, a name under a held directory one.
-    make() runs on the caller's thread and holds the directory for one
-    write_file() (on any thread), which lets it go. At most HELD
-    directories stay open (the least recently made ones that no file
-    holds are closed: a model has thousands). close() at the end."""
+    write_file() makes its file's directory (mkdir -p) on the thread it
+    runs on, so that a model's hundreds of directories are made by the
+    staging threads side by side, not one after another by the thread that
+    plans the writes (at 2 ranks on 2 CPUs that chain of MKDIRs took 14%
+    of a GPT save). A directory is made once: a thread that needs one
+    another thread is making waits for it. At most HELD directories stay
+    open (the least recently used ones that no thread is using are
+    closed: a model has thousands). close() at the end."""
 
     _FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
     HELD = 64
@@ -46,50 +50,74 @@ class StagingDirs:
     def __init__(self, ckdir):
         self.ckdir = ckdir
         self.lock = threading.Lock()
-        self.fds = {"": os.open(ckdir, self._FLAGS)}  # oldest first
-        self.holds = {}  # rel_dir: files made for and not written yet
+        self.fds = {"": os.open(ckdir, self._FLAGS)}  # least recently used first
+        self.holds = {}   # rel_dir: threads using its descriptor now
+        self.making = {}  # rel_dir: Event set once the thread making it is done
         self.meta = True  # the mount takes user.ckpt.meta (until it says ENOTSUP)
 
     def make(self, rel_dir):
-        """mkdir -p of rel_dir (relative to the checkpoint), held for one
-        write_file."""
-        self._open(rel_dir)
-        with self.lock:
-            self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
+        """mkdir -p of rel_dir (relative to the checkpoint), now."""
+        self._acquire(rel_dir)
+        self._release(rel_dir)
 
-    def _open(self, rel_dir):
-        with self.lock:
-            fd = self.fds.pop(rel_dir, None)
-            if fd is not None:
-                self.fds[rel_dir] = fd  # the most recent now
-                return fd
-        parent, base = os.path.split(rel_dir)
-        pfd = self._open(parent)
+    def _acquire(self, rel_dir):
+        """rel_dir's descriptor (the directory made if missing), held until
+        _release(rel_dir)."""
+        while True:
+            with self.lock:
+                fd = self.fds.pop(rel_dir, None)
+                if fd is not None:
+                    self.fds[rel_dir] = fd  # the most recent now
+                    self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
+                    return fd
+                if not rel_dir:
+                    raise ValueError(f"StagingDirs of {self.ckdir} used after close()")
+                made = self.making.get(rel_dir)
+                if made is None:
+                    made = self.making[rel_dir] = threading.Event()
+                    break
+            made.wait()  # then take it (or, if making it failed, try it here)
         try:
-            os.mkdir(base, dir_fd=pfd)
-        except FileExistsError:
-            pass
-        fd = os.open(base, self._FLAGS, dir_fd=pfd)
+            parent, base = os.path.split(rel_dir)
+            pfd = self._acquire(parent)
+            try:
+                try:
+                    os.mkdir(base, dir_fd=pfd)
+                except FileExistsError:
+                    pass
+                fd = os.open(base, self._FLAGS, dir_fd=pfd)
+            finally:
+                self._release(parent)
+            with self.lock:
+                self.fds[rel_dir] = fd
+                self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
+            return fd
+        finally:
+            with self.lock:
+                del self.making[rel_dir]
+            made.set()
+
+    def _release(self, rel_dir):
         with self.lock:
-            self.fds[rel_dir] = fd
-            idle = [d for d in self.fds if d and d != rel_dir and not self.holds.get(d)]
+            self.holds[rel_dir] -= 1
+            if not self.holds[rel_dir]:
+                del self.holds[rel_dir]
+            idle = [d for d in self.fds if d and d not in self.holds]
             for d in idle[:max(0, len(self.fds) - self.HELD)]:
                 os.close(self.fds.pop(d))
-        return fd
 
     def write_file(self, rel, buf, xattrs=(), flags=os.O_TRUNC):
-        """Create rel (its directory made by make()), set xattrs on the
-        open file, write buf, close: LOOKUP, CREATE, one SETXATTR, WRITEs,
-        FLUSH (then RELEASE, which close does not wait for)."""
+        """Create rel (its directory made if missing), set xattrs on the
+        open file, write buf, close: LOOKUP, CREATE, one SETXATTR, WRITEs
+        (then RELEASE, which close does not wait for; a mount that passes
+        the writes through asks no FLUSH)."""
         d, base = os.path.split(rel)
+        dfd = self._acquire(d)
         try:
-            with self.lock:
-                dfd = self.fds[d]
             fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644,
                          dir_fd=dfd)
         finally:
-            with self.lock:
-                self.holds[d] -= 1
+            self._release(d)
         try:
             self._set_xattrs(fd, xattrs)
             mv = memoryview(buf)

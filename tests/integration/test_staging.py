@@ -7,9 +7,11 @@ import errno
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
+from ckpttest.pyenv import PACKAGE
 from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, rss_kib,
                            set_tensor_xattrs, state, tensor_bytes, write_file, write_tensor)
 
@@ -490,6 +492,66 @@ class StagingMemory(CkptfsTestCase):
         write_file(self.ck("b", "x"), b"\2" * (2 * MiB))
         commit(self.ck("b"))
         self.assertEqual(read_all(self.ck("b", "x")), b"\2" * (2 * MiB))
+
+
+class StagingDirsThreads(CkptfsTestCase):
+    """The package's StagingDirs on a mount: the staging threads make the
+    directories their files need (mkdir -p), each directory once, while
+    other threads wait for it, and never leave a descriptor behind."""
+
+    def setUp(self):
+        super().setUp()
+        self.mount()
+        sys.path.insert(0, PACKAGE)
+        from ckptfs import staging
+        self.staging = staging
+
+    def open_fds(self):
+        return len(os.listdir("/proc/self/fd"))
+
+    def test_threads_make_shared_directories_once(self):
+        os.mkdir(self.ck("t"))
+        before = self.open_fds()
+        files = {}
+        for i in range(300):  # 3 levels, 40 leaf directories, ~7 files each
+            files[f"a{i % 2}/b{i % 8}/c{i % 40}/f{i}"] = os.urandom(1000 + i)
+        stager = self.staging.Stager(8)
+        with self.staging.StagingDirs(self.ck("t")) as dirs:
+            dirs.HELD = 4  # descriptors closed while other threads use theirs
+            for rel, data in files.items():
+                stager.submit(dirs.write_file, rel, data, (), os.O_EXCL)
+            stager.done()
+            self.assertEqual(dirs.holds, {}, "a directory still held")
+            self.assertEqual(dirs.making, {}, "a directory still being made")
+            self.assertLessEqual(len(dirs.fds), dirs.HELD)
+        self.assertEqual(self.open_fds(), before, "descriptors left open")
+        self.assertEqual(len([n for _, _, ns in os.walk(self.ck("t")) for n in ns]), 300)
+        commit(self.ck("t"))
+        for rel, data in files.items():
+            self.assertEqual(read_all(self.ck("t", *rel.split("/"))), data)
+
+    def test_a_directory_that_cannot_be_made_fails_every_file_in_it(self):
+        os.mkdir(self.ck("u"))
+        write_file(self.ck("u", "x"), b"a file where a directory should be")
+        before = self.open_fds()
+        stager = self.staging.Stager(4)
+        with self.staging.StagingDirs(self.ck("u")) as dirs:
+            # the first failure is raised by a later submit or by done();
+            # neither hangs, and nothing is staged under x
+            with self.assertRaises(NotADirectoryError):
+                try:
+                    for i in range(12):
+                        stager.submit(dirs.write_file, f"x/d{i % 3}/f{i}", b"data", (),
+                                      os.O_EXCL)
+                except BaseException:
+                    stager.abandon()  # as the package's callers do
+                    raise
+                stager.done()
+            self.assertEqual((dirs.holds, dirs.making), ({}, {}))
+        with self.assertRaises(ValueError):  # closed: refused, not a hang
+            dirs.write_file("y", b"data")
+        self.assertEqual(self.open_fds(), before, "descriptors left open")
+        self.assertEqual(read_all(self.ck("u", "x")), b"a file where a directory should be")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ def read_file(path):
 
 def write_tensor_file(dirs, rel, t, fqn, global_shape, offsets, explicit_fqn):
     """Stage contiguous CPU tensor t (a chunk at offsets of a tensor of
-    global_shape) at rel (its directory made: dirs.make) of the
-    checkpoint."""
+    global_shape) at rel of the checkpoint (its directory made if
+    missing)."""
     xattrs = [("user.ckpt.dtype", dtype_name(t.dtype, fqn).encode()),
               ("user.ckpt.shape", dims_csv(global_shape))]
     if any(offsets) or tuple(t.shape) != tuple(global_shape):

@@ -192,7 +192,6 @@ def import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes):
                     data = f.read(info.length)
                 if len(data) != info.length:
                     raise CkptfsError(f"{fqn}: {info.relative_path} is truncated")
-                dirs.make(os.path.dirname(paths[fqn]))
                 write_bytes_file(dirs, paths[fqn], data, fqn, path_fqn(paths[fqn]) != fqn)
         batch, size = {}, 0
         tensors = [(f, m) for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)]
@@ -206,7 +205,6 @@ def import_into(mnt, name, dcp_dir, dirfd, md, batch_bytes):
                          no_dist=True)
                 for f, bt in batch.items():
                     m_ = sdm[f]
-                    dirs.make(os.path.dirname(paths[f]))
                     write_tensor_file(dirs, paths[f], bt, f, tuple(m_.size),
                                        (0,) * len(m_.size), path_fqn(paths[f]) != f)
                 batch, size = {}, 0

@@ -278,7 +278,6 @@ class Writer(StorageWriter):
                     raise CkptfsError(f"{fqn}: {len(group)} bytes items under one FQN")
                 data = planner.resolve_data(group[0])
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
-                dirs.make(os.path.dirname(base))
                 sizes[group[0].index] = len(memoryview(buf).cast("B"))
                 stager.submit(write_bytes_file, dirs, base, buf, fqn, explicit)
                 continue
@@ -299,7 +298,6 @@ class Writer(StorageWriter):
                     raise CkptfsError(f"{fqn}: the planner gave a chunk of shape "
                                       f"{tuple(t.shape)}, its plan says "
                                       f"{tuple(td.chunk.sizes)}")
-                dirs.make(os.path.dirname(rel))
                 sizes[it.index] = t.numel() * t.element_size()
                 stager.submit(write_tensor_file, dirs, rel, t, fqn, td.size,
                               offsets, explicit)
