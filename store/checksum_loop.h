@@ -51,9 +51,12 @@ static int update_loop(XXH3_state_t *st, int fd, uint64_t off, uint64_t len,
  * copy took 3x the hash's own time, and the mapping took the drain from
  * 54% to 50% of the daemon's CPU. Not MAP_POPULATE: it marks each page
  * accessed, which the hash's own touches should not do (checkpoint data
- * is not promoted on the LRU by being checked). 0; -ENODATA when the file ends first (the fault past its
- * end is caught: bus_guard.c); 1 when fd cannot be mapped from *done on
- * (bytes [off, off+*done) are in st: read the rest instead). */
+ * is not promoted on the LRU by being checked). 0; -ENODATA when the file
+ * ends first or shrank meanwhile (a fault past its new end is caught:
+ * bus_guard.c; an end inside a page reads zeros, so the size is checked
+ * again after the hash); -EIO for a fault with the file still long enough
+ * (an I/O error); 1 when fd cannot be mapped from *done on (bytes
+ * [off, off+*done) are in st: read the rest instead). */
 static int update_mapped(XXH3_state_t *st, int fd, uint64_t off,
                          uint64_t len, uint64_t *done) {
   *done = 0;
@@ -62,8 +65,8 @@ static int update_mapped(XXH3_state_t *st, int fd, uint64_t off,
   /* A range past the end: read, which ends in -ENODATA (a mapping would
    * read the last page's zeros). */
   struct stat fst;
-  if (atomic_load(&ckpt__hash_reads_only) || fstat(fd, &fst) != 0 ||
-      off + len > (uint64_t)fst.st_size || ckpt__bus_guard_init() != 0)
+  if (atomic_load(&ckpt__hash_reads_only) || !ckpt__bus_guard_ready() ||
+      fstat(fd, &fst) != 0 || off + len > (uint64_t)fst.st_size)
     return 1;
   uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
   while (*done < len) {
@@ -77,10 +80,14 @@ static int update_mapped(XXH3_state_t *st, int fd, uint64_t off,
     /* VM_SEQ_READ: the unmap then does not mark each page accessed (an
      * LRU move under a lock per page: 6% of the daemon's CPU) */
     (void)madvise((void *)m, mlen, MADV_SEQUENTIAL);
+    if (ckpt__hash_mapped_hook)
+      ckpt__hash_mapped_hook(fd, pos);
     sigjmp_buf jb;
-    if (sigsetjmp(jb, 1)) { /* a page past the file's end: it shrank */
+    if (sigsetjmp(jb, 1)) { /* a fault: past the file's end, or an error */
       munmap((void *)m, mlen);
-      return -ENODATA;
+      return fstat(fd, &fst) == 0 && (uint64_t)fst.st_size >= pos + want
+                 ? -EIO
+                 : -ENODATA;
     }
     ckpt__bus_guard_arm(&jb, m, mlen);
     XXH_errorcode e = XXH3_64bits_update(st, m + skip, want);
@@ -89,8 +96,12 @@ static int update_mapped(XXH3_state_t *st, int fd, uint64_t off,
     if (e != XXH_OK)
       return -EIO;
     *done += want;
+    atomic_fetch_add(&ckpt__hash_mapped_bytes, want);
   }
-  return 0;
+  /* shrunk to inside a page meanwhile: its bytes past the end read as 0 */
+  if (fstat(fd, &fst) != 0)
+    return -errno;
+  return (uint64_t)fst.st_size < off + len ? -ENODATA : 0;
 }
 
 /* update_mapped, else (a file that cannot be mapped) update_loop. */

@@ -78,11 +78,18 @@ int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* XXH3-64 of bytes [off, off+len) of fd: 0, -ENODATA when the file ends
  * first, or -errno of the read (verify.c). */
 int ckpt__stored_checksum(int fd, uint64_t off, uint64_t len, uint64_t *out);
-/* Add bytes [off, off+len) of fd to XXH3 state st (libxxhash's), read
- * through buf (cap bytes) in steps, with XXH3 built for AVX2 where the
- * CPU has it (1.3x faster than libxxhash's SSE2 build here): 0, -ENODATA
- * when the file ends first, or -errno of the read. */
+/* Add bytes [off, off+len) of fd to XXH3 state st (libxxhash's), with
+ * XXH3 built for AVX2 where the CPU has it (1.3x faster than libxxhash's
+ * SSE2 build here): from mappings of the file where
+ * ckpt_store_hash_mapped_init was called, else read through buf (cap
+ * bytes) in steps. 0, -ENODATA when the file ends first (also when it
+ * shrank during the hash), -EIO for an I/O error on a mapped page, or
+ * -errno of the read. */
 struct XXH3_state_s;
+/* Let ckpt__hash_fd hash from mappings: installs a SIGBUS handler
+ * (bus_guard.c) for a file that shrinks under the mapping, chained to
+ * the one before it. Once, before any thread hashes. 0 or -errno. */
+int ckpt_store_hash_mapped_init(void);
 int ckpt__hash_fd(struct XXH3_state_s *st, int fd, uint64_t off,
                   uint64_t len, void *buf, size_t cap);
 /* Chunks known to match their data file (known.c): remember bytes

@@ -35,16 +35,21 @@ unsigned long ckpt__save_id_reads(void);
  * (identity.c); ckpt_stored_rebind also lets go of its idle descriptors. */
 void ckpt__stored_set_identity(ckpt_stored_t *s, const ckpt_version_t *v);
 
-/* Hashing from a mapping (bus_guard.c): install the SIGBUS handler
- * (again, where something replaced it): 0 or -errno. Between arm and
- * disarm, a SIGBUS of this thread in [lo, lo+len) siglongjmps to *jb
- * (sigsetjmp'd with its signal mask saved); any other goes on to the
- * handler that was there before, or the default action. */
-int ckpt__bus_guard_init(void);
+/* Hashing from a mapping (bus_guard.c): is the SIGBUS handler that
+ * ckpt_store_hash_mapped_init installed still SIGBUS's? Between arm and
+ * disarm, a fault (SIGBUS raised by the kernel) of this thread in
+ * [lo, lo+len) siglongjmps to *jb (sigsetjmp'd with its signal mask
+ * saved); any other SIGBUS goes on to the handler that was there before,
+ * or the default action. */
+bool ckpt__bus_guard_ready(void);
 void ckpt__bus_guard_arm(sigjmp_buf *jb, const void *lo, size_t len);
 void ckpt__bus_guard_disarm(void);
-/* For tests: hash through preads only, never a mapping, when set. */
+/* For tests: hash through preads only, never a mapping, when set; a hook
+ * called with each window's file offset once it is mapped, before it is
+ * hashed (to change the file there); bytes hashed from mappings. */
 extern _Atomic bool ckpt__hash_reads_only;
+extern void (*ckpt__hash_mapped_hook)(int fd, uint64_t pos);
+extern _Atomic uint64_t ckpt__hash_mapped_bytes;
 
 /* For tests: ckpt_open_beneath walks (as without openat2) when on. */
 void ckpt__open_beneath_force_walk(bool on);

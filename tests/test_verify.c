@@ -137,15 +137,20 @@ static void hash_fd_mapped_and_read_agree(void **state) {
   int fd = temp_file(n, &d);
   const uint64_t cases[][2] = {{0, n}, {1, n - 1}, {4095, (4u << 20) + 2},
                                {(4u << 20) - 7, (5u << 20) + 11}, {n - 1, 1}};
+  assert_int_equal(ckpt_store_hash_mapped_init(), 0);
   for (int reads = 0; reads < 2; reads++) {
     atomic_store(&ckpt__hash_reads_only, reads == 1);
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+      uint64_t mapped = atomic_load(&ckpt__hash_mapped_bytes);
       XXH3_state_t *st = XXH3_createState();
       XXH3_64bits_reset(st);
       assert_int_equal(
           ckpt__hash_fd(st, fd, cases[i][0], cases[i][1], buf, sizeof(buf)), 0);
       assert_true(XXH3_64bits_digest(st) ==
                   XXH3_64bits(d + cases[i][0], cases[i][1]));
+      /* the mapping is what hashed it (or, told to read, it is not) */
+      assert_int_equal(atomic_load(&ckpt__hash_mapped_bytes) - mapped,
+                       reads ? 0 : cases[i][1]);
       XXH3_freeState(st);
     }
   }
@@ -165,7 +170,8 @@ static void a_fault_in_a_guarded_range_jumps_back(void **state) {
   const volatile uint8_t *m =
       mmap(NULL, (size_t)page * 4, PROT_READ, MAP_SHARED, fd, 0);
   assert_true(m != MAP_FAILED);
-  assert_int_equal(ckpt__bus_guard_init(), 0);
+  assert_int_equal(ckpt_store_hash_mapped_init(), 0);
+  assert_true(ckpt__bus_guard_ready());
   sigjmp_buf jb;
   volatile int jumped = 0;
   if (sigsetjmp(jb, 1) == 0) {
@@ -203,7 +209,7 @@ static void a_fault_outside_the_guard_still_kills(void **state) {
   assert_true(pid >= 0);
   if (pid == 0) {
     signal(SIGBUS, SIG_DFL); /* not cmocka's */
-    if (ckpt__bus_guard_init() != 0)
+    if (ckpt_store_hash_mapped_init() != 0)
       _exit(3);
     const volatile uint8_t *m =
         mmap(NULL, (size_t)page * 4, PROT_READ, MAP_SHARED, fd, 0);
@@ -221,6 +227,85 @@ static void a_fault_outside_the_guard_still_kills(void **state) {
   assert_int_equal(waitpid(pid, &ws, 0), pid);
   assert_true(WIFSIGNALED(ws));
   assert_int_equal(WTERMSIG(ws), SIGBUS);
+  free(d);
+  close(fd);
+}
+
+/* The file shrinks while it is hashed from its mapping (the hook runs
+ * once a window is mapped): to a page boundary inside the window (the
+ * load past the end faults: caught), or to inside the last page (the
+ * bytes past the end read as zeros: the size checked after). Both
+ * -ENODATA, as a read meeting the end; the file is still usable. */
+static uint64_t shrink_at, shrink_to;
+static void shrink_hook(int fd, uint64_t pos) {
+  if (pos == shrink_at)
+    assert_int_equal(ftruncate(fd, (off_t)shrink_to), 0);
+}
+
+static void a_file_shrinking_under_the_hash_is_nodata(void **state) {
+  (void)state;
+  size_t n = (9u << 20) + 4321;
+  uint8_t *d, buf[4096];
+  assert_int_equal(ckpt_store_hash_mapped_init(), 0);
+  const uint64_t shrinks[][2] = {{4u << 20, (4u << 20) + 8192},  /* a fault */
+                                 {8u << 20, (uint64_t)n - 100}}; /* zeros */
+  for (size_t i = 0; i < 2; i++) {
+    int fd = temp_file(n, &d);
+    shrink_at = shrinks[i][0];
+    shrink_to = shrinks[i][1];
+    ckpt__hash_mapped_hook = shrink_hook;
+    XXH3_state_t *st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    assert_int_equal(ckpt__hash_fd(st, fd, 0, n, buf, sizeof(buf)), -ENODATA);
+    ckpt__hash_mapped_hook = NULL;
+    XXH3_64bits_reset(st); /* what is left hashes as it should */
+    assert_int_equal(ckpt__hash_fd(st, fd, 0, shrink_to, buf, sizeof(buf)), 0);
+    assert_true(XXH3_64bits_digest(st) == XXH3_64bits(d, shrink_to));
+    XXH3_freeState(st);
+    free(d);
+    close(fd);
+  }
+}
+
+/* A SIGBUS the guard does not take goes to the handler that was there
+ * before it: a handler of the process's own (with or without SA_SIGINFO),
+ * or the default action when that was SIG_DFL, whatever its flags. */
+static void on_bus_exit7(int sig) {
+  (void)sig;
+  _exit(7);
+}
+
+static void other_faults_go_to_the_handler_before(void **state) {
+  (void)state;
+  uint8_t *d;
+  long page = sysconf(_SC_PAGESIZE);
+  int fd = temp_file((size_t)page, &d);
+  for (int how = 0; how < 2; how++) {
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+      struct sigaction sa = {.sa_flags = how ? SA_SIGINFO : 0};
+      sa.sa_handler = how ? SIG_DFL : on_bus_exit7;
+      sigemptyset(&sa.sa_mask);
+      if (sigaction(SIGBUS, &sa, NULL) != 0 || ckpt_store_hash_mapped_init() != 0)
+        _exit(3);
+      const volatile uint8_t *m =
+          mmap(NULL, (size_t)page * 4, PROT_READ, MAP_SHARED, fd, 0);
+      if (m == MAP_FAILED)
+        _exit(4);
+      (void)m[page * 2]; /* past the end, no guard */
+      _exit(5);
+    }
+    int ws;
+    assert_int_equal(waitpid(pid, &ws, 0), pid);
+    if (how == 0) {
+      assert_true(WIFEXITED(ws));
+      assert_int_equal(WEXITSTATUS(ws), 7);
+    } else {
+      assert_true(WIFSIGNALED(ws));
+      assert_int_equal(WTERMSIG(ws), SIGBUS);
+    }
+  }
   free(d);
   close(fd);
 }
@@ -391,6 +476,8 @@ int main(void) {
       cmocka_unit_test(hash_fd_mapped_and_read_agree),
       cmocka_unit_test(a_fault_in_a_guarded_range_jumps_back),
       cmocka_unit_test(a_fault_outside_the_guard_still_kills),
+      cmocka_unit_test(a_file_shrinking_under_the_hash_is_nodata),
+      cmocka_unit_test(other_faults_go_to_the_handler_before),
       cmocka_unit_test(known_chunks_follow_the_file),
       cmocka_unit_test(known_chunks_shared_through_a_private_dir),
       cmocka_unit_test(shared_records_that_cannot_be_trusted),

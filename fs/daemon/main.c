@@ -836,6 +836,12 @@ int main(int argc, char **argv) {
     return status;
   }
   status = join_world(&d);
+  /* After MPI's own handlers (Open MPI's for SIGBUS prints a stack):
+   * ours jumps out of a hash's mapping and leaves the rest to them. */
+  int hrc = status == 0 ? ckpt_store_hash_mapped_init() : 0;
+  if (hrc < 0)
+    ckpt__log("hashing staged files through reads (no SIGBUS handler: %s)",
+              strerror(-hrc));
   if (status == 0)
     status = new_session(&d);
   if (status == 0)

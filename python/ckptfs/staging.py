@@ -53,6 +53,7 @@ class StagingDirs:
         self.fds = {"": os.open(ckdir, self._FLAGS)}  # least recently used first
         self.holds = {}   # rel_dir: threads using its descriptor now
         self.making = {}  # rel_dir: Event set once the thread making it is done
+        self.closed = False
         self.meta = True  # the mount takes user.ckpt.meta (until it says ENOTSUP)
 
     def make(self, rel_dir):
@@ -70,7 +71,7 @@ class StagingDirs:
                     self.fds[rel_dir] = fd  # the most recent now
                     self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
                     return fd
-                if not rel_dir:
+                if not rel_dir or self.closed:
                     raise ValueError(f"StagingDirs of {self.ckdir} used after close()")
                 made = self.making.get(rel_dir)
                 if made is None:
@@ -79,6 +80,8 @@ class StagingDirs:
             made.wait()  # then take it (or, if making it failed, try it here)
         try:
             parent, base = os.path.split(rel_dir)
+            if not base:  # "/": an absolute path's top
+                raise ValueError(f"{rel_dir!r}: not a relative path of directories")
             pfd = self._acquire(parent)
             try:
                 try:
@@ -89,6 +92,9 @@ class StagingDirs:
             finally:
                 self._release(parent)
             with self.lock:
+                if self.closed:  # close() came meanwhile: nothing is kept
+                    os.close(fd)
+                    raise ValueError(f"StagingDirs of {self.ckdir} used after close()")
                 self.fds[rel_dir] = fd
                 self.holds[rel_dir] = self.holds.get(rel_dir, 0) + 1
             return fd
@@ -148,6 +154,7 @@ class StagingDirs:
 
     def close(self):
         with self.lock:
+            self.closed = True
             for fd in self.fds.values():
                 os.close(fd)
             self.fds = {}

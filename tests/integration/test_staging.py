@@ -550,6 +550,11 @@ class StagingDirsThreads(CkptfsTestCase):
             self.assertEqual((dirs.holds, dirs.making), ({}, {}))
         with self.assertRaises(ValueError):  # closed: refused, not a hang
             dirs.write_file("y", b"data")
+        with self.staging.StagingDirs(self.ck("u")) as dirs:
+            for bad in ("/abs/f", "/f"):  # absolute: refused, not a hang
+                with self.assertRaises(ValueError):
+                    dirs.write_file(bad, b"data")
+            self.assertEqual((dirs.holds, dirs.making), ({}, {}))
         self.assertEqual(self.open_fds(), before, "descriptors left open")
         self.assertEqual(read_all(self.ck("u", "x")), b"a file where a directory should be")
 
