@@ -54,16 +54,25 @@ class PytorchDcp(CkptfsTestCase):
         self.assertEqual(r.returncode, 0, f"ckpt-mount -n {n}:\n{r.stdout}\n{r.stderr}")
         log_copy = os.path.join(self.dir, f"world{n}.log")
         self.extra_logs.append(log_copy)
+        hung = None
         try:
             job = self.run_cmd(MPIRUN + ["-np", str(n), "-x", "OMP_NUM_THREADS", "-x",
                                          "MASTER_PORT", "-x", "PYTHONWARNINGS", self.py,
                                          EXAMPLE, "--mount", os.path.join(root, "rank%r")]
                                + args)
+        except subprocess.TimeoutExpired as e:
+            hung = e  # said below, with what the job and the mounts printed
         finally:
             log = read_log(os.path.join(root, ".ckpt-mount.log"), limit=1 << 24)
             with open(log_copy, "w") as f:
                 f.write(log)
             u = self.run_cmd([CKPT_UMOUNT, root], timeout=240)
+        if hung is not None:
+            def text(x):
+                return (x.decode(errors="replace") if isinstance(x, bytes) else x or "")
+            self.fail(f"the job at {n} ranks did not end in {hung.timeout} s\n"
+                      f"stdout:\n{text(hung.stdout)[-4000:]}\nstderr:\n"
+                      f"{text(hung.stderr)[-4000:]}\nmounts' log:\n{log[-8000:]}")
         self.assertEqual(u.returncode, 0, f"ckpt-umount:\n{u.stdout}\n{u.stderr}")
         for r_ in range(n):
             self.assertFalse(mountinfo_has(os.path.join(root, f"rank{r_}")))
