@@ -162,6 +162,21 @@ static void hash_fd_mapped_and_read_agree(void **state) {
 /* A file that shrinks while it is hashed from a mapping: the load past its
  * end raises SIGBUS, which the guard turns into a jump back (the hash
  * then says -ENODATA). Made deterministic here: a mapping past the end. */
+/* Load byte at of mapping m (len bytes) with the guard armed over all of
+ * it: 1 when the load faulted and the guard jumped back, 0 when it read. */
+static int guarded_load(const volatile uint8_t *m, size_t len, size_t at) {
+  sigjmp_buf jb;
+  volatile int jumped = 0;
+  if (sigsetjmp(jb, 1) == 0) {
+    ckpt__bus_guard_arm(&jb, (const void *)m, len);
+    (void)m[at];
+  } else {
+    jumped = 1;
+  }
+  ckpt__bus_guard_disarm();
+  return jumped;
+}
+
 static void a_fault_in_a_guarded_range_jumps_back(void **state) {
   (void)state;
   uint8_t *d;
@@ -172,27 +187,12 @@ static void a_fault_in_a_guarded_range_jumps_back(void **state) {
   assert_true(m != MAP_FAILED);
   assert_int_equal(ckpt_store_hash_mapped_init(), 0);
   assert_true(ckpt__bus_guard_ready());
-  sigjmp_buf jb;
-  volatile int jumped = 0;
-  if (sigsetjmp(jb, 1) == 0) {
-    ckpt__bus_guard_arm(&jb, (const void *)m, (size_t)page * 4);
-    assert_int_equal(m[0], d[0]); /* inside the file: read */
-    (void)m[page * 2];            /* past its end: SIGBUS */
-  } else {
-    jumped = 1;
-  }
-  ckpt__bus_guard_disarm();
-  assert_int_equal(jumped, 1);
+  size_t len = (size_t)page * 4;
+  assert_int_equal(guarded_load(m, len, 0), 0); /* inside the file: read */
+  assert_int_equal(m[0], d[0]);
+  assert_int_equal(guarded_load(m, len, (size_t)page * 2), 1); /* past its end */
   /* the signal is not left blocked: the guard works again */
-  jumped = 0;
-  if (sigsetjmp(jb, 1) == 0) {
-    ckpt__bus_guard_arm(&jb, (const void *)m, (size_t)page * 4);
-    (void)m[page * 3];
-  } else {
-    jumped = 1;
-  }
-  ckpt__bus_guard_disarm();
-  assert_int_equal(jumped, 1);
+  assert_int_equal(guarded_load(m, len, (size_t)page * 3), 1);
   munmap((void *)m, (size_t)page * 4);
   free(d);
   close(fd);
