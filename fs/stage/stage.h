@@ -227,11 +227,11 @@ int ckpt__sfile_pt_absorb(ckpt_sfile_t *sf);
  * all of it). -ESTALE when fd ends before end. */
 int ckpt__data_extent(int fd, uint64_t pos, uint64_t end, uint64_t *from,
                       uint64_t *to);
-/* XXH3 of [0, size) of fd added to h: its data extents read in steps
- * through buf (cap bytes; not mapped: the daemon's memory stays bounded,
- * and a file truncated meanwhile ends a read, not the daemon), its holes
- * hashed as zeros without reading them (drain.c). 0 or -errno (-ESTALE:
- * the file ended first). */
+/* XXH3 of [0, size) of fd added to h: its data extents hashed by
+ * ckpt__hash_fd (from mappings of a window at a time, or read through buf
+ * of cap bytes), its holes hashed as zeros without reading them; a file
+ * with as many blocks as bytes in one pass, without looking for holes
+ * (drain.c). 0 or -errno (-ESTALE: the file ended first). */
 int ckpt__hash_sparse(int fd, uint64_t size, struct XXH3_state_s *h,
                       uint8_t *buf, size_t cap);
 /* The largest staged file: 1 TiB. Its segment index (16 bytes per MiB)
