@@ -76,7 +76,7 @@ from .protocol import (MANIFEST_DIR, commit, commit_dir, discard_leftovers, disc
                        discard_uncommitted, latest, leftovers, make_working_dir, replaceable,
                        retention_words, status, unreplaceable, wait)
 from .snapshot import StagingBuffers, encode_object, give_back, snapshot
-from .staging import Stager, StagingDirs, dims_csv
+from .staging import Stager, StagingDirs, check_threads, dims_csv
 from .world import check_dir, check_save_world, mount_world
 # names ckptfs._client had before the package was split by concern, kept
 # there for code written against it
@@ -107,7 +107,7 @@ def check_save_args(state_dict, mount, mode_arg, mode, objects):
 
 
 def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
-         exist_ok=False, threads=4, overwrite=False, solo=False, step=None,
+         exist_ok=False, threads=None, overwrite=False, solo=False, step=None,
          metrics=None, protect=False):
     """Write state_dict into MOUNT/NAME and commit it.
 
@@ -128,7 +128,8 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
     anything is staged instead of replacing it for every reader;
     solo: this rank alone saves name, as a checkpoint of world size 1 (the
     other ranks do not call save); threads: files written at once (the
-    mount's io_threads streams take that many in parallel).
+    mount's io_threads streams take that many in parallel; default: 4, at
+    most this rank's share of the node's CPUs).
     step, metrics ({"loss": 0.25}) and protect: recorded at the commit for
     retention, as commit() does (step: the trainer's global step, which
     retention and latest() order by; without it the last run of digits in
@@ -258,7 +259,7 @@ def abort_unstaged(mount, name, exist_ok, overwrite=False, solo=False):
 
 
 def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
-               exist_ok=False, threads=4, buffers=None, overwrite=False, solo=False,
+               exist_ok=False, threads=None, buffers=None, overwrite=False, solo=False,
                step=None, metrics=None, protect=False):
     """Save in the background: the caller waits only while state_dict is
     copied (tensors into private CPU memory, other values encoded); the
@@ -276,8 +277,7 @@ def async_save(state_dict, mount, name, rank=0, commit="sync", objects="pickle",
     check_save_args(state_dict, mount, "commit", commit, objects)
     check_save_world(mount, rank, solo)
     retention_words(step, metrics, protect)  # bad values raise here, not in the future
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+    threads = check_threads(threads)
     if buffers is not None and not isinstance(buffers, StagingBuffers):
         raise TypeError(f"buffers must be a ckptfs.StagingBuffers, not "
                         f"{type(buffers).__name__}")

@@ -303,10 +303,10 @@ class CheckpointIO(_CheckpointIO):
     mount: None (a checkpoint path's directory is the mount), or this
     rank's mount, "%r" standing for the rank; rank: the rank %r stands for
     (default: the global rank of this process); threads: files written at
-    once per save.
+    once per save (default: ckptfs.staging.default_threads()).
     """
 
-    def __init__(self, mount=None, rank=None, threads=4):
+    def __init__(self, mount=None, rank=None, threads=None):
         super().__init__()
         self.mount, self.rank, self.threads = mount, rank, threads
         self._checked = None

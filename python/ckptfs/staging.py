@@ -166,6 +166,42 @@ class StagingDirs:
         self.close()
 
 
+def local_ranks():
+    """Ranks of this job on this node, from the launcher's environment
+    (torchrun, Open MPI, MPICH/Hydra); 1 where none says."""
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        try:
+            n = int(os.environ.get(var, ""))
+        except ValueError:
+            continue
+        if n >= 1:
+            return n
+    return 1
+
+
+def default_threads():
+    """Files staged at once when the caller does not say: 4, but no more
+    than this rank's share of the CPUs it may run on (the node's ranks
+    share them), at least 1. Staging threads past that only take turns on
+    the CPUs, and every FUSE request of each one costs the daemon a
+    wakeup: on 2 CPUs with 2 ranks, 4 threads a rank made a DCP save of
+    400 tensors ~9% slower than 1 (docs/benchmark.md)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus // local_ranks()))
+
+
+def check_threads(threads):
+    """threads as given (an int >= 1), or default_threads() for None."""
+    if threads is None:
+        return default_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads={threads!r}: threads must be an int >= 1, or None for the default")
+    return threads
+
+
 class Stager:
     """Runs staging writes on `threads` threads (write(2) releases the GIL,
     and the daemon serves each file on its own thread and stream: one
@@ -175,9 +211,8 @@ class Stager:
     all held at once. The first error is raised by done(), after every
     started write has ended."""
 
-    def __init__(self, threads):
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+    def __init__(self, threads=None):
+        threads = check_threads(threads)
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.room = threading.BoundedSemaphore(2 * threads)
         self.futures = []

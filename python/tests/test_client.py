@@ -1174,6 +1174,36 @@ class Stager(unittest.TestCase):
         self.assertIsNone(st.done())
         with self.assertRaises(ValueError):
             ckptfs.staging.Stager(0)
+        for bad in (0, -1, 2.0, "4", True):
+            with self.assertRaises(ValueError, msg=repr(bad)):
+                ckptfs.staging.check_threads(bad)
+
+    def test_default_threads_share_the_cpus(self):
+        """threads=None: 4, at most this rank's share of the CPUs it may
+        run on (the launcher's local rank count), at least 1."""
+        cpus = len(os.sched_getaffinity(0))
+        saved = {v: os.environ.pop(v, None) for v in
+                 ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")}
+        try:
+            cases = [({}, min(4, cpus)),
+                     ({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cpus)}, 1),
+                     ({"LOCAL_WORLD_SIZE": str(4 * cpus)}, 1),
+                     ({"MPI_LOCALNRANKS": "x", "OMPI_COMM_WORLD_LOCAL_SIZE": "0"}, min(4, cpus)),
+                     ({"LOCAL_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": str(cpus)},
+                      min(4, cpus))]
+            for env, want in cases:
+                os.environ.update(env)
+                try:
+                    self.assertEqual(ckptfs.staging.default_threads(), want, env)
+                    self.assertEqual(ckptfs.staging.check_threads(None), want, env)
+                finally:
+                    for v in env:
+                        del os.environ[v]
+            self.assertEqual(ckptfs.staging.check_threads(3), 3)
+        finally:
+            for v, x in saved.items():
+                if x is not None:
+                    os.environ[v] = x
 
 
 class Interpreter(unittest.TestCase):

@@ -19,7 +19,7 @@ from ..abort import abort_commit, abort_save, aborted_elsewhere
 from ..errors import CkptfsError, CommitError
 from ..protocol import (TOKEN_CHARS, commit_dir, discard_staged, discard_uncommitted,
                         make_working_dir, replaceable, status_of, unreplaceable)
-from ..staging import Stager, StagingDirs
+from ..staging import Stager, StagingDirs, check_threads
 from ..world import check_dir, refuse_mismatch
 from .files import cpu_contiguous, write_bytes_file, write_tensor_file
 from .paths import (checkpoint_name, default_rank, default_world_size, fqn_paths, path_fqn,
@@ -51,21 +51,21 @@ class Writer(StorageWriter):
     committed and durable on every rank) or "async" (it returns once this
     rank's data is frozen; ckptfs finishes the save in the background and
     NAME/.status follows it; wait with ckptfs.wait(mount, name)).
-    threads: files staged at once (4, the mount's default io_threads).
+    threads: files staged at once (default: 4, the mount's default
+    io_threads, but at most this rank's share of the node's CPUs;
+    ckptfs.staging.default_threads).
     overwrite: as stock DCP's FileSystemWriter (True by default): a save to
     the checkpoint_id of a committed checkpoint replaces it (staged under a
     working name, committed with replace=NAME: atomically, for every
     mount); False: such a save raises before anything is staged.
     """
 
-    def __init__(self, mount, *, commit="sync", replicas="check", threads=4,
+    def __init__(self, mount, *, commit="sync", replicas="check", threads=None,
                  overwrite=True, checkpoint_id=None):
         super().__init__()
         if commit not in ("sync", "async"):
             raise ValueError(f"commit={commit!r}: use 'sync' or 'async'")
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads={threads!r}: use an int >= 1")
-        self.threads = threads
+        self.threads = check_threads(threads)
         if replicas not in ("check", "dedup"):
             raise ValueError(f"replicas={replicas!r}: use 'check' or 'dedup'")
         self.mount_spec = os.fspath(mount)
