@@ -49,9 +49,13 @@ static double now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Sleep a little while polling; the pause grows to 2 ms. */
+/* Sleep a little while polling; the pause grows to 2 ms: 50 us for the
+ * first ~1 ms, 250 us up to ~20 ms (a commit's steps wait that long for
+ * the slowest rank: each wait ends at most 250 us late, not 2 ms), then
+ * 2 ms (a long wait, for a rank still staging, wakes 500 times a second,
+ * not 4000). */
 static void pause_poll(unsigned *spins) {
-  long ns = *spins < 20 ? 50000L : 2000000L;
+  long ns = *spins < 20 ? 50000L : *spins < 100 ? 250000L : 2000000L;
   (*spins)++;
   struct timespec ts = {0, ns};
   nanosleep(&ts, NULL);
