@@ -92,6 +92,91 @@ static int set_dir_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
   return rc;
 }
 
+/* The staged file at path rel (relative, no "." or ".." component)
+ * below staged directory dir, referenced, or NULL with *rc. fs->lock
+ * held. */
+static ckpt_node_t *staged_file_at(ckpt_fs_t *fs, ckpt_node_t *dir,
+                                   const char *rel, int *rc) {
+  CKPT_HELD(&fs->lock);
+  char name[NAME_MAX + 1];
+  ckpt_node_t *n = dir;
+  for (const char *p = rel;;) {
+    const char *slash = strchr(p, '/');
+    size_t len = slash ? (size_t)(slash - p) : strlen(p);
+    if (len == 0 || len > NAME_MAX || (len == 1 && p[0] == '.') ||
+        (len == 2 && p[0] == '.' && p[1] == '.')) {
+      *rc = -EINVAL;
+      return NULL;
+    }
+    if (n->kind != CKPT_NODE_SDIR && n->kind != CKPT_NODE_CKPT) {
+      *rc = -ENOTDIR;
+      return NULL;
+    }
+    memcpy(name, p, len);
+    name[len] = '\0';
+    if (!(n = ckpt__node_child(fs, n, name))) {
+      *rc = -ENOENT;
+      return NULL;
+    }
+    if (!slash)
+      break;
+    p = slash + 1;
+  }
+  if (n->kind != CKPT_NODE_SFILE || n->ck != dir->ck) {
+    *rc = n->kind == CKPT_NODE_SDIR ? -EISDIR : -EINVAL;
+    return NULL;
+  }
+  ckpt__node_ref(n);
+  return n;
+}
+
+/* user.ckpt.metas on staged directory dir: many files' user.ckpt.meta in
+ * one request (the Python writers send them once a checkpoint's files are
+ * written: one FUSE round trip per file fewer). The value is records of
+ * PATH NUL META NUL, PATH relative to dir, META as for user.ckpt.meta.
+ * Applied in order, as that many setxattrs would be: the first record that
+ * fails ends the batch with its error (logged, with its path), the ones
+ * before it stay set. */
+static int set_metas(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
+                     size_t size) {
+  if (size == 0 || value[size - 1] != '\0')
+    return -EINVAL; /* (the last record ends with its NUL) */
+  int rc = ckpt__op_staged_change_begin(fs, dir->ck);
+  if (rc)
+    return rc;
+  for (const char *p = value, *end = value + size; rc == 0 && p < end;) {
+    const char *meta = (const char *)memchr(p, '\0', (size_t)(end - p)) + 1;
+    const char *next =
+        meta < end ? memchr(meta, '\0', (size_t)(end - meta)) : NULL;
+    if (!next) {
+      ckpt__log("%s: user.ckpt.metas: a path without its meta at byte %zu",
+                dir->ck->name, (size_t)(p - value));
+      rc = -EINVAL;
+      break;
+    }
+    pthread_mutex_lock(&fs->lock);
+    ckpt_node_t *n = staged_file_at(fs, dir, p, &rc);
+    pthread_mutex_unlock(&fs->lock);
+    if (n) {
+      size_t len = (size_t)(next - meta);
+      rc = ckpt__sfile_setxattr(n->u.sf, CKPT_XATTR_META, meta, len, 0);
+      if (rc == -EINVAL)
+        log_refused_xattr(fs, n, CKPT_XATTR_META, meta, len);
+      pthread_mutex_lock(&fs->lock);
+      ckpt__node_unref(fs, n);
+      pthread_mutex_unlock(&fs->lock);
+    } else {
+      char shown[300];
+      ckpt__op_log_text(shown, sizeof(shown), p, strlen(p));
+      ckpt__log("%s: user.ckpt.metas: \"%s\": %s", dir->ck->name, shown,
+                strerror(-rc));
+    }
+    p = next + 1;
+  }
+  ckpt__op_staged_change_end(dir->ck);
+  return rc;
+}
+
 /* The reply to a getxattr or listxattr whose answer rc (its length, or
  * -errno) was put in buf of size bytes (size 0: only the length); frees
  * buf. */
@@ -244,6 +329,8 @@ void ckpt__op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     rc = set_protected(fs, n, value, size);
   } else if (committed_ckpt(fs, n)) {
     rc = -EROFS;
+  } else if (staged_dir(fs, n) && strcmp(name, CKPT_XATTR_METAS) == 0) {
+    rc = flags ? -EINVAL : set_metas(fs, n, value, size);
   } else if (staged_dir(fs, n)) {
     rc = set_dir_xattr(fs, n, name, value, size, flags);
   } else if (n->kind == CKPT_NODE_SLINK) {

@@ -314,6 +314,9 @@ uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf);
  * CKPT_XATTR_META sets several at once, all or none (staging.c's
  * split_meta says how); it is never stored or listed itself. */
 #define CKPT_XATTR_META "user.ckpt.meta"
+/* Set on a staged directory: many files' CKPT_XATTR_META at once
+ * (records PATH NUL META NUL; fs/ops/xattr.c). Never stored or listed. */
+#define CKPT_XATTR_METAS "user.ckpt.metas"
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags);
 /* Copy the value into buf (size 0: only the length). -ENODATA if unset. */

@@ -150,7 +150,7 @@ def save(state_dict, mount, name, rank=0, mode="sync", objects="pickle",
         rank = 0   # the rank of its world of one
     try:
         manifest = {}
-        with StagingDirs(ckdir) as dirs:
+        with StagingDirs(ckdir, batch=True) as dirs:
             try:
                 stage_leaves(leaves, dirs, name, objects, manifest, stager)
             except BaseException:

@@ -13,6 +13,14 @@ from .blocks import IO_STEP
 from .errors import CkptfsIOError
 
 META_XATTR = "user.ckpt.meta"  # several user.ckpt.* xattrs in one setxattr
+METAS_XATTR = "user.ckpt.metas"  # several files' user.ckpt.meta in one setxattr
+
+
+def meta_value(xattrs):
+    """xattrs [(user.ckpt.KEY, bytes)] as one user.ckpt.meta value:
+    b"KEY=VALUE;...", fqn last (its value runs to the end)."""
+    fields = sorted(xattrs, key=lambda kv: kv[0] == "user.ckpt.fqn")
+    return b";".join(k[len("user.ckpt."):].encode() + b"=" + bytes(v) for k, v in fields)
 
 
 def dims_csv(xs):
@@ -42,13 +50,24 @@ class StagingDirs:
     of a GPT save). A directory is made once: a thread that needs one
     another thread is making waits for it. At most HELD directories stay
     open (the least recently used ones that no thread is using are
-    closed: a model has thousands). close() at the end."""
+    closed: a model has thousands). close() at the end.
+
+    batch=True: the files' user.ckpt.* xattrs are kept until the end and
+    set together, in as few setxattrs of user.ckpt.metas on the checkpoint
+    directory as 64 KiB values allow, instead of one SETXATTR per file (a
+    round trip of ~80 us on a 2-CPU VM, 400 in a GPT save). Leaving a
+    `with` block without an exception sends them (flush_meta()); files
+    staged since are described when their batch is sent, before any
+    commit."""
 
     _FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
     HELD = 64
 
-    def __init__(self, ckdir):
+    BATCH_BYTES = 60000  # a user.ckpt.metas value: under the kernel's 64 KiB
+
+    def __init__(self, ckdir, batch=False):
         self.ckdir = ckdir
+        self.pending = [] if batch else None  # [(rel, user.ckpt.meta value)]
         self.lock = threading.Lock()
         self.fds = {"": os.open(ckdir, self._FLAGS)}  # least recently used first
         self.holds = {}   # rel_dir: threads using its descriptor now
@@ -125,7 +144,13 @@ class StagingDirs:
         finally:
             self._release(d)
         try:
-            self._set_xattrs(fd, xattrs)
+            if self.pending is not None and self.meta:
+                if xattrs:
+                    value = meta_value(xattrs)
+                    with self.lock:
+                        self.pending.append((rel, value))
+            else:
+                self._set_xattrs(fd, xattrs)
             mv = memoryview(buf)
             if mv.format != "B" or mv.ndim != 1:
                 mv = mv.cast("B")
@@ -139,11 +164,8 @@ class StagingDirs:
         ("KEY=VALUE;...", fqn last: its value runs to the end), else (a
         mount older than it) one by one."""
         if len(xattrs) > 1 and self.meta:
-            fields = sorted(xattrs, key=lambda kv: kv[0] == "user.ckpt.fqn")
-            value = b";".join(k[len("user.ckpt."):].encode() + b"=" + bytes(v)
-                              for k, v in fields)
             try:
-                os.setxattr(fd, META_XATTR, value)
+                os.setxattr(fd, META_XATTR, meta_value(xattrs))
                 return
             except OSError as e:
                 if e.errno != errno.ENOTSUP:
@@ -151,6 +173,39 @@ class StagingDirs:
                 self.meta = False
         for k, v in xattrs:
             os.setxattr(fd, k, v)
+
+    def flush_meta(self):
+        """Set the xattrs of the files written so far (batch=True), in
+        user.ckpt.metas values of records PATH NUL META NUL; where the
+        mount refuses one, each of its files by its own setxattr, which
+        names the file at fault."""
+        if self.pending is None:
+            return
+        with self.lock:
+            pending, self.pending = self.pending, []
+        i = 0
+        while i < len(pending):
+            value, j = b"", i
+            while j < len(pending):
+                rec = os.fsencode(pending[j][0]) + b"\0" + pending[j][1] + b"\0"
+                if value and len(value) + len(rec) > self.BATCH_BYTES:
+                    break
+                value += rec
+                j += 1
+            try:
+                os.setxattr(self.ckdir, METAS_XATTR, value)
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.E2BIG, errno.ERANGE):
+                    raise CkptfsIOError(e.errno, f"describing the files of {self.ckdir}: "
+                                                 f"{e.strerror}") from e
+                for rel, meta in pending[i:j]:
+                    path = os.path.join(self.ckdir, rel)
+                    try:
+                        os.setxattr(path, META_XATTR, meta, follow_symlinks=False)
+                    except OSError as e:
+                        raise CkptfsIOError(e.errno, f"setting {META_XATTR} of {path} to "
+                                                     f"{meta!r}: {e.strerror}") from e
+            i = j
 
     def close(self):
         with self.lock:
@@ -162,8 +217,12 @@ class StagingDirs:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        try:
+            if exc_type is None:
+                self.flush_meta()
+        finally:
+            self.close()
 
 
 def local_ranks():

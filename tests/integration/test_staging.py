@@ -5,14 +5,16 @@ spilling beyond staging_mem) and that the committed content is what was staged."
 
 import errno
 import os
+import re
 import shutil
 import subprocess
+import struct
 import sys
 import threading
 import time
 
 from ckpttest.pyenv import PACKAGE
-from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, rss_kib,
+from ckpttest.util import (CkptfsTestCase, commit, main, pread, read_all, read_log, rss_kib,
                            set_tensor_xattrs, state, tensor_bytes, write_file, write_tensor)
 
 MiB = 1 << 20
@@ -492,6 +494,110 @@ class StagingMemory(CkptfsTestCase):
         write_file(self.ck("b", "x"), b"\2" * (2 * MiB))
         commit(self.ck("b"))
         self.assertEqual(read_all(self.ck("b", "x")), b"\2" * (2 * MiB))
+
+
+def setxattr_requests(metrics_file):
+    with open(metrics_file) as f:
+        m = re.search(r'^ckptfs_fuse_requests_total{[^}]*op="setxattr"} (\d+)$', f.read(), re.M)
+    return int(m.group(1))
+
+
+class BatchedDescriptions(CkptfsTestCase):
+    """user.ckpt.metas on a staged directory: many files' user.ckpt.meta
+    in one setxattr (StagingDirs(batch=True), the DCP Writer's and
+    ckptfs.save's), applied in order, the first bad record ending it with
+    its error."""
+
+    def setUp(self):
+        super().setUp()
+        sys.path.insert(0, PACKAGE)
+        from ckptfs import staging
+        self.staging = staging
+
+    def test_batches_describe_every_file_as_one_setxattr_each_would(self):
+        mfile = os.path.join(self.dir, "metrics.prom")
+        m = self.mount("metrics=" + mfile)
+        os.mkdir(self.ck("b"))
+        files = {}
+        for i in range(300):  # long FQNs: more than one 60000-byte value
+            fqn = f"layer{i}." + "x" * 300
+            xattrs = [("user.ckpt.dtype", b"int32"), ("user.ckpt.shape", b"%d" % (i + 1)),
+                      ("user.ckpt.fqn", fqn.encode())]
+            files[f"d{i % 7}/e{i % 3}/f{i}"] = (struct.pack(f"<{i + 1}i", *range(i + 1)),
+                                                xattrs)
+        stager = self.staging.Stager(4)
+        with self.staging.StagingDirs(self.ck("b"), batch=True) as dirs:
+            for rel, (data, xattrs) in files.items():
+                stager.submit(dirs.write_file, rel, data, xattrs, os.O_EXCL)
+            stager.done()
+            self.assertEqual(len(dirs.pending), 300)
+            staged = self.ck("b", "d0", "e0", "f0")
+            self.assertNotIn("user.ckpt.dtype", os.listxattr(staged))  # not yet
+        self.assertEqual(os.getxattr(staged, "user.ckpt.shape"), b"1")
+        commit(self.ck("b"))
+        for rel, (data, xattrs) in files.items():
+            p = self.ck("b", *rel.split("/"))
+            self.assertEqual(read_all(p), data)
+            for k, v in xattrs:
+                self.assertEqual(os.getxattr(p, k), v, (rel, k))
+        self.assertEqual(m.stop(), 0)
+        # 300 files of ~330 bytes of description each: 2 batches, not 300
+        self.assertLessEqual(setxattr_requests(mfile), 3)
+
+    def test_bad_records(self):
+        self.mount()
+        os.mkdir(self.ck("c"))
+        os.mkdir(self.ck("c", "sub"))
+        for n in ("a", "b"):
+            write_file(self.ck("c", "sub", n), b"\0" * 8)
+        good = b"sub/a\0dtype=int32;shape=2\0"
+
+        def refused(value, err, flags=0):
+            with self.assertRaises(OSError, msg=value) as cm:
+                os.setxattr(self.ck("c"), "user.ckpt.metas", value, flags)
+            self.assertEqual(cm.exception.errno, err, value)
+
+        refused(b"sub/a\0dtype=int32;shape=2", errno.EINVAL)  # no last NUL
+        refused(b"sub/a\0", errno.EINVAL)                     # a path, no meta
+        refused(b"", errno.EINVAL)
+        for path in (b"../c/sub/a", b"/sub/a", b"sub//a", b"./sub/a", b"sub/./a"):
+            refused(path + b"\0dtype=int32;shape=2\0", errno.EINVAL)
+        refused(b"sub/none\0dtype=int32;shape=2\0", errno.ENOENT)
+        refused(b"sub\0dtype=int32;shape=2\0", errno.EISDIR)
+        refused(b"sub/a/x\0dtype=int32;shape=2\0", errno.ENOTDIR)
+        refused(good, errno.EINVAL, os.XATTR_CREATE)
+        for n in ("a", "b"):
+            self.assertNotIn("user.ckpt.dtype", os.listxattr(self.ck("c", "sub", n)))
+        # in order: a is described, the bad value for b ends the batch
+        refused(good + b"sub/b\0dtype=bogus;shape=2\0", errno.EINVAL)
+        self.assertEqual(os.getxattr(self.ck("c", "sub", "a"), "user.ckpt.dtype"), b"int32")
+        self.assertNotIn("user.ckpt.dtype", os.listxattr(self.ck("c", "sub", "b")))
+        self.assertIn('user.ckpt.metas: "sub/none": No such file', read_log(self.log))
+        # from a staged subdirectory too; never stored or listed itself
+        os.setxattr(self.ck("c", "sub"), "user.ckpt.metas", b"b\0dtype=int32;shape=2\0")
+        self.assertEqual(os.getxattr(self.ck("c", "sub", "b"), "user.ckpt.shape"), b"2")
+        for d in (self.ck("c"), self.ck("c", "sub")):
+            self.assertNotIn("user.ckpt.metas", os.listxattr(d))
+            with self.assertRaises(OSError) as cm:
+                os.getxattr(d, "user.ckpt.metas")
+            self.assertEqual(cm.exception.errno, errno.ENODATA)
+        commit(self.ck("c"))
+        refused(good, errno.EROFS)
+
+    def test_a_refused_batch_names_the_file(self):
+        """The package falls back to one setxattr per file of a refused
+        batch, so that the error names the file at fault."""
+        self.mount()
+        os.mkdir(self.ck("d"))
+        with self.assertRaises(OSError) as cm:
+            with self.staging.StagingDirs(self.ck("d"), batch=True) as dirs:
+                dirs.write_file("ok", b"\0" * 4, [("user.ckpt.dtype", b"int32"),
+                                                  ("user.ckpt.shape", b"1")])
+                dirs.write_file("bad", b"\0" * 4, [("user.ckpt.dtype", b"int32"),
+                                                   ("user.ckpt.shape", b"1,x")])
+        self.assertEqual(cm.exception.errno, errno.EINVAL)
+        self.assertIn(self.ck("d", "bad"), str(cm.exception))
+        self.assertEqual(os.getxattr(self.ck("d", "ok"), "user.ckpt.shape"), b"1")
 
 
 class StagingDirsThreads(CkptfsTestCase):

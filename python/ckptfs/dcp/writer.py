@@ -251,7 +251,7 @@ class Writer(StorageWriter):
 
     def _stage(self, ckdir, items, paths, planner):
         stager = Stager(self.threads)
-        with StagingDirs(ckdir) as dirs:
+        with StagingDirs(ckdir, batch=True) as dirs:
             try:
                 sizes = self._stage_items(dirs, items, paths, planner, stager)
             except BaseException:
