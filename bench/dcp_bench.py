@@ -36,7 +36,7 @@ REPO = os.path.dirname(HERE)
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
 JOB = r"""
-import json, os, sys, time
+import gc, json, os, sys, time
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -104,6 +104,11 @@ def check(tgt, sd):
 
 
 def timed(fn):
+    # Python's garbage of the steps before (the other side's too: stock's
+    # async stager leaves 631 MiB of copies) collected first, on both
+    # sides alike: a full collection falls into the step that happens to
+    # cross its threshold, the same rounds in every run, ~0.1-0.3 s each
+    gc.collect()
     dist.barrier(); t = time.monotonic()
     fn()
     dist.barrier()
@@ -300,8 +305,11 @@ def main(argv=None):
                   f"{' '.join(f'{x:.3f}' for x in c)}", file=sys.stderr)
             lines.append(f"| {step} (saved at {n_}) | {sm:.3f} ({sl:.3f}-{sh:.3f}) | "
                          f"{cm:.3f} ({cl:.3f}-{ch:.3f}) | **{cm / sm:.2f}x** "
-                         f"(rounds {rr[0]:.2f}-{rr[-1]:.2f}x) |")
+                         f"(rounds {rr[0]:.2f}-{rr[-1]:.2f}x, their median "
+                         f"{rr[len(rr) // 2]:.2f}x) |")
         shutil.rmtree(base, ignore_errors=True)
+    # ckptfs/stock: the ratio of the medians; each round's own ratio (the
+    # two ran back to back) shows less of the machine's drift over a run
     print("| step | stock DCP s, median (range) | ckptfs s | ckptfs/stock |")
     print("|---|--:|--:|--:|")
     for ln in lines:

@@ -231,6 +231,71 @@ void ckpt__op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
     fuse_reply_entry(req, &e);
 }
 
+/* user.ckpt.mkdirs on staged directory dir: mkdir -p of many directories
+ * in one request (a new directory costs a LOOKUP, a MKDIR and a LOOKUP
+ * each otherwise). The value is MODE NUL, then records PATH NUL, PATH
+ * relative to dir; MODE (octal, at most 07777) is every new directory's,
+ * owned by the caller as a MKDIR's. Directories already there are kept;
+ * made in order, the first that fails ends it with its error (logged),
+ * those made before it stay. */
+int ckpt__op_mkdirs(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
+                    size_t size, const struct fuse_ctx *ctx) {
+  if (size == 0 || value[size - 1] != '\0')
+    return -EINVAL;
+  char *endp;
+  unsigned long mode = strtoul(value, &endp, 8);
+  if (value[0] < '0' || value[0] > '7' || *endp != '\0' || endp - value > 5 ||
+      mode > 07777)
+    return -EINVAL;
+  int rc = ckpt__op_staged_change_begin(fs, dir->ck);
+  if (rc)
+    return rc;
+  const char *end = value + size;
+  for (const char *p = endp + 1; rc == 0 && p < end; p += strlen(p) + 1) {
+    pthread_mutex_lock(&fs->lock);
+    ckpt_node_t *n = dir;
+    for (const char *c = p; rc == 0 && *c;) {
+      const char *slash = strchr(c, '/');
+      size_t len = slash ? (size_t)(slash - c) : strlen(c);
+      char name[NAME_MAX + 1];
+      if (len == 0 || len > NAME_MAX || (len == 1 && c[0] == '.') ||
+          (len == 2 && c[0] == '.' && c[1] == '.')) {
+        rc = -EINVAL;
+        break;
+      }
+      memcpy(name, c, len);
+      name[len] = '\0';
+      ckpt_node_t *child = ckpt__node_child(fs, n, name);
+      if (child && child->kind != CKPT_NODE_SDIR) {
+        rc = slash && slash[1] ? -ENOTDIR : -EEXIST; /* as mkdir -p */
+      } else if (!child && (rc = can_add(fs, n, name)) == 0) {
+        child = ckpt__node_new(fs, n, name, CKPT_NODE_SDIR,
+                               S_IFDIR | (mode_t)mode, n->ck);
+        if (child) {
+          child->uid = ctx->uid;
+          child->gid = ctx->gid;
+        } else {
+          rc = -ENOMEM;
+        }
+      }
+      if (rc == 0)
+        n = child;
+      c = slash ? slash + 1 : c + len;
+    }
+    pthread_mutex_unlock(&fs->lock);
+    if (rc == 0 && *p == '\0')
+      rc = -EINVAL; /* an empty path */
+    if (rc) {
+      char shown[300];
+      ckpt__op_log_text(shown, sizeof(shown), p, strlen(p));
+      ckpt__log("%s: user.ckpt.mkdirs: \"%s\": %s", dir->ck->name, shown,
+                strerror(-rc));
+    }
+  }
+  ckpt__op_staged_change_end(dir->ck);
+  return rc;
+}
+
 /* A new empty staged file name in staged directory p, owned by the caller
  * (create, mknod). fs->lock held. */
 static int new_staged_file(ckpt_fs_t *fs, ckpt_node_t *p, const char *name,

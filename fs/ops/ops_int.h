@@ -108,6 +108,9 @@ bool ckpt__op_still_stored(ckpt_fs_t *fs, ckpt_node_t *dir,
 /* entries.c */
 bool ckpt__op_being_replaced(ckpt_fs_t *fs, const char *name);
 int ckpt__op_check_name(const ckpt_node_t *p, const char *name);
+/* user.ckpt.mkdirs on staged directory dir (entries.c). 0 or -errno. */
+int ckpt__op_mkdirs(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
+                    size_t size, const struct fuse_ctx *ctx);
 void ckpt__op_create(fuse_req_t req, fuse_ino_t parent, const char *name,
                       mode_t mode, struct fuse_file_info *fi);
 void ckpt__op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode,

@@ -331,6 +331,8 @@ void ckpt__op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     rc = -EROFS;
   } else if (staged_dir(fs, n) && strcmp(name, CKPT_XATTR_METAS) == 0) {
     rc = flags ? -EINVAL : set_metas(fs, n, value, size);
+  } else if (staged_dir(fs, n) && strcmp(name, CKPT_XATTR_MKDIRS) == 0) {
+    rc = flags ? -EINVAL : ckpt__op_mkdirs(fs, n, value, size, fuse_req_ctx(req));
   } else if (staged_dir(fs, n)) {
     rc = set_dir_xattr(fs, n, name, value, size, flags);
   } else if (n->kind == CKPT_NODE_SLINK) {

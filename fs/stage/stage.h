@@ -317,6 +317,9 @@ uint64_t ckpt__sfile_size_seen(ckpt_sfile_t *sf);
 /* Set on a staged directory: many files' CKPT_XATTR_META at once
  * (records PATH NUL META NUL; fs/ops/xattr.c). Never stored or listed. */
 #define CKPT_XATTR_METAS "user.ckpt.metas"
+/* Set on a staged directory: mkdir -p of many directories below it
+ * (MODE NUL, then records PATH NUL; fs/ops/entries.c). Never stored. */
+#define CKPT_XATTR_MKDIRS "user.ckpt.mkdirs"
 int ckpt__sfile_setxattr(ckpt_sfile_t *sf, const char *name, const char *val,
                          size_t len, int flags);
 /* Copy the value into buf (size 0: only the length). -ENODATA if unset. */

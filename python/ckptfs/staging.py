@@ -14,6 +14,19 @@ from .errors import CkptfsIOError
 
 META_XATTR = "user.ckpt.meta"  # several user.ckpt.* xattrs in one setxattr
 METAS_XATTR = "user.ckpt.metas"  # several files' user.ckpt.meta in one setxattr
+MKDIRS_XATTR = "user.ckpt.mkdirs"  # mkdir -p of several directories in one setxattr
+
+
+def umask():
+    """This process's umask, read without changing it (Linux >= 4.7)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def meta_value(xattrs):
@@ -68,6 +81,7 @@ class StagingDirs:
     def __init__(self, ckdir, batch=False):
         self.ckdir = ckdir
         self.pending = [] if batch else None  # [(rel, user.ckpt.meta value)]
+        self.made = set()  # rel_dirs make_all made: opened, not made, on first use
         self.lock = threading.Lock()
         self.fds = {"": os.open(ckdir, self._FLAGS)}  # least recently used first
         self.holds = {}   # rel_dir: threads using its descriptor now
@@ -103,10 +117,11 @@ class StagingDirs:
                 raise ValueError(f"{rel_dir!r}: not a relative path of directories")
             pfd = self._acquire(parent)
             try:
-                try:
-                    os.mkdir(base, dir_fd=pfd)
-                except FileExistsError:
-                    pass
+                if rel_dir not in self.made:
+                    try:
+                        os.mkdir(base, dir_fd=pfd)
+                    except FileExistsError:
+                        pass
                 fd = os.open(base, self._FLAGS, dir_fd=pfd)
             finally:
                 self._release(parent)
@@ -173,6 +188,35 @@ class StagingDirs:
                 self.meta = False
         for k, v in xattrs:
             os.setxattr(fd, k, v)
+
+    def make_all(self, rel_dirs):
+        """mkdir -p of every directory in rel_dirs at once, in
+        user.ckpt.mkdirs values on the checkpoint directory: a directory
+        then costs one LOOKUP when a file needs it, not a LOOKUP, a MKDIR
+        and a LOOKUP (~200 us on a 2-CPU VM, 258 in a GPT save). Where the
+        mount refuses a value, its directories are made one by one as
+        their files need them."""
+        want = sorted({d for d in rel_dirs if d})
+        head = b"%o\0" % (0o777 & ~umask())
+        i = 0
+        while i < len(want):
+            value, j = head, i
+            while j < len(want):
+                rec = os.fsencode(want[j]) + b"\0"
+                if j > i and len(value) + len(rec) > self.BATCH_BYTES:
+                    break
+                value += rec
+                j += 1
+            try:
+                os.setxattr(self.ckdir, MKDIRS_XATTR, value)
+            except OSError:
+                return  # made as files need them: the errors show there
+            with self.lock:
+                for d in want[i:j]:
+                    while d and d not in self.made:
+                        self.made.add(d)
+                        d = os.path.dirname(d)
+            i = j
 
     def flush_meta(self):
         """Set the xattrs of the files written so far (batch=True), in

@@ -252,6 +252,7 @@ class Writer(StorageWriter):
     def _stage(self, ckdir, items, paths, planner):
         stager = Stager(self.threads)
         with StagingDirs(ckdir, batch=True) as dirs:
+            dirs.make_all(os.path.dirname(paths[it.index.fqn]) for it in items)
             try:
                 sizes = self._stage_items(dirs, items, paths, planner, stager)
             except BaseException:
