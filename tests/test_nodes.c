@@ -1,4 +1,5 @@
-/* Unit tests of nodes.c: the inode and name tables of a mount. */
+/* Unit tests of nodes.c: the inode and name tables of a mount; and of
+ * ckpt__op_may_write_node (fs/ops/common.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,6 +12,7 @@
 #include <cmocka.h>
 
 #include "daemon.h"
+#include "ops_int.h"
 
 enum { N = 3000 }; /* more nodes than the first 1024 buckets: the tables grow */
 
@@ -78,9 +80,48 @@ static void renamed_nodes_keep_their_inodes(void **state) {
   ckpt__fs_destroy(&fs);
 }
 
+/* The check of the requests that change many entries at once
+ * (user.ckpt.metas, user.ckpt.mkdirs): the kernel checks only the
+ * directory they are set on, so each entry's mode bits are checked here,
+ * by the caller's class. */
+static void may_write_node_by_mode_bits(void **state) {
+  (void)state;
+  ckpt_node_t n;
+  memset(&n, 0, sizeof(n));
+  n.uid = 1000;
+  n.gid = 100;
+  struct fuse_ctx root = {.uid = 0, .gid = 0}, owner = {.uid = 1000, .gid = 5},
+                  group = {.uid = 1001, .gid = 100}, other = {.uid = 1002, .gid = 7};
+  n.mode = S_IFREG | 0444;
+  assert_true(ckpt__op_may_write_node(&root, &n));
+  assert_false(ckpt__op_may_write_node(&owner, &n));
+  n.mode = S_IFREG | 0644;
+  assert_true(ckpt__op_may_write_node(&owner, &n));
+  assert_false(ckpt__op_may_write_node(&group, &n));
+  assert_false(ckpt__op_may_write_node(&other, &n));
+  n.mode = S_IFREG | 0464; /* the class's own bit, not the others' */
+  assert_false(ckpt__op_may_write_node(&owner, &n));
+  assert_true(ckpt__op_may_write_node(&group, &n));
+  n.mode = S_IFREG | 0602;
+  assert_true(ckpt__op_may_write_node(&other, &n));
+  assert_false(ckpt__op_may_write_node(&group, &n));
+  /* a directory: write and search */
+  n.mode = S_IFDIR | 0755;
+  assert_true(ckpt__op_may_write_node(&owner, &n));
+  assert_false(ckpt__op_may_write_node(&group, &n));
+  n.mode = S_IFDIR | 0675;
+  assert_false(ckpt__op_may_write_node(&owner, &n));
+  assert_true(ckpt__op_may_write_node(&group, &n));
+  n.mode = S_IFDIR | 0303;
+  assert_true(ckpt__op_may_write_node(&owner, &n));
+  assert_true(ckpt__op_may_write_node(&other, &n));
+  assert_false(ckpt__op_may_write_node(&group, &n));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(renamed_nodes_keep_their_inodes),
+      cmocka_unit_test(may_write_node_by_mode_bits),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

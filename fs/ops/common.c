@@ -138,6 +138,21 @@ bool ckpt__op_may_change(fuse_req_t req) {
   return ctx->uid == 0 || ctx->uid == getuid();
 }
 
+/* May the caller of ctx write n (mode W, and X as well for a directory,
+ * whose entries it would change), by n's mode bits as the kernel's
+ * default_permissions would check them (root always; the caller's
+ * supplementary groups are not known here: only its gid counts)? For the
+ * requests that change many entries at once (user.ckpt.metas,
+ * user.ckpt.mkdirs), which the kernel checks only on the directory they
+ * are set on. fs->lock held. */
+bool ckpt__op_may_write_node(const struct fuse_ctx *ctx, const ckpt_node_t *n) {
+  if (ctx->uid == 0)
+    return true;
+  mode_t w = ctx->uid == n->uid ? S_IWUSR : ctx->gid == n->gid ? S_IWGRP : S_IWOTH;
+  mode_t x = w >> 1; /* the same class's execute bit */
+  return (n->mode & w) && (!S_ISDIR(n->mode) || (n->mode & x));
+}
+
 /* Set-user-ID and set-group-ID are the filesystem's to clear (init
  * takes FUSE_CAP_HANDLE_KILLPRIV_V2 with passthrough: the kernel then
  * asks no GETXATTR of security.capability before each passed-through

@@ -268,6 +268,8 @@ int ckpt__op_mkdirs(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
       ckpt_node_t *child = ckpt__node_child(fs, n, name);
       if (child && child->kind != CKPT_NODE_SDIR) {
         rc = slash && slash[1] ? -ENOTDIR : -EEXIST; /* as mkdir -p */
+      } else if (!child && !ckpt__op_may_write_node(ctx, n)) {
+        rc = -EACCES; /* as a mkdir in n would be */
       } else if (!child && (rc = can_add(fs, n, name)) == 0) {
         child = ckpt__node_new(fs, n, name, CKPT_NODE_SDIR,
                                S_IFDIR | (mode_t)mode, n->ck);

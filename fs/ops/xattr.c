@@ -96,7 +96,8 @@ static int set_dir_xattr(ckpt_fs_t *fs, ckpt_node_t *n, const char *name,
  * below staged directory dir, referenced, or NULL with *rc. fs->lock
  * held. */
 static ckpt_node_t *staged_file_at(ckpt_fs_t *fs, ckpt_node_t *dir,
-                                   const char *rel, int *rc) {
+                                   const char *rel, const struct fuse_ctx *ctx,
+                                   int *rc) {
   CKPT_HELD(&fs->lock);
   char name[NAME_MAX + 1];
   ckpt_node_t *n = dir;
@@ -126,6 +127,10 @@ static ckpt_node_t *staged_file_at(ckpt_fs_t *fs, ckpt_node_t *dir,
     *rc = n->kind == CKPT_NODE_SDIR ? -EISDIR : -EINVAL;
     return NULL;
   }
+  if (!ckpt__op_may_write_node(ctx, n)) {
+    *rc = -EACCES; /* as a setxattr on the file itself would be */
+    return NULL;
+  }
   ckpt__node_ref(n);
   return n;
 }
@@ -138,7 +143,7 @@ static ckpt_node_t *staged_file_at(ckpt_fs_t *fs, ckpt_node_t *dir,
  * fails ends the batch with its error (logged, with its path), the ones
  * before it stay set. */
 static int set_metas(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
-                     size_t size) {
+                     size_t size, const struct fuse_ctx *ctx) {
   if (size == 0 || value[size - 1] != '\0')
     return -EINVAL; /* (the last record ends with its NUL) */
   int rc = ckpt__op_staged_change_begin(fs, dir->ck);
@@ -155,7 +160,7 @@ static int set_metas(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
       break;
     }
     pthread_mutex_lock(&fs->lock);
-    ckpt_node_t *n = staged_file_at(fs, dir, p, &rc);
+    ckpt_node_t *n = staged_file_at(fs, dir, p, ctx, &rc);
     pthread_mutex_unlock(&fs->lock);
     if (n) {
       size_t len = (size_t)(next - meta);
@@ -330,7 +335,7 @@ void ckpt__op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
   } else if (committed_ckpt(fs, n)) {
     rc = -EROFS;
   } else if (staged_dir(fs, n) && strcmp(name, CKPT_XATTR_METAS) == 0) {
-    rc = flags ? -EINVAL : set_metas(fs, n, value, size);
+    rc = flags ? -EINVAL : set_metas(fs, n, value, size, fuse_req_ctx(req));
   } else if (staged_dir(fs, n) && strcmp(name, CKPT_XATTR_MKDIRS) == 0) {
     rc = flags ? -EINVAL : ckpt__op_mkdirs(fs, n, value, size, fuse_req_ctx(req));
   } else if (staged_dir(fs, n)) {

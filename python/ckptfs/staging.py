@@ -239,7 +239,8 @@ class StagingDirs:
             try:
                 os.setxattr(self.ckdir, METAS_XATTR, value)
             except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.E2BIG, errno.ERANGE):
+                if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.E2BIG, errno.ERANGE,
+                                   errno.EACCES, errno.EPERM):
                     raise CkptfsIOError(e.errno, f"describing the files of {self.ckdir}: "
                                                  f"{e.strerror}") from e
                 for rel, meta in pending[i:j]:

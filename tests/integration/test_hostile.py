@@ -830,10 +830,13 @@ class Access(HostileCase):
                    ["rename", self.ck("staged", "mine"), self.ck("staged", "moved")],
                    ["write", self.ck("staged", ".commit"), "sync"],
                    ["unlink", self.ck("staged", "mine")], ["unlink", self.ck("good", "w")],
-                   ["rmdir", self.ck("good", "cfg")], ["rmdir", staged]]
+                   ["rmdir", self.ck("good", "cfg")], ["rmdir", staged],
+                   # many entries at once: refused like each one
+                   ["setxattr", staged, "user.ckpt.metas", "mine\0dtype=uint8;shape=4\0"],
+                   ["setxattr", staged, "user.ckpt.mkdirs", "755\0d2\0"]]
         got = self.as_other(changes)
-        self.assertEqual(dict(zip([c[0] + " " + c[1] for c in changes], got)),
-                         {c[0] + " " + c[1]: "EACCES" for c in changes})
+        keys = [" ".join(c[:3] if c[0] == "setxattr" else c[:2]) for c in changes]
+        self.assertEqual(dict(zip(keys, got)), {k: "EACCES" for k in keys})
         self.assertEqual(sorted(os.listdir(self.mnt)), ["good", "staged"])
         self.assertEqual(os.listdir(staged), ["mine"])
         self.assertEqual(read_all(self.ck("staged", "mine")), b"mine")
