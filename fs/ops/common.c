@@ -153,6 +153,15 @@ bool ckpt__op_may_write_node(const struct fuse_ctx *ctx, const ckpt_node_t *n) {
   return (n->mode & w) && (!S_ISDIR(n->mode) || (n->mode & x));
 }
 
+/* May the caller of ctx search directory n (its class's execute bit;
+ * root always)? fs->lock held. */
+bool ckpt__op_may_search_node(const struct fuse_ctx *ctx, const ckpt_node_t *n) {
+  if (ctx->uid == 0)
+    return true;
+  mode_t x = ctx->uid == n->uid ? S_IXUSR : ctx->gid == n->gid ? S_IXGRP : S_IXOTH;
+  return (n->mode & x) != 0;
+}
+
 /* Set-user-ID and set-group-ID are the filesystem's to clear (init
  * takes FUSE_CAP_HANDLE_KILLPRIV_V2 with passthrough: the kernel then
  * asks no GETXATTR of security.capability before each passed-through

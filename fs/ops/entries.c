@@ -254,6 +254,8 @@ int ckpt__op_mkdirs(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
   for (const char *p = endp + 1; rc == 0 && p < end; p += strlen(p) + 1) {
     pthread_mutex_lock(&fs->lock);
     ckpt_node_t *n = dir;
+    if (!dir->attached) /* removed, still open: nothing may be made in it */
+      rc = -ENOENT;
     for (const char *c = p; rc == 0 && *c;) {
       const char *slash = strchr(c, '/');
       size_t len = slash ? (size_t)(slash - c) : strlen(c);
@@ -265,14 +267,18 @@ int ckpt__op_mkdirs(ckpt_fs_t *fs, ckpt_node_t *dir, const char *value,
       }
       memcpy(name, c, len);
       name[len] = '\0';
-      ckpt_node_t *child = ckpt__node_child(fs, n, name);
-      if (child && child->kind != CKPT_NODE_SDIR) {
+      ckpt_node_t *child = NULL;
+      if (!ckpt__op_may_search_node(ctx, n)) {
+        rc = -EACCES; /* as a path through n would be */
+      } else if ((child = ckpt__node_child(fs, n, name)) &&
+                 child->kind != CKPT_NODE_SDIR) {
         rc = slash && slash[1] ? -ENOTDIR : -EEXIST; /* as mkdir -p */
       } else if (!child && !ckpt__op_may_write_node(ctx, n)) {
         rc = -EACCES; /* as a mkdir in n would be */
       } else if (!child && (rc = can_add(fs, n, name)) == 0) {
+        /* as mkdir(2): no set-ID bits from the mode */
         child = ckpt__node_new(fs, n, name, CKPT_NODE_SDIR,
-                               S_IFDIR | (mode_t)mode, n->ck);
+                               S_IFDIR | ((mode_t)mode & 01777), n->ck);
         if (child) {
           child->uid = ctx->uid;
           child->gid = ctx->gid;

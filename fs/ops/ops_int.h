@@ -69,6 +69,7 @@ bool ckpt__op_lacks_fsetid(fuse_req_t req);
 void ckpt__op_log_text(char *out, size_t cap, const char *p, size_t n);
 bool ckpt__op_may_change(fuse_req_t req);
 bool ckpt__op_may_write_node(const struct fuse_ctx *ctx, const ckpt_node_t *n);
+bool ckpt__op_may_search_node(const struct fuse_ctx *ctx, const ckpt_node_t *n);
 handle_t *ckpt__op_new_handle(ckpt_node_t *n);
 size_t ckpt__op_new_path_len(const ckpt_node_t *p, const char *name);
 ckpt_node_t *ckpt__op_node_of(ckpt_fs_t *fs, fuse_ino_t ino,

@@ -101,6 +101,10 @@ static ckpt_node_t *staged_file_at(ckpt_fs_t *fs, ckpt_node_t *dir,
   CKPT_HELD(&fs->lock);
   char name[NAME_MAX + 1];
   ckpt_node_t *n = dir;
+  if (!dir->attached) { /* removed, still open: nothing below it */
+    *rc = -ENOENT;
+    return NULL;
+  }
   for (const char *p = rel;;) {
     const char *slash = strchr(p, '/');
     size_t len = slash ? (size_t)(slash - p) : strlen(p);
@@ -111,6 +115,10 @@ static ckpt_node_t *staged_file_at(ckpt_fs_t *fs, ckpt_node_t *dir,
     }
     if (n->kind != CKPT_NODE_SDIR && n->kind != CKPT_NODE_CKPT) {
       *rc = -ENOTDIR;
+      return NULL;
+    }
+    if (!ckpt__op_may_search_node(ctx, n)) {
+      *rc = -EACCES; /* as a path through it would be */
       return NULL;
     }
     memcpy(name, p, len);

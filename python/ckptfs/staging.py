@@ -80,7 +80,7 @@ class StagingDirs:
 
     def __init__(self, ckdir, batch=False):
         self.ckdir = ckdir
-        self.pending = [] if batch else None  # [(rel, user.ckpt.meta value)]
+        self.pending = [] if batch else None  # [(rel, [(xattr, value)])]
         self.made = set()  # rel_dirs make_all made: opened, not made, on first use
         self.lock = threading.Lock()
         self.fds = {"": os.open(ckdir, self._FLAGS)}  # least recently used first
@@ -159,11 +159,10 @@ class StagingDirs:
         finally:
             self._release(d)
         try:
-            if self.pending is not None and self.meta:
+            if self.pending is not None:
                 if xattrs:
-                    value = meta_value(xattrs)
                     with self.lock:
-                        self.pending.append((rel, value))
+                        self.pending.append((rel, list(xattrs)))
             else:
                 self._set_xattrs(fd, xattrs)
             mv = memoryview(buf)
@@ -175,9 +174,9 @@ class StagingDirs:
             os.close(fd)
 
     def _set_xattrs(self, fd, xattrs):
-        """xattrs [(user.ckpt.KEY, bytes)] set on fd in one user.ckpt.meta
-        ("KEY=VALUE;...", fqn last: its value runs to the end), else (a
-        mount older than it) one by one."""
+        """xattrs [(user.ckpt.KEY, bytes)] set on fd (or a path) in one
+        user.ckpt.meta ("KEY=VALUE;...", fqn last: its value runs to the
+        end), else (a mount older than it) one by one."""
         if len(xattrs) > 1 and self.meta:
             try:
                 os.setxattr(fd, META_XATTR, meta_value(xattrs))
@@ -231,25 +230,29 @@ class StagingDirs:
         while i < len(pending):
             value, j = b"", i
             while j < len(pending):
-                rec = os.fsencode(pending[j][0]) + b"\0" + pending[j][1] + b"\0"
+                rec = (os.fsencode(pending[j][0]) + b"\0" + meta_value(pending[j][1])
+                       + b"\0")
                 if value and len(value) + len(rec) > self.BATCH_BYTES:
                     break
                 value += rec
                 j += 1
             try:
+                if not self.meta:  # a mount older than user.ckpt.meta
+                    raise OSError(errno.ENOTSUP, "user.ckpt.meta unknown")
                 os.setxattr(self.ckdir, METAS_XATTR, value)
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.E2BIG, errno.ERANGE,
                                    errno.EACCES, errno.EPERM):
                     raise CkptfsIOError(e.errno, f"describing the files of {self.ckdir}: "
                                                  f"{e.strerror}") from e
-                for rel, meta in pending[i:j]:
+                for rel, xattrs in pending[i:j]:
                     path = os.path.join(self.ckdir, rel)
                     try:
-                        os.setxattr(path, META_XATTR, meta, follow_symlinks=False)
+                        self._set_xattrs(path, xattrs)
                     except OSError as e:
-                        raise CkptfsIOError(e.errno, f"setting {META_XATTR} of {path} to "
-                                                     f"{meta!r}: {e.strerror}") from e
+                        raise CkptfsIOError(e.errno, f"setting the xattrs of {path} "
+                                                     f"({meta_value(xattrs)!r}): "
+                                                     f"{e.strerror}") from e
             i = j
 
     def close(self):

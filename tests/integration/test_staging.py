@@ -635,6 +635,32 @@ class BatchedDescriptions(CkptfsTestCase):
         # the test's own two mkdir(2)s; none for the 55 directories made at once
         self.assertEqual(requests_of(mfile, "mkdir"), 2)
 
+    def test_a_removed_directory_takes_nothing(self):
+        """A staged directory removed while open: a batch on its descriptor
+        finds nothing below it and makes nothing in it (a directory made
+        there was left in the tree when the removed one was freed, and the
+        daemon aborted at the close)."""
+        self.mount()
+        os.mkdir(self.ck("r"))
+        os.mkdir(self.ck("r", "d"))
+        write_file(self.ck("r", "d", "f"), b"\0" * 4)
+        fd = os.open(self.ck("r", "d"), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            shutil.rmtree(self.ck("r", "d"))
+            for name, value in (("user.ckpt.mkdirs", b"755\0x\0"),
+                                ("user.ckpt.metas", b"f\0dtype=int32;shape=1\0")):
+                with self.assertRaises(OSError) as cm:
+                    os.setxattr(fd, name, value)
+                self.assertEqual(cm.exception.errno, errno.ENOENT, name)
+        finally:
+            os.close(fd)
+        os.mkdir(self.ck("r", "e"))  # the daemon is alive, the tree whole
+        os.setxattr(self.ck("r"), "user.ckpt.mkdirs", b"6755\0e/s\0")
+        self.assertEqual(os.stat(self.ck("r", "e", "s")).st_mode & 0o7777, 0o755)  # no set-ID
+        self.assertEqual(sorted(os.listdir(self.ck("r"))), ["e"])
+        commit(self.ck("r"))
+        self.assertEqual(state(self.ck("r")), "committed")
+
     def test_a_refused_batch_names_the_file(self):
         """The package falls back to one setxattr per file of a refused
         batch, so that the error names the file at fault."""
