@@ -138,6 +138,15 @@ bool ckpt__op_may_change(fuse_req_t req) {
   return ctx->uid == 0 || ctx->uid == getuid();
 }
 
+/* May the caller of ctx search directory n (its class's execute bit;
+ * root always)? fs->lock held. */
+bool ckpt__op_may_search_node(const struct fuse_ctx *ctx, const ckpt_node_t *n) {
+  if (ctx->uid == 0)
+    return true;
+  mode_t x = ctx->uid == n->uid ? S_IXUSR : ctx->gid == n->gid ? S_IXGRP : S_IXOTH;
+  return (n->mode & x) != 0;
+}
+
 /* May the caller of ctx write n (mode W, and X as well for a directory,
  * whose entries it would change), by n's mode bits as the kernel's
  * default_permissions would check them (root always; the caller's
@@ -149,17 +158,7 @@ bool ckpt__op_may_write_node(const struct fuse_ctx *ctx, const ckpt_node_t *n) {
   if (ctx->uid == 0)
     return true;
   mode_t w = ctx->uid == n->uid ? S_IWUSR : ctx->gid == n->gid ? S_IWGRP : S_IWOTH;
-  mode_t x = w >> 1; /* the same class's execute bit */
-  return (n->mode & w) && (!S_ISDIR(n->mode) || (n->mode & x));
-}
-
-/* May the caller of ctx search directory n (its class's execute bit;
- * root always)? fs->lock held. */
-bool ckpt__op_may_search_node(const struct fuse_ctx *ctx, const ckpt_node_t *n) {
-  if (ctx->uid == 0)
-    return true;
-  mode_t x = ctx->uid == n->uid ? S_IXUSR : ctx->gid == n->gid ? S_IXGRP : S_IXOTH;
-  return (n->mode & x) != 0;
+  return (n->mode & w) && (!S_ISDIR(n->mode) || ckpt__op_may_search_node(ctx, n));
 }
 
 /* Set-user-ID and set-group-ID are the filesystem's to clear (init

@@ -197,15 +197,7 @@ class StagingDirs:
         their files need them."""
         want = sorted({d for d in rel_dirs if d})
         head = b"%o\0" % (0o777 & ~umask())
-        i = 0
-        while i < len(want):
-            value, j = head, i
-            while j < len(want):
-                rec = os.fsencode(want[j]) + b"\0"
-                if j > i and len(value) + len(rec) > self.BATCH_BYTES:
-                    break
-                value += rec
-                j += 1
+        for i, j, value in self._batches([os.fsencode(d) + b"\0" for d in want], head):
             try:
                 os.setxattr(self.ckdir, MKDIRS_XATTR, value)
             except OSError:
@@ -215,6 +207,18 @@ class StagingDirs:
                     while d and d not in self.made:
                         self.made.add(d)
                         d = os.path.dirname(d)
+
+    def _batches(self, records, head=b""):
+        """(i, j, head + records[i:j]) for runs of records whose values
+        stay within BATCH_BYTES (one record at least)."""
+        i = 0
+        while i < len(records):
+            value, j = head, i
+            while j < len(records) and (j == i or len(value) + len(records[j])
+                                        <= self.BATCH_BYTES):
+                value += records[j]
+                j += 1
+            yield i, j, value
             i = j
 
     def flush_meta(self):
@@ -226,16 +230,9 @@ class StagingDirs:
             return
         with self.lock:
             pending, self.pending = self.pending, []
-        i = 0
-        while i < len(pending):
-            value, j = b"", i
-            while j < len(pending):
-                rec = (os.fsencode(pending[j][0]) + b"\0" + meta_value(pending[j][1])
-                       + b"\0")
-                if value and len(value) + len(rec) > self.BATCH_BYTES:
-                    break
-                value += rec
-                j += 1
+        records = [os.fsencode(rel) + b"\0" + meta_value(xattrs) + b"\0"
+                   for rel, xattrs in pending]
+        for i, j, value in self._batches(records):
             try:
                 if not self.meta:  # a mount older than user.ckpt.meta
                     raise OSError(errno.ENOTSUP, "user.ckpt.meta unknown")
@@ -253,7 +250,6 @@ class StagingDirs:
                         raise CkptfsIOError(e.errno, f"setting the xattrs of {path} "
                                                      f"({meta_value(xattrs)!r}): "
                                                      f"{e.strerror}") from e
-            i = j
 
     def close(self):
         with self.lock:
